@@ -1,0 +1,15 @@
+"""curvlib: per-sample gradients and curvature as a pure functional transform.
+
+```python
+from curvlib import curvature
+from curvlib.extensions import BatchGrad, BatchL2Grad
+
+qs = curvature(model, lossfn, [BatchGrad(), BatchL2Grad()])(X, y)
+```
+"""
+
+from ._errors import CurvatureError, CurvatureTypeError
+from ._transform import curvature
+
+__all__ = ["curvature", "CurvatureError", "CurvatureTypeError"]
+__version__ = "0.1.0"

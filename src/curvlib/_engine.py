@@ -1,0 +1,355 @@
+"""Run a traced :class:`~curvlib._program.Program` functionally and differentiate it.
+
+One evaluation is
+
+1. *plan* (once per input signature, cached): run the graph on fake tensors
+   for batch sizes ``N`` and ``N + 1`` to learn every site's output shape and
+   which of its dimensions is the batch, and the model's output shape, so
+   that targets and layers are checked before any real work;
+2. *forward*: run the graph with real tensors under :func:`torch.func.vjp`,
+   adding a zero probe to every site's output;
+3. *backward*: ``g_k = ∂L/∂probe_k`` for all sites in one vector-Jacobian
+   product seeded with ``∂L/∂output``;
+4. *read off*: each site's rule turns ``(saved inputs, g_k)`` into per-sample
+   quantities; a parameter used by several sites sums its individual
+   gradients over the sites before any square or norm is taken.
+
+Everything here is a pure function of ``(params, X, y)``; it composes with
+:func:`torch.func.vmap` because it only uses torch.func transforms.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, fx, nn
+from torch.func import vjp
+
+from ._errors import CurvatureError
+from ._program import Program
+from .rules import check_module
+from .rules._site import Recorder, Site
+
+__all__ = ["Plan", "make_plan", "run_graph", "forward_with_probes", "first_order"]
+
+
+def _lookup(root: nn.Module, target: str):
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def run_graph(
+    program: Program,
+    X: Tensor,
+    params: Mapping[str, Tensor],
+    trainable: frozenset,
+    rec: Recorder,
+    fake_tensor: Optional[Callable[[Tensor], Tensor]] = None,
+) -> Tensor:
+    """Interpret the program's graph on input ``X``.
+
+    Args:
+        program: the traced model.
+        X: input ``[N, *]``.
+        params: canonical name -> tensor for *every* parameter of the model.
+        trainable: names whose quantities are wanted (their sites get probes).
+        rec: collects the sites.
+        fake_tensor: during planning, turns a real buffer read by ``get_attr``
+            into a fake one (``None`` otherwise).
+
+    Returns:
+        The model output.
+    """
+    env: Dict[fx.Node, object] = {}
+    placeholders_seen = 0
+    result = None
+    for node in program.graph.nodes:
+        load = lambda a: fx.node.map_arg(a, lambda n: env[n])  # noqa: E731
+        if node.op == "placeholder":
+            if placeholders_seen == 0:
+                env[node] = X
+            elif node.args:
+                env[node] = node.args[0]  # default value of a further argument
+            else:
+                raise CurvatureError(
+                    f"The model's forward takes a second required argument '{node.target}'; "
+                    "curvlib calls model(X) with one input tensor."
+                )
+            placeholders_seen += 1
+        elif node.op == "get_attr":
+            value = _lookup(program.root, node.target)
+            if isinstance(value, nn.Parameter):
+                value = params[program.param_names[id(value)]]
+            elif isinstance(value, Tensor) and fake_tensor is not None:
+                value = fake_tensor(value)
+            env[node] = value
+        elif node.op == "call_module":
+            args, kwargs = load(node.args), load(node.kwargs)
+            layer = program.layers.get(node.target)
+            if layer is None:
+                env[node] = _lookup(program.root, node.target)(*args, **kwargs)
+            else:
+                names = {r: n for r, n in layer.names.items() if n in trainable}
+                tensors = {r: params[n] for r, n in layer.names.items()}
+                env[node] = layer.forward(
+                    layer.module, layer.path, names, tensors, args, kwargs, rec
+                )
+        elif node.op == "call_function":
+            env[node] = node.target(*load(node.args), **load(node.kwargs))
+        elif node.op == "call_method":
+            self_obj, *rest = load(node.args)
+            env[node] = getattr(self_obj, node.target)(*rest, **load(node.kwargs))
+        elif node.op == "output":
+            result = load(node.args[0])
+    if not isinstance(result, Tensor):
+        raise CurvatureError(
+            f"The model returns {type(result).__name__}; curvlib needs a single "
+            "output tensor with the batch in dim 0."
+        )
+    return result
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one input signature looks like (cached).
+
+    Attributes:
+        out_shape: the model output's shape.
+        site_shapes: output shape of every site, in recording order.
+        site_dtypes: their dtypes.
+        batch_dims: the batch dimension of every site's output.
+    """
+
+    out_shape: Tuple[int, ...]
+    out_dtype: torch.dtype
+    site_shapes: Tuple[Tuple[int, ...], ...]
+    site_dtypes: Tuple[torch.dtype, ...]
+    batch_dims: Tuple[int, ...]
+
+
+def check_modules(program: Program) -> None:
+    """Per-call checks of every module the graph calls (e.g. BatchNorm mode)."""
+    seen = set()
+    for node in program.graph.nodes:
+        if node.op == "call_module" and node.target not in seen:
+            seen.add(node.target)
+            module = _lookup(program.root, node.target)
+            path = node.target[len(program.prefix):] if node.target.startswith(program.prefix) else node.target
+            check_module(module, path or type(module).__name__)
+
+
+def _shape_pass(program, X, params, trainable, batch):
+    """Sites and output of a forward on fake tensors with batch size ``batch``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = lambda t: mode.from_tensor(t) if not isinstance(t, torch._subclasses.FakeTensor) else t  # noqa: E731
+
+        def empty_like(t: Tensor, shape=None) -> Tensor:
+            return torch.empty(tuple(t.shape) if shape is None else shape, dtype=t.dtype, device=t.device)
+
+        Xf = empty_like(X, (batch,) + tuple(X.shape[1:]))
+        if not X.is_floating_point():
+            Xf = torch.zeros((batch,) + tuple(X.shape[1:]), dtype=X.dtype, device=X.device)
+        pf = {k: empty_like(v) for k, v in params.items()}
+        rec = Recorder(None)
+        with torch.no_grad():
+            out = run_graph(program, Xf, pf, trainable, rec, fake_tensor=fake)
+        return rec, out
+
+
+def _real_shape_pass(program, X, params, trainable, batch):
+    """Fallback of :func:`_shape_pass` for ops that fake tensors do not support."""
+    Xb = X if batch == X.shape[0] else torch.cat([X, X[:1]])
+    rec = Recorder(None)
+    with torch.no_grad():
+        out = run_graph(program, Xb, params, trainable, rec)
+    return rec, out
+
+
+def _batch_dim(shape_a, shape_b, n_a, n_b, where: str) -> int:
+    """The one dimension whose size is the batch size in both passes."""
+    dims = [d for d, (a, b) in enumerate(zip(shape_a, shape_b)) if a != b]
+    if len(dims) == 1 and shape_a[dims[0]] == n_a and shape_b[dims[0]] == n_b:
+        return dims[0]
+    if not dims:
+        why = "does not change with the batch size"
+    else:
+        why = f"changes with the batch size in dims {dims}, not in exactly one dim of size N"
+    raise CurvatureError(
+        f"Layer '{where}': its output (shape {list(shape_a)} for N={n_a}) {why}. curvlib "
+        "needs every parametrized layer to act on each sample of the batch separately, "
+        "with the batch as one dimension of its output (e.g. do not merge the batch "
+        "with another axis before a layer)."
+    )
+
+
+def make_plan(program: Program, X: Tensor, params, trainable) -> Plan:
+    """Learn shapes and batch dimensions (see the module docstring)."""
+    n = X.shape[0]
+    try:
+        rec_a, out_a = _shape_pass(program, X, params, trainable, n)
+        rec_b, out_b = _shape_pass(program, X, params, trainable, n + 1)
+    except CurvatureError:
+        raise
+    except Exception:  # noqa: BLE001 - an op without a fake-tensor kernel
+        rec_a, out_a = _real_shape_pass(program, X, params, trainable, n)
+        rec_b, out_b = _real_shape_pass(program, X, params, trainable, n + 1)
+    if out_a.dim() == 0 or out_a.shape[0] != n or out_b.shape[0] != n + 1:
+        raise CurvatureError(
+            f"The model output has shape {list(out_a.shape)} for an input batch of "
+            f"N={n}; curvlib needs the batch in dim 0 of the output."
+        )
+    batch_dims = []
+    for site, sa, sb in zip(rec_a.sites, rec_a.out_shapes, rec_b.out_shapes):
+        d = _batch_dim(sa, sb, n, n + 1, site.where)
+        if d != 0 and not site.rule.any_batch_dim:
+            raise CurvatureError(
+                f"Layer '{site.where}' ({site.rule.kind}): the batch is in dim {d} of its "
+                f"output (shape {list(sa)}), but this layer needs it in dim 0."
+            )
+        batch_dims.append(d)
+    return Plan(
+        out_shape=tuple(out_a.shape),
+        out_dtype=out_a.dtype,
+        site_shapes=tuple(rec_a.out_shapes),
+        site_dtypes=tuple(rec_a.out_dtypes),
+        batch_dims=tuple(batch_dims),
+    )
+
+
+def forward_with_probes(program: Program, plan: Plan, X: Tensor, params, trainable):
+    """Run the forward under :func:`torch.func.vjp` with respect to the probes.
+
+    Returns:
+        ``(out, pullback, sites)``: the model output, a function mapping a
+        cotangent of the output ``[N, *out]`` to the list of site output
+        gradients ``g_k``, and the recorded sites (saved tensors filled in).
+    """
+    probes = [
+        torch.zeros(shape, dtype=dtype, device=X.device)
+        for shape, dtype in zip(plan.site_shapes, plan.site_dtypes)
+    ]
+    recorded: List[List[Site]] = []
+
+    def forward(probes_):
+        rec = Recorder(probes_)
+        out = run_graph(program, X, params, trainable, rec)
+        recorded.append(rec.sites)
+        return out, [s.saved for s in rec.sites]
+
+    out, pullback, saved = vjp(forward, probes, has_aux=True)
+    sites = recorded[-1]
+    if len(sites) != len(plan.site_shapes):  # pragma: no cover - internal invariant
+        raise RuntimeError("curvlib internal error: the forward recorded a different set of sites")
+    for site, s in zip(sites, saved):
+        site.saved = s
+        site.meta["batch_dim"] = plan.batch_dims[site.key]
+    return out, (lambda cotangent: pullback(cotangent)[0]), sites
+
+
+FIRST_ORDER = ("grad_batch", "batch_l2", "sum_grad_squared", "variance")
+
+
+def first_order(
+    sites: Sequence[Site],
+    gs: Sequence[Tensor],
+    names: Sequence[str],
+    params: Mapping[str, Tensor],
+    wanted: Sequence[str],
+    batch_size: int,
+) -> Dict[str, Dict[str, Tensor]]:
+    """The gradient and the first-order quantities, per parameter.
+
+    Args:
+        sites: recorded sites.
+        gs: ``gs[k]``: gradient of the loss w.r.t. the output of site ``k``.
+        names: trainable parameter names, in result order.
+        params: name -> tensor.
+        wanted: subset of :data:`FIRST_ORDER`.
+        batch_size: ``N``.
+
+    Returns:
+        ``{"grad": {...}, "grad_batch": {...}, ...}`` for ``"grad"`` and each
+        wanted quantity.
+    """
+    uses: Dict[str, List[Tuple[Site, str]]] = defaultdict(list)
+    for site in sites:
+        for role, name in site.params.items():
+            uses[name].append((site, role))
+
+    need = set(wanted)
+    if "variance" in need:
+        need.add("sum_grad_squared")
+    results: Dict[str, Dict[str, Tensor]] = {"grad": {}}
+    results.update({q: {} for q in need})
+
+    # Single-use parameters: ask each site's rule once for all its roles.
+    single: Dict[int, List[str]] = defaultdict(list)
+    site_of: Dict[int, Site] = {}
+    for name in names:
+        if len(uses.get(name, ())) == 1:
+            site, role = uses[name][0]
+            single[id(site)].append(role)
+            site_of[id(site)] = site
+    for sid, roles in single.items():
+        site = site_of[sid]
+        rule, g = site.rule, gs[site.key]
+        batch = rule.grad_batch(site, g, roles) if "grad_batch" in need else None
+        per_q = {"grad": (rule.grad(site, g, roles) if rule.grad else None)}
+        if "batch_l2" in need:
+            per_q["batch_l2"] = rule.batch_l2(site, g, roles) if rule.batch_l2 else None
+        if "sum_grad_squared" in need:
+            per_q["sum_grad_squared"] = (
+                rule.sum_grad_squared(site, g, roles) if rule.sum_grad_squared else None
+            )
+        if batch is None and any(v is None for v in per_q.values()):
+            batch = rule.grad_batch(site, g, roles)
+        for role in roles:
+            name = site.params[role]
+            b = batch[role] if batch is not None else None
+            _store(results, name, b, {q: (v[role] if v is not None else None) for q, v in per_q.items()})
+
+    # Parameters used by several sites (shared modules, tied weights, RNN
+    # steps handled outside one site): sum individual gradients first.
+    for name in names:
+        u = uses.get(name, ())
+        if len(u) == 1:
+            continue
+        if not u:
+            p = params[name]
+            b = p.new_zeros((batch_size,) + tuple(p.shape))
+        else:
+            b = sum(site.rule.grad_batch(site, gs[site.key], [role])[role] for site, role in u)
+        _store(results, name, b, {q: None for q in ["grad", *need - {"grad_batch", "variance"}]})
+
+    if "variance" in need:
+        for name in names:
+            g_sum, sgs = results["grad"][name], results["sum_grad_squared"][name]
+            results["variance"][name] = sgs / batch_size - (g_sum / batch_size) ** 2
+        if "sum_grad_squared" not in wanted:
+            del results["sum_grad_squared"]
+    # Keep the model's parameter order in every dict.
+    return {q: {n: d[n] for n in names} for q, d in results.items()}
+
+
+def _store(results, name, batch: Optional[Tensor], given: Dict[str, Optional[Tensor]]):
+    """Fill ``results[q][name]`` from a rule's direct answers or from ``batch``."""
+    for q, value in given.items():
+        if q == "variance":
+            continue
+        if value is None:
+            if q == "grad":
+                value = batch.sum(0)
+            elif q == "batch_l2":
+                value = (batch**2).flatten(1).sum(1)
+            elif q == "sum_grad_squared":
+                value = (batch**2).sum(0)
+        results[q][name] = value
+    if "grad_batch" in results:
+        results["grad_batch"][name] = batch

@@ -1,0 +1,15 @@
+"""The one exception family curvlib raises for bad input."""
+
+from __future__ import annotations
+
+
+class CurvatureError(ValueError):
+    """Bad input to :func:`curvlib.curvature` or to a function it returned.
+
+    Every message names the offending module, parameter, tensor or argument,
+    shows the bad value and says what is supported.
+    """
+
+
+class CurvatureTypeError(CurvatureError, TypeError):
+    """A :class:`CurvatureError` about the *type* of an argument."""

@@ -1,0 +1,156 @@
+"""Trace a model once into a :class:`Program`: an fx graph plus a table of layers.
+
+The model is traced with :mod:`torch.fx` symbolically (no data flows). Leaves
+of the trace are
+
+* every module that owns parameters directly (``nn.Linear``, ``nn.Conv2d``,
+  a user module with an ``nn.Parameter``, ...): a *layer*, run by its rule
+  from :mod:`curvlib.rules`, or by the generic torch.func rule if none fits;
+* the built-in parameter-free ``torch.nn`` modules (``ReLU``, ``MaxPool2d``,
+  ...), run as they are.
+
+Everything else (user containers, functional ops, tensor methods, residual
+additions) is inlined into the graph, so any traceable model works,
+Sequential or not. A module instance called twice appears as two nodes that
+name the same layer.
+
+Parameters are renamed to their canonical names (those of
+``model.named_parameters()``), so tied weights (one ``Parameter`` held by two
+modules) are one entry.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import fx, nn
+
+from . import rules
+
+__all__ = ["Program", "Layer", "trace_program"]
+
+
+@dataclass
+class Layer:
+    """A parametrized leaf module of the trace.
+
+    Attributes:
+        path: the module's path in the user's model (``""`` for the model itself).
+        module: the module object (read, never changed).
+        names: role -> canonical parameter name, for every parameter in the
+            module's subtree (role: the name relative to the module).
+        forward: the rule's functional forward ``(module, where, names, tensors,
+            args, kwargs, recorder) -> output``.
+        kind: the rule family (``"linear"``, ``"conv"``, ..., ``"generic"``).
+    """
+
+    path: str
+    module: nn.Module
+    names: Dict[str, str]
+    forward: Callable
+    kind: str
+
+
+@dataclass
+class Program:
+    """A traced model: the graph, its layers, and where parameters live.
+
+    Attributes:
+        root: the module the graph's ``get_attr``/``call_module`` targets refer to.
+        graph: the fx graph, or ``None`` if the model could not be traced.
+        trace_error: why tracing failed (with the model line), if it did.
+        layers: module target (path relative to ``root``) -> :class:`Layer`.
+        param_names: ``id(parameter)`` -> canonical name.
+        prefix: path prefix of the user's model inside ``root`` (``""`` or ``"model."``).
+    """
+
+    root: nn.Module
+    graph: Optional[fx.Graph]
+    trace_error: Optional[str]
+    layers: Dict[str, Layer]
+    param_names: Dict[int, str]
+    prefix: str = ""
+    calls: List[str] = field(default_factory=list)
+
+
+def _owns_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
+
+
+class _Tracer(fx.Tracer):
+    """fx tracer whose leaves are parametrized modules and torch.nn built-ins."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if _owns_parameters(m):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+
+class _Root(nn.Module):
+    """Holds a model that owns parameters itself, so that it becomes a leaf."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):  # pragma: no cover - traced, not run
+        return self.model(x)
+
+
+def _model_line(exc: BaseException) -> str:
+    """The deepest frame of ``exc``'s traceback outside torch, as ``file:line: code``."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [f for f in frames if "/torch/" not in f.filename.replace("\\", "/")]
+    if not user:
+        return ""
+    f = user[-1]
+    return f"{f.filename}:{f.lineno}: {f.line}"
+
+
+def trace_program(model: nn.Module) -> Program:
+    """Trace ``model`` once; never runs it on data and never changes it."""
+    param_names: Dict[int, str] = {}
+    for name, p in model.named_parameters():
+        param_names.setdefault(id(p), name)
+
+    root, prefix = (model, "")
+    if _owns_parameters(model):
+        root, prefix = (_Root(model), "model.")
+
+    graph: Optional[fx.Graph]
+    error: Optional[str] = None
+    try:
+        graph = _Tracer().trace(root)
+    except Exception as exc:  # noqa: BLE001 - any tracing failure means "untraceable"
+        graph = None
+        line = _model_line(exc)
+        error = f"{type(exc).__name__}: {exc}" + (f"\n  at {line}" if line else "")
+
+    layers: Dict[str, Layer] = {}
+    modules = dict(root.named_modules(remove_duplicate=False))
+    targets = (
+        [n.target for n in graph.nodes if n.op == "call_module"]
+        if graph is not None
+        else [path for path, m in modules.items() if _owns_parameters(m) and path]
+        + ([""] if prefix == "" and _owns_parameters(model) else [])
+    )
+    for target in targets:
+        if target in layers:
+            continue
+        module = modules[target]
+        if not any(True for _ in module.parameters()):
+            continue
+        names = {
+            role: param_names[id(p)]
+            for role, p in module.named_parameters(remove_duplicate=False)
+        }
+        path = target[len(prefix):] if target.startswith(prefix) else target
+        forward, kind = rules.forward_for(module)
+        layers[target] = Layer(path=path, module=module, names=names, forward=forward, kind=kind)
+    return Program(
+        root=root, graph=graph, trace_error=error, layers=layers,
+        param_names=param_names, prefix=prefix,
+    )

@@ -1,0 +1,181 @@
+"""``curvature(model, lossfn, extensions)``: the transform.
+
+It checks its arguments, traces the model once, and returns a pure function
+``f(X, y, params=None) -> dict``. Nothing is stored on the model or the loss.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from . import losses
+from ._engine import FIRST_ORDER, Plan, check_modules, first_order, forward_with_probes, make_plan
+from ._errors import CurvatureError, CurvatureTypeError
+from ._program import Program, trace_program
+from .extensions._base import Extension
+
+__all__ = ["curvature"]
+
+
+def _check_extensions(extensions) -> tuple:
+    if isinstance(extensions, Extension):
+        extensions = [extensions]
+    if not isinstance(extensions, (list, tuple)):
+        raise CurvatureTypeError(
+            "extensions must be a list or tuple of curvlib.extensions instances, got "
+            f"{type(extensions).__name__}."
+        )
+    seen: Dict[str, Extension] = {}
+    for ext in extensions:
+        if isinstance(ext, type) and issubclass(ext, Extension):
+            raise CurvatureTypeError(
+                f"extensions holds the class {ext.__name__}, not an instance; pass "
+                f"{ext.__name__}() instead."
+            )
+        if not isinstance(ext, Extension):
+            raise CurvatureTypeError(
+                f"extensions holds {ext!r} of type {type(ext).__name__}, which is not a "
+                "curvlib extension; use instances from curvlib.extensions, e.g. BatchGrad()."
+            )
+        if ext.name in ("loss", "grad"):
+            raise CurvatureError(f"Extension name {ext.name!r} is reserved for curvlib's own results.")
+        if ext.name in seen:
+            raise CurvatureError(
+                f"Two extensions have the same name {ext.name!r} ({seen[ext.name]!r} and "
+                f"{ext!r}); their results would overwrite each other. Pass each once."
+            )
+        seen[ext.name] = ext
+    return tuple(extensions)
+
+
+def _check_params(model: nn.Module, params: object, all_params: Dict[str, Tensor]) -> Dict[str, Tensor]:
+    if not isinstance(params, Mapping):
+        raise CurvatureTypeError(
+            f"params must be a dict mapping parameter names to tensors, got {type(params).__name__}."
+        )
+    for name, value in params.items():
+        if name not in all_params:
+            close = [n for n in all_params if n.split(".")[-1] == str(name).split(".")[-1]][:5]
+            raise CurvatureError(
+                f"params has an entry {name!r} that is not a parameter of the model "
+                f"({type(model).__name__}); valid names are those of model.named_parameters()"
+                + (f", e.g. {close}" if close else f": {list(all_params)[:10]}") + "."
+            )
+        if not isinstance(value, Tensor):
+            raise CurvatureTypeError(
+                f"params[{name!r}] must be a tensor, got {type(value).__name__}."
+            )
+        expected = tuple(all_params[name].shape)
+        if tuple(value.shape) != expected:
+            raise CurvatureError(
+                f"params[{name!r}] has shape {tuple(value.shape)}, but the model's parameter "
+                f"has shape {expected}."
+            )
+    return dict(params)
+
+
+def curvature(
+    model: nn.Module,
+    lossfn: nn.Module,
+    extensions: Sequence[Extension] = (),
+) -> Callable[..., Dict[str, object]]:
+    """Turn a model and a loss into a function returning gradients and curvature.
+
+    !!! Example
+        ```python
+        f = curvature(model, nn.CrossEntropyLoss(), [BatchGrad(), BatchL2Grad()])
+        qs = f(X, y)
+        qs["loss"], qs["grad"]["0.weight"], qs["grad_batch"]["0.weight"]  # [N, *p.shape]
+        ```
+
+    Args:
+        model: any ``nn.Module`` whose forward treats samples independently
+            (the batch in dim 0 of its input and output). It is traced once
+            with torch.fx and never changed.
+        lossfn: ``nn.MSELoss``, ``nn.CrossEntropyLoss`` or ``nn.BCEWithLogitsLoss``
+            with ``reduction="mean"`` or ``"sum"``.
+        extensions: instances from :mod:`curvlib.extensions`.
+
+    Returns:
+        ``f(X, y, params=None)`` returning a plain dict with ``"loss"`` (0-dim),
+        ``"grad"`` (name -> gradient) and, per extension, ``ext.name`` (name ->
+        quantity). ``params`` (name -> tensor) replaces the model's parameters;
+        quantities are then returned for exactly its entries. ``f`` is a pure
+        function of ``(X, y, params)`` and composes with ``torch.func.vmap``.
+
+    Raises:
+        CurvatureTypeError: an argument has the wrong type.
+        CurvatureError: anything else curvlib cannot handle, named in the message.
+    """
+    if not isinstance(model, nn.Module):
+        raise CurvatureTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    spec = losses.loss_spec(lossfn)
+    exts = _check_extensions(extensions)
+    unsupported = [e for e in exts if e.name not in FIRST_ORDER]
+    if unsupported:
+        raise CurvatureError(
+            f"Extension {unsupported[0]!r} is not available in this version of curvlib; "
+            f"available: {', '.join(FIRST_ORDER)}."
+        )
+    program = trace_program(model)
+    plans: Dict[tuple, Plan] = {}
+
+    def f(X: Tensor, y: Tensor, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, object]:
+        if not isinstance(X, Tensor):
+            raise CurvatureTypeError(f"X must be a torch.Tensor, got {type(X).__name__}.")
+        if X.dim() == 0:
+            raise CurvatureError("X is a scalar; it needs the batch in dim 0.")
+        if not isinstance(y, Tensor):
+            raise CurvatureTypeError(f"y must be a torch.Tensor, got {type(y).__name__}.")
+        if y.dim() == 0 or y.shape[0] != X.shape[0]:
+            raise CurvatureError(
+                f"y has shape {tuple(y.shape)} but X has batch size {X.shape[0]}; y needs "
+                "the same batch size in dim 0."
+            )
+        if program.graph is None:
+            raise CurvatureError(
+                f"Model {type(model).__name__} could not be traced with torch.fx, so "
+                f"curvlib cannot see its computation:\n  {program.trace_error}"
+            )
+        all_params = {name: p for name, p in model.named_parameters()}
+        if params is None:
+            trainable = [n for n, p in all_params.items() if p.requires_grad]
+            values = {n: p.detach() for n, p in all_params.items()}
+        else:
+            given = _check_params(model, params, all_params)
+            trainable = [n for n in all_params if n in given]
+            values = {n: (given[n] if n in given else p.detach()) for n, p in all_params.items()}
+        check_modules(program)
+        key = (
+            tuple(X.shape), X.dtype, X.device.type,
+            tuple((n, tuple(v.shape), v.dtype) for n, v in values.items()),
+            frozenset(trainable),
+        )
+        plan = plans.get(key)
+        if plan is None:
+            plan = plans[key] = make_plan(program, X, values, frozenset(trainable))
+        # Targets are checked against the planned output shape: before any work.
+        losses.check_targets(spec, torch.empty(plan.out_shape, dtype=plan.out_dtype, device="meta"), y)
+
+        out, pullback, sites = forward_with_probes(program, plan, X, values, frozenset(trainable))
+        loss, loss_pullback = torch.func.vjp(lambda o: losses.loss_value(spec, o, y), out)
+        (g_out,) = loss_pullback(torch.ones_like(loss))
+        gs = pullback(g_out)
+        quantities = first_order(
+            sites, gs, trainable, values, [e.name for e in exts], X.shape[0]
+        )
+        result: Dict[str, object] = {"loss": loss.detach() if not _wrapped(loss) else loss}
+        result.update(quantities)
+        return result
+
+    return f
+
+
+def _wrapped(t: Tensor) -> bool:
+    try:
+        return torch._C._functorch.is_functorch_wrapped_tensor(t)
+    except AttributeError:  # pragma: no cover
+        return False

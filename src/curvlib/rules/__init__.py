@@ -1,0 +1,58 @@
+"""Per-layer rules, one module per layer family, and the table that picks them.
+
+Each family module exposes
+
+* ``forward(module, where, names, tensors, args, kwargs, recorder)``: run the
+  layer functionally with the given parameter tensors and record its sites;
+* optionally ``check(module, where)``: refuse unsupported configurations
+  (called before any work, on every call);
+* one or more :class:`~curvlib.rules._site.Rule` tables with the math.
+
+A module whose type is in :data:`FAMILIES` (and whose ``forward`` is the
+family's own, so subclasses that change ``forward`` are not trusted) gets the
+family's rule; any other parametrized module gets :mod:`~curvlib.rules.generic`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Tuple
+
+from torch import nn
+
+from . import generic
+
+# (module types, family module name). Order matters only for subclasses.
+FAMILIES: Tuple[Tuple[Tuple[type, ...], str], ...] = (
+    ((nn.Linear,), "linear"),
+)
+
+# Parameter-free (or parametrized) modules whose configuration must be checked
+# on every call: module type -> family module name providing ``check``.
+CHECKED: Tuple[Tuple[Tuple[type, ...], str], ...] = ()
+
+
+def _family(module: nn.Module, table) -> "str | None":
+    for types, family in table:
+        for t in types:
+            if isinstance(module, t) and type(module).forward is t.forward:
+                return family
+    return None
+
+
+def forward_for(module: nn.Module) -> Tuple[Callable, str]:
+    """The functional forward for a parametrized leaf module, and its family name."""
+    family = _family(module, FAMILIES)
+    if family is None:
+        return generic.forward, "generic"
+    return importlib.import_module(f"{__name__}.{family}").forward, family
+
+
+def check_module(module: nn.Module, where: str) -> None:
+    """Refuse a configuration the module's rule cannot handle (before any work)."""
+    family = _family(module, FAMILIES) or _family(module, CHECKED)
+    if family is None:
+        return
+    check = getattr(importlib.import_module(f"{__name__}.{family}"), "check", None)
+    if check is not None:
+        check(module, where)

@@ -1,0 +1,127 @@
+"""Sites: the parametrized primitives a forward pass is made of.
+
+A *site* is one application of a parametrized primitive (an affine map, a
+convolution, an embedding look-up, ...) inside the forward pass. A module
+used twice gives two sites; an RNN gives two or three sites per layer and
+direction (input-to-hidden, hidden-to-hidden, projection), each shared over
+the time steps.
+
+During the forward pass every site records the tensors its rule needs
+(``saved``) and gets a zero *probe* added to its output. Differentiating the
+loss with respect to the probes yields ``g``, the gradient of the loss with
+respect to the site's output, which holds every sample's own output gradient
+in its batch rows (samples never mix). A :class:`Rule` turns ``(saved, g)``
+into per-sample quantities of the site's parameters.
+
+Index letters used by the rules: ``n`` batch, ``s`` positions sharing the
+weight (sequence, spatial; flattened), ``i`` input features, ``o`` output
+features, ``v`` backpropagated vectors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+# role -> tensor, e.g. {"weight": [N, *w.shape], "bias": [N, *b.shape]}
+RoleTensors = Dict[str, Tensor]
+RuleFn = Callable[["Site", Tensor, Sequence[str]], RoleTensors]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Per-sample math of one primitive kind, as a table of pure functions.
+
+    Every function takes ``(site, g, roles)``: the recorded site, the output
+    gradient ``g`` (same shape as the site's output) and the parameter roles
+    to compute (e.g. ``("weight", "bias")``), and returns a dict role ->
+    tensor.
+
+    Attributes:
+        kind: short name of the primitive (``"linear"``, ``"conv"``, ...).
+        grad_batch: role -> ``[N, *p.shape]``, individual gradients.
+        grad: role -> ``p.shape``, their sum (default: sum of ``grad_batch``).
+        batch_l2: role -> ``[N]``, squared norms (default: from ``grad_batch``).
+        sum_grad_squared: role -> ``p.shape`` (default: from ``grad_batch``).
+        any_batch_dim: the rule reads ``site.meta["batch_dim"]`` and so works
+            wherever the batch sits in its output (the planner fills it in);
+            otherwise the batch must be in dim 0 of the site's output.
+    """
+
+    kind: str
+    grad_batch: RuleFn
+    grad: Optional[RuleFn] = None
+    batch_l2: Optional[RuleFn] = None
+    sum_grad_squared: Optional[RuleFn] = None
+    any_batch_dim: bool = False
+
+
+@dataclass
+class Site:
+    """One recorded application of a primitive.
+
+    Attributes:
+        rule: the primitive's math.
+        params: role -> canonical parameter name (``model.named_parameters()``),
+            only for parameters whose quantities are wanted.
+        where: path of the module in the model, for messages.
+        meta: hyperparameters (no tensors), e.g. stride and groups.
+        saved: tensors the rule needs, e.g. ``{"x": layer input}``.
+        key: index of the site's probe.
+    """
+
+    rule: Rule
+    params: Dict[str, str]
+    where: str
+    meta: Dict[str, Any] = field(default_factory=dict)
+    saved: Dict[str, Tensor] = field(default_factory=dict)
+    key: int = -1
+
+
+class Recorder:
+    """Collects sites during one forward pass and adds their probes.
+
+    With ``probes=None`` (the planning pass) nothing is added and only the
+    output shapes are recorded; otherwise ``probes[k]`` is added to the
+    output of the ``k``-th site.
+    """
+
+    def __init__(self, probes: Optional[Sequence[Tensor]] = None):
+        self.probes = probes
+        self.sites: List[Site] = []
+        self.out_shapes: List[Tuple[int, ...]] = []
+        self.out_dtypes: List[torch.dtype] = []
+
+    def add(self, site: Site, out: Tensor) -> Tensor:
+        """Record ``site`` whose primitive produced ``out``; return ``out`` + probe."""
+        if not site.params:  # nothing wanted from this site: no probe needed
+            return out
+        site.key = len(self.sites)
+        self.sites.append(site)
+        self.out_shapes.append(tuple(out.shape))
+        self.out_dtypes.append(out.dtype)
+        if self.probes is None:
+            return out
+        return out + self.probes[site.key]
+
+    def open(self, site: Site, out_shape: Tuple[int, ...], dtype: torch.dtype) -> Optional[Tensor]:
+        """Record a site whose output is built piecewise (RNN steps).
+
+        Returns the probe (to be added slice by slice), or ``None`` when there
+        is nothing to add (planning pass, or no wanted parameter).
+        """
+        if not site.params:
+            return None
+        site.key = len(self.sites)
+        self.sites.append(site)
+        self.out_shapes.append(tuple(out_shape))
+        self.out_dtypes.append(dtype)
+        return None if self.probes is None else self.probes[site.key]
+
+
+def reduce_over_batch(values: Mapping[str, Tensor]) -> RoleTensors:
+    """Sum per-sample tensors ``[N, *p]`` over the batch."""
+    return {role: v.sum(0) for role, v in values.items()}

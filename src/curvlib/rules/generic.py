@@ -1,0 +1,111 @@
+"""Generic rule: any parametrized module, through torch.func.
+
+For a module ``y = m(θ, x)`` without a hand-written rule, the individual
+gradient of sample ``n`` is the vector-Jacobian product
+
+    ∂ℓ_n/∂θ = (∂m(θ, x_n)/∂θ)ᵀ g_n,
+
+computed with :func:`torch.func.vjp` on the module run on sample ``n`` alone
+(batch of one) and vectorised over ``n`` with :func:`torch.func.vmap`.
+Correct for any module that treats samples independently, slower than a
+hand-written rule. Tensor arguments whose dim 0 has the batch size are taken
+as batched; all others are passed unchanged to every sample.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Sequence
+
+from torch import Tensor, nn
+from torch.func import functional_call, vjp, vmap
+
+from .._errors import CurvatureError
+from ._site import Recorder, RoleTensors, Rule, Site
+
+
+def stateless_call(module: nn.Module, tensors: Dict[str, Tensor], args, kwargs) -> Any:
+    """``functional_call`` that provably leaves ``module`` as it found it.
+
+    ``torch.func.functional_call`` can leave plain tensors in place of the
+    parameters of a submodule that appears twice in the tree; we restore
+    every submodule's parameter and buffer slots afterwards.
+    """
+    slots = [
+        (m, store, dict(getattr(m, store)))
+        for m in module.modules()
+        for store in ("_parameters", "_buffers")
+    ]
+    try:
+        return functional_call(module, tensors, tuple(args), dict(kwargs), tie_weights=False)
+    finally:
+        for m, store, saved in slots:
+            current = getattr(m, store)
+            current.clear()
+            current.update(saved)
+
+
+def _split_args(args, kwargs):
+    """Tensors go to ``saved`` (they must flow through the transforms); the rest to meta."""
+    saved: Dict[str, Tensor] = {}
+    pos_static: list = []
+    for i, a in enumerate(args):
+        if isinstance(a, Tensor):
+            saved[f"arg{i}"] = a
+            pos_static.append(None)
+        else:
+            pos_static.append(a)
+    kw_static = {}
+    for k, a in kwargs.items():
+        if isinstance(a, Tensor):
+            saved[f"kw:{k}"] = a
+        else:
+            kw_static[k] = a
+    return saved, pos_static, kw_static
+
+
+def _join_args(saved: Dict[str, Tensor], pos_static: list, kw_static: dict):
+    args = [saved[f"arg{i}"] if a is None else a for i, a in enumerate(pos_static)]
+    kwargs = dict(kw_static)
+    kwargs.update({k[3:]: v for k, v in saved.items() if k.startswith("kw:")})
+    return args, kwargs
+
+
+def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
+    module = site.meta["module"]
+    n = g.shape[0]
+    params = {k[6:]: v for k, v in site.saved.items() if k.startswith("param:")}
+    inputs = {k: v for k, v in site.saved.items() if not k.startswith("param:")}
+    in_dims = {k: 0 if (v.dim() > 0 and v.shape[0] == n) else None for k, v in inputs.items()}
+    wanted = set(roles)
+
+    def one_sample(inputs_n: Dict[str, Tensor], g_n: Tensor) -> Dict[str, Tensor]:
+        inputs_n = {k: v.unsqueeze(0) if in_dims[k] == 0 else v for k, v in inputs_n.items()}
+        args, kwargs = _join_args(inputs_n, site.meta["pos_static"], site.meta["kw_static"])
+        free = {r: p for r, p in params.items() if r in wanted}
+        fixed = {r: p for r, p in params.items() if r not in wanted}
+
+        def f(free_params):
+            return stateless_call(module, {**fixed, **free_params}, args, kwargs)
+
+        _, pullback = vjp(f, free)
+        return pullback(g_n.unsqueeze(0))[0]
+
+    return vmap(one_sample, in_dims=(in_dims, 0))(inputs, g)
+
+
+GENERIC = Rule(kind="generic", grad_batch=grad_batch)
+
+
+def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
+    """Run ``module`` with substituted parameters and record a generic site."""
+    out = stateless_call(module, tensors, args, kwargs)
+    if not isinstance(out, Tensor):
+        raise CurvatureError(
+            f"Module '{where}' ({type(module).__name__}) has no hand-written curvlib "
+            f"rule and returns {type(out).__name__}, not a tensor; the generic rule "
+            "needs a single output tensor. Wrap it so that forward returns one tensor."
+        )
+    saved, pos_static, kw_static = _split_args(args, kwargs)
+    saved.update({f"param:{r}": t for r, t in tensors.items()})
+    meta = {"module": module, "pos_static": pos_static, "kw_static": kw_static, "batch_dim": 0}
+    return rec.add(Site(GENERIC, names, where, meta=meta, saved=saved), out)

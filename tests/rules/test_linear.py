@@ -1,0 +1,75 @@
+"""Linear rule against the per-sample-copies oracle."""
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+from torch import nn
+
+from helpers import check_first_order
+
+
+def _targets(kind, out, gen):
+    if kind == "ce":
+        return torch.randint(0, out.shape[1], (out.shape[0],) + tuple(out.shape[2:]), generator=gen)
+    if kind == "bce":
+        return torch.rand(out.shape, generator=gen, dtype=out.dtype)
+    return torch.randn(out.shape, generator=gen, dtype=out.dtype)
+
+
+LOSSES = {"mse": nn.MSELoss, "ce": nn.CrossEntropyLoss, "bce": nn.BCEWithLogitsLoss}
+
+
+@given(
+    n=st.integers(1, 4),
+    extra=st.lists(st.integers(1, 3), max_size=2),
+    i=st.integers(1, 5),
+    o=st.integers(1, 4),
+    bias=st.booleans(),
+    loss=st.sampled_from(sorted(LOSSES)),
+    reduction=st.sampled_from(["mean", "sum"]),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_any_leading_dims(n, extra, i, o, bias, loss, reduction, seed):
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(i, 3, bias=bias), nn.Sigmoid(), nn.Linear(3, o, bias=bias)).double()
+    X = torch.randn((n, *extra, i), generator=gen, dtype=torch.float64)
+    if loss == "ce" and extra:
+        # [N, *S, C] -> [N, C, *S] for class-per-position outputs
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.net = model
+
+            def forward(self, x):
+                return self.net(x).movedim(-1, 1)
+
+        model = M()
+    out = model(X)
+    y = _targets(loss, out, gen)
+    check_first_order(model, LOSSES[loss](reduction=reduction), X, y)
+
+
+def test_linear_large_sequence_uses_materialised_path():
+    """s² > O·I switches batch_l2 to the materialised path; both must agree with the oracle."""
+    torch.manual_seed(0)
+    model = nn.Linear(2, 2).double()
+    X = torch.randn(3, 7, 2, dtype=torch.float64)
+    check_first_order(model, nn.MSELoss(), X, torch.randn(3, 7, 2, dtype=torch.float64))
+
+
+def test_linear_batch_not_in_dim0():
+    """A Linear applied to [T, N, I] (batch in dim 1) is handled exactly."""
+
+    class TimeMajor(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, x):  # x [N, T, I]
+            return self.fc(x.transpose(0, 1)).transpose(0, 1).sum(1)
+
+    torch.manual_seed(0)
+    model = TimeMajor().double()
+    X = torch.randn(4, 5, 3, dtype=torch.float64)
+    check_first_order(model, nn.CrossEntropyLoss(), X, torch.randint(0, 2, (4,)))
