@@ -17,7 +17,19 @@ from typing import Dict
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
+from torch.func import functional_call as _functional_call
+
+
+def functional_call(module, tensors, args):
+    """torch.func.functional_call, restoring every parameter slot afterwards
+    (torch 2.13 leaves plain tensors in a submodule that appears twice)."""
+    slots = [(m, dict(m._parameters)) for m in module.modules()]
+    try:
+        return _functional_call(module, tensors, args)
+    finally:
+        for m, saved in slots:
+            m._parameters.clear()
+            m._parameters.update(saved)
 
 
 def individual_gradients(model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor, names=None) -> Dict[str, Tensor]:

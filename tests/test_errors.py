@@ -1,0 +1,143 @@
+"""Bad input is refused with a clear ValueError/TypeError naming the culprit."""
+
+import pytest
+import torch
+from torch import nn
+
+import curvlib
+from curvlib import CurvatureError, curvature
+from curvlib.extensions import BatchGrad, BatchL2Grad, Variance
+
+DT = torch.float64
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)).to(DT)
+
+
+X = torch.randn(5, 4, dtype=DT)
+Y = torch.randint(0, 3, (5,))
+
+
+def test_error_type_is_exported_and_a_value_error():
+    assert issubclass(curvlib.CurvatureError, ValueError)
+    assert issubclass(curvlib.CurvatureTypeError, TypeError)
+
+
+@pytest.mark.parametrize(
+    "y, match",
+    [
+        (torch.randint(0, 3, (5, 2)), r"y has shape \(5, 2\).*must have shape \(5,\)"),
+        (torch.rand(5, 3, dtype=DT), r"integer class indices.*float64"),
+        (torch.tensor([0, 1, 2, 3, 0]), r"class index 3, outside \[0, 2\]"),
+        (torch.tensor([0, 1, -1, 2, 0]), r"class index -1"),
+        (torch.tensor([0, 1, -100, 2, 0]), r"ignore_index"),
+        (torch.randint(0, 3, (4,)), r"batch size 5"),
+    ],
+)
+def test_cross_entropy_target_errors(y, match):
+    f = curvature(_mlp(), nn.CrossEntropyLoss(), [BatchGrad()])
+    with pytest.raises((ValueError, TypeError), match=match):
+        f(X, y)
+
+
+def test_mse_target_shape_and_dtype():
+    f = curvature(_mlp(), nn.MSELoss(), [BatchGrad()])
+    with pytest.raises(ValueError, match=r"MSELoss: y has shape \(5, 2\).*\(5, 3\)"):
+        f(X, torch.randn(5, 2, dtype=DT))
+    with pytest.raises(TypeError, match=r"MSELoss needs floating-point targets.*int64"):
+        f(X, torch.randint(0, 3, (5, 3)))
+    with pytest.raises(TypeError, match=r"dtype torch.float32.*float64"):
+        f(X, torch.randn(5, 3))
+
+
+def test_bce_target_shape():
+    f = curvature(_mlp(), nn.BCEWithLogitsLoss(), [BatchGrad()])
+    with pytest.raises(ValueError, match=r"BCEWithLogitsLoss: y has shape"):
+        f(X, torch.rand(5, dtype=DT))
+
+
+@pytest.mark.parametrize(
+    "lossfn, match",
+    [
+        (nn.CrossEntropyLoss(reduction="none"), r"reduction='none'.*'mean' or reduction='sum'"),
+        (nn.MSELoss(reduction="none"), r"MSELoss\(reduction='none'\)"),
+        (nn.NLLLoss(), r"lossfn must be one of .*NLLLoss"),
+        (nn.L1Loss(), r"L1Loss"),
+        (lambda o, y: o.sum(), r"lossfn must be one of"),
+        (nn.CrossEntropyLoss(weight=torch.ones(3)), r"weight=.*not supported"),
+        (nn.CrossEntropyLoss(label_smoothing=0.1), r"label_smoothing"),
+        (nn.BCEWithLogitsLoss(pos_weight=torch.ones(3)), r"pos_weight"),
+    ],
+)
+def test_unsupported_losses(lossfn, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        curvature(_mlp(), lossfn, [BatchGrad()])
+
+
+def test_not_an_extension():
+    with pytest.raises(TypeError, match=r"'grad_batch'.*not a curvlib extension"):
+        curvature(_mlp(), nn.CrossEntropyLoss(), ["grad_batch"])
+    with pytest.raises(TypeError, match=r"class BatchGrad, not an instance"):
+        curvature(_mlp(), nn.CrossEntropyLoss(), [BatchGrad])
+    with pytest.raises(TypeError, match=r"list or tuple"):
+        curvature(_mlp(), nn.CrossEntropyLoss(), {BatchGrad()})
+
+
+def test_duplicate_extension_names():
+    with pytest.raises(ValueError, match=r"same name 'variance'"):
+        curvature(_mlp(), nn.CrossEntropyLoss(), [Variance(), BatchL2Grad(), Variance()])
+
+
+def test_model_not_a_module():
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module"):
+        curvature(lambda x: x, nn.CrossEntropyLoss(), [BatchGrad()])
+
+
+def test_params_unknown_name_and_wrong_shape():
+    model = _mlp()
+    f = curvature(model, nn.CrossEntropyLoss(), [BatchGrad()])
+    with pytest.raises(ValueError, match=r"'1.weight' that is not a parameter.*'0.weight'"):
+        f(X, Y, params={"1.weight": torch.zeros(5, 4, dtype=DT)})
+    with pytest.raises(ValueError, match=r"params\['0.weight'\] has shape \(4, 5\).*\(5, 4\)"):
+        f(X, Y, params={"0.weight": torch.zeros(4, 5, dtype=DT)})
+    with pytest.raises(TypeError, match=r"params must be a dict"):
+        f(X, Y, params=[torch.zeros(5, 4)])
+    with pytest.raises(TypeError, match=r"params\['0.weight'\] must be a tensor"):
+        f(X, Y, params={"0.weight": 1.0})
+
+
+def test_bad_X():
+    f = curvature(_mlp(), nn.CrossEntropyLoss(), [BatchGrad()])
+    with pytest.raises(TypeError, match=r"X must be a torch.Tensor"):
+        f([[1.0]], Y)
+
+
+def test_refused_before_any_work():
+    """A bad target is refused before the model runs (no forward call at all)."""
+    calls = []
+    model = _mlp()
+    f = curvature(model, nn.CrossEntropyLoss(), [BatchGrad()])
+    f(X, Y)  # plan once
+    handle = model[1].register_forward_hook(lambda *a: calls.append(1))  # ReLU runs as a module
+    try:
+        with pytest.raises(ValueError):
+            f(X, torch.tensor([0, 1, 2, 9, 0]))
+    finally:
+        handle.remove()
+    assert calls == []
+
+
+def test_layer_that_merges_batch_is_refused():
+    class Merge(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 3)
+
+        def forward(self, x):  # [N, 4] -> [2N, 2]: batch merged with features
+            return self.fc(x.reshape(-1, 2)).reshape(x.shape[0], -1)
+
+    f = curvature(Merge().to(DT), nn.MSELoss(), [BatchGrad()])
+    with pytest.raises(ValueError, match=r"Layer 'fc'.*batch"):
+        f(X, torch.randn(5, 6, dtype=DT))

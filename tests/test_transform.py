@@ -1,0 +1,207 @@
+"""The transform itself: purity, params=, vmap composition, graphs and the generic rule."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, strategies as st
+from torch import nn
+from torch.func import stack_module_state, vmap
+
+from curvlib import curvature
+from curvlib.extensions import BatchGrad, BatchL2Grad, SumGradSquared, Variance
+
+from helpers import check_first_order, state_snapshot, _assert_same_state
+from oracles import assert_close_dicts, first_order_reference
+
+DT = torch.float64
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(DT)
+
+
+def _data(n=5, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 4, generator=g, dtype=DT), torch.randint(0, 3, (n,), generator=g)
+
+
+def test_result_layout_and_loss():
+    model, (X, y) = _mlp(), _data()
+    qs = curvature(model, nn.CrossEntropyLoss(), [BatchGrad()])(X, y)
+    assert set(qs) == {"loss", "grad", "grad_batch"}
+    assert type(qs) is dict and type(qs["grad"]) is dict
+    assert list(qs["grad"]) == [n for n, _ in model.named_parameters()]
+    assert qs["loss"].dim() == 0
+    torch.testing.assert_close(qs["loss"], nn.CrossEntropyLoss()(model(X), y))
+    assert not qs["loss"].requires_grad
+
+
+def test_frozen_parameters_are_left_out():
+    model, (X, y) = _mlp(), _data()
+    model[0].bias.requires_grad_(False)
+    qs = curvature(model, nn.CrossEntropyLoss(), [BatchGrad(), Variance()])(X, y)
+    assert "0.bias" not in qs["grad"] and "0.bias" not in qs["grad_batch"]
+    ref = first_order_reference(model, nn.CrossEntropyLoss(), X, y)
+    assert_close_dicts(qs["grad_batch"], ref["grad_batch"])
+
+
+def test_params_substitution_gives_quantities_at_those_params():
+    model, (X, y) = _mlp(), _data()
+    other = _mlp(seed=7)
+    params = {n: p.detach() for n, p in other.named_parameters() if n.startswith("2.")}
+    qs = curvature(model, nn.CrossEntropyLoss(), [BatchGrad()])(X, y, params=params)
+    assert list(qs["grad_batch"]) == ["2.weight", "2.bias"]
+    mixed = _mlp()
+    mixed[2].load_state_dict(other[2].state_dict())
+    ref = first_order_reference(mixed, nn.CrossEntropyLoss(), X, y, names=["2.weight", "2.bias"])
+    assert_close_dicts(qs["grad_batch"], ref["grad_batch"])
+
+
+def test_vmap_over_stacked_ensemble():
+    """f is a pure function of params: vmap over stack_module_state works for BatchGrad."""
+    models = [_mlp(seed=s) for s in range(3)]
+    X, y = _data()
+    params, _ = stack_module_state(models)
+    f = curvature(models[0], nn.CrossEntropyLoss(), [BatchGrad(), BatchL2Grad()])
+    batched = vmap(lambda p: f(X, y, params=p))(params)
+    assert batched["grad_batch"]["0.weight"].shape == (3, 5, 5, 4)
+    for i, m in enumerate(models):
+        ref = first_order_reference(m, nn.CrossEntropyLoss(), X, y)
+        assert_close_dicts({k: v[i] for k, v in batched["grad_batch"].items()}, ref["grad_batch"])
+        assert_close_dicts({k: v[i] for k, v in batched["batch_l2"].items()}, ref["batch_l2"])
+        torch.testing.assert_close(batched["loss"][i], nn.CrossEntropyLoss()(m(X), y))
+
+
+class Residual(nn.Module):
+    """Functional ops, a skip connection, a gate and a module used twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 6)
+        self.block = nn.Linear(6, 6)
+        self.gate = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = F.relu(self.inp(x))
+        h = h + torch.tanh(self.block(h))  # skip connection
+        h = h * torch.sigmoid(self.gate(h))  # gate
+        h = self.block(h).view(h.shape[0], -1)  # shared module, second use
+        return self.head(F.gelu(h) * 0.5)
+
+
+def test_residual_shared_and_functional_ops():
+    torch.manual_seed(0)
+    model = Residual().to(DT)
+    X, y = _data(6)
+    check_first_order(model, nn.CrossEntropyLoss(), X, y)
+
+
+def test_shared_module_statelessness():
+    """functional_call on a model holding a submodule twice must not leave tensors behind."""
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(4, 3)).to(DT)
+    X, y = _data()
+    params_before = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+    check_first_order(model, nn.CrossEntropyLoss(), X, y)
+    for n, p in model.named_parameters(remove_duplicate=False):
+        assert p is params_before[n] and isinstance(p, nn.Parameter)
+
+
+class TiedAutoencoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(5, 3)
+        self.dec = nn.Linear(3, 5)
+        self.dec.weight = nn.Parameter(self.enc.weight.detach().t().clone())
+
+    def forward(self, x):
+        return self.dec(torch.tanh(self.enc(x)))
+
+
+class TiedSameParameter(nn.Module):
+    """One Parameter held by two Linear modules (weight tying)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_tied_parameter_sums_uses_before_squaring():
+    torch.manual_seed(0)
+    model = TiedSameParameter().to(DT)
+    X = torch.randn(5, 4, dtype=DT)
+    qs = check_first_order(model, nn.MSELoss(), X, torch.randn(5, 4, dtype=DT))
+    assert "b.weight" not in qs["grad"]  # canonical name only
+
+
+class CustomScale(nn.Module):
+    """A parametrized module without a hand-written rule (generic torch.func rule)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(d))
+        self.shift = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return torch.tanh(x * self.scale) + self.shift**2
+
+
+class RootOwnsParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 4))
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(x @ self.w.t()))
+
+
+def test_generic_rule_for_unknown_module():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), CustomScale(3), nn.Linear(3, 2)).to(DT)
+    X = torch.randn(5, 4, dtype=DT)
+    check_first_order(model, nn.MSELoss(reduction="sum"), X, torch.randn(5, 2, dtype=DT))
+
+
+def test_generic_rule_for_model_owning_parameters():
+    torch.manual_seed(0)
+    model = RootOwnsParameter().to(DT)
+    X = torch.randn(5, 4, dtype=DT)
+    check_first_order(model, nn.BCEWithLogitsLoss(), X, torch.rand(5, 2, dtype=DT))
+
+
+@given(
+    widths=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    act=st.sampled_from([nn.ReLU, nn.Tanh, nn.Sigmoid, nn.ELU, nn.SELU, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Softplus]),
+    n=st.integers(1, 4),
+    reduction=st.sampled_from(["mean", "sum"]),
+    seed=st.integers(0, 1000),
+)
+def test_random_mlps(widths, act, n, reduction, seed):
+    torch.manual_seed(seed)
+    dims = [3, *widths, 4]
+    layers = []
+    for a, b in zip(dims[:-1], dims[1:]):
+        layers += [nn.Linear(a, b), act()]
+    model = nn.Sequential(*layers[:-1]).to(DT)
+    X = torch.randn(n, 3, dtype=DT)
+    check_first_order(model, nn.CrossEntropyLoss(reduction=reduction), X, torch.randint(0, 4, (n,)))
+
+
+def test_dropout_train_mode_differentiates_the_forward_mask():
+    """In training mode, the dropout mask of the forward that ran is the one differentiated:
+    the individual gradients still sum to the gradient of the returned loss."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 3)).to(DT).train()
+    X, y = _data()
+    qs = curvature(model, nn.CrossEntropyLoss(), [BatchGrad()])(X, y)
+    for k in qs["grad"]:
+        torch.testing.assert_close(qs["grad_batch"][k].sum(0), qs["grad"][k])
