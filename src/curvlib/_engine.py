@@ -104,7 +104,10 @@ def run_graph(
         elif node.op == "call_method":
             self_obj, *rest = load(node.args)
             env[node] = getattr(self_obj, node.target)(*rest, **load(node.kwargs))
-        elif node.op == "output":
+        if node in rec.residual_nodes:
+            a = env[node.all_input_nodes[0]] if node.op != "call_module" else load(node.args)[0]
+            env[node] = rec.residual(node.name, rec.residual_nodes[node], a, env[node])
+        if node.op == "output":
             result = load(node.args[0])
     if not isinstance(result, Tensor):
         raise CurvatureError(
@@ -130,6 +133,8 @@ class Plan:
     site_shapes: Tuple[Tuple[int, ...], ...]
     site_dtypes: Tuple[torch.dtype, ...]
     batch_dims: Tuple[int, ...]
+    residual_shapes: Tuple[Tuple[int, ...], ...] = ()
+    sites: Tuple[Site, ...] = ()
 
 
 def check_modules(program: Program) -> None:
@@ -143,7 +148,7 @@ def check_modules(program: Program) -> None:
             check_module(module, path or type(module).__name__)
 
 
-def _shape_pass(program, X, params, trainable, batch):
+def _shape_pass(program, X, params, trainable, batch, residual_nodes=None):
     """Sites and output of a forward on fake tensors with batch size ``batch``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -157,16 +162,16 @@ def _shape_pass(program, X, params, trainable, batch):
         if not X.is_floating_point():
             Xf = torch.zeros((batch,) + tuple(X.shape[1:]), dtype=X.dtype, device=X.device)
         pf = {k: empty_like(v) for k, v in params.items()}
-        rec = Recorder(None)
+        rec = Recorder(None, residual_nodes=residual_nodes)
         with torch.no_grad():
             out = run_graph(program, Xf, pf, trainable, rec, fake_tensor=fake)
         return rec, out
 
 
-def _real_shape_pass(program, X, params, trainable, batch):
+def _real_shape_pass(program, X, params, trainable, batch, residual_nodes=None):
     """Fallback of :func:`_shape_pass` for ops that fake tensors do not support."""
     Xb = X if batch == X.shape[0] else torch.cat([X, X[:1]])
-    rec = Recorder(None)
+    rec = Recorder(None, residual_nodes=residual_nodes)
     with torch.no_grad():
         out = run_graph(program, Xb, params, trainable, rec)
     return rec, out
@@ -189,17 +194,17 @@ def _batch_dim(shape_a, shape_b, n_a, n_b, where: str) -> int:
     )
 
 
-def make_plan(program: Program, X: Tensor, params, trainable) -> Plan:
+def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=None) -> Plan:
     """Learn shapes and batch dimensions (see the module docstring)."""
     n = X.shape[0]
     try:
-        rec_a, out_a = _shape_pass(program, X, params, trainable, n)
-        rec_b, out_b = _shape_pass(program, X, params, trainable, n + 1)
+        rec_a, out_a = _shape_pass(program, X, params, trainable, n, residual_nodes)
+        rec_b, out_b = _shape_pass(program, X, params, trainable, n + 1, residual_nodes)
     except CurvatureError:
         raise
     except Exception:  # noqa: BLE001 - an op without a fake-tensor kernel
-        rec_a, out_a = _real_shape_pass(program, X, params, trainable, n)
-        rec_b, out_b = _real_shape_pass(program, X, params, trainable, n + 1)
+        rec_a, out_a = _real_shape_pass(program, X, params, trainable, n, residual_nodes)
+        rec_b, out_b = _real_shape_pass(program, X, params, trainable, n + 1, residual_nodes)
     if out_a.dim() == 0 or out_a.shape[0] != n or out_b.shape[0] != n + 1:
         raise CurvatureError(
             f"The model output has shape {list(out_a.shape)} for an input batch of "
@@ -220,37 +225,83 @@ def make_plan(program: Program, X: Tensor, params, trainable) -> Plan:
         site_shapes=tuple(rec_a.out_shapes),
         site_dtypes=tuple(rec_a.out_dtypes),
         batch_dims=tuple(batch_dims),
+        residual_shapes=tuple(rec_a.residual_shapes),
+        sites=tuple(Site(s.rule, dict(s.params), s.where, meta=dict(s.meta), key=s.key) for s in rec_a.sites),
     )
 
 
-def forward_with_probes(program: Program, plan: Plan, X: Tensor, params, trainable):
-    """Run the forward under :func:`torch.func.vjp` with respect to the probes.
+@dataclass
+class Linearization:
+    """The forward pass of one evaluation, ready to pull vectors back.
 
-    Returns:
-        ``(out, pullback, sites)``: the model output, a function mapping a
-        cotangent of the output ``[N, *out]`` to the list of site output
-        gradients ``g_k``, and the recorded sites (saved tensors filled in).
+    Attributes:
+        out: model output ``[N, *]``.
+        sites: recorded sites (saved tensors filled in).
+        residuals: recorded element-wise nonlinearities (Hessian only).
+        taps: their inputs ``a``, in the same order.
+        pullback: ``(cot_out, cot_taps) -> (site_grads, residual_grads)``.
     """
+
+    out: Tensor
+    sites: List[Site]
+    residuals: list
+    taps: List[Tensor]
+    pullback: Callable
+
+    def pull(self, cot_out: Tensor, cot_taps: Optional[Sequence[Tensor]] = None):
+        """Pull one cotangent back to every site output and residual output."""
+        if cot_taps is None:
+            cot_taps = [torch.zeros_like(t) for t in self.taps]
+        return self.pullback((cot_out, list(cot_taps)))
+
+    def pull_batched(self, cot_out: Optional[Tensor], cot_taps: Optional[Dict[int, Tensor]] = None):
+        """Pull ``V`` cotangents at once (``cot_out [V, *out]`` and/or taps ``{i: [V, *a_i]}``).
+
+        Returns the list of site gradients ``[V, *site_out]`` (residual
+        gradients are dropped).
+        """
+        cot_taps = cot_taps or {}
+        batched_out = cot_out is not None
+        first = cot_out if batched_out else next(iter(cot_taps.values()))
+        v = first.shape[0]
+        out_arg = cot_out if batched_out else torch.zeros_like(self.out)
+        tap_args = [cot_taps.get(i, torch.zeros_like(t)) for i, t in enumerate(self.taps)]
+        tap_dims = [0 if i in cot_taps else None for i in range(len(self.taps))]
+        del v
+
+        def one(c_out, c_taps):
+            return self.pullback((c_out, list(c_taps)))[0]
+
+        return torch.func.vmap(one, in_dims=(0 if batched_out else None, tap_dims))(out_arg, tap_args)
+
+
+def forward_with_probes(program: Program, plan: Plan, X: Tensor, params, trainable, residual_nodes=None) -> Linearization:
+    """Run the forward under :func:`torch.func.vjp` with respect to the probes."""
     probes = [
         torch.zeros(shape, dtype=dtype, device=X.device)
         for shape, dtype in zip(plan.site_shapes, plan.site_dtypes)
     ]
-    recorded: List[List[Site]] = []
+    rprobes = [
+        torch.zeros(shape, dtype=plan.out_dtype, device=X.device) for shape in plan.residual_shapes
+    ]
+    recorded: List[Recorder] = []
 
-    def forward(probes_):
-        rec = Recorder(probes_)
+    def forward(probes_, rprobes_):
+        rec = Recorder(probes_, rprobes_ if residual_nodes else None, residual_nodes)
         out = run_graph(program, X, params, trainable, rec)
-        recorded.append(rec.sites)
-        return out, [s.saved for s in rec.sites]
+        recorded.append(rec)
+        return (out, [r.a for r in rec.residuals]), [s.saved for s in rec.sites]
 
-    out, pullback, saved = vjp(forward, probes, has_aux=True)
-    sites = recorded[-1]
-    if len(sites) != len(plan.site_shapes):  # pragma: no cover - internal invariant
+    (out, taps), pullback, saved = vjp(forward, probes, rprobes, has_aux=True)
+    rec = recorded[-1]
+    if len(rec.sites) != len(plan.site_shapes):  # pragma: no cover - internal invariant
         raise RuntimeError("curvlib internal error: the forward recorded a different set of sites")
-    for site, s in zip(sites, saved):
+    for site, s in zip(rec.sites, saved):
         site.saved = s
         site.meta["batch_dim"] = plan.batch_dims[site.key]
-    return out, (lambda cotangent: pullback(cotangent)[0]), sites
+    for r, a in zip(rec.residuals, taps):
+        r.a = a
+    return Linearization(out=out, sites=rec.sites, residuals=rec.residuals, taps=list(taps), pullback=pullback)
 
 
 FIRST_ORDER = ("grad_batch", "batch_l2", "sum_grad_squared", "variance")

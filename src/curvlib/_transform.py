@@ -12,7 +12,11 @@ import torch
 from torch import Tensor, nn
 
 from . import losses
-from ._engine import FIRST_ORDER, Plan, check_modules, first_order, forward_with_probes, make_plan
+from ._engine import FIRST_ORDER, Plan, check_modules, first_order, forward_with_probes, make_plan, run_graph
+from ._secondorder import check_second_order, second_order
+from .extensions.secondorder import SecondOrder
+from .rules._site import Recorder
+from .rules.elementwise import classify, second_derivative
 from ._errors import CurvatureError, CurvatureTypeError
 from ._program import Program, trace_program
 from .extensions._base import Extension
@@ -114,13 +118,22 @@ def curvature(
         raise CurvatureTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
     spec = losses.loss_spec(lossfn)
     exts = _check_extensions(extensions)
-    unsupported = [e for e in exts if e.name not in FIRST_ORDER]
-    if unsupported:
+    first_exts = [e for e in exts if not isinstance(e, SecondOrder)]
+    second_exts = [e for e in exts if isinstance(e, SecondOrder)]
+    unknown = [e for e in first_exts if e.name not in FIRST_ORDER]
+    if unknown:
         raise CurvatureError(
-            f"Extension {unsupported[0]!r} is not available in this version of curvlib; "
-            f"available: {', '.join(FIRST_ORDER)}."
+            f"Extension {unknown[0]!r} is not a curvlib extension this version computes."
         )
     program = trace_program(model)
+    if second_exts and program.graph is None:
+        raise CurvatureError(
+            f"{type(second_exts[0]).__name__} needs the model's computation graph, but model "
+            f"{type(model).__name__} could not be traced with torch.fx:\n  {program.trace_error}\n"
+            "First-order extensions do not need the graph."
+        )
+    hessian_needed = any(e.quantity in ("hessian_diag", "hessian_batch_diag", "pchmp") for e in second_exts)
+    residual_nodes, residual_other = _residual_nodes(program) if hessian_needed else ({}, [])
     plans: Dict[tuple, Plan] = {}
 
     def f(X: Tensor, y: Tensor, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, object]:
@@ -156,19 +169,27 @@ def curvature(
         )
         plan = plans.get(key)
         if plan is None:
-            plan = plans[key] = make_plan(program, X, values, frozenset(trainable))
-        # Targets are checked against the planned output shape: before any work.
+            plan = plans[key] = make_plan(program, X, values, frozenset(trainable), residual_nodes)
+        # Targets and extensions are checked against the plan: before any work.
         losses.check_targets(spec, torch.empty(plan.out_shape, dtype=plan.out_dtype, device="meta"), y)
+        if second_exts:
+            check_second_order(second_exts, plan.sites, trainable, residual_other)
+        rng = _rng_state(X.device)
 
-        out, pullback, sites = forward_with_probes(program, plan, X, values, frozenset(trainable))
-        loss, loss_pullback = torch.func.vjp(lambda o: losses.loss_value(spec, o, y), out)
+        lin = forward_with_probes(program, plan, X, values, frozenset(trainable), residual_nodes)
+        loss, loss_pullback = torch.func.vjp(lambda o: losses.loss_value(spec, o, y), lin.out)
         (g_out,) = loss_pullback(torch.ones_like(loss))
-        gs = pullback(g_out)
+        gs, residual_grads = lin.pull(g_out)
         quantities = first_order(
-            sites, gs, trainable, values, [e.name for e in exts], X.shape[0]
+            lin.sites, gs, trainable, values, [e.name for e in first_exts], X.shape[0]
         )
         result: Dict[str, object] = {"loss": loss.detach() if not _wrapped(loss) else loss}
         result.update(quantities)
+        if second_exts:
+            rerun = _products(program, spec, X, y, values, residual_nodes, lin, residual_grads, rng)
+            result.update(
+                second_order(lin, spec, y, second_exts, trainable, values, X.shape[0], residual_grads, rerun)
+            )
         return result
 
     return f
@@ -179,3 +200,119 @@ def _wrapped(t: Tensor) -> bool:
         return torch._C._functorch.is_functorch_wrapped_tensor(t)
     except AttributeError:  # pragma: no cover
         return False
+
+
+def _residual_nodes(program: Program):
+    """Element-wise nonlinear nodes (node -> φ) and the names of nodes of unknown curvature."""
+    graph = program.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    dependent = set(placeholders[:1])
+    for node in graph.nodes:
+        if any(a in dependent for a in node.all_input_nodes):
+            dependent.add(node)
+    nodes, other = {}, []
+    for node in graph.nodes:
+        if node not in dependent or node.op in ("placeholder", "output"):
+            continue
+        kind, phi = classify(node, program.root, program.layers, dependent)
+        if kind == "elementwise":
+            nodes[node] = phi
+        elif kind == "other":
+            what = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+            if node.op == "call_module":
+                what = f"module '{node.target}' ({type(program.root.get_submodule(node.target)).__name__})"
+            other.append(f"{what} (graph node '{node.name}')")
+    return nodes, other
+
+
+def _rng_state(device: torch.device):
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+class _replay_rng:
+    """Run a block with the random state the main forward started from (same dropout masks)."""
+
+    def __init__(self, state, device):
+        self.state, self.device = state, device
+
+    def __enter__(self):
+        devices = [self.device] if self.device.type == "cuda" else []
+        self.fork = torch.random.fork_rng(devices=devices)
+        self.fork.__enter__()
+        torch.set_rng_state(self.state[0])
+        if self.state[1] is not None:
+            torch.cuda.set_rng_state(self.state[1], self.device)
+
+    def __exit__(self, *exc):
+        return self.fork.__exit__(*exc)
+
+
+def _products(program, spec, X, y, values, residual_nodes, lin, residual_grads, rng):
+    """Factory of the block-product callables ``[V, *p] -> [V, *p]`` (GGNMP, HMP, PCHMP)."""
+    out_value = lin.out
+
+    def outputs(name, p, with_taps):
+        vals = dict(values)
+        vals[name] = p
+        rec = Recorder(None, residual_nodes=residual_nodes if with_taps else None)
+        with _replay_rng(rng, X.device):
+            out = run_graph(program, X, vals, frozenset(), rec)
+        return out, [r.a for r in rec.residuals]
+
+    def make(ext, name):
+        p0 = values[name]
+
+        def check(V):
+            if not isinstance(V, Tensor) or tuple(V.shape[1:]) != tuple(p0.shape) or V.dim() != p0.dim() + 1:
+                raise CurvatureError(
+                    f"{type(ext).__name__} product for '{name}' needs a tensor [V, *p.shape] = "
+                    f"[V, {', '.join(map(str, p0.shape))}], got "
+                    f"{tuple(V.shape) if isinstance(V, Tensor) else type(V).__name__}."
+                )
+
+        if ext.quantity == "hmp":
+            def loss_of(p):
+                return losses.loss_value(spec, outputs(name, p, False)[0], y)
+
+            def hmp(V):
+                check(V)
+                return torch.func.vmap(lambda v: torch.func.jvp(torch.func.grad(loss_of), (p0,), (v,))[1])(V)
+
+            return hmp
+
+        if ext.quantity == "ggnmp":
+            def ggnmp(V):
+                check(V)
+
+                def one(v):
+                    f = lambda p: outputs(name, p, False)[0]  # noqa: E731
+                    _, jv = torch.func.jvp(f, (p0,), (v,))
+                    hjv = losses.hessian_matvec(spec, out_value, y, jv.unsqueeze(0))[0]
+                    return torch.func.vjp(f, p0)[1](hjv)[0]
+
+                return torch.func.vmap(one)(V)
+
+            return ggnmp
+
+        modify = (lambda r: r.clamp(min=0)) if ext.modify == "clip" else torch.abs
+        mod_r = [
+            modify(second_derivative(res.phi, res.a) * g_z)
+            for res, g_z in zip(lin.residuals, residual_grads)
+        ]
+
+        def pchmp(V):
+            check(V)
+
+            def one(v):
+                f = lambda p: outputs(name, p, True)  # noqa: E731
+                _, (jv, jtaps) = torch.func.jvp(f, (p0,), (v,))
+                hjv = losses.hessian_matvec(spec, out_value, y, jv.unsqueeze(0))[0]
+                cot_taps = [r * t for r, t in zip(mod_r, jtaps)]
+                return torch.func.vjp(f, p0)[1]((hjv, cot_taps))[0]
+
+            return torch.func.vmap(one)(V)
+
+        return pchmp
+
+    return make

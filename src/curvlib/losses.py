@@ -174,3 +174,106 @@ def reduction_factor(spec: LossSpec, out: Tensor) -> float:
 def loss_value(spec: LossSpec, out: Tensor, y: Tensor) -> Tensor:
     """``lossfn(out, y)``, computed by the user's own (stateless) loss module."""
     return spec.module(out, y)
+
+
+def _per_sample_columns(out: Tensor) -> int:
+    """Number of output entries per sample (the contract's ``C``)."""
+    return out[0].numel() if out.shape[0] > 0 else 0
+
+
+def sqrt_hessian(spec: LossSpec, out: Tensor, y: Tensor) -> Tensor:
+    """Exact symmetric factor of the loss Hessian w.r.t. the model output.
+
+    Returns ``S [C, N, *out.shape[1:]]`` with ``C`` the number of output
+    entries per sample, such that for every sample ``n``
+
+        Σ_v S[v, n] S[v, n]ᵀ = c · ∇²ℓ(out[n], y[n]),
+
+    where ``c`` is the reduction factor (so ``Sᵀ S`` summed over samples is the
+    Hessian of the *returned* loss). Columns are indexed by the flattened
+    per-sample output entry, BackPACK's order.
+
+    * MSE: ``∇²ℓ = 2 I``, ``S = √(2c) I``.
+    * BCE: ``∇²ℓ = diag(σ(f)(1 − σ(f)))``, ``S = √c · diag(√(σ(1 − σ)))``.
+    * CE (per sample and position): ``∇²ℓ = diag(p) − p pᵀ``, ``p = softmax(f)``;
+      column ``c'`` of the root is ``√p_{c'} (e_{c'} − p)``, non-zero only at
+      its own position.
+    """
+    n = out.shape[0]
+    per = _per_sample_columns(out)
+    c = reduction_factor(spec, out)
+    eye = torch.eye(per, dtype=out.dtype, device=out.device)
+    if spec.kind == "mse":
+        diag = torch.full_like(out, (2.0 * c) ** 0.5)
+    elif spec.kind == "bce":
+        s = torch.sigmoid(out)
+        diag = (s * (1 - s) * c).sqrt()
+    else:
+        p = torch.softmax(out, dim=1)  # [N, K, *D]
+        k = out.shape[1]
+        rest = out[0, 0].numel()
+        p_flat = p.reshape(n, k, rest)  # [N, K, R]
+        # S[(a, r), n, b, r'] = δ(r, r') √p[n,a,r] (δ(a,b) − p[n,b,r])
+        eye_k = torch.eye(k, dtype=out.dtype, device=out.device)
+        block = p_flat.sqrt().permute(1, 2, 0)[:, :, :, None] * (
+            eye_k[:, None, None, :] - p_flat.permute(2, 0, 1)[None]
+        )  # [K(a), R(r), N, K(b)]
+        eye_r = torch.eye(rest, dtype=out.dtype, device=out.device)
+        S = block[..., None] * eye_r[None, :, None, None, :]  # [a, r, n, b, r']
+        return (S * c**0.5).reshape((k * rest, n) + tuple(out.shape[1:]))
+    # diagonal Hessians: column v is the v-th output entry
+    S = eye.reshape((per, 1) + tuple(out.shape[1:])) * diag.unsqueeze(0)
+    return S
+
+
+def sqrt_hessian_sampled(
+    spec: LossSpec,
+    out: Tensor,
+    y: Tensor,
+    mc_samples: int,
+    generator: "torch.Generator | None" = None,
+) -> Tensor:
+    """Monte-Carlo symmetric factor of the loss Hessian, ``[M, N, *out.shape[1:]]``.
+
+    Column ``m`` is ``√(c/M) · ∇_f ℓ(f, ŷ_m)`` with ``ŷ_m`` drawn from the
+    model's predictive distribution, so that ``E[Σ_m s_m s_mᵀ] = c · ∇²ℓ``
+    (the Fisher equals the Hessian for these losses):
+
+    * MSE: ``ℓ = ‖f − y‖²`` is ``−log N(y; f, ½I)`` up to a constant;
+      ``∇ℓ = 2(f − ŷ) = √2 ε``, ``ε ~ N(0, I)``.
+    * BCE: ``ŷ ~ Bernoulli(σ(f))``, ``∇ℓ = σ(f) − ŷ``.
+    * CE: ``ŷ ~ Categorical(softmax(f))`` per sample and position,
+      ``∇ℓ = p − onehot(ŷ)``.
+
+    The same ``generator`` state gives the same result.
+    """
+    c = reduction_factor(spec, out)
+    scale = (c / mc_samples) ** 0.5
+    shape = (mc_samples,) + tuple(out.shape)
+    if spec.kind == "mse":
+        eps = torch.randn(shape, generator=generator, dtype=out.dtype, device=out.device)
+        return eps * (2.0**0.5 * scale)
+    if spec.kind == "bce":
+        s = torch.sigmoid(out).detach()
+        draws = torch.bernoulli(s.expand(shape).contiguous(), generator=generator)
+        return (torch.sigmoid(out) - draws) * scale
+    p = torch.softmax(out, dim=1)
+    k = out.shape[1]
+    p_rows = p.movedim(1, -1).reshape(-1, k)  # [N·R, K]
+    draws = torch.multinomial(p_rows.detach(), mc_samples, replacement=True, generator=generator)  # [N·R, M]
+    onehot = torch.nn.functional.one_hot(draws.t(), k).to(out.dtype)  # [M, N·R, K]
+    grads = p_rows.unsqueeze(0) - onehot
+    moved = tuple(out.movedim(1, -1).shape)
+    return (grads.reshape((mc_samples,) + moved).movedim(-1, 2) * scale)
+
+
+def hessian_matvec(spec: LossSpec, out: Tensor, y: Tensor, mat: Tensor) -> Tensor:
+    """``c · ∇²ℓ`` applied per sample: ``mat [V, N, *out.shape[1:]]`` -> same shape."""
+    c = reduction_factor(spec, out)
+    if spec.kind == "mse":
+        return 2.0 * c * mat
+    if spec.kind == "bce":
+        s = torch.sigmoid(out)
+        return c * s * (1 - s) * mat
+    p = torch.softmax(out, dim=1)
+    return c * (p * mat - p * (p * mat).sum(2, keepdim=True))

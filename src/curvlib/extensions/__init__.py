@@ -1,9 +1,32 @@
 """The extensions: pass instances to :func:`curvlib.curvature`.
 
-Each instance's ``name`` is the key of its result.
+Each instance's ``name`` is the key of its result (BackPACK's attribute name).
 """
 
 from ._base import Extension
 from .firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
+from .secondorder import (
+    GGNMP,
+    HMP,
+    KFAC,
+    KFLR,
+    KFRA,
+    PCHMP,
+    BatchDiagGGNExact,
+    BatchDiagGGNMC,
+    BatchDiagHessian,
+    DiagGGNExact,
+    DiagGGNMC,
+    DiagHessian,
+    SecondOrder,
+    SqrtGGNExact,
+    SqrtGGNMC,
+)
 
-__all__ = ["Extension", "BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance"]
+__all__ = [
+    "Extension", "SecondOrder",
+    "BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance",
+    "DiagGGNExact", "DiagGGNMC", "BatchDiagGGNExact", "BatchDiagGGNMC",
+    "DiagHessian", "BatchDiagHessian", "KFAC", "KFLR", "KFRA",
+    "SqrtGGNExact", "SqrtGGNMC", "GGNMP", "HMP", "PCHMP",
+]

@@ -81,19 +81,57 @@ class Site:
     key: int = -1
 
 
+@dataclass
+class Residual:
+    """An element-wise nonlinearity ``z = φ(a)`` whose second derivative matters.
+
+    Attributes:
+        where: the graph node's name, for messages.
+        phi: ``φ`` as a function of ``a`` alone.
+        a: its input (a *tap*: the forward returns it, so that vectors can be
+            pulled back from it).
+    """
+
+    where: str
+    phi: Callable[[Tensor], Tensor]
+    a: Tensor
+
+
 class Recorder:
     """Collects sites during one forward pass and adds their probes.
 
     With ``probes=None`` (the planning pass) nothing is added and only the
     output shapes are recorded; otherwise ``probes[k]`` is added to the
     output of the ``k``-th site.
+
+    ``residual_nodes`` (graph node -> ``φ``) switches on the bookkeeping the
+    Hessian needs: those nodes' inputs are recorded as taps and their
+    outputs get probes from ``residual_probes``.
     """
 
-    def __init__(self, probes: Optional[Sequence[Tensor]] = None):
+    def __init__(
+        self,
+        probes: Optional[Sequence[Tensor]] = None,
+        residual_probes: Optional[Sequence[Tensor]] = None,
+        residual_nodes: Optional[Mapping[Any, Callable]] = None,
+    ):
         self.probes = probes
+        self.residual_probes = residual_probes
+        self.residual_nodes = residual_nodes or {}
         self.sites: List[Site] = []
         self.out_shapes: List[Tuple[int, ...]] = []
         self.out_dtypes: List[torch.dtype] = []
+        self.residuals: List[Residual] = []
+        self.residual_shapes: List[Tuple[int, ...]] = []
+
+    def residual(self, where: str, phi: Callable, a: Tensor, z: Tensor) -> Tensor:
+        """Record ``z = φ(a)``; return ``z`` + its probe."""
+        k = len(self.residuals)
+        self.residuals.append(Residual(where, phi, a))
+        self.residual_shapes.append(tuple(z.shape))
+        if self.residual_probes is None:
+            return z
+        return z + self.residual_probes[k]
 
     def add(self, site: Site, out: Tensor) -> Tensor:
         """Record ``site`` whose primitive produced ``out``; return ``out`` + probe."""

@@ -94,11 +94,30 @@ LINEAR = Rule(
 )
 
 
+def kron(site: Site, role: str, m: Tensor) -> list:
+    """BackPACK's Kronecker factors from the pulled-back root ``m [V, N, O]``.
+
+    ``B = Σ_{v,n} m m ᵀ [O, O]`` and ``A = (1/N) Σ_n x xᵀ [I, I]``;
+    weight: ``[B, A]``, bias: ``[B]``. Only 2d inputs (checked at planning).
+    """
+    x = site.saved["x"]
+    B = contract("vno,vnp->op", m, m)
+    if role == "bias":
+        return [B]
+    return [B, contract("ni,nj->ij", x, x) / x.shape[0]]
+
+
 def forward(module: nn.Linear, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
     """Run ``nn.Linear`` functionally and record its site."""
     (x,) = _bind_input(args, kwargs, "input")
     out = F.linear(x, tensors["weight"], tensors.get("bias"))
-    return rec.add(Site(LINEAR, names, where, saved={"x": x}, meta={"batch_dim": 0}), out)
+    meta = {"batch_dim": 0}
+    if x.dim() != 2:
+        meta["kron_error"] = (
+            f"Kronecker factors need 2d inputs [N, in_features] (as in BackPACK), got "
+            f"shape {list(x.shape)}."
+        )
+    return rec.add(Site(LINEAR, names, where, saved={"x": x}, meta=meta), out)
 
 
 def _bind_input(args, kwargs, name: str):

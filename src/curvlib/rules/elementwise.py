@@ -1,0 +1,150 @@
+"""Parameter-free graph nodes, sorted by their second derivative.
+
+Curvature needs to know, for every node ``z = φ(a)`` of the traced graph,
+its *residual*: the second-derivative term ``Σ_k g_k ∇²φ_k(a)`` (``g = ∂L/∂z``)
+that the Hessian has and the GGN drops. Nodes fall into:
+
+* ``"linear"``: piecewise linear in the graph tensors (reshapes, indexing,
+  sums, pooling, padding, dropout with its fixed mask, ReLU, max-pooling,
+  BatchNorm in eval mode, the affine layers): residual zero;
+* ``"elementwise"``: ``z_i = φ(a_i)`` with a smooth ``φ`` (sigmoid, tanh, ELU,
+  GELU, ...): residual ``diag(φ''(a) ⊙ g)``, with ``φ''`` obtained by
+  forward-over-reverse differentiation of ``φ`` itself (exact, no table of
+  formulas to get wrong);
+* ``"other"``: anything else (products of two graph tensors, softmax, norms
+  without parameters, unknown modules); the Hessian extensions refuse them.
+
+The GGN extensions need none of this: Jacobians come from autodiff.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+from torch.func import jvp, vjp
+
+LINEAR_MODULES: Tuple[type, ...] = (
+    nn.Identity, nn.Flatten, nn.Unflatten,
+    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+    nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d,
+    nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d,
+    nn.ReflectionPad1d, nn.ReflectionPad2d, nn.ReflectionPad3d,
+    nn.ReplicationPad1d, nn.ReplicationPad2d, nn.ReplicationPad3d,
+    nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d,
+    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
+    nn.ReLU, nn.LeakyReLU, nn.ReLU6, nn.Hardtanh, nn.Threshold,
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
+    nn.PixelShuffle, nn.PixelUnshuffle, nn.ChannelShuffle,
+)
+
+ELEMENTWISE_MODULES: Tuple[type, ...] = (
+    nn.Sigmoid, nn.Tanh, nn.LogSigmoid, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
+    nn.Softplus, nn.Mish, nn.Softsign, nn.Tanhshrink, nn.Hardswish, nn.Hardsigmoid,
+)
+
+_LINEAR_FUNCTIONS = {
+    operator.add, operator.sub, operator.neg, operator.pos, operator.getitem,
+    torch.add, torch.sub, torch.neg, torch.flatten, torch.reshape, torch.cat, torch.stack,
+    torch.transpose, torch.permute, torch.squeeze, torch.unsqueeze, torch.sum, torch.mean,
+    torch.movedim, torch.swapaxes, torch.narrow, torch.select, torch.chunk, torch.split,
+    torch.relu, torch.flip, torch.roll,
+    F.relu, F.leaky_relu, F.relu6, F.hardtanh, F.pad, F.dropout, F.dropout1d, F.dropout2d,
+    F.dropout3d, F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d,
+    F.avg_pool3d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d,
+    F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d, getattr,
+}
+_LINEAR_METHODS = {
+    "view", "reshape", "flatten", "permute", "transpose", "squeeze", "unsqueeze",
+    "contiguous", "mean", "sum", "size", "dim", "expand", "expand_as", "repeat", "chunk",
+    "split", "__getitem__", "t", "neg", "relu", "narrow", "select", "to", "type_as",
+    "float", "double", "flip", "roll", "movedim", "view_as", "reshape_as", "clone",
+    "add", "sub", "unflatten",
+}
+_ELEMENTWISE_FUNCTIONS = {
+    torch.sigmoid, torch.tanh, torch.exp, torch.sin, torch.cos, torch.log1p,
+    F.sigmoid, F.tanh, F.gelu, F.silu, F.softplus, F.elu, F.selu, F.celu, F.logsigmoid,
+    F.mish, F.softsign, F.tanhshrink, F.hardswish, F.hardsigmoid,
+}
+_ELEMENTWISE_METHODS = {"sigmoid", "tanh", "exp", "sin", "cos", "log1p"}
+_SCALAR_ARITHMETIC = {operator.mul, operator.truediv, torch.mul, torch.div, "mul", "div"}
+
+
+def _depends_on_input(arg, dependent: set) -> bool:
+    return isinstance(arg, fx.Node) and arg in dependent
+
+
+def classify(node: fx.Node, root: nn.Module, layers: dict, dependent: set) -> Tuple[str, Optional[Callable]]:
+    """``("linear" | "elementwise" | "other", φ)`` for one graph node.
+
+    Args:
+        node: the node.
+        root: the traced root module (to resolve ``call_module`` targets).
+        layers: targets of parametrized layers (sites; linear in their input
+            unless their family is listed as nonlinear by the caller).
+        dependent: nodes that depend on the model input (others are constants).
+
+    Returns:
+        the kind, and for ``"elementwise"`` a function ``φ(a)`` of the node's
+        first tensor argument (other arguments bound).
+    """
+    if not any(_depends_on_input(a, dependent) for a in node.all_input_nodes):
+        return "linear", None  # a constant
+    if node.op in ("placeholder", "output", "get_attr"):
+        return "linear", None
+    if node.op == "call_module":
+        if node.target in layers:
+            return "linear", None
+        module = root.get_submodule(node.target)
+        if isinstance(module, LINEAR_MODULES):
+            return "linear", None
+        if isinstance(module, ELEMENTWISE_MODULES):
+            return "elementwise", module
+        return "other", None
+    target = node.target
+    if node.op == "call_method":
+        if target in _LINEAR_METHODS:
+            return "linear", None
+        if target in _ELEMENTWISE_METHODS:
+            rest, kwargs = node.args[1:], node.kwargs
+            return "elementwise", (lambda a, t=target, r=rest, k=kwargs: getattr(a, t)(*r, **k))
+    if node.op == "call_function":
+        if target in _LINEAR_FUNCTIONS:
+            return "linear", None
+        if target in _ELEMENTWISE_FUNCTIONS and _depends_on_input(node.args[0], dependent) and not any(
+            _depends_on_input(a, dependent) for a in node.args[1:]
+        ):
+            rest, kwargs = node.args[1:], node.kwargs
+            return "elementwise", (lambda a, t=target, r=rest, k=kwargs: t(a, *r, **k))
+        if target in (operator.pow, torch.pow) and _depends_on_input(node.args[0], dependent) and not _depends_on_input(node.args[1], dependent):
+            exponent = node.args[1]
+            return "elementwise", (lambda a, e=exponent: a**e)
+    if target in _SCALAR_ARITHMETIC or target in ("mul", "div"):
+        args = node.args
+        dep = [_depends_on_input(a, dependent) for a in args]
+        if target in (operator.truediv, torch.div, "div"):
+            if dep[0] and not any(dep[1:]):
+                return "linear", None
+        elif sum(dep) == 1:
+            return "linear", None
+        return "other", None
+    return "other", None
+
+
+def second_derivative(phi: Callable[[Tensor], Tensor], a: Tensor) -> Tensor:
+    """``φ''(a)`` element-wise, by forward-over-reverse autodiff of ``φ``.
+
+    For an element-wise ``φ``, ``d/da (φ'(a) ⊙ 1)`` along the all-ones
+    direction is exactly ``φ''(a)``.
+    """
+    ones = torch.ones_like(a)
+
+    def first_derivative(x: Tensor) -> Tensor:
+        return vjp(phi, x)[1](ones)[0]
+
+    return jvp(first_derivative, (a,), (ones,))[1]
