@@ -1,0 +1,116 @@
+"""KFRA: Kronecker factors from the batch-averaged GGN recursion (Botev et al., 2017).
+
+Instead of a root, a dense matrix ``G_z [D, D]`` (``D`` the per-sample size of
+a node's output) is passed backward, starting from the summed loss Hessian
+``G = Σ_n c ∇²ℓ_n``, and through each node ``z = f(a)`` as the expectation
+over the batch
+
+    G_a = (1/N) Σ_n J_nᵀ G_z J_n,      J_n = ∂z_n/∂a_n.
+
+``J_nᵀ G_z J_n`` is computed without Jacobians: with ``G_z = Σ_k λ_k u_k u_kᵀ``
+(eigendecomposition), it is ``Σ_k λ_k (J_nᵀ u_k)(J_nᵀ u_k)ᵀ``, one batched
+vector-Jacobian product of the node with the ``D`` vectors ``u_k``.
+Residual terms are dropped (KFRA approximates the GGN), as in BackPACK.
+
+A layer's factors are read off ``G_z`` at its output: weight ``[G_z, A]``,
+bias ``[G_z]`` (convolutions sum ``G_z`` over output positions). The
+recursion needs a chain of nodes (a Sequential-like graph).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+from torch import Tensor, fx
+from torch.func import vjp, vmap
+
+from . import losses
+from ._engine import run_graph
+from ._errors import CurvatureError
+from .rules import kron_from_matrix
+from .rules._site import Recorder, Site
+
+# D² · N entries above which the dense recursion is refused (memory guard).
+MAX_ENTRIES = 2**28
+
+
+def chain_nodes(program) -> List[fx.Node]:
+    """The graph's nodes from input to output, if they form a chain; else raise."""
+    nodes = [n for n in program.graph.nodes if n.op not in ("output", "get_attr")]
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    chain = [placeholders[0]]
+    for node in nodes:
+        if node.op == "placeholder":
+            continue
+        tensor_inputs = [a for a in node.all_input_nodes if a.op != "get_attr"]
+        if tensor_inputs != [chain[-1]]:
+            raise CurvatureError(
+                f"KFRA needs a chain of operations (a Sequential-like model); graph node "
+                f"'{node.name}' ({node.op} {getattr(node.target, '__name__', node.target)}) "
+                f"takes inputs {[a.name for a in tensor_inputs]}. Use KFLR or KFAC for "
+                "branching models."
+            )
+        chain.append(node)
+    return chain
+
+
+def _node_function(program, node: fx.Node, env: Dict[fx.Node, object], params):
+    """``a -> z`` for a chain node, its other arguments fixed."""
+    (inp,) = [a for a in node.all_input_nodes if a.op != "get_attr"]
+
+    def load(v, a):
+        return fx.node.map_arg(v, lambda n: a if n is inp else env[n])
+
+    def f(a: Tensor) -> Tensor:
+        args, kwargs = load(node.args, a), load(node.kwargs, a)
+        if node.op == "call_module":
+            layer = program.layers.get(node.target)
+            if layer is None:
+                return program.root.get_submodule(node.target)(*args, **kwargs)
+            tensors = {r: params[n] for r, n in layer.names.items()}
+            return layer.forward(layer.module, layer.path, {}, tensors, args, kwargs, Recorder(None))
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        return node.target(*args, **kwargs)
+
+    return f
+
+
+def _average_congruence(f, a: Tensor, G: Tensor) -> Tensor:
+    """``(1/N) Σ_n J_nᵀ G J_n`` for ``z = f(a)``, ``G [Dz, Dz]`` -> ``[Da, Da]``."""
+    n = a.shape[0]
+    evals, evecs = torch.linalg.eigh(G)
+    z, pull = vjp(f, a)
+    d_a = a[0].numel()
+    if evecs.shape[0] * n * d_a > MAX_ENTRIES:
+        raise CurvatureError(
+            f"KFRA: the dense recursion through an operation with {d_a} inputs and "
+            f"{evecs.shape[0]} outputs per sample needs too much memory; use KFAC or KFLR."
+        )
+    cols = evecs.t().reshape((-1, 1) + tuple(z.shape[1:])).expand((-1, n) + tuple(z.shape[1:]))
+    w = vmap(lambda c: pull(c)[0])(cols).reshape(evecs.shape[1], n, d_a)  # [K, N, Da]
+    return torch.einsum("k,kni,knj->ij", evals, w, w) / n
+
+
+def kfra(program, spec, X: Tensor, y: Tensor, names, params, sites: List[Site]) -> Dict[str, list]:
+    """KFRA factors for every parameter (see module doc)."""
+    chain = chain_nodes(program)
+    env: Dict[fx.Node, object] = {}
+    out = run_graph(program, X, params, frozenset(), Recorder(None), env=env)
+    S = losses.sqrt_hessian(spec, out, y).flatten(2)  # [V, N, D]
+    G = torch.einsum("vni,vnj->ij", S, S)
+    site_of = {site.where: site for site in sites}
+    result: Dict[str, list] = {}
+    for node in reversed(chain[1:]):
+        layer = program.layers.get(node.target) if node.op == "call_module" else None
+        if layer is not None:
+            site = site_of.get(layer.path)
+            for role, name in layer.names.items():
+                if name in names:
+                    result[name] = kron_from_matrix(site, role, G)
+        if node is chain[1]:
+            break
+        (inp,) = [a for a in node.all_input_nodes if a.op != "get_attr"]
+        G = _average_congruence(_node_function(program, node, env, params), env[inp], G)
+    return {n: result[n] for n in names}

@@ -1,0 +1,284 @@
+"""Recurrent layers (``nn.RNN``, ``nn.LSTM``, ``nn.GRU``) as affine sites.
+
+torch's fused RNN kernels do not run under :func:`torch.func.vmap`, so the
+recurrence is unrolled here with plain tensor ops, in batch-first layout
+``[N, T, *]`` whatever the module's ``batch_first``. Every parameter of the
+module enters through an affine map, and each map is one *linear site* of
+:data:`~curvlib.rules.linear.LINEAR` whose weight is shared over the time
+steps ``s = t``. For layer ``l`` and direction ``d``:
+
+* input projection, one op on the whole sequence:
+  ``a[n, t] = W_ih x[n, t] + b_ih``,  ``x [N, T, I]`` -> ``a [N, T, G·H]``;
+* hidden projection, built step by step:
+  ``b[n, t] = W_hh h[n, t-1] + b_hh``, saved input ``h_prev [N, T, H_out]``
+  (``h[n, -1] = h0[n]``, the initial state passed by the model, or zeros);
+* LSTM with ``proj_size > 0`` only: ``h[n, t] = W_hr m[n, t]``, saved input
+  ``m [N, T, H]``.
+
+``G`` is the number of gates (1 RNN, 4 LSTM, 3 GRU), ``H`` the hidden size
+and ``H_out`` the size of ``h`` (``proj_size`` or ``H``). The step's
+nonlinearity, with ``σ`` the sigmoid and gates split in PyTorch's order:
+
+* RNN:  ``h_t = act(a_t + b_t)``, ``act`` ``tanh`` or ``relu``;
+* LSTM: ``(i, f, g, o) = chunks(a_t + b_t)``,
+  ``c_t = σ(f) ⊙ c_{t-1} + σ(i) ⊙ tanh(g)``, ``m_t = σ(o) ⊙ tanh(c_t)``,
+  ``h_t = m_t`` (or ``W_hr m_t``);
+* GRU:  ``(a_r, a_z, a_n) = chunks(a_t)``, ``(b_r, b_z, b_n) = chunks(b_t)``,
+  ``r = σ(a_r + b_r)``, ``z = σ(a_z + b_z)``, ``n = tanh(a_n + r ⊙ b_n)``,
+  ``h_t = (1 - z) ⊙ n + z ⊙ h_{t-1}``.
+
+Because the probe of the hidden projection is added to ``b_t`` at every step,
+``g[n, t] = ∂L/∂b[n, t]`` and the linear rule's
+``∂ℓ_n/∂W_hh = Σ_t g[n, t] h[n, t-1]ᵀ`` is the exact individual gradient,
+including the step from a non-zero initial state ``h0``. Samples never mix,
+so every rule of the linear family (norms, squares) applies unchanged.
+
+The reverse direction runs ``t = T-1, …, 0``; its sites are indexed by the
+true time ``t`` as well. Layers feed the concatenated directions to the next
+layer, with ``F.dropout(p=dropout)`` in between in training mode (the forward
+that ran is the one differentiated).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
+
+from .._errors import CurvatureError
+from ._site import Recorder, Site
+from .linear import LINEAR
+
+_GATES = {"RNN_TANH": 1, "RNN_RELU": 1, "LSTM": 4, "GRU": 3}
+
+
+def check(module: nn.RNNBase, where: str) -> None:
+    """Refuse recurrent modules whose parameters are not the plain named tensors.
+
+    Raises:
+        CurvatureError: unknown ``mode``, or a parameter of the recurrence that
+            is not a direct parameter of the module (e.g. under
+            ``torch.nn.utils.parametrize``).
+    """
+    if module.mode not in _GATES:
+        raise CurvatureError(
+            f"Module '{where}' ({type(module).__name__}) has mode {module.mode!r}; curvlib "
+            f"supports the recurrent modes {sorted(_GATES)}."
+        )
+    own = {name for name, _ in module.named_parameters(recurse=False)}
+    missing = [name for name in module._flat_weights_names if name not in own]
+    if missing:
+        raise CurvatureError(
+            f"Module '{where}' ({type(module).__name__}): the weights {missing} are not plain "
+            "parameters of the module (parametrized or replaced); curvlib supports recurrent "
+            "modules whose weights are their own nn.Parameters."
+        )
+
+
+def _roles(names: Dict[str, str], weight: str, bias: Optional[str]) -> Dict[str, str]:
+    """Linear-site roles for the module's parameter names, trainable ones only."""
+    out = {}
+    if weight in names:
+        out["weight"] = names[weight]
+    if bias is not None and bias in names:
+        out["bias"] = names[bias]
+    return out
+
+
+def _bind(args, kwargs, where: str) -> Tuple[Tensor, object]:
+    """``(input, hx)`` from the call's arguments."""
+    x = args[0] if args else kwargs.get("input")
+    hx = args[1] if len(args) > 1 else kwargs.get("hx")
+    if isinstance(x, PackedSequence):
+        raise CurvatureError(
+            f"Module '{where}' is called on a PackedSequence; curvlib supports padded "
+            "tensor inputs [N, T, I] (batch_first=True) or [T, N, I] only."
+        )
+    if not isinstance(x, Tensor):
+        raise CurvatureError(
+            f"Module '{where}' is called with input of type {type(x).__name__}; curvlib "
+            "supports a tensor [N, T, I] (batch_first=True) or [T, N, I]."
+        )
+    if x.dim() != 3:
+        raise CurvatureError(
+            f"Module '{where}' gets an input of shape {list(x.shape)}; curvlib supports "
+            "batched 3-D inputs only ([N, T, I] with batch_first=True, else [T, N, I]), "
+            "not unbatched 2-D sequences."
+        )
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        raise CurvatureError(f"Module '{where}' gets an empty input of shape {list(x.shape)}.")
+    return x, hx
+
+
+def _initial_states(
+    module: nn.RNNBase, hx: object, n: int, x: Tensor, where: str
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """``h0 [L·D, N, H_out]`` and, for LSTM, ``c0 [L·D, N, H]`` (zeros when absent)."""
+    ld = module.num_layers * (2 if module.bidirectional else 1)
+    h_out = module.proj_size if module.proj_size > 0 else module.hidden_size
+    lstm = module.mode == "LSTM"
+    if hx is None:
+        h0 = x.new_zeros((ld, n, h_out))
+        return h0, (x.new_zeros((ld, n, module.hidden_size)) if lstm else None)
+    if lstm:
+        if not (isinstance(hx, (tuple, list)) and len(hx) == 2 and all(isinstance(t, Tensor) for t in hx)):
+            raise CurvatureError(
+                f"Module '{where}' (LSTM) gets hx of type {type(hx).__name__}; it must be a "
+                "tuple (h0, c0) of tensors."
+            )
+        h0, c0 = hx
+        _check_state(h0, (ld, n, h_out), where, "h0")
+        _check_state(c0, (ld, n, module.hidden_size), where, "c0")
+        return h0, c0
+    if not isinstance(hx, Tensor):
+        raise CurvatureError(
+            f"Module '{where}' gets hx of type {type(hx).__name__}; it must be a tensor "
+            "[num_layers * num_directions, N, hidden_size]."
+        )
+    _check_state(hx, (ld, n, h_out), where, "hx")
+    return hx, None
+
+
+def _check_state(t: Tensor, expected: Tuple[int, int, int], where: str, what: str) -> None:
+    if tuple(t.shape) != expected:
+        raise CurvatureError(
+            f"Module '{where}': the initial state {what} has shape {list(t.shape)}, expected "
+            f"{list(expected)} = [num_layers * num_directions, N, size] for batch size "
+            f"N={expected[1]}. curvlib needs initial states with the batch in dim 1, built "
+            "from the input batch (e.g. expand a [L*D, 1, H] buffer to the input's batch size)."
+        )
+
+
+def _direction(
+    module: nn.RNNBase,
+    layer: int,
+    reverse: bool,
+    inp: Tensor,
+    h: Tensor,
+    c: Optional[Tensor],
+    names: Dict[str, str],
+    tensors: Dict[str, Tensor],
+    where: str,
+    rec: Recorder,
+) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """Run one layer in one direction and record its sites.
+
+    Args:
+        inp: layer input ``[N, T, I]``.
+        h: initial hidden state ``[N, H_out]``.
+        c: initial cell state ``[N, H]`` (LSTM) or ``None``.
+
+    Returns:
+        ``(out [N, T, H_out], h_T [N, H_out], c_T [N, H] or None)``, the last
+        state being the one after the direction's final step.
+    """
+    sfx = f"_l{layer}" + ("_reverse" if reverse else "")
+    mode = module.mode
+    bias = module.bias
+    n, steps = inp.shape[0], inp.shape[1]
+    w_ih, w_hh = tensors["weight_ih" + sfx], tensors["weight_hh" + sfx]
+    b_ih = tensors["bias_ih" + sfx] if bias else None
+    b_hh = tensors["bias_hh" + sfx] if bias else None
+    bname = (lambda s: s + sfx) if bias else (lambda s: None)
+
+    site_ih = Site(
+        LINEAR, _roles(names, "weight_ih" + sfx, bname("bias_ih")), where,
+        saved={"x": inp}, meta={"batch_dim": 0},
+    )
+    pre_ih = rec.add(site_ih, F.linear(inp, w_ih, b_ih))  # [N, T, G·H]
+    site_hh = Site(LINEAR, _roles(names, "weight_hh" + sfx, bname("bias_hh")), where, meta={"batch_dim": 0})
+    probe_hh = rec.open(site_hh, (n, steps, w_hh.shape[0]), pre_ih.dtype)
+    proj = mode == "LSTM" and module.proj_size > 0
+    if proj:
+        w_hr = tensors["weight_hr" + sfx]
+        site_hr = Site(LINEAR, _roles(names, "weight_hr" + sfx, None), where, meta={"batch_dim": 0})
+        probe_hr = rec.open(site_hr, (n, steps, w_hr.shape[0]), pre_ih.dtype)
+        m_steps: List[Optional[Tensor]] = [None] * steps
+
+    outs: List[Optional[Tensor]] = [None] * steps
+    h_prevs: List[Optional[Tensor]] = [None] * steps
+    for t in (range(steps - 1, -1, -1) if reverse else range(steps)):
+        h_prevs[t] = h
+        a = pre_ih[:, t]
+        b = F.linear(h, w_hh, b_hh)
+        if probe_hh is not None:
+            b = b + probe_hh[:, t]
+        if mode == "RNN_TANH":
+            h = torch.tanh(a + b)
+        elif mode == "RNN_RELU":
+            h = torch.relu(a + b)
+        elif mode == "LSTM":
+            gi, gf, gg, go = (a + b).chunk(4, -1)
+            c = torch.sigmoid(gf) * c + torch.sigmoid(gi) * torch.tanh(gg)
+            h = torch.sigmoid(go) * torch.tanh(c)
+            if proj:
+                m_steps[t] = h
+                h = F.linear(h, w_hr)
+                if probe_hr is not None:
+                    h = h + probe_hr[:, t]
+        else:  # GRU
+            a_r, a_z, a_n = a.chunk(3, -1)
+            b_r, b_z, b_n = b.chunk(3, -1)
+            r = torch.sigmoid(a_r + b_r)
+            z = torch.sigmoid(a_z + b_z)
+            cand = torch.tanh(a_n + r * b_n)
+            h = (1 - z) * cand + z * h
+        outs[t] = h
+    site_hh.saved = {"x": torch.stack(h_prevs, 1)}  # [N, T, H_out]
+    if proj:
+        site_hr.saved = {"x": torch.stack(m_steps, 1)}  # [N, T, H]
+    return torch.stack(outs, 1), h, c
+
+
+def forward(module: nn.RNNBase, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
+    """Run ``nn.RNN``/``nn.LSTM``/``nn.GRU`` unrolled and record its linear sites.
+
+    Returns exactly what the module returns, in its layout:
+    ``(output, h_n)`` or, for LSTM, ``(output, (h_n, c_n))``; ``output``
+    ``[N, T, D·H_out]`` (``batch_first``) or ``[T, N, D·H_out]``, ``h_n``
+    ``[L·D, N, H_out]``, ``c_n`` ``[L·D, N, H]``.
+
+    Raises:
+        CurvatureError: PackedSequence or unbatched input, or initial states
+            of the wrong shape.
+    """
+    check(module, where)
+    x, hx = _bind(args, kwargs, where)
+    if x.shape[-1] != module.input_size:
+        raise CurvatureError(
+            f"Module '{where}' gets inputs with {x.shape[-1]} features (shape {list(x.shape)}), "
+            f"but its input_size is {module.input_size}."
+        )
+    seq = x if module.batch_first else x.transpose(0, 1)  # [N, T, I]
+    n = seq.shape[0]
+    h0, c0 = _initial_states(module, hx, n, x, where)
+    dirs = 2 if module.bidirectional else 1
+    lstm = module.mode == "LSTM"
+
+    h_n: List[Tensor] = []
+    c_n: List[Tensor] = []
+    inp = seq
+    for layer in range(module.num_layers):
+        if layer > 0 and module.dropout > 0 and module.training:
+            inp = F.dropout(inp, module.dropout, training=True)
+        outs = []
+        for d in range(dirs):
+            k = layer * dirs + d
+            out, h_last, c_last = _direction(
+                module, layer, d == 1, inp, h0[k], c0[k] if lstm else None,
+                names, tensors, where, rec,
+            )
+            outs.append(out)
+            h_n.append(h_last)
+            if lstm:
+                c_n.append(c_last)
+        inp = torch.cat(outs, -1) if dirs == 2 else outs[0]
+
+    output = inp if module.batch_first else inp.transpose(0, 1)
+    h_stack = torch.stack(h_n, 0)
+    if lstm:
+        return output, (h_stack, torch.stack(c_n, 0))
+    return output, h_stack
