@@ -1,0 +1,151 @@
+"""Batch normalisation in evaluation mode (``nn.BatchNorm1d/2d/3d``), batched with an explicit ``n``.
+
+With running statistics ``μ [C]`` and ``σ² [C]`` (buffers, not trained) the layer is
+a per-channel affine map of its input, and samples do not interact:
+
+    x̂[n, c, s] = (x[n, c, s] - μ[c]) / √(σ²[c] + ε),
+    y[n, c, s] = x̂[n, c, s] γ[c] + β[c].
+
+Shapes: ``x [N, C, *S]`` (``*S`` empty for ``BatchNorm1d`` on ``[N, C]``, one axis
+``L`` for ``BatchNorm1d`` on ``[N, C, L]``, ``H, W`` for 2d, ``D, H, W`` for 3d),
+``g = ∂L/∂y`` like ``x``, ``γ = weight [C]``, ``β = bias [C]``. The spatial axes
+are flattened into ``s``, so the rule works on ``x̂ [n, c, s]`` and ``g [n, c, s]``.
+
+Individual gradients (``[N, C]``, small, so every quantity is formed from them):
+
+    ∂ℓ_n/∂γ[c] = Σ_s g[n, c, s] x̂[n, c, s],      ∂ℓ_n/∂β[c] = Σ_s g[n, c, s].
+
+In training mode, or without running statistics (``track_running_stats=False``),
+the layer normalises with the statistics of the current batch: every output
+depends on every sample, so individual gradients are not defined (the
+"individual gradient" of a sample would depend on which other samples share its
+batch). :func:`check` refuses those configurations, also for ``affine=False``
+layers, whose mixing would corrupt the quantities of the layers around them.
+
+The forward never updates the running statistics (it runs with
+``training=False``) and never writes to the module.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .._errors import CurvatureError
+from ._site import Recorder, RoleTensors, Rule, Site
+
+_EXPECTED_DIMS = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}
+
+BATCH_STATISTICS_MSG = (
+    "BatchNorm layer '{where}' ({kind}) {why}, so it normalises each sample with "
+    "statistics of the whole batch: samples are mixed and per-sample quantities "
+    "(individual gradients, their norms, curvature per sample) are ill-defined. "
+    "curvlib supports BatchNorm only in evaluation mode with running statistics: "
+    "call model.eval() before curvlib (or use a layer built with "
+    "track_running_stats=True, trained to have running statistics)."
+)
+
+
+def check(module: nn.modules.batchnorm._BatchNorm, where: str) -> None:
+    """Refuse a BatchNorm layer that would use batch statistics.
+
+    Raises:
+        CurvatureError: if ``module.training`` is true, or if the layer has no
+            running statistics (``track_running_stats=False``).
+    """
+    kind = type(module).__name__
+    if module.training:
+        why = "is in training mode (module.training=True)"
+    elif module.running_mean is None or module.running_var is None:
+        why = (
+            f"has no running statistics (track_running_stats={module.track_running_stats}, "
+            "running_mean/running_var are None)"
+        )
+    else:
+        return
+    raise CurvatureError(BATCH_STATISTICS_MSG.format(where=where, kind=kind, why=why))
+
+
+def _flat(site: Site, g: Tensor):
+    """``x̂ [n, c, s]`` (or ``None`` when not saved) and ``g [n, c, s]``, batch in front.
+
+    The channel axis is dim 1 of the layer's output; the batch is wherever the
+    planner found it (dim 0 for ordinary use, never dim 1).
+    """
+    bdim = site.meta.get("batch_dim", 0)
+    xhat = site.saved.get("xhat")
+
+    def canon(t: Tensor) -> Tensor:
+        if t.dim() == 2:  # [N, C]
+            return t.unsqueeze(-1)
+        t = t.movedim((bdim, 1), (0, 1)) if bdim != 0 else t
+        return t.flatten(2)
+
+    return (canon(xhat) if xhat is not None else None), canon(g)
+
+
+def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``{"weight": [N, C], "bias": [N, C]}``: ``Σ_s g x̂`` and ``Σ_s g``."""
+    xhat, g = _flat(site, g)
+    out = {}
+    if "weight" in roles:
+        out["weight"] = (g * xhat).sum(2)
+    if "bias" in roles:
+        out["bias"] = g.sum(2)
+    return out
+
+
+def grad(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``{"weight": [C], "bias": [C]}``: the individual gradients summed over ``n``."""
+    return {role: v.sum(0) for role, v in grad_batch(site, g, roles).items()}
+
+
+def batch_l2(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``[N]`` per role: ``Σ_c (∂ℓ_n/∂p[c])²`` (the ``[N, C]`` gradients are small)."""
+    return {role: (v**2).sum(1) for role, v in grad_batch(site, g, roles).items()}
+
+
+def sum_grad_squared(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``[C]`` per role: ``Σ_n (∂ℓ_n/∂p[c])²``."""
+    return {role: (v**2).sum(0) for role, v in grad_batch(site, g, roles).items()}
+
+
+BATCHNORM = Rule(
+    kind="batchnorm",
+    grad_batch=grad_batch,
+    grad=grad,
+    batch_l2=batch_l2,
+    sum_grad_squared=sum_grad_squared,
+    any_batch_dim=True,
+)
+
+
+def forward(module: nn.modules.batchnorm._BatchNorm, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
+    """Run the BatchNorm layer in evaluation mode functionally and record its site.
+
+    Only valid after :func:`check` accepted the module (evaluation mode, running
+    statistics present); the running statistics are read, never updated.
+    """
+    check(module, where)
+    x = args[0] if args else kwargs["input"]
+    dims = next((d for t, d in _EXPECTED_DIMS.items() if isinstance(module, t)), None)
+    if dims is not None and x.dim() not in dims:
+        raise CurvatureError(
+            f"BatchNorm layer '{where}' ({type(module).__name__}) got an input with "
+            f"{x.dim()} dims (shape {list(x.shape)}); it takes "
+            + " or ".join(f"{d}D" for d in dims)
+            + " input [N, C, *]."
+        )
+    mean, var = module.running_mean, module.running_var
+    out = F.batch_norm(
+        x, mean, var, tensors.get("weight"), tensors.get("bias"),
+        training=False, momentum=0.0, eps=module.eps,
+    )
+    saved = {}
+    if "weight" in names:
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        saved["xhat"] = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + module.eps)
+    return rec.add(Site(BATCHNORM, names, where, saved=saved, meta={"batch_dim": 0}), out)

@@ -1,0 +1,158 @@
+"""Embedding look-up ``y[n, p] = W[idx[n, p]]`` (``nn.Embedding``), batched with an explicit ``n``.
+
+Shapes: indices ``idx [N, *S]`` (integers in ``[0, V)``), ``W [V, D]``, output and
+``g = ∂L/∂y`` ``[N, *S, D]``. The positions ``*S`` are flattened into ``p``
+(``P`` of them; ``P = 1`` for ``idx [N]``), so the rule works on ``idx [n, p]``
+and ``g [n, p, d]``. Positions holding ``padding_idx`` get no gradient; their
+``g`` rows are zeroed first (written ``g̃`` below), so they drop out of every
+formula.
+
+Individual gradient (``e_v`` the ``v``-th unit vector of length ``V``):
+
+    ∂ℓ_n/∂W = Σ_p e_{idx[n, p]} g̃[n, p]ᵀ        [N, V, D],
+
+i.e. row ``v`` of sample ``n`` is ``G[n, v] = Σ_{p: idx[n, p] = v} g̃[n, p]``, a
+scatter-add of the ``g̃`` rows at the indices.
+
+The norms and squares never form ``[N, V, D]``: only the pairs ``(n, v)`` that
+occur are non-zero rows of ``G``, at most ``N·P`` of them. With the key
+``k = n·V + idx[n, p]`` sorted, equal keys are adjacent; numbering the runs
+``r = 0, 1, …`` gives ``G_r = Σ_{p in run r} g̃_p`` (``[N·P, D]``, unused rows
+zero) and
+
+    ‖∂ℓ_n/∂W‖² = Σ_{runs r of sample n} ‖G_r‖²,
+    Σ_n (∂ℓ_n/∂W)²[v] = Σ_{runs r with index v} G_r²,
+
+in ``O(N·P·(D + log N·P))`` time and ``O(N·P·D)`` memory, with fixed shapes (no
+``unique``), so it also runs under :func:`torch.func.vmap`. This equals the Gram
+form ``‖∂ℓ_n/∂W‖² = Σ_{p,q} [idx_p = idx_q] g̃_p·g̃_q`` without its ``P²`` cost.
+
+Refused (see :func:`check`): ``max_norm`` (the look-up renormalises rows of the
+weight in place, mutating the module) and ``scale_grad_by_freq=True`` (the
+gradient is divided by index counts over the whole batch, mixing samples).
+``sparse=True`` only changes how autograd stores ``W.grad``; the quantities
+here are dense tensors either way.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .._errors import CurvatureError
+from ._site import Recorder, RoleTensors, Rule, Site
+
+
+def check(module: nn.Embedding, where: str) -> None:
+    """Refuse the options whose individual gradients are not defined here.
+
+    Raises:
+        CurvatureError: if ``max_norm`` is set or ``scale_grad_by_freq`` is true.
+    """
+    if module.max_norm is not None:
+        raise CurvatureError(
+            f"Embedding '{where}' has max_norm={module.max_norm}: every look-up "
+            "renormalises rows of the weight in place, which would mutate the model "
+            "(curvlib never changes it). Supported: max_norm=None; renormalise the "
+            "weight yourself outside curvlib if you need it."
+        )
+    if module.scale_grad_by_freq:
+        raise CurvatureError(
+            f"Embedding '{where}' has scale_grad_by_freq=True: its gradient is divided "
+            "by how often each index occurs in the whole batch, which mixes samples, "
+            "so individual gradients are ill-defined. Supported: scale_grad_by_freq=False."
+        )
+
+
+def _flat(site: Site, g: Tensor) -> Tuple[Tensor, Tensor]:
+    """``idx [n, p]`` and ``g̃ [n, p, d]`` (padding rows zeroed), batch in front."""
+    idx = site.saved["idx"]
+    bdim = site.meta.get("batch_dim", 0)
+    if bdim != 0:
+        idx, g = idx.movedim(bdim, 0), g.movedim(bdim, 0)
+    n = idx.shape[0]
+    idx, g = idx.reshape(n, -1), g.reshape(n, -1, g.shape[-1])
+    pad = site.meta["padding_idx"]
+    if pad is not None:
+        g = g * (idx != pad).unsqueeze(-1).to(g.dtype)
+    return idx, g
+
+
+def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``{"weight": [N, V, D]}``: ``G[n, v] = Σ_{p: idx[n, p] = v} g̃[n, p]``."""
+    if "weight" not in roles:
+        return {}
+    idx, g = _flat(site, g)
+    n, v, d = idx.shape[0], site.meta["num_embeddings"], g.shape[-1]
+    sample = torch.arange(n, device=idx.device).unsqueeze(1)
+    keys = (sample * v + idx).reshape(-1)
+    out = g.new_zeros(n * v, d).index_add(0, keys, g.reshape(-1, d))
+    return {"weight": out.view(n, v, d)}
+
+
+def grad(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``{"weight": [V, D]}``: ``Σ_{n,p} e_{idx[n, p]} g̃[n, p]ᵀ``."""
+    if "weight" not in roles:
+        return {}
+    idx, g = _flat(site, g)
+    d = g.shape[-1]
+    out = g.new_zeros(site.meta["num_embeddings"], d).index_add(0, idx.reshape(-1), g.reshape(-1, d))
+    return {"weight": out}
+
+
+def _runs(site: Site, g: Tensor):
+    """Rows ``G_r`` of the non-zero ``(n, v)`` pairs (see module docstring).
+
+    Returns:
+        ``(first, sample, index, rows)``, all over the ``N·P`` sorted positions:
+        ``first [N·P]`` 1.0 where a run starts (else 0.0), ``sample``/``index``
+        ``[N·P]`` the run's ``n`` and ``v``, ``rows [N·P, D]`` the run's ``G_r``.
+    """
+    idx, g = _flat(site, g)
+    n, v, d = idx.shape[0], site.meta["num_embeddings"], g.shape[-1]
+    sample = torch.arange(n, device=idx.device).unsqueeze(1)
+    keys, order = (sample * v + idx).reshape(-1).sort()
+    starts = torch.cat([keys.new_ones(1, dtype=torch.bool), keys[1:] != keys[:-1]])
+    run = starts.cumsum(0) - 1
+    sums = g.new_zeros(keys.shape[0], d).index_add(0, run, g.reshape(-1, d)[order])
+    return starts.to(g.dtype), keys // v, keys % v, sums[run]
+
+
+def batch_l2(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``{"weight": [N]}``: ``Σ_{runs r of n} ‖G_r‖²``."""
+    if "weight" not in roles:
+        return {}
+    first, sample, _, rows = _runs(site, g)
+    n = site.saved["idx"].shape[site.meta.get("batch_dim", 0)]
+    return {"weight": g.new_zeros(n).index_add(0, sample, (rows**2).sum(1) * first)}
+
+
+def sum_grad_squared(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``{"weight": [V, D]}``: ``Σ_{runs r with index v} G_r²``."""
+    if "weight" not in roles:
+        return {}
+    first, _, index, rows = _runs(site, g)
+    out = g.new_zeros(site.meta["num_embeddings"], rows.shape[1])
+    return {"weight": out.index_add(0, index, rows**2 * first.unsqueeze(1))}
+
+
+EMBEDDING = Rule(
+    kind="embedding",
+    grad_batch=grad_batch,
+    grad=grad,
+    batch_l2=batch_l2,
+    sum_grad_squared=sum_grad_squared,
+    any_batch_dim=True,
+)
+
+
+def forward(module: nn.Embedding, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
+    """Run ``nn.Embedding`` functionally (never renormalising its weight) and record its site."""
+    check(module, where)
+    idx = args[0] if args else kwargs["input"]
+    out = F.embedding(idx, tensors["weight"], module.padding_idx)
+    meta = {"batch_dim": 0, "padding_idx": module.padding_idx, "num_embeddings": module.num_embeddings}
+    return rec.add(Site(EMBEDDING, names, where, saved={"idx": idx}, meta=meta), out)
