@@ -25,11 +25,18 @@ from . import generic
 # (module types, family module name). Order matters only for subclasses.
 FAMILIES: Tuple[Tuple[Tuple[type, ...], str], ...] = (
     ((nn.Linear,), "linear"),
+    ((nn.Conv1d, nn.Conv2d, nn.Conv3d), "conv"),
+    ((nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d), "conv_transpose"),
+    ((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), "batchnorm"),
+    ((nn.Embedding,), "embedding"),
+    ((nn.RNN, nn.LSTM, nn.GRU), "rnn"),
 )
 
 # Parameter-free (or parametrized) modules whose configuration must be checked
 # on every call: module type -> family module name providing ``check``.
-CHECKED: Tuple[Tuple[Tuple[type, ...], str], ...] = ()
+CHECKED: Tuple[Tuple[Tuple[type, ...], str], ...] = (
+    ((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), "batchnorm"),
+)
 
 
 def _family(module: nn.Module, table) -> "str | None":
@@ -46,6 +53,18 @@ def forward_for(module: nn.Module) -> Tuple[Callable, str]:
     if family is None:
         return generic.forward, "generic"
     return importlib.import_module(f"{__name__}.{family}").forward, family
+
+
+def kron_factors(site, role: str, m):
+    """Kronecker factors (BackPACK's order) of ``role`` at ``site`` from the pulled-back root ``m``."""
+    family = importlib.import_module(f"{__name__}.{site.rule.kind}")
+    return family.kron(site, role, m)
+
+
+def kron_from_matrix(site, role: str, G):
+    """KFRA factors of ``role`` at ``site`` from the batch-averaged output matrix ``G``."""
+    family = importlib.import_module(f"{__name__}.{site.rule.kind}")
+    return family.kron_from_output_matrix(site, role, G)
 
 
 def check_module(module: nn.Module, where: str) -> None:

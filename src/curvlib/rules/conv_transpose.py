@@ -1,0 +1,115 @@
+"""Transposed convolutions ``nn.ConvTranspose1d/2d/3d``, batched with an explicit ``n``.
+
+Letters as in :mod:`~curvlib.rules.conv`: ``n`` batch, ``g`` group, ``c``
+input channel within its group (``C_in/G``), ``o`` output channel within its
+group (``C_out/G``), ``k`` kernel offset (``K``), ``l`` *input* position
+(``L = S_1⋯S_d``).
+
+Shapes: ``x [N, C_in, *S]``, ``W [C_in, C_out/G, *k]``, ``b [C_out]``,
+``y [N, C_out, *P]`` with
+``P_j = (S_j-1)·stride_j - 2·pad_j + dil_j·(k_j-1) + out_pad_j + 1``.
+
+The transposed convolution scatters every input position into the output:
+
+    y[n, g, o, p] = Σ_{c,k,l : p = stride·l - pad + dil·k} x[n, g, c, l] W[g, c, o, k] + b[g, o].
+
+Hence, with ``g̃`` the output gradient zero-padded by ``pad`` on both sides,
+the *unfold of g with the forward convolution's geometry*,
+
+    V[n, o, k, l] = g̃[n, o, stride·l + dil·k]        (first ``S_j`` positions per dim),
+
+has exactly one column per input position ``l``, and
+
+    ∂ℓ_n/∂W[g] = Σ_l x[n, g, :, l] V[n, g, :, :, l]ᵀ,   ∂ℓ_n/∂b = Σ_p g[n, :, p].
+
+(``g̃`` spans ``P + 2·pad ≥ (S-1)·stride + dil·(k-1) + 1`` positions, so every
+``l < S`` has a full window; taps at padded positions fall outside ``y`` and
+rightly contribute zero.) This is the conv structure with ``a = x``,
+``b = V``; norms and squares come from :func:`~curvlib.rules.conv.outer_rule`.
+
+``forward(input, output_size)`` is honoured: ``output_size`` fixes
+``out_pad`` through the module's own ``_output_padding``.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .._errors import CurvatureError
+from . import generic
+from ._site import Recorder, Site
+from .conv import check_batched, outer_rule, unfold
+
+_CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def _operands(site: Site, g: Tensor) -> Tuple[Tensor, Tensor, Tuple[int, ...]]:
+    """``a = x [n, G, C_in/G, L]``, ``b = V [n, G, C_out/G·K, L]`` (module docstring)."""
+    m = site.meta
+    x = site.saved["x"]
+    pad = [p for j in reversed(range(len(m["padding"]))) for p in (m["padding"][j], m["padding"][j])]
+    g_padded = F.pad(g, pad) if any(pad) else g
+    v = unfold(g_padded, m["kernel_size"], m["stride"], m["dilation"], positions=x.shape[2:])
+    n, groups = x.shape[0], m["groups"]
+    a = x.reshape(n, groups, x.shape[1] // groups, -1)
+    b = v.reshape(n, groups, v.shape[1] // groups, -1)
+    return a, b, (x.shape[1], g.shape[1] // groups, *m["kernel_size"])
+
+
+CONV_TRANSPOSE = outer_rule("conv_transpose", _operands)
+
+
+def check(module: nn.Module, where: str) -> None:
+    """Refuse a ``padding_mode`` other than ``"zeros"`` (PyTorch refuses it too)."""
+    if module.padding_mode != "zeros":
+        raise CurvatureError(
+            f"Layer '{where}' ({type(module).__name__}): padding_mode="
+            f"{module.padding_mode!r} is not supported; transposed convolutions "
+            "support only padding_mode='zeros'."
+        )
+
+
+def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
+    """Run ``nn.ConvTranspose1d/2d/3d`` functionally and record its site.
+
+    Modules whose parameters are not plain ``weight``/``bias`` (e.g. under
+    :mod:`torch.nn.utils.parametrize`) go to the generic rule.
+    """
+    if not set(tensors) <= {"weight", "bias"}:
+        return generic.forward(module, where, names, tensors, args, kwargs, rec)
+    x = args[0] if args else kwargs["input"]
+    output_size = args[1] if len(args) > 1 else kwargs.get("output_size")
+    check(module, where)
+    check_batched(module, where, x)
+    d = len(module.kernel_size)
+    output_padding = module._output_padding(
+        x,
+        None if output_size is None else list(output_size),
+        list(module.stride),
+        list(module.padding),
+        list(module.kernel_size),
+        d,
+        list(module.dilation),
+    )
+    out = _CONV_TRANSPOSE[d](
+        x,
+        tensors["weight"],
+        tensors.get("bias"),
+        module.stride,
+        module.padding,
+        output_padding,
+        module.groups,
+        module.dilation,
+    )
+    meta = {
+        "kernel_size": tuple(module.kernel_size),
+        "stride": tuple(module.stride),
+        "padding": tuple(module.padding),
+        "dilation": tuple(module.dilation),
+        "groups": module.groups,
+        "batch_dim": 0,
+    }
+    return rec.add(Site(CONV_TRANSPOSE, names, where, saved={"x": x}, meta=meta), out)

@@ -1,0 +1,267 @@
+"""Conv1d/2d/3d rule against the per-sample-copies oracle, over every constructor option."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+from torch import nn
+
+from curvlib import CurvatureError, curvature
+from curvlib.extensions import BatchGrad
+from curvlib.rules import conv as conv_rule
+from helpers import check_first_order
+
+LOSSES = {"mse": nn.MSELoss, "ce": nn.CrossEntropyLoss, "bce": nn.BCEWithLogitsLoss}
+CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+# "same" with an even kernel warns about an internal padded copy; harmless here.
+pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same'")
+
+
+def targets(kind, out, gen):
+    """Targets for ``out`` ([N, C, *] logits for CE)."""
+    if kind == "ce":
+        return torch.randint(0, out.shape[1], (out.shape[0],) + tuple(out.shape[2:]), generator=gen)
+    if kind == "bce":
+        return torch.rand(out.shape, generator=gen, dtype=out.dtype)
+    return torch.randn(out.shape, generator=gen, dtype=out.dtype)
+
+
+@st.composite
+def conv_configs(draw, dims=(1, 2, 3)):
+    """``(d, conv kwargs, spatial input shape)``: a valid nn.ConvNd and an input it accepts."""
+    d = draw(st.sampled_from(dims))
+    groups = draw(st.integers(1, 2))
+    c_in = groups * draw(st.integers(1, 2))
+    c_out = groups * draw(st.integers(1, 2))
+    kmax = 3 if d < 3 else 2
+    int_kernel = d > 1 and draw(st.booleans())
+    if int_kernel:
+        kernel = (draw(st.integers(1, kmax)),) * d
+    else:
+        kernel = tuple(draw(st.integers(1, kmax)) for _ in range(d))
+    dilation = tuple(draw(st.integers(1, 2)) for _ in range(d))
+    mode = draw(st.sampled_from(["zeros", "reflect", "replicate", "circular"]))
+    padding_kind = draw(st.sampled_from(["int", "tuple", "valid", "same"]))
+    if padding_kind == "same":
+        stride = 1
+        padding = "same"
+        per_side = [(dl * (k - 1) + 1) // 2 + 1 for k, dl in zip(kernel, dilation)]
+    else:
+        stride = draw(st.one_of(st.integers(1, 2), st.tuples(*[st.integers(1, 2)] * d)))
+        if padding_kind == "int":
+            padding = draw(st.integers(0, 2))
+            per_side = [padding] * d
+        elif padding_kind == "tuple":
+            padding = tuple(draw(st.integers(0, 2)) for _ in range(d))
+            per_side = list(padding)
+        else:
+            padding = "valid"
+            per_side = [0] * d
+    smax = 7 if d < 3 else 4
+    spatial = []
+    for k, dl, p in zip(kernel, dilation, per_side):
+        # the padded input must hold one window; reflect needs padding < size
+        low = max(dl * (k - 1) + 1 - 2 * p, p + 1, 1)
+        spatial.append(draw(st.integers(low, max(low, smax))))
+    kwargs = dict(
+        in_channels=c_in,
+        out_channels=c_out,
+        kernel_size=kernel[0] if int_kernel else kernel,
+        stride=stride,
+        padding=padding,
+        dilation=dilation,
+        groups=groups,
+        bias=draw(st.booleans()),
+        padding_mode=mode,
+    )
+    return d, kwargs, tuple(spatial)
+
+
+def _model_and_data(d, kwargs, spatial, n, seed, head):
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    conv = CONV[d](**kwargs)
+    X = torch.randn((n, kwargs["in_channels"], *spatial), generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        out_shape = conv.double()(X).shape
+    if head:
+        model = nn.Sequential(conv, nn.Sigmoid(), nn.Flatten(), nn.Linear(out_shape[1:].numel(), 3))
+    else:
+        model = nn.Sequential(conv)
+    return model.double(), X, gen
+
+
+@given(
+    config=conv_configs(),
+    n=st.integers(1, 3),
+    head=st.booleans(),
+    loss=st.sampled_from(sorted(LOSSES)),
+    reduction=st.sampled_from(["mean", "sum"]),
+    seed=st.integers(0, 2**16),
+)
+def test_conv_all_options(config, n, head, loss, reduction, seed):
+    d, kwargs, spatial = config
+    model, X, gen = _model_and_data(d, kwargs, spatial, n, seed, head)
+    y = targets(loss, model(X), gen)
+    check_first_order(model, LOSSES[loss](reduction=reduction), X, y)
+
+
+@given(
+    config=conv_configs(dims=(1, 2)),
+    n=st.integers(1, 3),
+    loss=st.sampled_from(sorted(LOSSES)),
+    seed=st.integers(0, 2**16),
+)
+def test_two_convs_and_linear_head(config, n, loss, seed):
+    d, kwargs, spatial = config
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    first = CONV[d](**kwargs)
+    second = CONV[d](kwargs["out_channels"], 3, kernel_size=1, stride=1, padding=1, padding_mode="replicate")
+    X = torch.randn((n, kwargs["in_channels"], *spatial), generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        features = second.double()(first.double()(X)).shape[1:].numel()
+    model = nn.Sequential(first, nn.Tanh(), second, nn.ReLU(), nn.Flatten(), nn.Linear(features, 4)).double()
+    check_first_order(model, LOSSES[loss](), X, targets(loss, model(X), gen))
+
+
+class SharedConv(nn.Module):
+    """One conv applied twice (shared weights), then a linear head."""
+
+    def __init__(self, d, channels, features, **kwargs):
+        super().__init__()
+        self.conv = CONV[d](channels, channels, **kwargs)
+        self.head = nn.Linear(features, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x))
+        return self.head(self.conv(h).flatten(1))
+
+
+@pytest.mark.parametrize("d", [1, 2, 3])
+@pytest.mark.parametrize("padding_mode", ["zeros", "circular"])
+def test_conv_used_twice(d, padding_mode):
+    torch.manual_seed(d)
+    X = torch.randn((3, 2, *[5] * d), dtype=torch.float64)
+    model = SharedConv(d, 2, 2 * 5**d, kernel_size=3, padding="same", groups=2, padding_mode=padding_mode).double()
+    check_first_order(model, nn.CrossEntropyLoss(), X, torch.tensor([0, 1, 1]))
+
+
+@pytest.mark.parametrize("d", [1, 2, 3])
+def test_class_per_position_cross_entropy(d):
+    """CE on the conv output [N, C, *spatial] directly (no head)."""
+    torch.manual_seed(0)
+    model = CONV[d](2, 3, kernel_size=2, stride=1, padding=1, dilation=2).double()
+    X = torch.randn((2, 2, *[4] * d), dtype=torch.float64)
+    out = model(X)
+    y = torch.randint(0, 3, (2, *out.shape[2:]))
+    check_first_order(model, nn.CrossEntropyLoss(), X, y)
+
+
+@pytest.mark.parametrize(
+    "c_in, c_out, kernel, spatial",
+    [(1, 1, 1, 6), (4, 4, 3, 3), (3, 2, 3, 5)],  # L² > A·B (materialised) and L² ≤ A·B (Gram)
+)
+def test_norm_paths(c_in, c_out, kernel, spatial):
+    """Both batch_l2 branches and the L = 1 sum_grad_squared branch agree with the oracle."""
+    torch.manual_seed(0)
+    model = nn.Conv2d(c_in, c_out, kernel).double()
+    X = torch.randn(3, c_in, spatial, spatial, dtype=torch.float64)
+    check_first_order(model, nn.MSELoss(), X, torch.randn_like(model(X)))
+
+
+def test_kernel_covers_input_single_position():
+    """L = 1: the sum of squares uses (g²)(u²)ᵀ."""
+    torch.manual_seed(0)
+    model = nn.Conv1d(2, 3, 4, groups=1).double()
+    X = torch.randn(3, 2, 4, dtype=torch.float64)
+    check_first_order(model, nn.MSELoss(reduction="sum"), X, torch.randn(3, 3, 1, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("d", [1, 2, 3])
+@pytest.mark.parametrize("padding", ["same", "valid", 1])
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect", "replicate", "circular"])
+def test_explicit_padding_reproduces_module(d, padding, padding_mode):
+    """F.pad with explicit_padding, then a conv with padding 0, equals the module."""
+    torch.manual_seed(0)
+    conv = CONV[d](2, 2, kernel_size=(2, 3, 4)[:d], padding=padding, dilation=(1, 2, 1)[:d],
+                   padding_mode=padding_mode).double()
+    X = torch.randn((1, 2, *[6] * d), dtype=torch.float64)
+    mode = "constant" if padding_mode == "zeros" else padding_mode
+    padded = torch.nn.functional.pad(X, conv_rule.explicit_padding(conv), mode=mode)
+    expected = conv(X)
+    got = conv_rule._CONV[d](padded, conv.weight, conv.bias, conv.stride, 0, conv.dilation)
+    torch.testing.assert_close(got, expected)
+
+
+def test_unbatched_input_is_refused():
+    class Squeeze(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(3, 2, 1)
+
+        def forward(self, x):  # x [N, 3]: an unbatched Conv1d input [C, L] would be wrong here
+            return self.conv(x.transpose(0, 1)).transpose(0, 1)
+
+    X = torch.randn(4, 3, dtype=torch.float64)
+    model = Squeeze().double()
+    with pytest.raises(CurvatureError, match="conv"):
+        curvature(model, nn.MSELoss(), [BatchGrad()])(X, torch.randn(4, 2, dtype=torch.float64))
+
+
+def test_only_bias_trainable():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 2, padding_mode="reflect", padding=1), nn.Flatten()).double()
+    model[0].weight.requires_grad_(False)
+    X = torch.randn(2, 2, 4, 4, dtype=torch.float64)
+    check_first_order(model, nn.MSELoss(), X, torch.randn_like(model(X)))
+
+
+def test_parametrized_conv_falls_back_to_generic():
+    """A weight-normed conv has no plain ``weight`` parameter; the generic rule takes it exactly."""
+    torch.manual_seed(0)
+    conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(2, 2, 3, padding=1))
+    model = nn.Sequential(conv, nn.Flatten()).double()
+    X = torch.randn(3, 2, 5, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check_first_order(model, nn.MSELoss(), X, torch.randn_like(model(X)))
+
+
+@pytest.mark.parametrize("d", [1, 2, 3])
+@pytest.mark.parametrize("ext", ["KFLR", "KFRA"])
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+def test_kronecker_factors_match_backpack(d, ext):
+    """Kronecker factors of conv weight/bias equal BackPACK's (zeros padding, groups=1)."""
+    backpack = pytest.importorskip("backpack")
+    from curvlib import extensions
+
+    torch.manual_seed(d)
+    conv = CONV[d](2, 3, kernel_size=2, stride=(2, 1, 1)[:d], padding=1, dilation=(1, 2, 1)[:d])
+    X = torch.randn((3, 2, *[4] * d), dtype=torch.float64)
+    with torch.no_grad():
+        features = conv.double()(X).shape[1:].numel()
+    model = nn.Sequential(conv, nn.ReLU(), nn.Flatten(), nn.Linear(features, 3)).double()
+    y = torch.tensor([0, 2, 1])
+    ours = getattr(extensions, ext)()
+    qs = curvature(model, nn.CrossEntropyLoss(), [ours])(X, y)
+
+    bp_model, bp_loss = backpack.extend(copy.deepcopy(model)), backpack.extend(nn.CrossEntropyLoss())
+    with backpack.backpack(getattr(backpack.extensions, ext)()):
+        bp_loss(bp_model(X), y).backward()
+    for name, p in bp_model.named_parameters():
+        theirs = getattr(p, ours.name)
+        assert len(qs[ours.name][name]) == len(theirs)
+        for a, b in zip(qs[ours.name][name], theirs):
+            torch.testing.assert_close(a, b)
+
+
+def test_kronecker_factors_of_grouped_conv_are_refused():
+    from curvlib.extensions import KFAC
+
+    model = nn.Sequential(nn.Conv1d(2, 2, 1, groups=2), nn.Flatten()).double()
+    X = torch.randn(2, 2, 3, dtype=torch.float64)
+    with pytest.raises(CurvatureError, match="groups=2"):
+        curvature(model, nn.MSELoss(), [KFAC()])(X, torch.randn(2, 6, dtype=torch.float64))
