@@ -205,3 +205,18 @@ def test_dropout_train_mode_differentiates_the_forward_mask():
     qs = curvature(model, nn.CrossEntropyLoss(), [BatchGrad()])(X, y)
     for k in qs["grad"]:
         torch.testing.assert_close(qs["grad_batch"][k].sum(0), qs["grad"][k])
+
+
+def test_parametrized_and_hooked_linear_use_the_generic_rule():
+    from torch.nn.utils import parametrize
+
+    class Positive(nn.Module):
+        def forward(self, w):
+            return w.exp()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).to(DT)
+    parametrize.register_parametrization(model[0], "weight", Positive())
+    model[2].register_forward_hook(lambda m, i, o: o * 2.0)
+    X = torch.randn(5, 4, dtype=DT)
+    check_first_order(model, nn.MSELoss(), X, torch.randn(5, 2, dtype=DT))

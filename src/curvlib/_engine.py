@@ -50,6 +50,7 @@ def run_graph(
     trainable: frozenset,
     rec: Recorder,
     fake_tensor: Optional[Callable[[Tensor], Tensor]] = None,
+    env: Optional[Dict[fx.Node, object]] = None,
 ) -> Tensor:
     """Interpret the program's graph on input ``X``.
 
@@ -62,10 +63,12 @@ def run_graph(
         fake_tensor: during planning, turns a real buffer read by ``get_attr``
             into a fake one (``None`` otherwise).
 
+        env: if given, filled with every node's value.
+
     Returns:
         The model output.
     """
-    env: Dict[fx.Node, object] = {}
+    env = {} if env is None else env
     placeholders_seen = 0
     result = None
     for node in program.graph.nodes:

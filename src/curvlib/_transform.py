@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from . import losses
 from ._engine import FIRST_ORDER, Plan, check_modules, first_order, forward_with_probes, make_plan, run_graph
+from ._kfra import chain_nodes, kfra
 from ._secondorder import check_second_order, second_order
 from .extensions.secondorder import SecondOrder
 from .rules._site import Recorder
@@ -132,6 +133,8 @@ def curvature(
             f"{type(model).__name__} could not be traced with torch.fx:\n  {program.trace_error}\n"
             "First-order extensions do not need the graph."
         )
+    if any(e.quantity == "kfra" for e in second_exts):
+        chain_nodes(program)  # refuse branching graphs before any work
     hessian_needed = any(e.quantity in ("hessian_diag", "hessian_batch_diag", "pchmp") for e in second_exts)
     residual_nodes, residual_other = _residual_nodes(program) if hessian_needed else ({}, [])
     plans: Dict[tuple, Plan] = {}
@@ -186,7 +189,7 @@ def curvature(
         result: Dict[str, object] = {"loss": loss.detach() if not _wrapped(loss) else loss}
         result.update(quantities)
         if second_exts:
-            rerun = _products(program, spec, X, y, values, residual_nodes, lin, residual_grads, rng)
+            rerun = _products(program, spec, X, y, values, residual_nodes, lin, residual_grads, rng, trainable)
             result.update(
                 second_order(lin, spec, y, second_exts, trainable, values, X.shape[0], residual_grads, rerun)
             )
@@ -248,8 +251,9 @@ class _replay_rng:
         return self.fork.__exit__(*exc)
 
 
-def _products(program, spec, X, y, values, residual_nodes, lin, residual_grads, rng):
-    """Factory of the block-product callables ``[V, *p] -> [V, *p]`` (GGNMP, HMP, PCHMP)."""
+def _products(program, spec, X, y, values, residual_nodes, lin, residual_grads, rng, lin_names):
+    """Factory of the block-product callables ``[V, *p] -> [V, *p]`` (GGNMP, HMP, PCHMP),
+    and of KFRA's factors (which also re-run the forward)."""
     out_value = lin.out
 
     def outputs(name, p, with_taps):
@@ -261,6 +265,9 @@ def _products(program, spec, X, y, values, residual_nodes, lin, residual_grads, 
         return out, [r.a for r in rec.residuals]
 
     def make(ext, name):
+        if ext.quantity == "kfra":
+            with _replay_rng(rng, X.device):
+                return kfra(program, spec, X, y, [n for n in lin_names], values, lin.sites)
         p0 = values[name]
 
         def check(V):

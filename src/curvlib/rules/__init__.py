@@ -47,10 +47,25 @@ def _family(module: nn.Module, table) -> "str | None":
     return None
 
 
+def _plain(module: nn.Module) -> bool:
+    """No parametrization and no module hooks: the family's functional forward is exact."""
+    from torch.nn.utils import parametrize
+
+    return not (
+        parametrize.is_parametrized(module)
+        or module._forward_hooks
+        or module._forward_pre_hooks
+    )
+
+
 def forward_for(module: nn.Module) -> Tuple[Callable, str]:
-    """The functional forward for a parametrized leaf module, and its family name."""
+    """The functional forward for a parametrized leaf module, and its family name.
+
+    Modules with parametrizations or forward hooks run through the generic
+    rule, which calls the module itself (so its hooks run as usual).
+    """
     family = _family(module, FAMILIES)
-    if family is None:
+    if family is None or not _plain(module):
         return generic.forward, "generic"
     return importlib.import_module(f"{__name__}.{family}").forward, family
 

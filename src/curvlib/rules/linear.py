@@ -100,11 +100,19 @@ def kron(site: Site, role: str, m: Tensor) -> list:
     ``B = Σ_{v,n} m m ᵀ [O, O]`` and ``A = (1/N) Σ_n x xᵀ [I, I]``;
     weight: ``[B, A]``, bias: ``[B]``. Only 2d inputs (checked at planning).
     """
-    x = site.saved["x"]
     B = contract("vno,vnp->op", m, m)
-    if role == "bias":
-        return [B]
-    return [B, contract("ni,nj->ij", x, x) / x.shape[0]]
+    return [B] if role == "bias" else [B, kron_input(site)]
+
+
+def kron_input(site: Site) -> Tensor:
+    """Input-side Kronecker factor ``A = (1/N) Σ_n x xᵀ [I, I]``."""
+    x = site.saved["x"]
+    return contract("ni,nj->ij", x, x) / x.shape[0]
+
+
+def kron_from_output_matrix(site: Site, role: str, G: Tensor) -> list:
+    """KFRA factors from the batch-averaged output matrix ``G [O, O]``."""
+    return [G] if role == "bias" else [G, kron_input(site)]
 
 
 def forward(module: nn.Linear, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
