@@ -85,6 +85,14 @@ def test_not_an_extension():
         curvature(_mlp(), nn.CrossEntropyLoss(), {BatchGrad()})
 
 
+def test_base_classes_are_refused():
+    from curvlib.extensions import Extension, SecondOrder
+
+    for base in (Extension(), SecondOrder()):
+        with pytest.raises(TypeError, match=r"base class"):
+            curvature(_mlp(), nn.CrossEntropyLoss(), [base])
+
+
 def test_duplicate_extension_names():
     with pytest.raises(ValueError, match=r"same name 'variance'"):
         curvature(_mlp(), nn.CrossEntropyLoss(), [Variance(), BatchL2Grad(), Variance()])

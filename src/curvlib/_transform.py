@@ -45,6 +45,10 @@ def _check_extensions(extensions) -> tuple:
                 f"extensions holds {ext!r} of type {type(ext).__name__}, which is not a "
                 "curvlib extension; use instances from curvlib.extensions, e.g. BatchGrad()."
             )
+        if not ext.name:
+            raise CurvatureTypeError(
+                f"{type(ext).__name__} is a base class, not an extension; pass e.g. BatchGrad()."
+            )
         if ext.name in ("loss", "grad"):
             raise CurvatureError(f"Extension name {ext.name!r} is reserved for curvlib's own results.")
         if ext.name in seen:

@@ -1,0 +1,7 @@
+"""``python -m curvlib``: the self-checking demo (see :mod:`curvlib._demo`)."""
+
+import sys
+
+from ._demo import main
+
+sys.exit(main())
