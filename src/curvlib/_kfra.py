@@ -32,7 +32,7 @@ from .rules import kron_from_matrix
 from .rules._site import Recorder, Site
 
 # D² · N entries above which the dense recursion is refused (memory guard).
-MAX_ENTRIES = 2**28
+MAX_ENTRIES = 2**27
 
 
 def chain_nodes(program) -> List[fx.Node]:
@@ -80,14 +80,15 @@ def _node_function(program, node: fx.Node, env: Dict[fx.Node, object], params):
 def _average_congruence(f, a: Tensor, G: Tensor) -> Tensor:
     """``(1/N) Σ_n J_nᵀ G J_n`` for ``z = f(a)``, ``G [Dz, Dz]`` -> ``[Da, Da]``."""
     n = a.shape[0]
+    d_a, d_z = a[0].numel(), G.shape[0]
+    if max(d_z * n * d_a, d_a * d_a, d_z * d_z) > MAX_ENTRIES:
+        raise CurvatureError(
+            f"KFRA: the dense batch-averaged recursion through an operation with {d_a} "
+            f"inputs and {d_z} outputs per sample (N={n}) needs more than {MAX_ENTRIES} "
+            "entries; use KFAC or KFLR for this model."
+        )
     evals, evecs = torch.linalg.eigh(G)
     z, pull = vjp(f, a)
-    d_a = a[0].numel()
-    if evecs.shape[0] * n * d_a > MAX_ENTRIES:
-        raise CurvatureError(
-            f"KFRA: the dense recursion through an operation with {d_a} inputs and "
-            f"{evecs.shape[0]} outputs per sample needs too much memory; use KFAC or KFLR."
-        )
     cols = evecs.t().reshape((-1, 1) + tuple(z.shape[1:])).expand((-1, n) + tuple(z.shape[1:]))
     w = vmap(lambda c: pull(c)[0])(cols).reshape(evecs.shape[1], n, d_a)  # [K, N, Da]
     return torch.einsum("k,kni,knj->ij", evals, w, w) / n
