@@ -94,10 +94,27 @@ def _kron(uses, m_by_site, name, ext_name) -> List[Tensor]:
     return kron_factors(site, role, m_by_site[site.key])
 
 
-def check_second_order(exts: Sequence[SecondOrder], sites: Sequence[Site], names: Sequence[str], n_residual_other: List[str]) -> None:
-    """Refuse, before any work, what the requested extensions cannot do."""
+def check_second_order(exts: Sequence[SecondOrder], sites: Sequence[Site], names: Sequence[str], n_residual_other: List[str], layer_kinds: Mapping[str, str] = None) -> None:
+    """Refuse, before any work, what the requested extensions cannot do.
+
+    ``layer_kinds`` maps a layer's path to its family: a family's sites may be
+    of another kind (an RNN is made of linear sites around hidden
+    nonlinearities), so support is decided by the family.
+    """
     uses = _uses(sites)
+    layer_kinds = layer_kinds or {}
     for ext in exts:
+        for site in sites:
+            family = layer_kinds.get(site.where, site.rule.kind)
+            hessian = ext.quantity in ("hessian_diag", "hessian_batch_diag", "pchmp")
+            if (ext.kron and family not in KRON_KINDS) or (hessian and family not in HESSIAN_SITE_KINDS):
+                supported = KRON_KINDS if ext.kron else HESSIAN_SITE_KINDS
+                raise CurvatureError(
+                    f"{type(ext).__name__} is not supported for module '{site.where}' (layer "
+                    f"family '{family}', parameters {sorted(site.params.values())}); supported "
+                    f"families: {', '.join(supported)}. Remove the extension or set "
+                    "requires_grad=False on those parameters."
+                )
         if ext.kron:
             for name in names:
                 u = uses.get(name, [])

@@ -180,7 +180,10 @@ def curvature(
         # Targets and extensions are checked against the plan: before any work.
         losses.check_targets(spec, torch.empty(plan.out_shape, dtype=plan.out_dtype, device="meta"), y)
         if second_exts:
-            check_second_order(second_exts, plan.sites, trainable, residual_other)
+            check_second_order(
+                second_exts, plan.sites, trainable, residual_other,
+                {layer.path: layer.kind for layer in program.layers.values()},
+            )
         rng = _rng_state(X.device)
 
         lin = forward_with_probes(program, plan, X, values, frozenset(trainable), residual_nodes)
