@@ -70,7 +70,7 @@ ACTS = {
 RTOL, ATOL = 1e-7, 1e-9
 
 
-def KNOWN_HMP_MSE_MEAN_BUG(lossfn) -> bool:
+def _hmp_mse_mean_broken(lossfn) -> bool:
     """HMP with ``MSELoss(reduction="mean")`` currently raises inside torch
     (``jvp(grad(mse_loss))``, "ZeroTensors are immutable"); that case is tested
     on its own by :func:`test_hmp_mse_mean`. Make this return False once fixed."""
@@ -128,7 +128,7 @@ def check_second_order(
             :func:`test_embedding_padding_row_products`).
     """
     exts = [DiagGGNExact(), BatchDiagGGNExact(), SqrtGGNExact(), GGNMP()]
-    hmp = hmp and not KNOWN_HMP_MSE_MEAN_BUG(lossfn)
+    hmp = hmp and not _hmp_mse_mean_broken(lossfn)
     if hmp:
         exts.append(HMP())
     if hessian:
