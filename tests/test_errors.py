@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import curvlib
-from curvlib import CurvatureError, curvature
+from curvlib import curvature
 from curvlib.extensions import BatchGrad, BatchL2Grad, Variance
 
 DT = torch.float64

@@ -1,6 +1,5 @@
 """The transform itself: purity, params=, vmap composition, graphs and the generic rule."""
 
-import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, strategies as st
@@ -8,9 +7,9 @@ from torch import nn
 from torch.func import stack_module_state, vmap
 
 from curvlib import curvature
-from curvlib.extensions import BatchGrad, BatchL2Grad, SumGradSquared, Variance
+from curvlib.extensions import BatchGrad, BatchL2Grad, Variance
 
-from helpers import check_first_order, state_snapshot, _assert_same_state
+from helpers import check_first_order
 from oracles import assert_close_dicts, first_order_reference
 
 DT = torch.float64

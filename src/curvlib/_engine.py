@@ -265,12 +265,9 @@ class Linearization:
         """
         cot_taps = cot_taps or {}
         batched_out = cot_out is not None
-        first = cot_out if batched_out else next(iter(cot_taps.values()))
-        v = first.shape[0]
         out_arg = cot_out if batched_out else torch.zeros_like(self.out)
         tap_args = [cot_taps.get(i, torch.zeros_like(t)) for i, t in enumerate(self.taps)]
         tap_dims = [0 if i in cot_taps else None for i in range(len(self.taps))]
-        del v
 
         def one(c_out, c_taps):
             return self.pullback((c_out, list(c_taps)))[0]

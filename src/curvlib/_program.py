@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
-import torch
 from torch import fx, nn
 
 from . import rules

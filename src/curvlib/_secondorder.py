@@ -36,13 +36,14 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
-from torch.func import grad, jvp, vjp, vmap
+from torch.func import vmap
 
 from . import losses
-from ._engine import Linearization, run_graph
+from ._engine import Linearization
 from ._errors import CurvatureError
 from .extensions.secondorder import SecondOrder
-from .rules._site import Recorder, Site
+from .rules import kron_factors
+from .rules._site import Site
 from .rules.elementwise import second_derivative
 
 KRON_KINDS = ("linear", "conv")
@@ -87,73 +88,84 @@ def _batch_diag(uses, m_by_site, name, params, n) -> Tensor:
     return (_sqrt(uses, m_by_site, name) ** 2).sum(0)
 
 
-def _kron(uses, m_by_site, name, ext_name) -> List[Tensor]:
-    (site, role), = uses[name]
-    from .rules import kron_factors  # the families' Kronecker statistics
-
+def _kron(uses, m_by_site, name) -> List[Tensor]:
+    ((site, role),) = uses[name]
     return kron_factors(site, role, m_by_site[site.key])
 
 
-def check_second_order(exts: Sequence[SecondOrder], sites: Sequence[Site], names: Sequence[str], n_residual_other: List[str], layer_kinds: Mapping[str, str] = None) -> None:
+HESSIAN_QUANTITIES = ("hessian_diag", "hessian_batch_diag", "pchmp")
+
+
+def check_second_order(
+    exts: Sequence[SecondOrder],
+    sites: Sequence[Site],
+    names: Sequence[str],
+    unknown_nodes: List[str],
+    layer_kinds: Optional[Mapping[str, str]] = None,
+) -> None:
     """Refuse, before any work, what the requested extensions cannot do.
 
-    ``layer_kinds`` maps a layer's path to its family: a family's sites may be
-    of another kind (an RNN is made of linear sites around hidden
-    nonlinearities), so support is decided by the family.
+    Args:
+        exts: the second-order extensions.
+        sites: the planned sites.
+        names: trainable parameter names.
+        unknown_nodes: graph nodes whose second derivative is unknown.
+        layer_kinds: layer path -> family. Support is decided by the family,
+            not by the kind of its sites: an RNN is made of linear sites around
+            hidden nonlinearities.
     """
     uses = _uses(sites)
     layer_kinds = layer_kinds or {}
+    params_of: Dict[str, List[str]] = defaultdict(list)
+    for site in sites:
+        params_of[site.where].extend(n for n in site.params.values() if n not in params_of[site.where])
     for ext in exts:
-        for site in sites:
-            family = layer_kinds.get(site.where, site.rule.kind)
-            hessian = ext.quantity in ("hessian_diag", "hessian_batch_diag", "pchmp")
-            if (ext.kron and family not in KRON_KINDS) or (hessian and family not in HESSIAN_SITE_KINDS):
-                supported = KRON_KINDS if ext.kron else HESSIAN_SITE_KINDS
-                raise CurvatureError(
-                    f"{type(ext).__name__} is not supported for module '{site.where}' (layer "
-                    f"family '{family}', parameters {sorted(site.params.values())}); supported "
-                    f"families: {', '.join(supported)}. Remove the extension or set "
-                    "requires_grad=False on those parameters."
-                )
+        label = type(ext).__name__
+        hessian = ext.quantity in HESSIAN_QUANTITIES
+        if ext.kron or hessian:
+            supported = KRON_KINDS if ext.kron else HESSIAN_SITE_KINDS
+            for where, pnames in params_of.items():
+                family = layer_kinds.get(where, "generic")
+                if family not in supported:
+                    raise CurvatureError(
+                        f"{label} is not supported for module '{where}' (layer family "
+                        f"'{family}', parameters {sorted(pnames)}); supported families: "
+                        f"{', '.join(supported)}. Remove the extension or set "
+                        "requires_grad=False on those parameters."
+                    )
         if ext.kron:
             for name in names:
                 u = uses.get(name, [])
-                if len(u) != 1 or u[0][0].rule.kind not in KRON_KINDS:
-                    where = u[0][0].where if u else "?"
-                    kind = u[0][0].rule.kind if u else "unused"
-                    why = "used by several layers" if len(u) > 1 else f"of a '{kind}' layer"
+                if not u:
                     raise CurvatureError(
-                        f"{type(ext).__name__} is not defined for parameter '{name}' ({why}, "
-                        f"module '{where}'). {type(ext).__name__} supports weight and bias of "
-                        f"layers of kind: {', '.join(KRON_KINDS)} (Linear on 2d inputs, Conv). "
-                        "Remove the extension or set requires_grad=False on that parameter."
+                        f"{label} is not defined for parameter '{name}': the model's forward "
+                        "does not use it. Set requires_grad=False on it or leave it out of params."
+                    )
+                if len(u) > 1:
+                    raise CurvatureError(
+                        f"{label} is not defined for parameter '{name}': it is used by several "
+                        f"layers ({', '.join(s.where for s, _ in u)}), which has no Kronecker "
+                        "factorisation. Use DiagGGNExact/SqrtGGNExact, or untie the weights."
                     )
                 site = u[0][0]
-                check = getattr(site.rule, "kron_check", None)
                 if site.meta.get("kron_error"):
                     raise CurvatureError(
-                        f"{type(ext).__name__} is not defined for parameter '{name}' (module "
+                        f"{label} is not defined for parameter '{name}' (module "
                         f"'{site.where}'): {site.meta['kron_error']}"
                     )
-        if ext.quantity in ("hessian_diag", "hessian_batch_diag", "pchmp"):
-            if n_residual_other:
+        if hessian:
+            if unknown_nodes:
                 raise CurvatureError(
-                    f"{type(ext).__name__} needs the second derivative of every operation; "
-                    f"curvlib does not know it for: {', '.join(n_residual_other)}. Supported: "
-                    "piecewise-linear operations (reshapes, pooling, padding, dropout, ReLU, "
-                    "additions) and element-wise activations (Sigmoid, Tanh, ELU, SELU, GELU, "
-                    "SiLU, Softplus, LogSigmoid, ...)."
+                    f"{label} needs the second derivative of every operation; curvlib does "
+                    f"not know it for: {', '.join(unknown_nodes)}. Supported: piecewise-linear "
+                    "operations (reshapes, pooling, padding, dropout, ReLU, additions) and "
+                    "element-wise activations (Sigmoid, Tanh, ELU, SELU, GELU, SiLU, Softplus, "
+                    "LogSigmoid, ...)."
                 )
-            for site in sites:
-                if site.rule.kind not in HESSIAN_SITE_KINDS:
-                    raise CurvatureError(
-                        f"{type(ext).__name__} is not supported for module '{site.where}' (layer "
-                        f"kind '{site.rule.kind}'); supported: {', '.join(HESSIAN_SITE_KINDS)}."
-                    )
             for name, u in uses.items():
                 if len(u) > 1:
                     raise CurvatureError(
-                        f"{type(ext).__name__}: parameter '{name}' is used by several layers "
+                        f"{label}: parameter '{name}' is used by several layers "
                         f"({', '.join(s.where for s, _ in u)}); the Hessian's cross terms between "
                         "uses are not supported yet."
                     )
@@ -168,9 +180,14 @@ def second_order(
     params: Mapping[str, Tensor],
     batch_size: int,
     residual_grads: Sequence[Tensor],
-    rerun: Callable,
+    product: Callable,
+    kfra_factors: Callable,
 ) -> Dict[str, Dict[str, object]]:
-    """Every requested second-order quantity, per parameter (see module doc)."""
+    """Every requested second-order quantity, per parameter (see module doc).
+
+    ``product(ext, name)`` builds a block-product callable; ``kfra_factors()``
+    runs the KFRA recursion (both re-run the forward, so the caller owns them).
+    """
     uses = _uses(lin.sites)
     results: Dict[str, Dict[str, object]] = {}
     out = lin.out
@@ -200,13 +217,13 @@ def second_order(
                 for n in names
             }
         elif q == "kron":
-            res = {n: _kron(uses, m, n, ext.name) for n in names}
+            res = {n: _kron(uses, m, n) for n in names}
         elif q in ("hessian_diag", "hessian_batch_diag"):
             res = _hessian_diag(lin, uses, m, names, params, batch_size, residual_grads, batch=(q == "hessian_batch_diag"))
         elif q in ("ggnmp", "hmp", "pchmp"):
-            res = {n: rerun(ext, n) for n in names}
+            res = {n: product(ext, n) for n in names}
         elif q == "kfra":
-            res = rerun(ext, None)
+            res = kfra_factors()
         results[ext.name] = res
     return results
 
@@ -216,8 +233,6 @@ def _hessian_diag(lin, uses, m_ggn, names, params, n, residual_grads, batch: boo
     total = {name: read(m_ggn, name) for name in names}
     for i, (res, g_z) in enumerate(zip(lin.residuals, residual_grads)):
         r = second_derivative(res.phi, res.a) * g_z  # [N, *a]
-        if not bool((r != 0).any()) if _concrete(r) else False:
-            continue
         d = r[0].numel()
         eye = torch.eye(d, dtype=r.dtype, device=r.device).reshape((d, 1) + tuple(r.shape[1:]))
         for sign, part in ((1.0, r.clamp(min=0)), (-1.0, (-r).clamp(min=0))):
@@ -226,10 +241,3 @@ def _hessian_diag(lin, uses, m_ggn, names, params, n, residual_grads, batch: boo
             for name in names:
                 total[name] = total[name] + sign * read(m, name)
     return total
-
-
-def _concrete(t: Tensor) -> bool:
-    try:
-        return not torch._C._functorch.is_functorch_wrapped_tensor(t)
-    except AttributeError:  # pragma: no cover
-        return True

@@ -196,9 +196,17 @@ def curvature(
         result: Dict[str, object] = {"loss": loss.detach() if not _wrapped(loss) else loss}
         result.update(quantities)
         if second_exts:
-            rerun = _products(program, spec, X, y, values, residual_nodes, lin, residual_grads, rng, trainable)
+            product = _products(program, spec, X, y, values, residual_nodes, lin, residual_grads, rng)
+
+            def kfra_factors():
+                with _replay_rng(rng, X.device):
+                    return kfra(program, spec, X, y, trainable, values, lin.sites)
+
             result.update(
-                second_order(lin, spec, y, second_exts, trainable, values, X.shape[0], residual_grads, rerun)
+                second_order(
+                    lin, spec, y, second_exts, trainable, values, X.shape[0],
+                    residual_grads, product, kfra_factors,
+                )
             )
         return result
 
@@ -258,9 +266,8 @@ class _replay_rng:
         return self.fork.__exit__(*exc)
 
 
-def _products(program, spec, X, y, values, residual_nodes, lin, residual_grads, rng, lin_names):
-    """Factory of the block-product callables ``[V, *p] -> [V, *p]`` (GGNMP, HMP, PCHMP),
-    and of KFRA's factors (which also re-run the forward)."""
+def _products(program, spec, X, y, values, residual_nodes, lin, residual_grads, rng):
+    """Factory of the block-product callables ``[V, *p] -> [V, *p]`` (GGNMP, HMP, PCHMP)."""
     out_value = lin.out
 
     def outputs(name, p, with_taps):
@@ -272,9 +279,6 @@ def _products(program, spec, X, y, values, residual_nodes, lin, residual_grads, 
         return out, [r.a for r in rec.residuals]
 
     def make(ext, name):
-        if ext.quantity == "kfra":
-            with _replay_rng(rng, X.device):
-                return kfra(program, spec, X, y, [n for n in lin_names], values, lin.sites)
         p0 = values[name]
 
         def check(V):

@@ -1,6 +1,5 @@
 """Linear rule against the per-sample-copies oracle."""
 
-import pytest
 import torch
 from hypothesis import given, strategies as st
 from torch import nn

@@ -43,7 +43,6 @@ from opt_einsum import contract
 from torch import Tensor, nn
 
 from .._errors import CurvatureError
-from . import generic
 from ._site import Recorder, RoleTensors, Rule, Site
 
 # (site, g) -> (a [n, G, A, L], b [n, G, B, L], weight shape)
@@ -265,12 +264,7 @@ def check_batched(module: nn.Module, where: str, x: Tensor) -> None:
 
 def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
     """Run ``nn.Conv1d/2d/3d`` functionally (as its own forward does) and record its site.
-
-    Modules whose parameters are not plain ``weight``/``bias`` (e.g. under
-    :mod:`torch.nn.utils.parametrize`) go to the generic rule.
     """
-    if not set(tensors) <= {"weight", "bias"}:
-        return generic.forward(module, where, names, tensors, args, kwargs, rec)
     x = args[0] if args else kwargs["input"]
     check_batched(module, where, x)
     conv = _CONV[len(module.kernel_size)]

@@ -39,7 +39,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._errors import CurvatureError
-from . import generic
 from ._site import Recorder, Site
 from .conv import check_batched, outer_rule, unfold
 
@@ -74,12 +73,7 @@ def check(module: nn.Module, where: str) -> None:
 
 def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
     """Run ``nn.ConvTranspose1d/2d/3d`` functionally and record its site.
-
-    Modules whose parameters are not plain ``weight``/``bias`` (e.g. under
-    :mod:`torch.nn.utils.parametrize`) go to the generic rule.
     """
-    if not set(tensors) <= {"weight", "bias"}:
-        return generic.forward(module, where, names, tensors, args, kwargs, rec)
     x = args[0] if args else kwargs["input"]
     output_size = args[1] if len(args) > 1 else kwargs.get("output_size")
     check(module, where)
