@@ -247,6 +247,19 @@ def kron_input_factor(model: nn.Module, X: Tensor, module_name: str) -> Tensor:
         assert x.dim() == 2
         return x.T @ x / x.shape[0]
     assert module.groups == 1
+    if isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
+        # y[n, o, l] = Σ_{c,k} W[c, o, k] U[n, c·K + k, l]: U is the Jacobian of a
+        # single-output-channel transposed convolution w.r.t. its weight.
+        c_in, k = x.shape[1], module.weight[0, 0].numel()
+        w = torch.zeros((c_in, 1) + tuple(module.kernel_size), dtype=x.dtype)
+        conv_t = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[x.dim() - 2]
+
+        def single(weight):
+            return conv_t(x, weight, None, module.stride, module.padding, module.output_padding, 1, module.dilation)
+
+        jac = torch.func.jacrev(single)(w)  # [N, 1, *L, C_in, 1, *k]
+        u = jac.reshape(x.shape[0], -1, c_in * k).transpose(1, 2)  # [N, C_in·K, L]
+        return torch.einsum("nis,njs->ij", u, u) / x.shape[0]
     u = unfold_conv_input(module, x)
     return torch.einsum("nis,njs->ij", u, u) / x.shape[0]
 

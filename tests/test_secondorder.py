@@ -510,21 +510,24 @@ def test_shared_parameters(loss):
             curvature(model, lossfn, [ext])(X, y)
 
 
+@pytest.mark.parametrize("transpose", [False, True], ids=["conv", "conv_transpose"])
 @pytest.mark.parametrize("d", [1, 2, 3])
-def test_kflr_conv(d):
-    """KFLR for convolutions: BackPACK's factors (skipped while curvlib does not provide them)."""
+def test_kflr_conv(d, transpose):
+    """KFLR for convolutions and transposed convolutions: BackPACK's factors."""
     torch.manual_seed(d)
     spatial = (5, 4, 3)[:d]
-    model = nn.Sequential(CONV[d](2, 3, 2, padding=1, stride=(2,) * d), nn.Sigmoid(), nn.Flatten()).double()
+    layer = (
+        CONVT[d](2, 3, 2, padding=1, stride=(2,) * d, output_padding=1, dilation=1)
+        if transpose
+        else CONV[d](2, 3, 2, padding=1, stride=(2,) * d)
+    )
+    model = nn.Sequential(layer, nn.Sigmoid(), nn.Flatten()).double()
     with torch.no_grad():
         f = model(torch.zeros((1, 2) + spatial, dtype=torch.float64)).shape[1]
     model = nn.Sequential(*model, nn.Linear(f, 2)).double()
     X = torch.randn((3, 2) + spatial, dtype=torch.float64)
     y = torch.randint(0, 2, (3,))
-    try:
-        qs = curvature(model, nn.CrossEntropyLoss(), [KFLR()])(X, y)
-    except Exception as e:  # noqa: BLE001 - reported as the skip reason
-        pytest.skip(f"KFLR on Conv{d}d not available: {type(e).__name__}: {str(e)[:200]}")
+    qs = curvature(model, nn.CrossEntropyLoss(), [KFLR()])(X, y)
     lossfn = nn.CrossEntropyLoss()
     for name, (mname, role) in _linear_kflr_map(model).items():
         want = kron_reference(model, lossfn, X, y, mname, role)
@@ -878,13 +881,13 @@ def test_kron_refused_on_batchnorm_weight():
 
 
 @pytest.mark.parametrize("ext_cls", [KFLR, KFAC, KFRA])
-@pytest.mark.parametrize("which", ["grouped conv", "conv transpose", "embedding", "batchnorm"])
+@pytest.mark.parametrize("which", ["grouped conv", "grouped conv transpose", "embedding", "batchnorm"])
 def test_kron_refused_per_layer(ext_cls, which):
-    """Kronecker factors exist for Linear and (groups=1) Conv only; the message names the parameter."""
+    """Kronecker factors exist for Linear and (groups=1) Conv/ConvTranspose only; the message names the parameter."""
     torch.manual_seed(0)
     first, X = {
         "grouped conv": (nn.Conv1d(2, 2, 2, groups=2), torch.randn(3, 2, 3)),
-        "conv transpose": (nn.ConvTranspose1d(2, 2, 2), torch.randn(3, 2, 3)),
+        "grouped conv transpose": (nn.ConvTranspose1d(2, 2, 2, groups=2), torch.randn(3, 2, 3)),
         "embedding": (nn.Embedding(4, 2), torch.randint(0, 4, (3, 3))),
         "batchnorm": (nn.BatchNorm1d(2), torch.randn(3, 2, 3)),
     }[which]

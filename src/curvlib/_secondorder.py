@@ -46,7 +46,7 @@ from .rules import kron_factors
 from .rules._site import Site
 from .rules.elementwise import second_derivative
 
-KRON_KINDS = ("linear", "conv")
+KRON_KINDS = ("linear", "conv", "conv_transpose")
 HESSIAN_SITE_KINDS = ("linear", "conv", "conv_transpose", "batchnorm", "embedding")
 
 

@@ -33,9 +33,11 @@ rightly contribute zero.) This is the conv structure with ``a = x``,
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import List, Sequence, Tuple
 
+import torch
 import torch.nn.functional as F
+from opt_einsum import contract
 from torch import Tensor, nn
 
 from .._errors import CurvatureError
@@ -71,9 +73,49 @@ def check(module: nn.Module, where: str) -> None:
         )
 
 
-def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
-    """Run ``nn.ConvTranspose1d/2d/3d`` functionally and record its site.
+def kron_input(site: Site) -> Tensor:
+    """``A = (1/N) Σ_{n,l} U[n, :, l] U[n, :, l]ᵀ [C_in·K, C_in·K]`` (BackPACK's convention).
+
+    ``U[n, c·K + k, l]`` is the input entry that kernel element ``k`` carries to
+    output position ``l``, so that ``y[n, o, l] = Σ_{c,k} W[c, o, k] U[n, c·K + k, l]``.
+    It is the transposed convolution of ``x`` with one-hot kernels (``groups =
+    C_in``), with the module's stride, padding, output padding and dilation.
     """
+    m = site.meta
+    x = site.saved["x"]
+    c_in, k = x.shape[1], _numel(m["kernel_size"])
+    onehot = torch.eye(k, dtype=x.dtype, device=x.device).reshape((1, k) + m["kernel_size"])
+    onehot = onehot.expand((c_in, k) + m["kernel_size"])
+    u = _CONV_TRANSPOSE[len(m["kernel_size"])](
+        x, onehot, None, m["stride"], m["padding"], m["output_padding"], c_in, m["dilation"]
+    ).flatten(2)
+    return contract("nil,njl->ij", u, u) / u.shape[0]
+
+
+def kron(site: Site, role: str, m: Tensor) -> List[Tensor]:
+    """BackPACK's factors from the pulled-back root ``m [V, N, C_out, *L]``:
+    ``B = Σ_{v,n} s sᵀ`` with ``s = Σ_l m[v, n, :, l]``; weight ``[B, A]``, bias ``[B]``."""
+    s = m.flatten(3).sum(3)
+    B = contract("vno,vnp->op", s, s)
+    return [B] if role == "bias" else [B, kron_input(site)]
+
+
+def kron_from_output_matrix(site: Site, role: str, G: Tensor) -> List[Tensor]:
+    """KFRA factors: ``B[o, p] = Σ_{l,m} G[(o, l), (p, m)]``; weight ``[B, A]``, bias ``[B]``."""
+    c_out = site.meta["out_channels"]
+    B = G.reshape(c_out, G.shape[0] // c_out, c_out, G.shape[1] // c_out).sum((1, 3))
+    return [B] if role == "bias" else [B, kron_input(site)]
+
+
+def _numel(shape: Sequence[int]) -> int:
+    total = 1
+    for s in shape:
+        total *= s
+    return total
+
+
+def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
+    """Run ``nn.ConvTranspose1d/2d/3d`` functionally and record its site."""
     x = args[0] if args else kwargs["input"]
     output_size = args[1] if len(args) > 1 else kwargs.get("output_size")
     check(module, where)
@@ -104,6 +146,12 @@ def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwa
         "padding": tuple(module.padding),
         "dilation": tuple(module.dilation),
         "groups": module.groups,
+        "output_padding": tuple(output_padding),
+        "out_channels": module.out_channels,
         "batch_dim": 0,
     }
+    if module.groups != 1:
+        meta["kron_error"] = (
+            f"Kronecker factors need groups=1 (as in BackPACK), got groups={module.groups}."
+        )
     return rec.add(Site(CONV_TRANSPOSE, names, where, saved={"x": x}, meta=meta), out)
