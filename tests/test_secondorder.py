@@ -70,13 +70,6 @@ ACTS = {
 RTOL, ATOL = 1e-7, 1e-9
 
 
-def _hmp_mse_mean_broken(lossfn) -> bool:
-    """HMP with ``MSELoss(reduction="mean")`` currently raises inside torch
-    (``jvp(grad(mse_loss))``, "ZeroTensors are immutable"); that case is tested
-    on its own by :func:`test_hmp_mse_mean`. Make this return False once fixed."""
-    return isinstance(lossfn, nn.MSELoss) and lossfn.reduction == "mean"
-
-
 def _close(actual, expected, what):
     assert tuple(actual.shape) == tuple(expected.shape), f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
@@ -128,7 +121,6 @@ def check_second_order(
             :func:`test_embedding_padding_row_products`).
     """
     exts = [DiagGGNExact(), BatchDiagGGNExact(), SqrtGGNExact(), GGNMP()]
-    hmp = hmp and not _hmp_mse_mean_broken(lossfn)
     if hmp:
         exts.append(HMP())
     if hessian:

@@ -295,13 +295,20 @@ def _products(program, spec, X, y, values, residual_nodes, lin, residual_grads, 
 
             def hmp(V):
                 check(V)
-                return torch.func.vmap(lambda v: torch.func.jvp(torch.func.grad(loss_of), (p0,), (v,))[1])(V)
+                if V.shape[0] == 0:
+                    return V.new_zeros(V.shape)
+                # Reverse-over-reverse (the block is symmetric): forward-over-reverse
+                # hits an immutable ZeroTensor in torch 2.13 for MSELoss(mean).
+                _, pull = torch.func.vjp(torch.func.grad(loss_of), p0)
+                return torch.func.vmap(lambda v: pull(v)[0])(V)
 
             return hmp
 
         if ext.quantity == "ggnmp":
             def ggnmp(V):
                 check(V)
+                if V.shape[0] == 0:
+                    return V.new_zeros(V.shape)
 
                 def one(v):
                     f = lambda p: outputs(name, p, False)[0]  # noqa: E731
@@ -321,6 +328,8 @@ def _products(program, spec, X, y, values, residual_nodes, lin, residual_grads, 
 
         def pchmp(V):
             check(V)
+            if V.shape[0] == 0:
+                return V.new_zeros(V.shape)
 
             def one(v):
                 f = lambda p: outputs(name, p, True)  # noqa: E731

@@ -154,5 +154,10 @@ def forward(module: nn.Embedding, where: str, names: dict, tensors: dict, args, 
     check(module, where)
     idx = args[0] if args else kwargs["input"]
     out = F.embedding(idx, tensors["weight"], module.padding_idx)
+    if module.padding_idx is not None:
+        # PyTorch's backward treats the padding row as a constant; make the
+        # forward agree, so that forward-mode derivatives (block products) do too.
+        pad = module.padding_idx % module.num_embeddings
+        out = torch.where((idx == pad).unsqueeze(-1), out.detach(), out)
     meta = {"batch_dim": 0, "padding_idx": module.padding_idx, "num_embeddings": module.num_embeddings}
     return rec.add(Site(EMBEDDING, names, where, saved={"idx": idx}, meta=meta), out)
