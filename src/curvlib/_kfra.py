@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Dict, List
 
 import torch
-from torch import Tensor, fx
+from torch import Tensor, fx, nn
 from torch.func import vjp, vmap
 
 from . import losses
@@ -30,6 +30,7 @@ from ._engine import run_graph
 from ._errors import CurvatureError
 from .rules import kron_from_matrix
 from .rules._site import Recorder, Site
+from .rules.elementwise import ELEMENTWISE_MODULES
 
 # D² · N entries above which the dense recursion is refused (memory guard).
 MAX_ENTRIES = 2**27
@@ -113,5 +114,40 @@ def kfra(program, spec, X: Tensor, y: Tensor, names, params, sites: List[Site]) 
         if node is chain[1]:
             break
         (inp,) = [a for a in node.all_input_nodes if a.op != "get_attr"]
-        G = _average_congruence(_node_function(program, node, env, params), env[inp], G)
+        G = _backprop(program, node, env, params, env[inp], env[node], G)
     return {n: result[n] for n in names}
+
+
+_RESHAPES = {"view", "reshape", "flatten", "contiguous", torch.flatten, torch.reshape}
+_DIAGONAL_MODULES = ELEMENTWISE_MODULES + (
+    nn.ReLU, nn.LeakyReLU, nn.ReLU6, nn.Hardtanh, nn.Identity,
+    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d,
+)
+
+
+def _backprop(program, node: fx.Node, env, params, a: Tensor, z: Tensor, G: Tensor) -> Tensor:
+    """``G_a = (1/N) Σ_n J_nᵀ G J_n`` with closed forms where the Jacobian allows:
+
+    * a Linear on ``[N, I]``: ``J_n = W`` for every sample, ``G_a = Wᵀ G W``;
+    * an element-wise or masking node (activations, dropout): ``J_n =
+      diag(d_n)``, ``G_a = G ⊙ (1/N) Σ_n d_n d_nᵀ``;
+    * a reshape that keeps the per-sample order (``Flatten``, ``view``): ``G_a = G``;
+    * anything else: the generic eigendecomposition route.
+    """
+    f = _node_function(program, node, env, params)
+    module = program.root.get_submodule(node.target) if node.op == "call_module" else None
+    layer = program.layers.get(node.target) if module is not None else None
+    if layer is not None and layer.kind == "linear" and a.dim() == 2:
+        W = params[layer.names["weight"]]
+        return W.t() @ G @ W
+    flat_reshape = (isinstance(module, nn.Flatten) and module.start_dim == 1 and module.end_dim == -1) or (
+        node.op != "call_module" and node.target in _RESHAPES and z.dim() >= 1 and z.shape[0] == a.shape[0]
+        and node.target not in ("flatten", torch.flatten)
+    )
+    if flat_reshape and z[0].numel() == a[0].numel():
+        return G
+    if isinstance(module, _DIAGONAL_MODULES) and a.shape == z.shape:
+        _, pull = vjp(f, a)
+        d = pull(torch.ones_like(z))[0].reshape(a.shape[0], -1)  # diagonal of each J_n
+        return G * (d.t() @ d) / a.shape[0]
+    return _average_congruence(f, a, G)
