@@ -17,6 +17,8 @@ the reference every ratio is taken against.
 |---|---|---|---|---|
 | ``mlp`` | MNIST-sized MLP 784-128-128-10, ReLU | 128 | ``[N, 784]`` | ``CrossEntropyLoss()`` |
 | ``3c3d`` | DeepOBS ``cifar10_3c3d`` (3 conv + 3 dense) | 64 | ``[N, 3, 32, 32]`` | ``CrossEntropyLoss()`` |
+| ``resnet`` | ResNet-8 (3 basic blocks 16-32-64, BatchNorm eval) | 32 | ``[N, 3, 32, 32]`` | ``CrossEntropyLoss()`` |
+| ``transformer`` | one pre-LN encoder block, d 64, 4 heads, vocab 1000 | 32 | ``[N, 32]`` tokens | ``CrossEntropyLoss()`` |
 """
 
 from __future__ import annotations
@@ -99,6 +101,100 @@ def cifar10_3c3d(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: 
     return _place(Problem(model, nn.CrossEntropyLoss(), X, y), device, dtype)
 
 
+class _BasicBlock(nn.Module):
+    """ResNet basic block: ``relu(bn(conv(relu(bn(conv(x))))) + shortcut(x))``."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.shortcut = (
+            nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+            if stride != 1 or c_in != c_out
+            else nn.Identity()
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+class _ResNet8(nn.Module):
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+        self.blocks = nn.Sequential(_BasicBlock(16, 16, 1), _BasicBlock(16, 32, 2), _BasicBlock(32, 64, 2))
+        self.head = nn.Linear(64, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.blocks(self.stem(x))
+        return self.head(h.mean(dim=(2, 3)))
+
+
+def resnet(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> Problem:
+    """ResNet-8 on CIFAR-10 shapes: stem conv 16, basic blocks 16 -> 32 -> 64 (identity
+    and 1x1-projection shortcuts), BatchNorm in eval mode (random running statistics),
+    global average pooling, Linear 64 -> 10; N=32, ``CrossEntropyLoss(mean)``."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    n, classes = 32, 10
+    model = _ResNet8(classes)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.copy_(0.1 * torch.randn(m.num_features, generator=gen))
+                m.running_var.copy_(0.5 + torch.rand(m.num_features, generator=gen))
+    model.eval()
+    X = torch.rand(n, 3, 32, 32, generator=gen)
+    y = torch.randint(0, classes, (n,), generator=gen)
+    return _place(Problem(model, nn.CrossEntropyLoss(), X, y), device, dtype)
+
+
+class _EncoderBlock(nn.Module):
+    """Token + learned positional embedding, one pre-LayerNorm encoder block
+    (multi-head self-attention from ``nn.Linear`` projections, GELU MLP,
+    residuals), mean pooling over the sequence, Linear classifier."""
+
+    def __init__(self, vocab: int, length: int, d: int, heads: int, hidden: int, classes: int):
+        super().__init__()
+        self.heads, self.d_head = heads, d // heads
+        self.embed = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(length, d)
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.mlp = nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d))
+        self.head = nn.Linear(d, classes)
+
+    def attention(self, x: Tensor) -> Tensor:
+        def split(t: Tensor) -> Tensor:
+            return t.unflatten(-1, (self.heads, self.d_head)).transpose(1, 2)
+
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        att = torch.softmax(q @ k.transpose(-2, -1) / self.d_head**0.5, dim=-1) @ v
+        return self.o(att.transpose(1, 2).flatten(2))
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.embed(tokens) + self.pos.weight
+        h = h + self.attention(self.ln1(h))
+        h = h + self.mlp(self.ln2(h))
+        return self.head(h.mean(dim=1))
+
+
+def transformer(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> Problem:
+    """One encoder block for sequence classification: vocab 1000, sequence length 32,
+    d_model 64, 4 heads, MLP 256, 10 classes; N=32 token sequences ``[N, 32]``,
+    ``CrossEntropyLoss(mean)``."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    n, vocab, length, classes = 32, 1000, 32, 10
+    model = _EncoderBlock(vocab, length, d=64, heads=4, hidden=256, classes=classes)
+    X = torch.randint(0, vocab, (n, length), generator=gen)
+    y = torch.randint(0, classes, (n,), generator=gen)
+    return Problem(model.to(device=device, dtype=dtype), nn.CrossEntropyLoss(), X.to(device), y.to(device))
+
+
 def _place(problem: Problem, device: str, dtype: torch.dtype) -> Problem:
     model, lossfn, X, y = problem
     return Problem(model.to(device=device, dtype=dtype), lossfn, X.to(device=device, dtype=dtype), y.to(device))
@@ -107,6 +203,8 @@ def _place(problem: Problem, device: str, dtype: torch.dtype) -> Problem:
 PROBLEMS: Dict[str, Callable[..., Problem]] = {
     "mlp": mlp,
     "3c3d": cifar10_3c3d,
+    "resnet": resnet,
+    "transformer": transformer,
 }
 
 

@@ -82,14 +82,20 @@ def bench_problem(name: str, methods: List[str], rounds: int, warmup: int, devic
     """Rows ``{problem, method, median_ms, ratio, first_call_ms, times_ms}`` for one problem."""
     problem = PROBLEMS[name](device=device, seed=seed)
     now = _timer(device)
-    runs, first = {}, {}
+    runs, first, refused = {}, {}, {}
     for m in methods:
-        runs[m] = METHODS[m](problem)
-        t0 = now()
-        runs[m]()
-        first[m] = now() - t0
+        try:
+            runs[m] = METHODS[m](problem)
+            t0 = now()
+            runs[m]()
+            first[m] = now() - t0
+        except ValueError as err:  # a refusal (CurvatureError): report it, time the rest
+            refused[m] = str(err).splitlines()[0][:160]
+            runs.pop(m, None)
+            continue
         for _ in range(warmup - 1):
             runs[m]()
+    methods = [m for m in methods if m not in refused]
     times: Dict[str, List[float]] = {m: [] for m in methods}
     order = list(methods)
     rng = random.Random(seed)
@@ -112,6 +118,8 @@ def bench_problem(name: str, methods: List[str], rounds: int, warmup: int, devic
             "first_call_ms": 1e3 * first[m],
             "times_ms": [1e3 * t for t in times[m]],
         })
+    for m, why in refused.items():
+        rows.append({"problem": name, "method": m, "refused": why})
     return rows
 
 
@@ -123,6 +131,9 @@ def markdown(rows: List[Dict]) -> str:
     ]
     for r in rows:
         if r["method"] == "bound:BatchGrad":
+            continue
+        if "refused" in r:
+            lines.append(f"| {r['problem']} | {r['method']} | refused: {r['refused']} | | |")
             continue
         ratio = f"{r['ratio']:.2f}"
         if r["method"] == "BatchGrad" and r["problem"] in bound:

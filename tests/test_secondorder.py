@@ -488,17 +488,35 @@ class Twice(nn.Module):
         return self.out(self.fc(self.act(self.fc(x))))
 
 
+def check_hessian_diagonals(model, lossfn, X, y):
+    """DiagHessian and BatchDiagHessian against torch.func Hessian blocks (any graph)."""
+    qs = curvature(model, lossfn, [DiagHessian(), BatchDiagHessian()])(X, y)
+    params = detached_params(model)
+    for name in trainable_names(model):
+        p = params[name]
+        H = hessian_block(model, lossfn, X, y, name)
+        _close(qs["diag_h"][name], H.diagonal().reshape(p.shape), f"diag_h[{name}]")
+        Hn = hessian_per_sample(model, lossfn, X, y, name)
+        _close(
+            qs["diag_h_batch"][name],
+            Hn.diagonal(dim1=1, dim2=2).reshape((X.shape[0],) + tuple(p.shape)),
+            f"diag_h_batch[{name}]",
+        )
+
+
 @pytest.mark.parametrize("loss", sorted(LOSSES))
 def test_shared_parameters(loss):
-    """GGN family and products sum over the uses; the Hessian diagonals refuse (naming it)."""
+    """GGN family, products and the Hessian diagonals include the cross terms between
+    uses (weight-input coupling of the second use); PCHMP and KFLR refuse (naming it)."""
     torch.manual_seed(0)
     model = Twice().double()
     X = torch.randn(4, 3, dtype=torch.float64)
     y = _data(model, X, loss, 0)
     lossfn = LOSSES[loss](reduction="sum")
     check_second_order(model, lossfn, X, y, hessian=False)
-    for ext in (DiagHessian(), BatchDiagHessian(), PCHMP(), KFLR()):
-        with pytest.raises(CurvatureError, match=r"fc\.weight"):
+    check_hessian_diagonals(model, lossfn, X, y)
+    for ext in (PCHMP(), KFLR()):
+        with pytest.raises(CurvatureError, match=r"fc|PCHMP"):
             curvature(model, lossfn, [ext])(X, y)
 
 
@@ -945,17 +963,27 @@ class Product(nn.Module):
         return self.c(self.a(x) * self.b(x))
 
 
-@pytest.mark.parametrize("model_cls, node", [(Softmaxed, "softmax"), (Product, "mul")])
-@pytest.mark.parametrize("ext", [DiagHessian, BatchDiagHessian, PCHMP])
-def test_hessian_refused_for_unknown_second_derivative(model_cls, node, ext):
-    """The message names the graph node; the GGN family still works (and is right)."""
+class Divided(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.c(self.a(x) / (1.5 + torch.sigmoid(self.b(x))) + x.mean(1, keepdim=True) ** 2)
+
+
+@pytest.mark.parametrize("model_cls, node", [(Softmaxed, "softmax"), (Product, "mul"), (Divided, "truediv")])
+def test_hessian_of_non_elementwise_nodes(model_cls, node):
+    """Products, softmax, division: the Hessian diagonals are exact (dense or structured
+    residuals); PCHMP refuses, naming the node; the GGN family is right too."""
     torch.manual_seed(0)
     model = model_cls().double()
     X = torch.randn(3, 3, dtype=torch.float64)
     y = torch.randint(0, 2, (3,))
     lossfn = nn.CrossEntropyLoss()
+    check_hessian_diagonals(model, lossfn, X, y)
     with pytest.raises(CurvatureError, match=node):
-        curvature(model, lossfn, [ext()])(X, y)
+        curvature(model, lossfn, [PCHMP()])(X, y)
     qs = curvature(model, lossfn, [DiagGGNExact()])(X, y)
     for name, p in model.named_parameters():
         G = ggn_per_sample(model, lossfn, X, y, name).sum(0)

@@ -1,5 +1,6 @@
 """The transform itself: purity, params=, vmap composition, graphs and the generic rule."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, strategies as st
@@ -219,3 +220,52 @@ def test_parametrized_and_hooked_linear_use_the_generic_rule():
     model[2].register_forward_hook(lambda m, i, o: o * 2.0)
     X = torch.randn(5, 4, dtype=DT)
     check_first_order(model, nn.MSELoss(), X, torch.randn(5, 2, dtype=DT))
+
+
+class TiedDecoder(nn.Module):
+    """The decoder reads the encoder's weight directly in forward (no module of its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(5, 3)
+        self.dec = nn.Linear(3, 5)
+
+    def forward(self, x):
+        h = torch.tanh(self.enc(x))
+        return F.linear(h, self.enc.weight.t(), self.dec.bias) + 0.1 * (h @ self.dec.weight.t()).sum(1, keepdim=True)
+
+
+class RootParameterInForward(nn.Module):
+    """The model owns a parameter and uses it in functional ops next to a module."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(4))
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(x * self.scale)) + self.scale.sum()
+
+
+@pytest.mark.parametrize("make", [TiedDecoder, RootParameterInForward])
+def test_parameters_read_directly_in_forward(make):
+    torch.manual_seed(0)
+    model = make().to(DT)
+    X = torch.randn(5, 5 if make is TiedDecoder else 4, dtype=DT)
+    out = model(X)
+    check_first_order(model, nn.MSELoss(), X, torch.randn(out.shape, dtype=DT))
+
+
+def test_functional_use_with_batch_not_in_dim0_is_refused():
+    class TimeMajor(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Linear(3, 2)
+
+        def forward(self, x):  # a parameter read directly, applied to [T, N, I]
+            return (x.transpose(0, 1) @ self.w.weight.t()).transpose(0, 1).sum(1)
+
+    model = TimeMajor().to(DT)
+    f = curvature(model, nn.MSELoss(), [BatchGrad()])
+    with pytest.raises(ValueError, match=r"w\.weight.*batch is in dim 1"):
+        f(torch.randn(4, 6, 3, dtype=DT), torch.randn(4, 2, dtype=DT))

@@ -30,7 +30,8 @@ from torch.func import vjp
 
 from ._errors import CurvatureError
 from ._program import Program
-from .rules import check_module
+from . import _residuals
+from .rules import check_module, functional
 from .rules._site import Recorder, Site
 
 __all__ = ["Plan", "make_plan", "run_graph", "forward_with_probes", "first_order"]
@@ -99,17 +100,28 @@ def run_graph(
             else:
                 names = {r: n for r, n in layer.names.items() if n in trainable}
                 tensors = {r: params[n] for r, n in layer.names.items()}
+                first_site = len(rec.sites)
                 env[node] = layer.forward(
                     layer.module, layer.path, names, tensors, args, kwargs, rec
                 )
+                for site in rec.sites[first_site:]:
+                    site.meta["family"] = layer.kind
         elif node.op == "call_function":
             env[node] = node.target(*load(node.args), **load(node.kwargs))
         elif node.op == "call_method":
             self_obj, *rest = load(node.args)
             env[node] = getattr(self_obj, node.target)(*rest, **load(node.kwargs))
+        use = program.functional.get(node)
+        if use is not None and any(n in trainable for n in use.params):
+            env[node] = functional.record(
+                use, program.root, program.param_names,
+                {n: n for n in use.params if n in trainable},
+                {n: params[n] for n in use.params},
+                [env[a] for a in use.inputs], env[node], rec,
+            )
         if node in rec.residual_nodes:
-            a = env[node.all_input_nodes[0]] if node.op != "call_module" else load(node.args)[0]
-            env[node] = rec.residual(node.name, rec.residual_nodes[node], a, env[node])
+            kind, phi = rec.residual_nodes[node]
+            _residuals.record(program, node, kind, phi, env, params, trainable, rec, program.dependent)
         if node.op == "output":
             result = load(node.args[0])
     if not isinstance(result, Tensor):
@@ -151,7 +163,7 @@ def check_modules(program: Program) -> None:
             check_module(module, path or type(module).__name__)
 
 
-def _shape_pass(program, X, params, trainable, batch, residual_nodes=None):
+def _shape_pass(program, X, params, trainable, batch, residual_nodes=None, runner=None):
     """Sites and output of a forward on fake tensors with batch size ``batch``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -167,16 +179,17 @@ def _shape_pass(program, X, params, trainable, batch, residual_nodes=None):
         pf = {k: empty_like(v) for k, v in params.items()}
         rec = Recorder(None, residual_nodes=residual_nodes)
         with torch.no_grad():
-            out = run_graph(program, Xf, pf, trainable, rec, fake_tensor=fake)
+            out = (runner or run_graph)(program, Xf, pf, trainable, rec, fake_tensor=fake)
         return rec, out
 
 
-def _real_shape_pass(program, X, params, trainable, batch, residual_nodes=None):
+def _real_shape_pass(program, X, params, trainable, batch, residual_nodes=None, runner=None):
     """Fallback of :func:`_shape_pass` for ops that fake tensors do not support."""
     Xb = X if batch == X.shape[0] else torch.cat([X, X[:1]])
     rec = Recorder(None, residual_nodes=residual_nodes)
-    with torch.no_grad():
-        out = run_graph(program, Xb, params, trainable, rec)
+    # Forked random state: the passes take the same random branches as the real forward.
+    with torch.random.fork_rng(devices=[X.device] if X.device.type == "cuda" else []), torch.no_grad():
+        out = (runner or run_graph)(program, Xb, params, trainable, rec)
     return rec, out
 
 
@@ -197,17 +210,43 @@ def _batch_dim(shape_a, shape_b, n_a, n_b, where: str) -> int:
     )
 
 
-def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=None) -> Plan:
+def _check_generic_inputs(site: Site, site_b: Site, n: int) -> None:
+    """Generic sites slice their inputs per sample along dim 0: check that is the batch."""
+    for key, a in site.saved.items():
+        b = site_b.saved.get(key)
+        if key.startswith("param:") or not isinstance(a, Tensor) or not isinstance(b, Tensor):
+            continue
+        if tuple(a.shape) == tuple(b.shape):
+            continue  # not batched: passed unchanged to every sample
+        if a.shape[0] == n and b.shape[0] == n + 1 and tuple(a.shape[1:]) == tuple(b.shape[1:]):
+            continue
+        raise CurvatureError(
+            f"Layer '{site.where}': an input of shape {list(a.shape)} (for N={n}) does not "
+            "carry the batch in dim 0, which curvlib's generic rule needs to split it per "
+            "sample. Move the batch to dim 0 before this operation."
+        )
+
+
+def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=None, runner=None) -> Plan:
     """Learn shapes and batch dimensions (see the module docstring)."""
     n = X.shape[0]
     try:
-        rec_a, out_a = _shape_pass(program, X, params, trainable, n, residual_nodes)
-        rec_b, out_b = _shape_pass(program, X, params, trainable, n + 1, residual_nodes)
+        rec_a, out_a = _shape_pass(program, X, params, trainable, n, residual_nodes, runner)
+        rec_b, out_b = _shape_pass(program, X, params, trainable, n + 1, residual_nodes, runner)
     except CurvatureError:
         raise
     except Exception:  # noqa: BLE001 - an op without a fake-tensor kernel
-        rec_a, out_a = _real_shape_pass(program, X, params, trainable, n, residual_nodes)
-        rec_b, out_b = _real_shape_pass(program, X, params, trainable, n + 1, residual_nodes)
+        rec_a, out_a = _real_shape_pass(program, X, params, trainable, n, residual_nodes, runner)
+        rec_b, out_b = _real_shape_pass(program, X, params, trainable, n + 1, residual_nodes, runner)
+    calls_a, calls_b = [s.where for s in rec_a.sites], [s.where for s in rec_b.sites]
+    if calls_a != calls_b:  # only possible without a graph (control flow in forward)
+        raise CurvatureError(
+            f"The model calls its parametrized layers differently for a batch of N={n} "
+            f"({calls_a}) and of N={n + 1} ({calls_b}) samples: its forward takes a path "
+            "that depends on the whole batch (or on random numbers drawn after batch-sized "
+            "ones), so the samples are not independent and per-sample quantities are not "
+            "defined. Make the control flow depend on each sample alone (or on nothing)."
+        )
     if out_a.dim() == 0 or out_a.shape[0] != n or out_b.shape[0] != n + 1:
         raise CurvatureError(
             f"The model output has shape {list(out_a.shape)} for an input batch of "
@@ -222,6 +261,10 @@ def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=Non
                 f"output (shape {list(sa)}), but this layer needs it in dim 0."
             )
         batch_dims.append(d)
+    _residuals.check_sizes(rec_a.residuals, n)
+    for site, site_b in zip(rec_a.sites, rec_b.sites):
+        if site.rule.kind == "generic":
+            _check_generic_inputs(site, site_b, n)
     return Plan(
         out_shape=tuple(out_a.shape),
         out_dtype=out_a.dtype,
@@ -275,7 +318,7 @@ class Linearization:
         return torch.func.vmap(one, in_dims=(0 if batched_out else None, tap_dims))(out_arg, tap_args)
 
 
-def forward_with_probes(program: Program, plan: Plan, X: Tensor, params, trainable, residual_nodes=None) -> Linearization:
+def forward_with_probes(program: Program, plan: Plan, X: Tensor, params, trainable, residual_nodes=None, runner=None) -> Linearization:
     """Run the forward under :func:`torch.func.vjp` with respect to the probes."""
     probes = [
         torch.zeros(shape, dtype=dtype, device=X.device)
@@ -288,9 +331,9 @@ def forward_with_probes(program: Program, plan: Plan, X: Tensor, params, trainab
 
     def forward(probes_, rprobes_):
         rec = Recorder(probes_, rprobes_ if residual_nodes else None, residual_nodes)
-        out = run_graph(program, X, params, trainable, rec)
+        out = (runner or run_graph)(program, X, params, trainable, rec)
         recorded.append(rec)
-        return (out, [r.a for r in rec.residuals]), [s.saved for s in rec.sites]
+        return (out, [a for r in rec.residuals for a in r.inputs]), [s.saved for s in rec.sites]
 
     (out, taps), pullback, saved = vjp(forward, probes, rprobes, has_aux=True)
     rec = recorded[-1]
@@ -299,8 +342,8 @@ def forward_with_probes(program: Program, plan: Plan, X: Tensor, params, trainab
     for site, s in zip(rec.sites, saved):
         site.saved = s
         site.meta["batch_dim"] = plan.batch_dims[site.key]
-    for r, a in zip(rec.residuals, taps):
-        r.a = a
+    for r in rec.residuals:
+        r.inputs = [taps[k] for k in r.taps]
     return Linearization(out=out, sites=rec.sites, residuals=rec.residuals, taps=list(taps), pullback=pullback)
 
 

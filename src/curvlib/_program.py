@@ -28,6 +28,7 @@ from typing import Callable, Dict, List, Optional
 from torch import fx, nn
 
 from . import rules
+from .rules.functional import FunctionalUse
 
 __all__ = ["Program", "Layer", "trace_program"]
 
@@ -73,10 +74,29 @@ class Program:
     param_names: Dict[int, str]
     prefix: str = ""
     calls: List[str] = field(default_factory=list)
+    functional: Dict[fx.Node, "FunctionalUse"] = field(default_factory=dict)
+    dependent: frozenset = frozenset()
 
 
 def _owns_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False))
+
+
+def _outermost_owners(root: nn.Module) -> List[str]:
+    """Layers of a model without a graph: the modules that own parameters directly
+    (or through ``torch.nn.utils.parametrize``), except those inside another
+    such module (a module's layer covers its whole subtree). Each module once,
+    at its first path (that of ``named_modules()``)."""
+    from torch.nn.utils import parametrize
+
+    owners = [
+        path for path, m in root.named_modules()
+        if _owns_parameters(m) or parametrize.is_parametrized(m)
+    ]
+    return [
+        path for path in owners
+        if not any(q != path and (q == "" or path.startswith(q + ".")) for q in owners)
+    ]
 
 
 class _Tracer(fx.Tracer):
@@ -116,7 +136,10 @@ def trace_program(model: nn.Module) -> Program:
         param_names.setdefault(id(p), name)
 
     root, prefix = (model, "")
-    if _owns_parameters(model):
+    if _owns_parameters(model) and rules.has_family(model):
+        # A bare nn.Linear/Conv/... model: trace a holder so that it is one layer
+        # with its hand-written rule. Any other model that owns parameters is
+        # traced as it is; its direct parameter uses become functional sites.
         root, prefix = (_Root(model), "model.")
 
     graph: Optional[fx.Graph]
@@ -133,8 +156,7 @@ def trace_program(model: nn.Module) -> Program:
     targets = (
         [n.target for n in graph.nodes if n.op == "call_module"]
         if graph is not None
-        else [path for path, m in modules.items() if _owns_parameters(m) and path]
-        + ([""] if prefix == "" and _owns_parameters(model) else [])
+        else _outermost_owners(root)
     )
     for target in targets:
         if target in layers:
@@ -149,7 +171,57 @@ def trace_program(model: nn.Module) -> Program:
         path = target[len(prefix):] if target.startswith(prefix) else target
         forward, kind = rules.forward_for(module)
         layers[target] = Layer(path=path, module=module, names=names, forward=forward, kind=kind)
+    functional = functional_uses(graph, root, param_names) if graph is not None else {}
     return Program(
         root=root, graph=graph, trace_error=error, layers=layers,
-        param_names=param_names, prefix=prefix,
+        param_names=param_names, prefix=prefix, functional=functional,
+        dependent=frozenset(_input_dependent(graph)) if graph is not None else frozenset(),
     )
+
+
+def _input_dependent(graph: fx.Graph) -> set:
+    """Nodes whose value depends on the model input (the first placeholder)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    dependent = set(placeholders[:1])
+    for node in graph.nodes:
+        if any(a in dependent for a in node.all_input_nodes):
+            dependent.add(node)
+    return dependent
+
+
+def functional_uses(graph: fx.Graph, root: nn.Module, param_names: Dict[int, str]) -> Dict[fx.Node, FunctionalUse]:
+    """Nodes that depend on the model input and read parameters directly (see
+    :mod:`curvlib.rules.functional`), with their parameter-only chains."""
+    dependent = _input_dependent(graph)
+    reads: Dict[fx.Node, frozenset] = {}  # parameter-only node -> parameter names it reads
+    for node in graph.nodes:
+        if node in dependent:
+            continue
+        names = set()
+        if node.op == "get_attr":
+            value = root
+            for part in node.target.split("."):
+                value = getattr(value, part)
+            if isinstance(value, nn.Parameter) and id(value) in param_names:
+                names.add(param_names[id(value)])
+        for a in node.all_input_nodes:
+            names |= reads.get(a, frozenset())
+        reads[node] = frozenset(names)
+    uses: Dict[fx.Node, FunctionalUse] = {}
+    for node in graph.nodes:
+        if node not in dependent or node.op in ("placeholder", "output", "call_module"):
+            continue
+        constant_args = [a for a in node.all_input_nodes if a not in dependent]
+        params = set().union(*(reads[a] for a in constant_args)) if constant_args else set()
+        if not params:
+            continue
+        chain_set, stack = set(), list(constant_args)
+        while stack:
+            a = stack.pop()
+            if a not in chain_set:
+                chain_set.add(a)
+                stack.extend(a.all_input_nodes)
+        chain = tuple(n for n in graph.nodes if n in chain_set)
+        inputs = tuple(a for a in node.all_input_nodes if a in dependent)
+        uses[node] = FunctionalUse(node=node, chain=chain, params=tuple(sorted(params)), inputs=inputs)
+    return uses

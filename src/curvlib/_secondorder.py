@@ -44,10 +44,18 @@ from ._errors import CurvatureError
 from .extensions.secondorder import SecondOrder
 from .rules import kron_factors
 from .rules._site import Site
-from .rules.elementwise import second_derivative
+from ._residuals import factor
 
 KRON_KINDS = ("linear", "conv", "conv_transpose")
-HESSIAN_SITE_KINDS = ("linear", "conv", "conv_transpose", "batchnorm", "embedding")
+# Families the Hessian extensions support: every family except the recurrent
+# ones, whose internal nonlinearities are not graph nodes.
+HESSIAN_SITE_KINDS = (
+    "linear", "conv", "conv_transpose", "batchnorm", "embedding", "layernorm", "groupnorm", "generic",
+)
+# A parameter used by several sites needs the coupling of weight and input;
+# curvlib has it for these families (affine-in-input Linear: "bilinear";
+# the others: the dense residual of the layer as a function of both).
+SHARED_HESSIAN_KINDS = ("linear", "embedding", "layernorm", "groupnorm", "generic")
 
 
 def _uses(sites: Sequence[Site]) -> Dict[str, List[Tuple[Site, str]]]:
@@ -117,15 +125,17 @@ def check_second_order(
     uses = _uses(sites)
     layer_kinds = layer_kinds or {}
     params_of: Dict[str, List[str]] = defaultdict(list)
+    family_of: Dict[str, str] = {}
     for site in sites:
         params_of[site.where].extend(n for n in site.params.values() if n not in params_of[site.where])
+        family_of[site.where] = site.meta.get("family", layer_kinds.get(site.where, "generic"))
     for ext in exts:
         label = type(ext).__name__
         hessian = ext.quantity in HESSIAN_QUANTITIES
         if ext.kron or hessian:
             supported = KRON_KINDS if ext.kron else HESSIAN_SITE_KINDS
             for where, pnames in params_of.items():
-                family = layer_kinds.get(where, "generic")
+                family = family_of[where]
                 if family not in supported:
                     raise CurvatureError(
                         f"{label} is not supported for module '{where}' (layer family "
@@ -156,18 +166,16 @@ def check_second_order(
         if hessian:
             if unknown_nodes:
                 raise CurvatureError(
-                    f"{label} needs the second derivative of every operation; curvlib does "
-                    f"not know it for: {', '.join(unknown_nodes)}. Supported: piecewise-linear "
-                    "operations (reshapes, pooling, padding, dropout, ReLU, additions) and "
-                    "element-wise activations (Sigmoid, Tanh, ELU, SELU, GELU, SiLU, Softplus, "
-                    "LogSigmoid, ...)."
+                    f"{label} is not supported for: {', '.join(unknown_nodes)}."
                 )
             for name, u in uses.items():
-                if len(u) > 1:
+                kinds = {family_of[site.where] for site, _ in u}
+                if len(u) > 1 and not kinds <= set(SHARED_HESSIAN_KINDS):
                     raise CurvatureError(
                         f"{label}: parameter '{name}' is used by several layers "
-                        f"({', '.join(s.where for s, _ in u)}); the Hessian's cross terms between "
-                        "uses are not supported yet."
+                        f"({', '.join(s.where for s, _ in u)}) of families {sorted(kinds)}; the "
+                        "Hessian's weight-input coupling between uses is supported for: "
+                        f"{', '.join(SHARED_HESSIAN_KINDS)}. Use HMP for exact Hessian products."
                     )
 
 
@@ -229,15 +237,17 @@ def second_order(
 
 
 def _hessian_diag(lin, uses, m_ggn, names, params, n, residual_grads, batch: bool):
+    """GGN diagonal plus every residual's signed columns (see :mod:`curvlib._residuals`)."""
     read = (lambda m, name: _batch_diag(uses, m, name, params, n)) if batch else (lambda m, name: _diag(uses, m, name, params))
     total = {name: read(m_ggn, name) for name in names}
-    for i, (res, g_z) in enumerate(zip(lin.residuals, residual_grads)):
-        r = second_derivative(res.phi, res.a) * g_z  # [N, *a]
-        d = r[0].numel()
-        eye = torch.eye(d, dtype=r.dtype, device=r.device).reshape((d, 1) + tuple(r.shape[1:]))
-        for sign, part in ((1.0, r.clamp(min=0)), (-1.0, (-r).clamp(min=0))):
-            cols = eye * part.sqrt().unsqueeze(0)  # [d, N, *a]
-            m = lin.pull_batched(None, {i: cols})
+    for res, g_z in zip(lin.residuals, residual_grads):
+        for sign, tap_cols, direct in factor(res, g_z):
+            m = lin.pull_batched(None, {res.taps[j]: cols for j, cols in tap_cols.items()})
             for name in names:
-                total[name] = total[name] + sign * read(m, name)
+                if name in direct:
+                    sq = direct[name] + (_sqrt(uses, m, name) if uses.get(name) else 0.0)
+                    part = (sq**2).sum(0) if batch else (sq**2).sum((0, 1))
+                else:
+                    part = read(m, name)
+                total[name] = total[name] + sign * part
     return total

@@ -17,7 +17,8 @@ from ._kfra import chain_nodes, kfra
 from ._secondorder import check_second_order, second_order
 from .extensions.secondorder import SecondOrder
 from .rules._site import Recorder
-from .rules.elementwise import classify, second_derivative
+from . import _residuals
+from .rules.elementwise import second_derivative
 from ._errors import CurvatureError, CurvatureTypeError
 from ._program import Program, trace_program
 from .extensions._base import Extension
@@ -140,7 +141,18 @@ def curvature(
     if any(e.quantity == "kfra" for e in second_exts):
         chain_nodes(program)  # refuse branching graphs before any work
     hessian_needed = any(e.quantity in ("hessian_diag", "hessian_batch_diag", "pchmp") for e in second_exts)
-    residual_nodes, residual_other = _residual_nodes(program) if hessian_needed else ({}, [])
+    residual_nodes = (
+        _residuals.residual_plan(program, _shared_linear_layers(program)) if hessian_needed else {}
+    )
+    if any(e.quantity == "pchmp" for e in second_exts):
+        other = [node.name for node, (kind, _) in residual_nodes.items() if kind != "diag"]
+        if other:
+            raise CurvatureError(
+                "PCHMP's positive-curvature modification is defined for element-wise "
+                f"activations; this model also has nonlinear nodes {other} (products, "
+                "normalisations, layers nonlinear in their input, shared weights). Use HMP "
+                "(exact) or GGNMP (positive semi-definite) instead."
+            )
     plans: Dict[tuple, Plan] = {}
 
     def f(X: Tensor, y: Tensor, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, object]:
@@ -181,7 +193,7 @@ def curvature(
         losses.check_targets(spec, torch.empty(plan.out_shape, dtype=plan.out_dtype, device="meta"), y)
         if second_exts:
             check_second_order(
-                second_exts, plan.sites, trainable, residual_other,
+                second_exts, plan.sites, trainable, [],
                 {layer.path: layer.kind for layer in program.layers.values()},
             )
         rng = _rng_state(X.device)
@@ -220,27 +232,21 @@ def _wrapped(t: Tensor) -> bool:
         return False
 
 
-def _residual_nodes(program: Program):
-    """Element-wise nonlinear nodes (node -> φ) and the names of nodes of unknown curvature."""
-    graph = program.graph
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    dependent = set(placeholders[:1])
-    for node in graph.nodes:
-        if any(a in dependent for a in node.all_input_nodes):
-            dependent.add(node)
-    nodes, other = {}, []
-    for node in graph.nodes:
-        if node not in dependent or node.op in ("placeholder", "output"):
-            continue
-        kind, phi = classify(node, program.root, program.layers, dependent)
-        if kind == "elementwise":
-            nodes[node] = phi
-        elif kind == "other":
-            what = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-            if node.op == "call_module":
-                what = f"module '{node.target}' ({type(program.root.get_submodule(node.target)).__name__})"
-            other.append(f"{what} (graph node '{node.name}')")
-    return nodes, other
+def _shared_linear_layers(program: Program) -> frozenset:
+    """Linear layers whose weight is used by more than one site (calls or direct reads)."""
+    counts: Dict[str, int] = {}
+    for node in program.graph.nodes:
+        layer = program.layers.get(node.target) if node.op == "call_module" else None
+        if layer is not None:
+            for name in set(layer.names.values()):
+                counts[name] = counts.get(name, 0) + 1
+    for use in program.functional.values():
+        for name in use.params:
+            counts[name] = counts.get(name, 0) + 1
+    return frozenset(
+        target for target, layer in program.layers.items()
+        if layer.kind == "linear" and counts.get(layer.names.get("weight"), 0) > 1
+    )
 
 
 def _rng_state(device: torch.device):
@@ -276,7 +282,7 @@ def _products(program, spec, X, y, values, residual_nodes, lin, residual_grads, 
         rec = Recorder(None, residual_nodes=residual_nodes if with_taps else None)
         with _replay_rng(rng, X.device):
             out = run_graph(program, X, vals, frozenset(), rec)
-        return out, [r.a for r in rec.residuals]
+        return out, [a for r in rec.residuals for a in r.inputs]
 
     def make(ext, name):
         p0 = values[name]
@@ -322,7 +328,7 @@ def _products(program, spec, X, y, values, residual_nodes, lin, residual_grads, 
 
         modify = (lambda r: r.clamp(min=0)) if ext.modify == "clip" else torch.abs
         mod_r = [
-            modify(second_derivative(res.phi, res.a) * g_z)
+            modify(second_derivative(res.phi, res.inputs[0]) * g_z)
             for res, g_z in zip(lin.residuals, residual_grads)
         ]
 

@@ -30,6 +30,8 @@ FAMILIES: Tuple[Tuple[Tuple[type, ...], str], ...] = (
     ((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), "batchnorm"),
     ((nn.Embedding,), "embedding"),
     ((nn.RNN, nn.LSTM, nn.GRU), "rnn"),
+    ((nn.LayerNorm,), "layernorm"),
+    ((nn.GroupNorm,), "groupnorm"),
 )
 
 # Parameter-free (or parametrized) modules whose configuration must be checked
@@ -56,6 +58,11 @@ def _plain(module: nn.Module) -> bool:
         or module._forward_hooks
         or module._forward_pre_hooks
     )
+
+
+def has_family(module: nn.Module) -> bool:
+    """Whether the module has a hand-written rule family."""
+    return _family(module, FAMILIES) is not None
 
 
 def forward_for(module: nn.Module) -> Tuple[Callable, str]:

@@ -83,18 +83,26 @@ class Site:
 
 @dataclass
 class Residual:
-    """An element-wise nonlinearity ``z = φ(a)`` whose second derivative matters.
+    """A graph node whose second derivative enters the Hessian (see :mod:`curvlib._residuals`).
 
     Attributes:
         where: the graph node's name, for messages.
-        phi: ``φ`` as a function of ``a`` alone.
-        a: its input (a *tap*: the forward returns it, so that vectors can be
-            pulled back from it).
+        kind: ``"diag"``, ``"product"``, ``"bilinear"`` or ``"dense"``.
+        phi: ``φ(a)`` (diag) or ``φ(theta, *inputs)`` (dense); ``None`` otherwise.
+        inputs: the node's graph inputs (*taps*: the forward returns them, so that
+            vectors can be pulled back from them).
+        params: dense kind: the node's own trainable parameters (canonical name -> tensor).
+        site: bilinear kind: the Linear site.
+        taps: indices of ``inputs`` in the forward's list of taps.
     """
 
     where: str
-    phi: Callable[[Tensor], Tensor]
-    a: Tensor
+    kind: str
+    phi: Optional[Callable]
+    inputs: List[Tensor]
+    params: Dict[str, Tensor] = field(default_factory=dict)
+    site: Optional["Site"] = None
+    taps: List[int] = field(default_factory=list)
 
 
 class Recorder:
@@ -113,7 +121,7 @@ class Recorder:
         self,
         probes: Optional[Sequence[Tensor]] = None,
         residual_probes: Optional[Sequence[Tensor]] = None,
-        residual_nodes: Optional[Mapping[Any, Callable]] = None,
+        residual_nodes: Optional[Mapping[Any, Any]] = None,
     ):
         self.probes = probes
         self.residual_probes = residual_probes
@@ -124,10 +132,14 @@ class Recorder:
         self.residuals: List[Residual] = []
         self.residual_shapes: List[Tuple[int, ...]] = []
 
-    def residual(self, where: str, phi: Callable, a: Tensor, z: Tensor) -> Tensor:
-        """Record ``z = φ(a)``; return ``z`` + its probe."""
+    def residual(self, where: str, kind: str, phi: Optional[Callable], inputs: List[Tensor], z: Tensor,
+                 params: Optional[Dict[str, Tensor]] = None, site: Optional["Site"] = None) -> Tensor:
+        """Record the residual of a node with output ``z``; return ``z`` + its probe."""
         k = len(self.residuals)
-        self.residuals.append(Residual(where, phi, a))
+        first = sum(len(r.inputs) for r in self.residuals)
+        self.residuals.append(
+            Residual(where, kind, phi, list(inputs), dict(params or {}), site, list(range(first, first + len(inputs))))
+        )
         self.residual_shapes.append(tuple(z.shape))
         if self.residual_probes is None:
             return z

@@ -1,0 +1,142 @@
+"""Layer normalisation (``nn.LayerNorm``), batched with an explicit ``n``.
+
+The layer normalises each position over its trailing ``normalized_shape``
+axes ``*D`` and applies an element-wise affine map:
+
+    x̂[..., d] = (x[..., d] - mean_D(x)) / √(var_D(x) + ε),
+    y[..., d] = x̂[..., d] w[d] + b[d].
+
+Shapes: ``x [*L, *D]`` with the batch in one of the leading axes ``*L``
+(anywhere, e.g. ``[N, T, D]`` or ``[T, N, D]``), ``g = ∂L/∂y`` like ``x``,
+``w = weight [*D]``, ``b = bias [*D]``. The statistics are taken per leading
+position, so samples never mix. With the batch moved to the front, the other
+leading axes are flattened into ``s`` and ``*D`` into ``d``; the rule works on
+``x̂ [n, s, d]`` and ``g [n, s, d]``.
+
+Given ``x̂`` the site is linear in ``(w, b)``, so the individual gradients are
+
+    ∂ℓ_n/∂w = Σ_s g[n, s] ⊙ x̂[n, s],      ∂ℓ_n/∂b = Σ_s g[n, s],
+
+``[N, *D]`` tensors (no larger than one leading position of the input per
+sample), from which every first-order quantity is read off. Because ``x̂`` is
+saved, the GGN family (which pulls ``V`` vectors back to the site's output and
+applies these functions per vector) needs nothing more. The Hessian family
+additionally needs the normalisation's second derivative with respect to
+``x``; it is refused by family (``"layernorm"``) until the engine has it.
+
+The forward is ``x̂ = F.layer_norm(x)`` *without* the affine map, then
+``y = b + x̂ ⊙ w`` (``torch.addcmul``): one fused normalisation gives both the
+output and the saved ``x̂``, and it agrees with the module to rounding (float64:
+~1e-16). It also keeps every transform exact: in torch 2.13, ``torch.func``'s
+second derivative of ``F.layer_norm`` *with* a weight is wrong in its
+weight-input coupling (``torch.func.hessian`` of ``(w, x) ↦ ⟨c, LN(x; w)⟩``
+differs from autograd's and from finite differences; see
+``tests/rules/test_layernorm.py``), whereas the normalisation alone and the
+product are exact.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .._errors import CurvatureError
+from ._site import Recorder, RoleTensors, Rule, Site
+
+
+def _canon(site: Site, t: Tensor) -> Tensor:
+    """``t [*L, *D]`` -> ``[n, s, d]``, batch in front, ``*D`` flattened into ``d``."""
+    k = site.meta["norm_dims"]
+    bdim = site.meta.get("batch_dim", 0)
+    lead = t.dim() - k
+    if bdim >= lead:  # pragma: no cover - the planner cannot find the batch there
+        raise CurvatureError(
+            f"LayerNorm '{site.where}': the batch is in dim {bdim} of its input, one of the "
+            f"normalised axes (the last {k}); samples would be mixed. Normalise over "
+            "per-sample axes only."
+        )
+    if bdim != 0:
+        t = t.movedim(bdim, 0)
+    return t.reshape(t.shape[0], -1, site.meta["norm_numel"])
+
+
+def _per_sample(site: Site, g: Tensor, roles: Sequence[str]) -> Tuple[RoleTensors, Tuple[int, ...]]:
+    """Individual gradients flattened to ``[N, d]``, and the parameter shape ``*D``."""
+    gc = _canon(site, g)
+    out = {}
+    if "weight" in roles:
+        out["weight"] = (gc * _canon(site, site.saved["xhat"])).sum(1)
+    if "bias" in roles:
+        out["bias"] = gc.sum(1)
+    return out, site.meta["norm_shape"]
+
+
+def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``[N, *D]`` per role: ``Σ_s g ⊙ x̂`` and ``Σ_s g``."""
+    vals, shape = _per_sample(site, g, roles)
+    return {role: v.reshape((v.shape[0],) + shape) for role, v in vals.items()}
+
+
+def grad(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``[*D]`` per role: the sum over the batch and the leading positions at once."""
+    gc = _canon(site, g)
+    shape = site.meta["norm_shape"]
+    out = {}
+    if "weight" in roles:
+        out["weight"] = (gc * _canon(site, site.saved["xhat"])).sum((0, 1)).reshape(shape)
+    if "bias" in roles:
+        out["bias"] = gc.sum((0, 1)).reshape(shape)
+    return out
+
+
+def batch_l2(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``[N]`` per role: squared norms of the ``[N, d]`` individual gradients."""
+    vals, _ = _per_sample(site, g, roles)
+    return {role: (v**2).sum(1) for role, v in vals.items()}
+
+
+def sum_grad_squared(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``[*D]`` per role: ``Σ_n (∂ℓ_n/∂p)²``."""
+    vals, shape = _per_sample(site, g, roles)
+    return {role: (v**2).sum(0).reshape(shape) for role, v in vals.items()}
+
+
+LAYERNORM = Rule(
+    kind="layernorm",
+    grad_batch=grad_batch,
+    grad=grad,
+    batch_l2=batch_l2,
+    sum_grad_squared=sum_grad_squared,
+    any_batch_dim=True,
+)
+
+
+def _affine(xhat: Tensor, weight, bias) -> Tensor:
+    """``x̂ ⊙ w + b`` with ``w``/``b`` broadcast over the leading dims (either may be ``None``)."""
+    if weight is None:
+        return xhat if bias is None else xhat + bias
+    return xhat * weight if bias is None else torch.addcmul(bias, xhat, weight)
+
+
+def forward(module: nn.LayerNorm, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
+    """Run ``nn.LayerNorm`` functionally and record its site."""
+    x = args[0] if args else kwargs["input"]
+    shape = tuple(module.normalized_shape)
+    k = len(shape)
+    if x.dim() < k + 1 or tuple(x.shape[x.dim() - k:]) != shape:
+        raise CurvatureError(
+            f"LayerNorm '{where}' (normalized_shape={list(shape)}) got an input of shape "
+            f"{list(x.shape)}; it needs [*leading, {', '.join(map(str, shape))}] with the "
+            "batch among the leading dims."
+        )
+    xhat = F.layer_norm(x, shape, None, None, module.eps)
+    out = _affine(xhat, tensors.get("weight"), tensors.get("bias"))
+    saved = {"xhat": xhat} if "weight" in names else {}
+    numel = 1
+    for s in shape:
+        numel *= s
+    meta = {"batch_dim": 0, "norm_dims": k, "norm_shape": shape, "norm_numel": numel}
+    return rec.add(Site(LAYERNORM, names, where, saved=saved, meta=meta), out)
