@@ -42,10 +42,6 @@ DT = torch.float64
 RTOL, ATOL = 1e-7, 1e-9
 
 
-def _in_progress(feature: str, raises=ValueError):
-    return pytest.mark.xfail(raises=raises, strict=False, reason=f"Hessian family on {feature}: in progress")
-
-
 # ----------------------------------------------------------------------------- Hessian check
 
 
@@ -117,8 +113,10 @@ def check_hessian_family(model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tens
 
 ZOO = sorted(models.ZOO)
 
-# What blocks the Hessian family in each architecture today, and whether the
-# residual oracle is complete for it (every smooth nonlinearity a module).
+# Per architecture: what makes PCHMP undefined there (non-element-wise nonlinear
+# nodes, which PCHMP refuses; None: PCHMP applies), and whether the residual
+# oracle is complete for it (every smooth nonlinearity a module). DiagHessian and
+# BatchDiagHessian are exact on every architecture.
 HESSIAN = {
     "resnet": (None, True),
     "branch_cat": (None, True),
@@ -138,10 +136,7 @@ HESSIAN = {
 
 
 def _hessian_param(name):
-    blocked, _ = HESSIAN[name]
-    raises = (ValueError, RuntimeError) if name.startswith("inplace") else ValueError
-    marks = [_in_progress(blocked, raises)] if blocked else []
-    return pytest.param(name, marks=marks, id=name)
+    return pytest.param(name, id=name)
 
 
 @pytest.mark.parametrize("name", ZOO)
@@ -164,14 +159,12 @@ def test_zoo_hessian_family(name):
     check_hessian_family(c.model, c.lossfn, c.X, c.y, exact_pchmp=exact, pchmp_optional=blocked is not None)
 
 
-@pytest.mark.xfail(raises=RuntimeError, strict=False, reason="bug: in-place smooth activation module in the Hessian family")
 def test_inplace_smooth_activation_hessian():
     """``nn.ELU(inplace=True)`` (no in-place tensor method). The Hessian family
     needs ``φ''`` at the activation's *input*, which the in-place op
-    overwrites: today ``second_derivative`` runs the in-place module on a
-    leaf of its own autodiff (RuntimeError); calling it on a clone alone is
-    not enough, the residual then reads ``φ(a)`` instead of ``a`` (silently
-    wrong diagonal), so this compares with ``torch.func`` Hessians directly."""
+    overwrites (curvlib keeps a copy taken before the node runs, and aliases
+    the overwritten input to the output); compared with ``torch.func``
+    Hessians directly, since the residual oracle's hook sees the overwritten input."""
     gen, X = models._float(0, 3, 4)
     c = models._case(models.InplaceNet(smooth=True, method=False).to(DT), nn.CrossEntropyLoss(), X, gen)
     check_first_order(c.model, c.lossfn, c.X, c.y)
@@ -363,13 +356,11 @@ def _shared_property(spec, n, loss, reduction, seed):
     check_hessian_family(model, lossfn, X, y, exact_pchmp=False, pchmp_optional=True)
 
 
-@_in_progress("products of two branches")
 def test_random_dag_hessian_family_products():  # PCHMP may be refused on products by design
     _probe([("linear", "", 0, 0), ("act", "tanh", 1, 0), ("mul", "", 1, 2)])
     _products_property()
 
 
-@_in_progress("shared modules")
 def test_random_dag_hessian_family_shared():
     _probe([("shared", "", 0, 0), ("act", "tanh", 1, 0), ("shared", "", 2, 0)])
     _shared_property()

@@ -459,7 +459,6 @@ def test_second_order_refused_with_model_line(ext):
 # --------------------------------------------------------------------------- end to end
 
 
-@pytest.mark.xfail(strict=False, reason="needs curvature() to use run_eager when program.graph is None")
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_curvature_end_to_end(sign):
     torch.manual_seed(3)
@@ -468,7 +467,6 @@ def test_curvature_end_to_end(sign):
     check_first_order(model, nn.MSELoss(), X, torch.randn(4, 3, dtype=torch.float64))
 
 
-@pytest.mark.xfail(strict=False, reason="needs curvature() to use run_eager when program.graph is None")
 def test_curvature_end_to_end_loop_and_item():
     model = LoopFromItem().double()
     X = torch.randn(3, 3, dtype=torch.float64)

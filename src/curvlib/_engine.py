@@ -74,6 +74,10 @@ def run_graph(
     result = None
     for node in program.graph.nodes:
         load = lambda a: fx.node.map_arg(a, lambda n: env[n])  # noqa: E731
+        before = None
+        if node in rec.residual_nodes and _residuals.is_inplace(program, node):
+            # The node overwrites its input: keep the value it is a function of.
+            before = {a: env[a].clone() for a in node.all_input_nodes if isinstance(env.get(a), Tensor)}
         if node.op == "placeholder":
             if placeholders_seen == 0:
                 env[node] = X
@@ -121,7 +125,12 @@ def run_graph(
             )
         if node in rec.residual_nodes:
             kind, phi = rec.residual_nodes[node]
-            _residuals.record(program, node, kind, phi, env, params, trainable, rec, program.dependent)
+            _residuals.record(program, node, kind, phi, env, params, trainable, rec, program.dependent, before)
+            if before is not None:
+                # In eager PyTorch the overwritten input *is* the output: alias it, so
+                # that later uses of the input see the output's probe too.
+                first = node.all_input_nodes[0]
+                env[first] = env[node]
         if node.op == "output":
             result = load(node.args[0])
     if not isinstance(result, Tensor):

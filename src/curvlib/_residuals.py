@@ -80,7 +80,12 @@ def residual_plan(program: Program, shared_linear_layers: frozenset = frozenset(
         layer = program.layers.get(node.target) if node.op == "call_module" else None
         if layer is not None:
             if layer.kind == "rnn":
-                continue  # internal nonlinearities: the Hessian extensions refuse the family
+                raise CurvatureError(
+                    f"The Hessian extensions (DiagHessian, BatchDiagHessian, PCHMP) are not "
+                    f"supported for module '{layer.path}' ({type(layer.module).__name__}): the "
+                    "second derivatives of a recurrent layer's internal nonlinearities are not "
+                    "available, even with its parameters frozen. Use the GGN extensions or HMP."
+                )
             if layer.kind not in AFFINE_FAMILIES:
                 plan[node] = ("dense", None)
             elif node.target in shared_linear_layers:
@@ -109,10 +114,36 @@ def _is_product(node: fx.Node, dependent: set) -> bool:
     return len(args) == 2 and all(isinstance(a, fx.Node) and a in dependent for a in args)
 
 
+def is_inplace(program: Program, node: fx.Node) -> bool:
+    """Whether the node overwrites its input (``inplace=True`` modules/functions, ``x.relu_()``)."""
+    if node.op == "call_module":
+        return bool(getattr(program.root.get_submodule(node.target), "inplace", False))
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    name = getattr(node.target, "__name__", "")
+    return bool(node.kwargs.get("inplace", False)) or (name.endswith("_") and not name.endswith("__"))
+
+
+def _out_of_place(fn: Callable) -> Callable:
+    """``fn`` applied to a copy of its tensor arguments (for in-place operations)."""
+    return lambda *xs, **kw: fn(*(x.clone() if isinstance(x, Tensor) else x for x in xs), **kw)
+
+
 def record(program: Program, node: fx.Node, kind: str, phi, env: Dict[fx.Node, object],
-           params: Dict[str, Tensor], trainable: frozenset, rec: Recorder, dependent: set) -> None:
-    """Record the residual of ``node`` (already evaluated into ``env``) with ``rec``."""
+           params: Dict[str, Tensor], trainable: frozenset, rec: Recorder, dependent: set,
+           before: Optional[Dict[fx.Node, Tensor]] = None) -> None:
+    """Record the residual of ``node`` (already evaluated into ``env``) with ``rec``.
+
+    ``before``: for an in-place node, copies of its inputs taken before it ran
+    (the residual is a function of those values, and they carry the graph).
+    """
+    env_out = env
     z = env[node]
+    inplace = before is not None
+    if inplace:
+        env = {**env, **before}
+        if phi is not None:
+            phi = _out_of_place(phi)
     if not isinstance(z, Tensor):
         raise CurvatureError(
             f"The Hessian extensions need the second derivative of graph node '{node.name}' "
@@ -122,26 +153,29 @@ def record(program: Program, node: fx.Node, kind: str, phi, env: Dict[fx.Node, o
     inputs_nodes = [a for a in node.all_input_nodes if a in dependent]
     if kind == "diag":
         a = env[node.all_input_nodes[0]] if node.op != "call_module" else fx.node.map_arg(node.args, lambda n: env[n])[0]
-        env[node] = rec.residual(node.name, kind, phi, [a], z)
+        env_out[node] = rec.residual(node.name, kind, phi, [a], z)
         return
     if kind == "product":
         x, y = (env[a] for a in node.args)
         if not (isinstance(x, Tensor) and isinstance(y, Tensor) and x.shape == y.shape == z.shape):
             kind = "dense"  # broadcasting product: no structure to exploit
         else:
-            env[node] = rec.residual(node.name, kind, None, [x, y], z)
+            env_out[node] = rec.residual(node.name, kind, None, [x, y], z)
             return
     if kind == "bilinear":
         site = rec.sites[-1] if rec.sites and rec.sites[-1].where == program.layers[node.target].path else None
         if site is None or "weight" not in site.params:
             return
-        env[node] = rec.residual(node.name, kind, None, [site.saved["x"]], z, site=site)
+        env_out[node] = rec.residual(node.name, kind, None, [site.saved["x"]], z, site=site)
         return
     # dense: the node as a function of its graph inputs (and its trainable parameters)
     inputs = [env[a] for a in inputs_nodes]
     own = _own_parameters(program, node, trainable)
     phi = _node_function(program, node, env, inputs_nodes, params)
-    env[node] = rec.residual(node.name, "dense", phi, inputs, z, params={n: params[n] for n in own})
+    if inplace:
+        phi_inplace = phi
+        phi = lambda theta, *xs: phi_inplace(theta, *(x.clone() for x in xs))  # noqa: E731
+    env_out[node] = rec.residual(node.name, "dense", phi, inputs, z, params={n: params[n] for n in own})
 
 
 def _own_parameters(program: Program, node: fx.Node, trainable: frozenset) -> List[str]:

@@ -15,6 +15,7 @@ from . import losses
 from ._engine import FIRST_ORDER, Plan, check_modules, first_order, forward_with_probes, make_plan, run_graph
 from ._kfra import chain_nodes, kfra
 from ._secondorder import check_second_order, second_order
+from ._untraced import run_eager
 from .extensions.secondorder import SecondOrder
 from .rules._site import Recorder
 from . import _residuals
@@ -132,6 +133,9 @@ def curvature(
             f"Extension {unknown[0]!r} is not a curvlib extension this version computes."
         )
     program = trace_program(model)
+    # Models fx cannot trace run eagerly, with their layers redirected to curvlib's rules
+    # (first order only: second order needs the graph and is refused below).
+    runner = run_eager if program.graph is None else None
     if second_exts and program.graph is None:
         raise CurvatureError(
             f"{type(second_exts[0]).__name__} needs the model's computation graph, but model "
@@ -167,11 +171,6 @@ def curvature(
                 f"y has shape {tuple(y.shape)} but X has batch size {X.shape[0]}; y needs "
                 "the same batch size in dim 0."
             )
-        if program.graph is None:
-            raise CurvatureError(
-                f"Model {type(model).__name__} could not be traced with torch.fx, so "
-                f"curvlib cannot see its computation:\n  {program.trace_error}"
-            )
         all_params = {name: p for name, p in model.named_parameters()}
         if params is None:
             trainable = [n for n, p in all_params.items() if p.requires_grad]
@@ -180,15 +179,18 @@ def curvature(
             given = _check_params(model, params, all_params)
             trainable = [n for n in all_params if n in given]
             values = {n: (given[n] if n in given else p.detach()) for n, p in all_params.items()}
-        check_modules(program)
+        if program.graph is not None:
+            check_modules(program)  # (the eager runner checks modules as they are called)
         key = (
             tuple(X.shape), X.dtype, X.device.type,
             tuple((n, tuple(v.shape), v.dtype) for n, v in values.items()),
             frozenset(trainable),
         )
         plan = plans.get(key)
-        if plan is None:
-            plan = plans[key] = make_plan(program, X, values, frozenset(trainable), residual_nodes)
+        if plan is None or runner is not None:  # an untraced model's path may change per call
+            plan = plans[key] = make_plan(
+                program, X, values, frozenset(trainable), residual_nodes, runner=runner
+            )
         # Targets and extensions are checked against the plan: before any work.
         losses.check_targets(spec, torch.empty(plan.out_shape, dtype=plan.out_dtype, device="meta"), y)
         if second_exts:
@@ -198,7 +200,9 @@ def curvature(
             )
         rng = _rng_state(X.device)
 
-        lin = forward_with_probes(program, plan, X, values, frozenset(trainable), residual_nodes)
+        lin = forward_with_probes(
+            program, plan, X, values, frozenset(trainable), residual_nodes, runner=runner
+        )
         loss, loss_pullback = torch.func.vjp(lambda o: losses.loss_value(spec, o, y), lin.out)
         (g_out,) = loss_pullback(torch.ones_like(loss))
         gs, residual_grads = lin.pull(g_out)

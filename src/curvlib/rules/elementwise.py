@@ -107,6 +107,15 @@ def classify(node: fx.Node, root: nn.Module, layers: dict, dependent: set) -> Tu
             return "elementwise", module
         return "other", None
     target = node.target
+    if node.op == "call_method" and target.endswith("_") and not target.endswith("__"):
+        target = target[:-1]  # x.relu_() has the curvature of x.relu()
+    if node.op == "call_function":
+        name = getattr(target, "__name__", "")
+        if name.endswith("_") and not name.endswith("__"):  # torch.sigmoid_, F.relu_
+            for namespace in (F, torch):
+                if hasattr(namespace, name[:-1]):
+                    target = getattr(namespace, name[:-1])
+                    break
     if node.op == "call_method":
         if target in _LINEAR_METHODS:
             return "linear", None
@@ -119,7 +128,7 @@ def classify(node: fx.Node, root: nn.Module, layers: dict, dependent: set) -> Tu
         if target in _ELEMENTWISE_FUNCTIONS and _depends_on_input(node.args[0], dependent) and not any(
             _depends_on_input(a, dependent) for a in node.args[1:]
         ):
-            rest, kwargs = node.args[1:], node.kwargs
+            rest, kwargs = node.args[1:], {k: v for k, v in node.kwargs.items() if k != "inplace"}
             return "elementwise", (lambda a, t=target, r=rest, k=kwargs: t(a, *r, **k))
         if target in (operator.pow, torch.pow) and _depends_on_input(node.args[0], dependent) and not _depends_on_input(node.args[1], dependent):
             exponent = node.args[1]
