@@ -113,8 +113,8 @@ def check_hessian_family(model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tens
 
 ZOO = sorted(models.ZOO)
 
-# Per architecture: what makes PCHMP undefined there (non-element-wise nonlinear
-# nodes, which PCHMP refuses; None: PCHMP applies), and whether the residual
+# Per architecture: its non-element-wise nonlinear nodes (where PCHMP modifies the
+# eigenvalues of a dense or structured residual; None: element-wise only), and whether the residual
 # oracle is complete for it (every smooth nonlinearity a module). DiagHessian and
 # BatchDiagHessian are exact on every architecture.
 HESSIAN = {

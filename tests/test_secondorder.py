@@ -39,6 +39,7 @@ from helpers import _assert_same_state, state_snapshot
 from oracles_second import (
     detached_params,
     ggn_per_sample,
+    ggn_block,
     hessian_block,
     hessian_per_sample,
     kfra_reference,
@@ -507,7 +508,7 @@ def check_hessian_diagonals(model, lossfn, X, y):
 @pytest.mark.parametrize("loss", sorted(LOSSES))
 def test_shared_parameters(loss):
     """GGN family, products and the Hessian diagonals include the cross terms between
-    uses (weight-input coupling of the second use); PCHMP and KFLR refuse (naming it)."""
+    uses (weight-input coupling of the second use); KFLR refuses (naming it)."""
     torch.manual_seed(0)
     model = Twice().double()
     X = torch.randn(4, 3, dtype=torch.float64)
@@ -515,9 +516,8 @@ def test_shared_parameters(loss):
     lossfn = LOSSES[loss](reduction="sum")
     check_second_order(model, lossfn, X, y, hessian=False)
     check_hessian_diagonals(model, lossfn, X, y)
-    for ext in (PCHMP(), KFLR()):
-        with pytest.raises(CurvatureError, match=r"fc|PCHMP"):
-            curvature(model, lossfn, [ext])(X, y)
+    with pytest.raises(CurvatureError, match=r"fc\.weight"):
+        curvature(model, lossfn, [KFLR()])(X, y)
 
 
 @pytest.mark.parametrize("transpose", [False, True], ids=["conv", "conv_transpose"])
@@ -975,15 +975,13 @@ class Divided(nn.Module):
 @pytest.mark.parametrize("model_cls, node", [(Softmaxed, "softmax"), (Product, "mul"), (Divided, "truediv")])
 def test_hessian_of_non_elementwise_nodes(model_cls, node):
     """Products, softmax, division: the Hessian diagonals are exact (dense or structured
-    residuals); PCHMP refuses, naming the node; the GGN family is right too."""
+    residuals); the GGN family is right too."""
     torch.manual_seed(0)
     model = model_cls().double()
     X = torch.randn(3, 3, dtype=torch.float64)
     y = torch.randint(0, 2, (3,))
     lossfn = nn.CrossEntropyLoss()
     check_hessian_diagonals(model, lossfn, X, y)
-    with pytest.raises(CurvatureError, match=node):
-        curvature(model, lossfn, [PCHMP()])(X, y)
     qs = curvature(model, lossfn, [DiagGGNExact()])(X, y)
     for name, p in model.named_parameters():
         G = ggn_per_sample(model, lossfn, X, y, name).sum(0)
@@ -1106,3 +1104,50 @@ def test_matches_backpack(which, loss, reduction):
                     _close(a, b, f"{c.name}[{name}][{i}] vs BackPACK")
             else:
                 _close(got, want, f"{c.name}[{name}] vs BackPACK")
+
+
+def _pch_reference_product(model, lossfn, X, y, name, modify):
+    """``G_p + Σ_n J_nᵀ mod(R_n) J_n`` for ``Product`` (``z = a(x) ⊙ b(x)``), built
+    explicitly: ``R_n = [[0, diag g_n], [diag g_n, 0]]`` over ``(a(x_n), b(x_n))``,
+    ``mod`` on its eigenvalues, ``J_n`` the Jacobian of ``(a(x_n), b(x_n))`` w.r.t. ``p``."""
+    params = detached_params(model)
+    p0 = params[name]
+
+    def branches(p):
+        full = {**params, name: p}
+        xa = torch.func.functional_call(model.a, {k[2:]: v for k, v in full.items() if k.startswith("a.")}, (X,))
+        xb = torch.func.functional_call(model.b, {k[2:]: v for k, v in full.items() if k.startswith("b.")}, (X,))
+        return torch.cat([xa, xb], dim=1)  # [N, 2D]
+
+    u = branches(p0)
+    d = u.shape[1] // 2
+    z = (u[:, :d] * u[:, d:]).detach().requires_grad_(True)
+    (g,) = torch.autograd.grad(lossfn(model.c(z), y), z)
+    J = torch.func.jacrev(branches)(p0).reshape(X.shape[0], 2 * d, -1)  # [N, 2D, P]
+    total = ggn_block(model, lossfn, X, y, name)
+    for n in range(X.shape[0]):
+        R = torch.zeros(2 * d, 2 * d, dtype=X.dtype)
+        R[:d, d:] = torch.diag(g[n])
+        R[d:, :d] = torch.diag(g[n])
+        lam, Q = torch.linalg.eigh(R)
+        lam = lam.clamp(min=0) if modify == "clip" else lam.abs()
+        total = total + J[n].T @ (Q @ torch.diag(lam) @ Q.T) @ J[n]
+    return total.reshape(p0.numel(), p0.numel())
+
+
+@pytest.mark.parametrize("modify", ["clip", "abs"])
+def test_pchmp_on_products(modify):
+    """PCHMP on a product of two branches: the eigenvalue-modified residual (Chen et al.'s
+    definition extended from element-wise activations), against an explicit block."""
+    torch.manual_seed(0)
+    model = Product().double()
+    X = torch.randn(4, 3, dtype=torch.float64)
+    y = torch.randint(0, 2, (4,))
+    lossfn = nn.CrossEntropyLoss()
+    qs = curvature(model, lossfn, [PCHMP(modify=modify)])(X, y)
+    for name, p in model.named_parameters():
+        if not name.startswith(("a.", "b.")):
+            continue
+        ref = _pch_reference_product(model, lossfn, X, y, name, modify)
+        V = torch.randn((3,) + tuple(p.shape), dtype=torch.float64)
+        _close(qs["pchmp"][name](V), (V.reshape(3, -1) @ ref).reshape(V.shape), f"pchmp[{name}] ({modify})")

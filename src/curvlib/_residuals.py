@@ -281,18 +281,7 @@ def _dense_columns(res, g: Tensor):
     shapes_in = [tuple(a.shape[1:]) for a in res.inputs]
     sizes_in = [a[0].numel() for a in res.inputs]
     n = g.shape[0]
-    theta_flat = [res.params[k].reshape(1, -1).expand(n, -1) for k in names]
-    u = torch.cat(theta_flat + [a.reshape(n, -1) for a in res.inputs], dim=1)  # [N, D]
-
-    def contracted(u_n: Tensor, g_n: Tensor) -> Tensor:
-        parts = list(torch.split(u_n, sizes_p + sizes_in))
-        theta = {k: p.reshape(sh) for k, p, sh in zip(names, parts[: len(names)], shapes_p)}
-        inputs = [p.reshape((1,) + sh) for p, sh in zip(parts[len(names):], shapes_in)]
-        out = res.phi(theta, *inputs)
-        return (out.squeeze(0) * g_n).sum()
-
-    R = vmap(hessian(contracted))(u, g)  # [N, D, D]
-    R = (R + R.transpose(1, 2)) / 2
+    R = _dense_matrix(res, g)  # [N, D, D]
     evals, evecs = torch.linalg.eigh(R)
     sets = []
     for sign, lam in ((1.0, evals.clamp(min=0)), (-1.0, (-evals).clamp(min=0))):
@@ -305,3 +294,89 @@ def _dense_columns(res, g: Tensor):
         }
         sets.append((sign, taps, direct))
     return sets
+
+
+def _dense_matrix(res, g: Tensor) -> Tensor:
+    """Per-sample residual ``R [N, D, D]`` over ``u = (θ, inputs)`` (dense kind)."""
+    names = list(res.params)
+    shapes_p = [tuple(res.params[k].shape) for k in names]
+    sizes_p = [res.params[k].numel() for k in names]
+    shapes_in = [tuple(a.shape[1:]) for a in res.inputs]
+    sizes_in = [a[0].numel() for a in res.inputs]
+    n = g.shape[0]
+    theta_flat = [res.params[k].reshape(1, -1).expand(n, -1) for k in names]
+    u = torch.cat(theta_flat + [a.reshape(n, -1) for a in res.inputs], dim=1)
+
+    def contracted(u_n: Tensor, g_n: Tensor) -> Tensor:
+        parts = list(torch.split(u_n, sizes_p + sizes_in))
+        theta = {k: p.reshape(sh) for k, p, sh in zip(names, parts[: len(names)], shapes_p)}
+        inputs = [p.reshape((1,) + sh) for p, sh in zip(parts[len(names):], shapes_in)]
+        return (res.phi(theta, *inputs).squeeze(0) * g_n).sum()
+
+    R = vmap(hessian(contracted))(u, g)
+    return (R + R.transpose(1, 2)) / 2
+
+
+def positive_curvature(res, g: Tensor, modify: str) -> Callable:
+    """The residual with its negative curvature clipped (``"clip"``) or flipped (``"abs"``).
+
+    Returns ``apply(tap_tangents, theta_tangents) -> (tap_cotangents, theta_cotangents)``:
+    ``mod(R)`` applied per sample to the tangent of ``u = (θ, inputs)``, with
+    ``mod`` acting on the eigenvalues of ``R``. ``theta_*`` are dicts (parameter
+    name -> ``[*p]``, the same direction for every sample; the cotangent is
+    summed over samples). For an element-wise node this is Chen et al.'s
+    ``mod(φ''(a) g)``.
+    """
+    clip = modify == "clip"
+    if res.kind == "diag":
+        r = second_derivative(res.phi, res.inputs[0]) * g
+        m = r.clamp(min=0) if clip else r.abs()
+        return lambda taps, theta: ([m * taps[0]], {})
+    if res.kind == "product":
+        # per entry: [[0, g], [g, 0]] has eigenpairs ±|g|, (1, ±s)/√2 with s = sign(g)
+        a, s = g.abs(), torch.sign(g)
+        if clip:
+            return lambda taps, theta: ([a / 2 * (taps[0] + s * taps[1]), a / 2 * (s * taps[0] + taps[1])], {})
+        return lambda taps, theta: ([a * taps[0], a * taps[1]], {})
+    if res.kind == "bilinear":
+        name = res.site.params["weight"]
+        x = res.inputs[0]
+        n = x.shape[0]
+        gs = g.reshape(n, -1, g.shape[-1])  # [N, S, O]
+        norm = gs.norm(dim=2)  # [N, S]
+        unit = gs / norm.clamp_min(torch.finfo(g.dtype).tiny).unsqueeze(-1)
+
+        def apply(taps, theta):
+            tx = taps[0].reshape(n, -1, x.shape[-1])  # [N, S, I]
+            tw = theta.get(name)
+            proj = torch.einsum("nso,oi->nsi", unit, tw) if tw is not None else torch.zeros_like(tx)
+            if clip:  # eigenvectors (ĝ⊗e_i, e_{s,i})/√2 with eigenvalue ‖g_s‖
+                c = norm.unsqueeze(-1) / 2 * (proj + tx)
+                cx, cw = c, torch.einsum("nsi,nso->oi", c, unit)
+            else:  # |R| = Σ ‖g_s‖ (ĝĝᵀ ⊗ I on W, I on x)
+                cx = norm.unsqueeze(-1) * tx
+                cw = torch.einsum("nsi,nso,ns->oi", proj, unit, norm)
+            return [cx.reshape(taps[0].shape)], ({name: cw} if tw is not None else {})
+
+        return apply
+    R = _dense_matrix(res, g)
+    evals, evecs = torch.linalg.eigh(R)
+    evals = evals.clamp(min=0) if clip else evals.abs()
+    M = evecs @ torch.diag_embed(evals) @ evecs.transpose(1, 2)  # [N, D, D]
+    names = list(res.params)
+    sizes_p = [res.params[k].numel() for k in names]
+    n = g.shape[0]
+
+    def apply_dense(taps, theta):
+        t_theta = [
+            (theta[k].reshape(1, -1) if k in theta else res.params[k].new_zeros(1, res.params[k].numel())).expand(n, -1)
+            for k in names
+        ]
+        t = torch.cat(t_theta + [tt.reshape(n, -1) for tt in taps], dim=1)
+        c = torch.einsum("nij,nj->ni", M, t)
+        parts = torch.split(c, sizes_p + [a[0].numel() for a in res.inputs], dim=1)
+        theta_c = {k: p.sum(0).reshape(res.params[k].shape) for k, p in zip(names, parts[: len(names)]) if k in theta}
+        tap_c = [p.reshape(tt.shape) for p, tt in zip(parts[len(names):], taps)]
+        return tap_c, theta_c
+
+    return apply_dense

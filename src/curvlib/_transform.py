@@ -148,15 +148,6 @@ def curvature(
     residual_nodes = (
         _residuals.residual_plan(program, _shared_linear_layers(program)) if hessian_needed else {}
     )
-    if any(e.quantity == "pchmp" for e in second_exts):
-        other = [node.name for node, (kind, _) in residual_nodes.items() if kind != "diag"]
-        if other:
-            raise CurvatureError(
-                "PCHMP's positive-curvature modification is defined for element-wise "
-                f"activations; this model also has nonlinear nodes {other} (products, "
-                "normalisations, layers nonlinear in their input, shared weights). Use HMP "
-                "(exact) or GGNMP (positive semi-definite) instead."
-            )
     plans: Dict[tuple, Plan] = {}
 
     def f(X: Tensor, y: Tensor, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, object]:
@@ -212,7 +203,9 @@ def curvature(
         result: Dict[str, object] = {"loss": loss.detach() if not _wrapped(loss) else loss}
         result.update(quantities)
         if second_exts:
-            product = _products(program, spec, X, y, values, residual_nodes, lin, residual_grads, rng)
+            product = _products(
+                program, spec, X, y, values, residual_nodes, lin, residual_grads, rng, frozenset(trainable)
+            )
 
             def kfra_factors():
                 with _replay_rng(rng, X.device):
@@ -276,7 +269,7 @@ class _replay_rng:
         return self.fork.__exit__(*exc)
 
 
-def _products(program, spec, X, y, values, residual_nodes, lin, residual_grads, rng):
+def _products(program, spec, X, y, values, residual_nodes, lin, residual_grads, rng, trainable):
     """Factory of the block-product callables ``[V, *p] -> [V, *p]`` (GGNMP, HMP, PCHMP)."""
     out_value = lin.out
 
@@ -285,7 +278,8 @@ def _products(program, spec, X, y, values, residual_nodes, lin, residual_grads, 
         vals[name] = p
         rec = Recorder(None, residual_nodes=residual_nodes if with_taps else None)
         with _replay_rng(rng, X.device):
-            out = run_graph(program, X, vals, frozenset(), rec)
+            # the same sites as the main pass (without probes), so the same residuals
+            out = run_graph(program, X, vals, trainable if with_taps else frozenset(), rec)
         return out, [a for r in rec.residuals for a in r.inputs]
 
     def make(ext, name):
@@ -330,11 +324,11 @@ def _products(program, spec, X, y, values, residual_nodes, lin, residual_grads, 
 
             return ggnmp
 
-        modify = (lambda r: r.clamp(min=0)) if ext.modify == "clip" else torch.abs
-        mod_r = [
-            modify(second_derivative(res.phi, res.inputs[0]) * g_z)
+        operators = [
+            _residuals.positive_curvature(res, g_z, ext.modify)
             for res, g_z in zip(lin.residuals, residual_grads)
         ]
+        n_taps = sum(len(res.inputs) for res in lin.residuals)
 
         def pchmp(V):
             check(V)
@@ -345,8 +339,17 @@ def _products(program, spec, X, y, values, residual_nodes, lin, residual_grads, 
                 f = lambda p: outputs(name, p, True)  # noqa: E731
                 _, (jv, jtaps) = torch.func.jvp(f, (p0,), (v,))
                 hjv = losses.hessian_matvec(spec, out_value, y, jv.unsqueeze(0))[0]
-                cot_taps = [r * t for r, t in zip(mod_r, jtaps)]
-                return torch.func.vjp(f, p0)[1]((hjv, cot_taps))[0]
+                cot_taps = [torch.zeros_like(t) for t in jtaps]
+                direct = torch.zeros_like(v)
+                for res, apply in zip(lin.residuals, operators):
+                    own = name in res.params or (res.kind == "bilinear" and res.site.params.get("weight") == name)
+                    tap_c, theta_c = apply([jtaps[k] for k in res.taps], {name: v} if own else {})
+                    for k, c in zip(res.taps, tap_c):
+                        cot_taps[k] = cot_taps[k] + c
+                    if name in theta_c:
+                        direct = direct + theta_c[name]
+                assert len(cot_taps) == n_taps
+                return torch.func.vjp(f, p0)[1]((hjv, cot_taps))[0] + direct
 
             return torch.func.vmap(one)(V)
 
