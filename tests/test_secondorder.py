@@ -508,7 +508,7 @@ def check_hessian_diagonals(model, lossfn, X, y):
 @pytest.mark.parametrize("loss", sorted(LOSSES))
 def test_shared_parameters(loss):
     """GGN family, products and the Hessian diagonals include the cross terms between
-    uses (weight-input coupling of the second use); KFLR refuses (naming it)."""
+    uses (weight-input coupling of the second use); KFLR treats the uses like positions."""
     torch.manual_seed(0)
     model = Twice().double()
     X = torch.randn(4, 3, dtype=torch.float64)
@@ -516,8 +516,12 @@ def test_shared_parameters(loss):
     lossfn = LOSSES[loss](reduction="sum")
     check_second_order(model, lossfn, X, y, hessian=False)
     check_hessian_diagonals(model, lossfn, X, y)
-    with pytest.raises(CurvatureError, match=r"fc\.weight"):
-        curvature(model, lossfn, [KFLR()])(X, y)
+    qs = curvature(model, lossfn, [KFLR()])(X, y)
+    for role in ("weight", "bias"):
+        B, A = _kron_reference_shared(model, lossfn, X, y, model.fc)
+        _close(qs["kflr"][f"fc.{role}"][0], B, f"kflr[fc.{role}][B]")
+        if role == "weight":
+            _close(qs["kflr"]["fc.weight"][1], A, "kflr[fc.weight][A]")
 
 
 @pytest.mark.parametrize("transpose", [False, True], ids=["conv", "conv_transpose"])
@@ -935,14 +939,60 @@ def test_unused_parameter():
         curvature(model, lossfn, [KFLR()])(X, y)
 
 
-def test_kron_refused_on_linear_with_3d_input():
+def _kron_reference_shared(model, lossfn, X, y, module):
+    """KFLR factors of a Linear over all its calls and positions, explicitly:
+    ``B = Σ_n J_nᵀ H_n J_n`` with ``J_n`` the Jacobian of the output w.r.t. a
+    per-sample offset ``δ_n [O]`` added at every position of every call, and
+    ``A = (1/N) Σ_{calls, n, s} x xᵀ``."""
+    inputs, state = [], {"delta": None}
+
+    def hook(mod, args, out):
+        inputs.append(args[0].detach())
+        if state["delta"] is None:
+            return out
+        shape = (out.shape[0],) + (1,) * (out.dim() - 2) + (out.shape[-1],)
+        return out + state["delta"].reshape(shape)
+
+    handle = module.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            out = model(X)
+        n, o = X.shape[0], module.out_features
+
+        def f(delta):
+            state["delta"] = delta
+            return model(X)
+
+        J = torch.func.jacrev(f)(torch.zeros(n, o, dtype=X.dtype))
+    finally:
+        handle.remove()
+    J = J.reshape(n, -1, n, o)
+    Jn = torch.stack([J[i, :, i, :] for i in range(n)])  # [N, C, O]
+    Hb = torch.stack([
+        torch.func.hessian(lambda z: lossfn(torch.cat([out[:i], z.unsqueeze(0), out[i + 1:]]), y))(out[i]).reshape(Jn.shape[1], Jn.shape[1])
+        for i in range(n)
+    ])
+    B = torch.einsum("nco,ncd,ndq->oq", Jn, Hb, Jn)
+    calls = inputs[: len(inputs) // 2]  # the first (hook-free) forward's calls
+    A = sum(torch.einsum("nsi,nsj->ij", x.reshape(n, -1, x.shape[-1]), x.reshape(n, -1, x.shape[-1])) for x in calls) / n
+    return B, A
+
+
+def test_kron_on_linear_with_sequence_input():
+    """Linear on [N, T, I]: positions summed in B, outer products summed in A
+    (BackPACK's convolution convention; BackPACK refuses Linear with 3d inputs)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 2)).double()
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
     X = torch.randn(4, 5, 3, dtype=torch.float64)
     y = torch.randn(4, 5, 2, dtype=torch.float64)
-    for ext in (KFLR(), KFAC()):
-        with pytest.raises(CurvatureError, match=r"0\.weight.*2d|2d.*0\.weight"):
-            curvature(model, nn.MSELoss(), [ext])(X, y)
+    lossfn = nn.MSELoss()
+    qs = curvature(model, lossfn, [KFLR(), KFAC(mc_samples=2)])(X, y)
+    for i in (0, 2):
+        B, A = _kron_reference_shared(model, lossfn, X, y, model[i])
+        _close(qs["kflr"][f"{i}.weight"][0], B, f"kflr[{i}.weight][B]")
+        _close(qs["kflr"][f"{i}.weight"][1], A, f"kflr[{i}.weight][A]")
+        _close(qs["kflr"][f"{i}.bias"][0], B, f"kflr[{i}.bias][B]")
+        assert qs["kfac"][f"{i}.weight"][0].shape == B.shape
 
 
 class Softmaxed(nn.Module):

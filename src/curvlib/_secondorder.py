@@ -97,8 +97,19 @@ def _batch_diag(uses, m_by_site, name, params, n) -> Tensor:
 
 
 def _kron(uses, m_by_site, name) -> List[Tensor]:
-    ((site, role),) = uses[name]
-    return kron_factors(site, role, m_by_site[site.key])
+    """Kronecker factors; a Linear weight used by several sites treats the uses like
+    positions sharing the weight (roots summed in ``B``, inputs' outer products in ``A``)."""
+    u = uses[name]
+    if len(u) == 1:
+        ((site, role),) = u
+        return kron_factors(site, role, m_by_site[site.key])
+    from .rules import linear
+
+    s = sum(linear.kron_output_sum(site, m_by_site[site.key]) for site, _ in u)
+    B = torch.einsum("vno,vnp->op", s, s)
+    if u[0][1] == "bias":
+        return [B]
+    return [B, sum(linear.kron_input(site) for site, _ in u)]
 
 
 HESSIAN_QUANTITIES = ("hessian_diag", "hessian_batch_diag", "pchmp")
@@ -151,11 +162,16 @@ def check_second_order(
                         f"{label} is not defined for parameter '{name}': the model's forward "
                         "does not use it. Set requires_grad=False on it or leave it out of params."
                     )
-                if len(u) > 1:
+                if len(u) > 1 and (
+                    ext.quantity == "kfra"
+                    or any(s.rule.kind != "linear" or family_of[s.where] != "linear" for s, _ in u)
+                    or len({r for _, r in u}) > 1
+                ):
                     raise CurvatureError(
                         f"{label} is not defined for parameter '{name}': it is used by several "
-                        f"layers ({', '.join(s.where for s, _ in u)}), which has no Kronecker "
-                        "factorisation. Use DiagGGNExact/SqrtGGNExact, or untie the weights."
+                        f"layers ({', '.join(s.where for s, _ in u)}); curvlib factors shared "
+                        "weights of Linear layers (KFAC, KFLR) only. Use DiagGGNExact or "
+                        "SqrtGGNExact, or untie the weights."
                     )
                 site = u[0][0]
                 if site.meta.get("kron_error"):

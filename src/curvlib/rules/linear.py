@@ -21,18 +21,26 @@ from typing import Sequence, Tuple
 import torch.nn.functional as F
 from opt_einsum import contract
 from torch import Tensor, nn
+from torch.func import vmap
 
 from ._site import Recorder, RoleTensors, Rule, Site
 
 
 def _flat(site: Site, g: Tensor) -> Tuple[Tensor, Tensor]:
     """``x [n, s, i]`` and ``g [n, s, o]`` with the batch moved to the front."""
+    bdim = site.meta.get("batch_dim", 0)
+    if bdim != 0:
+        g = g.movedim(bdim, 0)
+    return _flat_input(site), g.reshape(g.shape[0], -1, g.shape[-1])
+
+
+def _flat_input(site: Site) -> Tensor:
+    """``x [n, s, i]`` with the batch moved to the front."""
     x = site.saved["x"]
     bdim = site.meta.get("batch_dim", 0)
     if bdim != 0:
-        x, g = x.movedim(bdim, 0), g.movedim(bdim, 0)
-    n = x.shape[0]
-    return x.reshape(n, -1, x.shape[-1]), g.reshape(n, -1, g.shape[-1])
+        x = x.movedim(bdim, 0)
+    return x.reshape(x.shape[0], -1, x.shape[-1])
 
 
 def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
@@ -94,25 +102,37 @@ LINEAR = Rule(
 )
 
 
-def kron(site: Site, role: str, m: Tensor) -> list:
-    """BackPACK's Kronecker factors from the pulled-back root ``m [V, N, O]``.
+def kron_output_sum(site: Site, m: Tensor) -> Tensor:
+    """``Σ_s m[v, n, s]`` ``[V, N, O]``: the root summed over the positions sharing the weight."""
+    return vmap(lambda mv: _flat(site, mv)[1].sum(1))(m)
 
-    ``B = Σ_{v,n} m m ᵀ [O, O]`` and ``A = (1/N) Σ_n x xᵀ [I, I]``;
-    weight: ``[B, A]``, bias: ``[B]``. Only 2d inputs (checked at planning).
+
+def kron(site: Site, role: str, m: Tensor) -> list:
+    """Kronecker factors from the pulled-back root ``m [V, N, *S, O]``.
+
+    ``B = Σ_{v,n} (Σ_s m)(Σ_s m)ᵀ [O, O]`` and ``A = (1/N) Σ_{n,s} x xᵀ [I, I]``;
+    weight: ``[B, A]``, bias: ``[B]``. For 2d inputs this is BackPACK's KFAC/KFLR;
+    with positions ``s`` (sequences) it is BackPACK's convolution convention
+    (positions summed in ``B``, outer products summed in ``A``), which BackPACK
+    itself refuses for Linear.
     """
-    B = contract("vno,vnp->op", m, m)
+    s = kron_output_sum(site, m)
+    B = contract("vno,vnp->op", s, s)
     return [B] if role == "bias" else [B, kron_input(site)]
 
 
 def kron_input(site: Site) -> Tensor:
-    """Input-side Kronecker factor ``A = (1/N) Σ_n x xᵀ [I, I]``."""
-    x = site.saved["x"]
-    return contract("ni,nj->ij", x, x) / x.shape[0]
+    """Input-side Kronecker factor ``A = (1/N) Σ_{n,s} x xᵀ [I, I]``."""
+    x = _flat_input(site)
+    return contract("nsi,nsj->ij", x, x) / x.shape[0]
 
 
 def kron_from_output_matrix(site: Site, role: str, G: Tensor) -> list:
-    """KFRA factors from the batch-averaged output matrix ``G [O, O]``."""
-    return [G] if role == "bias" else [G, kron_input(site)]
+    """KFRA factors from the batch-averaged output matrix ``G [S·O, S·O]`` (positions summed)."""
+    out_features = G.shape[0] // _flat_input(site).shape[1]
+    s = G.shape[0] // out_features
+    B = G.reshape(s, out_features, s, out_features).sum((0, 2))
+    return [B] if role == "bias" else [B, kron_input(site)]
 
 
 def forward(module: nn.Linear, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
@@ -120,11 +140,6 @@ def forward(module: nn.Linear, where: str, names: dict, tensors: dict, args, kwa
     (x,) = _bind_input(args, kwargs, "input")
     out = F.linear(x, tensors["weight"], tensors.get("bias"))
     meta = {"batch_dim": 0}
-    if x.dim() != 2:
-        meta["kron_error"] = (
-            f"Kronecker factors need 2d inputs [N, in_features] (as in BackPACK), got "
-            f"shape {list(x.shape)}."
-        )
     return rec.add(Site(LINEAR, names, where, saved={"x": x}, meta=meta), out)
 
 
