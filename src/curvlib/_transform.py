@@ -92,6 +92,7 @@ def curvature(
     model: nn.Module,
     lossfn: nn.Module,
     extensions: Sequence[Extension] = (),
+    process_group: object = None,
 ) -> Callable[..., Dict[str, object]]:
     """Turn a model and a loss into a function returning gradients and curvature.
 
@@ -109,6 +110,9 @@ def curvature(
         lossfn: ``nn.MSELoss``, ``nn.CrossEntropyLoss`` or ``nn.BCEWithLogitsLoss``
             with ``reduction="mean"`` or ``"sum"``.
         extensions: instances from :mod:`curvlib.extensions`.
+        process_group: a ``torch.distributed`` process group: every rank calls
+            ``f`` on its local batch and gets the quantities of the global batch
+            (see :mod:`curvlib.distributed`). ``None``: one process.
 
     Returns:
         ``f(X, y, params=None)`` returning a plain dict with ``"loss"`` (0-dim),
@@ -219,6 +223,10 @@ def curvature(
             )
         return result
 
+    if process_group is not None:
+        from .distributed import aggregated
+
+        return aggregated(f, spec, exts, process_group)
     return f
 
 
