@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from typing import Callable, List, Sequence, Tuple
 
+import torch
 import torch.nn.functional as F
 from opt_einsum import contract
 from torch import Tensor, nn
@@ -119,7 +120,7 @@ def bias_grad_batch(g: Tensor) -> Tensor:
     return g.flatten(2).sum(2)
 
 
-def outer_rule(kind: str, operands: Operands) -> Rule:
+def outer_rule(kind: str, operands: Operands, weight_grad=None) -> Rule:
     """Rule table for layers whose weight gradient is ``Σ_l a_l b_lᵀ`` per group.
 
     Args:
@@ -128,6 +129,9 @@ def outer_rule(kind: str, operands: Operands) -> Rule:
             where the individual weight gradient of sample ``n`` is
             ``contract("gal,gbl->gab", a[n], b[n])`` reshaped to ``w_shape``.
             The bias gradient is always :func:`bias_grad_batch` of ``g``.
+        weight_grad: optional ``(site, g) -> Σ_n`` weight gradient, computed by
+            PyTorch's own convolution weight-gradient kernel (much faster than
+            contracting the unfolded input).
     """
 
     def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
@@ -141,7 +145,9 @@ def outer_rule(kind: str, operands: Operands) -> Rule:
 
     def grad(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
         out = {}
-        if "weight" in roles:
+        if "weight" in roles and weight_grad is not None:
+            out["weight"] = weight_grad(site, g)
+        elif "weight" in roles:
             a, b, shape = operands(site, g)
             out["weight"] = contract("ngal,ngbl->gab", a, b).reshape(shape)
         if "bias" in roles:
@@ -186,16 +192,55 @@ def outer_rule(kind: str, operands: Operands) -> Rule:
 
 
 def padded_input(site: Site) -> Tensor:
-    """``x̃ [N, C_in, *P]``: the saved input with the layer's padding applied."""
+    """``x̃ [N, C_in, *P]``: the saved input with the layer's padding applied (computed once per site)."""
+    return cached(site, "padded", lambda: _pad(site))
+
+
+def _pad(site: Site) -> Tensor:
     m, x = site.meta, site.saved["x"]
     return F.pad(x, m["pad"], mode=m["mode"]) if any(m["pad"]) else x
+
+
+def cached(site: Site, key: str, compute):
+    """A per-site memo for tensors derived from the saved inputs only (unfolds, paddings).
+
+    Inside a functorch transform (the second-order read-off vmaps over
+    columns) nothing is stored: a tensor made there must not leave it.
+    """
+    x = site.saved["x"]
+    if _wrapped(x):
+        return compute()
+    memo = site.meta.setdefault("_memo", {})
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
+
+
+def _wrapped(t: Tensor) -> bool:
+    try:
+        return torch._C._functorch.is_functorch_wrapped_tensor(t) or torch._C._functorch.maybe_current_level() is not None
+    except AttributeError:  # pragma: no cover
+        return True
+
+
+def conv_weight_grad(site: Site, g: Tensor) -> Tensor:
+    """``Σ_n ∂ℓ_n/∂W`` by ``aten.convolution_backward`` on the padded input (weight only)."""
+    m = site.meta
+    x = padded_input(site)
+    d = len(m["kernel_size"])
+    w_shape = (g.shape[1], x.shape[1] // m["groups"], *m["kernel_size"])
+    _, gw, _ = torch.ops.aten.convolution_backward(
+        g, x, x.new_empty(w_shape), None, list(m["stride"]), [0] * d, list(m["dilation"]),
+        False, [0] * d, m["groups"], [False, True, False],
+    )
+    return gw
 
 
 def _operands(site: Site, g: Tensor) -> Tuple[Tensor, Tensor, Tuple[int, ...]]:
     """``a = g [n, G, C_out/G, L]``, ``b = U [n, G, C_in/G·K, L]`` (module docstring)."""
     m = site.meta
     x = padded_input(site)
-    u = unfold(x, m["kernel_size"], m["stride"], m["dilation"])
+    u = cached(site, "unfold", lambda: unfold(x, m["kernel_size"], m["stride"], m["dilation"]))
     n, groups = g.shape[0], m["groups"]
     a = g.reshape(n, groups, g.shape[1] // groups, -1)
     b = u.reshape(n, groups, u.shape[1] // groups, -1)
@@ -203,7 +248,7 @@ def _operands(site: Site, g: Tensor) -> Tuple[Tensor, Tensor, Tuple[int, ...]]:
     return a, b, (g.shape[1], c_in // groups, *m["kernel_size"])
 
 
-CONV = outer_rule("conv", _operands)
+CONV = outer_rule("conv", _operands, conv_weight_grad)
 
 
 def kron(site: Site, role: str, m: Tensor) -> List[Tensor]:
