@@ -302,6 +302,7 @@ class Linearization:
     residuals: list
     taps: List[Tensor]
     pullback: Callable
+    batched_pullback: Optional[Callable] = None
 
     def pull(self, cot_out: Tensor, cot_taps: Optional[Sequence[Tensor]] = None):
         """Pull one cotangent back to every site output and residual output."""
@@ -317,6 +318,11 @@ class Linearization:
         """
         cot_taps = cot_taps or {}
         batched_out = cot_out is not None
+        if self.batched_pullback is not None:  # plain autograd: is_grads_batched
+            v = (cot_out if batched_out else next(iter(cot_taps.values()))).shape[0]
+            c_out = cot_out if batched_out else self.out.new_zeros((v,) + tuple(self.out.shape))
+            c_taps = [cot_taps[i] if i in cot_taps else t.new_zeros((v,) + tuple(t.shape)) for i, t in enumerate(self.taps)]
+            return self.batched_pullback(c_out, c_taps)
         out_arg = cot_out if batched_out else torch.zeros_like(self.out)
         tap_args = [cot_taps.get(i, torch.zeros_like(t)) for i, t in enumerate(self.taps)]
         tap_dims = [0 if i in cot_taps else None for i in range(len(self.taps))]
@@ -327,15 +333,50 @@ class Linearization:
         return torch.func.vmap(one, in_dims=(0 if batched_out else None, tap_dims))(out_arg, tap_args)
 
 
+def _inside_transform() -> bool:
+    """Whether we run under a torch.func transform (vmap over an ensemble, grad, ...)."""
+    try:
+        return torch._C._functorch.maybe_current_level() is not None
+    except AttributeError:  # pragma: no cover - older torch
+        return True
+
+
 def forward_with_probes(program: Program, plan: Plan, X: Tensor, params, trainable, residual_nodes=None, runner=None) -> Linearization:
-    """Run the forward under :func:`torch.func.vjp` with respect to the probes."""
+    """Run the forward, differentiable with respect to the probes.
+
+    Outside any torch.func transform this uses plain autograd (less overhead,
+    the common case); inside one (``vmap`` over an ensemble of parameters) it
+    uses :func:`torch.func.vjp`, which composes. Both give the same pullback.
+    """
+    if _inside_transform():
+        return _forward_functorch(program, plan, X, params, trainable, residual_nodes, runner)
+    return _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner)
+
+
+def _zero_probes(plan: Plan, X: Tensor, requires_grad: bool):
     probes = [
-        torch.zeros(shape, dtype=dtype, device=X.device)
+        torch.zeros(shape, dtype=dtype, device=X.device, requires_grad=requires_grad)
         for shape, dtype in zip(plan.site_shapes, plan.site_dtypes)
     ]
     rprobes = [
-        torch.zeros(shape, dtype=plan.out_dtype, device=X.device) for shape in plan.residual_shapes
+        torch.zeros(shape, dtype=plan.out_dtype, device=X.device, requires_grad=requires_grad)
+        for shape in plan.residual_shapes
     ]
+    return probes, rprobes
+
+
+def _finish(rec: Recorder, plan: Plan, saved, taps) -> None:
+    if len(rec.sites) != len(plan.site_shapes):  # pragma: no cover - internal invariant
+        raise RuntimeError("curvlib internal error: the forward recorded a different set of sites")
+    for site, s in zip(rec.sites, saved):
+        site.saved = s
+        site.meta["batch_dim"] = plan.batch_dims[site.key]
+    for r in rec.residuals:
+        r.inputs = [taps[k] for k in r.taps]
+
+
+def _forward_functorch(program, plan, X, params, trainable, residual_nodes, runner) -> Linearization:
+    probes, rprobes = _zero_probes(plan, X, requires_grad=False)
     recorded: List[Recorder] = []
 
     def forward(probes_, rprobes_):
@@ -346,14 +387,39 @@ def forward_with_probes(program: Program, plan: Plan, X: Tensor, params, trainab
 
     (out, taps), pullback, saved = vjp(forward, probes, rprobes, has_aux=True)
     rec = recorded[-1]
-    if len(rec.sites) != len(plan.site_shapes):  # pragma: no cover - internal invariant
-        raise RuntimeError("curvlib internal error: the forward recorded a different set of sites")
-    for site, s in zip(rec.sites, saved):
-        site.saved = s
-        site.meta["batch_dim"] = plan.batch_dims[site.key]
-    for r in rec.residuals:
-        r.inputs = [taps[k] for k in r.taps]
+    _finish(rec, plan, saved, taps)
     return Linearization(out=out, sites=rec.sites, residuals=rec.residuals, taps=list(taps), pullback=pullback)
+
+
+def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner) -> Linearization:
+    probes, rprobes = _zero_probes(plan, X, requires_grad=True)
+    rec = Recorder(probes, rprobes if residual_nodes else None, residual_nodes)
+    with torch.enable_grad():
+        out = (runner or run_graph)(program, X, params, trainable, rec)
+    taps = [a for r in rec.residuals for a in r.inputs]
+    inputs = probes + (rprobes if residual_nodes else [])
+    n_sites = len(probes)
+
+    def pullback(cotangents, batched: bool = False):
+        cot_out, cot_taps = cotangents
+        pairs = [(o, c) for o, c in zip([out] + taps, [cot_out] + list(cot_taps)) if o.requires_grad]
+        if not inputs or not pairs:
+            grads = [None] * len(inputs)
+        else:
+            grads = torch.autograd.grad(
+                [o for o, _ in pairs], inputs, [c for _, c in pairs],
+                retain_graph=True, allow_unused=True, is_grads_batched=batched,
+            )
+        lead = (cot_out.shape[0],) if batched else ()
+        grads = [torch.zeros(lead + tuple(i.shape), dtype=i.dtype, device=i.device) if g is None else g
+                 for g, i in zip(grads, inputs)]
+        return grads[:n_sites], grads[n_sites:]
+
+    saved = [{k: v.detach() for k, v in site.saved.items()} for site in rec.sites]
+    _finish(rec, plan, saved, [t.detach() for t in taps])
+    lin = Linearization(out=out.detach(), sites=rec.sites, residuals=rec.residuals, taps=[t.detach() for t in taps], pullback=pullback)
+    lin.batched_pullback = lambda c_out, c_taps: pullback((c_out, c_taps), batched=True)[0]
+    return lin
 
 
 FIRST_ORDER = ("grad_batch", "batch_l2", "sum_grad_squared", "variance")
