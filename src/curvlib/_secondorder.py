@@ -206,64 +206,98 @@ def second_order(
     residual_grads: Sequence[Tensor],
     product: Callable,
     kfra_factors: Callable,
+    chunk_size: Optional[int] = None,
 ) -> Dict[str, Dict[str, object]]:
     """Every requested second-order quantity, per parameter (see module doc).
 
     ``product(ext, name)`` builds a block-product callable; ``kfra_factors()``
     runs the KFRA recursion (both re-run the forward, so the caller owns them).
+    ``chunk_size`` bounds the number of columns pulled back at once (memory
+    ``∝ chunk_size × activations``); results are the same for any value.
     """
     uses = _uses(lin.sites)
     results: Dict[str, Dict[str, object]] = {}
     out = lin.out
+    read_as = {"hessian_diag": "diag", "hessian_batch_diag": "batch_diag"}
 
-    exact_exts = [e for e in exts if e.root == "exact"]
-    m_exact = None
-    if exact_exts:
-        S = losses.sqrt_hessian(spec, out, y)
-        m_exact = lin.pull_batched(S)
+    def accumulate(S: Tensor, group: Sequence[SecondOrder]) -> Dict[str, Dict[str, object]]:
+        acc: Dict[str, Dict[str, object]] = {}
+        for S_chunk in _chunks(S, chunk_size):
+            m = lin.pull_batched(S_chunk)
+            for ext in group:
+                q = read_as.get(ext.quantity, ext.quantity)
+                part = {n: _read(q, uses, m, n, params, batch_size, S_chunk.shape[0]) for n in names}
+                acc[ext.name] = part if ext.name not in acc else {
+                    n: _combine(q, acc[ext.name][n], part[n]) for n in names
+                }
+        return acc
 
+    exact = [e for e in exts if e.root == "exact"]
+    if exact:
+        results.update(accumulate(losses.sqrt_hessian(spec, out, y), exact))
     for ext in exts:
         q = ext.quantity
         if ext.root == "mc":
             S = losses.sqrt_hessian_sampled(spec, out, y, ext.mc_samples, ext.generator)
-            m = lin.pull_batched(S)
-        else:
-            m = m_exact
-        res: Dict[str, object] = {}
-        if q == "diag":
-            res = {n: _diag(uses, m, n, params) for n in names}
-        elif q == "batch_diag":
-            res = {n: _batch_diag(uses, m, n, params, batch_size) for n in names}
-        elif q == "sqrt":
-            v = S.shape[0]
-            res = {
-                n: (_sqrt(uses, m, n) if uses.get(n) else params[n].new_zeros((v, batch_size) + tuple(params[n].shape)))
-                for n in names
-            }
-        elif q == "kron":
-            res = {n: _kron(uses, m, n) for n in names}
+            results.update(accumulate(S, [ext]))
         elif q in ("hessian_diag", "hessian_batch_diag"):
-            res = _hessian_diag(lin, uses, m, names, params, batch_size, residual_grads, batch=(q == "hessian_batch_diag"))
+            results[ext.name] = _hessian_diag(
+                lin, uses, results[ext.name], names, params, batch_size, residual_grads,
+                batch=(q == "hessian_batch_diag"), chunk_size=chunk_size,
+            )
         elif q in ("ggnmp", "hmp", "pchmp"):
-            res = {n: product(ext, n) for n in names}
+            results[ext.name] = {n: product(ext, n) for n in names}
         elif q == "kfra":
-            res = kfra_factors()
-        results[ext.name] = res
-    return results
+            results[ext.name] = kfra_factors()
+    return {ext.name: results[ext.name] for ext in exts}
 
 
-def _hessian_diag(lin, uses, m_ggn, names, params, n, residual_grads, batch: bool):
+def _chunks(S: Tensor, chunk_size: Optional[int]):
+    if chunk_size is None or chunk_size >= S.shape[0]:
+        yield S
+        return
+    for start in range(0, S.shape[0], chunk_size):
+        yield S[start:start + chunk_size]
+
+
+def _read(q: str, uses, m, name: str, params, n: int, v: int):
+    """One chunk's contribution to quantity ``q`` of parameter ``name``."""
+    if q == "diag":
+        return _diag(uses, m, name, params)
+    if q == "batch_diag":
+        return _batch_diag(uses, m, name, params, n)
+    if q == "sqrt":
+        if uses.get(name):
+            return _sqrt(uses, m, name)
+        return params[name].new_zeros((v, n) + tuple(params[name].shape))
+    return _kron(uses, m, name)  # "kron"
+
+
+def _combine(q: str, acc, part):
+    """Sum of chunk contributions; square roots are concatenated; ``A`` is chunk-independent."""
+    if q == "sqrt":
+        return torch.cat([acc, part])
+    if q == "kron":
+        return [acc[0] + part[0]] + list(acc[1:])
+    return acc + part
+
+
+def _hessian_diag(lin, uses, ggn, names, params, n, residual_grads, batch: bool, chunk_size=None):
     """GGN diagonal plus every residual's signed columns (see :mod:`curvlib._residuals`)."""
     read = (lambda m, name: _batch_diag(uses, m, name, params, n)) if batch else (lambda m, name: _diag(uses, m, name, params))
-    total = {name: read(m_ggn, name) for name in names}
+    total = dict(ggn)
     for res, g_z in zip(lin.residuals, residual_grads):
         for sign, tap_cols, direct in factor(res, g_z):
-            m = lin.pull_batched(None, {res.taps[j]: cols for j, cols in tap_cols.items()})
-            for name in names:
-                if name in direct:
-                    sq = direct[name] + (_sqrt(uses, m, name) if uses.get(name) else 0.0)
-                    part = (sq**2).sum(0) if batch else (sq**2).sum((0, 1))
-                else:
-                    part = read(m, name)
-                total[name] = total[name] + sign * part
+            v = next(iter(tap_cols.values())).shape[0]
+            step = max(1, v if chunk_size is None else chunk_size)
+            for start in range(0, v, step):
+                sl = slice(start, start + step)
+                m = lin.pull_batched(None, {res.taps[j]: cols[sl] for j, cols in tap_cols.items()})
+                for name in names:
+                    if name in direct:
+                        sq = direct[name][sl] + (_sqrt(uses, m, name) if uses.get(name) else 0.0)
+                        part = (sq**2).sum(0) if batch else (sq**2).sum((0, 1))
+                    else:
+                        part = read(m, name)
+                    total[name] = total[name] + sign * part
     return total

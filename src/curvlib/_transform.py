@@ -93,6 +93,7 @@ def curvature(
     lossfn: nn.Module,
     extensions: Sequence[Extension] = (),
     process_group: object = None,
+    chunk_size: Optional[int] = None,
 ) -> Callable[..., Dict[str, object]]:
     """Turn a model and a loss into a function returning gradients and curvature.
 
@@ -110,6 +111,10 @@ def curvature(
         lossfn: ``nn.MSELoss``, ``nn.CrossEntropyLoss`` or ``nn.BCEWithLogitsLoss``
             with ``reduction="mean"`` or ``"sum"``.
         extensions: instances from :mod:`curvlib.extensions`.
+        chunk_size: at most this many columns (classes, Monte-Carlo samples,
+            residual columns) are pulled back through the model at once, which
+            bounds the memory of the exact second-order quantities; the results
+            do not depend on it. ``None``: all at once.
         process_group: a ``torch.distributed`` process group: every rank calls
             ``f`` on its local batch and gets the quantities of the global batch
             (see :mod:`curvlib.distributed`). ``None``: one process.
@@ -136,6 +141,8 @@ def curvature(
         raise CurvatureError(
             f"Extension {unknown[0]!r} is not a curvlib extension this version computes."
         )
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise CurvatureError(f"chunk_size must be a positive int or None, got {chunk_size!r}.")
     program = trace_program(model)
     # Models fx cannot trace run eagerly, with their layers redirected to curvlib's rules
     # (first order only: second order needs the graph and is refused below).
@@ -218,7 +225,7 @@ def curvature(
             result.update(
                 second_order(
                     lin, spec, y, second_exts, trainable, values, X.shape[0],
-                    residual_grads, product, kfra_factors,
+                    residual_grads, product, kfra_factors, chunk_size=chunk_size,
                 )
             )
         return result
