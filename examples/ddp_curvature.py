@@ -1,0 +1,109 @@
+"""Data-parallel training with DistributedDataParallel, reading curvature each step.
+
+Two gloo processes on 127.0.0.1 (CPU) train a small classifier with DDP. Each
+step, every rank also calls ``curvature(..., process_group=WORLD)`` on its own
+shard and gets the quantities of the *global* batch: the loss, the gradient
+(equal to the gradient DDP averaged), the GGN diagonal and the gradient
+variance. Rank 0 prints them.
+
+    python examples/ddp_curvature.py
+
+It stops on its own after a few steps (and is killed after 120 s at most).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from curvlib import curvature
+from curvlib.extensions import DiagGGNExact, Variance
+
+WORLD = 2
+STEPS = 6
+LOCAL_BATCH = 32
+TIMEOUT_S = 120
+
+
+def train(rank: int, port: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        torch.manual_seed(0)  # the same initial model on every rank (DDP broadcasts rank 0's anyway)
+        model = nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 3))
+        ddp = DDP(model)
+        lossfn = nn.CrossEntropyLoss()
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+        # Built once, on the module DDP wraps; every rank calls it each step (a collective).
+        f = curvature(ddp.module, lossfn, [DiagGGNExact(), Variance()], process_group=dist.group.WORLD)
+
+        teacher = torch.randn(10, 3, generator=torch.Generator().manual_seed(1))
+        shard = torch.Generator().manual_seed(100 + rank)  # each rank draws its own data
+        if rank == 0:
+            print(f"{WORLD} ranks x {LOCAL_BATCH} samples; quantities of the global batch of "
+                  f"{WORLD * LOCAL_BATCH}")
+            print(f"{'step':>4} {'loss':>8} {'|grad-DDP|':>10} "
+                  + " ".join(f"{'diagGGN ' + n:>16}" for n, _ in model.named_parameters())
+                  + f" {'mean var':>9} {'SNR':>7}")
+        for step in range(STEPS):
+            X = torch.randn(LOCAL_BATCH, 10, generator=shard)
+            y = (X @ teacher).argmax(1)
+
+            opt.zero_grad()
+            lossfn(ddp(X), y).backward()  # DDP averages the ranks' gradients
+            qs = f(X, y)                   # global loss, gradient, GGN diagonal, variance
+
+            # With equal local batches, DDP's average is the global batch's gradient.
+            dev = max(float((p.grad - qs["grad"][n]).abs().max()) for n, p in model.named_parameters())
+            grads = torch.cat([g.flatten() for g in qs["grad"].values()])
+            var = torch.cat([v.flatten() for v in qs["variance"].values()])
+            n_global = WORLD * LOCAL_BATCH
+            # Signal-to-noise of the mini-batch gradient: BackPACK's variance (of the g_n,
+            # which carry the 1/N of the mean) times N is the variance of the batch mean.
+            snr = float(grads.pow(2).sum() / (n_global * var.sum()))
+            if rank == 0:
+                diag = " ".join(f"{float(d.mean()):16.3e}" for d in qs["diag_ggn_exact"].values())
+                print(f"{step:4d} {float(qs['loss']):8.4f} {dev:10.1e} {diag} "
+                      f"{float(var.mean()):9.2e} {snr:7.3f}", flush=True)
+            assert dev < 1e-5, f"rank {rank}: aggregated gradient differs from DDP's by {dev}"
+            opt.step()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> int:
+    ctx = mp.start_processes(train, args=(_free_port(),), nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                print(f"timed out after {TIMEOUT_S} s", file=sys.stderr)
+                return 1
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

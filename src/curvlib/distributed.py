@@ -1,0 +1,367 @@
+"""Data-parallel aggregation: the quantities of the global batch on every rank.
+
+``curvature(model, lossfn, extensions, process_group=pg)`` returns
+``f(X_local, y_local, params=None)``. Every rank of ``pg`` calls it on its own
+batch (local batch sizes may differ) and gets what a single process would
+return on the concatenation of all ranks' batches, in rank order:
+
+* summed over samples, identical on every rank: ``loss``, ``grad``,
+  ``sum_grad_squared``, ``variance``, ``diag_ggn_exact``, ``diag_ggn_mc``,
+  ``diag_h`` and the Kronecker factors of ``KFAC`` and ``KFLR``;
+* per sample, for the rank's own samples only (the rank's rows of the
+  global result): ``grad_batch``, ``batch_l2``, the batch diagonals and the
+  GGN square roots (``[C, N_local, *p]``, ``[M, N_local, *p]``).
+
+How the global quantities come out of the local ones
+----------------------------------------------------
+Every supported loss is ``L = c · Σ_n ℓ_n`` with ``c = 1/M`` for ``"mean"``
+(``M`` the number of averaged terms: ``y.numel()`` for all three losses) and
+``c = 1`` for ``"sum"`` (:mod:`curvlib.losses`). A rank's local results carry
+``c_local = 1/M_local``; the global ones carry ``1/M_global``. With
+``r = M_local / M_global`` (``r = 1`` for ``"sum"``):
+
+| quantity | depends on ``c`` as | global value |
+|---|---|---|
+| loss, grad, GGN/Hessian diagonals, ``B`` of KFAC/KFLR | ``c`` | ``Σ_ranks r · local`` |
+| ``sum_grad_squared`` | ``c²`` | ``Σ_ranks r² · local`` |
+| ``A = (1/N) Σ x xᵀ`` of KFAC/KFLR | ``1/N`` | ``Σ_ranks (N_local/N_global) · local`` |
+| ``variance`` | | ``(1/N) Σ g² − ((1/N) Σ g)²`` with the global ``grad``, ``Σ g²``, ``N`` |
+| ``grad_batch``, batch diagonals | ``c`` | ``r · local`` (stays on the rank) |
+| ``batch_l2`` | ``c²`` | ``r² · local`` |
+| ``sqrt_ggn_exact``, ``sqrt_ggn_mc`` | ``√c`` | ``√r · local`` |
+
+Collective calls
+----------------
+One ``all_reduce(SUM)`` per call of ``f`` (per dtype and device of the
+results; one for a usual model): everything summed is flattened into one
+buffer, together with ``[N_local, M_local]``. The summed terms are put in the
+buffer without their local normalisation (times ``M_local``, ``M_local²`` or
+``N_local``) and divided by the global sizes read back from the same buffer,
+so the sizes need no exchange of their own. Results in 16-bit floating
+dtypes (which cannot hold such sums exactly) take a second call: the sizes
+are exchanged first (``int64``), then the buffer is reduced with ``r`` applied.
+Only ``all_reduce`` with ``SUM`` is used: gloo (CPU) and NCCL (GPU) both work.
+
+Monte Carlo
+-----------
+``DiagGGNMC``, ``BatchDiagGGNMC``, ``SqrtGGNMC`` and ``KFAC`` draw independent
+samples on every rank, even when every rank seeded its random state the same
+way (as data-parallel scripts usually do): per call, curvlib draws one number
+from the extension's ``generator`` (or from the global random state when it
+has none), mixes it with the rank into a seed, and runs the local computation
+on a stream seeded with it. The generator (or the global state) is then left
+as it was after that single draw: ranks that start in step stay in step, and
+results are reproducible from the generator's state and the rank.
+
+Refused (before any work)
+-------------------------
+* ``KFRA``: its recursion ``G_a = (1/N) Σ_n J_nᵀ G_z J_n`` averages over the
+  batch at *every* layer and multiplies those averages, so the global factors
+  are not a sum of local ones; they would need one collective per layer
+  inside the recursion. Use ``KFLR`` or ``KFAC``.
+* ``GGNMP``, ``HMP``, ``PCHMP``: the products are callables evaluated later,
+  each would be a collective of its own. Compute them without
+  ``process_group`` and sum ``r · (local product)`` over the ranks yourself.
+
+Caveats: ``f`` is a collective, so every rank of the group must call it, with
+the same extensions and parameters (same shapes and dtypes), the same number
+of times; the summed results are detached from autograd; ``f`` cannot run
+under ``torch.func.vmap``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ._errors import CurvatureError, CurvatureTypeError
+from .extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
+from .extensions.secondorder import SecondOrder
+from .losses import LossSpec
+
+__all__ = ["aggregated"]
+
+# How each result is aggregated (see the module doc):
+#   "sum1": Σ r·local   "sum2": Σ r²·local   "kron": [B, A] with B "sum1", A by N
+#   "local1": r·local   "local2": r²·local   "local_half": √r·local
+#   "variance": recomputed from the global grad and sum of squares.
+_FIRST_ORDER = {
+    BatchGrad.name: "local1",
+    BatchL2Grad.name: "local2",
+    SumGradSquared.name: "sum2",
+    Variance.name: "variance",
+}
+_SECOND_ORDER = {
+    "diag": "sum1",
+    "batch_diag": "local1",
+    "hessian_diag": "sum1",
+    "hessian_batch_diag": "local1",
+    "sqrt": "local_half",
+    "kron": "kron",
+}
+_REFUSED = {
+    "kfra": (
+        "KFRA's recursion averages over the batch at every layer and multiplies those "
+        "averages, so its global factors are not a sum of the ranks' factors (they would "
+        "need one collective per layer). Use KFLR (exact root) or KFAC (sampled root), "
+        "whose factors are aggregated exactly."
+    ),
+    "ggnmp": None,
+    "hmp": None,
+    "pchmp": None,
+}
+_PRODUCT_HINT = (
+    "block products are callables evaluated later, each would be a collective of its "
+    "own. Build them without process_group and sum r · (local product) over the ranks "
+    "yourself, with r = M_local / M_global for reduction='mean' (1 for 'sum')."
+)
+# Dtypes whose buffers hold the unnormalised sums and the sizes (one collective call).
+_FUSED_DTYPES = (torch.float32, torch.float64)
+_MASK64 = (1 << 64) - 1
+
+
+def aggregated(
+    f: Callable[..., Dict[str, object]],
+    spec: LossSpec,
+    exts: Tuple,
+    process_group: object,
+) -> Callable[..., Dict[str, object]]:
+    """Wrap the single-process transform ``f`` so that it returns global quantities.
+
+    Args:
+        f: ``f(X, y, params=None)`` of :func:`curvlib.curvature` without a group.
+        spec: the loss (its reduction decides the rescaling).
+        exts: the extensions ``f`` computes.
+        process_group: a ``torch.distributed`` process group (e.g.
+            ``torch.distributed.group.WORLD``) with this process as a member.
+
+    Returns:
+        ``g(X_local, y_local, params=None)``: a collective call returning the
+        quantities of the global batch (see the module doc).
+
+    Raises:
+        CurvatureError: an extension that cannot be aggregated (KFRA, block
+            products), or torch.distributed is not initialised.
+        CurvatureTypeError: ``process_group`` is not a process group.
+    """
+    kinds: Dict[str, str] = {"loss": "sum1", "grad": "sum1"}
+    generators: List[Optional[torch.Generator]] = []
+    for ext in exts:
+        if isinstance(ext, SecondOrder):
+            if ext.quantity in _REFUSED:
+                why = _REFUSED[ext.quantity] or _PRODUCT_HINT
+                raise CurvatureError(
+                    f"{type(ext).__name__} cannot be aggregated over a process group: {why}"
+                )
+            kind = _SECOND_ORDER.get(ext.quantity)
+            if ext.root == "mc" and not any(g is ext.generator for g in generators):
+                generators.append(ext.generator)
+        else:
+            kind = _FIRST_ORDER.get(ext.name)
+        if kind is None:
+            raise CurvatureError(
+                f"{type(ext).__name__} (result {ext.name!r}) has no data-parallel aggregation "
+                "rule in curvlib.distributed; call curvature without process_group."
+            )
+        kinds[ext.name] = kind
+    _check_group(process_group)
+    import torch.distributed as dist
+
+    mean = spec.reduction == "mean"
+
+    def g(X: Tensor, y: Tensor, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, object]:
+        rank = dist.get_rank(process_group)
+        if rank < 0:
+            raise CurvatureError(
+                "This process is not a member of process_group; only its members may call "
+                "the function curvature(..., process_group=...) returned."
+            )
+        with _rank_streams(generators, rank, X.device):
+            local = f(X, y) if params is None else f(X, y, params=params)
+        n_local = int(X.shape[0])
+        m_local = int(y.numel()) if mean else 1
+        return _aggregate(local, kinds, n_local, m_local, mean, process_group)
+
+    return g
+
+
+def _check_group(process_group: object) -> None:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover
+        dist = None
+    if dist is None or not dist.is_available():
+        raise CurvatureError(
+            "curvature(..., process_group=...) needs torch.distributed, which this torch "
+            "build does not provide (torch.distributed.is_available() is False)."
+        )
+    if not dist.is_initialized():
+        raise CurvatureError(
+            "curvature(..., process_group=...): torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group(...) on every rank first (or pass "
+            "process_group=None for one process)."
+        )
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise CurvatureTypeError(
+            "process_group must be a torch.distributed process group (e.g. "
+            f"torch.distributed.group.WORLD or one from new_group), got {process_group!r} "
+            f"of type {type(process_group).__name__}."
+        )
+
+
+# ----------------------------------------------------------------------------- streams
+
+
+def _mix(base: int, rank: int) -> int:
+    """A seed from a shared draw and the rank (splitmix64 finaliser), in [0, 2^63)."""
+    z = (base + (rank + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def _draw(generator: Optional[torch.Generator]) -> int:
+    device = generator.device if generator is not None else "cpu"
+    return int(torch.randint(0, 2**62, (1,), generator=generator, device=device).item())
+
+
+@contextlib.contextmanager
+def _rank_streams(generators: List[Optional[torch.Generator]], rank: int, device: torch.device):
+    """Run the block on per-rank random streams (see "Monte Carlo" in the module doc).
+
+    Each generator (``None``: the global random state) advances by one draw, exactly
+    as it would on every other rank, and is restored to that state afterwards.
+    """
+    if not generators:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for gen in generators:
+            seed = _mix(_draw(gen), rank)
+            if gen is None:
+                cuda = [device] if device.type == "cuda" else []
+                stack.enter_context(torch.random.fork_rng(devices=cuda))
+                torch.default_generator.manual_seed(seed)
+                if cuda:
+                    with torch.cuda.device(device):
+                        torch.cuda.manual_seed(seed)
+            else:
+                state = gen.get_state()
+                stack.callback(gen.set_state, state)
+                gen.manual_seed(seed)
+        yield
+
+
+# ----------------------------------------------------------------------------- reduction
+
+
+def _aggregate(
+    local: Dict[str, object], kinds, n_local: int, m_local: int, mean: bool, group
+) -> Dict[str, object]:
+    """The global quantities from this rank's ``local`` ones (see the module doc).
+
+    ``m_local`` is the number of averaged terms (``"mean"``) or 1 (``"sum"``, no rescaling).
+    """
+    import torch.distributed as dist
+
+    # Collect the summed entries: (key, name, index, tensor, power of c or "A").
+    summed: List[Tuple[str, Optional[str], Optional[int], Tensor, object]] = []
+    for key, value in local.items():
+        kind = kinds[key]
+        if key == "loss":
+            summed.append((key, None, None, value, 1))
+        elif kind in ("sum1", "sum2"):
+            for name, t in value.items():
+                summed.append((key, name, None, t, 1 if kind == "sum1" else 2))
+        elif kind == "kron":
+            for name, factors in value.items():
+                if len(factors) not in (1, 2):  # pragma: no cover - guards future layouts
+                    raise CurvatureError(
+                        f"{key}['{name}'] has {len(factors)} Kronecker factors; "
+                        "curvlib.distributed aggregates [B] and [B, A] only."
+                    )
+                for i, t in enumerate(factors):
+                    summed.append((key, name, i, t, 1 if i == 0 else "A"))
+    if "variance" in local and "sum_grad_squared" not in local:
+        # Σ g² of this rank from its variance: var = sgs/N − (grad/N)².
+        for name, var in local["variance"].items():
+            grad = local["grad"][name]
+            sgs = var * n_local + grad * grad / n_local
+            summed.append(("_sgs", name, None, sgs, 2))
+
+    groups: Dict[Tuple[torch.dtype, torch.device], List[int]] = {}
+    for i, entry in enumerate(summed):
+        t = entry[3]
+        groups.setdefault((t.dtype, t.device), []).append(i)
+    fused = all(dtype in _FUSED_DTYPES for dtype, _ in groups)
+    if fused:
+        # Sizes go into the most precise buffer; the sums are unnormalised.
+        size_key = max(groups, key=lambda k: torch.finfo(k[0]).bits)
+        pre = {1: float(m_local), 2: float(m_local) ** 2, "A": float(n_local)}
+    else:
+        loss = local["loss"]
+        sizes = torch.tensor([n_local, m_local], dtype=torch.int64, device=loss.device)
+        dist.all_reduce(sizes, op=dist.ReduceOp.SUM, group=group)
+        n_global, m_global = (int(v) for v in sizes.tolist())
+        r = m_local / m_global if mean else 1.0
+        size_key = None
+        pre = {1: r, 2: r * r, "A": n_local / n_global}
+
+    buffers, works = {}, []
+    for key, idx in groups.items():
+        parts = [(summed[i][3].detach() * pre[summed[i][4]]).reshape(-1) for i in idx]
+        if key == size_key:
+            parts.append(torch.tensor([n_local, m_local], dtype=key[0], device=key[1]))
+        buf = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        buffers[key] = buf
+        works.append(dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True))
+    for work in works:
+        work.wait()
+
+    if fused:
+        n_global, m_global = (round(v) for v in buffers[size_key][-2:].tolist())
+        if not mean:
+            m_global = 1
+        r = m_local / m_global
+        post = {1: 1.0 / m_global, 2: 1.0 / m_global**2, "A": 1.0 / n_global}
+    else:
+        post = {1: 1.0, 2: 1.0, "A": 1.0}
+
+    out: Dict[str, object] = {}
+    for key, value in local.items():
+        if key == "loss":
+            continue
+        kind = kinds[key]
+        if kind == "kron":
+            out[key] = {name: [None] * len(fs) for name, fs in value.items()}
+        elif kind in ("sum1", "sum2", "variance"):
+            out[key] = {}
+        else:
+            scale = {"local1": r, "local2": r * r, "local_half": r**0.5}[kind]
+            out[key] = {name: t * scale for name, t in value.items()}
+    sgs_global: Dict[str, Tensor] = {}
+    for key, idx in groups.items():
+        offset = 0
+        buf = buffers[key]
+        for i in idx:
+            k, name, j, t, power = summed[i]
+            value = buf[offset:offset + t.numel()].view(t.shape) * post[power]
+            offset += t.numel()
+            if k == "loss":
+                out["loss"] = value
+            elif k == "_sgs":
+                sgs_global[name] = value
+            elif j is not None:
+                out[k][name][j] = value
+            else:
+                out[k][name] = value
+    if "variance" in local:
+        sgs = out.get("sum_grad_squared", sgs_global)
+        out["variance"] = {
+            name: sgs[name] / n_global - (out["grad"][name] / n_global) ** 2
+            for name in local["variance"]
+        }
+    return {key: out[key] for key in local}
