@@ -95,13 +95,19 @@ def _average_congruence(f, a: Tensor, G: Tensor) -> Tensor:
     return torch.einsum("k,kni,knj->ij", evals, w, w) / n
 
 
-def kfra(program, spec, X: Tensor, y: Tensor, names, params, sites: List[Site]) -> Dict[str, list]:
-    """KFRA factors for every parameter (see module doc)."""
+def kfra(program, spec, X: Tensor, y: Tensor, names, params, sites: List[Site], reduce=None) -> Dict[str, list]:
+    """KFRA factors for every parameter (see module doc).
+
+    ``reduce(G, kind)``, if given, makes each matrix global over a process
+    group where it is formed (:func:`curvlib.distributed.kfra_reducer`).
+    """
     chain = chain_nodes(program)
     env: Dict[fx.Node, object] = {}
     out = run_graph(program, X, params, frozenset(), Recorder(None), env=env)
     S = losses.sqrt_hessian(spec, out, y).flatten(2)  # [V, N, D]
     G = torch.einsum("vni,vnj->ij", S, S)
+    if reduce is not None:
+        G = reduce(G, "loss")
     site_of = {site.where: site for site in sites}
     result: Dict[str, list] = {}
     for node in reversed(chain[1:]):
@@ -115,6 +121,8 @@ def kfra(program, spec, X: Tensor, y: Tensor, names, params, sites: List[Site]) 
             break
         (inp,) = [a for a in node.all_input_nodes if a.op != "get_attr"]
         G = _backprop(program, node, env, params, env[inp], env[node], G)
+        if reduce is not None:
+            G = reduce(G, "batch")
     return {n: result[n] for n in names}
 
 

@@ -219,8 +219,14 @@ def curvature(
             )
 
             def kfra_factors():
+                reduce = None
+                if process_group is not None:
+                    from .distributed import kfra_reducer
+
+                    m_local = y.numel() if spec.reduction == "mean" else 1
+                    reduce = kfra_reducer(spec, process_group, X.shape[0], m_local)
                 with _replay_rng(rng, X.device):
-                    return kfra(program, spec, X, y, trainable, values, lin.sites)
+                    return kfra(program, spec, X, y, trainable, values, lin.sites, reduce=reduce)
 
             result.update(
                 second_order(

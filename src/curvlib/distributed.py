@@ -53,12 +53,14 @@ on a stream seeded with it. The generator (or the global state) is then left
 as it was after that single draw: ranks that start in step stay in step, and
 results are reproducible from the generator's state and the rank.
 
+KFRA: its recursion ``G_a = (1/N) Σ_n J_nᵀ G_z J_n`` averages over the batch
+at *every* layer and multiplies those averages, so the global factors are not
+a sum of local ones: each matrix is made global where it is formed (one
+collective per layer, :func:`kfra_reducer`); its input factors ``A`` are then
+aggregated like KFLR's.
+
 Refused (before any work)
 -------------------------
-* ``KFRA``: its recursion ``G_a = (1/N) Σ_n J_nᵀ G_z J_n`` averages over the
-  batch at *every* layer and multiplies those averages, so the global factors
-  are not a sum of local ones; they would need one collective per layer
-  inside the recursion. Use ``KFLR`` or ``KFAC``.
 * ``GGNMP``, ``HMP``, ``PCHMP``: the products are callables evaluated later,
   each would be a collective of its own. Compute them without
   ``process_group`` and sum ``r · (local product)`` over the ranks yourself.
@@ -101,14 +103,9 @@ _SECOND_ORDER = {
     "hessian_batch_diag": "local1",
     "sqrt": "local_half",
     "kron": "kron",
+    "kfra": "kfra",  # B already global (reduced inside the recursion), A by N
 }
 _REFUSED = {
-    "kfra": (
-        "KFRA's recursion averages over the batch at every layer and multiplies those "
-        "averages, so its global factors are not a sum of the ranks' factors (they would "
-        "need one collective per layer). Use KFLR (exact root) or KFAC (sampled root), "
-        "whose factors are aggregated exactly."
-    ),
     "ggnmp": None,
     "hmp": None,
     "pchmp": None,
@@ -186,6 +183,31 @@ def aggregated(
         return _aggregate(local, kinds, n_local, m_local, mean, process_group)
 
     return g
+
+
+def kfra_reducer(spec: LossSpec, process_group, n_local: int, m_local: int) -> Callable[[Tensor, str], Tensor]:
+    """The collective KFRA's recursion needs at every layer (see :mod:`curvlib._kfra`).
+
+    KFRA's matrices are batch averages multiplied layer by layer, so they are
+    made global where they are formed: ``reduce(G, "loss")`` turns the local
+    summed loss Hessian into the global one (``× r = M_local/M_global``, then
+    summed over ranks), ``reduce(G, "batch")`` a local batch average into the
+    global one (``× N_local/N_global``, then summed). One collective for the
+    sizes, one per reduced matrix.
+    """
+    import torch.distributed as dist
+
+    sizes = torch.tensor([float(n_local), float(m_local)], dtype=torch.float64)
+    dist.all_reduce(sizes, op=dist.ReduceOp.SUM, group=process_group)
+    n_global, m_global = sizes.tolist()
+    r = m_local / m_global if spec.reduction == "mean" else 1.0
+
+    def reduce(G: Tensor, kind: str) -> Tensor:
+        G = G * (r if kind == "loss" else n_local / n_global)
+        dist.all_reduce(G, op=dist.ReduceOp.SUM, group=process_group)
+        return G
+
+    return reduce
 
 
 def _check_group(process_group: object) -> None:
@@ -276,6 +298,10 @@ def _aggregate(
         elif kind in ("sum1", "sum2"):
             for name, t in value.items():
                 summed.append((key, name, None, t, 1 if kind == "sum1" else 2))
+        elif kind == "kfra":
+            for name, factors in value.items():
+                if len(factors) == 2:
+                    summed.append((key, name, 1, factors[1], "A"))
         elif kind == "kron":
             for name, factors in value.items():
                 if len(factors) not in (1, 2):  # pragma: no cover - guards future layouts
@@ -337,6 +363,8 @@ def _aggregate(
         kind = kinds[key]
         if kind == "kron":
             out[key] = {name: [None] * len(fs) for name, fs in value.items()}
+        elif kind == "kfra":
+            out[key] = {name: [fs[0]] + [None] * (len(fs) - 1) for name, fs in value.items()}
         elif kind in ("sum1", "sum2", "variance"):
             out[key] = {}
         else:
