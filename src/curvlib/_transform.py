@@ -205,8 +205,7 @@ def curvature(
         lin = forward_with_probes(
             program, plan, X, values, frozenset(trainable), residual_nodes, runner=runner
         )
-        loss, loss_pullback = torch.func.vjp(lambda o: losses.loss_value(spec, o, y), lin.out)
-        (g_out,) = loss_pullback(torch.ones_like(loss))
+        loss, g_out = _loss_and_output_gradient(spec, lin.out, y)
         gs, residual_grads = lin.pull(g_out)
         quantities = first_order(
             lin.sites, gs, trainable, values, [e.name for e in first_exts], X.shape[0]
@@ -248,6 +247,18 @@ def _wrapped(t: Tensor) -> bool:
         return torch._C._functorch.is_functorch_wrapped_tensor(t)
     except AttributeError:  # pragma: no cover
         return False
+
+
+def _loss_and_output_gradient(spec, out: Tensor, y: Tensor):
+    """``L`` and ``∂L/∂out``: plain autograd outside torch.func transforms, ``vjp`` inside."""
+    if torch._C._functorch.maybe_current_level() is None:
+        leaf = out.detach().requires_grad_(True)
+        with torch.enable_grad():
+            loss = losses.loss_value(spec, leaf, y)
+        (g_out,) = torch.autograd.grad(loss, leaf)
+        return loss.detach(), g_out
+    loss, pullback = torch.func.vjp(lambda o: losses.loss_value(spec, o, y), out)
+    return loss, pullback(torch.ones_like(loss))[0]
 
 
 def _shared_linear_layers(program: Program) -> frozenset:
