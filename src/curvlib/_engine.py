@@ -320,6 +320,10 @@ class Linearization:
         batched_out = cot_out is not None
         if self.batched_pullback is not None:  # plain autograd: is_grads_batched
             v = (cot_out if batched_out else next(iter(cot_taps.values()))).shape[0]
+            if v == 1:  # one column: a plain backward is cheaper than a batched one
+                c_out = cot_out[0] if batched_out else torch.zeros_like(self.out)
+                c_taps = [cot_taps[i][0] if i in cot_taps else torch.zeros_like(t) for i, t in enumerate(self.taps)]
+                return [g.unsqueeze(0) for g in self.pullback((c_out, c_taps))[0]]
             c_out = cot_out if batched_out else self.out.new_zeros((v,) + tuple(self.out.shape))
             c_taps = [cot_taps[i] if i in cot_taps else t.new_zeros((v,) + tuple(t.shape)) for i, t in enumerate(self.taps)]
             return self.batched_pullback(c_out, c_taps)

@@ -84,8 +84,10 @@ def _diag(uses, m_by_site, name, params) -> Tensor:
     if len(u) == 1:
         site, role = u[0]
         rule = site.rule
+        m = m_by_site[site.key]
+        if rule.sum_squares_over_columns is not None:
+            return rule.sum_squares_over_columns(site, m, [role])[role].sum(0)
         if rule.sum_grad_squared is not None:
-            m = m_by_site[site.key]
             return vmap(lambda mv: rule.sum_grad_squared(site, mv, [role])[role])(m).sum(0)
     return (_sqrt(uses, m_by_site, name) ** 2).sum((0, 1))
 

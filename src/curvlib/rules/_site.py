@@ -46,6 +46,7 @@ class Rule:
         grad: role -> ``p.shape``, their sum (default: sum of ``grad_batch``).
         batch_l2: role -> ``[N]``, squared norms (default: from ``grad_batch``).
         sum_grad_squared: role -> ``p.shape`` (default: from ``grad_batch``).
+        sum_squares_over_columns: optional fast ``Σ_v sum_grad_squared(m_v)``.
         any_batch_dim: the rule reads ``site.meta["batch_dim"]`` and so works
             wherever the batch sits in its output (the planner fills it in);
             otherwise the batch must be in dim 0 of the site's output.
@@ -57,6 +58,9 @@ class Rule:
     batch_l2: Optional[RuleFn] = None
     sum_grad_squared: Optional[RuleFn] = None
     any_batch_dim: bool = False
+    # (site, m [V, *out], roles) -> role -> [K, *p] whose sum over K is
+    # Σ_v sum_grad_squared(m_v): a faster GGN diagonal where the layer allows.
+    sum_squares_over_columns: Optional[RuleFn] = None
 
 
 @dataclass

@@ -83,8 +83,8 @@ def sum_grad_squared(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors
     x, g = _flat(site, g)
     out = {}
     if "weight" in roles:
-        if x.shape[1] == 1:
-            out["weight"] = contract("nso,nsi->oi", g**2, x**2)
+        if x.shape[1] == 1:  # (g²)ᵀ (x²): one matrix product
+            out["weight"] = (g**2).reshape(-1, g.shape[-1]).t() @ (x**2).reshape(-1, x.shape[-1])
         else:
             out["weight"] = (contract("nso,nsi->noi", g, x) ** 2).sum(0)
     if "bias" in roles:
@@ -92,19 +92,33 @@ def sum_grad_squared(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors
     return out
 
 
-LINEAR = Rule(
-    kind="linear",
-    grad_batch=grad_batch,
-    grad=grad,
-    batch_l2=batch_l2,
-    sum_grad_squared=sum_grad_squared,
-    any_batch_dim=True,
-)
 
 
 def kron_output_sum(site: Site, m: Tensor) -> Tensor:
     """``Σ_s m[v, n, s]`` ``[V, N, O]``: the root summed over the positions sharing the weight."""
-    return vmap(lambda mv: _flat(site, mv)[1].sum(1))(m)
+    bdim = site.meta.get("batch_dim", 0)
+    m = m.movedim(bdim + 1, 1) if bdim != 0 else m
+    return m.reshape(m.shape[0], m.shape[1], -1, m.shape[-1]).sum(2)
+
+
+def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``Σ_v Σ_n (J_pᵀ m_v)²`` for a root ``m [V, *out]`` (the GGN diagonal).
+
+    Without shared positions the square separates, ``(m_vn x_nᵀ)² = m_vn² (x_n²)ᵀ``,
+    so ``Σ_v`` moves inside: one matrix product ``(Σ_v m²)ᵀ (x²)``.
+    """
+    x = _flat_input(site)
+    if x.shape[1] != 1:
+        return vmap(lambda mv: sum_grad_squared(site, mv, roles))(m)  # summed by the caller
+    bdim = site.meta.get("batch_dim", 0)
+    m = m.movedim(bdim + 1, 1) if bdim != 0 else m
+    m2 = (m**2).sum(0).reshape(x.shape[0], -1)  # [N, O]
+    out = {}
+    if "weight" in roles:
+        out["weight"] = (m2.t() @ (x**2).reshape(x.shape[0], -1)).unsqueeze(0)
+    if "bias" in roles:
+        out["bias"] = m2.sum(0).unsqueeze(0)
+    return out
 
 
 def kron(site: Site, role: str, m: Tensor) -> list:
@@ -133,6 +147,17 @@ def kron_from_output_matrix(site: Site, role: str, G: Tensor) -> list:
     s = G.shape[0] // out_features
     B = G.reshape(s, out_features, s, out_features).sum((0, 2))
     return [B] if role == "bias" else [B, kron_input(site)]
+
+
+LINEAR = Rule(
+    kind="linear",
+    grad_batch=grad_batch,
+    grad=grad,
+    batch_l2=batch_l2,
+    sum_grad_squared=sum_grad_squared,
+    any_batch_dim=True,
+    sum_squares_over_columns=sum_squares_over_columns,
+)
 
 
 def forward(module: nn.Linear, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
