@@ -33,7 +33,7 @@ import operator
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-from torch import Tensor, fx, nn
+from torch import Tensor, fx
 from torch.func import hessian, vmap
 
 from ._errors import CurvatureError
@@ -274,12 +274,18 @@ def _bilinear_columns(res, g: Tensor):
     return [(1.0, {0: x_part}, {name: w_part}), (-1.0, {0: -x_part}, {name: w_part})]
 
 
-def _dense_columns(res, g: Tensor):
+def _layout(res):
+    """How ``u = (θ, inputs)`` of a dense residual splits: names, shapes and sizes."""
     names = list(res.params)
     shapes_p = [tuple(res.params[k].shape) for k in names]
     sizes_p = [res.params[k].numel() for k in names]
     shapes_in = [tuple(a.shape[1:]) for a in res.inputs]
     sizes_in = [a[0].numel() for a in res.inputs]
+    return names, shapes_p, sizes_p, shapes_in, sizes_in
+
+
+def _dense_columns(res, g: Tensor):
+    names, shapes_p, sizes_p, shapes_in, sizes_in = _layout(res)
     n = g.shape[0]
     R = _dense_matrix(res, g)  # [N, D, D]
     evals, evecs = torch.linalg.eigh(R)
@@ -298,11 +304,7 @@ def _dense_columns(res, g: Tensor):
 
 def _dense_matrix(res, g: Tensor) -> Tensor:
     """Per-sample residual ``R [N, D, D]`` over ``u = (θ, inputs)`` (dense kind)."""
-    names = list(res.params)
-    shapes_p = [tuple(res.params[k].shape) for k in names]
-    sizes_p = [res.params[k].numel() for k in names]
-    shapes_in = [tuple(a.shape[1:]) for a in res.inputs]
-    sizes_in = [a[0].numel() for a in res.inputs]
+    names, shapes_p, sizes_p, shapes_in, sizes_in = _layout(res)
     n = g.shape[0]
     theta_flat = [res.params[k].reshape(1, -1).expand(n, -1) for k in names]
     u = torch.cat(theta_flat + [a.reshape(n, -1) for a in res.inputs], dim=1)

@@ -19,7 +19,6 @@ from ._untraced import run_eager
 from .extensions.secondorder import SecondOrder
 from .rules._site import Recorder
 from . import _residuals
-from .rules.elementwise import second_derivative
 from ._errors import CurvatureError, CurvatureTypeError
 from ._program import Program, trace_program
 from .extensions._base import Extension

@@ -42,7 +42,6 @@ from __future__ import annotations
 import traceback
 from typing import Dict, List, Mapping, Optional
 
-import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
