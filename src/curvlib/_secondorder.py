@@ -93,9 +93,21 @@ def _diag(uses, m_by_site, name, params) -> Tensor:
 
 
 def _batch_diag(uses, m_by_site, name, params, n) -> Tensor:
-    if not uses.get(name):
+    """``Σ_v (J_pᵀ m_v)²`` per sample ``[N, *p]``, without forming ``[V, N, *p]``."""
+    u = uses.get(name, [])
+    if not u:
         return params[name].new_zeros((n,) + tuple(params[name].shape))
-    return (_sqrt(uses, m_by_site, name) ** 2).sum(0)
+    if len(u) == 1:
+        site, role = u[0]
+        fast = getattr(site.rule, "batch_sum_squares_over_columns", None)
+        if fast is not None:
+            return fast(site, m_by_site[site.key], [role])[role]
+    v = m_by_site[u[0][0].key].shape[0]
+    total = None
+    for k in range(v):  # one column at a time: memory [N, *p]
+        col = sum(site.rule.grad_batch(site, m_by_site[site.key][k], [role])[role] for site, role in u)
+        total = col**2 if total is None else total + col**2
+    return total
 
 
 def _kron(uses, m_by_site, name) -> List[Tensor]:

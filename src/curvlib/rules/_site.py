@@ -61,6 +61,8 @@ class Rule:
     # (site, m [V, *out], roles) -> role -> [K, *p] whose sum over K is
     # Σ_v sum_grad_squared(m_v): a faster GGN diagonal where the layer allows.
     sum_squares_over_columns: Optional[RuleFn] = None
+    # (site, m [V, *out], roles) -> role -> [N, *p]: Σ_v grad_batch(m_v)².
+    batch_sum_squares_over_columns: Optional[RuleFn] = None
 
 
 @dataclass

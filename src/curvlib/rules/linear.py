@@ -149,6 +149,26 @@ def kron_from_output_matrix(site: Site, role: str, G: Tensor) -> list:
     return [B] if role == "bias" else [B, kron_input(site)]
 
 
+def batch_sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``Σ_v (J_pᵀ m_v)²`` per sample ``[N, *p]``: with one position, ``(Σ_v m_v²) ⊗ x²``."""
+    x = _flat_input(site)
+    if x.shape[1] != 1:
+        out = {}
+        for k in range(m.shape[0]):
+            part = grad_batch(site, m[k], roles)
+            out = {r: part[r] ** 2 + out.get(r, 0) for r in part}
+        return out
+    bdim = site.meta.get("batch_dim", 0)
+    m = m.movedim(bdim + 1, 1) if bdim != 0 else m
+    m2 = (m**2).sum(0).reshape(x.shape[0], -1)  # [N, O]
+    out = {}
+    if "weight" in roles:
+        out["weight"] = contract("no,ni->noi", m2, (x**2).reshape(x.shape[0], -1))
+    if "bias" in roles:
+        out["bias"] = m2
+    return out
+
+
 LINEAR = Rule(
     kind="linear",
     grad_batch=grad_batch,
@@ -157,6 +177,7 @@ LINEAR = Rule(
     sum_grad_squared=sum_grad_squared,
     any_batch_dim=True,
     sum_squares_over_columns=sum_squares_over_columns,
+    batch_sum_squares_over_columns=batch_sum_squares_over_columns,
 )
 
 
