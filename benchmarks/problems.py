@@ -8,6 +8,8 @@ timed work once; ``setup`` may prepare anything that should not be timed
 (build the transform, copy the model, pre-allocate a buffer).
 
 To add a problem, write a ``build`` function and add it to :data:`PROBLEMS`.
+Each method also has an entry in :data:`INFO` (library, quantity, checks) used by
+``run.py`` to group peers with curvlib's extension and to check their values.
 To add a method (a peer library such as BackPACK or Opacus, a second-order
 curvlib extension), write a ``setup`` function and add it to :data:`METHODS`;
 list it in :data:`DEFAULT_METHODS` to run it by default. ``"backward"`` is
@@ -17,6 +19,7 @@ the reference every ratio is taken against.
 |---|---|---|---|---|
 | ``mlp`` | MNIST-sized MLP 784-128-128-10, ReLU | 128 | ``[N, 784]`` | ``CrossEntropyLoss()`` |
 | ``3c3d`` | DeepOBS ``cifar10_3c3d`` (3 conv + 3 dense) | 64 | ``[N, 3, 32, 32]`` | ``CrossEntropyLoss()`` |
+| ``allcnnc`` | DeepOBS ``cifar100_allcnnc`` at 1/3 width (9 conv, C=100) | 32 | ``[N, 3, 32, 32]`` | ``CrossEntropyLoss()`` |
 | ``resnet`` | ResNet-8 (3 basic blocks 16-32-64, BatchNorm eval) | 32 | ``[N, 3, 32, 32]`` | ``CrossEntropyLoss()`` |
 | ``transformer`` | one pre-LN encoder block, d 64, 4 heads, vocab 1000 | 32 | ``[N, 32]`` tokens | ``CrossEntropyLoss()`` |
 """
@@ -25,14 +28,12 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Callable, Dict, NamedTuple, Tuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-import curvlib.extensions as extensions
-from curvlib import curvature
-from curvlib.extensions import BatchGrad, BatchL2Grad, SumGradSquared, Variance
+from curvlib import curvature, extensions
 
 
 class Problem(NamedTuple):
@@ -47,11 +48,12 @@ class Problem(NamedTuple):
 # --------------------------------------------------------------------------- problems
 
 
-def mlp(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> Problem:
-    """MNIST-sized MLP 784-128-128-10 with ReLU; N=128, ``CrossEntropyLoss(mean)``."""
+def mlp(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, classes: int = 10) -> Problem:
+    """MNIST-sized MLP 784-128-128-``classes`` (default 10) with ReLU; N=128,
+    ``CrossEntropyLoss(mean)``. ``classes`` is swept by ``run.py --sweep-classes``."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    n, d, classes = 128, 784, 10
+    n, d = 128, 784
     model = nn.Sequential(
         nn.Linear(d, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, classes)
     )
@@ -95,6 +97,36 @@ def cifar10_3c3d(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: 
         nn.Linear(512, 256),
         nn.ReLU(),
         nn.Linear(256, classes),
+    )
+    X = torch.rand(n, 3, 32, 32, generator=gen)
+    y = torch.randint(0, classes, (n,), generator=gen)
+    return _place(Problem(model, nn.CrossEntropyLoss(), X, y), device, dtype)
+
+
+def allcnnc(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, width: int = 32) -> Problem:
+    """DeepOBS's ``cifar100_allcnnc`` (Springenberg et al., 2015) at reduced width; N=32,
+    input ``[N, 3, 32, 32]``, C=100, ``CrossEntropyLoss(mean)``.
+
+    The original has widths 96 and 192; here ``width`` and ``2 * width`` (default 32
+    and 64, a third), so that the exact second-order quantities (about C = 100
+    backward passes each) fit a CPU benchmark. Layers as in DeepOBS, without its
+    dropout (the timed quantities must be deterministic): conv w@3x3 same, conv
+    w@3x3 same, conv w@3x3 stride 2 same, conv 2w@3x3 same, conv 2w@3x3 same, conv
+    2w@3x3 stride 2 same, conv 2w@3x3 valid, conv 2w@1x1, conv 100@1x1, each
+    followed by ReLU; global average pooling. Spatial 32 -> 16 -> 8 -> 6.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    n, classes, w1, w2 = 32, 100, width, 2 * width
+
+    def conv(c_in: int, c_out: int, k: int, stride: int = 1, pad: int = 0):
+        return [nn.Conv2d(c_in, c_out, k, stride, pad), nn.ReLU()]
+
+    model = nn.Sequential(
+        *conv(3, w1, 3, 1, 1), *conv(w1, w1, 3, 1, 1), *conv(w1, w1, 3, 2, 1),
+        *conv(w1, w2, 3, 1, 1), *conv(w2, w2, 3, 1, 1), *conv(w2, w2, 3, 2, 1),
+        *conv(w2, w2, 3), *conv(w2, w2, 1), *conv(w2, classes, 1),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(),
     )
     X = torch.rand(n, 3, 32, 32, generator=gen)
     y = torch.randint(0, classes, (n,), generator=gen)
@@ -200,15 +232,53 @@ def _place(problem: Problem, device: str, dtype: torch.dtype) -> Problem:
     return Problem(model.to(device=device, dtype=dtype), lossfn, X.to(device=device, dtype=dtype), y.to(device))
 
 
-PROBLEMS: Dict[str, Callable[..., Problem]] = {
+PROBLEMS: dict[str, Callable[..., Problem]] = {
     "mlp": mlp,
     "3c3d": cifar10_3c3d,
+    "allcnnc": allcnnc,
     "resnet": resnet,
     "transformer": transformer,
 }
 
 
 # --------------------------------------------------------------------------- methods
+
+
+class Info(NamedTuple):
+    """What a method computes, for grouping, size limits and value checks in ``run.py``.
+
+    ``library``: ``"reference"``, ``"bound"``, ``"curvlib"`` or a peer's name.
+    ``quantity``: the curvlib extension (class name) whose result it computes, or ``""``.
+    ``check``: whether its values are compared with curvlib's (deterministic quantities
+    in the same layout). ``size``: the result's leading dimensions per parameter,
+    ``"N"`` (``[N, *p]``), ``"CN"`` (``[C, N, *p]``) or ``""`` (at most ``p``-sized).
+    ``post``: maps the output into curvlib's layout for the check (not timed).
+    """
+
+    library: str
+    quantity: str = ""
+    check: bool = False
+    size: str = ""
+    post: Callable[[Problem, object], object] | None = None
+
+
+FIRST_ORDER = ("BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance")
+SECOND_ORDER = (
+    "DiagGGNExact", "DiagGGNMC", "BatchDiagGGNExact", "BatchDiagGGNMC", "DiagHessian",
+    "BatchDiagHessian", "KFAC", "KFLR", "KFRA", "SqrtGGNExact", "SqrtGGNMC",
+)
+#: Extensions whose result is random (Monte-Carlo): timed, never value-checked.
+MONTE_CARLO = ("DiagGGNMC", "BatchDiagGGNMC", "KFAC", "SqrtGGNMC")
+#: Result sizes of the extensions whose result is larger than the parameters.
+SIZES = {"BatchGrad": "N", "BatchDiagGGNExact": "N", "BatchDiagGGNMC": "N", "BatchDiagHessian": "N",
+         "SqrtGGNMC": "N", "SqrtGGNExact": "CN"}
+
+
+def outputs_per_sample(problem: Problem) -> int:
+    """``C``: the model's output numel per sample (the number of classes here)."""
+    model, _, X, _ = problem
+    with torch.no_grad():
+        return model(X[:1]).numel()
 
 
 def backward(problem: Problem) -> Callable[[], object]:
@@ -222,32 +292,41 @@ def backward(problem: Problem) -> Callable[[], object]:
     return run
 
 
-def grad_batch_bound(problem: Problem) -> Callable[[], object]:
-    """A lower bound for ``BatchGrad``: the backward plus writing ``[N, *p]`` once.
+def _bound(leading: str) -> Callable[[Problem], Callable[[], object]]:
+    def setup(problem: Problem) -> Callable[[], object]:
+        model, _lossfn, X, _y = problem
+        total = X.shape[0] * sum(p.numel() for p in model.parameters() if p.requires_grad)
+        if leading == "CN":
+            total *= outputs_per_sample(problem)
+        src = torch.ones(total, dtype=X.dtype, device=X.device)
+        reference = backward(problem)
 
-    Copies a pre-allocated source of ``N * Σ_p p.numel()`` elements into a
-    fresh buffer, the memory traffic any method must pay to return the
-    individual gradients.
-    """
-    model, lossfn, X, y = problem
-    total = X.shape[0] * sum(p.numel() for p in model.parameters() if p.requires_grad)
-    src = torch.ones(total, dtype=X.dtype, device=X.device)
-    reference = backward(problem)
+        def run():
+            reference()
+            return torch.empty(total, dtype=src.dtype, device=src.device).copy_(src)
 
-    def run():
-        reference()
-        return torch.empty(total, dtype=src.dtype, device=src.device).copy_(src)
+        return run
 
-    return run
+    shape = "[N, *p]" if leading == "N" else "[C, N, *p]"
+    setup.__doc__ = f"""The physical bound for a result of size ``{shape}``: a plain backward plus
+    writing that many elements once (``torch.empty(total).copy_(src)`` from a
+    pre-allocated source), the memory traffic any method pays to return it."""
+    return setup
 
 
-def _curvlib(*extensions) -> Callable[[Problem], Callable[[], object]]:
+grad_batch_bound = _bound("N")
+
+
+def _curvlib(*exts) -> Callable[[Problem], Callable[[], object]]:
     def setup(problem: Problem) -> Callable[[], object]:
         model, lossfn, X, y = problem
-        f = curvature(model, lossfn, [e() for e in extensions])
+        f = curvature(model, lossfn, [e() for e in exts])
+        if len(exts) == 1:
+            key = exts[0]().name
+            return lambda: f(X, y)[key]
         return lambda: f(X, y)
 
-    setup.__doc__ = f"curvlib ``curvature(model, lossfn, [{', '.join(e.__name__ + '()' for e in extensions)}])(X, y)``."
+    setup.__doc__ = f"curvlib ``curvature(model, lossfn, [{', '.join(e.__name__ + '()' for e in exts)}])(X, y)``."
     return setup
 
 
@@ -260,60 +339,136 @@ def vmap_grad(problem: Problem) -> Callable[[], object]:
     from torch.func import functional_call, grad, vmap
 
     model, lossfn, X, y = problem
-    params = {n: p.detach() for n, p in model.named_parameters()}
+    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    buffers = dict(model.named_buffers())
     scale = 1.0 / X.shape[0] if lossfn.reduction == "mean" else 1.0
 
     def loss_one(p, x, t):
-        out = functional_call(model, p, (x.unsqueeze(0),))
+        out = functional_call(model, {**p, **buffers}, (x.unsqueeze(0),))
         return lossfn(out, t.unsqueeze(0)) * scale
 
     per_sample = vmap(grad(loss_one), in_dims=(None, 0, 0))
     return lambda: per_sample(params, X, y)
 
 
-def backpack_batch_grad(problem: Problem) -> Callable[[], object]:
-    """Peer: BackPACK's ``BatchGrad`` (on a deep copy of the model, as ``extend`` changes it)."""
-    from backpack import backpack, extend
-    from backpack.extensions import BatchGrad as BPBatchGrad
+def _backpack(ext_name: str) -> Callable[[Problem], Callable[[], object]]:
+    def setup(problem: Problem) -> Callable[[], object]:
+        import backpack.extensions as bpext
+        from backpack import backpack, extend
 
-    # BackPACK's hooks warn when the input does not require gradients.
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        # BackPACK's hooks warn when the input does not require gradients.
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        warnings.filterwarnings("ignore", module="backpack")
+        model, lossfn, X, y = problem
+        model = copy.deepcopy(model)
+        # Second order walks the module graph: BackPACK needs its fx converter off Sequential.
+        converter = ext_name in SECOND_ORDER and not isinstance(model, nn.Sequential)
+        model = extend(model, use_converter=converter)
+        lossfn = extend(copy.deepcopy(lossfn))
+        ext = getattr(bpext, ext_name)()
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+        def run():
+            model.zero_grad(set_to_none=True)
+            loss = lossfn(model(X), y)
+            with backpack(ext):
+                loss.backward()
+            return {n: getattr(p, ext.savefield) for n, p in params}
+
+        return run
+
+    setup.__doc__ = f"Peer: BackPACK's ``{ext_name}`` (``extend`` on a deep copy of the model, once, in setup)."
+    return setup
+
+
+def opacus_grad_sample(problem: Problem) -> Callable[[], object]:
+    """Peer: Opacus ``GradSampleModule`` per-sample gradients (``p.grad_sample``) on a deep copy."""
+    from opacus import GradSampleModule
+
+    warnings.filterwarnings("ignore", module="opacus")
     model, lossfn, X, y = problem
-    model = extend(copy.deepcopy(model))
-    lossfn = extend(copy.deepcopy(lossfn))
+    gsm = GradSampleModule(copy.deepcopy(model), loss_reduction=lossfn.reduction)
+    params = [(n, p) for n, p in gsm._module.named_parameters() if p.requires_grad]
 
     def run():
-        model.zero_grad(set_to_none=True)
-        loss = lossfn(model(X), y)
-        with backpack(BPBatchGrad()):
-            loss.backward()
+        gsm.zero_grad(set_to_none=True)
+        lossfn(gsm(X), y).backward()
+        missing = [n for n, p in params if p.grad_sample is None]
+        if missing:  # a parameter used outside a module Opacus knows (e.g. ``pos.weight`` as a tensor)
+            raise NotImplementedError(f"Opacus computed no grad_sample for {', '.join(missing)}")
+        return {n: p.grad_sample for n, p in params}
 
     return run
 
 
-METHODS: Dict[str, Callable[[Problem], Callable[[], object]]] = {
-    "backward": backward,
-    "BatchGrad": _curvlib(BatchGrad),
-    "BatchL2Grad": _curvlib(BatchL2Grad),
-    "SumGradSquared": _curvlib(SumGradSquared),
-    "Variance": _curvlib(Variance),
-    "bound:BatchGrad": grad_batch_bound,
-    "vmap(grad)": vmap_grad,
-    "backpack:BatchGrad": backpack_batch_grad,
-}
+def _opacus_post(problem: Problem, out):
+    # Opacus returns gradients of the individual (unscaled) losses; curvlib's carry 1/N for "mean".
+    scale = 1.0 / problem.X.shape[0] if problem.lossfn.reduction == "mean" else 1.0
+    return {n: g * scale for n, g in out.items()}
 
-# Every other exported extension (second order, ...), timed alone; not run by default.
+
+def _curvlinops_kfac(fisher_type: str) -> Callable[[Problem], Callable[[], object]]:
+    def setup(problem: Problem) -> Callable[[], object]:
+        from curvlinops import KFACLinearOperator
+
+        model, lossfn, X, y = problem
+        model = copy.deepcopy(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        op = KFACLinearOperator(
+            model, lossfn, params, [(X, y)], check_deterministic=False,
+            fisher_type=fisher_type, num_data=X.shape[0],
+        )
+
+        def run():
+            op.compute_kronecker_factors()
+            return op
+
+        return run
+
+    setup.__doc__ = (f"Peer: curvlinops ``KFACLinearOperator(fisher_type={fisher_type!r})``; timed: "
+                     "``compute_kronecker_factors()`` (one forward-backward over the batch).")
+    return setup
+
+
+METHODS: dict[str, Callable[[Problem], Callable[[], object]]] = {
+    "backward": backward,
+    "bound:BatchGrad": grad_batch_bound,
+    "bound:SqrtGGNExact": _bound("CN"),
+}
+INFO: dict[str, Info] = {
+    "backward": Info("reference"),
+    "bound:BatchGrad": Info("bound", size="N"),
+    "bound:SqrtGGNExact": Info("bound", size="CN"),
+}
+for _name in FIRST_ORDER + SECOND_ORDER:
+    _q = Info("curvlib", _name, _name not in MONTE_CARLO, SIZES.get(_name, ""))
+    METHODS[_name], INFO[_name] = _curvlib(getattr(extensions, _name)), _q
+    if _name == "BatchGrad":
+        METHODS["vmap(grad)"], INFO["vmap(grad)"] = vmap_grad, _q._replace(library="torch.func")
+        METHODS["opacus"] = opacus_grad_sample
+        INFO["opacus"] = _q._replace(library="opacus", post=_opacus_post)
+    METHODS[f"backpack:{_name}"], INFO[f"backpack:{_name}"] = _backpack(_name), _q._replace(library="backpack")
+    if _name == "KFAC":
+        METHODS["curvlinops:KFAC(mc)"] = _curvlinops_kfac("mc")
+        INFO["curvlinops:KFAC(mc)"] = Info("curvlinops", "KFAC")
+    if _name == "KFLR":
+        METHODS["curvlinops:KFAC(type-2)"] = _curvlinops_kfac("type-2")
+        INFO["curvlinops:KFAC(type-2)"] = Info("curvlinops", "KFLR")
+METHODS["curvlinops:KFAC(empirical)"] = _curvlinops_kfac("empirical")
+INFO["curvlinops:KFAC(empirical)"] = Info("curvlinops")
+
+#: Methods run when none are named ("backward" is always run: it is the reference).
+DEFAULT_METHODS: tuple[str, ...] = tuple(METHODS)
+
+# Every other exported extension (GGNMP, HMP, PCHMP, ...): timed alone on request, not by default.
 for _name in extensions.__all__:
     _cls = getattr(extensions, _name)
     if isinstance(_cls, type) and issubclass(_cls, extensions.Extension) and _cls.name and _name not in METHODS:
-        METHODS[_name] = _curvlib(_cls)
+        METHODS[_name], INFO[_name] = _curvlib(_cls), Info("curvlib", _name)
 
-# Methods run when none are named; "backward" is always run (it is the reference).
-DEFAULT_METHODS: Tuple[str, ...] = (
-    "backward",
-    "BatchGrad",
-    "BatchL2Grad",
-    "SumGradSquared",
-    "Variance",
-    "bound:BatchGrad",
-)
+#: The pip requirement that provides each peer library (for "skipped" messages).
+PEER_PACKAGES = {
+    "backpack": "backpack-for-pytorch",
+    "opacus": "opacus",
+    "curvlinops": "curvlinops-for-pytorch",
+}
