@@ -88,7 +88,8 @@ def _diag(uses, m_by_site, name, params) -> Tensor:
         if rule.sum_squares_over_columns is not None:
             return rule.sum_squares_over_columns(site, m, [role])[role].sum(0)
         if rule.sum_grad_squared is not None:
-            return vmap(lambda mv: rule.sum_grad_squared(site, mv, [role])[role])(m).sum(0)
+            # one column at a time: a rule may form [N, *p] per column (convolutions)
+            return sum(rule.sum_grad_squared(site, m[k], [role])[role] for k in range(m.shape[0]))
     return (_sqrt(uses, m_by_site, name) ** 2).sum((0, 1))
 
 
