@@ -31,7 +31,7 @@ from torch.func import vjp
 from ._errors import CurvatureError
 from ._program import Program
 from . import _residuals
-from .rules import check_module, functional
+from .rules import functional
 from .rules._site import Recorder, Site
 
 __all__ = ["Plan", "make_plan", "run_graph", "forward_with_probes", "first_order"]
@@ -161,15 +161,24 @@ class Plan:
     sites: Tuple[Site, ...] = ()
 
 
-def check_modules(program: Program) -> None:
-    """Per-call checks of every module the graph calls (e.g. BatchNorm mode)."""
-    seen = set()
+def module_checks(program: Program) -> List[Callable[[], None]]:
+    """The per-call checks of the modules the graph calls (e.g. BatchNorm's mode).
+
+    Found once per traced program: only families with a ``check`` contribute,
+    so the per-call cost is one call per such module (none for an MLP).
+    """
+    from .rules import checker_for
+
+    checks, seen = [], set()
     for node in program.graph.nodes:
         if node.op == "call_module" and node.target not in seen:
             seen.add(node.target)
             module = _lookup(program.root, node.target)
             path = node.target[len(program.prefix):] if node.target.startswith(program.prefix) else node.target
-            check_module(module, path or type(module).__name__)
+            check = checker_for(module)
+            if check is not None:
+                checks.append(lambda check=check, module=module, where=path or type(module).__name__: check(module, where))
+    return checks
 
 
 def _shape_pass(program, X, params, trainable, batch, residual_nodes=None, runner=None):

@@ -42,7 +42,7 @@ from . import losses
 from ._engine import Linearization
 from ._errors import CurvatureError
 from .extensions.secondorder import SecondOrder
-from .rules import kron_factors
+from .rules import kron_factors, kron_input_factor
 from .rules._site import Site
 from ._residuals import factor
 
@@ -76,8 +76,12 @@ def _sqrt(uses, m_by_site, name) -> Tensor:
     return total
 
 
-def _diag(uses, m_by_site, name, params) -> Tensor:
-    """``Σ_v Σ_n (J_pᵀ m_v)²``, via the rule's sum of squares for single-use parameters."""
+def _diag(uses, m_by_site, name, params, cache=None) -> Tensor:
+    """``Σ_v Σ_n (J_pᵀ m_v)²``, via the rule's sum of squares for single-use parameters.
+
+    ``cache`` (a dict, per chunk of columns) lets the parameters of one site share a
+    single rule call: the rule is asked for all the site's roles at once.
+    """
     u = uses.get(name, [])
     if not u:
         return torch.zeros_like(params[name])
@@ -86,14 +90,35 @@ def _diag(uses, m_by_site, name, params) -> Tensor:
         rule = site.rule
         m = m_by_site[site.key]
         if rule.sum_squares_over_columns is not None:
-            return rule.sum_squares_over_columns(site, m, [role])[role].sum(0)
+            per_role = _per_site(cache, site, uses, "diag", lambda roles: rule.sum_squares_over_columns(site, m, roles))
+            return _column_sum(per_role[role])
         if rule.sum_grad_squared is not None:
             # one column at a time: a rule may form [N, *p] per column (convolutions)
             return sum(rule.sum_grad_squared(site, m[k], [role])[role] for k in range(m.shape[0]))
     return (_sqrt(uses, m_by_site, name) ** 2).sum((0, 1))
 
 
-def _batch_diag(uses, m_by_site, name, params, n) -> Tensor:
+def _column_sum(t: Tensor) -> Tensor:
+    """Sum over the leading column dim; a view when there is one column (no copy of ``[*p]``)."""
+    return t[0] if t.shape[0] == 1 else t.sum(0)
+
+
+def _single_roles(site, uses) -> List[str]:
+    """The roles of ``site`` whose parameters have no other use."""
+    return [role for role, name in site.params.items() if len(uses.get(name, ())) == 1]
+
+
+def _per_site(cache, site, uses, what: str, compute):
+    """``compute(roles)`` for all single-use roles of ``site``, once per ``cache``."""
+    if cache is None:
+        return compute(_single_roles(site, uses))
+    key = (what, site.key)
+    if key not in cache:
+        cache[key] = compute(_single_roles(site, uses))
+    return cache[key]
+
+
+def _batch_diag(uses, m_by_site, name, params, n, cache=None) -> Tensor:
     """``Σ_v (J_pᵀ m_v)²`` per sample ``[N, *p]``, without forming ``[V, N, *p]``."""
     u = uses.get(name, [])
     if not u:
@@ -102,7 +127,8 @@ def _batch_diag(uses, m_by_site, name, params, n) -> Tensor:
         site, role = u[0]
         fast = getattr(site.rule, "batch_sum_squares_over_columns", None)
         if fast is not None:
-            return fast(site, m_by_site[site.key], [role])[role]
+            m = m_by_site[site.key]
+            return _per_site(cache, site, uses, "batch_diag", lambda roles: fast(site, m, roles))[role]
     v = m_by_site[u[0][0].key].shape[0]
     total = None
     for k in range(v):  # one column at a time: memory [N, *p]
@@ -111,20 +137,38 @@ def _batch_diag(uses, m_by_site, name, params, n) -> Tensor:
     return total
 
 
-def _kron(uses, m_by_site, name) -> List[Tensor]:
+def _kron(uses, m_by_site, name, cache=None) -> List[Tensor]:
     """Kronecker factors; a Linear weight used by several sites treats the uses like
-    positions sharing the weight (roots summed in ``B``, inputs' outer products in ``A``)."""
+    positions sharing the weight (roots summed in ``B``, inputs' outer products in ``A``).
+
+    With a ``cache``, a site's output factor ``B`` (the same for its weight and bias)
+    is formed once per chunk of columns, and its input factor ``A`` (independent of
+    the columns) once per call.
+    """
     u = uses[name]
     if len(u) == 1:
         ((site, role),) = u
-        return kron_factors(site, role, m_by_site[site.key])
+        if cache is None:
+            return kron_factors(site, role, m_by_site[site.key])
+        B = _cached(cache, ("kron_B", site.key), lambda: kron_factors(site, "bias", m_by_site[site.key])[0])
+        if role == "bias":
+            return [B]
+        static = cache.setdefault("static", {})
+        return [B, _cached(static, ("kron_A", site.key), lambda: kron_input_factor(site))]
     from .rules import linear
 
     s = sum(linear.kron_output_sum(site, m_by_site[site.key]) for site, _ in u)
-    B = torch.einsum("vno,vnp->op", s, s)
+    s = s.reshape(-1, s.shape[-1])
+    B = s.t() @ s
     if u[0][1] == "bias":
         return [B]
     return [B, sum(linear.kron_input(site) for site, _ in u)]
+
+
+def _cached(cache: dict, key, compute):
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]
 
 
 HESSIAN_QUANTITIES = ("hessian_diag", "hessian_batch_diag", "pchmp")
@@ -237,11 +281,14 @@ def second_order(
 
     def accumulate(S: Tensor, group: Sequence[SecondOrder]) -> Dict[str, Dict[str, object]]:
         acc: Dict[str, Dict[str, object]] = {}
+        static: Dict[tuple, object] = {}  # column-independent results (KFAC's A), once per call
         for S_chunk in _chunks(S, chunk_size):
             m = lin.pull_batched(S_chunk)
+            # per-site rule results shared by the site's parameters, per chunk
+            cache: Dict[object, object] = {"static": static}
             for ext in group:
                 q = read_as.get(ext.quantity, ext.quantity)
-                part = {n: _read(q, uses, m, n, params, batch_size, S_chunk.shape[0]) for n in names}
+                part = {n: _read(q, uses, m, n, params, batch_size, S_chunk.shape[0], cache) for n in names}
                 acc[ext.name] = part if ext.name not in acc else {
                     n: _combine(q, acc[ext.name][n], part[n]) for n in names
                 }
@@ -275,17 +322,17 @@ def _chunks(S: Tensor, chunk_size: Optional[int]):
         yield S[start:start + chunk_size]
 
 
-def _read(q: str, uses, m, name: str, params, n: int, v: int):
+def _read(q: str, uses, m, name: str, params, n: int, v: int, cache=None):
     """One chunk's contribution to quantity ``q`` of parameter ``name``."""
     if q == "diag":
-        return _diag(uses, m, name, params)
+        return _diag(uses, m, name, params, cache)
     if q == "batch_diag":
-        return _batch_diag(uses, m, name, params, n)
+        return _batch_diag(uses, m, name, params, n, cache)
     if q == "sqrt":
         if uses.get(name):
             return _sqrt(uses, m, name)
         return params[name].new_zeros((v, n) + tuple(params[name].shape))
-    return _kron(uses, m, name)  # "kron"
+    return _kron(uses, m, name, cache)  # "kron"
 
 
 def _combine(q: str, acc, part):
@@ -299,7 +346,8 @@ def _combine(q: str, acc, part):
 
 def _hessian_diag(lin, uses, ggn, names, params, n, residual_grads, batch: bool, chunk_size=None):
     """GGN diagonal plus every residual's signed columns (see :mod:`curvlib._residuals`)."""
-    read = (lambda m, name: _batch_diag(uses, m, name, params, n)) if batch else (lambda m, name: _diag(uses, m, name, params))
+    read = (lambda m, name, cache: _batch_diag(uses, m, name, params, n, cache)) if batch else (
+        lambda m, name, cache: _diag(uses, m, name, params, cache))
     total = dict(ggn)
     for res, g_z in zip(lin.residuals, residual_grads):
         for sign, tap_cols, direct in factor(res, g_z):
@@ -308,11 +356,12 @@ def _hessian_diag(lin, uses, ggn, names, params, n, residual_grads, batch: bool,
             for start in range(0, v, step):
                 sl = slice(start, start + step)
                 m = lin.pull_batched(None, {res.taps[j]: cols[sl] for j, cols in tap_cols.items()})
+                cache: Dict[tuple, object] = {}
                 for name in names:
                     if name in direct:
                         sq = direct[name][sl] + (_sqrt(uses, m, name) if uses.get(name) else 0.0)
                         part = (sq**2).sum(0) if batch else (sq**2).sum((0, 1))
                     else:
-                        part = read(m, name)
+                        part = read(m, name, cache)
                     total[name] = total[name] + sign * part
     return total

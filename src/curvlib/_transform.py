@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from . import losses
-from ._engine import FIRST_ORDER, Plan, check_modules, first_order, forward_with_probes, make_plan, run_graph
+from ._engine import FIRST_ORDER, Plan, first_order, module_checks, forward_with_probes, make_plan, run_graph
 from ._kfra import chain_nodes, kfra
 from ._secondorder import check_second_order, second_order
 from ._untraced import run_eager
@@ -159,6 +159,7 @@ def curvature(
         _residuals.residual_plan(program, _shared_linear_layers(program)) if hessian_needed else {}
     )
     plans: Dict[tuple, Plan] = {}
+    checks = module_checks(program) if program.graph is not None else []
 
     def f(X: Tensor, y: Tensor, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, object]:
         if not isinstance(X, Tensor):
@@ -180,8 +181,8 @@ def curvature(
             given = _check_params(model, params, all_params)
             trainable = [n for n in all_params if n in given]
             values = {n: (given[n] if n in given else p.detach()) for n, p in all_params.items()}
-        if program.graph is not None:
-            check_modules(program)  # (the eager runner checks modules as they are called)
+        for check in checks:  # (the eager runner checks modules as they are called)
+            check()
         key = (
             tuple(X.shape), X.dtype, X.device.type,
             tuple((n, tuple(v.shape), v.dtype) for n, v in values.items()),

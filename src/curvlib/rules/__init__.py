@@ -83,17 +83,28 @@ def kron_factors(site, role: str, m):
     return family.kron(site, role, m)
 
 
+def kron_input_factor(site):
+    """The input-side Kronecker factor ``A`` of ``site``'s weight (independent of the root)."""
+    family = importlib.import_module(f"{__name__}.{site.rule.kind}")
+    return family.kron_input(site)
+
+
 def kron_from_matrix(site, role: str, G):
     """KFRA factors of ``role`` at ``site`` from the batch-averaged output matrix ``G``."""
     family = importlib.import_module(f"{__name__}.{site.rule.kind}")
     return family.kron_from_output_matrix(site, role, G)
 
 
-def check_module(module: nn.Module, where: str) -> None:
-    """Refuse a configuration the module's rule cannot handle (before any work)."""
+def checker_for(module: nn.Module) -> "Callable[[nn.Module, str], None] | None":
+    """The family's ``check(module, where)`` for this module, or ``None``."""
     family = _family(module, FAMILIES) or _family(module, CHECKED)
     if family is None:
-        return
-    check = getattr(importlib.import_module(f"{__name__}.{family}"), "check", None)
+        return None
+    return getattr(importlib.import_module(f"{__name__}.{family}"), "check", None)
+
+
+def check_module(module: nn.Module, where: str) -> None:
+    """Refuse a configuration the module's rule cannot handle (before any work)."""
+    check = checker_for(module)
     if check is not None:
         check(module, where)

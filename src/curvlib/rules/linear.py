@@ -18,12 +18,20 @@ from __future__ import annotations
 
 from typing import Sequence, Tuple
 
+import torch
 import torch.nn.functional as F
 from opt_einsum import contract
 from torch import Tensor, nn
 from torch.func import vmap
 
 from ._site import Recorder, RoleTensors, Rule, Site
+
+
+def _per_sample_outer(g: Tensor, x: Tensor) -> Tensor:
+    """``Σ_s g[n, s] x[n, s]ᵀ`` ``[N, O, I]`` for ``g [N, S, O]``, ``x [N, S, I]``."""
+    if g.shape[1] == 1:  # no shared positions: a broadcast product, no reduction
+        return g[:, 0, :, None] * x[:, 0, None, :]
+    return torch.bmm(g.transpose(1, 2), x)
 
 
 def _flat(site: Site, g: Tensor) -> Tuple[Tensor, Tensor]:
@@ -47,7 +55,7 @@ def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
     x, g = _flat(site, g)
     out = {}
     if "weight" in roles:
-        out["weight"] = contract("nso,nsi->noi", g, x)
+        out["weight"] = _per_sample_outer(g, x)
     if "bias" in roles:
         out["bias"] = g.sum(1)
     return out
@@ -73,7 +81,7 @@ def batch_l2(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
         elif s * s <= o * i:
             out["weight"] = contract("nso,nto,nsi,nti->n", g, g, x, x)
         else:
-            out["weight"] = (contract("nso,nsi->noi", g, x) ** 2).sum((1, 2))
+            out["weight"] = (_per_sample_outer(g, x) ** 2).sum((1, 2))
     if "bias" in roles:
         out["bias"] = (g.sum(1) ** 2).sum(1)
     return out
@@ -86,7 +94,7 @@ def sum_grad_squared(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors
         if x.shape[1] == 1:  # (g²)ᵀ (x²): one matrix product
             out["weight"] = (g**2).reshape(-1, g.shape[-1]).t() @ (x**2).reshape(-1, x.shape[-1])
         else:
-            out["weight"] = (contract("nso,nsi->noi", g, x) ** 2).sum(0)
+            out["weight"] = (_per_sample_outer(g, x) ** 2).sum(0)
     if "bias" in roles:
         out["bias"] = (g.sum(1) ** 2).sum(0)
     return out
@@ -131,14 +139,18 @@ def kron(site: Site, role: str, m: Tensor) -> list:
     itself refuses for Linear.
     """
     s = kron_output_sum(site, m)
-    B = contract("vno,vnp->op", s, s)
+    s = s.reshape(-1, s.shape[-1])
+    B = s.t() @ s
     return [B] if role == "bias" else [B, kron_input(site)]
 
 
 def kron_input(site: Site) -> Tensor:
     """Input-side Kronecker factor ``A = (1/N) Σ_{n,s} x xᵀ [I, I]``."""
     x = _flat_input(site)
-    return contract("nsi,nsj->ij", x, x) / x.shape[0]
+    n = x.shape[0]
+    x = x.reshape(-1, x.shape[-1])
+    # α xᵀx in one BLAS call (no separate division pass over the [I, I] result)
+    return torch.addmm(x.new_zeros(()), x.t(), x, beta=0, alpha=1.0 / n)
 
 
 def kron_from_output_matrix(site: Site, role: str, G: Tensor) -> list:
@@ -163,7 +175,7 @@ def batch_sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) 
     m2 = (m**2).sum(0).reshape(x.shape[0], -1)  # [N, O]
     out = {}
     if "weight" in roles:
-        out["weight"] = contract("no,ni->noi", m2, (x**2).reshape(x.shape[0], -1))
+        out["weight"] = m2.unsqueeze(2) * (x**2).reshape(x.shape[0], 1, -1)
     if "bias" in roles:
         out["bias"] = m2
     return out
