@@ -317,16 +317,17 @@ def _bound(leading: str) -> Callable[[Problem], Callable[[], object]]:
 grad_batch_bound = _bound("N")
 
 
-def _curvlib(*exts) -> Callable[[Problem], Callable[[], object]]:
+def _curvlib(*exts, **options) -> Callable[[Problem], Callable[[], object]]:
     def setup(problem: Problem) -> Callable[[], object]:
         model, lossfn, X, y = problem
-        f = curvature(model, lossfn, [e() for e in exts])
+        f = curvature(model, lossfn, [e() for e in exts], **options)
         if len(exts) == 1:
             key = exts[0]().name
             return lambda: f(X, y)[key]
         return lambda: f(X, y)
 
-    setup.__doc__ = f"curvlib ``curvature(model, lossfn, [{', '.join(e.__name__ + '()' for e in exts)}])(X, y)``."
+    extra = "".join(f", {k}={v}" for k, v in options.items())
+    setup.__doc__ = f"curvlib ``curvature(model, lossfn, [{', '.join(e.__name__ + '()' for e in exts)}]{extra})(X, y)``."
     return setup
 
 
@@ -465,6 +466,13 @@ for _name in extensions.__all__:
     _cls = getattr(extensions, _name)
     if isinstance(_cls, type) and issubclass(_cls, extensions.Extension) and _cls.name and _name not in METHODS:
         METHODS[_name], INFO[_name] = _curvlib(_cls), Info("curvlib", _name)
+
+# Memory knobs, timed on request (e.g. with --problems allcnnc to see peak memory fall):
+# "DiagGGNExact[chunk_size=10]", "DiagGGNExact[batch_chunk_size=8]", both together.
+for _name in ("DiagGGNExact", "BatchDiagGGNExact", "KFLR"):
+    for _opts in ({"chunk_size": 10}, {"batch_chunk_size": 8}, {"chunk_size": 10, "batch_chunk_size": 8}):
+        _key = f"{_name}[{','.join(f'{k}={v}' for k, v in _opts.items())}]"
+        METHODS[_key], INFO[_key] = _curvlib(getattr(extensions, _name), **_opts), Info("curvlib")
 
 #: The pip requirement that provides each peer library (for "skipped" messages).
 PEER_PACKAGES = {

@@ -93,6 +93,7 @@ def curvature(
     extensions: Sequence[Extension] = (),
     process_group: object = None,
     chunk_size: Optional[int] = None,
+    batch_chunk_size: Optional[int] = None,
 ) -> Callable[..., Dict[str, object]]:
     """Turn a model and a loss into a function returning gradients and curvature.
 
@@ -114,6 +115,12 @@ def curvature(
             residual columns) are pulled back through the model at once, which
             bounds the memory of the exact second-order quantities; the results
             do not depend on it. ``None``: all at once.
+        batch_chunk_size: at most this many samples are processed at once: the
+            batch is cut into slices whose results are combined into those of
+            the whole batch (see :mod:`curvlib._chunking`), so memory follows
+            the slice size. Results equal the unchunked ones up to float
+            rounding (Monte-Carlo ones have the same distribution). Not for
+            KFRA and the block products (refused). ``None``: the whole batch.
         process_group: a ``torch.distributed`` process group: every rank calls
             ``f`` on its local batch and gets the quantities of the global batch
             (see :mod:`curvlib.distributed`). ``None``: one process.
@@ -142,6 +149,11 @@ def curvature(
         )
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise CurvatureError(f"chunk_size must be a positive int or None, got {chunk_size!r}.")
+    chunk_kinds = None
+    if batch_chunk_size is not None:
+        from ._chunking import check_batch_chunk_size
+
+        chunk_kinds = check_batch_chunk_size(batch_chunk_size, exts)
     program = trace_program(model)
     # Models fx cannot trace run eagerly, with their layers redirected to curvlib's rules
     # (first order only: second order needs the graph and is refused below).
@@ -235,6 +247,10 @@ def curvature(
             )
         return result
 
+    if chunk_kinds is not None:
+        from ._chunking import over_samples
+
+        f = over_samples(f, spec, chunk_kinds, batch_chunk_size)
     if process_group is not None:
         from .distributed import aggregated
 
