@@ -148,3 +148,19 @@ def test_sampled_root_default_generator_follows_global_seed():
     torch.manual_seed(3)
     b = sqrt_hessian_sampled(spec, out, y, 4)
     assert torch.equal(a, b)
+
+
+def test_sampled_classes_follow_the_softmax():
+    """CE's sampled labels: class frequencies within 4σ of softmax(f), none for a ~0 class."""
+    out = torch.tensor([[0.0, 2.0, -30.0, 1.0], [3.0, -1.0, 0.5, 0.5]], dtype=torch.float64)
+    y = torch.tensor([0, 1])
+    m = 40000
+    spec = loss_spec(nn.CrossEntropyLoss(reduction="sum"))
+    S = sqrt_hessian_sampled(spec, out, y, m, torch.Generator().manual_seed(3))  # √(1/M)(p − onehot)
+    p = torch.softmax(out, 1)
+    onehot = p - S * m**0.5  # [M, N, K]
+    assert torch.allclose(onehot, onehot.round(), atol=1e-9)
+    freq = onehot.mean(0)
+    sigma = (p * (1 - p) / m).sqrt()
+    assert ((freq - p).abs() <= 4 * sigma + 1e-12).all(), (freq, p)
+    assert onehot[:, 0, 2].sum() == 0
