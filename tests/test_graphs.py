@@ -373,3 +373,32 @@ def test_random_dag_all_families_thorough(spec, n, loss, reduction, seed):
     model, lossfn, X, y = _dag_case(spec, n, loss, reduction, seed)
     check_first_order(model, lossfn, X, y)
     check_second_order(model, lossfn, X, y, hessian=False, hmp=True, seed=seed)
+
+
+@torch.fx.wrap
+def _shift_in_place(h: Tensor) -> Tensor:
+    """An in-place change fx cannot see (a wrapped function): curvlib's version check must."""
+    return h.mul_(0.5).add_(1.0)
+
+
+class _HiddenInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(_shift_in_place(self.a(x))))
+
+
+def test_in_place_change_hidden_from_the_trace():
+    """A site's output overwritten in place behind fx's back: curvlib notices (the
+    tensor's version moved) and differentiates through zero probes instead."""
+    from curvlib import _engine
+
+    torch.manual_seed(0)
+    model = _HiddenInPlace().double()
+    assert not _engine.has_inplace(__import__("curvlib._program", fromlist=["x"]).trace_program(model))
+    X = torch.randn(6, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,))
+    check_first_order(model, nn.CrossEntropyLoss(), X, y)
+    check_second_order(model, nn.CrossEntropyLoss(), X, y, hessian=False)

@@ -20,6 +20,7 @@ Everything here is a pure function of ``(params, X, y)``; it composes with
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -34,7 +35,7 @@ from . import _residuals
 from .rules import functional
 from .rules._site import Recorder, Site
 
-__all__ = ["Plan", "make_plan", "run_graph", "forward_with_probes", "first_order"]
+__all__ = ["Plan", "make_plan", "run_graph", "forward_with_probes", "first_order", "has_inplace"]
 
 
 def _lookup(root: nn.Module, target: str):
@@ -354,16 +355,64 @@ def _inside_transform() -> bool:
         return True
 
 
-def forward_with_probes(program: Program, plan: Plan, X: Tensor, params, trainable, residual_nodes=None, runner=None) -> Linearization:
+def forward_with_probes(program: Program, plan: Plan, X: Tensor, params, trainable, residual_nodes=None, runner=None,
+                        direct: bool = False) -> Linearization:
     """Run the forward, differentiable with respect to the probes.
 
     Outside any torch.func transform this uses plain autograd (less overhead,
     the common case); inside one (``vmap`` over an ensemble of parameters) it
     uses :func:`torch.func.vjp`, which composes. Both give the same pullback.
+    ``direct=True`` (plain autograd only; for graphs without in-place
+    operations, see :func:`has_inplace`) differentiates with respect to the
+    sites' outputs themselves instead of zero probes added to them.
     """
     if _inside_transform():
         return _forward_functorch(program, plan, X, params, trainable, residual_nodes, runner)
+    if direct:
+        lin = _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner, direct=True)
+        if lin is not None:
+            return lin
     return _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner)
+
+
+_INPLACE_OPERATORS = frozenset(
+    getattr(operator, name) for name in (
+        "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul",
+        "iand", "ior", "ixor", "ilshift", "irshift",
+    )
+)
+
+
+def has_inplace(program: Program) -> bool:
+    """Whether any node of the graph may overwrite a tensor (``inplace=True``,
+    ``x.relu_()``, ``x += y``). Such graphs keep the zero probes, which in-place
+    operations cannot disturb (and a version check catches anything missed here)."""
+    if program.graph is None:
+        return True
+    return any(
+        _residuals.is_inplace(program, node)
+        or (node.op == "call_function" and node.target in _INPLACE_OPERATORS)
+        for node in program.graph.nodes
+        if node.op in ("call_module", "call_method", "call_function")
+    )
+
+
+class _LazyProbes:
+    """Zero probes created on first use (direct mode needs few or none)."""
+
+    def __init__(self, plan: Plan, X: Tensor):
+        self._plan, self._X = plan, X
+        self._made: Dict[int, Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self._plan.site_shapes)
+
+    def __getitem__(self, k: int) -> Tensor:
+        if k not in self._made:
+            self._made[k] = torch.zeros(
+                self._plan.site_shapes[k], dtype=self._plan.site_dtypes[k], device=self._X.device, requires_grad=True
+            )
+        return self._made[k]
 
 
 def _zero_probes(plan: Plan, X: Tensor, requires_grad: bool):
@@ -404,14 +453,28 @@ def _forward_functorch(program, plan, X, params, trainable, residual_nodes, runn
     return Linearization(out=out, sites=rec.sites, residuals=rec.residuals, taps=list(taps), pullback=pullback)
 
 
-def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner) -> Linearization:
-    probes, rprobes = _zero_probes(plan, X, requires_grad=True)
-    rec = Recorder(probes, rprobes if residual_nodes else None, residual_nodes)
+def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner, direct: bool = False):
+    """The forward under plain autograd (``None`` if ``direct`` and an in-place
+    operation overwrote a site's output: the caller then runs it with probes)."""
+    if direct:
+        probes = _LazyProbes(plan, X)
+        rprobes = [
+            torch.zeros(shape, dtype=plan.out_dtype, device=X.device, requires_grad=True)
+            for shape in plan.residual_shapes
+        ]
+        # A floating input that requires grad puts the first layers' outputs into the
+        # autograd graph (the engine never computes the input's own gradient).
+        X = X.detach().requires_grad_(True) if X.is_floating_point() else X
+    else:
+        probes, rprobes = _zero_probes(plan, X, requires_grad=True)
+    rec = Recorder(probes, rprobes if residual_nodes else None, residual_nodes, direct=direct)
     with torch.enable_grad():
         out = (runner or run_graph)(program, X, params, trainable, rec)
+    if direct and rec.overwritten():
+        return None
     taps = [a for r in rec.residuals for a in r.inputs]
-    inputs = probes + (rprobes if residual_nodes else [])
-    n_sites = len(probes)
+    inputs = list(rec.targets) + (rprobes if residual_nodes else [])
+    n_sites = len(rec.targets)
 
     def pullback(cotangents, batched: bool = False):
         cot_out, cot_taps = cotangents

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from . import losses
-from ._engine import FIRST_ORDER, Plan, first_order, module_checks, forward_with_probes, make_plan, run_graph
+from ._engine import FIRST_ORDER, Plan, first_order, has_inplace, module_checks, forward_with_probes, make_plan, run_graph
 from ._kfra import chain_nodes, kfra
 from ._secondorder import check_second_order, second_order
 from ._untraced import run_eager
@@ -172,6 +172,7 @@ def curvature(
     )
     plans: Dict[tuple, Plan] = {}
     checks = module_checks(program) if program.graph is not None else []
+    direct = not has_inplace(program)  # differentiate w.r.t. site outputs, not zero probes
 
     def f(X: Tensor, y: Tensor, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, object]:
         if not isinstance(X, Tensor):
@@ -215,7 +216,7 @@ def curvature(
         rng = _rng_state(X.device)
 
         lin = forward_with_probes(
-            program, plan, X, values, frozenset(trainable), residual_nodes, runner=runner
+            program, plan, X, values, frozenset(trainable), residual_nodes, runner=runner, direct=direct
         )
         loss, g_out = _loss_and_output_gradient(spec, lin.out, y)
         gs, residual_grads = lin.pull(g_out)

@@ -116,7 +116,11 @@ class Recorder:
 
     With ``probes=None`` (the planning pass) nothing is added and only the
     output shapes are recorded; otherwise ``probes[k]`` is added to the
-    output of the ``k``-th site.
+    output of the ``k``-th site. ``targets[k]`` is the tensor whose gradient is
+    the ``k``-th site's output gradient: its probe, or, with ``direct=True``
+    (plain autograd, which differentiates with respect to intermediate tensors),
+    the site's output itself whenever that is already part of the autograd
+    graph: no zero tensor, no addition, no extra copy of the activation.
 
     ``residual_nodes`` (graph node -> ``φ``) switches on the bookkeeping the
     Hessian needs: those nodes' inputs are recorded as taps and their
@@ -128,8 +132,12 @@ class Recorder:
         probes: Optional[Sequence[Tensor]] = None,
         residual_probes: Optional[Sequence[Tensor]] = None,
         residual_nodes: Optional[Mapping[Any, Any]] = None,
+        direct: bool = False,
     ):
         self.probes = probes
+        self.direct = direct
+        self.targets: List[Tensor] = []
+        self.versions: List[Optional[int]] = []  # of direct targets, to detect in-place changes
         self.residual_probes = residual_probes
         self.residual_nodes = residual_nodes or {}
         self.sites: List[Site] = []
@@ -161,7 +169,14 @@ class Recorder:
         self.out_dtypes.append(out.dtype)
         if self.probes is None:
             return out
-        return out + self.probes[site.key]
+        if self.direct and out.requires_grad and not out.is_leaf and all(out is not t for t in self.targets):
+            self.targets.append(out)
+            self.versions.append(out._version)
+            return out
+        probe = self.probes[site.key]
+        self.targets.append(probe)
+        self.versions.append(None)
+        return out + probe
 
     def open(self, site: Site, out_shape: Tuple[int, ...], dtype: torch.dtype) -> Optional[Tensor]:
         """Record a site whose output is built piecewise (RNN steps).
@@ -175,7 +190,16 @@ class Recorder:
         self.sites.append(site)
         self.out_shapes.append(tuple(out_shape))
         self.out_dtypes.append(dtype)
-        return None if self.probes is None else self.probes[site.key]
+        if self.probes is None:
+            return None
+        self.targets.append(self.probes[site.key])
+        self.versions.append(None)
+        return self.probes[site.key]
+
+    def overwritten(self) -> bool:
+        """Whether an in-place operation changed a direct target after it was recorded
+        (its gradient would then be that of the changed tensor: redo with probes)."""
+        return any(v is not None and t._version != v for t, v in zip(self.targets, self.versions))
 
 
 def reduce_over_batch(values: Mapping[str, Tensor]) -> RoleTensors:
