@@ -313,6 +313,7 @@ class Linearization:
     taps: List[Tensor]
     pullback: Callable
     batched_pullback: Optional[Callable] = None
+    pull_loss: Optional[Callable] = None
 
     def pull(self, cot_out: Tensor, cot_taps: Optional[Sequence[Tensor]] = None):
         """Pull one cotangent back to every site output and residual output."""
@@ -491,10 +492,23 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
                  for g, i in zip(grads, inputs)]
         return grads[:n_sites], grads[n_sites:]
 
+    def pull_loss(loss_of: Callable[[Tensor], Tensor], retain: bool):
+        """The loss and its gradient at every site in *one* backward from the loss
+        (no separate backward for ``∂L/∂out``); ``retain=False`` frees the graph."""
+        with torch.enable_grad():
+            loss = loss_of(out)
+        if not inputs or not loss.requires_grad:
+            grads = [None] * len(inputs)
+        else:
+            grads = torch.autograd.grad(loss, inputs, retain_graph=retain, allow_unused=True)
+        grads = [torch.zeros_like(i) if g is None else g for g, i in zip(grads, inputs)]
+        return loss.detach(), (grads[:n_sites], grads[n_sites:])
+
     saved = [{k: v.detach() for k, v in site.saved.items()} for site in rec.sites]
     _finish(rec, plan, saved, [t.detach() for t in taps])
     lin = Linearization(out=out.detach(), sites=rec.sites, residuals=rec.residuals, taps=[t.detach() for t in taps], pullback=pullback)
     lin.batched_pullback = lambda c_out, c_taps: pullback((c_out, c_taps), batched=True)[0]
+    lin.pull_loss = pull_loss
     return lin
 
 

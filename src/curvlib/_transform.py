@@ -218,8 +218,13 @@ def curvature(
         lin = forward_with_probes(
             program, plan, X, values, frozenset(trainable), residual_nodes, runner=runner, direct=direct
         )
-        loss, g_out = _loss_and_output_gradient(spec, lin.out, y)
-        gs, residual_grads = lin.pull(g_out)
+        if lin.pull_loss is not None:  # plain autograd: one backward from the loss
+            loss, (gs, residual_grads) = lin.pull_loss(
+                lambda out: losses.loss_value(spec, out, y), retain=bool(second_exts)
+            )
+        else:
+            loss, g_out = _loss_and_output_gradient(spec, lin.out, y)
+            gs, residual_grads = lin.pull(g_out)
         quantities = first_order(
             lin.sites, gs, trainable, values, [e.name for e in first_exts], X.shape[0]
         )

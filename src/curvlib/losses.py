@@ -137,7 +137,8 @@ def check_targets(spec: LossSpec, out: Tensor, y: object) -> None:
             )
         num_classes = out.shape[1]
         if _is_concrete(y) and y.numel() > 0:
-            lo, hi = int(y.min()), int(y.max())
+            lo, hi = torch.aminmax(y.detach()) if y.dtype != torch.uint8 else (y.min(), y.max())
+            lo, hi = int(lo), int(hi)
             if lo < 0 or hi >= num_classes:
                 bad = lo if lo < 0 else hi
                 raise CurvatureError(
