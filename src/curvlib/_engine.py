@@ -314,6 +314,7 @@ class Linearization:
     pullback: Callable
     batched_pullback: Optional[Callable] = None
     pull_loss: Optional[Callable] = None
+    values: Optional[Dict[fx.Node, object]] = None
 
     def pull(self, cot_out: Tensor, cot_taps: Optional[Sequence[Tensor]] = None):
         """Pull one cotangent back to every site output and residual output."""
@@ -357,7 +358,7 @@ def _inside_transform() -> bool:
 
 
 def forward_with_probes(program: Program, plan: Plan, X: Tensor, params, trainable, residual_nodes=None, runner=None,
-                        direct: bool = False) -> Linearization:
+                        direct: bool = False, keep_values: bool = False) -> Linearization:
     """Run the forward, differentiable with respect to the probes.
 
     Outside any torch.func transform this uses plain autograd (less overhead,
@@ -366,14 +367,16 @@ def forward_with_probes(program: Program, plan: Plan, X: Tensor, params, trainab
     ``direct=True`` (plain autograd only; for graphs without in-place
     operations, see :func:`has_inplace`) differentiates with respect to the
     sites' outputs themselves instead of zero probes added to them.
+    ``keep_values=True`` (plain autograd only) keeps every graph node's value in
+    ``Linearization.values`` (KFRA's recursion reuses them).
     """
     if _inside_transform():
         return _forward_functorch(program, plan, X, params, trainable, residual_nodes, runner)
     if direct:
-        lin = _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner, direct=True)
+        lin = _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner, True, keep_values)
         if lin is not None:
             return lin
-    return _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner)
+    return _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner, False, keep_values)
 
 
 _INPLACE_OPERATORS = frozenset(
@@ -454,7 +457,8 @@ def _forward_functorch(program, plan, X, params, trainable, residual_nodes, runn
     return Linearization(out=out, sites=rec.sites, residuals=rec.residuals, taps=list(taps), pullback=pullback)
 
 
-def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner, direct: bool = False):
+def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner, direct: bool = False,
+                      keep_values: bool = False):
     """The forward under plain autograd (``None`` if ``direct`` and an in-place
     operation overwrote a site's output: the caller then runs it with probes)."""
     if direct:
@@ -469,8 +473,12 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
     else:
         probes, rprobes = _zero_probes(plan, X, requires_grad=True)
     rec = Recorder(probes, rprobes if residual_nodes else None, residual_nodes, direct=direct)
+    values: Optional[Dict[fx.Node, object]] = {} if keep_values and runner is None else None
     with torch.enable_grad():
-        out = (runner or run_graph)(program, X, params, trainable, rec)
+        if values is not None:
+            out = run_graph(program, X, params, trainable, rec, env=values)
+        else:
+            out = (runner or run_graph)(program, X, params, trainable, rec)
     if direct and rec.overwritten():
         return None
     taps = [a for r in rec.residuals for a in r.inputs]
@@ -509,6 +517,7 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
     lin = Linearization(out=out.detach(), sites=rec.sites, residuals=rec.residuals, taps=[t.detach() for t in taps], pullback=pullback)
     lin.batched_pullback = lambda c_out, c_taps: pullback((c_out, c_taps), batched=True)[0]
     lin.pull_loss = pull_loss
+    lin.values = values
     return lin
 
 

@@ -19,7 +19,7 @@ recursion needs a chain of nodes (a Sequential-like graph).
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, fx, nn
@@ -95,15 +95,22 @@ def _average_congruence(f, a: Tensor, G: Tensor) -> Tensor:
     return torch.einsum("k,kni,knj->ij", evals, w, w) / n
 
 
-def kfra(program, spec, X: Tensor, y: Tensor, names, params, sites: List[Site], reduce=None) -> Dict[str, list]:
+def kfra(program, spec, X: Tensor, y: Tensor, names, params, sites: List[Site], reduce=None,
+         forward: Optional[Tuple[Tensor, Dict[fx.Node, object]]] = None) -> Dict[str, list]:
     """KFRA factors for every parameter (see module doc).
 
     ``reduce(G, kind)``, if given, makes each matrix global over a process
     group where it is formed (:func:`curvlib.distributed.kfra_reducer`).
+    ``forward``: ``(output, node values)`` of the forward already run (plain
+    autograd), reused instead of running the graph again.
     """
     chain = chain_nodes(program)
-    env: Dict[fx.Node, object] = {}
-    out = run_graph(program, X, params, frozenset(), Recorder(None), env=env)
+    if forward is not None:
+        out, values = forward
+        env = {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in values.items()}
+    else:
+        env = {}
+        out = run_graph(program, X, params, frozenset(), Recorder(None), env=env)
     S = losses.sqrt_hessian(spec, out, y).flatten(2)  # [V, N, D]
     G = torch.einsum("vni,vnj->ij", S, S)
     if reduce is not None:

@@ -164,7 +164,8 @@ def curvature(
             f"{type(model).__name__} could not be traced with torch.fx:\n  {program.trace_error}\n"
             "First-order extensions do not need the graph."
         )
-    if any(e.quantity == "kfra" for e in second_exts):
+    needs_kfra = any(e.quantity == "kfra" for e in second_exts)
+    if needs_kfra:
         chain_nodes(program)  # refuse branching graphs before any work
     hessian_needed = any(e.quantity in ("hessian_diag", "hessian_batch_diag", "pchmp") for e in second_exts)
     residual_nodes = (
@@ -216,7 +217,8 @@ def curvature(
         rng = _rng_state(X.device)
 
         lin = forward_with_probes(
-            program, plan, X, values, frozenset(trainable), residual_nodes, runner=runner, direct=direct
+            program, plan, X, values, frozenset(trainable), residual_nodes, runner=runner, direct=direct,
+            keep_values=needs_kfra,
         )
         if lin.pull_loss is not None:  # plain autograd: one backward from the loss
             loss, (gs, residual_grads) = lin.pull_loss(
@@ -242,6 +244,9 @@ def curvature(
 
                     m_local = y.numel() if spec.reduction == "mean" else 1
                     reduce = kfra_reducer(spec, process_group, X.shape[0], m_local)
+                if lin.values is not None:  # reuse the forward just run
+                    return kfra(program, spec, X, y, trainable, values, lin.sites, reduce=reduce,
+                                forward=(lin.out, lin.values))
                 with _replay_rng(rng, X.device):
                     return kfra(program, spec, X, y, trainable, values, lin.sites, reduce=reduce)
 
