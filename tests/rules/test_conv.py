@@ -265,3 +265,79 @@ def test_kronecker_factors_of_grouped_conv_are_refused():
     X = torch.randn(2, 2, 3, dtype=torch.float64)
     with pytest.raises(CurvatureError, match="groups=2"):
         curvature(model, nn.MSELoss(), [KFAC()])(X, torch.randn(2, 6, dtype=torch.float64))
+
+
+# --------------------------------------------------------------------- per-sample methods
+
+SECOND_ORDER = ("DiagGGNExact", "BatchDiagGGNExact", "SqrtGGNExact")
+
+
+def check_ggn_columns(model, lossfn, X, y):
+    """GGN diagonal, per-sample diagonal and square root against the per-sample GGN oracle."""
+    from curvlib import extensions
+    from oracles_second import ggn_per_sample, trainable_names
+
+    qs = curvature(model, lossfn, [getattr(extensions, e)() for e in SECOND_ORDER])(X, y)
+    n = X.shape[0]
+    for name in trainable_names(model):
+        p = dict(model.named_parameters())[name]
+        Gn = ggn_per_sample(model, lossfn, X, y, name)
+        torch.testing.assert_close(qs["diag_ggn_exact"][name], Gn.sum(0).diagonal().reshape(p.shape))
+        torch.testing.assert_close(
+            qs["diag_ggn_exact_batch"][name], Gn.diagonal(dim1=1, dim2=2).reshape((n,) + tuple(p.shape))
+        )
+        sq = qs["sqrt_ggn_exact"][name].reshape(-1, n, p.numel())
+        torch.testing.assert_close(torch.einsum("vnp,vnq->npq", sq, sq), Gn)
+
+
+# Each configuration once per method; the first-order and column paths of outer_rule
+# (conv: batch as groups, bmm on the unfold; blocks of 1, some and all columns).
+PER_SAMPLE_CASES = [
+    (1, dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, padding=2, dilation=2, groups=2), (9,)),
+    (2, dict(in_channels=2, out_channels=4, kernel_size=(2, 3), padding="same", dilation=(2, 1)), (5, 4)),
+    (2, dict(in_channels=4, out_channels=2, kernel_size=3, stride=(1, 2), padding=1, groups=2,
+             padding_mode="reflect"), (5, 6)),
+    (2, dict(in_channels=3, out_channels=4, kernel_size=1, stride=2), (5, 5)),
+    (2, dict(in_channels=2, out_channels=3, kernel_size=3), (3, 3)),  # one output position
+    (3, dict(in_channels=2, out_channels=4, kernel_size=2, stride=(2, 1, 1), padding=(1, 0, 1), groups=2,
+             padding_mode="circular"), (3, 4, 3)),
+]
+
+
+@pytest.mark.parametrize("method", ["conv", "bmm"])
+@pytest.mark.parametrize("block_bytes", [0, 300, 2**30], ids=["one", "some", "all"])
+@pytest.mark.parametrize("case", range(len(PER_SAMPLE_CASES)))
+def test_per_sample_methods(monkeypatch, method, block_bytes, case):
+    d, kwargs, spatial = PER_SAMPLE_CASES[case]
+    monkeypatch.setattr(conv_rule, "METHOD", method)
+    monkeypatch.setattr(conv_rule, "COLUMN_BLOCK_BYTES", block_bytes)
+    torch.manual_seed(case)
+    conv = CONV[d](**kwargs).double()
+    X = torch.randn((3, kwargs["in_channels"], *spatial), dtype=torch.float64)
+    with torch.no_grad():
+        features = conv(X)[0].numel()
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(features, 4)).double()
+    y = torch.tensor([0, 3, 1])
+    check_first_order(model, nn.CrossEntropyLoss(), X, y)
+    check_ggn_columns(model, nn.CrossEntropyLoss(), X, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_methods_agree_on_a_larger_layer(monkeypatch, dtype):
+    """Batch as groups and bmm give the same individual gradients at a size where each is chosen."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(16, 32, 3, padding=1).to(dtype)
+    X = torch.randn(4, 16, 8, 8, dtype=dtype)
+    model = nn.Sequential(conv, nn.Flatten())
+    y = torch.randn(4, 32 * 64, dtype=dtype)
+    results = {}
+    for method in ("conv", "bmm"):
+        monkeypatch.setattr(conv_rule, "METHOD", method)
+        results[method] = curvature(model, nn.MSELoss(), [BatchGrad()])(X, y)
+    for key in ("grad", "grad_batch"):
+        for name in results["conv"][key]:
+            torch.testing.assert_close(results["conv"][key][name], results["bmm"][key][name])
+    monkeypatch.setattr(conv_rule, "METHOD", None)
+    assert conv_rule.choose_method(16, 32, 9, 64) == "conv"
+    assert conv_rule.choose_method(3, 32, 9, 1024) == "bmm"
+    assert conv_rule.choose_method(64, 64, 1, 36) == "bmm"

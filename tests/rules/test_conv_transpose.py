@@ -186,3 +186,59 @@ def test_unbatched_input_is_refused():
     X = torch.randn(4, 3, dtype=torch.float64)
     with pytest.raises(CurvatureError, match="up"):
         curvature(model, nn.MSELoss(), [BatchGrad()])(X, torch.randn(4, 2, dtype=torch.float64))
+
+
+def check_ggn_columns(model, lossfn, X, y):
+    """GGN diagonal, per-sample diagonal and square root against the per-sample GGN oracle."""
+    from curvlib import extensions
+    from oracles_second import ggn_per_sample, trainable_names
+
+    exts = [extensions.DiagGGNExact(), extensions.BatchDiagGGNExact(), extensions.SqrtGGNExact()]
+    qs = curvature(model, lossfn, exts)(X, y)
+    n = X.shape[0]
+    for name in trainable_names(model):
+        p = dict(model.named_parameters())[name]
+        Gn = ggn_per_sample(model, lossfn, X, y, name)
+        torch.testing.assert_close(qs["diag_ggn_exact"][name], Gn.sum(0).diagonal().reshape(p.shape))
+        torch.testing.assert_close(
+            qs["diag_ggn_exact_batch"][name], Gn.diagonal(dim1=1, dim2=2).reshape((n,) + tuple(p.shape))
+        )
+        sq = qs["sqrt_ggn_exact"][name].reshape(-1, n, p.numel())
+        torch.testing.assert_close(torch.einsum("vnp,vnq->npq", sq, sq), Gn)
+
+
+# Each configuration once per method of curvlib.rules.conv (batch as groups, bmm on the
+# unfold of g̃) and per block of root columns (1, some, all), first and second order.
+PER_SAMPLE_CASES = [
+    (1, dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, padding=1, groups=2), (4,), None),
+    # output_padding ≥ stride (allowed by dilation): g̃ is longer than the span of the input
+    (2, dict(in_channels=2, out_channels=4, kernel_size=(2, 3), stride=(1, 2), padding=(1, 0),
+             dilation=(3, 1), output_padding=(2, 1)), (3, 2), None),
+    (2, dict(in_channels=2, out_channels=2, kernel_size=1, stride=2), (3, 3), [6, 5]),
+    (2, dict(in_channels=3, out_channels=2, kernel_size=3, padding=1), (1, 1), None),  # one input position
+    (3, dict(in_channels=2, out_channels=4, kernel_size=2, stride=(2, 1, 1), padding=(0, 1, 0), groups=2),
+     (2, 3, 2), None),
+]
+
+
+@pytest.mark.parametrize("method", ["conv", "bmm"])
+@pytest.mark.parametrize("block_bytes", [0, 300, 2**30], ids=["one", "some", "all"])
+@pytest.mark.parametrize("case", range(len(PER_SAMPLE_CASES)))
+def test_per_sample_methods(monkeypatch, method, block_bytes, case):
+    from curvlib.rules import conv as conv_rule
+
+    d, kwargs, spatial, output_size = PER_SAMPLE_CASES[case]
+    monkeypatch.setattr(conv_rule, "METHOD", method)
+    monkeypatch.setattr(conv_rule, "COLUMN_BLOCK_BYTES", block_bytes)
+    torch.manual_seed(case)
+    up = CONV_T[d](**kwargs).double()
+    X = torch.randn((3, kwargs["in_channels"], *spatial), dtype=torch.float64)
+    with torch.no_grad():
+        features = up(X, output_size=output_size)[0].numel()
+    if output_size is None:
+        model = nn.Sequential(up, nn.Sigmoid(), nn.Flatten(), nn.Linear(features, 3)).double()
+    else:
+        model = WithOutputSize(up, output_size, features).double()
+    y = torch.tensor([0, 2, 1])
+    check_first_order(model, nn.CrossEntropyLoss(), X, y)
+    check_ggn_columns(model, nn.CrossEntropyLoss(), X, y)

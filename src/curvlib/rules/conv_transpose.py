@@ -24,8 +24,13 @@ has exactly one column per input position ``l``, and
 
 (``g̃`` spans ``P + 2·pad ≥ (S-1)·stride + dil·(k-1) + 1`` positions, so every
 ``l < S`` has a full window; taps at padded positions fall outside ``y`` and
-rightly contribute zero.) This is the conv structure with ``a = x``,
-``b = V``; norms and squares come from :func:`~curvlib.rules.conv.outer_rule`.
+rightly contribute zero.) This is the convolution's
+:class:`~curvlib.rules.conv.Correlation` with the roles swapped: ``x̃ → g̃``
+(``C_x = C_out``), ``g → x`` (``C_g = C_in``, ``L = S``), whose weight
+gradient ``[C_in, C_out/G, *k]`` is already the transposed layer's weight
+shape. Individual gradients, norms and squares come from
+:func:`~curvlib.rules.conv.outer_rule`; root columns of the GGN diagonal fold
+into the channels of ``g̃``.
 
 ``forward(input, output_size)`` is honoured: ``output_size`` fixes
 ``out_pad`` through the module's own ``_output_padding``.
@@ -33,34 +38,32 @@ rightly contribute zero.) This is the conv structure with ``a = x``,
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Sequence
 
 import torch
 import torch.nn.functional as F
-from opt_einsum import contract
 from torch import Tensor, nn
 
 from .._errors import CurvatureError
 from ._site import Recorder, Site
-from .conv import check_batched, outer_rule, unfold
+from .conv import Correlation, check_batched, fold_columns, outer_rule
 
 _CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
-def _operands(site: Site, g: Tensor) -> Tuple[Tensor, Tensor, Tuple[int, ...]]:
-    """``a = x [n, G, C_in/G, L]``, ``b = V [n, G, C_out/G·K, L]`` (module docstring)."""
+def _correlation(site: Site, g: Tensor, columns: bool) -> Correlation:
+    """``x = g̃ [N, C_out, *P + 2·pad]`` (``g`` with the zero padding left to the
+    kernel), ``g = x [N, C_in, *S]`` (module docstring); root columns
+    ``g [B, N, C_out, *P]`` fold into the channels of ``g̃``."""
     m = site.meta
-    x = site.saved["x"]
-    pad = [p for j in reversed(range(len(m["padding"]))) for p in (m["padding"][j], m["padding"][j])]
-    g_padded = F.pad(g, pad) if any(pad) else g
-    v = unfold(g_padded, m["kernel_size"], m["stride"], m["dilation"], positions=x.shape[2:])
-    n, groups = x.shape[0], m["groups"]
-    a = x.reshape(n, groups, x.shape[1] // groups, -1)
-    b = v.reshape(n, groups, v.shape[1] // groups, -1)
-    return a, b, (x.shape[1], g.shape[1] // groups, *m["kernel_size"])
+    if columns:
+        g = fold_columns(g, m["groups"])
+    return Correlation(
+        g, site.saved["x"], m["kernel_size"], m["stride"], m["dilation"], m["groups"], m["padding"], columns="x"
+    )
 
 
-CONV_TRANSPOSE = outer_rule("conv_transpose", _operands)
+CONV_TRANSPOSE = outer_rule("conv_transpose", _correlation)
 
 
 def check(module: nn.Module, where: str) -> None:
@@ -88,15 +91,16 @@ def kron_input(site: Site) -> Tensor:
     onehot = onehot.expand((c_in, k) + m["kernel_size"])
     u = _CONV_TRANSPOSE[len(m["kernel_size"])](
         x, onehot, None, m["stride"], m["padding"], m["output_padding"], c_in, m["dilation"]
-    ).flatten(2)
-    return contract("nil,njl->ij", u, u) / u.shape[0]
+    )
+    cols = u.transpose(0, 1).reshape(c_in * k, -1)  # [C_in·K, N·L]: rows (c, k), columns (n, l)
+    return cols @ cols.t() / x.shape[0]
 
 
 def kron(site: Site, role: str, m: Tensor) -> List[Tensor]:
     """BackPACK's factors from the pulled-back root ``m [V, N, C_out, *L]``:
     ``B = Σ_{v,n} s sᵀ`` with ``s = Σ_l m[v, n, :, l]``; weight ``[B, A]``, bias ``[B]``."""
-    s = m.flatten(3).sum(3)
-    B = contract("vno,vnp->op", s, s)
+    s = m.flatten(3).sum(3).flatten(0, 1)  # [V·N, C_out]
+    B = s.t() @ s
     return [B] if role == "bias" else [B, kron_input(site)]
 
 
