@@ -69,8 +69,24 @@ def _worker(rank: int, world: int, port: int, case: str, sizes: tuple) -> None:
         dist.destroy_process_group()
 
 
-def _spawn(case: str, sizes: tuple) -> None:
-    """Run ``CASES[case]`` on ``len(sizes)`` gloo processes; fail on error or timeout."""
+def _spawn(case: str, sizes: tuple, attempts: int = 2) -> None:
+    """Run ``CASES[case]`` on ``len(sizes)`` gloo processes; fail on error or timeout.
+
+    A worker that *raised* (a wrong value) fails at once. A worker killed by a
+    signal (gloo aborts on a lost TCP connection, e.g. a port taken between
+    choosing and binding it on a loaded machine) is retried once on a fresh port.
+    """
+    import torch.multiprocessing as mp
+
+    for attempt in range(attempts):
+        try:
+            return _spawn_once(case, sizes)
+        except mp.ProcessExitedException as e:
+            if e.signal_name is None or attempt == attempts - 1:
+                raise
+
+
+def _spawn_once(case: str, sizes: tuple) -> None:
     import torch.multiprocessing as mp
 
     world = len(sizes)
