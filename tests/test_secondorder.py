@@ -1203,16 +1203,21 @@ def test_pchmp_on_products(modify):
         _close(qs["pchmp"][name](V), (V.reshape(3, -1) @ ref).reshape(V.shape), f"pchmp[{name}] ({modify})")
 
 
-@pytest.mark.parametrize("chunk_size", [1, 2, 5])
-def test_chunk_size_gives_identical_results(chunk_size):
-    """Pulling the columns back in chunks changes memory, not results."""
+@pytest.mark.parametrize("chunk_size,auto_bytes", [(1, None), (2, None), (5, None), ("auto", 1), ("auto", 200)])
+def test_chunk_size_gives_identical_results(chunk_size, auto_bytes, monkeypatch):
+    """Pulling the columns back in chunks changes memory, not results (``"auto"``
+    with a tiny byte budget: one column, or a few, per chunk)."""
+    import curvlib._transform as transform
+
+    if auto_bytes is not None:
+        monkeypatch.setattr(transform, "AUTO_CHUNK_BYTES", auto_bytes)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3), nn.Sigmoid(), nn.Linear(3, 3)).double()
     X = torch.randn(4, 3, dtype=torch.float64)
     y = torch.randint(0, 3, (4,))
     exts = lambda: [DiagGGNExact(), BatchDiagGGNExact(), SqrtGGNExact(), KFLR(), DiagHessian(), BatchDiagHessian(),  # noqa: E731
                     DiagGGNMC(mc_samples=5, generator=torch.Generator().manual_seed(1))]
-    whole = curvature(model, nn.CrossEntropyLoss(), exts())(X, y)
+    whole = curvature(model, nn.CrossEntropyLoss(), exts(), chunk_size=None)(X, y)
     chunked = curvature(model, nn.CrossEntropyLoss(), exts(), chunk_size=chunk_size)(X, y)
     for key in ("diag_ggn_exact", "diag_ggn_exact_batch", "sqrt_ggn_exact", "diag_h", "diag_h_batch", "diag_ggn_mc"):
         for name in whole[key]:
@@ -1222,6 +1227,21 @@ def test_chunk_size_gives_identical_results(chunk_size):
             _close(a, b, f"kflr[{name}] chunk_size={chunk_size}")
 
 
-def test_chunk_size_validated():
-    with pytest.raises(ValueError, match="chunk_size"):
-        curvature(nn.Linear(2, 2), nn.MSELoss(), [DiagGGNExact()], chunk_size=0)
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "all"])
+def test_chunk_size_validated(bad):
+    with pytest.raises(ValueError, match="chunk_size must be a positive int, 'auto' or None"):
+        curvature(nn.Linear(2, 2), nn.MSELoss(), [DiagGGNExact()], chunk_size=bad)
+
+
+def test_auto_chunk_size_follows_the_byte_budget(monkeypatch):
+    """``"auto"``: columns per chunk = budget // bytes of one column's site outputs."""
+    import curvlib._transform as transform
+    from curvlib._engine import Plan
+
+    plan = Plan(out_shape=(4, 3), out_dtype=torch.float32, site_shapes=((4, 5), (4, 3)),
+                site_dtypes=(torch.float32, torch.float64), batch_dims=(0, 0))
+    per_column = 4 * 5 * 4 + 4 * 3 * 8
+    monkeypatch.setattr(transform, "AUTO_CHUNK_BYTES", 3 * per_column + 1)
+    assert transform._auto_chunk_size(plan) == 3
+    monkeypatch.setattr(transform, "AUTO_CHUNK_BYTES", 1)
+    assert transform._auto_chunk_size(plan) == 1
