@@ -470,7 +470,9 @@ for _name in extensions.__all__:
 # Memory knobs, timed on request (e.g. with --problems allcnnc to see peak memory fall):
 # "DiagGGNExact[chunk_size=10]", "DiagGGNExact[batch_chunk_size=8]", both together.
 for _name in ("DiagGGNExact", "BatchDiagGGNExact", "KFLR"):
-    for _opts in ({"chunk_size": 10}, {"batch_chunk_size": 8}, {"chunk_size": 10, "batch_chunk_size": 8}):
+    for _opts in ({"chunk_size": 10}, {"chunk_size": 5}, {"chunk_size": 3}, {"chunk_size": 2}, {"chunk_size": 1},
+                  {"chunk_size": None},
+                  {"batch_chunk_size": 8}, {"chunk_size": 10, "batch_chunk_size": 8}):
         _key = f"{_name}[{','.join(f'{k}={v}' for k, v in _opts.items())}]"
         METHODS[_key], INFO[_key] = _curvlib(getattr(extensions, _name), **_opts), Info("curvlib")
 

@@ -1211,6 +1211,7 @@ def test_chunk_size_gives_identical_results(chunk_size, auto_bytes, monkeypatch)
 
     if auto_bytes is not None:
         monkeypatch.setattr(transform, "AUTO_CHUNK_BYTES", auto_bytes)
+        monkeypatch.setattr(transform, "AUTO_CHUNK_BYTES_CPU", auto_bytes)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3), nn.Sigmoid(), nn.Linear(3, 3)).double()
     X = torch.randn(4, 3, dtype=torch.float64)
@@ -1242,6 +1243,9 @@ def test_auto_chunk_size_follows_the_byte_budget(monkeypatch):
                 site_dtypes=(torch.float32, torch.float64), batch_dims=(0, 0))
     per_column = 4 * 5 * 4 + 4 * 3 * 8
     monkeypatch.setattr(transform, "AUTO_CHUNK_BYTES", 3 * per_column + 1)
+    monkeypatch.setattr(transform, "AUTO_CHUNK_BYTES_CPU", 2 * per_column)
     assert transform._auto_chunk_size(plan) == 3
+    assert transform._auto_chunk_size(plan, [DiagGGNExact()], "cpu") == 2
+    assert transform._auto_chunk_size(plan, [DiagGGNExact(), BatchDiagGGNExact()], "cpu") == 3
     monkeypatch.setattr(transform, "AUTO_CHUNK_BYTES", 1)
     assert transform._auto_chunk_size(plan) == 1

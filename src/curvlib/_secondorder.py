@@ -282,6 +282,7 @@ def second_order(
     def accumulate(S: Tensor, group: Sequence[SecondOrder]) -> Dict[str, Dict[str, object]]:
         acc: Dict[str, Dict[str, object]] = {}
         static: Dict[tuple, object] = {}  # column-independent results (KFAC's A), once per call
+        owned: set = set()  # ids of running sums made here (safe to add into in place)
         for S_chunk in _chunks(S, chunk_size):
             m = lin.pull_batched(S_chunk)
             # per-site rule results shared by the site's parameters, per chunk
@@ -290,7 +291,7 @@ def second_order(
                 q = read_as.get(ext.quantity, ext.quantity)
                 part = {n: _read(q, uses, m, n, params, batch_size, S_chunk.shape[0], cache) for n in names}
                 acc[ext.name] = part if ext.name not in acc else {
-                    n: _combine(q, acc[ext.name][n], part[n]) for n in names
+                    n: _combine(q, acc[ext.name][n], part[n], owned) for n in names
                 }
         return acc
 
@@ -335,13 +336,34 @@ def _read(q: str, uses, m, name: str, params, n: int, v: int, cache=None):
     return _kron(uses, m, name, cache)  # "kron"
 
 
-def _combine(q: str, acc, part):
+def _combine(q: str, acc, part, owned: Optional[set] = None):
     """Sum of chunk contributions; square roots are concatenated; ``A`` is chunk-independent."""
     if q == "sqrt":
         return torch.cat([acc, part])
     if q == "kron":
-        return [acc[0] + part[0]] + list(acc[1:])
-    return acc + part
+        return [_sum_into(acc[0], part[0], owned)] + list(acc[1:])
+    return _sum_into(acc, part, owned)
+
+
+def _sum_into(acc: Tensor, part: Tensor, owned: Optional[set]) -> Tensor:
+    """``acc + part``, in place where that is safe (no third ``[N, *p]``-sized buffer for
+    batch diagonals): only into a sum this accumulation made itself (ids in ``owned``;
+    the first chunk's results may be shared between extensions), and never under
+    autograd or torch.func."""
+    if (owned is None or id(acc) not in owned or acc.requires_grad or part.requires_grad
+            or _functorch_wrapped(acc) or acc.shape != part.shape):
+        total = acc + part
+        if owned is not None:
+            owned.add(id(total))
+        return total
+    return acc.add_(part)
+
+
+def _functorch_wrapped(t: Tensor) -> bool:
+    try:
+        return torch._C._functorch.is_functorch_wrapped_tensor(t)
+    except AttributeError:  # pragma: no cover - older torch
+        return True
 
 
 def _hessian_diag(lin, uses, ggn, names, params, n, residual_grads, batch: bool, chunk_size=None):
