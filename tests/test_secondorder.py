@@ -1249,3 +1249,20 @@ def test_auto_chunk_size_follows_the_byte_budget(monkeypatch):
     assert transform._auto_chunk_size(plan, [DiagGGNExact(), BatchDiagGGNExact()], "cpu") == 3
     monkeypatch.setattr(transform, "AUTO_CHUNK_BYTES", 1)
     assert transform._auto_chunk_size(plan) == 1
+
+
+def test_sqrt_columns_loop_equals_vmap(monkeypatch):
+    """SqrtGGNExact/MC column by column (default) and vmapped over columns agree."""
+    import curvlib._secondorder as so
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(2, 3, 3), nn.Tanh(), nn.Linear(4, 3), nn.Flatten(), nn.Linear(9, 3)).double()
+    X = torch.randn(5, 2, 6, dtype=torch.float64)
+    y = torch.randint(0, 3, (5,))
+    exts = lambda: [SqrtGGNExact(), SqrtGGNMC(mc_samples=3, generator=torch.Generator().manual_seed(2))]  # noqa: E731
+    looped = curvature(model, nn.CrossEntropyLoss(), exts())(X, y)
+    monkeypatch.setattr(so, "LOOP_SQRT_COLUMNS", False)
+    vmapped = curvature(model, nn.CrossEntropyLoss(), exts())(X, y)
+    for key in ("sqrt_ggn_exact", "sqrt_ggn_mc"):
+        for name in looped[key]:
+            _close(looped[key][name], vmapped[key][name], f"{key}[{name}]")

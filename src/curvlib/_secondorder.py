@@ -71,9 +71,36 @@ def _sqrt(uses, m_by_site, name) -> Tensor:
     total = None
     for site, role in uses[name]:
         m = m_by_site[site.key]
-        part = vmap(lambda mv: site.rule.grad_batch(site, mv, [role])[role])(m)
-        total = part if total is None else total + part
+        if LOOP_SQRT_COLUMNS and not _functorch_wrapped(m) and not _one_outer_product(site):
+            # column by column into one buffer: the rules' own batched kernels (e.g. the
+            # grouped convolution of a convolution's per-sample gradients) instead of
+            # their vmapped versions (a Linear without shared positions stays vmapped:
+            # there all columns are one broadcast product)
+            part = None
+            for v in range(m.shape[0]):
+                col = site.rule.grad_batch(site, m[v], [role])[role]
+                if part is None:
+                    part = col.new_empty((m.shape[0],) + tuple(col.shape))
+                part[v] = col
+        else:
+            part = vmap(lambda mv: site.rule.grad_batch(site, mv, [role])[role])(m)
+        if part is None:
+            continue
+        total = part if total is None else total.add_(part)
     return total
+
+
+#: ``_sqrt`` loops over columns outside torch.func transforms (see there).
+LOOP_SQRT_COLUMNS = True
+
+
+def _one_outer_product(site) -> bool:
+    """A Linear site whose per-sample gradient is a single outer product ``g_n x_nᵀ``."""
+    if site.rule.kind != "linear":
+        return False
+    from .rules import linear
+
+    return linear._flat_input(site).shape[1] == 1
 
 
 def _diag(uses, m_by_site, name, params, cache=None) -> Tensor:
