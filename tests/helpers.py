@@ -48,3 +48,22 @@ def _assert_same_state(before, after):
         assert torch.equal(sd_b[k], sd_a[k]), f"state_dict[{k}] changed"
     assert p_b == p_a, "parameters were replaced or got a .grad"
     assert mod_b == mod_a, "hooks or attributes of a module changed"
+
+
+def check_ggn_columns(model, lossfn, X, y):
+    """GGN diagonal, per-sample diagonal and square root against the per-sample GGN oracle."""
+    from curvlib import curvature, extensions
+    from oracles_second import ggn_per_sample, trainable_names
+
+    exts = [extensions.DiagGGNExact(), extensions.BatchDiagGGNExact(), extensions.SqrtGGNExact()]
+    qs = curvature(model, lossfn, exts)(X, y)
+    n = X.shape[0]
+    for name in trainable_names(model):
+        p = dict(model.named_parameters())[name]
+        Gn = ggn_per_sample(model, lossfn, X, y, name)
+        torch.testing.assert_close(qs["diag_ggn_exact"][name], Gn.sum(0).diagonal().reshape(p.shape))
+        torch.testing.assert_close(
+            qs["diag_ggn_exact_batch"][name], Gn.diagonal(dim1=1, dim2=2).reshape((n,) + tuple(p.shape))
+        )
+        sq = qs["sqrt_ggn_exact"][name].reshape(-1, n, p.numel())
+        torch.testing.assert_close(torch.einsum("vnp,vnq->npq", sq, sq), Gn)

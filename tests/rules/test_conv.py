@@ -11,7 +11,7 @@ from torch import nn
 from curvlib import CurvatureError, curvature
 from curvlib.extensions import BatchGrad
 from curvlib.rules import conv as conv_rule
-from helpers import check_first_order
+from helpers import check_first_order, check_ggn_columns
 
 LOSSES = {"mse": nn.MSELoss, "ce": nn.CrossEntropyLoss, "bce": nn.BCEWithLogitsLoss}
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
@@ -268,26 +268,6 @@ def test_kronecker_factors_of_grouped_conv_are_refused():
 
 
 # --------------------------------------------------------------------- per-sample methods
-
-SECOND_ORDER = ("DiagGGNExact", "BatchDiagGGNExact", "SqrtGGNExact")
-
-
-def check_ggn_columns(model, lossfn, X, y):
-    """GGN diagonal, per-sample diagonal and square root against the per-sample GGN oracle."""
-    from curvlib import extensions
-    from oracles_second import ggn_per_sample, trainable_names
-
-    qs = curvature(model, lossfn, [getattr(extensions, e)() for e in SECOND_ORDER])(X, y)
-    n = X.shape[0]
-    for name in trainable_names(model):
-        p = dict(model.named_parameters())[name]
-        Gn = ggn_per_sample(model, lossfn, X, y, name)
-        torch.testing.assert_close(qs["diag_ggn_exact"][name], Gn.sum(0).diagonal().reshape(p.shape))
-        torch.testing.assert_close(
-            qs["diag_ggn_exact_batch"][name], Gn.diagonal(dim1=1, dim2=2).reshape((n,) + tuple(p.shape))
-        )
-        sq = qs["sqrt_ggn_exact"][name].reshape(-1, n, p.numel())
-        torch.testing.assert_close(torch.einsum("vnp,vnq->npq", sq, sq), Gn)
 
 
 # Each configuration once per method; the first-order and column paths of outer_rule

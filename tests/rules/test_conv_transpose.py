@@ -7,7 +7,7 @@ from torch import nn
 
 from curvlib import CurvatureError, curvature
 from curvlib.extensions import BatchGrad
-from helpers import check_first_order
+from helpers import check_first_order, check_ggn_columns
 
 LOSSES = {"mse": nn.MSELoss, "ce": nn.CrossEntropyLoss, "bce": nn.BCEWithLogitsLoss}
 CONV_T = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
@@ -186,25 +186,6 @@ def test_unbatched_input_is_refused():
     X = torch.randn(4, 3, dtype=torch.float64)
     with pytest.raises(CurvatureError, match="up"):
         curvature(model, nn.MSELoss(), [BatchGrad()])(X, torch.randn(4, 2, dtype=torch.float64))
-
-
-def check_ggn_columns(model, lossfn, X, y):
-    """GGN diagonal, per-sample diagonal and square root against the per-sample GGN oracle."""
-    from curvlib import extensions
-    from oracles_second import ggn_per_sample, trainable_names
-
-    exts = [extensions.DiagGGNExact(), extensions.BatchDiagGGNExact(), extensions.SqrtGGNExact()]
-    qs = curvature(model, lossfn, exts)(X, y)
-    n = X.shape[0]
-    for name in trainable_names(model):
-        p = dict(model.named_parameters())[name]
-        Gn = ggn_per_sample(model, lossfn, X, y, name)
-        torch.testing.assert_close(qs["diag_ggn_exact"][name], Gn.sum(0).diagonal().reshape(p.shape))
-        torch.testing.assert_close(
-            qs["diag_ggn_exact_batch"][name], Gn.diagonal(dim1=1, dim2=2).reshape((n,) + tuple(p.shape))
-        )
-        sq = qs["sqrt_ggn_exact"][name].reshape(-1, n, p.numel())
-        torch.testing.assert_close(torch.einsum("vnp,vnq->npq", sq, sq), Gn)
 
 
 # Each configuration once per method of curvlib.rules.conv (batch as groups, bmm on the
