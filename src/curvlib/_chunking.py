@@ -16,7 +16,7 @@ Every supported loss is ``L = c · Σ_n ℓ_n`` with ``c = 1/M`` for ``"mean"``
 | loss, grad, GGN/Hessian diagonals, ``B`` of KFAC/KFLR | ``Σ_k r_k · slice_k`` |
 | ``sum_grad_squared`` | ``Σ_k r_k² · slice_k`` |
 | ``A = (1/N) Σ x xᵀ`` of KFAC/KFLR | ``Σ_k (N_k/N) · slice_k`` |
-| ``variance`` | ``(1/N) Σ g² − ((1/N) Σ g)²`` from the batch's ``grad`` and ``Σ g²`` |
+| ``variance`` | ``(1/N) Σ g² − ((1/N) Σ g)²`` from the batch's ``grad`` and ``Σ g²`` (the slices always compute ``Σ g²`` for it) |
 | ``grad_batch``, batch diagonals | ``r_k · slice_k``, concatenated over samples |
 | ``batch_l2`` | ``r_k² · slice_k``, concatenated |
 | ``sqrt_ggn_exact``, ``sqrt_ggn_mc`` | ``√r_k · slice_k``, concatenated along dim 1 |
@@ -86,10 +86,16 @@ def check_batch_chunk_size(batch_chunk_size: object, exts: Sequence) -> Dict[str
 
 
 def over_samples(
-    f: Callable[..., Dict[str, object]], spec: LossSpec, kinds: Mapping[str, str], batch_chunk_size: int
+    f: Callable[..., Dict[str, object]], spec: LossSpec, kinds: Mapping[str, str], batch_chunk_size: int,
+    drop: Sequence = (),
 ) -> Callable[..., Dict[str, object]]:
-    """Wrap ``f(X, y, params=None)`` to run on slices of at most ``batch_chunk_size`` samples."""
+    """Wrap ``f(X, y, params=None)`` to run on slices of at most ``batch_chunk_size`` samples.
+
+    ``drop``: extensions ``f`` computes only for the combination (``SumGradSquared``
+    behind ``Variance``), removed from the result.
+    """
     mean = spec.reduction == "mean"
+    dropped = {e.name for e in drop}
 
     def g(X: Tensor, y: Tensor, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, object]:
         n = X.shape[0] if isinstance(X, Tensor) and X.dim() > 0 else 0
@@ -98,7 +104,6 @@ def over_samples(
         m_total = y.numel() if mean else 1
         acc: Dict[str, object] = {}
         cat: Dict[str, Dict[str, list]] = {}
-        sgs: Dict[str, Tensor] = {}
         order: list = []
         for start in range(0, n, batch_chunk_size):
             Xk, yk = X[start:start + batch_chunk_size], y[start:start + batch_chunk_size]
@@ -123,10 +128,7 @@ def over_samples(
                         for name, fs in value.items()
                     }
                 elif kind == "variance":
-                    # the slice's Σ g² from its variance: var = sgs/N_k − (grad/N_k)²
-                    for name, var in value.items():
-                        grad = part["grad"][name]
-                        sgs[name] = _add(sgs.get(name), (var * n_k + grad * grad / n_k) * (r * r))
+                    continue  # formed below from the combined Σ g² (always computed with it)
                 else:
                     scale = {"cat1": r, "cat2": r * r, "cat_half": r**0.5}[kind]
                     for name, t in value.items():
@@ -137,10 +139,11 @@ def over_samples(
             dim = 1 if kinds[key] == "cat_half" else 0
             out[key] = {name: torch.cat(ts, dim) for name, ts in per_name.items()}
         if "variance" in kinds:
+            sgs = out["sum_grad_squared"]
             out["variance"] = {
                 name: sgs[name] / n - (out["grad"][name] / n) ** 2 for name in out["grad"]
             }
-        return {k: out[k] for k in order}
+        return {k: out[k] for k in order if k not in dropped}
 
     return g
 

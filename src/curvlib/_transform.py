@@ -144,8 +144,16 @@ def curvature(
         raise CurvatureTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
     spec = losses.loss_spec(lossfn)
     exts = _check_extensions(extensions)
-    first_exts = [e for e in exts if not isinstance(e, SecondOrder)]
-    second_exts = [e for e in exts if isinstance(e, SecondOrder)]
+    computed = exts
+    if batch_chunk_size is not None and any(e.name == "variance" for e in exts) and not any(
+        e.name == "sum_grad_squared" for e in exts
+    ):
+        # slices combine Σ g² exactly; the variance is formed once from the totals
+        from .extensions import SumGradSquared
+
+        computed = tuple(exts) + (SumGradSquared(),)
+    first_exts = [e for e in computed if not isinstance(e, SecondOrder)]
+    second_exts = [e for e in computed if isinstance(e, SecondOrder)]
     unknown = [e for e in first_exts if e.name not in FIRST_ORDER]
     if unknown:
         raise CurvatureError(
@@ -159,7 +167,7 @@ def curvature(
     if batch_chunk_size is not None:
         from ._chunking import check_batch_chunk_size
 
-        chunk_kinds = check_batch_chunk_size(batch_chunk_size, exts)
+        chunk_kinds = check_batch_chunk_size(batch_chunk_size, computed)
     program = trace_program(model)
     # Models fx cannot trace run eagerly, with their layers redirected to curvlib's rules
     # (first order only: second order needs the graph and is refused below).
@@ -268,7 +276,7 @@ def curvature(
     if chunk_kinds is not None:
         from ._chunking import over_samples
 
-        f = over_samples(f, spec, chunk_kinds, batch_chunk_size)
+        f = over_samples(f, spec, chunk_kinds, batch_chunk_size, drop=computed[len(exts):])
     if process_group is not None:
         from .distributed import aggregated
 
