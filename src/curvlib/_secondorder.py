@@ -71,7 +71,7 @@ def _sqrt(uses, m_by_site, name) -> Tensor:
     total = None
     for site, role in uses[name]:
         m = m_by_site[site.key]
-        if LOOP_SQRT_COLUMNS and not _functorch_wrapped(m) and not _one_outer_product(site):
+        if LOOP_SQRT_COLUMNS and losses._is_concrete(m) and not _one_outer_product(site):
             # column by column into one buffer: the rules' own batched kernels (e.g. the
             # grouped convolution of a convolution's per-sample gradients) instead of
             # their vmapped versions (a Linear without shared positions stays vmapped:
@@ -378,19 +378,12 @@ def _sum_into(acc: Tensor, part: Tensor, owned: Optional[set]) -> Tensor:
     the first chunk's results may be shared between extensions), and never under
     autograd or torch.func."""
     if (owned is None or id(acc) not in owned or acc.requires_grad or part.requires_grad
-            or _functorch_wrapped(acc) or acc.shape != part.shape):
+            or not losses._is_concrete(acc) or acc.shape != part.shape):
         total = acc + part
         if owned is not None:
             owned.add(id(total))
         return total
     return acc.add_(part)
-
-
-def _functorch_wrapped(t: Tensor) -> bool:
-    try:
-        return torch._C._functorch.is_functorch_wrapped_tensor(t)
-    except AttributeError:  # pragma: no cover - older torch
-        return True
 
 
 def _hessian_diag(lin, uses, ggn, names, params, n, residual_grads, batch: bool, chunk_size=None):

@@ -244,7 +244,7 @@ def curvature(
         quantities = first_order(
             lin.sites, gs, trainable, values, [e.name for e in first_exts], X.shape[0]
         )
-        result: Dict[str, object] = {"loss": loss.detach() if not _wrapped(loss) else loss}
+        result: Dict[str, object] = {"loss": loss.detach() if losses._is_concrete(loss) else loss}
         result.update(quantities)
         if second_exts:
             product = _products(
@@ -308,13 +308,6 @@ def _auto_chunk_size(plan: Plan, exts: Sequence = (), device: str = "cuda") -> i
             numel *= size
         per_column += numel * torch.empty((), dtype=dtype).element_size()
     return max(1, budget // max(per_column, 1))
-
-
-def _wrapped(t: Tensor) -> bool:
-    try:
-        return torch._C._functorch.is_functorch_wrapped_tensor(t)
-    except AttributeError:  # pragma: no cover
-        return False
 
 
 def _loss_and_output_gradient(spec, out: Tensor, y: Tensor):
