@@ -12,12 +12,12 @@ import torch
 from torch import Tensor, nn
 
 from . import losses
-from ._engine import FIRST_ORDER, Plan, first_order, has_inplace, module_checks, forward_with_probes, make_plan, run_graph
+from ._engine import FIRST_ORDER, Plan, first_order, has_inplace, module_checks, forward_with_probes, make_plan
 from ._kfra import chain_nodes, kfra
+from ._products import products, replay_rng, rng_state
 from ._secondorder import check_second_order, second_order
 from ._untraced import run_eager
 from .extensions.secondorder import SecondOrder
-from .rules._site import Recorder
 from . import _residuals
 from ._errors import CurvatureError, CurvatureTypeError
 from ._program import Program, trace_program
@@ -228,7 +228,7 @@ def curvature(
                 second_exts, plan.sites, trainable, [],
                 {layer.path: layer.kind for layer in program.layers.values()},
             )
-        rng = _rng_state(X.device)
+        rng = rng_state(X.device)
 
         lin = forward_with_probes(
             program, plan, X, values, frozenset(trainable), residual_nodes, runner=runner, direct=direct,
@@ -247,7 +247,7 @@ def curvature(
         result: Dict[str, object] = {"loss": loss.detach() if losses._is_concrete(loss) else loss}
         result.update(quantities)
         if second_exts:
-            product = _products(
+            product = products(
                 program, spec, X, y, values, residual_nodes, lin, residual_grads, rng, frozenset(trainable)
             )
 
@@ -261,7 +261,7 @@ def curvature(
                 if lin.values is not None:  # reuse the forward just run
                     return kfra(program, spec, X, y, trainable, values, lin.sites, reduce=reduce,
                                 forward=(lin.out, lin.values))
-                with _replay_rng(rng, X.device):
+                with replay_rng(rng, X.device):
                     return kfra(program, spec, X, y, trainable, values, lin.sites, reduce=reduce)
 
             result.update(
@@ -337,115 +337,3 @@ def _shared_linear_layers(program: Program) -> frozenset:
         target for target, layer in program.layers.items()
         if layer.kind == "linear" and counts.get(layer.names.get("weight"), 0) > 1
     )
-
-
-def _rng_state(device: torch.device):
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-class _replay_rng:
-    """Run a block with the random state the main forward started from (same dropout masks)."""
-
-    def __init__(self, state, device):
-        self.state, self.device = state, device
-
-    def __enter__(self):
-        devices = [self.device] if self.device.type == "cuda" else []
-        self.fork = torch.random.fork_rng(devices=devices)
-        self.fork.__enter__()
-        torch.set_rng_state(self.state[0])
-        if self.state[1] is not None:
-            torch.cuda.set_rng_state(self.state[1], self.device)
-
-    def __exit__(self, *exc):
-        return self.fork.__exit__(*exc)
-
-
-def _products(program, spec, X, y, values, residual_nodes, lin, residual_grads, rng, trainable):
-    """Factory of the block-product callables ``[V, *p] -> [V, *p]`` (GGNMP, HMP, PCHMP)."""
-    out_value = lin.out
-
-    def outputs(name, p, with_taps):
-        vals = dict(values)
-        vals[name] = p
-        rec = Recorder(None, residual_nodes=residual_nodes if with_taps else None)
-        with _replay_rng(rng, X.device):
-            # the same sites as the main pass (without probes), so the same residuals
-            out = run_graph(program, X, vals, trainable if with_taps else frozenset(), rec)
-        return out, [a for r in rec.residuals for a in r.inputs]
-
-    def make(ext, name):
-        p0 = values[name]
-
-        def check(V):
-            if not isinstance(V, Tensor) or tuple(V.shape[1:]) != tuple(p0.shape) or V.dim() != p0.dim() + 1:
-                raise CurvatureError(
-                    f"{type(ext).__name__} product for '{name}' needs a tensor [V, *p.shape] = "
-                    f"[V, {', '.join(map(str, p0.shape))}], got "
-                    f"{tuple(V.shape) if isinstance(V, Tensor) else type(V).__name__}."
-                )
-
-        if ext.quantity == "hmp":
-            def loss_of(p):
-                return losses.loss_value(spec, outputs(name, p, False)[0], y)
-
-            def hmp(V):
-                check(V)
-                if V.shape[0] == 0:
-                    return V.new_zeros(V.shape)
-                # Reverse-over-reverse (the block is symmetric): forward-over-reverse
-                # hits an immutable ZeroTensor in torch 2.13 for MSELoss(mean).
-                _, pull = torch.func.vjp(torch.func.grad(loss_of), p0)
-                return torch.func.vmap(lambda v: pull(v)[0])(V)
-
-            return hmp
-
-        if ext.quantity == "ggnmp":
-            def ggnmp(V):
-                check(V)
-                if V.shape[0] == 0:
-                    return V.new_zeros(V.shape)
-
-                def one(v):
-                    f = lambda p: outputs(name, p, False)[0]  # noqa: E731
-                    _, jv = torch.func.jvp(f, (p0,), (v,))
-                    hjv = losses.hessian_matvec(spec, out_value, y, jv.unsqueeze(0))[0]
-                    return torch.func.vjp(f, p0)[1](hjv)[0]
-
-                return torch.func.vmap(one)(V)
-
-            return ggnmp
-
-        operators = [
-            _residuals.positive_curvature(res, g_z, ext.modify)
-            for res, g_z in zip(lin.residuals, residual_grads)
-        ]
-        n_taps = sum(len(res.inputs) for res in lin.residuals)
-
-        def pchmp(V):
-            check(V)
-            if V.shape[0] == 0:
-                return V.new_zeros(V.shape)
-
-            def one(v):
-                f = lambda p: outputs(name, p, True)  # noqa: E731
-                _, (jv, jtaps) = torch.func.jvp(f, (p0,), (v,))
-                hjv = losses.hessian_matvec(spec, out_value, y, jv.unsqueeze(0))[0]
-                cot_taps = [torch.zeros_like(t) for t in jtaps]
-                direct = torch.zeros_like(v)
-                for res, apply in zip(lin.residuals, operators):
-                    own = name in res.params or (res.kind == "bilinear" and res.site.params.get("weight") == name)
-                    tap_c, theta_c = apply([jtaps[k] for k in res.taps], {name: v} if own else {})
-                    for k, c in zip(res.taps, tap_c):
-                        cot_taps[k] = cot_taps[k] + c
-                    if name in theta_c:
-                        direct = direct + theta_c[name]
-                assert len(cot_taps) == n_taps
-                return torch.func.vjp(f, p0)[1]((hjv, cot_taps))[0] + direct
-
-            return torch.func.vmap(one)(V)
-
-        return pchmp
-
-    return make
