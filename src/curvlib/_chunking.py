@@ -7,14 +7,17 @@ exactly those of the whole batch, so peak memory follows ``B`` instead of
 once, it bounds the memory of the exact second-order quantities over both
 classes and samples).
 
-Every supported loss is ``L = c · Σ_n ℓ_n`` with ``c = 1/M`` for ``"mean"``
-(``M = y.numel()``) and ``c = 1`` for ``"sum"``. A slice's results carry
-``c_k = 1/M_k``; with ``r_k = M_k / M`` (``1`` for ``"sum"``) the batch's are
+Every structural loss is ``L = c · Σ_n ℓ_n`` with ``c = 1/M`` for ``"mean"``
+(``M`` its normaliser, :func:`curvlib.losses.normaliser`: ``y.numel()``, or the
+counted targets' weight for cross-entropy with ``weight``/``ignore_index``)
+and ``c = 1`` for ``"sum"``. A slice's results carry ``c_k = 1/M_k``; with
+``r_k = M_k / M`` (``1`` for ``"sum"``; a slice with ``M_k = 0`` contributes
+nothing) the batch's are
 
 | quantity | whole batch |
 |---|---|
 | loss, grad, GGN/Hessian diagonals, ``B`` of KFAC/KFLR | ``Σ_k r_k · slice_k`` |
-| ``sum_grad_squared`` | ``Σ_k r_k² · slice_k`` |
+| ``sum_grad_squared``, ``B`` of KFACEmpirical | ``Σ_k r_k² · slice_k`` |
 | ``A = (1/N) Σ x xᵀ`` of KFAC/KFLR | ``Σ_k (N_k/N) · slice_k`` |
 | ``variance`` | ``(1/N) Σ g² − ((1/N) Σ g)²`` from the batch's ``grad`` and ``Σ g²`` (the slices always compute ``Σ g²`` for it) |
 | ``grad_batch``, batch diagonals | ``r_k · slice_k``, concatenated over samples |
@@ -38,10 +41,11 @@ from typing import Callable, Dict, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
+from . import _inputs
 from ._errors import CurvatureError
 from .extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from .extensions.secondorder import SecondOrder
-from .losses import LossSpec
+from .losses import LossSpec, normaliser
 
 __all__ = ["over_samples", "check_batch_chunk_size"]
 
@@ -62,13 +66,22 @@ _SECOND_ORDER = {
 }
 
 
-def check_batch_chunk_size(batch_chunk_size: object, exts: Sequence) -> Dict[str, str]:
+def check_batch_chunk_size(batch_chunk_size: object, exts: Sequence, spec: Optional[LossSpec] = None) -> Dict[str, str]:
     """Validate the argument and the extensions; return result name -> combination kind."""
     if isinstance(batch_chunk_size, bool) or not isinstance(batch_chunk_size, int) or batch_chunk_size < 1:
         raise CurvatureError(f"batch_chunk_size must be a positive int or None, got {batch_chunk_size!r}.")
+    if spec is not None and spec.kind == "generic":
+        raise CurvatureError(
+            f"batch_chunk_size with lossfn {spec.name}: slices are combined by the loss's 'mean' "
+            "normaliser, which curvlib knows for nn.MSELoss, nn.CrossEntropyLoss and "
+            "nn.BCEWithLogitsLoss only. Call without batch_chunk_size, or use chunk_size= to bound memory."
+        )
     kinds = {"grad": "sum1"}
     for ext in exts:
-        kind = _SECOND_ORDER.get(ext.quantity) if isinstance(ext, SecondOrder) else _FIRST_ORDER.get(ext.name)
+        if isinstance(ext, SecondOrder):
+            kind = "kron2" if ext.root == "grad" else _SECOND_ORDER.get(ext.quantity)
+        else:
+            kind = _FIRST_ORDER.get(ext.name)
         if kind is None:
             why = (
                 "its recursion multiplies batch averages layer by layer, so it does not split "
@@ -94,58 +107,91 @@ def over_samples(
     ``drop``: extensions ``f`` computes only for the combination (``SumGradSquared``
     behind ``Variance``), removed from the result.
     """
-    mean = spec.reduction == "mean"
     dropped = {e.name for e in drop}
 
-    def g(X: Tensor, y: Tensor, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, object]:
-        n = X.shape[0] if isinstance(X, Tensor) and X.dim() > 0 else 0
+    def g(X, y: Tensor, params: Optional[Mapping[str, Tensor]] = None, generator=None) -> Dict[str, object]:
+        leaves = _inputs.tensors(X)
+        n = int(leaves[0].shape[0]) if leaves and leaves[0].dim() > 0 else 0
         if n <= batch_chunk_size or not isinstance(y, Tensor) or y.dim() == 0 or y.shape[0] != n:
-            return f(X, y, params=params)  # (f itself reports bad input)
-        m_total = y.numel() if mean else 1
-        acc: Dict[str, object] = {}
-        cat: Dict[str, Dict[str, list]] = {}
-        order: list = []
+            return f(X, y, params=params, generator=generator)  # (f itself reports bad input)
+        total = normaliser(spec, y)
+        combined = _Combined(kinds, n)
         for start in range(0, n, batch_chunk_size):
-            Xk, yk = X[start:start + batch_chunk_size], y[start:start + batch_chunk_size]
-            part = f(Xk, yk, params=params)
-            order = order or list(part)
-            n_k = Xk.shape[0]
-            r = yk.numel() / m_total if mean else 1.0
-            for key, value in part.items():
-                kind = "sum1" if key == "loss" else kinds[key]
-                if key == "loss":
-                    acc[key] = _add(acc.get(key), value * r)
-                elif kind in ("sum1", "sum2"):
-                    scale = r if kind == "sum1" else r * r
-                    acc[key] = {name: _add(acc.get(key, {}).get(name), t * scale) for name, t in value.items()}
-                elif kind == "kron":
-                    old = acc.get(key, {})
-                    acc[key] = {
-                        name: [
-                            _add(old[name][i] if name in old else None, t * (r if i == 0 else n_k / n))
-                            for i, t in enumerate(fs)
-                        ]
-                        for name, fs in value.items()
-                    }
-                elif kind == "variance":
-                    continue  # formed below from the combined Σ g² (always computed with it)
-                else:
-                    scale = {"cat1": r, "cat2": r * r, "cat_half": r**0.5}[kind]
-                    for name, t in value.items():
-                        cat.setdefault(key, {}).setdefault(name, []).append(t * scale)
+            stop = min(n, start + batch_chunk_size)
+            part = f(_inputs.slice_batch(X, start, stop), y[start:stop], params=params, generator=generator)
+            # r = M_k / M: this slice's share of the "mean" normaliser (0 for a slice with
+            # nothing counted, whose own results are NaN: 0/0)
+            r = normaliser(spec, y[start:stop]) / total if total else float("nan")
+            combined.add(part, r, (stop - start) / n)
             del part
-        out: Dict[str, object] = dict(acc)
-        for key, per_name in cat.items():
-            dim = 1 if kinds[key] == "cat_half" else 0
-            out[key] = {name: torch.cat(ts, dim) for name, ts in per_name.items()}
-        if "variance" in kinds:
-            sgs = out["sum_grad_squared"]
-            out["variance"] = {
-                name: sgs[name] / n - (out["grad"][name] / n) ** 2 for name in out["grad"]
-            }
-        return {k: out[k] for k in order if k not in dropped}
+        return {k: v for k, v in combined.result().items() if k not in dropped}
 
     return g
+
+
+class _Combined:
+    """The whole batch's results from its slices' (the table in the module doc)."""
+
+    def __init__(self, kinds: Mapping[str, str], n: int):
+        self.kinds, self.n = kinds, n
+        self.acc: Dict[str, object] = {}
+        self.pieces: Dict[str, Dict[str, list]] = {}
+        self.order: list = []
+
+    def add(self, part: Dict[str, object], r: float, share: float) -> None:
+        self.order = self.order or list(part)
+        for key, value in part.items():
+            kind = "sum1" if key == "loss" else self.kinds[key]
+            if key == "loss":
+                self.acc[key] = _add(self.acc.get(key), _scaled(value, r))
+            elif kind in ("sum1", "sum2"):
+                scale = r if kind == "sum1" else r * r
+                old = self.acc.get(key, {})
+                self.acc[key] = {name: _add(old.get(name), _scaled(t, scale)) for name, t in value.items()}
+            elif kind in ("kron", "kron2"):
+                b_scale = r if kind == "kron" else r * r
+                old = self.acc.get(key, {})
+                self.acc[key] = {
+                    name: [_add(old[name][i] if name in old else None, _scaled(t, b_scale if i == 0 else share))
+                           for i, t in enumerate(fs)]
+                    for name, fs in value.items()
+                }
+            elif kind != "variance":  # (the variance is formed from the combined Σ g²)
+                scale = {"cat1": r, "cat2": r * r, "cat_half": r**0.5}[kind]
+                for name, t in value.items():
+                    self.pieces.setdefault(key, {}).setdefault(name, []).append(_scaled(t, scale))
+
+    def result(self) -> Dict[str, object]:
+        out: Dict[str, object] = dict(self.acc)
+        for key, per_name in self.pieces.items():
+            dim = 1 if self.kinds[key] == "cat_half" else 0
+            out[key] = {name: _concatenated(ts, dim) for name, ts in per_name.items()}
+        if "variance" in self.kinds:
+            sgs, grad, n = out["sum_grad_squared"], out["grad"], self.n
+            # (1/N) Σ g² − ((1/N) Σ g)² ≥ 0 exactly; clamp the rounding below zero
+            out["variance"] = {name: (sgs[name] / n - (grad[name] / n) ** 2).clamp_(min=0) for name in grad}
+        return {k: out[k] for k in self.order}
+
+
+def _scaled(t: Tensor, r: float) -> Tensor:
+    """``r · t``; a slice with nothing counted (``r = 0``) contributes zeros, not its NaNs."""
+    return torch.zeros_like(t) if r == 0 else t * r
+
+
+def _concatenated(ts, dim: int) -> Tensor:
+    """``torch.cat`` into one preallocated result (no second copy of every slice at once)."""
+    if len(ts) == 1:
+        return ts[0]
+    shape = list(ts[0].shape)
+    shape[dim] = sum(t.shape[dim] for t in ts)
+    out = ts[0].new_empty(shape)
+    start = 0
+    for i in range(len(ts)):
+        t = ts[i]
+        out.narrow(dim, start, t.shape[dim]).copy_(t)
+        start += t.shape[dim]
+        ts[i] = None  # free the slice as soon as it is copied
+    return out
 
 
 def _add(total: Optional[Tensor], t: Tensor) -> Tensor:

@@ -25,10 +25,10 @@ import torch
 from torch import Tensor, fx, nn
 from torch.func import vjp, vmap
 
-from . import losses
+from . import _dropout, _residuals
 from ._engine import run_graph
 from ._errors import CurvatureError
-from .rules import kron_from_matrix
+from .rules import call_without_hooks, kron_from_matrix
 from .rules._site import Recorder, Site
 from .rules.elementwise import ELEMENTWISE_MODULES
 
@@ -57,18 +57,26 @@ def chain_nodes(program) -> List[fx.Node]:
 
 
 def _node_function(program, node: fx.Node, env: Dict[fx.Node, object], params):
-    """``a -> z`` for a chain node, its other arguments fixed."""
+    """``a -> z`` for a chain node, its other arguments fixed (the forward's own dropout
+    mask; an in-place node on a copy of ``a``; modules without their hooks)."""
     (inp,) = [a for a in node.all_input_nodes if a.op != "get_attr"]
+    noise = env.get(_dropout.NOISES, {}).get(node)
+    inplace = _residuals.is_inplace(program, node)
 
     def load(v, a):
         return fx.node.map_arg(v, lambda n: a if n is inp else env[n])
 
     def f(a: Tensor) -> Tensor:
+        if noise is not None:
+            kind, p, mask = noise
+            return _dropout.use_noise(kind, a, p, mask)
+        if inplace:
+            a = a.clone()
         args, kwargs = load(node.args, a), load(node.kwargs, a)
         if node.op == "call_module":
             layer = program.layers.get(node.target)
             if layer is None:
-                return program.root.get_submodule(node.target)(*args, **kwargs)
+                return call_without_hooks(program.root.get_submodule(node.target), args, kwargs)
             tensors = {r: params[n] for r, n in layer.names.items()}
             return layer.forward(layer.module, layer.path, {}, tensors, args, kwargs, Recorder(None))
         if node.op == "call_method":
@@ -95,24 +103,23 @@ def _average_congruence(f, a: Tensor, G: Tensor) -> Tensor:
     return torch.einsum("k,kni,knj->ij", evals, w, w) / n
 
 
-def kfra(program, spec, X: Tensor, y: Tensor, names, params, sites: List[Site], reduce=None,
+def kfra(program, curv, X, names, params, sites: List[Site], reduce=None,
          forward: Optional[Tuple[Tensor, Dict[fx.Node, object]]] = None) -> Dict[str, list]:
     """KFRA factors for every parameter (see module doc).
 
+    ``curv``: the loss Hessian at the model output (:func:`curvlib.losses.curvature_at`).
     ``reduce(G, kind)``, if given, makes each matrix global over a process
     group where it is formed (:func:`curvlib.distributed.kfra_reducer`).
     ``forward``: ``(output, node values)`` of the forward already run (plain
-    autograd), reused instead of running the graph again.
+    autograd, no in-place nodes), reused instead of running the graph again.
     """
     chain = chain_nodes(program)
     if forward is not None:
-        out, values = forward
-        env = {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in values.items()}
-    else:
+        env = {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in forward[1].items()}
+    else:  # in a chain nobody reads an in-place node's input again: run those on copies
         env = {}
-        out = run_graph(program, X, params, frozenset(), Recorder(None), env=env)
-    S = losses.sqrt_hessian(spec, out, y).flatten(2)  # [V, N, D]
-    G = torch.einsum("vni,vnj->ij", S, S)
+        run_graph(program, X, params, frozenset(), Recorder(None), env=env, preserve_inputs=True)
+    G = sum(sign * torch.einsum("vni,vnj->ij", S.flatten(2), S.flatten(2)) for sign, S in curv.roots())
     if reduce is not None:
         G = reduce(G, "loss")
     site_of = {site.where: site for site in sites}

@@ -13,10 +13,14 @@ the same dropout masks) and multiplies without forming any Jacobian or Hessian:
 
 from __future__ import annotations
 
+import contextlib
+from typing import Callable, Optional
+
 import torch
 from torch import Tensor
 
-from . import _residuals, losses
+from . import _dropout, _inputs, _residuals, losses
+from ._sync import LOCK
 from ._engine import run_graph
 from ._errors import CurvatureError
 from .rules._site import Recorder
@@ -47,15 +51,20 @@ class replay_rng:
         return self.fork.__exit__(*exc)
 
 
-def products(program, spec, X, y, values, residual_nodes, lin, residual_grads, rng, trainable):
-    """Factory of the block-product callables ``[V, *p] -> [V, *p]`` (GGNMP, HMP, PCHMP)."""
-    out_value = lin.out
+def products(program, spec, y, curv, X, values, residual_nodes, lin, residual_grads, rng, trainable, seed=None):
+    """Factory of the block-product callables ``[V, *p] -> [V, *p]`` (GGNMP, HMP, PCHMP).
+
+    ``curv`` is the loss Hessian at the output (:func:`curvlib.losses.curvature_at`),
+    ``seed`` the call's dropout seed (:mod:`curvlib._dropout`): the callables re-run
+    the forward with the same masks whenever they are evaluated.
+    """
+    device = _inputs.first(X).device
 
     def outputs(name, p, with_taps):
         vals = dict(values)
         vals[name] = p
         rec = Recorder(None, residual_nodes=residual_nodes if with_taps else None)
-        with replay_rng(rng, X.device):
+        with replay_rng(rng, device):
             # the same sites as the main pass (without probes), so the same residuals
             out = run_graph(program, X, vals, trainable if with_taps else frozenset(), rec)
         return out, [a for r in rec.residuals for a in r.inputs]
@@ -84,7 +93,7 @@ def products(program, spec, X, y, values, residual_nodes, lin, residual_grads, r
                 _, pull = torch.func.vjp(torch.func.grad(loss_of), p0)
                 return torch.func.vmap(lambda v: pull(v)[0])(V)
 
-            return hmp
+            return _guarded(hmp, seed, device)
 
         if ext.quantity == "ggnmp":
             def ggnmp(V):
@@ -95,12 +104,12 @@ def products(program, spec, X, y, values, residual_nodes, lin, residual_grads, r
                 def one(v):
                     f = lambda p: outputs(name, p, False)[0]  # noqa: E731
                     _, jv = torch.func.jvp(f, (p0,), (v,))
-                    hjv = losses.hessian_matvec(spec, out_value, y, jv.unsqueeze(0))[0]
+                    hjv = curv.matvec(jv.unsqueeze(0))[0]
                     return torch.func.vjp(f, p0)[1](hjv)[0]
 
                 return torch.func.vmap(one)(V)
 
-            return ggnmp
+            return _guarded(ggnmp, seed, device)
 
         operators = [
             _residuals.positive_curvature(res, g_z, ext.modify)
@@ -116,7 +125,7 @@ def products(program, spec, X, y, values, residual_nodes, lin, residual_grads, r
             def one(v):
                 f = lambda p: outputs(name, p, True)  # noqa: E731
                 _, (jv, jtaps) = torch.func.jvp(f, (p0,), (v,))
-                hjv = losses.hessian_matvec(spec, out_value, y, jv.unsqueeze(0))[0]
+                hjv = curv.modified_matvec(jv.unsqueeze(0), ext.modify)[0]
                 cot_taps = [torch.zeros_like(t) for t in jtaps]
                 direct = torch.zeros_like(v)
                 for res, apply in zip(lin.residuals, operators):
@@ -131,6 +140,25 @@ def products(program, spec, X, y, values, residual_nodes, lin, residual_grads, r
 
             return torch.func.vmap(one)(V)
 
-        return pchmp
+        return _guarded(pchmp, seed, device)
 
     return make
+
+
+def _guarded(product: Callable[[Tensor], Tensor], seed: Optional[int], device: torch.device):
+    """``product`` evaluated safely whenever it is called: outside inference mode (an
+    inference tensor ``V`` is copied), with the call's dropout masks, and under
+    :data:`curvlib._sync.LOCK` (forward-mode AD and the random state it replays are
+    process-wide)."""
+
+    def call(V: Tensor) -> Tensor:
+        with contextlib.ExitStack() as stack:
+            if torch.is_inference_mode_enabled():
+                stack.enter_context(torch.inference_mode(False))
+                V = V.clone() if isinstance(V, Tensor) and V.is_inference() else V
+            stack.enter_context(LOCK)
+            stack.enter_context(_dropout.masks(seed, device))
+            return product(V)
+
+    call.__doc__ = product.__doc__
+    return call

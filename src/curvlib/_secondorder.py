@@ -283,8 +283,7 @@ def check_second_order(
 
 def second_order(
     lin: Linearization,
-    spec: losses.LossSpec,
-    y: Tensor,
+    curv,
     exts: Sequence[SecondOrder],
     names: Sequence[str],
     params: Mapping[str, Tensor],
@@ -293,43 +292,41 @@ def second_order(
     product: Callable,
     kfra_factors: Callable,
     chunk_size: Optional[int] = None,
+    site_grads: Optional[Sequence[Tensor]] = None,
 ) -> Dict[str, Dict[str, object]]:
     """Every requested second-order quantity, per parameter (see module doc).
 
+    ``curv`` is the loss Hessian at the output (:func:`curvlib.losses.curvature_at`):
+    its roots come with signs (``Σ sign · S Sᵀ``; an indefinite loss Hessian has a
+    negative part), and every quantity linear in the GGN is the signed sum.
     ``product(ext, name)`` builds a block-product callable; ``kfra_factors()``
     runs the KFRA recursion (both re-run the forward, so the caller owns them).
     ``chunk_size`` bounds the number of columns pulled back at once (memory
     ``∝ chunk_size × activations``); results are the same for any value.
+    ``site_grads``: the loss gradient at every site (the empirical Fisher's root).
     """
     uses = _uses(lin.sites)
     results: Dict[str, Dict[str, object]] = {}
-    out = lin.out
-    read_as = {"hessian_diag": "diag", "hessian_batch_diag": "batch_diag"}
 
-    def accumulate(S: Tensor, group: Sequence[SecondOrder]) -> Dict[str, Dict[str, object]]:
-        acc: Dict[str, Dict[str, object]] = {}
-        static: Dict[tuple, object] = {}  # column-independent results (KFAC's A), once per call
-        owned: set = set()  # ids of running sums made here (safe to add into in place)
-        for S_chunk in _chunks(S, chunk_size):
-            m = lin.pull_batched(S_chunk)
-            # per-site rule results shared by the site's parameters, per chunk
-            cache: Dict[object, object] = {"static": static}
-            for ext in group:
-                q = read_as.get(ext.quantity, ext.quantity)
-                part = {n: _read(q, uses, m, n, params, batch_size, S_chunk.shape[0], cache) for n in names}
-                acc[ext.name] = part if ext.name not in acc else {
-                    n: _combine(q, acc[ext.name][n], part[n], owned) for n in names
-                }
-        return acc
+    def signed(roots, group):
+        _refuse_indefinite_sqrt(curv, roots, group)
+        total = None
+        for sign, S in roots:
+            part = _accumulate(lin, uses, S, group, names, params, batch_size, chunk_size)
+            total = part if total is None else _signed_sum(total, part, sign, group)
+        return total
 
     exact = [e for e in exts if e.root == "exact"]
     if exact:
-        results.update(accumulate(losses.sqrt_hessian(spec, out, y), exact))
+        results.update(signed(curv.roots(), exact))
     for ext in exts:
         q = ext.quantity
         if ext.root == "mc":
-            S = losses.sqrt_hessian_sampled(spec, out, y, ext.mc_samples, ext.generator)
-            results.update(accumulate(S, [ext]))
+            results.update(signed(curv.sampled_roots(ext.mc_samples, ext.generator), [ext]))
+        elif ext.root == "grad":  # one column per sample: its own loss gradient, already at every site
+            m = [g.unsqueeze(0) for g in site_grads]
+            cache: Dict[object, object] = {"static": {}}
+            results[ext.name] = {n: _kron(uses, m, n, cache) for n in names}
         elif q in ("hessian_diag", "hessian_batch_diag"):
             results[ext.name] = _hessian_diag(
                 lin, uses, results[ext.name], names, params, batch_size, residual_grads,
@@ -342,12 +339,71 @@ def second_order(
     return {ext.name: results[ext.name] for ext in exts}
 
 
+_READ_AS = {"hessian_diag": "diag", "hessian_batch_diag": "batch_diag"}
+
+
+def _accumulate(lin, uses, S: Tensor, group, names, params, batch_size, chunk_size) -> Dict[str, Dict[str, object]]:
+    """The group's quantities from the root ``S [V, N, *out]``, pulled back in chunks of columns."""
+    acc: Dict[str, Dict[str, object]] = {}
+    static: Dict[tuple, object] = {}  # column-independent results (KFAC's A), once per call
+    owned: set = set()  # ids of running sums made here (safe to add into in place)
+    total = S.shape[0]
+    for start, S_chunk in _chunks(S, chunk_size):
+        m = lin.pull_batched(S_chunk)
+        # per-site rule results shared by the site's parameters, per chunk
+        cache: Dict[object, object] = {"static": static}
+        for ext in group:
+            q = _READ_AS.get(ext.quantity, ext.quantity)
+            part = {n: _read(q, uses, m, n, params, batch_size, S_chunk.shape[0], cache) for n in names}
+            if ext.name not in acc:
+                acc[ext.name] = {n: _first_part(q, part[n], total) for n in names} if q == "sqrt" else part
+            else:
+                acc[ext.name] = {n: _combine(q, acc[ext.name][n], part[n], owned, start) for n in names}
+    return acc
+
+
+def _first_part(q: str, part: Tensor, total: int) -> Tensor:
+    """A square root's first chunk, in a buffer for all ``total`` columns when more follow
+    (chunks are written into it: no ``torch.cat`` holding every chunk twice)."""
+    if part.shape[0] == total or not losses._is_concrete(part) or part.requires_grad:
+        return part
+    buf = part.new_empty((total,) + tuple(part.shape[1:]))
+    buf[: part.shape[0]] = part
+    return buf
+
+
+def _refuse_indefinite_sqrt(curv, roots, group) -> None:
+    sqrt = [e for e in group if e.quantity == "sqrt"]
+    if sqrt and len(roots) > 1:
+        value, n = curv.most_negative()
+        raise CurvatureError(
+            f"{type(sqrt[0]).__name__}: the Hessian of the loss w.r.t. the model output is indefinite "
+            f"(eigenvalue {value:.3g} for sample {n}), so the GGN has no real square root. The GGN "
+            "diagonals, Kronecker factors and GGNMP are exact for indefinite loss Hessians; use them, "
+            "or a loss that is convex in the model output."
+        )
+
+
+def _signed_sum(total, part, sign: float, group):
+    """``total + sign · part`` for quantities linear in the GGN (``A`` of Kronecker factors is shared)."""
+    out = {}
+    for ext in group:
+        q = _READ_AS.get(ext.quantity, ext.quantity)
+        a, b = total[ext.name], part[ext.name]
+        if q == "kron":
+            out[ext.name] = {n: [a[n][0] + sign * b[n][0]] + list(a[n][1:]) for n in a}
+        else:
+            out[ext.name] = {n: a[n] + sign * b[n] for n in a}
+    return out
+
+
 def _chunks(S: Tensor, chunk_size: Optional[int]):
+    """``(start, S[start:start + chunk_size])`` over the columns."""
     if chunk_size is None or chunk_size >= S.shape[0]:
-        yield S
+        yield 0, S
         return
     for start in range(0, S.shape[0], chunk_size):
-        yield S[start:start + chunk_size]
+        yield start, S[start:start + chunk_size]
 
 
 def _read(q: str, uses, m, name: str, params, n: int, v: int, cache=None):
@@ -363,9 +419,12 @@ def _read(q: str, uses, m, name: str, params, n: int, v: int, cache=None):
     return _kron(uses, m, name, cache)  # "kron"
 
 
-def _combine(q: str, acc, part, owned: Optional[set] = None):
-    """Sum of chunk contributions; square roots are concatenated; ``A`` is chunk-independent."""
+def _combine(q: str, acc, part, owned: Optional[set] = None, start: int = 0):
+    """Sum of chunk contributions; square roots go to their columns; ``A`` is chunk-independent."""
     if q == "sqrt":
+        if acc.shape[0] > start:  # a preallocated buffer (see _first_part)
+            acc[start:start + part.shape[0]] = part
+            return acc
         return torch.cat([acc, part])
     if q == "kron":
         return [_sum_into(acc[0], part[0], owned)] + list(acc[1:])

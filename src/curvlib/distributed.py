@@ -79,10 +79,11 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import _inputs, losses
 from ._errors import CurvatureError, CurvatureTypeError
 from .extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from .extensions.secondorder import SecondOrder
-from .losses import LossSpec
+from .losses import LossSpec, normaliser
 
 __all__ = ["aggregated"]
 
@@ -153,7 +154,7 @@ def aggregated(
                 raise CurvatureError(
                     f"{type(ext).__name__} cannot be aggregated over a process group: {why}"
                 )
-            kind = _SECOND_ORDER.get(ext.quantity)
+            kind = "kron2" if ext.root == "grad" else _SECOND_ORDER.get(ext.quantity)
             if ext.root == "mc" and not any(g is ext.generator for g in generators):
                 generators.append(ext.generator)
         else:
@@ -169,17 +170,18 @@ def aggregated(
 
     mean = spec.reduction == "mean"
 
-    def g(X: Tensor, y: Tensor, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, object]:
+    def g(X, y: Tensor, params: Optional[Mapping[str, Tensor]] = None, generator=None) -> Dict[str, object]:
         rank = dist.get_rank(process_group)
         if rank < 0:
             raise CurvatureError(
                 "This process is not a member of process_group; only its members may call "
                 "the function curvature(..., process_group=...) returned."
             )
-        with _rank_streams(generators, rank, X.device):
-            local = f(X, y) if params is None else f(X, y, params=params)
-        n_local = int(X.shape[0])
-        m_local = int(y.numel()) if mean else 1
+        device = _inputs.first(X).device
+        with _rank_streams(generators, rank, device):
+            local = f(X, y, params=params, generator=generator)
+        n_local = _inputs.batch_size(X)
+        m_local = normaliser(spec, losses.prepare_targets(spec, y)) if mean else 1.0
         return _aggregate(local, kinds, n_local, m_local, mean, process_group)
 
     return g
@@ -200,10 +202,10 @@ def kfra_reducer(spec: LossSpec, process_group, n_local: int, m_local: int) -> C
     sizes = torch.tensor([float(n_local), float(m_local)], dtype=torch.float64)
     dist.all_reduce(sizes, op=dist.ReduceOp.SUM, group=process_group)
     n_global, m_global = sizes.tolist()
-    r = m_local / m_global if spec.reduction == "mean" else 1.0
+    r = (m_local / m_global if m_global else float("nan")) if spec.reduction == "mean" else 1.0
 
     def reduce(G: Tensor, kind: str) -> Tensor:
-        G = G * (r if kind == "loss" else n_local / n_global)
+        G = _times(G, r if kind == "loss" else n_local / n_global)
         dist.all_reduce(G, op=dist.ReduceOp.SUM, group=process_group)
         return G
 
@@ -302,7 +304,7 @@ def _aggregate(
             for name, factors in value.items():
                 if len(factors) == 2:
                     summed.append((key, name, 1, factors[1], "A"))
-        elif kind == "kron":
+        elif kind in ("kron", "kron2"):
             for name, factors in value.items():
                 if len(factors) not in (1, 2):  # pragma: no cover - guards future layouts
                     raise CurvatureError(
@@ -310,7 +312,7 @@ def _aggregate(
                         "curvlib.distributed aggregates [B] and [B, A] only."
                     )
                 for i, t in enumerate(factors):
-                    summed.append((key, name, i, t, 1 if i == 0 else "A"))
+                    summed.append((key, name, i, t, (1 if kind == "kron" else 2) if i == 0 else "A"))
     if "variance" in local and "sum_grad_squared" not in local:
         # Σ g² of this rank from its variance: var = sgs/N − (grad/N)².
         for name, var in local["variance"].items():
@@ -329,16 +331,16 @@ def _aggregate(
         pre = {1: float(m_local), 2: float(m_local) ** 2, "A": float(n_local)}
     else:
         loss = local["loss"]
-        sizes = torch.tensor([n_local, m_local], dtype=torch.int64, device=loss.device)
+        sizes = torch.tensor([n_local, m_local], dtype=torch.float64, device=loss.device)
         dist.all_reduce(sizes, op=dist.ReduceOp.SUM, group=group)
-        n_global, m_global = (int(v) for v in sizes.tolist())
-        r = m_local / m_global if mean else 1.0
+        n_global, m_global = sizes.tolist()
+        r = (m_local / m_global if m_global else float("nan")) if mean else 1.0
         size_key = None
         pre = {1: r, 2: r * r, "A": n_local / n_global}
 
     buffers, works = {}, []
     for key, idx in groups.items():
-        parts = [(summed[i][3].detach() * pre[summed[i][4]]).reshape(-1) for i in idx]
+        parts = [_times(summed[i][3].detach(), pre[summed[i][4]]).reshape(-1) for i in idx]
         if key == size_key:
             parts.append(torch.tensor([n_local, m_local], dtype=key[0], device=key[1]))
         buf = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
@@ -348,11 +350,13 @@ def _aggregate(
         work.wait()
 
     if fused:
-        n_global, m_global = (round(v) for v in buffers[size_key][-2:].tolist())
+        n_global, m_global = buffers[size_key][-2:].tolist()
+        n_global = round(n_global)
         if not mean:
-            m_global = 1
-        r = m_local / m_global
-        post = {1: 1.0 / m_global, 2: 1.0 / m_global**2, "A": 1.0 / n_global}
+            m_global = 1.0
+        r = m_local / m_global if m_global else float("nan")
+        post = {1: 1.0 / m_global, 2: 1.0 / m_global**2, "A": 1.0 / n_global} if m_global else {
+            1: float("nan"), 2: float("nan"), "A": 1.0 / n_global}
     else:
         post = {1: 1.0, 2: 1.0, "A": 1.0}
 
@@ -361,7 +365,7 @@ def _aggregate(
         if key == "loss":
             continue
         kind = kinds[key]
-        if kind == "kron":
+        if kind in ("kron", "kron2"):
             out[key] = {name: [None] * len(fs) for name, fs in value.items()}
         elif kind == "kfra":
             out[key] = {name: [fs[0]] + [None] * (len(fs) - 1) for name, fs in value.items()}
@@ -369,7 +373,7 @@ def _aggregate(
             out[key] = {}
         else:
             scale = {"local1": r, "local2": r * r, "local_half": r**0.5}[kind]
-            out[key] = {name: t * scale for name, t in value.items()}
+            out[key] = {name: _times(t, scale) for name, t in value.items()}
     sgs_global: Dict[str, Tensor] = {}
     for key, idx in groups.items():
         offset = 0
@@ -388,8 +392,15 @@ def _aggregate(
                 out[k][name] = value
     if "variance" in local:
         sgs = out.get("sum_grad_squared", sgs_global)
+        # (1/N) Σ g² − ((1/N) Σ g)² ≥ 0 exactly; clamp the rounding below zero
         out["variance"] = {
-            name: sgs[name] / n_global - (out["grad"][name] / n_global) ** 2
+            name: (sgs[name] / n_global - (out["grad"][name] / n_global) ** 2).clamp_(min=0)
             for name in local["variance"]
         }
     return {key: out[key] for key in local}
+
+
+def _times(t: Tensor, r: float) -> Tensor:
+    """``r · t``; a rank with nothing counted (``r = 0``: its local results are NaN, 0/0)
+    contributes zeros."""
+    return torch.zeros_like(t) if r == 0 else t * r

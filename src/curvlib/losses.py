@@ -1,96 +1,121 @@
-"""Loss functions: checks, value and output gradient, and where ``"mean"`` scales.
+"""Losses: which are understood structurally, targets, the ``"mean"`` normaliser, curvature.
 
-Supported: ``nn.MSELoss``, ``nn.CrossEntropyLoss`` (class indices, outputs
-``[N, C]`` or ``[N, C, *D]``) and ``nn.BCEWithLogitsLoss``, each with
-``reduction="mean"`` or ``"sum"``.
+Every loss curvlib accepts is a *per-sample loss*: ``L = c · Σ_n ℓ_n(f_n, y_n)``,
+a sum or mean over samples of terms that each depend on one sample's output.
+Because of that, row ``n`` of ``∂L/∂f`` is the gradient of sample ``n``'s own
+term (the factor ``c`` included), which is what makes BackPACK's convention
+hold: individual gradients carry ``c`` and sum to the gradient; and the
+Hessian w.r.t. the output is block diagonal over samples.
 
-Every supported loss is a sum over samples, ``L = c · Σ_n ℓ(f_n, y_n)``, with
-the reduction factor ``c`` = 1 for ``"sum"`` and ``1/M`` for ``"mean"``, where
-``M`` is the number of averaged terms:
+Two kinds:
 
-* MSE and BCE: ``M = out.numel()`` (every output entry is a term),
-* CE: ``M = N · prod(D)`` (one term per sample and spatial position).
+* **structural** (the fast path, :mod:`curvlib._loss_structural`): instances of
+  ``nn.MSELoss``, ``nn.CrossEntropyLoss`` (class indices with ``ignore_index``,
+  or class probabilities; ``weight``, ``label_smoothing``) and
+  ``nn.BCEWithLogitsLoss`` (``weight``, ``pos_weight``) whose ``forward`` is
+  PyTorch's own, with ``reduction="mean"`` or ``"sum"``: closed-form Hessian
+  roots (BackPACK's) and label sampling;
+* **generic** (:mod:`curvlib._loss_generic`): any other loss module or
+  function called as ``lossfn(output, y)`` (a subclass that overrides
+  ``forward``, e.g. a focal loss; ``nn.NLLLoss``, ``nn.HuberLoss``,
+  ``nn.SmoothL1Loss``, ``nn.KLDivLoss``, ``nn.BCELoss``, ...): exact per-sample
+  Hessian blocks from autodiff, symmetric roots by ``eigh``, Gaussian
+  Monte-Carlo roots. Its normalisation is whatever the function does.
 
-Because ``L`` is a sum of per-sample terms, the gradient of ``L`` with respect
-to the model output, row ``n``, is the gradient of sample ``n``'s own term
-(factor ``c`` included). That is what makes BackPACK's convention hold: the
-individual gradients carry ``c`` and sum to the gradient.
+The reduction factor of a structural loss is ``c = 1`` for ``"sum"`` and
+``c = 1 / normaliser`` for ``"mean"``, as PyTorch defines it:
 
-This module is the only place that knows ``c``.
+* MSE and BCE: ``y.numel()`` (every output entry is a term);
+* CE with class indices: ``Σ w[y]`` over the entries not equal to
+  ``ignore_index`` (their count without ``weight``);
+* CE with class probabilities ``[N, K, *D]``: ``N · prod(D)``.
+
+This module and :mod:`curvlib._loss_structural` are the only places that know ``c``.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 from ._errors import CurvatureError, CurvatureTypeError
+from ._loss_generic import GenericCurvature, check_per_sample
+from ._loss_structural import StructuralCurvature
 
-__all__ = ["LossSpec", "loss_spec", "check_targets", "reduction_factor"]
+__all__ = [
+    "LossSpec", "loss_spec", "check_targets", "loss_value", "normaliser", "reduction_factor",
+    "curvature_at", "sqrt_hessian", "sqrt_hessian_sampled", "hessian_matvec",
+]
 
-SUPPORTED_LOSSES = "nn.MSELoss, nn.CrossEntropyLoss, nn.BCEWithLogitsLoss"
+STRUCTURAL = {nn.MSELoss: "mse", nn.CrossEntropyLoss: "ce", nn.BCEWithLogitsLoss: "bce"}
 
 
 @dataclass(frozen=True)
 class LossSpec:
-    """What curvlib needs to know of a loss module (a plain record, no tensors).
+    """What curvlib knows of a loss (options are read from ``module`` when used).
 
     Attributes:
-        kind: ``"mse"``, ``"ce"`` or ``"bce"``.
-        reduction: ``"mean"`` or ``"sum"``.
-        module: the user's loss module; called, never changed.
+        kind: ``"mse"``, ``"ce"``, ``"bce"`` (structural) or ``"generic"``.
+        reduction: ``"mean"`` or ``"sum"`` for structural losses; ``None`` for generic ones.
+        module: the user's loss module or function; called, never changed.
     """
 
-    kind: Literal["mse", "ce", "bce"]
-    reduction: Literal["mean", "sum"]
-    module: nn.Module
+    kind: Literal["mse", "ce", "bce", "generic"]
+    reduction: Optional[Literal["mean", "sum"]]
+    module: Union[nn.Module, Callable]
+
+    @property
+    def name(self) -> str:
+        m = self.module
+        return type(m).__name__ if isinstance(m, nn.Module) else getattr(m, "__name__", repr(m))
 
 
 def loss_spec(lossfn: object) -> LossSpec:
-    """Check that ``lossfn`` is a supported loss module and describe it.
+    """Check ``lossfn`` and describe it (structural or generic, see the module doc).
 
     Raises:
-        CurvatureTypeError: ``lossfn`` is not one of the supported loss modules.
-        CurvatureError: it has an option curvlib does not support.
+        CurvatureTypeError: ``lossfn`` is not callable as ``lossfn(output, y)``.
+        CurvatureError: it has ``reduction="none"`` (curvlib needs a scalar loss).
     """
-    if isinstance(lossfn, nn.MSELoss):
-        kind = "mse"
-    elif isinstance(lossfn, nn.CrossEntropyLoss):
-        kind = "ce"
-    elif isinstance(lossfn, nn.BCEWithLogitsLoss):
-        kind = "bce"
-    else:
+    if not callable(lossfn) or isinstance(lossfn, type):
         raise CurvatureTypeError(
-            f"lossfn must be one of {SUPPORTED_LOSSES} (an instance), got "
-            f"{type(lossfn).__name__}: {lossfn!r}."
+            f"lossfn must be a loss module instance or a function lossfn(output, y) returning "
+            f"a scalar, got {lossfn!r} of type {type(lossfn).__name__}."
         )
     name = type(lossfn).__name__
-    reduction = lossfn.reduction
-    if reduction not in ("mean", "sum"):
+    reduction = getattr(lossfn, "reduction", None) if isinstance(lossfn, nn.Module) else None
+    if reduction is not None and reduction not in ("mean", "sum"):
         raise CurvatureError(
-            f"{name}(reduction={reduction!r}) is not supported: curvlib needs a "
-            "scalar loss. Use reduction='mean' or reduction='sum'."
+            f"{name}(reduction={reduction!r}) is not supported: curvlib needs a scalar loss "
+            "that sums or averages per-sample terms. Use reduction='sum' (or 'mean'); "
+            "individual terms are what BatchGrad and the batch diagonals return."
         )
-    if kind == "ce":
-        if lossfn.weight is not None:
-            raise CurvatureError(
-                "CrossEntropyLoss(weight=...) is not supported (class weights "
-                "change the 'mean' normaliser per batch). Use weight=None."
-            )
-        if lossfn.label_smoothing != 0.0:
-            raise CurvatureError(
-                f"CrossEntropyLoss(label_smoothing={lossfn.label_smoothing}) is "
-                "not supported. Use label_smoothing=0.0."
-            )
-    if kind == "bce" and (lossfn.weight is not None or lossfn.pos_weight is not None):
+    _check_arity(lossfn, name)
+    for cls, kind in STRUCTURAL.items():
+        if isinstance(lossfn, cls) and type(lossfn).forward is cls.forward:
+            return LossSpec(kind=kind, reduction=reduction, module=lossfn)
+    return LossSpec(kind="generic", reduction=None, module=lossfn)
+
+
+def _check_arity(lossfn, name: str) -> None:
+    """Refuse a loss whose ``forward`` needs more than ``(output, y)`` (e.g. ``GaussianNLLLoss``)."""
+    fn = lossfn.forward if isinstance(lossfn, nn.Module) else lossfn
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature: let the call decide
+        return
+    required = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(required) > 2:
         raise CurvatureError(
-            "BCEWithLogitsLoss(weight=..., pos_weight=...) is not supported. "
-            "Use weight=None and pos_weight=None."
+            f"lossfn {name} needs {len(required)} arguments ({', '.join(required)}); curvlib calls "
+            "lossfn(output, y). Wrap it in a function of (output, y), e.g. for GaussianNLLLoss: "
+            "lambda out, y: gnll(out[:, :1], y, out[:, 1:].exp()) with a model that outputs mean "
+            "and log-variance."
         )
-    return LossSpec(kind=kind, reduction=reduction, module=lossfn)
 
 
 def _is_concrete(t: Tensor) -> bool:
@@ -101,56 +126,43 @@ def _is_concrete(t: Tensor) -> bool:
         return True
 
 
+def prepare_targets(spec: LossSpec, y: Tensor) -> Tensor:
+    """Integer class indices of any integer dtype as ``int64`` (what PyTorch's losses take)."""
+    m = spec.module
+    if isinstance(m, (nn.CrossEntropyLoss, nn.NLLLoss)) and isinstance(y, Tensor) and y.dtype in _SMALL_INTS:
+        return y.long()
+    return y
+
+
+_SMALL_INTS = (torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
 def check_targets(spec: LossSpec, out: Tensor, y: object) -> None:
-    """Refuse targets that do not fit the model output for this loss.
+    """Refuse targets that do not fit the model output for this loss (before any work).
 
     Args:
         spec: the loss.
-        out: model output ``[N, *]``.
+        out: model output ``[N, *]`` (a meta tensor is enough).
         y: targets, batch in dim 0.
 
     Raises:
         CurvatureTypeError: ``y`` is not a tensor or has the wrong dtype.
         CurvatureError: shapes do not match, or a class index is out of range.
     """
-    name = type(spec.module).__name__
     if not isinstance(y, Tensor):
         raise CurvatureTypeError(f"y must be a torch.Tensor, got {type(y).__name__}.")
     if out.dim() == 0:
         raise CurvatureError("The model output is a scalar; it needs the batch in dim 0.")
+    if spec.kind == "generic":
+        return  # the function itself decides what it accepts
     if spec.kind == "ce":
-        if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
-            raise CurvatureTypeError(
-                f"{name} needs integer class indices as y (dtype torch.long), got "
-                f"dtype {y.dtype}. Class probabilities as targets are not supported."
-            )
-        if out.dim() < 2:
-            raise CurvatureError(
-                f"{name} needs model outputs [N, C] or [N, C, *D], got shape "
-                f"{tuple(out.shape)}."
-            )
-        expected = (out.shape[0],) + tuple(out.shape[2:])
-        if tuple(y.shape) != expected:
-            raise CurvatureError(
-                f"{name}: y has shape {tuple(y.shape)}, but for model output "
-                f"{tuple(out.shape)} it must have shape {expected} (class indices)."
-            )
-        num_classes = out.shape[1]
-        if _is_concrete(y) and y.numel() > 0:
-            lo, hi = torch.aminmax(y.detach()) if y.dtype != torch.uint8 else (y.min(), y.max())
-            lo, hi = int(lo), int(hi)
-            if lo < 0 or hi >= num_classes:
-                bad = lo if lo < 0 else hi
-                raise CurvatureError(
-                    f"{name}: y holds class index {bad}, outside [0, {num_classes - 1}] "
-                    f"for a model with {num_classes} classes (ignore_index entries "
-                    "are not supported)."
-                )
+        from ._targets import check_cross_entropy_targets
+
+        check_cross_entropy_targets(spec.module, out, y)
         return
+    name = spec.name
     if not y.is_floating_point():
-        raise CurvatureTypeError(
-            f"{name} needs floating-point targets y, got dtype {y.dtype}."
-        )
+        raise CurvatureTypeError(f"{name} needs floating-point targets y, got dtype {y.dtype}.")
     if tuple(y.shape) != tuple(out.shape):
         raise CurvatureError(
             f"{name}: y has shape {tuple(y.shape)}, but the model output has shape "
@@ -158,128 +170,97 @@ def check_targets(spec: LossSpec, out: Tensor, y: object) -> None:
         )
     if y.dtype != out.dtype:
         raise CurvatureTypeError(
-            f"{name}: y has dtype {y.dtype} but the model output has dtype "
-            f"{out.dtype}; they must be equal."
+            f"{name}: y has dtype {y.dtype} but the model output has dtype {out.dtype}; they must be equal."
         )
 
 
-def reduction_factor(spec: LossSpec, out: Tensor) -> float:
-    """The factor ``c`` in ``L = c · Σ_n ℓ_n`` (see the module docstring)."""
+def loss_value(spec: LossSpec, out: Tensor, y: Tensor) -> Tensor:
+    """``lossfn(out, y)``, by the user's own loss (a module's ``forward``: its hooks are not run)."""
+    m = spec.module
+    return m.forward(out, y) if isinstance(m, nn.Module) else m(out, y)
+
+
+def normaliser(spec: LossSpec, y: Tensor, out_shape=None) -> Optional[float]:
+    """``M`` with ``c = 1/M`` for ``"mean"`` (module doc), 1 for ``"sum"``, ``None`` if unknown (generic)."""
+    if spec.kind == "generic":
+        return None
     if spec.reduction == "sum":
         return 1.0
-    if spec.kind == "ce":
-        return 1.0 / (out.numel() // out.shape[1])
-    return 1.0 / out.numel()
+    if spec.kind != "ce":
+        return float(y.numel())
+    if y.is_floating_point():  # probabilities [N, K, *D]
+        return float(y.numel() // y.shape[1]) if y.dim() > 1 else float(y.numel())
+    m = spec.module
+    counted = y != m.ignore_index
+    if m.weight is None:
+        return float(counted.sum())
+    safe = torch.where(counted, y, torch.zeros_like(y))
+    return float((m.weight[safe] * counted).sum())
 
 
-def loss_value(spec: LossSpec, out: Tensor, y: Tensor) -> Tensor:
-    """``lossfn(out, y)``, computed by the user's own (stateless) loss module."""
-    return spec.module(out, y)
+def reduction_factor(spec: LossSpec, y: Tensor) -> float:
+    """``c``: ``1/normaliser`` (``nan`` when nothing is counted, as PyTorch's loss is)."""
+    m = normaliser(spec, y)
+    return 1.0 / m if m else float("nan")
 
 
-def _per_sample_columns(out: Tensor) -> int:
-    """Number of output entries per sample (the contract's ``C``)."""
-    return out[0].numel() if out.shape[0] > 0 else 0
+def curvature_at(spec: LossSpec, out: Tensor, y: Tensor, check: bool = True):
+    """The loss Hessian at ``(out, y)``: an object with ``roots()``, ``sampled_roots(M, gen)``,
+    ``matvec(mat)``, ``modified_matvec(mat, modify)``, ``signed`` and ``most_negative()``.
+
+    ``check``: for a generic loss, refuse one that couples samples (where values are readable).
+    """
+    if spec.kind == "generic":
+        loss_of = lambda o: loss_value(spec, o, y)  # noqa: E731
+        if check and _is_concrete(out):
+            check_per_sample(loss_of, out, spec.name)
+        return GenericCurvature(loss_of, out, spec.name)
+    return StructuralCurvature(spec, out, y, reduction_factor(spec, y))
+
+
+# -- the single-root helpers the rest of curvlib and the tests use -------------------
 
 
 def sqrt_hessian(spec: LossSpec, out: Tensor, y: Tensor) -> Tensor:
-    """Exact symmetric factor of the loss Hessian w.r.t. the model output.
+    """Exact symmetric factor ``S [C, N, *out.shape[1:]]`` of the loss Hessian w.r.t. the
+    output, ``Σ_v S[v, n] S[v, n]ᵀ = c · ∇²ℓ(out[n], y[n])`` for every sample ``n``.
 
-    Returns ``S [C, N, *out.shape[1:]]`` with ``C`` the number of output
-    entries per sample, such that for every sample ``n``
-
-        Σ_v S[v, n] S[v, n]ᵀ = c · ∇²ℓ(out[n], y[n]),
-
-    where ``c`` is the reduction factor (so ``Sᵀ S`` summed over samples is the
-    Hessian of the *returned* loss). Columns are indexed by the flattened
-    per-sample output entry, BackPACK's order.
+    Columns are indexed by the flattened per-sample output entry, BackPACK's order:
 
     * MSE: ``∇²ℓ = 2 I``, ``S = √(2c) I``.
     * BCE: ``∇²ℓ = diag(σ(f)(1 − σ(f)))``, ``S = √c · diag(√(σ(1 − σ)))``.
     * CE (per sample and position): ``∇²ℓ = diag(p) − p pᵀ``, ``p = softmax(f)``;
-      column ``c'`` of the root is ``√p_{c'} (e_{c'} − p)``, non-zero only at
-      its own position.
+      column ``c'`` of the root is ``√p_{c'} (e_{c'} − p)``, non-zero only at its own position.
+
+    (Options scale each term, see :mod:`curvlib._loss_structural`.) Raises if the
+    Hessian is indefinite (use :func:`curvature_at` for signed roots).
     """
-    n = out.shape[0]
-    per = _per_sample_columns(out)
-    c = reduction_factor(spec, out)
-    eye = torch.eye(per, dtype=out.dtype, device=out.device)
-    if spec.kind == "mse":
-        diag = torch.full_like(out, (2.0 * c) ** 0.5)
-    elif spec.kind == "bce":
-        s = torch.sigmoid(out)
-        diag = (s * (1 - s) * c).sqrt()
-    else:
-        p = torch.softmax(out, dim=1)  # [N, K, *D]
-        k = out.shape[1]
-        rest = out[0, 0].numel()
-        p_flat = p.reshape(n, k, rest)  # [N, K, R]
-        # S[(a, r), n, b, r'] = δ(r, r') √p[n,a,r] (δ(a,b) − p[n,b,r])
-        eye_k = torch.eye(k, dtype=out.dtype, device=out.device)
-        block = p_flat.sqrt().permute(1, 2, 0)[:, :, :, None] * (
-            eye_k[:, None, None, :] - p_flat.permute(2, 0, 1)[None]
-        )  # [K(a), R(r), N, K(b)]
-        eye_r = torch.eye(rest, dtype=out.dtype, device=out.device)
-        S = block[..., None] * eye_r[None, :, None, None, :]  # [a, r, n, b, r']
-        return (S * c**0.5).reshape((k * rest, n) + tuple(out.shape[1:]))
-    # diagonal Hessians: column v is the v-th output entry
-    S = eye.reshape((per, 1) + tuple(out.shape[1:])) * diag.unsqueeze(0)
-    return S
+    return _single(curvature_at(spec, out, y, check=False).roots(), spec)
 
 
-def sqrt_hessian_sampled(
-    spec: LossSpec,
-    out: Tensor,
-    y: Tensor,
-    mc_samples: int,
-    generator: "torch.Generator | None" = None,
-) -> Tensor:
-    """Monte-Carlo symmetric factor of the loss Hessian, ``[M, N, *out.shape[1:]]``.
+def sqrt_hessian_sampled(spec: LossSpec, out: Tensor, y: Tensor, mc_samples: int,
+                         generator: Optional[torch.Generator] = None) -> Tensor:
+    """Monte-Carlo factor ``[M, N, *out.shape[1:]]``, ``E[Σ_m s_m s_mᵀ] = c · ∇²ℓ``.
 
     Column ``m`` is ``√(c/M) · ∇_f ℓ(f, ŷ_m)`` with ``ŷ_m`` drawn from the
-    model's predictive distribution, so that ``E[Σ_m s_m s_mᵀ] = c · ∇²ℓ``
-    (the Fisher equals the Hessian for these losses):
+    model's predictive distribution (the Fisher equals the Hessian for these losses):
 
     * MSE: ``ℓ = ‖f − y‖²`` is ``−log N(y; f, ½I)`` up to a constant;
       ``∇ℓ = 2(f − ŷ) = √2 ε``, ``ε ~ N(0, I)``.
     * BCE: ``ŷ ~ Bernoulli(σ(f))``, ``∇ℓ = σ(f) − ŷ``.
-    * CE: ``ŷ ~ Categorical(softmax(f))`` per sample and position,
-      ``∇ℓ = p − onehot(ŷ)``.
+    * CE: ``ŷ ~ Categorical(softmax(f))`` per sample and position, ``∇ℓ = p − onehot(ŷ)``.
 
     The same ``generator`` state gives the same result.
     """
-    c = reduction_factor(spec, out)
-    scale = (c / mc_samples) ** 0.5
-    shape = (mc_samples,) + tuple(out.shape)
-    if spec.kind == "mse":
-        eps = torch.randn(shape, generator=generator, dtype=out.dtype, device=out.device)
-        return eps * (2.0**0.5 * scale)
-    if spec.kind == "bce":
-        s = torch.sigmoid(out).detach()
-        draws = torch.bernoulli(s.expand(shape).contiguous(), generator=generator)
-        return (torch.sigmoid(out) - draws) * scale
-    p = torch.softmax(out, dim=1)
-    k = out.shape[1]
-    p_rows = p.movedim(1, -1).reshape(-1, k)  # [N·R, K]
-    # Inverse-CDF sampling, ŷ = #{j : P_j ≤ u} with P the cumulative probabilities and
-    # u ~ U[0, 1): a few vectorised ops, several times cheaper than torch.multinomial
-    # for the small class counts of a loss (rounding in P only shifts mass ~1e-7).
-    u = torch.rand((mc_samples, p_rows.shape[0], 1), generator=generator, dtype=out.dtype, device=out.device)
-    cdf = p_rows.detach().cumsum(-1)  # [N·R, K]
-    draws = (cdf.unsqueeze(0) <= u).sum(-1).clamp_(max=k - 1)  # [M, N·R]
-    onehot = torch.nn.functional.one_hot(draws, k).to(out.dtype)  # [M, N·R, K]
-    grads = p_rows.unsqueeze(0) - onehot
-    moved = tuple(out.movedim(1, -1).shape)
-    return (grads.reshape((mc_samples,) + moved).movedim(-1, 2) * scale)
+    return _single(curvature_at(spec, out, y, check=False).sampled_roots(mc_samples, generator), spec)
 
 
 def hessian_matvec(spec: LossSpec, out: Tensor, y: Tensor, mat: Tensor) -> Tensor:
     """``c · ∇²ℓ`` applied per sample: ``mat [V, N, *out.shape[1:]]`` -> same shape."""
-    c = reduction_factor(spec, out)
-    if spec.kind == "mse":
-        return 2.0 * c * mat
-    if spec.kind == "bce":
-        s = torch.sigmoid(out)
-        return c * s * (1 - s) * mat
-    p = torch.softmax(out, dim=1)
-    return c * (p * mat - p * (p * mat).sum(2, keepdim=True))
+    return curvature_at(spec, out, y, check=False).matvec(mat)
+
+
+def _single(roots, spec: LossSpec) -> Tensor:
+    if len(roots) != 1:
+        raise CurvatureError(f"The Hessian of {spec.name} w.r.t. the model output is indefinite here.")
+    return roots[0][1]

@@ -9,6 +9,7 @@ from .secondorder import (
     GGNMP,
     HMP,
     KFAC,
+    KFACEmpirical,
     KFLR,
     KFRA,
     PCHMP,
@@ -27,6 +28,6 @@ __all__ = [
     "Extension", "SecondOrder",
     "BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance",
     "DiagGGNExact", "DiagGGNMC", "BatchDiagGGNExact", "BatchDiagGGNMC",
-    "DiagHessian", "BatchDiagHessian", "KFAC", "KFLR", "KFRA",
+    "DiagHessian", "BatchDiagHessian", "KFAC", "KFLR", "KFRA", "KFACEmpirical",
     "SqrtGGNExact", "SqrtGGNMC", "GGNMP", "HMP", "PCHMP",
 ]

@@ -17,6 +17,7 @@ Carlo: ``M`` sampled columns). The GGN is ``G = Σ_n (J_nᵀ S_n)(J_nᵀ S_n)ᵀ
 | ``KFAC(mc_samples)`` | ``kfac`` | Kronecker factors from MC ``S`` |
 | ``KFLR()`` | ``kflr`` | Kronecker factors from exact ``S`` |
 | ``KFRA()`` | ``kfra`` | Kronecker factors from the batch-averaged recursion |
+| ``KFACEmpirical()`` | ``kfac_empirical`` | Kronecker factors of the empirical Fisher |
 | ``SqrtGGNExact()`` | ``sqrt_ggn_exact`` | ``[C, N, *p]``: ``J_nᵀ S_n`` |
 | ``SqrtGGNMC(mc_samples)`` | ``sqrt_ggn_mc`` | ``[M, N, *p]`` |
 | ``GGNMP()`` | ``ggnmp`` | callable ``[V, *p] -> [V, *p]``: GGN block times ``V`` |
@@ -58,7 +59,8 @@ class SecondOrder(Extension):
 
     Class attributes:
         root: ``"exact"`` or ``"mc"``: which factor of the loss Hessian is
-            backpropagated; ``None`` for extensions that need none.
+            backpropagated; ``"grad"``: the per-sample loss gradients (empirical
+            Fisher); ``None`` for extensions that need none.
         quantity: what is read off per parameter: ``"diag"``, ``"batch_diag"``,
             ``"sqrt"``, ``"kron"``, ``"hessian_diag"``, ``"hessian_batch_diag"``,
             ``"kfra"``, or a product ``"ggnmp"``/``"hmp"``/``"pchmp"``.
@@ -148,6 +150,23 @@ class KFLR(SecondOrder):
 
     name: ClassVar[str] = "kflr"
     root: ClassVar[Optional[str]] = "exact"
+    quantity: ClassVar[str] = "kron"
+    kron: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class KFACEmpirical(SecondOrder):
+    """Kronecker factors of the empirical Fisher ``Σ_n g_n g_nᵀ`` (``g_n`` the individual gradients).
+
+    The backpropagated root is each sample's own loss gradient (one column), so
+    ``B = Σ_n m_n m_nᵀ`` with ``m_n`` the gradient of sample ``n``'s term at the
+    layer's output (positions sharing the weight summed, as in KFAC) and ``A`` as
+    in KFAC. Like ``SumGradSquared``, it carries the square of the ``"mean"`` factor.
+    Not in BackPACK; curvlinops calls it ``FisherType.EMPIRICAL``.
+    """
+
+    name: ClassVar[str] = "kfac_empirical"
+    root: ClassVar[Optional[str]] = "grad"
     quantity: ClassVar[str] = "kron"
     kron: ClassVar[bool] = True
 

@@ -1,0 +1,208 @@
+"""Curvature of the hand-written losses: ``MSELoss``, ``CrossEntropyLoss``, ``BCEWithLogitsLoss``.
+
+Each is a sum of per-sample terms whose Hessian w.r.t. the model output is a
+*scale* times a base matrix that depends on the output alone:
+
+    c · ∇²ℓ_n = s_n ⊙ K(f_n),
+
+* MSE: ``K = 2 I``, ``s = c``;
+* BCE: ``K = diag(σ(f)(1 − σ(f)))``; per entry ``s = c · w · (p_w y + 1 − y)``
+  (``w`` the element ``weight``, ``p_w`` the ``pos_weight``; both 1 when unset);
+* CE (per sample and position, over the classes): ``K = diag(p) − p pᵀ``,
+  ``p = softmax(f)``, and ``s = c · κ`` with the target's weight mass
+
+      κ = (1 − ε) w[y] + (ε / K) Σ_k w_k      (class-index targets; 0 where y = ignore_index),
+      κ = Σ_k w_k q'_k,  q' = (1 − ε) q + ε/K  (class-probability targets q),
+
+  (``w`` the class ``weight``, ``ε`` the ``label_smoothing``): the log-softmax
+  has the same Hessian ``K`` whatever the target, so smoothing, weights and
+  soft labels only change the scale.
+
+``c`` is the reduction factor, ``1 / normaliser`` for ``"mean"`` (see
+:func:`curvlib.losses.normaliser`) and 1 for ``"sum"``. A negative scale (a
+negative weight, or BCE targets outside ``[0, 1]`` with a ``pos_weight``) makes
+the term concave: its roots are then split by sign.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["StructuralCurvature"]
+
+
+class StructuralCurvature:
+    """The loss Hessian of one ``(out, y)`` for a hand-written loss (module doc).
+
+    Args:
+        spec: the loss (:class:`curvlib.losses.LossSpec`, kind ``"mse"``, ``"ce"`` or ``"bce"``).
+        out: model output ``[N, *]``.
+        y: targets (already checked).
+        c: the reduction factor.
+    """
+
+    def __init__(self, spec, out: Tensor, y: Tensor, c: float):
+        self.kind, self.out, self.y = spec.kind, out, y
+        self.scale = _scale(spec, out, y, c)  # float (MSE), [N, *out[1:]] (BCE), [N, *D] (CE)
+        self.signed = _may_be_negative(spec, y) and (
+            not _concrete(self.scale) or bool((self.scale < 0).any())  # unknown values: split by sign
+        )
+
+    # ------------------------------------------------------------------ roots
+    def roots(self) -> List[Tuple[float, Tensor]]:
+        """``[(sign, S [C, N, *out[1:]])]`` with ``Σ sign · S Sᵀ = c∇²ℓ`` per sample (BackPACK's columns)."""
+        return [(sign, self._root(part)) for sign, part in self._signed_scales()]
+
+    def sampled_roots(self, mc_samples: int, generator: Optional[torch.Generator]) -> List[Tuple[float, Tensor]]:
+        """``[(sign, S [M, N, *out[1:]])]`` with ``E[Σ sign · S Sᵀ] = c∇²ℓ``: sampled labels' gradients."""
+        base = self._sampled_base(mc_samples, generator)  # [M, N, *out[1:]], E[b bᵀ] = K
+        return [(sign, base * _broadcast_scale(self, part, 1).sqrt() / mc_samples**0.5)
+                for sign, part in self._signed_scales()]
+
+    def matvec(self, mat: Tensor) -> Tensor:
+        """``c∇²ℓ`` per sample: ``mat [V, N, *out[1:]]`` -> same shape."""
+        return _broadcast_scale(self, self.scale, 1) * self._base_matvec(mat)
+
+    def modified_matvec(self, mat: Tensor, modify: str) -> Tensor:
+        """The loss Hessian with its eigenvalues clipped (``"clip"``) or made absolute (``"abs"``)."""
+        if not self.signed:
+            return self.matvec(mat)
+        scale = self.scale.clamp(min=0) if modify == "clip" else self.scale.abs()
+        return _broadcast_scale(self, scale, 1) * self._base_matvec(mat)
+
+    def most_negative(self) -> Tuple[float, int]:
+        """The most negative scale and its sample (for messages; ``signed`` losses only)."""
+        lowest = self.scale.reshape(self.out.shape[0], -1).min(1).values
+        n = int(lowest.argmin())
+        return float(lowest[n]), n
+
+    # --------------------------------------------------------------- helpers
+    def _signed_scales(self):
+        if not self.signed:
+            return [(1.0, self.scale)]
+        return [(1.0, self.scale.clamp(min=0)), (-1.0, (-self.scale).clamp(min=0))]
+
+    def _root(self, scale) -> Tensor:
+        out = self.out
+        per = out[0].numel()
+        if self.kind == "ce":
+            return _ce_root(out, scale)
+        if self.kind == "mse":
+            diag = torch.full_like(out, (2.0 * scale) ** 0.5)
+        else:
+            s = torch.sigmoid(out)
+            diag = (s * (1 - s) * scale).sqrt()
+        eye = torch.eye(per, dtype=out.dtype, device=out.device)
+        return eye.reshape((per, 1) + tuple(out.shape[1:])) * diag.unsqueeze(0)
+
+    def _sampled_base(self, m: int, generator) -> Tensor:
+        out = self.out
+        shape = (m,) + tuple(out.shape)
+        if self.kind == "mse":  # ∇ℓ of ‖f − ŷ‖², ŷ ~ N(f, ½I): √2 ε
+            return torch.randn(shape, generator=generator, dtype=out.dtype, device=out.device) * 2.0**0.5
+        if self.kind == "bce":  # ŷ ~ Bernoulli(σ(f)): σ(f) − ŷ
+            s = torch.sigmoid(out)
+            draws = torch.bernoulli(s.detach().expand(shape).contiguous(), generator=generator)
+            return s - draws
+        return _ce_sampled(out, m, generator)
+
+    def _base_matvec(self, mat: Tensor) -> Tensor:
+        if self.kind == "mse":
+            return 2.0 * mat
+        if self.kind == "bce":
+            s = torch.sigmoid(self.out)
+            return s * (1 - s) * mat
+        p = torch.softmax(self.out, dim=1)
+        return p * mat - p * (p * mat).sum(2, keepdim=True)
+
+
+def _may_be_negative(spec, y: Tensor) -> bool:
+    """Whether the options allow a negative scale (weights, ``pos_weight``, probability targets)."""
+    m = spec.module
+    if spec.kind == "bce":
+        return m.weight is not None or m.pos_weight is not None
+    return spec.kind == "ce" and (m.weight is not None or y.is_floating_point())
+
+
+def _concrete(t) -> bool:
+    if isinstance(t, float):
+        return True
+    from .losses import _is_concrete
+
+    return _is_concrete(t)
+
+
+def _broadcast_scale(curv: StructuralCurvature, scale, lead: int):
+    """``scale`` shaped to multiply ``[*lead, N, *out[1:]]`` tensors."""
+    if isinstance(scale, float):
+        return torch.tensor(scale, dtype=curv.out.dtype, device=curv.out.device)
+    if curv.kind == "ce":
+        scale = scale.unsqueeze(1)  # [N, 1, *D]: the same for every class
+    return scale.reshape((1,) * lead + tuple(scale.shape))
+
+
+def _scale(spec, out: Tensor, y: Tensor, c: float):
+    """``s`` of the module doc (``c`` included)."""
+    module = spec.module
+    if spec.kind == "mse":
+        return float(c)
+    if spec.kind == "bce":
+        s = torch.full_like(out, c)
+        if module.pos_weight is not None:
+            s = s * (module.pos_weight * y + 1 - y)
+        if module.weight is not None:
+            s = s * module.weight
+        return s.expand(out.shape)
+    return c * target_mass(module, out, y)
+
+
+def target_mass(module, out: Tensor, y: Tensor) -> Tensor:
+    """``κ [N, *D]`` of cross-entropy (module doc): each sample's and position's weight mass."""
+    k = out.shape[1]
+    eps = float(module.label_smoothing)
+    w = module.weight
+    if y.is_floating_point():  # class probabilities [N, K, *D]
+        q = y * (1 - eps) + eps / k if eps else y
+        if w is not None:
+            q = q * w.reshape((1, k) + (1,) * (y.dim() - 2))
+        return q.sum(1)
+    counted = y != module.ignore_index
+    safe = torch.where(counted, y, torch.zeros_like(y))
+    kappa = (1 - eps) * (w[safe] if w is not None else torch.ones_like(safe, dtype=out.dtype))
+    if eps:
+        kappa = kappa + eps / k * (w.sum() if w is not None else 1.0)
+    return kappa * counted
+
+
+def _ce_root(out: Tensor, scale: Tensor) -> Tensor:
+    """Column ``(a, r)``: ``√s[n, r] √p_{a,r} (e_a − p_{:,r})`` at position ``r`` (BackPACK's root)."""
+    n, k = out.shape[0], out.shape[1]
+    rest = out[0, 0].numel() if n else 1
+    p_flat = torch.softmax(out, dim=1).reshape(n, k, rest)  # [N, K, R]
+    eye_k = torch.eye(k, dtype=out.dtype, device=out.device)
+    # block[a, r, n, b] = √(s[n, r] p[n, a, r]) (δ(a, b) − p[n, b, r])
+    weight = (p_flat * scale.reshape(n, 1, rest)).sqrt().permute(1, 2, 0)  # [K(a), R, N]
+    block = weight[:, :, :, None] * (eye_k[:, None, None, :] - p_flat.permute(2, 0, 1)[None])
+    eye_r = torch.eye(rest, dtype=out.dtype, device=out.device)
+    S = block[..., None] * eye_r[None, :, None, None, :]  # [a, r, n, b, r']
+    return S.reshape((k * rest, n) + tuple(out.shape[1:]))
+
+
+def _ce_sampled(out: Tensor, m: int, generator) -> Tensor:
+    """``p − onehot(ŷ)``, ``ŷ ~ Categorical(softmax(f))`` per sample and position: ``[M, N, K, *D]``."""
+    p = torch.softmax(out, dim=1)
+    k = out.shape[1]
+    p_rows = p.movedim(1, -1).reshape(-1, k)  # [N·R, K]
+    # Inverse-CDF sampling, ŷ = #{j : P_j ≤ u} with P the cumulative probabilities and
+    # u ~ U[0, 1): a few vectorised ops, several times cheaper than torch.multinomial
+    # for the small class counts of a loss (rounding in P only shifts mass ~1e-7).
+    u = torch.rand((m, p_rows.shape[0], 1), generator=generator, dtype=out.dtype, device=out.device)
+    cdf = p_rows.detach().cumsum(-1)  # [N·R, K]
+    draws = (cdf.unsqueeze(0) <= u).sum(-1).clamp_(max=k - 1)  # [M, N·R]
+    onehot = torch.nn.functional.one_hot(draws, k).to(out.dtype)  # [M, N·R, K]
+    grads = p_rows.unsqueeze(0) - onehot
+    moved = tuple(out.movedim(1, -1).shape)
+    return grads.reshape((m,) + moved).movedim(-1, 2)
