@@ -8,7 +8,7 @@ from torch import nn
 from torch.func import stack_module_state, vmap
 
 from curvlib import curvature
-from curvlib.extensions import BatchGrad, BatchL2Grad, Variance
+from curvlib.extensions import HMP, KFLR, BatchGrad, BatchL2Grad, DiagGGNExact, Variance
 
 from helpers import check_first_order
 from oracles import assert_close_dicts, first_order_reference
@@ -207,7 +207,7 @@ def test_dropout_train_mode_differentiates_the_forward_mask():
         torch.testing.assert_close(qs["grad_batch"][k].sum(0), qs["grad"][k])
 
 
-def test_parametrized_and_hooked_linear_use_the_generic_rule():
+def test_parametrized_linear_uses_the_generic_rule():
     from torch.nn.utils import parametrize
 
     class Positive(nn.Module):
@@ -217,9 +217,32 @@ def test_parametrized_and_hooked_linear_use_the_generic_rule():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).to(DT)
     parametrize.register_parametrization(model[0], "weight", Positive())
-    model[2].register_forward_hook(lambda m, i, o: o * 2.0)
     X = torch.randn(5, 4, dtype=DT)
     check_first_order(model, nn.MSELoss(), X, torch.randn(5, 2, dtype=DT))
+
+
+def test_hooks_are_not_run_and_a_warning_says_so():
+    """User hooks are not part of the math: a forward and a full backward hook on a layer
+    and a backward hook on the loss change nothing (the layer keeps its own rule: KFLR)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).to(DT)
+    calls = []
+    model[2].register_forward_hook(lambda m, i, o: o * 2.0)
+    model[0].register_full_backward_hook(lambda m, gi, go: calls.append("backward"))
+    lossfn = nn.MSELoss()
+    lossfn.register_full_backward_hook(lambda m, gi, go: calls.append("loss"))
+    X, y = torch.randn(5, 4, dtype=DT), torch.randn(5, 2, dtype=DT)
+    plain = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).to(DT)
+    plain.load_state_dict(model.state_dict())
+    exts = [BatchGrad(), DiagGGNExact(), KFLR(), HMP()]
+    with pytest.warns(UserWarning, match=r"does not run the forward hooks of '2' \(Linear\)"):
+        f = curvature(model, lossfn, exts)
+    qs, ref = f(X, y), curvature(plain, nn.MSELoss(), exts)(X, y)
+    for key in ("grad", "grad_batch", "diag_ggn_exact"):
+        assert_close_dicts(qs[key], ref[key], key)
+    V = torch.randn(2, 3, 4, dtype=DT)
+    torch.testing.assert_close(qs["hmp"]["0.weight"](V), ref["hmp"]["0.weight"](V))
+    assert calls == []
 
 
 class TiedDecoder(nn.Module):

@@ -20,7 +20,10 @@ Everything here is a pure function of ``(params, X, y)``; it composes with
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import operator
+import threading
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -29,10 +32,10 @@ import torch
 from torch import Tensor, fx, nn
 from torch.func import vjp
 
+from . import _dropout, _inputs, _residuals
 from ._errors import CurvatureError
 from ._program import Program
-from . import _residuals
-from .rules import functional
+from .rules import call_without_hooks, functional
 from .rules._site import Recorder, Site
 
 __all__ = ["Plan", "make_plan", "run_graph", "forward_with_probes", "first_order", "has_inplace"]
@@ -53,6 +56,7 @@ def run_graph(
     rec: Recorder,
     fake_tensor: Optional[Callable[[Tensor], Tensor]] = None,
     env: Optional[Dict[fx.Node, object]] = None,
+    preserve_inputs: bool = False,
 ) -> Tensor:
     """Interpret the program's graph on input ``X``.
 
@@ -66,29 +70,49 @@ def run_graph(
             into a fake one (``None`` otherwise).
 
         env: if given, filled with every node's value.
+        preserve_inputs: run in-place nodes on copies of their inputs, so that ``env``
+            keeps every node's own value (only for chains, where nobody reads an
+            in-place node's input again: KFRA).
 
     Returns:
         The model output.
     """
     env = {} if env is None else env
+    where: List[Optional[fx.Node]] = [None]  # the node being run
+    try:
+        return _interpret(program, X, params, trainable, rec, fake_tensor, env, where, preserve_inputs)
+    except (CurvatureError, NodeFailure):
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised with the graph node that failed
+        raise NodeFailure(program, where[0], exc) from exc
+
+
+class NodeFailure(RuntimeError):
+    """The model's forward raised at a graph node: the node and the original error."""
+
+    def __init__(self, program: Program, node: Optional[fx.Node], exc: BaseException):
+        self.program, self.node, self.exc = program, node, exc
+        where = f" at graph node '{node.name}'" if node is not None else ""
+        super().__init__(f"{type(exc).__name__}{where}: {exc}")
+
+
+def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, preserve_inputs=False) -> Tensor:
+    dropout = _dropout.new_generator()  # None unless this call has active dropout
+    noises = env.setdefault(_dropout.NOISES, {}) if dropout is not None else None
     placeholders_seen = 0
     result = None
     for node in program.graph.nodes:
+        where[0] = node
         load = lambda a: fx.node.map_arg(a, lambda n: env[n])  # noqa: E731
         before = None
         if node in rec.residual_nodes and _residuals.is_inplace(program, node):
             # The node overwrites its input: keep the value it is a function of.
             before = {a: env[a].clone() for a in node.all_input_nodes if isinstance(env.get(a), Tensor)}
+        dropout_kind = _dropout.node_dropout(program, node) if dropout is not None else None
+        if preserve_inputs and node.op != "placeholder" and _residuals.is_inplace(program, node):
+            load = lambda a: fx.node.map_arg(a, lambda n: env[n].clone() if isinstance(env[n], Tensor) else env[n])  # noqa: E731
         if node.op == "placeholder":
-            if placeholders_seen == 0:
-                env[node] = X
-            elif node.args:
-                env[node] = node.args[0]  # default value of a further argument
-            else:
-                raise CurvatureError(
-                    f"The model's forward takes a second required argument '{node.target}'; "
-                    "curvlib calls model(X) with one input tensor."
-                )
+            env[node] = _placeholder(node, X, placeholders_seen)
             placeholders_seen += 1
         elif node.op == "get_attr":
             value = _lookup(program.root, node.target)
@@ -97,20 +121,10 @@ def run_graph(
             elif isinstance(value, Tensor) and fake_tensor is not None:
                 value = fake_tensor(value)
             env[node] = value
+        elif dropout_kind is not None:  # dropout: the mask from this call's generator
+            env[node] = _dropout.run_node(program, node, dropout_kind, load(node.args), load(node.kwargs), dropout, noises)
         elif node.op == "call_module":
-            args, kwargs = load(node.args), load(node.kwargs)
-            layer = program.layers.get(node.target)
-            if layer is None:
-                env[node] = _lookup(program.root, node.target)(*args, **kwargs)
-            else:
-                names = {r: n for r, n in layer.names.items() if n in trainable}
-                tensors = {r: params[n] for r, n in layer.names.items()}
-                first_site = len(rec.sites)
-                env[node] = layer.forward(
-                    layer.module, layer.path, names, tensors, args, kwargs, rec
-                )
-                for site in rec.sites[first_site:]:
-                    site.meta["family"] = layer.kind
+            env[node] = _call_module(program, node, load(node.args), load(node.kwargs), params, trainable, rec)
         elif node.op == "call_function":
             env[node] = node.target(*load(node.args), **load(node.kwargs))
         elif node.op == "call_method":
@@ -140,6 +154,32 @@ def run_graph(
             "output tensor with the batch in dim 0."
         )
     return result
+
+
+def _placeholder(node: fx.Node, X, seen: int):
+    if seen == 0:
+        return X
+    if node.args:
+        return node.args[0]  # default value of a further argument
+    raise CurvatureError(
+        f"The model's forward takes a second required argument '{node.target}'; curvlib calls "
+        "model(X) with one argument (pass several inputs as a dict or tuple X)."
+    )
+
+
+def _call_module(program, node: fx.Node, args, kwargs, params, trainable, rec):
+    """A module node: a layer through its rule (recording its sites), any other module
+    by its own ``forward`` (hooks are not part of the math and are not run)."""
+    layer = program.layers.get(node.target)
+    if layer is None:
+        return call_without_hooks(_lookup(program.root, node.target), args, kwargs)
+    names = {r: n for r, n in layer.names.items() if n in trainable}
+    tensors = {r: params[n] for r, n in layer.names.items()}
+    first_site = len(rec.sites)
+    out = layer.forward(layer.module, layer.path, names, tensors, args, kwargs, rec)
+    for site in rec.sites[first_site:]:
+        site.meta["family"] = layer.kind
+    return out
 
 
 @dataclass(frozen=True)
@@ -182,34 +222,73 @@ def module_checks(program: Program) -> List[Callable[[], None]]:
     return checks
 
 
-def _shape_pass(program, X, params, trainable, batch, residual_nodes=None, runner=None):
+def _shape_pass(program, X, params, trainable, batch, residual_nodes=None, runner=None, env=None):
     """Sites and output of a forward on fake tensors with batch size ``batch``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with _quiet_fake_tensor_log(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake = lambda t: mode.from_tensor(t) if not isinstance(t, torch._subclasses.FakeTensor) else t  # noqa: E731
-
-        def empty_like(t: Tensor, shape=None) -> Tensor:
-            return torch.empty(tuple(t.shape) if shape is None else shape, dtype=t.dtype, device=t.device)
-
-        Xf = empty_like(X, (batch,) + tuple(X.shape[1:]))
-        if not X.is_floating_point():
-            Xf = torch.zeros((batch,) + tuple(X.shape[1:]), dtype=X.dtype, device=X.device)
-        pf = {k: empty_like(v) for k, v in params.items()}
+        Xf = _inputs.with_batch(X, batch, real=False)
+        pf = {k: torch.empty(tuple(v.shape), dtype=v.dtype, device=v.device) for k, v in params.items()}
         rec = Recorder(None, residual_nodes=residual_nodes)
         with torch.no_grad():
-            out = (runner or run_graph)(program, Xf, pf, trainable, rec, fake_tensor=fake)
+            out = (runner or run_graph)(program, Xf, pf, trainable, rec, fake_tensor=fake, env=env)
         return rec, out
 
 
-def _real_shape_pass(program, X, params, trainable, batch, residual_nodes=None, runner=None):
+def _real_shape_pass(program, X, params, trainable, batch, residual_nodes=None, runner=None, env=None):
     """Fallback of :func:`_shape_pass` for ops that fake tensors do not support."""
-    Xb = X if batch == X.shape[0] else torch.cat([X, X[:1]])
+    Xb = _inputs.with_batch(X, batch, real=True)
+    device = _inputs.first(X).device
     rec = Recorder(None, residual_nodes=residual_nodes)
     # Forked random state: the passes take the same random branches as the real forward.
-    with torch.random.fork_rng(devices=[X.device] if X.device.type == "cuda" else []), torch.no_grad():
-        out = (runner or run_graph)(program, Xb, params, trainable, rec)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        out = (runner or run_graph)(program, Xb, params, trainable, rec, env=env)
     return rec, out
+
+
+def _checked_shape_pass(program, X, params, trainable, batch, residual_nodes, runner):
+    """A shape pass on fake tensors (on real ones for ops without a fake kernel); a model
+    that fails on ``X`` is reported by :func:`curvlib._diagnose.forward_failure`."""
+    try:
+        return _shape_pass(program, X, params, trainable, batch, residual_nodes, runner)
+    except CurvatureError:
+        raise
+    except Exception:  # noqa: BLE001 - an op without a fake-tensor kernel, or a real failure
+        pass
+    try:
+        return _real_shape_pass(program, X, params, trainable, batch, residual_nodes, runner)
+    except CurvatureError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported with the node, the input and a likely cause
+        from ._diagnose import forward_failure
+
+        raise forward_failure(program, X, params, exc, batch) from exc
+
+
+class _FakeTensorNoise(logging.Filter):
+    """Drops the ERROR records FakeTensorMode logs for a failing op while curvlib's shape
+    pass runs in this thread (curvlib reports the failure itself, naming the node)."""
+
+    active = threading.local()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(self.active, "on", False)
+
+
+_FAKE_LOGGER = logging.getLogger("torch._subclasses.fake_tensor")
+_FAKE_FILTER = _FakeTensorNoise()
+_FAKE_LOGGER.addFilter(_FAKE_FILTER)
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    before = getattr(_FakeTensorNoise.active, "on", False)
+    _FakeTensorNoise.active.on = True
+    try:
+        yield
+    finally:
+        _FakeTensorNoise.active.on = before
 
 
 def _batch_dim(shape_a, shape_b, n_a, n_b, where: str) -> int:
@@ -248,15 +327,10 @@ def _check_generic_inputs(site: Site, site_b: Site, n: int) -> None:
 
 def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=None, runner=None) -> Plan:
     """Learn shapes and batch dimensions (see the module docstring)."""
-    n = X.shape[0]
-    try:
-        rec_a, out_a = _shape_pass(program, X, params, trainable, n, residual_nodes, runner)
-        rec_b, out_b = _shape_pass(program, X, params, trainable, n + 1, residual_nodes, runner)
-    except CurvatureError:
-        raise
-    except Exception:  # noqa: BLE001 - an op without a fake-tensor kernel
-        rec_a, out_a = _real_shape_pass(program, X, params, trainable, n, residual_nodes, runner)
-        rec_b, out_b = _real_shape_pass(program, X, params, trainable, n + 1, residual_nodes, runner)
+    n = _inputs.batch_size(X)
+    (rec_a, out_a), (rec_b, out_b) = (
+        _checked_shape_pass(program, X, params, trainable, batch, residual_nodes, runner) for batch in (n, n + 1)
+    )
     calls_a, calls_b = [s.where for s in rec_a.sites], [s.where for s in rec_b.sites]
     if calls_a != calls_b:  # only possible without a graph (control flow in forward)
         raise CurvatureError(
@@ -358,7 +432,7 @@ def _inside_transform() -> bool:
 
 
 def forward_with_probes(program: Program, plan: Plan, X: Tensor, params, trainable, residual_nodes=None, runner=None,
-                        direct: bool = False, keep_values: bool = False) -> Linearization:
+                        direct: bool = False, keep_values: bool = False, functorch: bool = False) -> Linearization:
     """Run the forward, differentiable with respect to the probes.
 
     Outside any torch.func transform this uses plain autograd (less overhead,
@@ -368,9 +442,11 @@ def forward_with_probes(program: Program, plan: Plan, X: Tensor, params, trainab
     operations, see :func:`has_inplace`) differentiates with respect to the
     sites' outputs themselves instead of zero probes added to them.
     ``keep_values=True`` (plain autograd only) keeps every graph node's value in
-    ``Linearization.values`` (KFRA's recursion reuses them).
+    ``Linearization.values`` (KFRA's recursion reuses them). ``functorch=True``
+    takes the torch.func route outside transforms too: its results stay
+    differentiable w.r.t. inputs and parameter values that require grad.
     """
-    if _inside_transform():
+    if functorch or _inside_transform():
         return _forward_functorch(program, plan, X, params, trainable, residual_nodes, runner)
     if direct:
         lin = _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner, True, keep_values)
@@ -414,18 +490,18 @@ class _LazyProbes:
     def __getitem__(self, k: int) -> Tensor:
         if k not in self._made:
             self._made[k] = torch.zeros(
-                self._plan.site_shapes[k], dtype=self._plan.site_dtypes[k], device=self._X.device, requires_grad=True
+                self._plan.site_shapes[k], dtype=self._plan.site_dtypes[k], device=_inputs.first(self._X).device, requires_grad=True
             )
         return self._made[k]
 
 
 def _zero_probes(plan: Plan, X: Tensor, requires_grad: bool):
     probes = [
-        torch.zeros(shape, dtype=dtype, device=X.device, requires_grad=requires_grad)
+        torch.zeros(shape, dtype=dtype, device=_inputs.first(X).device, requires_grad=requires_grad)
         for shape, dtype in zip(plan.site_shapes, plan.site_dtypes)
     ]
     rprobes = [
-        torch.zeros(shape, dtype=plan.out_dtype, device=X.device, requires_grad=requires_grad)
+        torch.zeros(shape, dtype=plan.out_dtype, device=_inputs.first(X).device, requires_grad=requires_grad)
         for shape in plan.residual_shapes
     ]
     return probes, rprobes
@@ -464,12 +540,12 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
     if direct:
         probes = _LazyProbes(plan, X)
         rprobes = [
-            torch.zeros(shape, dtype=plan.out_dtype, device=X.device, requires_grad=True)
+            torch.zeros(shape, dtype=plan.out_dtype, device=_inputs.first(X).device, requires_grad=True)
             for shape in plan.residual_shapes
         ]
         # A floating input that requires grad puts the first layers' outputs into the
         # autograd graph (the engine never computes the input's own gradient).
-        X = X.detach().requires_grad_(True) if X.is_floating_point() else X
+        X = _inputs.map_tensors(lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t, X)
     else:
         probes, rprobes = _zero_probes(plan, X, requires_grad=True)
     rec = Recorder(probes, rprobes if residual_nodes else None, residual_nodes, direct=direct)

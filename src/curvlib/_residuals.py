@@ -38,7 +38,7 @@ from torch.func import hessian, vmap
 
 from ._errors import CurvatureError
 from ._program import Program
-from .rules import functional
+from .rules import call_without_hooks, functional
 from .rules._site import Recorder
 from .rules.elementwise import classify, second_derivative
 
@@ -195,7 +195,7 @@ def _node_function(program: Program, node: fx.Node, env, inputs_nodes, params) -
         if node.op == "call_module":
             layer = program.layers.get(node.target)
             if layer is None:
-                return program.root.get_submodule(node.target)(*args, **kwargs)
+                return call_without_hooks(program.root.get_submodule(node.target), args, kwargs)
             tensors = {r: theta.get(n, params[n]) for r, n in layer.names.items()}
             return layer.forward(layer.module, layer.path, {}, tensors, args, kwargs, Recorder(None))
         use = program.functional.get(node)

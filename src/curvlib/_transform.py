@@ -1,95 +1,45 @@
-"""``curvature(model, lossfn, extensions)``: the transform.
+"""``curvature(model, lossfn, extensions)``: the transform, in visible stages.
 
-It checks its arguments, traces the model once, and returns a pure function
-``f(X, y, params=None) -> dict``. Nothing is stored on the model or the loss.
+At ``curvature`` time: check the arguments and trace the model (:class:`_Setup`).
+Per call of ``f(X, y, params=None, generator=None)`` (:class:`_Call`):
+
+1. **inputs**: ``X``, ``y`` and ``params`` checked; every parameter's value;
+2. **plan**: shapes and batch dimensions for this input signature (cached), and
+   every refusal (targets, unsupported layers, memory) before any real work;
+3. **forward**: the linearised forward pass (:mod:`curvlib._engine`);
+4. **loss and site gradients**: one backward from the loss to every site;
+5. **first order** and 6. **second order** read off per-layer rules.
+
+Nothing is stored on the model or the loss.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Mapping, Optional, Sequence, Union
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
-from . import losses
-from ._engine import FIRST_ORDER, Plan, first_order, has_inplace, module_checks, forward_with_probes, make_plan
+from . import _arguments, _budget, _dropout, _inputs, _residuals, losses
+from ._diagnose import forward_failure
+from ._engine import FIRST_ORDER, NodeFailure, Plan, first_order, forward_with_probes, has_inplace, make_plan, module_checks
+from ._errors import CurvatureError, CurvatureTypeError
 from ._kfra import chain_nodes, kfra
-from ._products import products, replay_rng, rng_state
+from ._products import products, rng_state
+from ._program import Program, trace_program
 from ._secondorder import check_second_order, second_order
 from ._untraced import run_eager
-from .extensions.secondorder import SecondOrder
-from . import _residuals
-from ._errors import CurvatureError, CurvatureTypeError
-from ._program import Program, trace_program
 from .extensions._base import Extension
+from .extensions.secondorder import SecondOrder
 
 __all__ = ["curvature"]
 
 
-def _check_extensions(extensions) -> tuple:
-    if isinstance(extensions, Extension):
-        extensions = [extensions]
-    if not isinstance(extensions, (list, tuple)):
-        raise CurvatureTypeError(
-            "extensions must be a list or tuple of curvlib.extensions instances, got "
-            f"{type(extensions).__name__}."
-        )
-    seen: Dict[str, Extension] = {}
-    for ext in extensions:
-        if isinstance(ext, type) and issubclass(ext, Extension):
-            raise CurvatureTypeError(
-                f"extensions holds the class {ext.__name__}, not an instance; pass "
-                f"{ext.__name__}() instead."
-            )
-        if not isinstance(ext, Extension):
-            raise CurvatureTypeError(
-                f"extensions holds {ext!r} of type {type(ext).__name__}, which is not a "
-                "curvlib extension; use instances from curvlib.extensions, e.g. BatchGrad()."
-            )
-        if not ext.name:
-            raise CurvatureTypeError(
-                f"{type(ext).__name__} is a base class, not an extension; pass e.g. BatchGrad()."
-            )
-        if ext.name in ("loss", "grad"):
-            raise CurvatureError(f"Extension name {ext.name!r} is reserved for curvlib's own results.")
-        if ext.name in seen:
-            raise CurvatureError(
-                f"Two extensions have the same name {ext.name!r} ({seen[ext.name]!r} and "
-                f"{ext!r}); their results would overwrite each other. Pass each once."
-            )
-        seen[ext.name] = ext
-    return tuple(extensions)
-
-
-def _check_params(model: nn.Module, params: object, all_params: Dict[str, Tensor]) -> Dict[str, Tensor]:
-    if not isinstance(params, Mapping):
-        raise CurvatureTypeError(
-            f"params must be a dict mapping parameter names to tensors, got {type(params).__name__}."
-        )
-    for name, value in params.items():
-        if name not in all_params:
-            close = [n for n in all_params if n.split(".")[-1] == str(name).split(".")[-1]][:5]
-            raise CurvatureError(
-                f"params has an entry {name!r} that is not a parameter of the model "
-                f"({type(model).__name__}); valid names are those of model.named_parameters()"
-                + (f", e.g. {close}" if close else f": {list(all_params)[:10]}") + "."
-            )
-        if not isinstance(value, Tensor):
-            raise CurvatureTypeError(
-                f"params[{name!r}] must be a tensor, got {type(value).__name__}."
-            )
-        expected = tuple(all_params[name].shape)
-        if tuple(value.shape) != expected:
-            raise CurvatureError(
-                f"params[{name!r}] has shape {tuple(value.shape)}, but the model's parameter "
-                f"has shape {expected}."
-            )
-    return dict(params)
-
-
 def curvature(
     model: nn.Module,
-    lossfn: nn.Module,
+    lossfn: Union[nn.Module, Callable],
     extensions: Sequence[Extension] = (),
     process_group: object = None,
     chunk_size: Union[int, str, None] = "auto",
@@ -106,182 +56,329 @@ def curvature(
 
     Args:
         model: any ``nn.Module`` whose forward treats samples independently
-            (the batch in dim 0 of its input and output). It is traced once
-            with torch.fx and never changed.
-        lossfn: ``nn.MSELoss``, ``nn.CrossEntropyLoss`` or ``nn.BCEWithLogitsLoss``
-            with ``reduction="mean"`` or ``"sum"``.
+            (the batch in dim 0 of its input and output). It is traced once per
+            combination of its modules' ``training`` flags and never changed; a
+            ``torch.compile``d module is differentiated through its original module.
+            Hooks registered on its modules are not run (they are not part of the math).
+        lossfn: a per-sample loss: ``nn.MSELoss``, ``nn.CrossEntropyLoss``
+            (``weight``, ``ignore_index``, ``label_smoothing``, class indices or
+            probabilities) and ``nn.BCEWithLogitsLoss`` (``weight``, ``pos_weight``)
+            with ``reduction="mean"`` or ``"sum"`` (closed forms), or any loss module
+            or function ``lossfn(output, y)`` that sums or averages per-sample terms
+            (exact Hessians by autodiff; see :mod:`curvlib.losses`).
         extensions: instances from :mod:`curvlib.extensions`.
+        process_group: a ``torch.distributed`` process group: every rank calls
+            ``f`` on its local batch and gets the quantities of the global batch
+            (see :mod:`curvlib.distributed`). ``None``: one process.
         chunk_size: at most this many columns (classes, Monte-Carlo samples,
             residual columns) are pulled back through the model at once, which
             bounds the memory of the exact second-order quantities; the results
             do not depend on it. ``"auto"`` (default): as many as fit in
             :data:`AUTO_CHUNK_BYTES` of pulled-back site outputs
             (:data:`AUTO_CHUNK_BYTES_CPU` on a CPU unless a batch diagonal is
-            requested): all columns for small models, a few for convolutional
-            ones, where that is also faster. ``None``: all at once.
-        batch_chunk_size: at most this many samples are processed at once: the
-            batch is cut into slices whose results are combined into those of
-            the whole batch (see :mod:`curvlib._chunking`), so memory follows
-            the slice size. Results equal the unchunked ones up to float
-            rounding (Monte-Carlo ones have the same distribution). Not for
-            KFRA and the block products (refused). ``None``: the whole batch.
-        process_group: a ``torch.distributed`` process group: every rank calls
-            ``f`` on its local batch and gets the quantities of the global batch
-            (see :mod:`curvlib.distributed`). ``None``: one process.
+            requested). ``None``: all at once.
+        batch_chunk_size: at most this many samples are processed at once; the
+            slices' results are combined into the whole batch's (see
+            :mod:`curvlib._chunking`). Not for KFRA and the block products.
 
     Returns:
-        ``f(X, y, params=None)`` returning a plain dict with ``"loss"`` (0-dim),
-        ``"grad"`` (name -> gradient) and, per extension, ``ext.name`` (name ->
-        quantity). ``params`` (name -> tensor) replaces the model's parameters;
-        quantities are then returned for exactly its entries. ``f`` is a pure
-        function of ``(X, y, params)`` and composes with ``torch.func.vmap``.
+        ``f(X, y, params=None, generator=None)`` returning a plain dict with
+        ``"loss"`` (0-dim), ``"grad"`` (name -> gradient) and, per extension,
+        ``ext.name`` (name -> quantity). ``X`` is a tensor, or a dict/tuple of
+        tensors passed to the model as one argument, all with the batch in dim 0.
+        ``params`` (name -> tensor) replaces the model's parameters; quantities are
+        then returned for exactly its entries, otherwise for every parameter with
+        ``requires_grad=True`` (a frozen parameter gets no entry). Results are
+        differentiable w.r.t. ``params`` values and ``X`` that require grad; the
+        model's own parameters are read detached. ``generator`` draws the dropout
+        masks of a model in training mode (default: the global random state).
+        ``f`` is a pure function of ``(X, y, params)`` and composes with
+        ``torch.func.vmap``; it may be called from several threads.
 
     Raises:
         CurvatureTypeError: an argument has the wrong type.
         CurvatureError: anything else curvlib cannot handle, named in the message.
     """
-    if not isinstance(model, nn.Module):
-        raise CurvatureTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-    spec = losses.loss_spec(lossfn)
-    exts = _check_extensions(extensions)
-    computed = exts
-    if batch_chunk_size is not None and any(e.name == "variance" for e in exts) and not any(
-        e.name == "sum_grad_squared" for e in exts
-    ):
-        # slices combine Σ g² exactly; the variance is formed once from the totals
-        from .extensions import SumGradSquared
-
-        computed = tuple(exts) + (SumGradSquared(),)
-    first_exts = [e for e in computed if not isinstance(e, SecondOrder)]
-    second_exts = [e for e in computed if isinstance(e, SecondOrder)]
-    unknown = [e for e in first_exts if e.name not in FIRST_ORDER]
-    if unknown:
-        raise CurvatureError(
-            f"Extension {unknown[0]!r} is not a curvlib extension this version computes."
-        )
-    if chunk_size is not None and chunk_size != "auto" and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    ):
-        raise CurvatureError(f"chunk_size must be a positive int, 'auto' or None, got {chunk_size!r}.")
-    chunk_kinds = None
-    if batch_chunk_size is not None:
-        from ._chunking import check_batch_chunk_size
-
-        chunk_kinds = check_batch_chunk_size(batch_chunk_size, computed)
-    program = trace_program(model)
-    # Models fx cannot trace run eagerly, with their layers redirected to curvlib's rules
-    # (first order only: second order needs the graph and is refused below).
-    runner = run_eager if program.graph is None else None
-    if second_exts and program.graph is None:
-        raise CurvatureError(
-            f"{type(second_exts[0]).__name__} needs the model's computation graph, but model "
-            f"{type(model).__name__} could not be traced with torch.fx:\n  {program.trace_error}\n"
-            "First-order extensions do not need the graph."
-        )
-    needs_kfra = any(e.quantity == "kfra" for e in second_exts)
-    if needs_kfra:
-        chain_nodes(program)  # refuse branching graphs before any work
-    hessian_needed = any(e.quantity in ("hessian_diag", "hessian_batch_diag", "pchmp") for e in second_exts)
-    residual_nodes = (
-        _residuals.residual_plan(program, _shared_linear_layers(program)) if hessian_needed else {}
-    )
-    plans: Dict[tuple, Plan] = {}
-    checks = module_checks(program) if program.graph is not None else []
-    direct = not has_inplace(program)  # differentiate w.r.t. site outputs, not zero probes
-
-    def f(X: Tensor, y: Tensor, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, object]:
-        if not isinstance(X, Tensor):
-            raise CurvatureTypeError(f"X must be a torch.Tensor, got {type(X).__name__}.")
-        if X.dim() == 0:
-            raise CurvatureError("X is a scalar; it needs the batch in dim 0.")
-        if not isinstance(y, Tensor):
-            raise CurvatureTypeError(f"y must be a torch.Tensor, got {type(y).__name__}.")
-        if y.dim() == 0 or y.shape[0] != X.shape[0]:
-            raise CurvatureError(
-                f"y has shape {tuple(y.shape)} but X has batch size {X.shape[0]}; y needs "
-                "the same batch size in dim 0."
-            )
-        all_params = {name: p for name, p in model.named_parameters()}
-        if params is None:
-            trainable = [n for n, p in all_params.items() if p.requires_grad]
-            values = {n: p.detach() for n, p in all_params.items()}
-        else:
-            given = _check_params(model, params, all_params)
-            trainable = [n for n in all_params if n in given]
-            values = {n: (given[n] if n in given else p.detach()) for n, p in all_params.items()}
-        for check in checks:  # (the eager runner checks modules as they are called)
-            check()
-        key = (
-            tuple(X.shape), X.dtype, X.device.type,
-            tuple((n, tuple(v.shape), v.dtype) for n, v in values.items()),
-            frozenset(trainable),
-        )
-        plan = plans.get(key)
-        if plan is None or runner is not None:  # an untraced model's path may change per call
-            plan = plans[key] = make_plan(
-                program, X, values, frozenset(trainable), residual_nodes, runner=runner
-            )
-        # Targets and extensions are checked against the plan: before any work.
-        losses.check_targets(spec, torch.empty(plan.out_shape, dtype=plan.out_dtype, device="meta"), y)
-        if second_exts:
-            check_second_order(
-                second_exts, plan.sites, trainable, [],
-                {layer.path: layer.kind for layer in program.layers.values()},
-            )
-        rng = rng_state(X.device)
-
-        lin = forward_with_probes(
-            program, plan, X, values, frozenset(trainable), residual_nodes, runner=runner, direct=direct,
-            keep_values=needs_kfra,
-        )
-        if lin.pull_loss is not None:  # plain autograd: one backward from the loss
-            loss, (gs, residual_grads) = lin.pull_loss(
-                lambda out: losses.loss_value(spec, out, y), retain=bool(second_exts)
-            )
-        else:
-            loss, g_out = _loss_and_output_gradient(spec, lin.out, y)
-            gs, residual_grads = lin.pull(g_out)
-        quantities = first_order(
-            lin.sites, gs, trainable, values, [e.name for e in first_exts], X.shape[0]
-        )
-        result: Dict[str, object] = {"loss": loss.detach() if losses._is_concrete(loss) else loss}
-        result.update(quantities)
-        if second_exts:
-            product = products(
-                program, spec, X, y, values, residual_nodes, lin, residual_grads, rng, frozenset(trainable)
-            )
-
-            def kfra_factors():
-                reduce = None
-                if process_group is not None:
-                    from .distributed import kfra_reducer
-
-                    m_local = y.numel() if spec.reduction == "mean" else 1
-                    reduce = kfra_reducer(spec, process_group, X.shape[0], m_local)
-                if lin.values is not None:  # reuse the forward just run
-                    return kfra(program, spec, X, y, trainable, values, lin.sites, reduce=reduce,
-                                forward=(lin.out, lin.values))
-                with replay_rng(rng, X.device):
-                    return kfra(program, spec, X, y, trainable, values, lin.sites, reduce=reduce)
-
-            result.update(
-                second_order(
-                    lin, spec, y, second_exts, trainable, values, X.shape[0],
-                    residual_grads, product, kfra_factors,
-                    chunk_size=_auto_chunk_size(plan, second_exts, X.device.type) if chunk_size == "auto" else chunk_size,
-                )
-            )
-        return result
-
-    if chunk_kinds is not None:
+    setup = _Setup(model, lossfn, extensions, process_group, chunk_size, batch_chunk_size)
+    f: Callable[..., Dict[str, object]] = _Call(setup)
+    if setup.chunk_kinds is not None:
         from ._chunking import over_samples
 
-        f = over_samples(f, spec, chunk_kinds, batch_chunk_size, drop=computed[len(exts):])
+        f = over_samples(f, setup.spec, setup.chunk_kinds, batch_chunk_size, drop=setup.computed[len(setup.exts):])
     if process_group is not None:
         from .distributed import aggregated
 
-        return aggregated(f, spec, exts, process_group)
-    return f
+        f = aggregated(f, setup.spec, setup.exts, process_group)
+    if setup.prefix:
+        f = _renamed(f, setup.prefix, setup.model)
+    return _public(f)
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+@dataclass
+class _Traced:
+    """Everything derived from one trace of the model (per combination of ``training`` flags)."""
+
+    program: Program
+    runner: Optional[Callable]
+    checks: List[Callable[[], None]]
+    direct: bool
+    residual_nodes: dict
+    dropout: List[str]
+    plans: Dict[tuple, Plan] = field(default_factory=dict)
+
+
+class _Setup:
+    """``curvature``'s arguments, checked, and the model's traces."""
+
+    def __init__(self, model, lossfn, extensions, process_group, chunk_size, batch_chunk_size):
+        if not isinstance(model, nn.Module):
+            raise CurvatureTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+        self.model, self.prefix = _arguments.unwrap_compiled(model)
+        self.spec = losses.loss_spec(lossfn)
+        self.exts = _arguments.check_extensions(extensions)
+        _arguments.check_chunk_size(chunk_size)
+        self.chunk_size = chunk_size
+        self.computed = self._computed(batch_chunk_size)
+        self.first = [e for e in self.computed if not isinstance(e, SecondOrder)]
+        self.second = [e for e in self.computed if isinstance(e, SecondOrder)]
+        unknown = [e for e in self.first if e.name not in FIRST_ORDER]
+        if unknown:
+            raise CurvatureError(f"Extension {unknown[0]!r} is not a curvlib extension this version computes.")
+        self.chunk_kinds = None
+        if batch_chunk_size is not None:
+            from ._chunking import check_batch_chunk_size
+
+            self.chunk_kinds = check_batch_chunk_size(batch_chunk_size, self.computed, self.spec)
+        if process_group is not None and self.spec.kind == "generic":
+            raise CurvatureError(
+                f"process_group with lossfn {self.spec.name}: curvlib aggregates over ranks by the "
+                "normaliser of nn.MSELoss, nn.CrossEntropyLoss and nn.BCEWithLogitsLoss, which it cannot "
+                "know for another loss. Use one of those, or compute per rank and sum yourself."
+            )
+        self.process_group = process_group
+        self._traces: Dict[tuple, _Traced] = {}
+        self.dropout_warned = False
+        _warn_hooks(self.model)
+        self.traced()  # trace now: untraceable models and unsupported graphs fail at once
+
+    def _computed(self, batch_chunk_size) -> tuple:
+        exts = self.exts
+        names = {e.name for e in exts}
+        if batch_chunk_size is not None and "variance" in names and "sum_grad_squared" not in names:
+            # slices combine Σ g² exactly; the variance is formed once from the totals
+            from .extensions import SumGradSquared
+
+            return tuple(exts) + (SumGradSquared(),)
+        return tuple(exts)
+
+    def traced(self) -> _Traced:
+        """The trace for the model's current ``training`` flags (fx bakes ``self.training`` in)."""
+        key = tuple(m.training for m in self.model.modules())
+        traced = self._traces.get(key)
+        if traced is None:
+            traced = self._traces[key] = _trace(self.model, self.second)
+        return traced
+
+
+def _warn_hooks(model: nn.Module) -> None:
+    """Say once which user forward hooks curvlib does not run (they may change outputs)."""
+    from .rules import math_hooks
+
+    hooked = []
+    for path, m in model.named_modules():
+        hooks = [h for h in list(m._forward_hooks.values()) + list(m._forward_pre_hooks.values())
+                 if h not in math_hooks(m) and not _library_hook(h)]
+        if hooks:
+            hooked.append(f"'{path or type(m).__name__}' ({type(m).__name__})")
+    if hooked:
+        warnings.warn(
+            f"curvlib does not run the forward hooks of {', '.join(hooked[:3])}{', ...' if len(hooked) > 3 else ''}: "
+            "hooks are not part of the math, every module runs its own forward. A hook that changes a "
+            "module's input or output is therefore not seen; fold such a change into the module's forward.",
+            UserWarning, stacklevel=3,
+        )
+
+
+def _library_hook(hook) -> bool:
+    """Observer hooks other libraries leave behind (BackPACK's input/output store, laplace's feature recorder)."""
+    module = getattr(hook, "__module__", "") or ""
+    return module.split(".")[0] in ("backpack", "laplace", "curvlinops", "opacus")
+
+
+def _trace(model: nn.Module, second: Sequence[SecondOrder]) -> _Traced:
+    program = trace_program(model)
+    if second and program.graph is None:
+        raise CurvatureError(
+            f"{type(second[0]).__name__} needs the model's computation graph, but model "
+            f"{type(model).__name__} could not be traced with torch.fx:\n  {program.trace_error}\n"
+            "First-order extensions do not need the graph."
+        )
+    if any(e.quantity == "kfra" for e in second):
+        chain_nodes(program)  # refuse branching graphs before any work
+    hessian = any(e.quantity in ("hessian_diag", "hessian_batch_diag", "pchmp") for e in second)
+    traced = program.graph is not None
+    return _Traced(
+        program=program,
+        runner=None if traced else run_eager,
+        checks=module_checks(program) if traced else [],
+        direct=not has_inplace(program),  # differentiate w.r.t. site outputs, not zero probes
+        residual_nodes=_residuals.residual_plan(program, _shared_linear_layers(program)) if hessian else {},
+        dropout=_dropout.active(program),
+    )
+
+
+def _shared_linear_layers(program: Program) -> frozenset:
+    """Linear layers whose weight is used by more than one site (calls or direct reads)."""
+    counts: Dict[str, int] = {}
+    for node in program.graph.nodes:
+        layer = program.layers.get(node.target) if node.op == "call_module" else None
+        if layer is not None:
+            for name in set(layer.names.values()):
+                counts[name] = counts.get(name, 0) + 1
+    for use in program.functional.values():
+        for name in use.params:
+            counts[name] = counts.get(name, 0) + 1
+    return frozenset(
+        target for target, layer in program.layers.items()
+        if layer.kind == "linear" and counts.get(layer.names.get("weight"), 0) > 1
+    )
+
+
+# ----------------------------------------------------------------------------- one call
+
+
+class _Call:
+    """``f(X, y, params=None, generator=None)`` of one :func:`curvature` (module doc, stages 1-6)."""
+
+    def __init__(self, setup: _Setup):
+        self.setup = setup
+
+    def __call__(self, X, y: Tensor, params: Optional[Mapping[str, Tensor]] = None,
+                 generator: Optional[torch.Generator] = None) -> Dict[str, object]:
+        s = self.setup
+        n = _inputs.check_input(X)
+        values, trainable = _arguments.parameter_values(s.model, params)
+        traced = s.traced()
+        for check in traced.checks:  # (the eager runner checks modules as they are called)
+            check()
+        plan = self._plan(traced, X, values, trainable, y, n)
+        y = losses.prepare_targets(s.spec, y)
+        seed = self._dropout_seed(traced, generator)
+        differentiable = torch.is_grad_enabled() and (
+            any(t.requires_grad for t in _inputs.tensors(X)) or any(v.requires_grad for v in values.values())
+        )
+        with _dropout.masks(seed, _inputs.first(X).device):
+            try:
+                return self._evaluate(traced, plan, X, y, values, trainable, differentiable, seed)
+            except NodeFailure as exc:  # the real forward failed where the shape passes did not
+                raise forward_failure(traced.program, X, values, exc, n) from exc
+
+    def _plan(self, traced: _Traced, X, values, trainable: List[str], y: Tensor, n: int) -> Plan:
+        """Stage 2: the cached plan, and every check that needs it (before any work)."""
+        s = self.setup
+        plan = self._cached_plan(traced, X, values, frozenset(trainable))
+        _arguments.check_targets_batch(s.spec, y, n)
+        losses.check_targets(s.spec, torch.empty(plan.out_shape, dtype=plan.out_dtype, device="meta"), y)
+        if s.second:
+            kinds = {layer.path: layer.kind for layer in traced.program.layers.values()}
+            check_second_order(s.second, plan.sites, trainable, [], kinds)
+            _budget.check_roots(s.second, plan.out_shape, plan.out_dtype, _inputs.first(X).device)
+        _dropout.refuse_in_generic(traced.program, plan.sites)
+        return plan
+
+    @staticmethod
+    def _cached_plan(traced: _Traced, X, values, trainable: frozenset) -> Plan:
+        leaves = _inputs.tensors(X)
+        key = (
+            tuple((tuple(t.shape), t.dtype, t.device.type) for t in leaves),
+            tuple((n, tuple(v.shape), v.dtype) for n, v in values.items()),
+            trainable,
+        )
+        plan = traced.plans.get(key)
+        if plan is None or traced.runner is not None:  # an untraced model's path may change per call
+            plan = traced.plans[key] = make_plan(
+                traced.program, X, values, trainable, traced.residual_nodes, runner=traced.runner
+            )
+        return plan
+
+    def _dropout_seed(self, traced: _Traced, generator: Optional[torch.Generator]) -> Optional[int]:
+        """One draw for this call's dropout masks (``None`` without active dropout)."""
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise CurvatureError(f"generator must be a torch.Generator or None, got {type(generator).__name__}.")
+        if not traced.dropout:
+            return None
+        if not self.setup.dropout_warned:
+            self.setup.dropout_warned = True
+            warnings.warn(_dropout.warning(traced.dropout), UserWarning, stacklevel=3)
+        return _dropout.draw_seed(generator)
+
+    def _evaluate(self, traced, plan, X, y, values, trainable, differentiable, seed) -> Dict[str, object]:
+        """Stages 3-6."""
+        s = self.setup
+        frozen_trainable = frozenset(trainable)
+        rng = rng_state(_inputs.first(X).device)
+        lin = forward_with_probes(
+            traced.program, plan, X, values, frozen_trainable, traced.residual_nodes, runner=traced.runner,
+            direct=traced.direct, keep_values=any(e.quantity == "kfra" for e in s.second),
+            functorch=differentiable,
+        )
+        loss, gs, residual_grads = _loss_and_site_gradients(s.spec, lin, y, bool(s.second))
+        result: Dict[str, object] = {"loss": loss}
+        result.update(first_order(lin.sites, gs, trainable, values, [e.name for e in s.first], _inputs.batch_size(X)))
+        if s.second:
+            curv = losses.curvature_at(s.spec, lin.out, y)
+            product = products(traced.program, s.spec, y, curv, X, values, traced.residual_nodes, lin,
+                               residual_grads, rng, frozen_trainable, seed)
+            kfra_factors = _kfra_factors(s, traced, lin, curv, X, y, trainable, values)
+            chunk = _auto_chunk_size(plan, s.second, _inputs.first(X).device.type) if s.chunk_size == "auto" else s.chunk_size
+            result.update(second_order(
+                lin, curv, s.second, trainable, values, _inputs.batch_size(X), residual_grads, product,
+                kfra_factors, chunk_size=chunk, site_grads=gs,
+            ))
+        return result
+
+
+def _loss_and_site_gradients(spec, lin, y: Tensor, keep_graph: bool):
+    """Stage 4: the loss and its gradient at every site (and residual) output."""
+    if lin.pull_loss is not None:  # plain autograd: one backward from the loss
+        loss, (gs, residual_grads) = lin.pull_loss(lambda out: _scalar_loss(spec, out, y), retain=keep_graph)
+    else:
+        loss, pullback = torch.func.vjp(lambda o: _scalar_loss(spec, o, y), lin.out)
+        gs, residual_grads = lin.pull(pullback(torch.ones_like(loss))[0])
+    if spec.kind == "generic" and not keep_graph and losses._is_concrete(lin.out):
+        from ._loss_generic import check_per_sample
+
+        check_per_sample(lambda o: losses.loss_value(spec, o, y), lin.out.detach(), spec.name)
+    return loss, gs, residual_grads
+
+
+def _scalar_loss(spec, out: Tensor, y: Tensor) -> Tensor:
+    loss = losses.loss_value(spec, out, y)
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+        raise CurvatureError(
+            f"lossfn {spec.name} returned {shape}, not a scalar: curvlib needs the sum or mean over "
+            "samples of per-sample terms (reduction='sum' or 'mean', or .sum() in a function)."
+        )
+    return loss
+
+
+def _kfra_factors(s: _Setup, traced: _Traced, lin, curv, X, y, trainable, values):
+    """``() -> KFRA factors``, reusing the forward's node values where it kept them."""
+
+    def factors():
+        reduce = None
+        if s.process_group is not None:
+            from .distributed import kfra_reducer
+
+            reduce = kfra_reducer(s.spec, s.process_group, _inputs.batch_size(X), losses.normaliser(s.spec, y))
+        forward = (lin.out, lin.values) if lin.values is not None else None
+        return kfra(traced.program, curv, X, trainable, values, lin.sites, reduce=reduce, forward=forward)
+
+    return factors
 
 
 #: ``chunk_size="auto"``: the pulled-back site outputs of one chunk of columns
@@ -301,39 +398,37 @@ def _auto_chunk_size(plan: Plan, exts: Sequence = (), device: str = "cuda") -> i
     batch_diagonal = any(getattr(e, "quantity", None) in ("batch_diag", "hessian_batch_diag") for e in exts)
     if device == "cpu" and not batch_diagonal:
         budget = min(budget, AUTO_CHUNK_BYTES_CPU)
-    per_column = 0
-    for shape, dtype in zip(plan.site_shapes, plan.site_dtypes):
-        numel = 1
-        for size in shape:
-            numel *= size
-        per_column += numel * torch.empty((), dtype=dtype).element_size()
+    per_column = sum(_arguments.bytes_of(shape, dtype) for shape, dtype in zip(plan.site_shapes, plan.site_dtypes))
     return max(1, budget // max(per_column, 1))
 
 
-def _loss_and_output_gradient(spec, out: Tensor, y: Tensor):
-    """``L`` and ``∂L/∂out``: plain autograd outside torch.func transforms, ``vjp`` inside."""
-    if torch._C._functorch.maybe_current_level() is None:
-        leaf = out.detach().requires_grad_(True)
-        with torch.enable_grad():
-            loss = losses.loss_value(spec, leaf, y)
-        (g_out,) = torch.autograd.grad(loss, leaf)
-        return loss.detach(), g_out
-    loss, pullback = torch.func.vjp(lambda o: losses.loss_value(spec, o, y), out)
-    return loss, pullback(torch.ones_like(loss))[0]
+# ----------------------------------------------------------------------------- wrappers
 
 
-def _shared_linear_layers(program: Program) -> frozenset:
-    """Linear layers whose weight is used by more than one site (calls or direct reads)."""
-    counts: Dict[str, int] = {}
-    for node in program.graph.nodes:
-        layer = program.layers.get(node.target) if node.op == "call_module" else None
-        if layer is not None:
-            for name in set(layer.names.values()):
-                counts[name] = counts.get(name, 0) + 1
-    for use in program.functional.values():
-        for name in use.params:
-            counts[name] = counts.get(name, 0) + 1
-    return frozenset(
-        target for target, layer in program.layers.items()
-        if layer.kind == "linear" and counts.get(layer.names.get("weight"), 0) > 1
-    )
+def _renamed(f: Callable, prefix: str, model: nn.Module) -> Callable:
+    """Results and ``params`` keyed like a ``torch.compile``d module's parameters."""
+
+    def g(X, y, params=None, generator=None):
+        result = f(X, y, params=_arguments.without_prefix(params, prefix, model), generator=generator)
+        return _arguments.with_prefix(result, prefix)
+
+    return g
+
+
+def _public(f: Callable) -> Callable:
+    """``f`` callable under ``torch.inference_mode()``: it leaves inference mode for the
+    call (autograd is the method, not an option) and copies inference tensors (the block
+    products it returns do the same when they are called)."""
+
+    def call(X, y, params: Optional[Mapping[str, Tensor]] = None, generator: Optional[torch.Generator] = None):
+        if not torch.is_inference_mode_enabled():
+            return f(X, y, params=params, generator=generator)
+        with torch.inference_mode(False):
+            X = _inputs.map_tensors(_arguments.inference_free, X)
+            y = _arguments.inference_free(y)
+            if isinstance(params, Mapping):
+                params = {k: _arguments.inference_free(v) for k, v in params.items()}
+            return f(X, y, params=params, generator=generator)
+
+    call.__doc__ = curvature.__doc__
+    return call

@@ -50,14 +50,30 @@ def _family(module: nn.Module, table) -> "str | None":
 
 
 def _plain(module: nn.Module) -> bool:
-    """No parametrization and no module hooks: the family's functional forward is exact."""
+    """The family's functional forward is exact: no parametrization and no reparametrizing
+    hook (the old-style ``weight_norm``/``spectral_norm`` compute the weight in a pre-hook).
+    Any other hook (a user's, or one left by another library) is not part of the math:
+    the module's own class decides."""
     from torch.nn.utils import parametrize
 
-    return not (
-        parametrize.is_parametrized(module)
-        or module._forward_hooks
-        or module._forward_pre_hooks
-    )
+    return not (parametrize.is_parametrized(module) or math_hooks(module))
+
+
+def math_hooks(module: nn.Module) -> list:
+    """The module's hooks that compute its parameters (old-style weight or spectral norm)."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    return [h for h in module._forward_pre_hooks.values() if isinstance(h, (WeightNorm, SpectralNorm))]
+
+
+def call_without_hooks(module: nn.Module, args, kwargs):
+    """``module(*args, **kwargs)`` without its hooks (user hooks are not part of the math;
+    a full backward hook cannot even run under torch.func), unless a hook computes its
+    parameters (:func:`math_hooks`), in which case the module is called as usual."""
+    if math_hooks(module):
+        return module(*args, **kwargs)
+    return module.forward(*args, **kwargs)
 
 
 def has_family(module: nn.Module) -> bool:
@@ -68,8 +84,8 @@ def has_family(module: nn.Module) -> bool:
 def forward_for(module: nn.Module) -> Tuple[Callable, str]:
     """The functional forward for a parametrized leaf module, and its family name.
 
-    Modules with parametrizations or forward hooks run through the generic
-    rule, which calls the module itself (so its hooks run as usual).
+    Modules with parametrizations (or old-style reparametrizing hooks) run through
+    the generic rule, which calls the module itself.
     """
     family = _family(module, FAMILIES)
     if family is None or not _plain(module):

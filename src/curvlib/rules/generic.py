@@ -18,30 +18,42 @@ from typing import Any, Dict, Sequence
 
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
+from torch.nn.utils.stateless import _reparametrize_module
 
 from .._errors import CurvatureError
+from .._sync import LOCK
 from ._site import Recorder, RoleTensors, Rule, Site
 
 
 def stateless_call(module: nn.Module, tensors: Dict[str, Tensor], args, kwargs) -> Any:
-    """``functional_call`` that provably leaves ``module`` as it found it.
+    """``module`` run with the parameter ``tensors``, provably leaving it as it found it.
 
-    ``torch.func.functional_call`` can leave plain tensors in place of the
-    parameters of a submodule that appears twice in the tree; we restore
-    every submodule's parameter and buffer slots afterwards.
+    * Its buffers are passed as copies when it (or a submodule) is in training
+      mode, where forwards update buffers in place (spectral norm's power
+      iteration, running statistics): each evaluation starts from the model's
+      own, unchanged values, like one ``model(X)`` from the current state.
+    * Its hooks are not run (:func:`curvlib.rules.call_without_hooks`).
+    * ``torch.func.functional_call`` can leave plain tensors in place of the
+      parameters of a submodule that appears twice in the tree; every
+      submodule's parameter and buffer slots are restored afterwards. The slots
+      are swapped under :data:`curvlib._sync.LOCK` (other threads must not see them).
     """
-    slots = [
-        (m, store, dict(getattr(m, store)))
-        for m in module.modules()
-        for store in ("_parameters", "_buffers")
-    ]
-    try:
-        return functional_call(module, tensors, tuple(args), dict(kwargs), tie_weights=False)
-    finally:
-        for m, store, saved in slots:
-            current = getattr(m, store)
-            current.clear()
-            current.update(saved)
+    from . import math_hooks
+
+    if any(m.training for m in module.modules()):
+        tensors = {**{name: b.clone() for name, b in module.named_buffers()}, **tensors}
+    with LOCK:
+        slots = [(m, store, dict(getattr(m, store))) for m in module.modules() for store in ("_parameters", "_buffers")]
+        try:
+            if math_hooks(module):  # hooks that compute the weight from the parameters: run them
+                return functional_call(module, tensors, tuple(args), dict(kwargs), tie_weights=False)
+            with _reparametrize_module(module, tensors, tie_weights=False):
+                return module.forward(*args, **kwargs)
+        finally:
+            for m, store, saved in slots:
+                current = getattr(m, store)
+                current.clear()
+                current.update(saved)
 
 
 def _split_args(args, kwargs):
