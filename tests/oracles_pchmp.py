@@ -14,7 +14,8 @@ sample ``n`` its residual is
 over ``u = (θ, x)``: ``x`` the node's input-dependent tensor arguments
 (whole-batch tensors: the rows of the other samples get zero rows and columns
 in ``R_n``, hence zero eigenvalues, which no modification changes) and ``θ``
-the node's own trainable parameters (a module call's). The couplings in
+the node's own trainable parameters (a module call's, or those a function
+reads through its input-free arguments). The couplings in
 ``R_n`` of a parameter on which none of the node's inputs depends are
 removed (it keeps its own block): they enter no diagonal block of the
 Hessian, since no parameter moves both coordinates. For the layers affine in
@@ -32,12 +33,14 @@ contains them and couples them with that input. The block of parameter
 parameters, ``∂x/∂p`` by autograd on the input part), ``mod`` acting on the
 eigenvalues (``"clip"``: ``max(λ, 0)``, ``"abs"``: ``|λ|``; ``None``: none,
 and then the sum is the exact Hessian block, which the tests check against
-:func:`hessian_blocks_autograd`). Limits: no parameter read in the forward
-outside a module call (``get_attr``), no in-place operations.
+:func:`hessian_blocks_autograd`). A node reading parameters in the forward
+(``F.linear(h, enc.weight.t())``) owns them like a module call. Models with
+in-place operations are refused (``NotImplementedError``).
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -64,25 +67,50 @@ def mod(M: Tensor, modify: Optional[str]) -> Tensor:
     return Q @ torch.diag_embed(lam) @ Q.transpose(-1, -2)
 
 
+_IN_PLACE_OPERATORS = frozenset(
+    getattr(operator, f"i{op}") for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul")
+)
+
+
+def _in_place(model: nn.Module, node: fx.Node) -> bool:
+    """``inplace=True`` modules and functions, ``x.relu_()``, ``x += y``."""
+    if node.op == "call_module":
+        return bool(getattr(model.get_submodule(node.target), "inplace", False))
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return bool(node.kwargs.get("inplace")) or (name.endswith("_") and not name.endswith("__")) or (
+        node.op == "call_function" and node.target in _IN_PLACE_OPERATORS)
+
+
+def _getattr_path(obj, target: str):
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 class _Graph:
     """The traced model, run functionally with every parameter replaceable."""
 
     def __init__(self, model: nn.Module):
         self.model = model
         self.graph = _Leaves().trace(model)
-        ids = {}
+        self.ids = {}
         for name, p in model.named_parameters():
-            ids.setdefault(id(p), name)
+            self.ids.setdefault(id(p), name)
         self.roles = {  # module target -> role -> canonical parameter name
-            n.target: {r: ids[id(p)] for r, p in model.get_submodule(n.target).named_parameters(remove_duplicate=False)}
+            n.target: {r: self.ids[id(p)] for r, p in model.get_submodule(n.target).named_parameters(remove_duplicate=False)}
             for n in self.graph.nodes if n.op == "call_module"
         }
         self.dependent = self._dependent()
         self.nodes = [n for n in self.graph.nodes if n in self.dependent and n.op.startswith("call_")]
         self.tensor_nodes = self.nodes  # narrowed to floating tensor values once they are known
-        for n in self.graph.nodes:
-            if n.op == "get_attr":
-                raise NotImplementedError(f"oracle: parameter or buffer read in the forward ({n.target})")
+        self.float_input = True
+        for n in self.nodes:
+            if _in_place(model, n):
+                raise NotImplementedError(f"oracle: in-place operation at graph node '{n.name}'")
+
+    def _attr(self, node: fx.Node, params: Dict[str, Tensor]):
+        value = _getattr_path(self.model, node.target)
+        return params[self.ids[id(value)]] if isinstance(value, nn.Parameter) else value
 
     def _dependent(self) -> set:
         """Nodes depending on the input, and per node the parameters its value depends on."""
@@ -91,19 +119,39 @@ class _Graph:
             ups = set().union(*(self.upstream[a] for a in n.all_input_nodes)) if n.all_input_nodes else set()
             if n.op == "call_module":
                 ups |= set(self.roles[n.target].values())
+            elif n.op == "get_attr" and isinstance(_getattr_path(self.model, n.target), nn.Parameter):
+                ups.add(self.ids[id(_getattr_path(self.model, n.target))])
             self.upstream[n] = ups
             if n.op == "placeholder" or any(a in dep for a in n.all_input_nodes):
                 dep.add(n)
         return dep
+
+    def parameters_of(self, node: fx.Node) -> List[str]:
+        """A node's own parameters: a module's, or those read through its input-free arguments."""
+        if node.op == "call_module":
+            return list(dict.fromkeys(self.roles[node.target].values()))
+        constant = [a for a in node.all_input_nodes if a not in self.dependent]
+        return sorted(set().union(*(self.upstream[a] for a in constant))) if constant else []
 
     def call(self, node: fx.Node, params: Dict[str, Tensor], args, kwargs):
         """``node``'s function on given arguments, with the model's parameters ``params``."""
         if node.op == "call_module":
             module = self.model.get_submodule(node.target)
             return functional_call(module, {r: params[c] for r, c in self.roles[node.target].items()}, tuple(args))
+        if node.op == "get_attr":
+            return self._attr(node, params)
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
         return node.target(*args, **kwargs)
+
+    def constants(self, params: Dict[str, Tensor]) -> Dict[fx.Node, object]:
+        """The values of the input-free nodes (parameters read in the forward, and ops on them)."""
+        env: Dict[fx.Node, object] = {}
+        for n in self.graph.nodes:
+            if n not in self.dependent and n.op != "output":
+                load = lambda a: fx.node.map_arg(a, lambda m: env[m])  # noqa: E731
+                env[n] = self.call(n, params, load(n.args), load(n.kwargs))
+        return env
 
     def run(self, X: Tensor, params: Dict[str, Tensor], offsets: Optional[Dict[fx.Node, Tensor]] = None):
         """``(output, env)``: every node's value; ``offsets`` are added to node outputs."""
@@ -146,15 +194,13 @@ def _node_grads(graph: _Graph, lossfn, X, y, params) -> Dict[fx.Node, Tensor]:
 
 def _inputs(graph: _Graph, node: fx.Node) -> List[fx.Node]:
     """The node's input-dependent tensor arguments (the model input included; not sizes)."""
-    return [a for a in node.all_input_nodes if a in graph.tensor_nodes or a.op == "placeholder"]
+    return [a for a in node.all_input_nodes if a in graph.tensor_nodes or (a.op == "placeholder" and graph.float_input)]
 
 
 def _own(graph: _Graph, node: fx.Node, trainable: Sequence[str]) -> Tuple[List[str], List[str]]:
     """The node's own trainable parameters, and those of them that none of its inputs depends on."""
-    if node.op != "call_module":
-        return [], []
     upstream = set().union(*(graph.upstream[a] for a in _inputs(graph, node)))
-    own = [c for c in dict.fromkeys(graph.roles[node.target].values()) if c in trainable]
+    own = [c for c in graph.parameters_of(node) if c in trainable]
     return own, [c for c in own if c not in upstream]
 
 
@@ -165,9 +211,10 @@ def _residuals(graph, node, own, free, params, env, g, bdim) -> Tensor:
     u0 = tuple(params[c] for c in own) + tuple(env[a] for a in inputs)
 
     def f(*u):
-        local = dict(zip(inputs, u[len(own):]))
+        theta = {**params, **dict(zip(own, u[: len(own)]))}
+        local = {**graph.constants(theta), **dict(zip(inputs, u[len(own):]))}
         load = lambda a: fx.node.map_arg(a, lambda m: local[m] if m in local else env[m])  # noqa: E731
-        return graph.call(node, {**params, **dict(zip(own, u[: len(own)]))}, load(node.args), load(node.kwargs))
+        return graph.call(node, theta, load(node.args), load(node.kwargs))
 
     sizes = [t.numel() for t in u0]
     result = []
@@ -211,6 +258,7 @@ def pchmp_blocks(model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor, modi
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     with torch.no_grad():
         out, env = graph.run(X, params)
+    graph.float_input = X.is_floating_point()
     graph.tensor_nodes = [n for n in graph.nodes if isinstance(env[n], Tensor) and env[n].is_floating_point()]
     H_loss = mod(loss_hessian_blocks(lossfn, out, y), modify)  # [N, C, C]
     grads, bdims = _node_grads(graph, lossfn, X, y, params), _batch_dims(graph, X, params)
@@ -225,7 +273,8 @@ def pchmp_blocks(model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor, modi
         J, jac_in = _jacobians(graph, X, params, name)
         total = torch.einsum("ncp,ncd,ndq->pq", J, H_loss, J)
         for own, inputs, M in nodes:
-            Ju = torch.cat([torch.eye(P, dtype=X.dtype) if c == name else X.new_zeros(params[c].numel(), P) for c in own]
+            p0 = params[name]
+            Ju = torch.cat([torch.eye(P, dtype=p0.dtype) if c == name else p0.new_zeros(params[c].numel(), P) for c in own]
                            + [jac_in[a] for a in inputs])  # [D, P]: ∂u/∂p
             total = total + torch.einsum("dp,nde,eq->pq", Ju, M, Ju)
         blocks[name] = total

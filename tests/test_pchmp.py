@@ -150,3 +150,132 @@ def test_oracle_without_modification_is_the_hessian(which):
     model, lossfn, X, y = _case(model, shape, "ce", "mean", 0)
     assert_blocks_close(pchmp_blocks(model, lossfn, X, y, None), hessian_blocks_autograd(model, lossfn, X, y),
                         "oracle without modification vs Hessian")
+
+
+# ----------------------------------------------------------------------------- properties
+
+
+@given(
+    n=st.integers(1, 3),
+    t=st.integers(1, 2),
+    d=st.integers(1, 3),
+    layout=st.sampled_from(["ntd", "tnd", "td"]),
+    affine=st.sampled_from(["both", "weight", "none"]),
+    eps=st.sampled_from([1e-5, 0.5]),
+    act=st.sampled_from(sorted(ACTS)),
+    freeze=st.sampled_from(["none", "norm.weight", "a.weight"]),
+    **_common,
+)
+def test_layernorm(n, t, d, layout, affine, eps, act, freeze, loss, reduction, modify, seed):
+    shape = (t, d) if layout == "td" else (d,)
+    norm = nn.LayerNorm(shape, eps=eps, elementwise_affine=affine != "none", bias=affine == "both")
+    model = NormNet(2, t, d, norm, layout, act)
+    check_pchmp(*_case(model, (n, t, 2), loss, reduction, seed, freeze), modify)
+
+
+@given(
+    n=st.integers(1, 3),
+    groups=st.integers(1, 2),
+    per_group=st.integers(1, 2),
+    length=st.integers(1, 2),
+    affine=st.booleans(),
+    act=st.sampled_from(sorted(ACTS)),
+    **_common,
+)
+def test_groupnorm(n, groups, per_group, length, affine, act, loss, reduction, modify, seed):
+    if per_group * length == 1:
+        length = 2  # a group of one value: torch refuses to normalise it
+    c = groups * per_group
+    model = NormNet(2, length, c, nn.GroupNorm(groups, c, affine=affine), "ncl", act)
+    check_pchmp(*_case(model, (n, length, 2), loss, reduction, seed), modify)
+
+
+@given(
+    n=st.integers(1, 3),
+    d=st.integers(1, 3),
+    s=st.integers(0, 2),
+    which=st.sampled_from(["linear", "layernorm", "both"]),
+    bias=st.booleans(),
+    act=st.sampled_from(sorted(ACTS)),
+    freeze=st.sampled_from(["none", "fc.weight", "norm.bias"]),
+    **_common,
+)
+def test_module_used_twice(n, d, s, which, bias, act, freeze, loss, reduction, modify, seed):
+    model = Twice(d, s, which, bias, act)
+    check_pchmp(*_case(model, (n, s, d) if s else (n, d), loss, reduction, seed, freeze), modify)
+
+
+# ----------------------------------------------------------------------------- batch layouts
+
+
+class BatchInDim1(nn.Module):
+    """A nonlinear node of each residual kind on ``[T, N, D]`` (the batch in dim 1)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.a, self.norm, self.head = nn.Linear(2, 3), nn.LayerNorm(3), nn.Linear(6, 2)
+        self.kind = kind
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x.transpose(0, 1))  # [T, N, D]
+        if self.kind == "diag":
+            h = torch.tanh(h)
+        elif self.kind == "product":
+            h = h * torch.sigmoid(h)
+        elif self.kind == "dense":
+            h = torch.softmax(h, dim=-1)
+        else:
+            h = torch.tanh(self.norm(h))
+        return self.head(h.transpose(0, 1).flatten(1))
+
+
+@pytest.mark.parametrize("kind", ["diag", "product", "dense", "layernorm"])
+def test_residuals_with_the_batch_in_dim_1(kind):
+    """Residuals are per sample, whichever dim holds the batch: the Hessian diagonals
+    (signed columns) and PCHMP (modified blocks) against the oracle."""
+    model, lossfn, X, y = _case(BatchInDim1(kind), (3, 2, 2), "mse", "mean", 1)
+    qs = curvature(model, lossfn, [DiagHessian(), BatchDiagHessian()])(X, y)
+    H = hessian_blocks_autograd(model, lossfn, X, y)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(qs["diag_h"][name], H[name].diagonal().reshape(p.shape), rtol=RTOL, atol=1e-10)
+    per_sample = [hessian_blocks_autograd(model, lossfn, X[i:i + 1], y[i:i + 1]) for i in range(3)]
+    for name, p in model.named_parameters():
+        want = torch.stack([h[name].diagonal() / 3 for h in per_sample]).reshape((3,) + tuple(p.shape))
+        torch.testing.assert_close(qs["diag_h_batch"][name], want, rtol=RTOL, atol=1e-10)
+    for modify in ("clip", "abs"):
+        check_pchmp(model, lossfn, X, y, modify)
+
+
+class Scale(nn.Module):
+    """A layer nonlinear in its own parameter (generic rule): ``tanh(x) softplus(s) + s³``."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.s = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(x) * nn.functional.softplus(self.s) + self.s**3
+
+
+class ScaleNet(nn.Module):
+    def __init__(self, twice: bool):
+        super().__init__()
+        self.a, self.scale, self.head = nn.Linear(3, 3), Scale(3), nn.Linear(3, 2)
+        self.twice = twice
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.scale(self.a(x))
+        return self.head(self.scale(h) if self.twice else h)
+
+
+@pytest.mark.parametrize("twice", [False, True], ids=["once", "twice"])
+@pytest.mark.parametrize("loss", ["mse", "ce"])
+def test_layer_nonlinear_in_its_parameter(twice, loss):
+    """Used once, the parameter's own block ``∂²/∂s²`` is modified on its own (its
+    coupling with the input enters no diagonal block); used twice, jointly with the
+    second use's input, which depends on it."""
+    model, lossfn, X, y = _case(ScaleNet(twice), (4, 3), loss, "sum", 3)
+    assert_blocks_close(pchmp_blocks(model, lossfn, X, y, None), hessian_blocks_autograd(model, lossfn, X, y),
+                        "oracle without modification vs Hessian")
+    for modify in ("clip", "abs"):
+        check_pchmp(model, lossfn, X, y, modify)

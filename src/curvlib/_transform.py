@@ -20,7 +20,7 @@ from ._untraced import run_eager
 from .extensions.secondorder import SecondOrder
 from . import _residuals
 from ._errors import CurvatureError, CurvatureTypeError
-from ._program import Program, trace_program
+from ._program import trace_program
 from .extensions._base import Extension
 
 __all__ = ["curvature"]
@@ -183,7 +183,7 @@ def curvature(
         chain_nodes(program)  # refuse branching graphs before any work
     hessian_needed = any(e.quantity in ("hessian_diag", "hessian_batch_diag", "pchmp") for e in second_exts)
     residual_nodes = (
-        _residuals.residual_plan(program, _shared_linear_layers(program)) if hessian_needed else {}
+        _residuals.residual_plan(program) if hessian_needed else {}
     )
     plans: Dict[tuple, Plan] = {}
     checks = module_checks(program) if program.graph is not None else []
@@ -320,20 +320,3 @@ def _loss_and_output_gradient(spec, out: Tensor, y: Tensor):
         return loss.detach(), g_out
     loss, pullback = torch.func.vjp(lambda o: losses.loss_value(spec, o, y), out)
     return loss, pullback(torch.ones_like(loss))[0]
-
-
-def _shared_linear_layers(program: Program) -> frozenset:
-    """Linear layers whose weight is used by more than one site (calls or direct reads)."""
-    counts: Dict[str, int] = {}
-    for node in program.graph.nodes:
-        layer = program.layers.get(node.target) if node.op == "call_module" else None
-        if layer is not None:
-            for name in set(layer.names.values()):
-                counts[name] = counts.get(name, 0) + 1
-    for use in program.functional.values():
-        for name in use.params:
-            counts[name] = counts.get(name, 0) + 1
-    return frozenset(
-        target for target, layer in program.layers.items()
-        if layer.kind == "linear" and counts.get(layer.names.get("weight"), 0) > 1
-    )
