@@ -14,10 +14,9 @@ are checked for
   residual oracle of ``oracles_second`` is complete (every smooth
   nonlinearity an activation module) by ``check_second_order(hessian=True)``;
   elsewhere by :func:`check_hessian_family` (exact diagonals from
-  ``torch.func`` Hessians; PCHMP symmetric and above both the GGN and the
-  Hessian in the Loewner order). Where curvlib refuses today (products,
-  softmax, shared parameters, the generic rule) the test is an expected
-  failure on ``ValueError`` that passes once the support lands.
+  ``torch.func`` Hessians; PCHMP's full blocks against ``oracles_pchmp``,
+  or, for in-place operations, symmetric and above both the GGN and the
+  Hessian in the Loewner order).
 """
 
 from __future__ import annotations
@@ -35,7 +34,9 @@ from curvlib.extensions import BatchDiagHessian, DiagHessian, PCHMP
 
 import models
 from helpers import check_first_order
+from oracles_pchmp import pchmp_blocks
 from oracles_second import detached_params, ggn_block, hessian_block, hessian_per_sample, trainable_names
+from test_pchmp import assert_blocks_close
 from test_secondorder import check_second_order
 
 DT = torch.float64
@@ -64,28 +65,30 @@ def check_hessian_family(model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tens
     """DiagHessian, BatchDiagHessian and PCHMP against brute force.
 
     ``exact_pchmp``: every smooth nonlinearity of the model is an activation
-    module, so ``oracles_second.residual_block`` is complete and
-    ``check_second_order(hessian=True)`` checks PCHMP exactly. Otherwise the
-    diagonals are compared with ``torch.func`` Hessians, and PCHMP (``"clip"``
-    and ``"abs"``) must be symmetric with ``PCH ⪰ GGN`` and ``PCH ⪰ Hessian``
-    (each node's residual replaced by a larger positive semi-definite one).
-    ``pchmp_optional``: the graph has nonlinear nodes that are not element-wise
-    (products, softmax, normalisations, shared weights), for which curvlib may
-    refuse PCHMP by design (its modification is defined for element-wise
-    activations); a refusal is then accepted.
+    module, so ``check_second_order(hessian=True)`` (``oracles_second``) checks
+    PCHMP exactly. Otherwise the diagonals are compared with ``torch.func``
+    Hessians, and PCHMP (``"clip"``, ``"abs"``) with the full blocks of
+    ``oracles_pchmp``; where that oracle does not apply (in-place operations),
+    PCHMP must be symmetric with ``PCH ⪰ GGN`` and ``PCH ⪰ Hessian``.
+    ``pchmp_optional``: a refusal of PCHMP is accepted (nodes that are not
+    element-wise: products, softmax, normalisations, shared weights).
     """
     if exact_pchmp and not pchmp_optional:
         check_second_order(model, lossfn, X, y, hessian=True, hmp=False)
         return
     qs = curvature(model, lossfn, [DiagHessian(), BatchDiagHessian()])(X, y)
-    pc = {}
+    pc, exact = {}, {}
     try:
-        pc["clip"] = curvature(model, lossfn, [PCHMP(modify="clip")])(X, y)["pchmp"]
-        pc["abs"] = curvature(model, lossfn, [PCHMP(modify="abs")])(X, y)["pchmp"]
+        for modify in ("clip", "abs"):
+            pc[modify] = curvature(model, lossfn, [PCHMP(modify=modify)])(X, y)["pchmp"]
     except ValueError:
         if not pchmp_optional:
             raise
         pc = {}
+    try:
+        exact = {modify: pchmp_blocks(model, lossfn, X, y, modify) for modify in pc}
+    except NotImplementedError:  # in-place operations
+        pass
     params = detached_params(model)
     for name in trainable_names(model):
         p = params[name]
@@ -99,14 +102,15 @@ def check_hessian_family(model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tens
             Hn.diagonal(dim1=1, dim2=2).reshape((X.shape[0],) + tuple(p.shape)),
             rtol=RTOL, atol=ATOL, msg=lambda m: f"diag_h_batch[{name}]: {m}",
         )
-        if not pc:
-            continue
-        G = ggn_block(model, lossfn, X, y, name)
         for modify, fns in pc.items():
+            if modify in exact:
+                continue
             PC = _dense_product(fns[name], p)
             torch.testing.assert_close(PC, PC.T, rtol=RTOL, atol=ATOL, msg=lambda m: f"pchmp[{name}] ({modify}) symmetric: {m}")
-            _assert_loewner_geq(PC, G, f"pchmp[{name}] ({modify}) ⪰ GGN")
+            _assert_loewner_geq(PC, ggn_block(model, lossfn, X, y, name), f"pchmp[{name}] ({modify}) ⪰ GGN")
             _assert_loewner_geq(PC, H, f"pchmp[{name}] ({modify}) ⪰ Hessian")
+    for modify, want in exact.items():
+        assert_blocks_close({k: _dense_product(pc[modify][k], params[k]) for k in want}, want, f"pchmp ({modify})")
 
 
 # ----------------------------------------------------------------------------- the zoo

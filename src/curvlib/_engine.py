@@ -139,8 +139,8 @@ def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, pres
                 [env[a] for a in use.inputs], env[node], rec,
             )
         if node in rec.residual_nodes:
-            kind, phi = rec.residual_nodes[node]
-            _residuals.record(program, node, kind, phi, env, params, trainable, rec, program.dependent, before)
+            _residuals.record(program, node, rec.residual_nodes[node], env, params, trainable, rec,
+                              program.dependent, before)
             if before is not None:
                 # In eager PyTorch the overwritten input *is* the output: alias it, so
                 # that later uses of the input see the output's probe too.
@@ -200,6 +200,8 @@ class Plan:
     batch_dims: Tuple[int, ...]
     residual_shapes: Tuple[Tuple[int, ...], ...] = ()
     sites: Tuple[Site, ...] = ()
+    # per residual: the batch dim of each input and of the output
+    residual_dims: Tuple[Tuple[Tuple[int, ...], int], ...] = ()
 
 
 def module_checks(program: Program) -> List[Callable[[], None]]:
@@ -354,7 +356,8 @@ def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=Non
                 f"output (shape {list(sa)}), but this layer needs it in dim 0."
             )
         batch_dims.append(d)
-    _residuals.check_sizes(rec_a.residuals, n)
+    residual_dims = _residuals.batch_dims(rec_a, rec_b)
+    _residuals.check_sizes(rec_a.residuals, residual_dims, n)
     for site, site_b in zip(rec_a.sites, rec_b.sites):
         if site.rule.kind == "generic":
             _check_generic_inputs(site, site_b, n)
@@ -365,6 +368,7 @@ def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=Non
         site_dtypes=tuple(rec_a.out_dtypes),
         batch_dims=tuple(batch_dims),
         residual_shapes=tuple(rec_a.residual_shapes),
+        residual_dims=residual_dims,
         sites=tuple(Site(s.rule, dict(s.params), s.where, meta=dict(s.meta), key=s.key) for s in rec_a.sites),
     )
 
@@ -513,8 +517,9 @@ def _finish(rec: Recorder, plan: Plan, saved, taps) -> None:
     for site, s in zip(rec.sites, saved):
         site.saved = s
         site.meta["batch_dim"] = plan.batch_dims[site.key]
-    for r in rec.residuals:
+    for r, (in_dims, out_dim) in zip(rec.residuals, plan.residual_dims):
         r.inputs = [taps[k] for k in r.taps]
+        r.in_dims, r.out_dim = in_dims, out_dim
 
 
 def _forward_functorch(program, plan, X, params, trainable, residual_nodes, runner) -> Linearization:

@@ -8,7 +8,7 @@ the same dropout masks) and multiplies without forming any Jacobian or Hessian:
   Hessian per sample, reverse mode for ``J_pᵀ``);
 * ``HMP``: ``v -> ∇²_p L v`` by reverse-over-reverse autodiff;
 * ``PCHMP``: the GGN product plus every residual node's term with its
-  eigenvalues modified (see :func:`curvlib._residuals.positive_curvature`).
+  eigenvalues modified (see :func:`curvlib._residual_math.positive_curvature`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from . import _dropout, _inputs, _residuals, losses
+from . import _dropout, _inputs, _residual_math, losses
 from ._sync import LOCK
 from ._engine import run_graph
 from ._errors import CurvatureError
@@ -112,7 +112,7 @@ def products(program, spec, y, curv, X, values, residual_nodes, lin, residual_gr
             return _guarded(ggnmp, seed, device)
 
         operators = [
-            _residuals.positive_curvature(res, g_z, ext.modify)
+            _residual_math.positive_curvature(res, g_z, ext.modify)
             for res, g_z in zip(lin.residuals, residual_grads)
         ]
         n_taps = sum(len(res.inputs) for res in lin.residuals)

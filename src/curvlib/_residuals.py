@@ -1,30 +1,35 @@
-"""Second-derivative (residual) terms of the Hessian on general graphs.
+"""Second-derivative (residual) terms of the Hessian on general graphs: which
+nodes carry one, and how they are recorded during the forward.
 
-With ``g_z = ∂L/∂z`` the gradient at a node ``z = f(u)`` (``u`` its graph
-inputs and, for a layer, its parameters), the Hessian is the GGN plus, for
-every node, ``J_uᵀ R J_u`` with the node's *residual*
+With ``g_z = ∂L/∂z`` the gradient at a node ``z = f(u)``, the Hessian is the
+GGN plus, for every node, ``J_uᵀ R J_u`` with the node's *residual*
 
     R = ∇²_u (g_z · f(u))          (per sample; zero for piecewise-linear nodes).
 
-Each residual is split into a positive and a negative part and factored,
-``R = Σ_c s_c c cᵀ`` (``s_c = ±1``); the columns ``c`` have a part on the
-node's graph inputs (pulled back through the graph like the loss root) and,
-for a layer, a *direct* part on its own parameters. Kinds, by structure:
+``u`` holds the node's input-dependent graph inputs and, for a layer (or a
+node reading parameters directly), those of its own trainable parameters on
+which one of its inputs depends (a module used twice, tied weights). A
+parameter none of its inputs depends on couples with them in ``R``, but that
+coupling enters no diagonal block of the Hessian (no parameter moves both),
+so it is left out: for the families affine in their parameters (Linear,
+convolutions, normalisations, ...) the parameter leaves ``u`` altogether
+(Chen et al.'s modular definition: a Linear layer of an MLP, or a LayerNorm
+used once, has only its input's residual); for other layers it keeps its own
+block (``Residual.free``). The block products (GGNMP, HMP) and the Hessian
+diagonal are exact either way; PCHMP modifies the eigenvalues of this ``R``.
+Kinds, by structure:
 
-* ``"diag"``: element-wise ``z = φ(a)``: ``R = diag(φ''(a) ⊙ g)``, one column
-  per entry;
-* ``"product"``: ``z = x ⊙ y`` (same shapes): ``R = [[0, D], [D, 0]]`` with
-  ``D = diag(g)``; columns ``(e_k, ±sign(g_k) e_k)·√(|g_k|/2)``;
-* ``"bilinear"``: a Linear layer ``y = W x`` whose weight is also used
-  upstream of ``x`` (shared modules, tied weights): ``R`` couples ``W_oi`` and
-  ``x_si`` with ``g_so``; columns ``(g_s ⊗ e_i / √(2‖g_s‖), ±e_{s,i} √(‖g_s‖/2))``;
+* ``"diag"``: element-wise ``z = φ(a)``: ``R = diag(φ''(a) ⊙ g)``;
+* ``"product"``: ``z = x ⊙ y`` (same shapes): ``R = [[0, D], [D, 0]]``, ``D = diag(g)``;
+* ``"bilinear"``: a Linear layer ``y = W x`` whose input depends on its own
+  weight (shared modules, tied weights): ``R`` couples ``W_oi`` and ``x_si``
+  with ``g_so``;
 * ``"dense"``: any other node (softmax, division, normalisation, attention
   products, layers nonlinear in their input): ``R`` per sample from
-  :func:`torch.func.hessian`, factored by ``eigh``. Its size is checked
-  before any work.
+  :func:`torch.func.hessian`. Its size is checked before any work.
 
-A factor times its sign summed over columns reproduces ``R`` exactly, so the
-Hessian diagonal stays exact; no Jacobian of the network is formed.
+The per-sample algebra (signed columns for the diagonal, eigenvalue-modified
+operators for PCHMP) is in :mod:`curvlib._residual_math`.
 """
 
 from __future__ import annotations
@@ -33,18 +38,20 @@ import operator
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-from torch import Tensor, fx
-from torch.func import hessian, vmap
+from torch import Tensor, fx, nn
 
 from ._errors import CurvatureError
 from ._program import Program
 from .rules import call_without_hooks, functional
 from .rules._site import Recorder
-from .rules.elementwise import classify, second_derivative
+from .rules.elementwise import classify
 
 # Families whose layers are affine in their input: no residual of their own
-# (their weight-input coupling matters only for shared weights: "bilinear").
+# unless the input depends on the weight ("bilinear"; only Linear supports that).
 AFFINE_FAMILIES = ("linear", "conv", "conv_transpose", "batchnorm", "embedding")
+# Families affine in their parameters (∂²f/∂θ² = 0): a parameter that no input
+# depends on has a zero residual block of its own and leaves ``u``.
+AFFINE_IN_PARAMETERS = AFFINE_FAMILIES + ("layernorm", "groupnorm")
 # Per-sample entries of a dense residual: N·D² must stay below this.
 MAX_DENSE_ENTRIES = 2**26
 
@@ -58,25 +65,26 @@ def _describe(program: Program, node: fx.Node) -> str:
     return f"{what} (graph node '{node.name}')"
 
 
-def residual_plan(program: Program, shared_linear_layers: frozenset = frozenset()) -> Dict[fx.Node, Tuple[str, Callable]]:
+Planned = Tuple[str, Optional[Callable], frozenset]
+
+
+def residual_plan(program: Program) -> Dict[fx.Node, Planned]:
     """Which graph nodes carry a residual, and how to record it.
 
-    Args:
-        program: the traced model.
-        shared_linear_layers: targets of Linear layers whose weight is used by
-            several sites (they get a ``"bilinear"`` residual).
-
     Returns:
-        node -> ``(kind, phi)``: ``phi`` is ``φ(a)`` for ``"diag"``, ``None``
-        for ``"product"``/``"bilinear"``, and for ``"dense"`` the node itself
-        (the interpreter builds the function from the node).
+        node -> ``(kind, phi, coupled)``: ``phi`` is ``φ(a)`` for ``"diag"``,
+        ``None`` otherwise (a dense node's function is built from the node);
+        ``coupled`` the node's own parameters (canonical names) on which one of
+        its inputs depends (see the module doc).
     """
     graph = program.graph
     dependent = program.dependent
-    plan: Dict[fx.Node, Tuple[str, Optional[Callable]]] = {}
+    upstream = _upstream_parameters(program)
+    plan: Dict[fx.Node, Planned] = {}
     for node in graph.nodes:
         if node not in dependent or node.op in ("placeholder", "output"):
             continue
+        reach = frozenset().union(*(upstream[a] for a in node.all_input_nodes if a in dependent))
         layer = program.layers.get(node.target) if node.op == "call_module" else None
         if layer is not None:
             if layer.kind == "rnn":
@@ -86,23 +94,38 @@ def residual_plan(program: Program, shared_linear_layers: frozenset = frozenset(
                     "second derivatives of a recurrent layer's internal nonlinearities are not "
                     "available, even with its parameters frozen. Use the GGN extensions or HMP."
                 )
+            coupled = frozenset(layer.names.values()) & reach
             if layer.kind not in AFFINE_FAMILIES:
-                plan[node] = ("dense", None)
-            elif node.target in shared_linear_layers:
-                plan[node] = ("bilinear", None)
+                plan[node] = ("dense", None, coupled)
+            elif layer.kind == "linear" and layer.names.get("weight") in coupled:
+                plan[node] = ("bilinear", None, coupled)
             continue
         if node in program.functional:
-            plan[node] = ("dense", None)
+            plan[node] = ("dense", None, frozenset(program.functional[node].params) & reach)
             continue
         kind, phi = classify(node, program.root, program.layers, dependent)
         if kind == "elementwise":
-            plan[node] = ("diag", phi)
+            plan[node] = ("diag", phi, frozenset())
         elif kind == "other":
-            if _is_product(node, dependent):
-                plan[node] = ("product", None)
-            else:
-                plan[node] = ("dense", None)
+            plan[node] = ("product" if _is_product(node, dependent) else "dense", None, frozenset())
     return plan
+
+
+def _upstream_parameters(program: Program) -> Dict[fx.Node, frozenset]:
+    """Per node, the parameters (canonical names) its value depends on."""
+    upstream: Dict[fx.Node, frozenset] = {}
+    for node in program.graph.nodes:
+        names = frozenset().union(*(upstream[a] for a in node.all_input_nodes))
+        if node.op == "call_module" and node.target in program.layers:
+            names |= frozenset(program.layers[node.target].names.values())
+        elif node.op == "get_attr":
+            value = program.root
+            for part in node.target.split("."):
+                value = getattr(value, part)
+            if isinstance(value, nn.Parameter) and id(value) in program.param_names:
+                names |= {program.param_names[id(value)]}
+        upstream[node] = names
+    return upstream
 
 
 def _is_product(node: fx.Node, dependent: set) -> bool:
@@ -129,14 +152,16 @@ def _out_of_place(fn: Callable) -> Callable:
     return lambda *xs, **kw: fn(*(x.clone() if isinstance(x, Tensor) else x for x in xs), **kw)
 
 
-def record(program: Program, node: fx.Node, kind: str, phi, env: Dict[fx.Node, object],
+def record(program: Program, node: fx.Node, planned: Planned, env: Dict[fx.Node, object],
            params: Dict[str, Tensor], trainable: frozenset, rec: Recorder, dependent: set,
            before: Optional[Dict[fx.Node, Tensor]] = None) -> None:
     """Record the residual of ``node`` (already evaluated into ``env``) with ``rec``.
 
-    ``before``: for an in-place node, copies of its inputs taken before it ran
-    (the residual is a function of those values, and they carry the graph).
+    ``planned``: the node's entry of :func:`residual_plan`. ``before``: for an
+    in-place node, copies of its inputs taken before it ran (the residual is a
+    function of those values, and they carry the graph).
     """
+    kind, phi, coupled = planned
     env_out = env
     z = env[node]
     inplace = before is not None
@@ -170,19 +195,25 @@ def record(program: Program, node: fx.Node, kind: str, phi, env: Dict[fx.Node, o
         return
     # dense: the node as a function of its graph inputs (and its trainable parameters)
     inputs = [env[a] for a in inputs_nodes]
-    own = _own_parameters(program, node, trainable)
+    own = _own_parameters(program, node, trainable, coupled)
     phi = _node_function(program, node, env, inputs_nodes, params)
     if inplace:
         phi_inplace = phi
         phi = lambda theta, *xs: phi_inplace(theta, *(x.clone() for x in xs))  # noqa: E731
-    env_out[node] = rec.residual(node.name, "dense", phi, inputs, z, params={n: params[n] for n in own})
+    env_out[node] = rec.residual(node.name, "dense", phi, inputs, z, params={n: params[n] for n in own},
+                                 free=[n for n in own if n not in coupled])
 
 
-def _own_parameters(program: Program, node: fx.Node, trainable: frozenset) -> List[str]:
+def _own_parameters(program: Program, node: fx.Node, trainable: frozenset, coupled: frozenset) -> List[str]:
+    """The node's trainable parameters in ``u``: those its inputs depend on, and, unless
+    the layer is affine in its parameters, the others too (as ``free`` ones)."""
     if node.op == "call_module" and node.target in program.layers:
-        return [n for n in dict.fromkeys(program.layers[node.target].names.values()) if n in trainable]
-    use = program.functional.get(node)
-    return [n for n in use.params if n in trainable] if use is not None else []
+        layer = program.layers[node.target]
+        names, affine = dict.fromkeys(layer.names.values()), layer.kind in AFFINE_IN_PARAMETERS
+    else:
+        use = program.functional.get(node)
+        names, affine = (use.params if use is not None else ()), False
+    return [n for n in names if n in trainable and (n in coupled or not affine)]
 
 
 def _node_function(program: Program, node: fx.Node, env, inputs_nodes, params) -> Callable:
@@ -208,13 +239,31 @@ def _node_function(program: Program, node: fx.Node, env, inputs_nodes, params) -
     return phi
 
 
-def check_sizes(residuals, n: int) -> None:
-    """Refuse dense or bilinear residuals too large to factor (called at planning)."""
-    for res in residuals:
+def batch_dims(rec_a: Recorder, rec_b: Recorder) -> Tuple[Tuple[Tuple[int, ...], int], ...]:
+    """Per residual, the batch dimension of each input and of the output, from two
+    planning passes with batch sizes ``N`` and ``N + 1``: the one dimension whose
+    size changes (0 if none or several do)."""
+
+    def dim(a, b) -> int:
+        changed = [k for k, (p, q) in enumerate(zip(a, b)) if p != q]
+        return changed[0] if len(changed) == 1 else 0
+
+    return tuple(
+        (tuple(dim(x.shape, y.shape) for x, y in zip(ra.inputs, rb.inputs)), dim(za, zb))
+        for ra, rb, za, zb in zip(rec_a.residuals, rec_b.residuals, rec_a.residual_shapes, rec_b.residual_shapes)
+    )
+
+
+def check_sizes(residuals, dims, n: int) -> None:
+    """Refuse dense or bilinear residuals too large to factor (called at planning).
+
+    ``dims``: :func:`batch_dims` of ``residuals``."""
+    for res, (in_dims, _) in zip(residuals, dims):
+        per_sample = [a.numel() // max(a.shape[k], 1) for a, k in zip(res.inputs, in_dims)]
         if res.kind == "dense":
-            d = sum(a[0].numel() for a in res.inputs) + sum(p.numel() for p in res.params.values())
+            d = sum(per_sample) + sum(p.numel() for p in res.params.values())
         elif res.kind == "bilinear":
-            d = res.inputs[0][0].numel()
+            d = per_sample[0]
         else:
             continue
         if n * d * d > MAX_DENSE_ENTRIES:
@@ -224,161 +273,3 @@ def check_sizes(residuals, n: int) -> None:
                 f"(limit: N·d² ≤ {MAX_DENSE_ENTRIES}). Use the GGN extensions (DiagGGNExact, "
                 "BatchDiagGGNExact) or HMP (exact Hessian-vector products) for this model."
             )
-
-
-def factor(res, g: Tensor) -> List[Tuple[float, Dict[int, Tensor], Dict[str, Tensor]]]:
-    """Signed column sets of the residual: ``[(sign, {input index: [V, *input]}, {param: [V, N, *p]})]``.
-
-    ``g`` is the gradient at the node's output ``[N, *z]``.
-    """
-    if res.kind == "diag":
-        (a,) = res.inputs
-        r = second_derivative(res.phi, a) * g
-        eye = _eye_columns(a)
-        return [(1.0, {0: eye * r.clamp(min=0).sqrt()}, {}), (-1.0, {0: eye * (-r).clamp(min=0).sqrt()}, {})]
-    if res.kind == "product":
-        x, _ = res.inputs
-        eye = _eye_columns(x)
-        m = (g.abs() / 2).sqrt()
-        s = torch.sign(g)
-        pos = {0: eye * m, 1: eye * (m * s)}
-        neg = {0: eye * m, 1: eye * (-m * s)}
-        return [(1.0, pos, {}), (-1.0, neg, {})]
-    if res.kind == "bilinear":
-        return _bilinear_columns(res, g)
-    return _dense_columns(res, g)
-
-
-def _eye_columns(a: Tensor) -> Tensor:
-    """``[D, 1, *a.shape[1:]]``: one-hot columns over a sample's entries."""
-    d = a[0].numel()
-    return torch.eye(d, dtype=a.dtype, device=a.device).reshape((d, 1) + tuple(a.shape[1:]))
-
-
-def _bilinear_columns(res, g: Tensor):
-    site = res.site
-    (x,) = res.inputs
-    n = x.shape[0]
-    xs = x.reshape(n, -1, x.shape[-1])  # [N, S, I]
-    gs = g.reshape(n, -1, g.shape[-1])  # [N, S, O]
-    s, i = xs.shape[1], xs.shape[2]
-    norm = gs.norm(dim=2)  # [N, S]
-    m = (norm / 2).sqrt()
-    # column (s', i'): x-part e_{s',i'} m[n, s'],  W-part g[n, s'] ⊗ e_{i'} / √(2‖g‖)
-    eye_s = torch.eye(s, dtype=x.dtype, device=x.device)
-    eye_i = torch.eye(i, dtype=x.dtype, device=x.device)
-    x_part = torch.einsum("ab,cd,nb->acnbd", eye_s, eye_i, m).reshape((s * i,) + tuple(x.shape))
-    w_scale = gs / (2 * norm.clamp_min(torch.finfo(x.dtype).tiny)).sqrt().unsqueeze(-1)  # [N, S, O]
-    w_part = torch.einsum("nao,cd->acnod", w_scale, eye_i).reshape(s * i, n, gs.shape[2], i)
-    name = site.params["weight"]
-    return [(1.0, {0: x_part}, {name: w_part}), (-1.0, {0: -x_part}, {name: w_part})]
-
-
-def _layout(res):
-    """How ``u = (θ, inputs)`` of a dense residual splits: names, shapes and sizes."""
-    names = list(res.params)
-    shapes_p = [tuple(res.params[k].shape) for k in names]
-    sizes_p = [res.params[k].numel() for k in names]
-    shapes_in = [tuple(a.shape[1:]) for a in res.inputs]
-    sizes_in = [a[0].numel() for a in res.inputs]
-    return names, shapes_p, sizes_p, shapes_in, sizes_in
-
-
-def _dense_columns(res, g: Tensor):
-    names, shapes_p, sizes_p, shapes_in, sizes_in = _layout(res)
-    n = g.shape[0]
-    R = _dense_matrix(res, g)  # [N, D, D]
-    evals, evecs = torch.linalg.eigh(R)
-    sets = []
-    for sign, lam in ((1.0, evals.clamp(min=0)), (-1.0, (-evals).clamp(min=0))):
-        cols = (evecs * lam.sqrt().unsqueeze(1)).permute(2, 0, 1)  # [V=D, N, D]
-        parts = torch.split(cols, sizes_p + sizes_in, dim=2)
-        direct = {k: p.reshape((cols.shape[0], n) + sh) for k, p, sh in zip(names, parts[: len(names)], shapes_p)}
-        taps = {
-            j: p.reshape((cols.shape[0], n) + sh)
-            for j, (p, sh) in enumerate(zip(parts[len(names):], shapes_in))
-        }
-        sets.append((sign, taps, direct))
-    return sets
-
-
-def _dense_matrix(res, g: Tensor) -> Tensor:
-    """Per-sample residual ``R [N, D, D]`` over ``u = (θ, inputs)`` (dense kind)."""
-    names, shapes_p, sizes_p, shapes_in, sizes_in = _layout(res)
-    n = g.shape[0]
-    theta_flat = [res.params[k].reshape(1, -1).expand(n, -1) for k in names]
-    u = torch.cat(theta_flat + [a.reshape(n, -1) for a in res.inputs], dim=1)
-
-    def contracted(u_n: Tensor, g_n: Tensor) -> Tensor:
-        parts = list(torch.split(u_n, sizes_p + sizes_in))
-        theta = {k: p.reshape(sh) for k, p, sh in zip(names, parts[: len(names)], shapes_p)}
-        inputs = [p.reshape((1,) + sh) for p, sh in zip(parts[len(names):], shapes_in)]
-        return (res.phi(theta, *inputs).squeeze(0) * g_n).sum()
-
-    R = vmap(hessian(contracted))(u, g)
-    return (R + R.transpose(1, 2)) / 2
-
-
-def positive_curvature(res, g: Tensor, modify: str) -> Callable:
-    """The residual with its negative curvature clipped (``"clip"``) or flipped (``"abs"``).
-
-    Returns ``apply(tap_tangents, theta_tangents) -> (tap_cotangents, theta_cotangents)``:
-    ``mod(R)`` applied per sample to the tangent of ``u = (θ, inputs)``, with
-    ``mod`` acting on the eigenvalues of ``R``. ``theta_*`` are dicts (parameter
-    name -> ``[*p]``, the same direction for every sample; the cotangent is
-    summed over samples). For an element-wise node this is Chen et al.'s
-    ``mod(φ''(a) g)``.
-    """
-    clip = modify == "clip"
-    if res.kind == "diag":
-        r = second_derivative(res.phi, res.inputs[0]) * g
-        m = r.clamp(min=0) if clip else r.abs()
-        return lambda taps, theta: ([m * taps[0]], {})
-    if res.kind == "product":
-        # per entry: [[0, g], [g, 0]] has eigenpairs ±|g|, (1, ±s)/√2 with s = sign(g)
-        a, s = g.abs(), torch.sign(g)
-        if clip:
-            return lambda taps, theta: ([a / 2 * (taps[0] + s * taps[1]), a / 2 * (s * taps[0] + taps[1])], {})
-        return lambda taps, theta: ([a * taps[0], a * taps[1]], {})
-    if res.kind == "bilinear":
-        name = res.site.params["weight"]
-        x = res.inputs[0]
-        n = x.shape[0]
-        gs = g.reshape(n, -1, g.shape[-1])  # [N, S, O]
-        norm = gs.norm(dim=2)  # [N, S]
-        unit = gs / norm.clamp_min(torch.finfo(g.dtype).tiny).unsqueeze(-1)
-
-        def apply(taps, theta):
-            tx = taps[0].reshape(n, -1, x.shape[-1])  # [N, S, I]
-            tw = theta.get(name)
-            proj = torch.einsum("nso,oi->nsi", unit, tw) if tw is not None else torch.zeros_like(tx)
-            if clip:  # eigenvectors (ĝ⊗e_i, e_{s,i})/√2 with eigenvalue ‖g_s‖
-                c = norm.unsqueeze(-1) / 2 * (proj + tx)
-                cx, cw = c, torch.einsum("nsi,nso->oi", c, unit)
-            else:  # |R| = Σ ‖g_s‖ (ĝĝᵀ ⊗ I on W, I on x)
-                cx = norm.unsqueeze(-1) * tx
-                cw = torch.einsum("nsi,nso,ns->oi", proj, unit, norm)
-            return [cx.reshape(taps[0].shape)], ({name: cw} if tw is not None else {})
-
-        return apply
-    R = _dense_matrix(res, g)
-    evals, evecs = torch.linalg.eigh(R)
-    evals = evals.clamp(min=0) if clip else evals.abs()
-    M = evecs @ torch.diag_embed(evals) @ evecs.transpose(1, 2)  # [N, D, D]
-    names = list(res.params)
-    sizes_p = [res.params[k].numel() for k in names]
-    n = g.shape[0]
-
-    def apply_dense(taps, theta):
-        t_theta = [
-            (theta[k].reshape(1, -1) if k in theta else res.params[k].new_zeros(1, res.params[k].numel())).expand(n, -1)
-            for k in names
-        ]
-        t = torch.cat(t_theta + [tt.reshape(n, -1) for tt in taps], dim=1)
-        c = torch.einsum("nij,nj->ni", M, t)
-        parts = torch.split(c, sizes_p + [a[0].numel() for a in res.inputs], dim=1)
-        theta_c = {k: p.sum(0).reshape(res.params[k].shape) for k, p in zip(names, parts[: len(names)]) if k in theta}
-        tap_c = [p.reshape(tt.shape) for p, tt in zip(parts[len(names):], taps)]
-        return tap_c, theta_c
-
-    return apply_dense

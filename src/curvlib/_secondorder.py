@@ -44,7 +44,7 @@ from ._errors import CurvatureError
 from .extensions.secondorder import SecondOrder
 from .rules import kron_factors, kron_input_factor
 from .rules._site import Site
-from ._residuals import factor
+from ._residual_math import factor
 
 KRON_KINDS = ("linear", "conv", "conv_transpose")
 # Families the Hessian extensions support: every family except the recurrent

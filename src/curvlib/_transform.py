@@ -225,25 +225,8 @@ def _trace(model: nn.Module, second: Sequence[SecondOrder]) -> _Traced:
         runner=None if traced else run_eager,
         checks=module_checks(program) if traced else [],
         direct=not has_inplace(program),  # differentiate w.r.t. site outputs, not zero probes
-        residual_nodes=_residuals.residual_plan(program, _shared_linear_layers(program)) if hessian else {},
+        residual_nodes=_residuals.residual_plan(program) if hessian else {},
         dropout=_dropout.active(program),
-    )
-
-
-def _shared_linear_layers(program: Program) -> frozenset:
-    """Linear layers whose weight is used by more than one site (calls or direct reads)."""
-    counts: Dict[str, int] = {}
-    for node in program.graph.nodes:
-        layer = program.layers.get(node.target) if node.op == "call_module" else None
-        if layer is not None:
-            for name in set(layer.names.values()):
-                counts[name] = counts.get(name, 0) + 1
-    for use in program.functional.values():
-        for name in use.params:
-            counts[name] = counts.get(name, 0) + 1
-    return frozenset(
-        target for target, layer in program.layers.items()
-        if layer.kind == "linear" and counts.get(layer.names.get("weight"), 0) > 1
     )
 
 

@@ -97,9 +97,13 @@ class Residual:
         phi: ``φ(a)`` (diag) or ``φ(theta, *inputs)`` (dense); ``None`` otherwise.
         inputs: the node's graph inputs (*taps*: the forward returns them, so that
             vectors can be pulled back from them).
-        params: dense kind: the node's own trainable parameters (canonical name -> tensor).
+        params: dense kind: the node's own trainable parameters in ``u`` (canonical name -> tensor).
         site: bilinear kind: the Linear site.
         taps: indices of ``inputs`` in the forward's list of taps.
+        free: dense kind: those of ``params`` that none of the node's inputs
+            depends on (their couplings with the rest of ``u`` are left out).
+        in_dims: the batch dimension of every input (filled in from the plan).
+        out_dim: the batch dimension of the node's output.
     """
 
     where: str
@@ -109,6 +113,9 @@ class Residual:
     params: Dict[str, Tensor] = field(default_factory=dict)
     site: Optional["Site"] = None
     taps: List[int] = field(default_factory=list)
+    free: Tuple[str, ...] = ()
+    in_dims: Tuple[int, ...] = ()
+    out_dim: int = 0
 
 
 class Recorder:
@@ -147,12 +154,14 @@ class Recorder:
         self.residual_shapes: List[Tuple[int, ...]] = []
 
     def residual(self, where: str, kind: str, phi: Optional[Callable], inputs: List[Tensor], z: Tensor,
-                 params: Optional[Dict[str, Tensor]] = None, site: Optional["Site"] = None) -> Tensor:
+                 params: Optional[Dict[str, Tensor]] = None, site: Optional["Site"] = None,
+                 free: Sequence[str] = ()) -> Tensor:
         """Record the residual of a node with output ``z``; return ``z`` + its probe."""
         k = len(self.residuals)
         first = sum(len(r.inputs) for r in self.residuals)
         self.residuals.append(
-            Residual(where, kind, phi, list(inputs), dict(params or {}), site, list(range(first, first + len(inputs))))
+            Residual(where, kind, phi, list(inputs), dict(params or {}), site,
+                     list(range(first, first + len(inputs))), tuple(free), (0,) * len(inputs))
         )
         self.residual_shapes.append(tuple(z.shape))
         if self.residual_probes is None:

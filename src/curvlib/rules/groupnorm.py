@@ -17,8 +17,9 @@ Given ``x̂`` the site is linear in ``(γ, β)``; the individual gradients
     ∂ℓ_n/∂γ[c] = Σ_s g[n, c, s] x̂[n, c, s],      ∂ℓ_n/∂β[c] = Σ_s g[n, c, s]
 
 are ``[N, C]`` (small), and every first-order quantity is read off them. The
-GGN family needs nothing more; the Hessian family (the normalisation's second
-derivative with respect to ``x``) is refused by family (``"groupnorm"``).
+GGN family needs nothing more; the Hessian family takes the normalisation's
+second derivative as a dense per-sample residual of the node (see
+:mod:`curvlib._residuals`).
 
 The forward normalises with ``F.layer_norm`` on the ``[N, G, C/G · S]`` view
 (no affine map; the same statistics, population variance and ``ε`` as

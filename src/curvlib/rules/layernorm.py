@@ -21,8 +21,10 @@ Given ``x̂`` the site is linear in ``(w, b)``, so the individual gradients are
 sample), from which every first-order quantity is read off. Because ``x̂`` is
 saved, the GGN family (which pulls ``V`` vectors back to the site's output and
 applies these functions per vector) needs nothing more. The Hessian family
-additionally needs the normalisation's second derivative with respect to
-``x``; it is refused by family (``"layernorm"``) until the engine has it.
+additionally needs the normalisation's second derivative: the engine takes it
+as a dense per-sample residual of the node (see :mod:`curvlib._residuals`;
+over ``x``, and over ``(w, b, x)`` where ``x`` depends on them, for a module
+used twice).
 
 The forward is ``x̂ = F.layer_norm(x)`` *without* the affine map, then
 ``y = b + x̂ ⊙ w`` (``torch.addcmul``): one fused normalisation gives both the

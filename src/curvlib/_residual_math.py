@@ -1,0 +1,237 @@
+"""Per-sample algebra of the residuals recorded by :mod:`curvlib._residuals`.
+
+A residual ``R_n`` (sample ``n``) lives on ``u = (θ, inputs)``. Two views:
+
+* :func:`factor`: signed columns, ``R = Σ_c s_c c cᵀ`` exactly (the Hessian
+  diagonal pulls them back through the graph);
+* :func:`positive_curvature`: ``mod(R)`` as an operator on tangents of ``u``,
+  ``mod`` acting on the eigenvalues (PCHMP).
+
+The batch may sit in any dimension of a node's inputs and output
+(``Residual.in_dims``, ``Residual.out_dim``, from the planner): every
+function here moves it to the front first (*canonical* layout ``[N, ...]``)
+and moves it back for what it returns, so that "one sample" is one slice.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torch.func import hessian, vmap
+
+from .rules.elementwise import second_derivative
+
+Columns = List[Tuple[float, Dict[int, Tensor], Dict[str, Tensor]]]
+
+
+def _front(t: Tensor, dim: int, lead: int = 0) -> Tensor:
+    """Move the batch from ``dim`` (after ``lead`` extra leading dims) to position ``lead``."""
+    return t if dim == 0 else t.movedim(lead + dim, lead)
+
+
+def _back(t: Tensor, dim: int, lead: int = 0) -> Tensor:
+    """Inverse of :func:`_front`."""
+    return t if dim == 0 else t.movedim(lead, lead + dim)
+
+
+def _eye_columns(a: Tensor) -> Tensor:
+    """``[D, 1, *a.shape[1:]]``: one-hot columns over a sample's entries (batch in front)."""
+    d = a[0].numel()
+    return torch.eye(d, dtype=a.dtype, device=a.device).reshape((d, 1) + tuple(a.shape[1:]))
+
+
+def factor(res, g: Tensor) -> Columns:
+    """Signed column sets of the residual: ``[(sign, {input index: [V, *input]}, {param: [V, N, *p]})]``.
+
+    ``g`` is the gradient at the node's output. Columns are per sample: column
+    ``v`` of sample ``n`` is non-zero only in sample ``n``'s slice of the input.
+    """
+    if res.kind in ("diag", "product"):
+        d = res.in_dims[0]
+        if res.kind == "diag":  # R = diag(φ''(a) g): columns e_k √r±
+            r = _front(second_derivative(res.phi, res.inputs[0]) * g, d)
+            eye = _eye_columns(r)
+            return [(1.0, {0: _back(eye * r.clamp(min=0).sqrt(), d, 1)}, {}),
+                    (-1.0, {0: _back(eye * (-r).clamp(min=0).sqrt(), d, 1)}, {})]
+        # R = [[0, D], [D, 0]], D = diag(g): columns (e_k, ±sign(g_k) e_k) √(|g_k|/2)
+        gc = _front(g, d)
+        eye = _eye_columns(gc)
+        m, s = (gc.abs() / 2).sqrt(), torch.sign(gc)
+        pos = {0: _back(eye * m, d, 1), 1: _back(eye * (m * s), d, 1)}
+        neg = {0: _back(eye * m, d, 1), 1: _back(eye * (-m * s), d, 1)}
+        return [(1.0, pos, {}), (-1.0, neg, {})]
+    if res.kind == "bilinear":
+        return _bilinear_columns(res, g)
+    return _dense_columns(res, g)
+
+
+def _bilinear_layout(res, g: Tensor) -> Tuple[Tensor, Tensor]:
+    """``x [N, S, I]`` and ``G [N, S, O]`` (positions sharing the weight flattened into ``S``)."""
+    x = _front(res.inputs[0], res.in_dims[0])
+    gc = _front(g, res.out_dim)
+    n = x.shape[0]
+    return x.reshape(n, -1, x.shape[-1]), gc.reshape(n, -1, gc.shape[-1])
+
+
+def _bilinear_columns(res, g: Tensor) -> Columns:
+    """``z_s = W x_s``: ``R`` couples ``W_oi`` and ``x_si`` with ``g_so``. Column ``(s, i)``:
+    W-part ``g_s ⊗ e_i / √(2‖g_s‖)``, x-part ``±e_{s,i} √(‖g_s‖/2)``; each pair's
+    difference of outer products is ``(g_s ⊗ e_i) e_{s,i}ᵀ`` + transpose, summing to ``R``."""
+    xs, gs = _bilinear_layout(res, g)
+    n, s, i = xs.shape
+    norm = gs.norm(dim=2)  # [N, S]
+    m = (norm / 2).sqrt()
+    eye_s = torch.eye(s, dtype=xs.dtype, device=xs.device)
+    eye_i = torch.eye(i, dtype=xs.dtype, device=xs.device)
+    x_c = _front(res.inputs[0], res.in_dims[0])
+    x_part = torch.einsum("ab,cd,nb->acnbd", eye_s, eye_i, m).reshape((s * i,) + tuple(x_c.shape))
+    x_part = _back(x_part, res.in_dims[0], 1)
+    w_scale = gs / (2 * norm.clamp_min(torch.finfo(xs.dtype).tiny)).sqrt().unsqueeze(-1)  # [N, S, O]
+    w_part = torch.einsum("nao,cd->acnod", w_scale, eye_i).reshape(s * i, n, gs.shape[2], i)
+    name = res.site.params["weight"]
+    return [(1.0, {0: x_part}, {name: w_part}), (-1.0, {0: -x_part}, {name: w_part})]
+
+
+def _layout(res):
+    """How ``u = (θ, inputs)`` of a dense residual splits: names, shapes and sizes
+    (input shapes per sample, in the canonical layout)."""
+    names = list(res.params)
+    shapes_p = [tuple(res.params[k].shape) for k in names]
+    sizes_p = [res.params[k].numel() for k in names]
+    inputs = [_front(a, d) for a, d in zip(res.inputs, res.in_dims)]
+    shapes_in = [tuple(a.shape[1:]) for a in inputs]
+    sizes_in = [a[0].numel() for a in inputs]
+    return names, shapes_p, sizes_p, shapes_in, sizes_in
+
+
+def _split_taps(res, parts: Sequence[Tensor], lead: Tuple[int, ...]) -> List[Tensor]:
+    """Flat per-sample input parts ``[*lead, N, D_j]`` -> tensors in each input's own layout."""
+    _, _, _, shapes_in, _ = _layout(res)
+    k = len(lead)
+    return [_back(p.reshape(tuple(p.shape[: k + 1]) + sh), d, k) for p, sh, d in zip(parts, shapes_in, res.in_dims)]
+
+
+def _dense_columns(res, g: Tensor) -> Columns:
+    """``R = Q Λ Qᵀ`` per sample: columns ``q_j √λ_j±``, split into the parameters'
+    (direct) and the inputs' parts."""
+    names, shapes_p, sizes_p, _, sizes_in = _layout(res)
+    n = _front(g, res.out_dim).shape[0]
+    evals, evecs = torch.linalg.eigh(_dense_matrix(res, g))  # R [N, D, D]
+    sets = []
+    for sign, lam in ((1.0, evals.clamp(min=0)), (-1.0, (-evals).clamp(min=0))):
+        cols = (evecs * lam.sqrt().unsqueeze(1)).permute(2, 0, 1)  # [V=D, N, D]
+        parts = torch.split(cols, sizes_p + sizes_in, dim=2)
+        direct = {k: p.reshape((cols.shape[0], n) + sh) for k, p, sh in zip(names, parts[: len(names)], shapes_p)}
+        taps = dict(enumerate(_split_taps(res, parts[len(names):], (cols.shape[0],))))
+        sets.append((sign, taps, direct))
+    return sets
+
+
+def _dense_matrix(res, g: Tensor) -> Tensor:
+    """Per-sample residual ``R [N, D, D]`` over ``u = (θ, inputs)`` (dense kind), without
+    the couplings of the ``free`` parameters (which enter no diagonal block of the Hessian)."""
+    names, shapes_p, sizes_p, shapes_in, sizes_in = _layout(res)
+    gc = _front(g, res.out_dim)
+    n = gc.shape[0]
+    theta_flat = [res.params[k].reshape(1, -1).expand(n, -1) for k in names]
+    inputs = [_front(a, d).reshape(n, -1) for a, d in zip(res.inputs, res.in_dims)]
+    u = torch.cat(theta_flat + inputs, dim=1)
+
+    def contracted(u_n: Tensor, g_n: Tensor) -> Tensor:
+        parts = list(torch.split(u_n, sizes_p + sizes_in))
+        theta = {k: p.reshape(sh) for k, p, sh in zip(names, parts[: len(names)], shapes_p)}
+        # one sample, batch of one in the input's own batch dimension
+        xs = [_back(p.reshape((1,) + sh), d) for p, sh, d in zip(parts[len(names):], shapes_in, res.in_dims)]
+        return (_front(res.phi(theta, *xs), res.out_dim).squeeze(0) * g_n).sum()
+
+    R = vmap(hessian(contracted))(u, gc)
+    R = (R + R.transpose(1, 2)) / 2
+    if res.free:
+        # block id per coordinate: 1 + k for the k-th free parameter, 0 for the rest of u
+        ids = torch.cat([torch.full((s,), 1 + k if name in res.free else 0, device=R.device)
+                         for k, (name, s) in enumerate(zip(names + [None] * len(sizes_in), sizes_p + sizes_in))])
+        R = R * (ids[:, None] == ids[None, :])
+    return R
+
+
+def _modified(R: Tensor, clip: bool) -> Tensor:
+    """``R [N, D, D]`` with its eigenvalues clipped at zero or in absolute value."""
+    evals, evecs = torch.linalg.eigh(R)
+    evals = evals.clamp(min=0) if clip else evals.abs()
+    return (evecs * evals.unsqueeze(1)) @ evecs.transpose(1, 2)
+
+
+def positive_curvature(res, g: Tensor, modify: str) -> Callable:
+    """The residual with its negative curvature clipped (``"clip"``) or flipped (``"abs"``).
+
+    Returns ``apply(tap_tangents, theta_tangents) -> (tap_cotangents, theta_cotangents)``:
+    ``mod(R)`` applied per sample to the tangent of ``u = (θ, inputs)``, with
+    ``mod`` acting on the eigenvalues of ``R``. ``theta_*`` are dicts (parameter
+    name -> ``[*p]``, the same direction for every sample; the cotangent is
+    summed over samples). For an element-wise node this is Chen et al.'s
+    ``mod(φ''(a) g)``.
+    """
+    clip = modify == "clip"
+    if res.kind == "diag":  # element-wise: per entry, in any layout
+        r = second_derivative(res.phi, res.inputs[0]) * g
+        m = r.clamp(min=0) if clip else r.abs()
+        return lambda taps, theta: ([m * taps[0]], {})
+    if res.kind == "product":
+        # per entry: [[0, g], [g, 0]] has eigenpairs ±|g|, (1, ±s)/√2 with s = sign(g)
+        a, s = g.abs(), torch.sign(g)
+        if clip:
+            return lambda taps, theta: ([a / 2 * (taps[0] + s * taps[1]), a / 2 * (s * taps[0] + taps[1])], {})
+        return lambda taps, theta: ([a * taps[0], a * taps[1]], {})
+    if res.kind == "bilinear":
+        return _bilinear_operator(res, g, clip)
+    return _dense_operator(res, g, clip)
+
+
+def _bilinear_operator(res, g: Tensor, clip: bool) -> Callable:
+    """``mod(R)`` of ``z_s = W x_s`` per sample: with ``G [S, O]`` (rows ``g_s``),
+    ``R = [[0, Gᵀ ⊗ I], [G ⊗ I, 0]]`` over ``(W [O, I], x [S, I])``, whose eigenvalues
+    are ``±σ_j(G)``. Hence ``|R| = diag(√(GᵀG) ⊗ I, √(GGᵀ) ⊗ I)`` and
+    ``clip(R) = (|R| + R) / 2``. (Positions ``S`` share ``W``: for ``S > 1`` the
+    ``g_s`` are not orthogonal, so ``σ_j ≠ ‖g_s‖``.)"""
+    name = res.site.params["weight"]
+    xs, G = _bilinear_layout(res, g)  # [N, S, I], [N, S, O]
+    d = res.in_dims[0]
+    shape_c = tuple(_front(res.inputs[0], d).shape)
+    # from the SVD G = U Σ Vᵀ (not eigh of GᵀG, whose round-off √ would amplify)
+    U, sigma, Vh = torch.linalg.svd(G, full_matrices=False)
+    root_w = (Vh.transpose(1, 2) * sigma.unsqueeze(1)) @ Vh  # √(GᵀG) = V Σ Vᵀ [N, O, O]
+    root_x = (U * sigma.unsqueeze(1)) @ U.transpose(1, 2)  # √(GGᵀ) = U Σ Uᵀ [N, S, S]
+
+    def apply(taps, theta):
+        tx = _front(taps[0], d).reshape(xs.shape)  # [N, S, I]
+        tw = theta.get(name)  # [O, I] or None (zero tangent)
+        cx = root_x @ tx
+        cw = torch.einsum("nop,pi->oi", root_w, tw) if tw is not None else None
+        if clip:  # add R t: x-part G tw, W-part Σ_n G_nᵀ tx_n, and halve
+            cx = (cx + (G @ tw if tw is not None else 0)) / 2
+            cw = (cw + torch.einsum("nso,nsi->oi", G, tx)) / 2 if tw is not None else None
+        return [_back(cx.reshape(shape_c), d)], ({name: cw} if tw is not None else {})
+
+    return apply
+
+
+def _dense_operator(res, g: Tensor, clip: bool) -> Callable:
+    """``mod(R)`` of a dense residual, applied per sample to ``(θ, inputs)`` tangents."""
+    M = _modified(_dense_matrix(res, g), clip)  # [N, D, D]
+    names, _, sizes_p, _, sizes_in = _layout(res)
+    n = M.shape[0]
+
+    def apply(taps, theta):
+        t_theta = [
+            (theta[k].reshape(1, -1) if k in theta else res.params[k].new_zeros(1, res.params[k].numel())).expand(n, -1)
+            for k in names
+        ]
+        t_in = [_front(t, dim).reshape(n, -1) for t, dim in zip(taps, res.in_dims)]
+        c = torch.einsum("nij,nj->ni", M, torch.cat(t_theta + t_in, dim=1))
+        parts = torch.split(c, sizes_p + sizes_in, dim=1)
+        theta_c = {k: p.sum(0).reshape(res.params[k].shape) for k, p in zip(names, parts[: len(names)]) if k in theta}
+        return _split_taps(res, parts[len(names):], ()), theta_c
+
+    return apply
