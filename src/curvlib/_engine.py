@@ -31,7 +31,7 @@ from torch.func import vjp
 
 from ._errors import CurvatureError
 from ._program import Program
-from . import _residuals
+from . import _independence, _residuals
 from .rules import functional
 from .rules._site import Recorder, Site
 
@@ -160,6 +160,7 @@ class Plan:
     batch_dims: Tuple[int, ...]
     residual_shapes: Tuple[Tuple[int, ...], ...] = ()
     sites: Tuple[Site, ...] = ()
+    independence: Optional[_independence.Independence] = None  # samples mixed inside the model?
 
 
 def module_checks(program: Program) -> List[Callable[[], None]]:
@@ -182,7 +183,7 @@ def module_checks(program: Program) -> List[Callable[[], None]]:
     return checks
 
 
-def _shape_pass(program, X, params, trainable, batch, residual_nodes=None, runner=None):
+def _shape_pass(program, X, params, trainable, batch, residual_nodes=None, runner=None, env=None):
     """Sites and output of a forward on fake tensors with batch size ``batch``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -198,17 +199,17 @@ def _shape_pass(program, X, params, trainable, batch, residual_nodes=None, runne
         pf = {k: empty_like(v) for k, v in params.items()}
         rec = Recorder(None, residual_nodes=residual_nodes)
         with torch.no_grad():
-            out = (runner or run_graph)(program, Xf, pf, trainable, rec, fake_tensor=fake)
+            out = (runner or run_graph)(program, Xf, pf, trainable, rec, fake_tensor=fake, env=env)
         return rec, out
 
 
-def _real_shape_pass(program, X, params, trainable, batch, residual_nodes=None, runner=None):
+def _real_shape_pass(program, X, params, trainable, batch, residual_nodes=None, runner=None, env=None):
     """Fallback of :func:`_shape_pass` for ops that fake tensors do not support."""
     Xb = X if batch == X.shape[0] else torch.cat([X, X[:1]])
     rec = Recorder(None, residual_nodes=residual_nodes)
     # Forked random state: the passes take the same random branches as the real forward.
     with torch.random.fork_rng(devices=[X.device] if X.device.type == "cuda" else []), torch.no_grad():
-        out = (runner or run_graph)(program, Xb, params, trainable, rec)
+        out = (runner or run_graph)(program, Xb, params, trainable, rec, env=env)
     return rec, out
 
 
@@ -249,14 +250,16 @@ def _check_generic_inputs(site: Site, site_b: Site, n: int) -> None:
 def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=None, runner=None) -> Plan:
     """Learn shapes and batch dimensions (see the module docstring)."""
     n = X.shape[0]
+    env_a, env_b = {}, {}  # every node's value in both passes (for _independence)
     try:
-        rec_a, out_a = _shape_pass(program, X, params, trainable, n, residual_nodes, runner)
-        rec_b, out_b = _shape_pass(program, X, params, trainable, n + 1, residual_nodes, runner)
+        rec_a, out_a = _shape_pass(program, X, params, trainable, n, residual_nodes, runner, env_a)
+        rec_b, out_b = _shape_pass(program, X, params, trainable, n + 1, residual_nodes, runner, env_b)
     except CurvatureError:
         raise
     except Exception:  # noqa: BLE001 - an op without a fake-tensor kernel
-        rec_a, out_a = _real_shape_pass(program, X, params, trainable, n, residual_nodes, runner)
-        rec_b, out_b = _real_shape_pass(program, X, params, trainable, n + 1, residual_nodes, runner)
+        env_a, env_b = {}, {}
+        rec_a, out_a = _real_shape_pass(program, X, params, trainable, n, residual_nodes, runner, env_a)
+        rec_b, out_b = _real_shape_pass(program, X, params, trainable, n + 1, residual_nodes, runner, env_b)
     calls_a, calls_b = [s.where for s in rec_a.sites], [s.where for s in rec_b.sites]
     if calls_a != calls_b:  # only possible without a graph (control flow in forward)
         raise CurvatureError(
@@ -292,6 +295,7 @@ def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=Non
         batch_dims=tuple(batch_dims),
         residual_shapes=tuple(rec_a.residual_shapes),
         sites=tuple(Site(s.rule, dict(s.params), s.where, meta=dict(s.meta), key=s.key) for s in rec_a.sites),
+        independence=_independence.analyse(program, env_a, env_b, n, trainable),  # samples mixed?
     )
 
 

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from . import losses
 from ._engine import FIRST_ORDER, Plan, first_order, has_inplace, module_checks, forward_with_probes, make_plan
+from ._independence import refuse_mixing
 from ._kfra import chain_nodes, kfra
 from ._products import products, replay_rng, rng_state
 from ._secondorder import check_second_order, second_order
@@ -228,6 +229,8 @@ def curvature(
                 second_exts, plan.sites, trainable, [],
                 {layer.path: layer.kind for layer in program.layers.values()},
             )
+        # Samples mixed inside the model: refuse what needs them independent (curvlib._independence).
+        refuse_mixing(plan, computed, program, X, values, frozenset(trainable), runner, batch_chunk_size is not None)
         rng = rng_state(X.device)
 
         lin = forward_with_probes(
