@@ -45,7 +45,7 @@ from torch import Tensor, fx, nn
 
 from ._errors import CurvatureError
 from . import _mixing_checks as checks, _mixing_ops as ops
-from ._mixing_ops import Batch, Odd
+from ._mixing_ops import Batch
 
 __all__ = ["Independence", "analyse", "refuse_mixing", "needs_independent_samples"]
 
@@ -211,12 +211,15 @@ class _Walk:
             leaves[0] = new
             return None
         leaves[0] = Batch(leaves[0].dim, leaves[0].c, None)
-        if src in hot_in:
-            label = checks.label(node, name, _lookup(self.program.root, node.target) if node.op == "call_module" else None)
-            return (f"graph node '{node.name}' ({label} of '{src.name}' from "
-                    f"{list(shape_in)} to {list(shape_out)} regroups entries of different samples "
-                    f"into one row: the batch dim {self.batch(src).dim} is not kept whole)")
-        return None
+        if src not in hot_in:
+            return None
+        module = _lookup(self.program.root, node.target) if node.op == "call_module" else None
+        what = (f"{checks.label(node, name, module)} of '{src.name}' from {list(shape_in)} to {list(shape_out)}")
+        if self.batch(src).s is None:  # merged by an operation whose layout curvlib does not know
+            return (f"graph node '{node.name}' ({what}: the batch of '{src.name}' is merged with another "
+                    "dim by an operation curvlib cannot follow, so it cannot tell whether samples stay apart)")
+        return (f"graph node '{node.name}' ({what} regroups entries of different samples into one "
+                f"row: the batch dim {self.batch(src).dim} is not kept whole)")
 
     # -- the checks -----------------------------------------------------------------
     def check(self, node, kind, name, detail, hot_in, feeding) -> Optional[str]:

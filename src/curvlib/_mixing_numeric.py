@@ -24,6 +24,7 @@ With ``N = 1`` nothing can mix and nothing is tested.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable, List, Optional
 
 import torch
@@ -45,6 +46,29 @@ def _seeded(device: torch.device, seed: int):
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
         torch.manual_seed(seed)
         yield
+
+
+def _plain(t):
+    """Inside a torch.func transform: the plain value of a wrapped tensor (under ``vmap``, its
+    first member), so that the tests run outside the transform on ordinary tensors."""
+    functorch = torch._C._functorch
+    while isinstance(t, Tensor) and functorch.is_functorch_wrapped_tensor(t):
+        bdim = functorch.maybe_get_bdim(t) if functorch.is_batchedtensor(t) else -1
+        t = functorch.get_unwrapped(t)
+        t = t.select(bdim, 0) if bdim >= 0 else t
+    return t
+
+
+def outside_transforms(test: Callable) -> Callable:
+    """Run ``test(program, ..., X, params, ...)`` on plain tensors, with functorch disabled."""
+
+    @functools.wraps(test)
+    def run(program, found_or_plan, X, params, *rest):
+        with torch._C._DisableFuncTorch():
+            plain = {name: _plain(v) for name, v in params.items()}
+            return test(program, found_or_plan, _plain(X), plain, *rest)
+
+    return run
 
 
 def _map_leaves(value, leaves: list, fn: Callable):
@@ -71,9 +95,15 @@ def _rows(size: int, leaf: Batch, n: int, j: int, device) -> Tensor:
     return (pos // leaf.s) % n == j
 
 
+class _CannotFollow(Exception):
+    """A batch merged with another dim by an operation whose layout is not known."""
+
+
 def _perturbed(j: int, n: int, gen: torch.Generator) -> Callable:
     def change(v: Tensor, leaf) -> Tensor:
-        if not isinstance(leaf, Batch) or leaf.s is None or v.numel() == 0:
+        if isinstance(leaf, Batch) and leaf.s is None:
+            raise _CannotFollow
+        if not isinstance(leaf, Batch) or v.numel() == 0:
             return v.clone()
         mine = _rows(v.shape[leaf.dim], leaf, n, j, v.device)
         if v.is_floating_point() or v.is_complex():
@@ -108,7 +138,9 @@ def _gap(a: Tensor, b: Tensor, rel: float) -> float:
 def _leak(base, out, leaves: list, j: int, n: int) -> float:
     """How much outputs of samples other than ``j`` (and batch-free outputs) changed."""
     for a, b, leaf in zip(leaves_of(base), leaves_of(out), leaves):
-        if isinstance(leaf, Batch) and leaf.s is not None:
+        if isinstance(leaf, Batch) and leaf.s is None:
+            raise _CannotFollow
+        if isinstance(leaf, Batch):
             keep = (~_rows(a.shape[leaf.dim], leaf, n, j, a.device)).nonzero().flatten()
             a, b = a.index_select(leaf.dim, keep), b.index_select(leaf.dim, keep.to(b.device))
         elif leaf is not None:
@@ -130,17 +162,30 @@ def probe(call: Callable, load: Callable, out_leaves: list, n: int, device, alon
     """
     with _seeded(device, _SEED):
         base = call(*load(_same))
+    why = _leak_test(call, load, base, out_leaves, n, device)
+    if why or not alone:
+        return why
+    return _alone_test(call, load, base, out_leaves, device)
+
+
+def _leak_test(call, load, base, out_leaves, n, device) -> Optional[str]:
     gen = torch.Generator().manual_seed(_SEED)
     for j in sorted({0, n - 1}):
-        args = load(_perturbed(j, n, gen))
-        with _seeded(device, _SEED):
-            out = call(*args)
-        gap = _leak(base, out, out_leaves, j, n)
+        try:
+            args = load(_perturbed(j, n, gen))
+            with _seeded(device, _SEED):
+                out = call(*args)
+            gap = _leak(base, out, out_leaves, j, n)
+        except _CannotFollow:
+            return (": its input or output has the batch merged with another dim by an operation "
+                    "curvlib cannot follow, so it cannot test whether samples stay apart")
         if gap:
             return (f": changing sample {j}'s input changed other samples' outputs by up to {gap:.3g}, "
                     "so it mixes samples")
-    if not alone:
-        return None
+    return None
+
+
+def _alone_test(call, load, base, out_leaves, device) -> Optional[str]:
     with _seeded(device, _OTHER_SEED):
         again = call(*load(_same))
     if any(_gap(a, b, lambda eps: 64 * eps) for a, b in zip(leaves_of(base), leaves_of(again))):
@@ -178,6 +223,7 @@ def _node_call(program, node: fx.Node, params) -> Callable:
     return lambda args, kwargs: node.target(*args, **kwargs)
 
 
+@outside_transforms
 def pending_problem(program, found, X: Tensor, params, trainable) -> Optional[str]:
     """The first pending node that fails its test, in words (``None``: all pass)."""
     from ._engine import run_graph
@@ -194,7 +240,9 @@ def pending_problem(program, found, X: Tensor, params, trainable) -> Optional[st
             return fx.node.map_arg(node.args, one), fx.node.map_arg(node.kwargs, one)
 
         module = program.root.get_submodule(node.target) if node.op == "call_module" else None
-        alone = node.op == "call_module" and node.target in program.layers
+        layer = program.layers.get(node.target) if node.op == "call_module" else None
+        # only layers with trainable parameters are recomputed per sample (by the generic rule)
+        alone = layer is not None and any(name in trainable for name in layer.names.values())
         why = probe(_node_call(program, node, params), load, found.layouts[node], n, X.device, alone)
         if why:
             name = getattr(node.target, "__name__", str(node.target))
@@ -220,6 +268,7 @@ def _site_problem(site, n: int, device) -> Optional[str]:
     return probe(call, load, [Batch(0)], n, device, alone=True)
 
 
+@outside_transforms
 def untraced_problem(program, plan, X: Tensor, params, trainable, runner) -> Optional[str]:
     """Numeric tests of a model without a graph (see the module doc)."""
     n = X.shape[0]

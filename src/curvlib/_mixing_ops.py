@@ -27,7 +27,6 @@ operation can mix the samples of a *batched* input:
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
