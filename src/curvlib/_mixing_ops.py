@@ -27,6 +27,7 @@ operation can mix the samples of a *batched* input:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -198,44 +199,48 @@ def _exact(module: nn.Module, classes: Sequence[type]) -> Optional[type]:
     return None
 
 
-def _activation_classes() -> Tuple[type, ...]:
-    from torch.nn.modules import activation
+def _modules_of(namespace, skip=()) -> Tuple[type, ...]:
+    return tuple(c for name, c in vars(namespace).items()
+                 if isinstance(c, type) and issubclass(c, nn.Module) and c is not nn.Module and name not in skip)
+
+
+@functools.lru_cache(maxsize=None)
+def _tables() -> Dict[str, Tuple[type, ...]]:
+    """Parameter-free ``torch.nn`` module classes by what they do to a batch."""
+    from torch.nn.modules import activation, dropout, padding, pooling
 
     mixing = {"Softmax", "Softmin", "LogSoftmax", "Softmax2d", "GLU", "MultiheadAttention"}
-    return tuple(
-        c for name, c in vars(activation).items()
-        if isinstance(c, type) and issubclass(c, nn.Module) and c is not nn.Module and name not in mixing
-    )
+    return {
+        "elementwise": _modules_of(activation, mixing) + (nn.Identity, dropout._DropoutNd, nn.LayerNorm)
+        + _modules_of(padding),
+        "pool": tuple(c for c in _modules_of(pooling) if c.__name__[-2:] in ("1d", "2d", "3d")),
+        "leading": (nn.GroupNorm, nn.modules.instancenorm._InstanceNorm, nn.LocalResponseNorm, nn.CrossMapLRN2d,
+                    nn.PixelShuffle, nn.PixelUnshuffle, nn.ChannelShuffle, nn.Upsample, nn.Fold, nn.Unfold),
+    }
 
 
 def module_kind(module: nn.Module) -> Tuple[str, object]:
     """``(kind, detail)`` of a parameter-free leaf module: detail is the mixed dim(s)
     for ``dim``, the pooled dim count for ``pool``."""
-    from torch.nn.modules import dropout, padding, pooling
-
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return "batchnorm", None
-    cls = _exact(module, (nn.Softmax, nn.Softmin, nn.LogSoftmax))
-    if cls is not None:
+    if _exact(module, (nn.Softmax, nn.Softmin, nn.LogSoftmax)) is not None:
         return "dim", (_LEGACY if module.dim is None else module.dim)
     if _exact(module, (nn.Softmax2d,)):
         return "dim", -3
     if _exact(module, (nn.GLU,)):
         return "dim", module.dim
-    per_sample = _activation_classes() + (nn.Identity, dropout._DropoutNd, nn.LayerNorm) + tuple(
-        c for c in vars(padding).values() if isinstance(c, type) and issubclass(c, nn.Module))
-    if _exact(module, per_sample):
+    tables = _tables()
+    if _exact(module, tables["elementwise"]):
         return "elementwise", None
     if _exact(module, (nn.Flatten, nn.Unflatten)):
         return "view", None
     if _exact(module, (nn.CosineSimilarity, nn.PairwiseDistance)):
         return "reduce", None
-    cls = _exact(module, [c for c in vars(pooling).values() if isinstance(c, type) and issubclass(c, nn.Module)])
-    if cls is not None and cls.__name__[-2:] in ("1d", "2d", "3d"):
+    cls = _exact(module, tables["pool"])
+    if cls is not None:
         return "pool", int(cls.__name__[-2])
-    leading = (nn.GroupNorm, nn.modules.instancenorm._InstanceNorm, nn.LocalResponseNorm, nn.CrossMapLRN2d,
-               nn.PixelShuffle, nn.PixelUnshuffle, nn.ChannelShuffle, nn.Upsample, nn.Fold, nn.Unfold)
-    if _exact(module, leading):
+    if _exact(module, tables["leading"]):
         return "leading", None
     return "unknown", None
 
