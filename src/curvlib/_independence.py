@@ -24,12 +24,21 @@ exact) and
   regroups rows of different samples, an RNN/attention module whose sequence
   dim holds the batch).
 
-Merging the batch with another dim and splitting it again is allowed (no
-values mix). Operations outside the tables, parametrized modules without a
-hand-written rule and unknown parameter-free modules are *pending*: tested
-numerically once per plan, on first use (:mod:`curvlib._mixing_numeric`).
-Models without a graph are tested numerically on every call (their plan is
-not cached).
+A layer whose own parameters are trainable counts all its batched inputs as
+hot (an RNN over the batch mixes its parameters' effect across samples), and
+a hot output that lost the batch of a batched input (hot or not) is refused.
+``detach`` cuts the dependence (``h - h.detach().mean(0)``: the mean is a
+constant for every gradient, which is then exact). Merging the batch with
+another dim and splitting it again is allowed (no values mix); a merge whose
+order curvlib cannot follow is refused, not guessed.
+
+Operations outside the tables, parametrized modules without a hand-written
+rule and unknown parameter-free modules are *pending*: tested numerically
+once per plan, on first use (:mod:`curvlib._mixing_numeric`). Models without
+a graph are tested numerically on every call that needs it (their plan is
+not cached, and their path may change per call). With ``N = 1`` the numeric
+tests have nothing to compare (and one sample cannot mix); the graph checks
+still refuse.
 
 :func:`refuse_mixing` raises before any work when an extension needs
 independent samples: all but the block products ``HMP`` and ``GGNMP``, which
