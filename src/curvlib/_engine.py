@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.func import vjp
 
-from . import _dropout, _inputs, _residuals
+from . import _dropout, _independence, _inputs, _residuals
 from ._errors import CurvatureError
 from ._program import Program
 from .rules import call_without_hooks, functional
@@ -202,6 +202,7 @@ class Plan:
     sites: Tuple[Site, ...] = ()
     # per residual: the batch dim of each input and of the output
     residual_dims: Tuple[Tuple[Tuple[int, ...], int], ...] = ()
+    independence: Optional[_independence.Independence] = None  # samples mixed inside the model?
 
 
 def module_checks(program: Program) -> List[Callable[[], None]]:
@@ -249,17 +250,17 @@ def _real_shape_pass(program, X, params, trainable, batch, residual_nodes=None, 
     return rec, out
 
 
-def _checked_shape_pass(program, X, params, trainable, batch, residual_nodes, runner):
+def _checked_shape_pass(program, X, params, trainable, batch, residual_nodes, runner, env):
     """A shape pass on fake tensors (on real ones for ops without a fake kernel); a model
     that fails on ``X`` is reported by :func:`curvlib._diagnose.forward_failure`."""
     try:
-        return _shape_pass(program, X, params, trainable, batch, residual_nodes, runner)
+        return _shape_pass(program, X, params, trainable, batch, residual_nodes, runner, env)
     except CurvatureError:
         raise
     except Exception:  # noqa: BLE001 - an op without a fake-tensor kernel, or a real failure
-        pass
+        env.clear()
     try:
-        return _real_shape_pass(program, X, params, trainable, batch, residual_nodes, runner)
+        return _real_shape_pass(program, X, params, trainable, batch, residual_nodes, runner, env)
     except CurvatureError:
         raise
     except Exception as exc:  # noqa: BLE001 - reported with the node, the input and a likely cause
@@ -330,9 +331,9 @@ def _check_generic_inputs(site: Site, site_b: Site, n: int) -> None:
 def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=None, runner=None) -> Plan:
     """Learn shapes and batch dimensions (see the module docstring)."""
     n = _inputs.batch_size(X)
-    (rec_a, out_a), (rec_b, out_b) = (
-        _checked_shape_pass(program, X, params, trainable, batch, residual_nodes, runner) for batch in (n, n + 1)
-    )
+    env_a, env_b = {}, {}  # every node's value in both passes (for _independence)
+    rec_a, out_a = _checked_shape_pass(program, X, params, trainable, n, residual_nodes, runner, env_a)
+    rec_b, out_b = _checked_shape_pass(program, X, params, trainable, n + 1, residual_nodes, runner, env_b)
     calls_a, calls_b = [s.where for s in rec_a.sites], [s.where for s in rec_b.sites]
     if calls_a != calls_b:  # only possible without a graph (control flow in forward)
         raise CurvatureError(
@@ -369,6 +370,7 @@ def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=Non
         batch_dims=tuple(batch_dims),
         residual_shapes=tuple(rec_a.residual_shapes),
         residual_dims=residual_dims,
+        independence=_independence.analyse(program, env_a, env_b, n, trainable),  # samples mixed?
         sites=tuple(Site(s.rule, dict(s.params), s.where, meta=dict(s.meta), key=s.key) for s in rec_a.sites),
     )
 

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from . import _arguments, _budget, _dropout, _inputs, _residuals, losses
 from ._diagnose import forward_failure
+from ._independence import refuse_mixing
 from ._engine import FIRST_ORDER, NodeFailure, Plan, first_order, forward_with_probes, has_inplace, make_plan, module_checks
 from ._errors import CurvatureError, CurvatureTypeError
 from ._kfra import chain_nodes, kfra
@@ -269,6 +270,9 @@ class _Call:
             kinds = {layer.path: layer.kind for layer in traced.program.layers.values()}
             check_second_order(s.second, plan.sites, trainable, [], kinds)
             _budget.check_roots(s.second, plan.out_shape, plan.out_dtype, _inputs.first(X).device)
+        # Samples mixed inside the model: refuse what needs them independent (curvlib._independence).
+        refuse_mixing(plan, s.computed, traced.program, X, values, frozenset(trainable), traced.runner,
+                      s.chunk_kinds is not None)
         _dropout.refuse_in_generic(traced.program, plan.sites)
         return plan
 
