@@ -1,0 +1,131 @@
+"""The options laplace-torch passes to a backend: checked, honoured or refused.
+
+laplace-torch forwards ``backend_kwargs`` to the backend's constructor and
+``asdl_fisher_kwargs`` to ``diag``/``kron`` (``KronLaplace``, ``DiagLaplace``);
+it passes ``N`` to ``diag``, ``full`` and ``kron`` itself. Its curvlinops
+backend forwards ``mc_samples`` and ``kfac_approx`` to curvlinops, whose
+``KFACLinearOperator`` takes ``mc_samples`` for the Monte-Carlo Fisher only
+(``mc_samples != 1`` with another Fisher type is a ``ValueError``) and
+``kfac_approx`` in ``("expand", "reduce")`` (Eschenhagen et al., 2023).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from .._errors import CurvatureError, CurvatureTypeError
+
+KFAC_APPROXES = ("expand", "reduce")
+
+# the keywords each method accepts besides its positional arguments
+METHOD_OPTIONS = {
+    "diag": ("N", "mc_samples"),
+    "full": ("N", "mc_samples"),
+    "kron": ("mc_samples", "kfac_approx"),
+}
+
+
+def refuse_unknown(where: str, given: Iterable[str], accepted: Iterable[str]) -> None:
+    """A :class:`CurvatureTypeError` naming the first keyword not in ``accepted``."""
+    accepted = tuple(accepted)
+    for key in given:
+        if key not in accepted:
+            raise CurvatureTypeError(
+                f"{where}: unknown keyword argument {key!r}; accepted: "
+                f"{', '.join(accepted)}. (laplace-torch forwards backend_kwargs to the "
+                "constructor and asdl_fisher_kwargs to diag and kron.)"
+            )
+
+
+def method_options(backend: Any, method: str, kwargs: Mapping[str, Any]) -> Dict[str, Any]:
+    """``{"mc_samples": int, "kfac_approx": str or None}`` for one call of ``method``.
+
+    ``mc_samples`` defaults to the backend's ``num_samples`` and must be 1 unless
+    the backend is a Monte-Carlo Fisher (as for curvlinops' KFAC).
+    ``kfac_approx`` is ``None`` when not given.
+    """
+    where = f"{type(backend).__name__}.{method}"
+    refuse_unknown(where, kwargs, METHOD_OPTIONS[method])
+    stochastic = getattr(backend, "stochastic", False)
+    mc = kwargs.get("mc_samples", getattr(backend, "num_samples", 1) if stochastic else 1)
+    if isinstance(mc, bool) or not isinstance(mc, int) or mc < 1:
+        raise CurvatureError(f"{where}(mc_samples={mc!r}): mc_samples must be a positive int.")
+    if mc != 1 and not stochastic:
+        raise CurvatureError(
+            f"{where}(mc_samples={mc}): mc_samples applies to the Monte-Carlo Fisher "
+            f"({type(backend).__name__.replace('EF', 'GGN')}(..., stochastic=True)); this backend "
+            "computes the exact curvature, which takes no samples (mc_samples=1 only)."
+        )
+    approx = kwargs.get("kfac_approx")
+    if approx is not None and approx not in KFAC_APPROXES:
+        raise CurvatureError(
+            f"{where}(kfac_approx={approx!r}) is not supported; use one of {KFAC_APPROXES}."
+        )
+    return {"mc_samples": mc, "kfac_approx": approx}
+
+
+def core_has_kfac_approx(extension_cls: type) -> bool:
+    """Whether curvlib's Kronecker extension takes ``kfac_approx`` itself."""
+    return any(f.name == "kfac_approx" for f in dataclasses.fields(extension_cls))
+
+
+class _SharingRecorder(TorchFunctionMode):
+    """Records, per weight, how many positions share it in one forward pass."""
+
+    def __init__(self, weights: Dict[int, str]):
+        super().__init__()
+        self.weights = weights
+        self.positions: Dict[str, int] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", "")
+        if name in ("linear", "conv1d", "conv2d") and len(args) > 1 and id(args[1]) in self.weights:
+            x = args[0]
+            s = math.prod(x.shape[1:-1]) if name == "linear" else math.prod(out.shape[2:])
+            key = self.weights[id(args[1])]
+            self.positions[key] = max(self.positions.get(key, 1), int(s))
+        return out
+
+
+def shared_weights(model: nn.Module, x: Any, weights: Mapping[str, Tensor]) -> Dict[str, int]:
+    """``{name: positions}`` of the ``weights`` that several positions of a sample share.
+
+    One forward pass without gradients (no hooks: the model is not touched).
+    For these weights curvlinops' ``"expand"`` and ``"reduce"`` differ from each
+    other and from curvlib's convention; without sharing all three coincide.
+    """
+    recorder = _SharingRecorder({id(w): n for n, w in weights.items()})
+    with torch.no_grad(), recorder:
+        model(x)
+    return {n: s for n, s in recorder.positions.items() if s > 1}
+
+
+def kfac_approx_error(where: str, approx: str, shared: Mapping[str, int]) -> CurvatureError:
+    name, s = next(iter(shared.items()))
+    return CurvatureError(
+        f"{where}(kfac_approx={approx!r}): parameter {name!r} is shared by {s} positions of "
+        "each sample (convolution or sequence), where curvlinops' 'expand' and 'reduce' "
+        "differ; this curvlib computes BackPACK's convention for such layers (B from the "
+        "position-summed output gradients, A = (1/N) Σ_{n,s} x xᵀ), which is neither. Leave "
+        "kfac_approx out for BackPACK's factors, or use CurvlinopsGGN for 'expand'/'reduce'."
+    )
+
+
+def check_constructor(name: str, unknown: Mapping[str, Any], accepted: Tuple[str, ...]) -> None:
+    refuse_unknown(f"{name}(...)", unknown, accepted)
+
+
+def generator_or_none(name: str, generator: Optional[torch.Generator]) -> Optional[torch.Generator]:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise CurvatureTypeError(
+            f"{name}(generator=...) must be a torch.Generator or None, got "
+            f"{type(generator).__name__}."
+        )
+    return generator
