@@ -54,6 +54,11 @@ class SequenceModel(nn.Module):
         return self.out(torch.tanh(self.inp(x)).mean(1))
 
 
+def sequence_model(seed=0):
+    torch.manual_seed(seed)
+    return SequenceModel().to(DT)
+
+
 def kron_matrix(result):
     return result[1].to_matrix()
 
@@ -157,7 +162,7 @@ def test_kfac_approx_through_laplace_matches_curvlinops():
 @pytest.mark.skipif(core_has_kfac_approx(KFLR), reason="curvlib computes kfac_approx itself")
 @pytest.mark.parametrize("model_fn, X", [
     (conv_model, torch.randn(5, 2, 3, 3, dtype=DT)),
-    (lambda: SequenceModel().to(DT), torch.randn(5, 4, 3, dtype=DT)),
+    (sequence_model, torch.randn(5, 4, 3, dtype=DT)),
 ], ids=["conv", "sequence"])
 def test_kfac_approx_refused_where_it_would_differ(model_fn, X):
     """With shared positions curvlib's factors (BackPACK's convention) are neither
@@ -171,6 +176,25 @@ def test_kfac_approx_refused_where_it_would_differ(model_fn, X):
         backend.kron(X, y, 5, kfac_approx="reduce")
     _assert_same_state(before, state_snapshot(model))  # no hooks left, nothing changed
     backend.kron(X, y, 5)  # without the option: BackPACK's factors
+
+
+@pytest.mark.skipif(not core_has_kfac_approx(KFLR), reason="needs KFLR(kfac_approx=...) in curvlib's core")
+@pytest.mark.parametrize("approx", [None, "expand", "reduce"])
+@pytest.mark.parametrize("model_fn, X", [
+    (conv_model, torch.randn(5, 2, 3, 3, dtype=DT)),
+    (sequence_model, torch.randn(5, 4, 3, dtype=DT)),
+], ids=["conv", "sequence"])
+def test_kfac_approx_with_weight_sharing_matches_curvlinops(model_fn, X, approx):
+    """Where positions share a weight: laplace's default ('expand', as its curvlinops
+    backend) and both approximations, from curvlib's KFLR(kfac_approx=...)."""
+    y = torch.randint(0, C, (5,), generator=torch.Generator().manual_seed(0))
+    kw = {} if approx is None else {"kfac_approx": approx}
+    loss, kron = CurvlibGGN(model_fn(), "classification").kron(X, y, 10, **kw)
+    ref_loss, ref = CurvlinopsGGN(model_fn(), "classification").kron(X, y, 10, **kw)
+    close(loss, ref_loss)
+    for F, G in zip(kron.kfacs, ref.kfacs):
+        for a, b in zip(F, G):
+            close(a, b)
 
 
 def test_conv_kron_default_matches_backpack():
