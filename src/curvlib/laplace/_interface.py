@@ -129,7 +129,7 @@ class CurvlibInterface(CurvatureInterface):
         lossfn = self.lossfunc if lossfn is None else lossfn
         if lossfn is self.lossfunc:
             self._check_targets(y)
-        key = (tuple(extensions), None if names is None else tuple(names), type(lossfn))
+        key = (tuple(extensions), None if names is None else tuple(names), id(lossfn))
         f = self._transform(key, lossfn, extensions)
         with torch.enable_grad():
             if names is None:
