@@ -69,7 +69,8 @@ CLASSES = [
     ("core: KFACEmpirical", r"KFACEmpirical|Kronecker factors of the empirical Fisher"),
     ("core: dict inputs", r"dict-like|[Mm]apping|dict_key_x"),
     ("core: soft labels", r"class-index targets|class probabilities"),
-    ("core: hooks", r"generic|hook"),
+    ("core: hooks", r"layer family 'generic'"),
+    ("not curvlib: torch.load weights_only (torch >= 2.6)", r"Weights only load failed"),
 ]
 
 
