@@ -9,6 +9,12 @@ patched there, and run with ``PYTHONPATH`` pointing at this repository's
         --laplace-git /path/to/Laplace/.git [--rev 44ea62ac] [--out /tmp/laplace-tests] \
         [--src path/to/curvlib/src] [--all] [--bypass-whitelist] [-- extra pytest args]
 
+Which tests: laplace-torch 0.3 (the installed release; it has ``ELLA``/``VaLLA``)
+is newer than every commit of the repository snapshot used here, and the
+repository has no ``0.3`` tag; the default ``--rev`` is the newest ``main``
+(44ea62a, April 2025), whose tests run against the installed 0.3 (all of its
+non-curvlib cases pass except 6 ``torch.load`` cases broken by torch >= 2.6).
+
 Patching (in the scratch copy only):
 
 * every list literal of laplace backends (``[BackPackGGN, CurvlinopsEF, ...]``,
