@@ -1,18 +1,18 @@
 """The model input ``X``: a tensor, or a mapping / tuple / list of them (one argument).
 
-Hugging Face-style models and laplace-torch pass a dict of tensors (``input_ids``,
-``attention_mask``, ...) as the model's single argument. curvlib accepts any
-pytree (``torch.utils._pytree``) whose tensor leaves all carry the batch in dim 0;
-other leaves (ints, strings, ``None``) are passed to the model unchanged.
+Hugging Face-style models and laplace-torch pass a mapping of tensors
+(``input_ids``, ``attention_mask``, ...) as the model's single argument. curvlib
+accepts nested mappings, tuples and lists whose tensor leaves all carry the
+batch in dim 0; other leaves (ints, strings, ``None``) are passed unchanged.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Callable, List
 
 import torch
 from torch import Tensor
-from torch.utils import _pytree as pytree
 
 from ._errors import CurvatureError, CurvatureTypeError
 
@@ -20,13 +20,32 @@ __all__ = ["tensors", "batch_size", "map_tensors", "check_input", "describe"]
 
 
 def tensors(X) -> List[Tensor]:
-    """The tensor leaves of ``X`` in pytree order."""
-    return [t for t in pytree.tree_leaves(X) if isinstance(t, Tensor)]
+    """The tensor leaves of ``X`` in order."""
+    found: List[Tensor] = []
+    map_tensors(lambda t: found.append(t) or t, X)
+    return found
 
 
 def map_tensors(fn: Callable[[Tensor], object], X):
-    """``X`` with every tensor leaf replaced by ``fn(leaf)``."""
-    return pytree.tree_map(lambda t: fn(t) if isinstance(t, Tensor) else t, X)
+    """``X`` with every tensor leaf replaced by ``fn(leaf)``: through any mapping (``dict``,
+    ``UserDict``, Hugging Face's ``BatchEncoding``, rebuilt as its own type), tuple,
+    named tuple or list; other leaves unchanged."""
+    if isinstance(X, Tensor):
+        return fn(X)
+    if isinstance(X, Mapping):
+        return _rebuilt(X, {k: map_tensors(fn, v) for k, v in X.items()})
+    if isinstance(X, tuple) and hasattr(X, "_fields"):
+        return type(X)(*(map_tensors(fn, v) for v in X))
+    if isinstance(X, (tuple, list)):
+        return type(X)(map_tensors(fn, v) for v in X)
+    return X
+
+
+def _rebuilt(X: Mapping, items: dict):
+    try:
+        return type(X)(items)
+    except Exception:  # noqa: BLE001 - a mapping type without a dict constructor
+        return items
 
 
 def batch_size(X) -> int:
@@ -40,11 +59,13 @@ def first(X) -> Tensor:
 
 
 def describe(X) -> str:
-    """``shape [6, 3], dtype float64`` (or per leaf for a pytree), for messages."""
+    """``shape [6, 3], dtype float64`` (or per leaf for a container), for messages."""
     if isinstance(X, Tensor):
         return f"shape {list(X.shape)}, dtype {X.dtype}"
-    leaves = pytree.tree_flatten_with_path(X)[0]
-    parts = [f"{pytree.keystr(path) or 'X'}: {list(t.shape)} {t.dtype}" for path, t in leaves if isinstance(t, Tensor)]
+    if isinstance(X, Mapping):
+        parts = [f"{k!r}: {describe(v)}" for k, v in X.items() if tensors(v)]
+    else:
+        parts = [describe(v) for v in X if tensors(v)] if isinstance(X, (tuple, list)) else []
     return "{" + ", ".join(parts) + "}"
 
 

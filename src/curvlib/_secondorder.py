@@ -164,24 +164,26 @@ def _batch_diag(uses, m_by_site, name, params, n, cache=None) -> Tensor:
     return total
 
 
-def _kron(uses, m_by_site, name, cache=None) -> List[Tensor]:
+def _kron(uses, m_by_site, name, cache=None, approx=None) -> List[Tensor]:
     """Kronecker factors; a Linear weight used by several sites treats the uses like
     positions sharing the weight (roots summed in ``B``, inputs' outer products in ``A``).
 
     With a ``cache``, a site's output factor ``B`` (the same for its weight and bias)
     is formed once per chunk of columns, and its input factor ``A`` (independent of
-    the columns) once per call.
+    the columns) once per call. ``approx``: ``None``, ``"expand"`` or ``"reduce"``
+    (single-use parameters only, see :func:`check_second_order`).
     """
     u = uses[name]
     if len(u) == 1:
         ((site, role),) = u
         if cache is None:
-            return kron_factors(site, role, m_by_site[site.key])
-        B = _cached(cache, ("kron_B", site.key), lambda: kron_factors(site, "bias", m_by_site[site.key])[0])
+            return kron_factors(site, role, m_by_site[site.key], approx)
+        B = _cached(cache, ("kron_B", site.key, approx),
+                    lambda: kron_factors(site, "bias", m_by_site[site.key], approx)[0])
         if role == "bias":
             return [B]
         static = cache.setdefault("static", {})
-        return [B, _cached(static, ("kron_A", site.key), lambda: kron_input_factor(site))]
+        return [B, _cached(static, ("kron_A", site.key, approx), lambda: kron_input_factor(site, approx))]
     from .rules import linear
 
     s = sum(linear.kron_output_sum(site, m_by_site[site.key]) for site, _ in u)
@@ -259,6 +261,12 @@ def check_second_order(
                         "weights of Linear layers (KFAC, KFLR) only. Use DiagGGNExact or "
                         "SqrtGGNExact, or untie the weights."
                     )
+                if len(u) > 1 and getattr(ext, "kfac_approx", None) is not None:
+                    raise CurvatureError(
+                        f"{label}(kfac_approx={ext.kfac_approx!r}) is not defined for parameter "
+                        f"'{name}': it is used by several layers ({', '.join(s.where for s, _ in u)}). "
+                        f"Use {label}() (BackPACK's factors, uses treated as positions)."
+                    )
                 site = u[0][0]
                 if site.meta.get("kron_error"):
                     raise CurvatureError(
@@ -326,7 +334,7 @@ def second_order(
         elif ext.root == "grad":  # one column per sample: its own loss gradient, already at every site
             m = [g.unsqueeze(0) for g in site_grads]
             cache: Dict[object, object] = {"static": {}}
-            results[ext.name] = {n: _kron(uses, m, n, cache) for n in names}
+            results[ext.name] = {n: _kron(uses, m, n, cache, ext.kfac_approx) for n in names}
         elif q in ("hessian_diag", "hessian_batch_diag"):
             results[ext.name] = _hessian_diag(
                 lin, uses, results[ext.name], names, params, batch_size, residual_grads,
@@ -354,7 +362,8 @@ def _accumulate(lin, uses, S: Tensor, group, names, params, batch_size, chunk_si
         cache: Dict[object, object] = {"static": static}
         for ext in group:
             q = _READ_AS.get(ext.quantity, ext.quantity)
-            part = {n: _read(q, uses, m, n, params, batch_size, S_chunk.shape[0], cache) for n in names}
+            approx = getattr(ext, "kfac_approx", None)
+            part = {n: _read(q, uses, m, n, params, batch_size, S_chunk.shape[0], cache, approx) for n in names}
             if ext.name not in acc:
                 acc[ext.name] = {n: _first_part(q, part[n], total) for n in names} if q == "sqrt" else part
             else:
@@ -406,8 +415,8 @@ def _chunks(S: Tensor, chunk_size: Optional[int]):
         yield start, S[start:start + chunk_size]
 
 
-def _read(q: str, uses, m, name: str, params, n: int, v: int, cache=None):
-    """One chunk's contribution to quantity ``q`` of parameter ``name``."""
+def _read(q: str, uses, m, name: str, params, n: int, v: int, cache=None, approx=None):
+    """One chunk's contribution to quantity ``q`` of parameter ``name`` (``approx``: KFAC's)."""
     if q == "diag":
         return _diag(uses, m, name, params, cache)
     if q == "batch_diag":
@@ -416,7 +425,7 @@ def _read(q: str, uses, m, name: str, params, n: int, v: int, cache=None):
         if uses.get(name):
             return _sqrt(uses, m, name)
         return params[name].new_zeros((v, n) + tuple(params[name].shape))
-    return _kron(uses, m, name, cache)  # "kron"
+    return _kron(uses, m, name, cache, approx)  # "kron"
 
 
 def _combine(q: str, acc, part, owned: Optional[set] = None, start: int = 0):

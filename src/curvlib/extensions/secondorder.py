@@ -14,8 +14,8 @@ Carlo: ``M`` sampled columns). The GGN is ``G = Σ_n (J_nᵀ S_n)(J_nᵀ S_n)ᵀ
 | ``BatchDiagGGNMC(mc_samples)`` | ``diag_ggn_mc_batch`` | MC version |
 | ``DiagHessian()`` | ``diag_h`` | ``diag ∇²L`` (exact, with the nonlinearities' second derivatives) |
 | ``BatchDiagHessian()`` | ``diag_h_batch`` | ``[N, *p]`` per-sample terms |
-| ``KFAC(mc_samples)`` | ``kfac`` | Kronecker factors from MC ``S`` |
-| ``KFLR()`` | ``kflr`` | Kronecker factors from exact ``S`` |
+| ``KFAC(mc_samples, kfac_approx)`` | ``kfac`` | Kronecker factors from MC ``S`` |
+| ``KFLR(kfac_approx)`` | ``kflr`` | Kronecker factors from exact ``S`` |
 | ``KFRA()`` | ``kfra`` | Kronecker factors from the batch-averaged recursion |
 | ``KFACEmpirical()`` | ``kfac_empirical`` | Kronecker factors of the empirical Fisher |
 | ``SqrtGGNExact()`` | ``sqrt_ggn_exact`` | ``[C, N, *p]``: ``J_nᵀ S_n`` |
@@ -28,6 +28,13 @@ Kronecker factors follow BackPACK: for a weight, ``[B, A]`` with ``B`` the
 output-side factor ``Σ_{v,n} (Σ_s m)(Σ_s m)ᵀ`` of the backpropagated root
 (``s`` the positions sharing the weight) and ``A = (1/N) Σ_{n,s} x xᵀ`` the
 input-side factor (unfolded input for convolutions); for a bias, ``[B]``.
+``KFAC``/``KFLR(kfac_approx="expand" | "reduce")`` give instead the two
+approximations of Eschenhagen et al. (2023) for layers whose weight several
+positions of a sample share (convolutions, Linear layers on sequences), as
+curvlinops defines them: ``"expand"`` ``B = Σ_{v,n,s} m mᵀ``,
+``A = (1/(N·S)) Σ_{n,s} x xᵀ``; ``"reduce"`` ``B`` as BackPACK's,
+``A = (1/N) Σ_n x̄ x̄ᵀ`` (``x̄`` the mean over the ``S`` positions). Without
+shared positions all three coincide.
 """
 
 from __future__ import annotations
@@ -39,6 +46,17 @@ import torch
 
 from .._errors import CurvatureError, CurvatureTypeError
 from ._base import Extension
+
+
+KFAC_APPROXES = ("expand", "reduce")
+
+
+def _check_kfac_approx(cls_name: str, kfac_approx: object) -> None:
+    if kfac_approx is not None and kfac_approx not in KFAC_APPROXES:
+        raise CurvatureError(
+            f"{cls_name}(kfac_approx={kfac_approx!r}) is not supported; use None (BackPACK's "
+            f"factors) or one of {KFAC_APPROXES}."
+        )
 
 
 def _check_mc(cls_name: str, mc_samples: object, generator: object) -> None:
@@ -137,21 +155,32 @@ class BatchDiagHessian(SecondOrder):
 
 @dataclass(frozen=True)
 class KFAC(_MC):
-    """Kronecker factors from a Monte-Carlo root of the loss Hessian (Martens & Grosse)."""
+    """Kronecker factors from a Monte-Carlo root of the loss Hessian (Martens & Grosse);
+    ``kfac_approx``: ``None`` (BackPACK's), ``"expand"`` or ``"reduce"`` (module doc)."""
 
+    kfac_approx: Optional[str] = None
     name: ClassVar[str] = "kfac"
     quantity: ClassVar[str] = "kron"
     kron: ClassVar[bool] = True
 
+    def __post_init__(self):
+        super().__post_init__()
+        _check_kfac_approx(type(self).__name__, self.kfac_approx)
+
 
 @dataclass(frozen=True)
 class KFLR(SecondOrder):
-    """Kronecker factors from the exact root of the loss Hessian (Botev et al.)."""
+    """Kronecker factors from the exact root of the loss Hessian (Botev et al.);
+    ``kfac_approx`` as for :class:`KFAC`."""
 
+    kfac_approx: Optional[str] = None
     name: ClassVar[str] = "kflr"
     root: ClassVar[Optional[str]] = "exact"
     quantity: ClassVar[str] = "kron"
     kron: ClassVar[bool] = True
+
+    def __post_init__(self):
+        _check_kfac_approx(type(self).__name__, self.kfac_approx)
 
 
 @dataclass(frozen=True)
@@ -162,13 +191,18 @@ class KFACEmpirical(SecondOrder):
     ``B = Σ_n m_n m_nᵀ`` with ``m_n`` the gradient of sample ``n``'s term at the
     layer's output (positions sharing the weight summed, as in KFAC) and ``A`` as
     in KFAC. Like ``SumGradSquared``, it carries the square of the ``"mean"`` factor.
-    Not in BackPACK; curvlinops calls it ``FisherType.EMPIRICAL``.
+    Not in BackPACK; curvlinops calls it ``FisherType.EMPIRICAL``. ``kfac_approx`` as for
+    :class:`KFAC`.
     """
 
+    kfac_approx: Optional[str] = None
     name: ClassVar[str] = "kfac_empirical"
     root: ClassVar[Optional[str]] = "grad"
     quantity: ClassVar[str] = "kron"
     kron: ClassVar[bool] = True
+
+    def __post_init__(self):
+        _check_kfac_approx(type(self).__name__, self.kfac_approx)
 
 
 @dataclass(frozen=True)

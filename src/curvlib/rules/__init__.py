@@ -93,16 +93,17 @@ def forward_for(module: nn.Module) -> Tuple[Callable, str]:
     return importlib.import_module(f"{__name__}.{family}").forward, family
 
 
-def kron_factors(site, role: str, m):
-    """Kronecker factors (BackPACK's order) of ``role`` at ``site`` from the pulled-back root ``m``."""
+def kron_factors(site, role: str, m, approx=None):
+    """Kronecker factors (BackPACK's order) of ``role`` at ``site`` from the pulled-back root ``m``;
+    ``approx``: ``None`` (BackPACK's), ``"expand"`` or ``"reduce"`` (see ``rules.linear.kron``)."""
     family = importlib.import_module(f"{__name__}.{site.rule.kind}")
-    return family.kron(site, role, m)
+    return family.kron(site, role, m, approx)
 
 
-def kron_input_factor(site):
+def kron_input_factor(site, approx=None):
     """The input-side Kronecker factor ``A`` of ``site``'s weight (independent of the root)."""
     family = importlib.import_module(f"{__name__}.{site.rule.kind}")
-    return family.kron_input(site)
+    return family.kron_input(site, approx)
 
 
 def kron_from_matrix(site, role: str, G):

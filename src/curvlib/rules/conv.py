@@ -541,24 +541,31 @@ def _correlation(site: Site, g: Tensor, columns: bool) -> Correlation:
 CONV = outer_rule("conv", _correlation)
 
 
-def kron(site: Site, role: str, m: Tensor) -> List[Tensor]:
-    """BackPACK's Kronecker factors from the pulled-back root ``m [V, N, C_out, *L]``.
+def kron(site: Site, role: str, m: Tensor, approx: Optional[str] = None) -> List[Tensor]:
+    """Kronecker factors from the pulled-back root ``m [V, N, C_out, *L]``.
 
-    ``B = Σ_{v,n} s sᵀ [C_out, C_out]`` with ``s = Σ_l m[v, n, :, l]`` (BackPACK
-    sums positions *before* the outer product, so ``B`` is the bias GGN);
-    weight: ``[B, A]`` with ``A`` from :func:`kron_input`, bias: ``[B]``.
-    ``groups = 1`` only (refused at planning through ``meta["kron_error"]``).
+    BackPACK's (``approx=None``): ``B = Σ_{v,n} s sᵀ [C_out, C_out]`` with
+    ``s = Σ_l m[v, n, :, l]`` (positions summed *before* the outer product, so
+    ``B`` is the bias GGN); weight: ``[B, A]`` with ``A`` from :func:`kron_input`,
+    bias: ``[B]``. ``"expand"``: ``B = Σ_{v,n,l} m mᵀ``; ``"reduce"``: ``B`` as
+    BackPACK's (curvlinops' definitions). ``groups = 1`` only (refused at
+    planning through ``meta["kron_error"]``).
     """
-    s = m.flatten(3).sum(3).flatten(0, 1)  # [V·N, C_out]
+    if approx == "expand":
+        s = m.flatten(3).transpose(2, 3).reshape(-1, m.shape[2])  # [V·N·L, C_out]
+    else:
+        s = m.flatten(3).sum(3).flatten(0, 1)  # [V·N, C_out]
     B = s.t() @ s
-    return [B] if role == "bias" else [B, kron_input(site)]
+    return [B] if role == "bias" else [B, kron_input(site, approx)]
 
 
-def kron_input(site: Site) -> Tensor:
-    """``A = (1/N) Σ_{n,l} U[n, :, l] U[n, :, l]ᵀ [C_in·K, C_in·K]``.
+def kron_input(site: Site, approx: Optional[str] = None) -> Tensor:
+    """``A = (1/N) Σ_{n,l} U[n, :, l] U[n, :, l]ᵀ [C_in·K, C_in·K]`` (BackPACK's).
 
     ``U`` is the unfold of the padded input, with ``padding_mode`` applied
     (BackPACK always pads with zeros; the two agree for ``"zeros"``).
+    ``"expand"``: the same over ``N·L``; ``"reduce"``: ``(1/N) Σ_n Ū Ūᵀ`` with ``Ū``
+    the mean over positions.
     """
     m = site.meta
     x = padded_input(site)
@@ -566,7 +573,18 @@ def kron_input(site: Site) -> Tensor:
     u = patches(x, m["kernel_size"], m["stride"], m["dilation"])
     # one copy, straight into [C_in·K, N·L]: rows (c, k), columns (n, l)
     cols = u.permute([1, *range(2 + d, 2 + 2 * d), 0, *range(2, 2 + d)]).reshape(u.shape[1] * _prod(m["kernel_size"]), -1)
-    return cols @ cols.t() / x.shape[0]
+    return input_factor(cols, x.shape[0], approx)
+
+
+def input_factor(cols: Tensor, n: int, approx: Optional[str]) -> Tensor:
+    """``A`` from the unfolded inputs ``cols [C·K, N·L]`` (columns ordered ``(n, l)``)."""
+    if approx == "reduce":
+        cols = cols.reshape(cols.shape[0], n, -1).mean(2)
+        return cols @ cols.t() / n
+    scale = n * (cols.shape[1] // n) if approx == "expand" else n
+    return cols @ cols.t() / scale
+
+
 def kron_from_output_matrix(site: Site, role: str, G: Tensor) -> List[Tensor]:
     """KFRA factors from the batch-averaged output matrix ``G [C_out·L, C_out·L]``.
 

@@ -38,7 +38,7 @@ into the channels of ``g̃``.
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +46,8 @@ from torch import Tensor, nn
 
 from .._errors import CurvatureError
 from ._site import Recorder, Site
-from .conv import Correlation, check_batched, fold_columns, outer_rule
+from .conv import Correlation, check_batched, fold_columns, input_factor, outer_rule
+from .conv import kron as _conv_kron
 
 _CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
@@ -76,8 +77,9 @@ def check(module: nn.Module, where: str) -> None:
         )
 
 
-def kron_input(site: Site) -> Tensor:
-    """``A = (1/N) Σ_{n,l} U[n, :, l] U[n, :, l]ᵀ [C_in·K, C_in·K]`` (BackPACK's convention).
+def kron_input(site: Site, approx: Optional[str] = None) -> Tensor:
+    """``A = (1/N) Σ_{n,l} U[n, :, l] U[n, :, l]ᵀ [C_in·K, C_in·K]`` (BackPACK's convention;
+    ``"expand"``/``"reduce"`` as for :func:`curvlib.rules.conv.kron_input`).
 
     ``U[n, c·K + k, l]`` is the input entry that kernel element ``k`` carries to
     output position ``l``, so that ``y[n, o, l] = Σ_{c,k} W[c, o, k] U[n, c·K + k, l]``.
@@ -93,15 +95,15 @@ def kron_input(site: Site) -> Tensor:
         x, onehot, None, m["stride"], m["padding"], m["output_padding"], c_in, m["dilation"]
     )
     cols = u.transpose(0, 1).reshape(c_in * k, -1)  # [C_in·K, N·L]: rows (c, k), columns (n, l)
-    return cols @ cols.t() / x.shape[0]
+    return input_factor(cols, x.shape[0], approx)
 
 
-def kron(site: Site, role: str, m: Tensor) -> List[Tensor]:
-    """BackPACK's factors from the pulled-back root ``m [V, N, C_out, *L]``:
-    ``B = Σ_{v,n} s sᵀ`` with ``s = Σ_l m[v, n, :, l]``; weight ``[B, A]``, bias ``[B]``."""
-    s = m.flatten(3).sum(3).flatten(0, 1)  # [V·N, C_out]
-    B = s.t() @ s
-    return [B] if role == "bias" else [B, kron_input(site)]
+def kron(site: Site, role: str, m: Tensor, approx: Optional[str] = None) -> List[Tensor]:
+    """Factors from the pulled-back root ``m [V, N, C_out, *L]`` as for convolutions:
+    BackPACK's ``B = Σ_{v,n} s sᵀ`` with ``s = Σ_l m[v, n, :, l]`` (``"expand"``:
+    ``Σ_{v,n,l} m mᵀ``); weight ``[B, A]``, bias ``[B]``."""
+    (B,) = _conv_kron(site, "bias", m, approx)  # the output side is a convolution's
+    return [B] if role == "bias" else [B, kron_input(site, approx)]
 
 
 def kron_from_output_matrix(site: Site, role: str, G: Tensor) -> List[Tensor]:

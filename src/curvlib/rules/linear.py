@@ -16,7 +16,7 @@ The norms and squares avoid ``[N, O, I]`` where they can:
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -129,28 +129,35 @@ def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> Rol
     return out
 
 
-def kron(site: Site, role: str, m: Tensor) -> list:
+def kron(site: Site, role: str, m: Tensor, approx: Optional[str] = None) -> list:
     """Kronecker factors from the pulled-back root ``m [V, N, *S, O]``.
 
-    ``B = Σ_{v,n} (Σ_s m)(Σ_s m)ᵀ [O, O]`` and ``A = (1/N) Σ_{n,s} x xᵀ [I, I]``;
-    weight: ``[B, A]``, bias: ``[B]``. For 2d inputs this is BackPACK's KFAC/KFLR;
-    with positions ``s`` (sequences) it is BackPACK's convolution convention
-    (positions summed in ``B``, outer products summed in ``A``), which BackPACK
-    itself refuses for Linear.
+    ``approx=None`` (BackPACK's): ``B = Σ_{v,n} (Σ_s m)(Σ_s m)ᵀ [O, O]`` and
+    ``A = (1/N) Σ_{n,s} x xᵀ [I, I]``; weight: ``[B, A]``, bias: ``[B]``. For 2d
+    inputs this is BackPACK's KFAC/KFLR; with positions ``s`` (sequences) it is
+    BackPACK's convolution convention, which BackPACK itself refuses for Linear.
+    ``"expand"``/``"reduce"``: Eschenhagen et al. (2023), as curvlinops computes
+    them: ``B = Σ_{v,n,s} m mᵀ``, ``A = (1/(N·S)) Σ_{n,s} x xᵀ`` (expand) and
+    ``B`` as above, ``A = (1/N) Σ_n x̄ x̄ᵀ`` with ``x̄`` the mean over positions
+    (reduce). Without positions all three agree.
     """
-    s = kron_output_sum(site, m)
+    s = m if approx == "expand" else kron_output_sum(site, m)  # expand: every position a row
     s = s.reshape(-1, s.shape[-1])
     B = s.t() @ s
-    return [B] if role == "bias" else [B, kron_input(site)]
+    return [B] if role == "bias" else [B, kron_input(site, approx)]
 
 
-def kron_input(site: Site) -> Tensor:
-    """Input-side Kronecker factor ``A = (1/N) Σ_{n,s} x xᵀ [I, I]``."""
+def kron_input(site: Site, approx: Optional[str] = None) -> Tensor:
+    """Input-side Kronecker factor ``A [I, I]`` (see :func:`kron` for ``approx``)."""
     x = _flat_input(site)
-    n = x.shape[0]
-    x = x.reshape(-1, x.shape[-1])
+    n, positions = x.shape[0], x.shape[1]
+    if approx == "reduce":
+        x = x.mean(1)
+    else:
+        x = x.reshape(-1, x.shape[-1])
+    scale = 1.0 / (n * positions) if approx == "expand" else 1.0 / n
     # α xᵀx in one BLAS call (no separate division pass over the [I, I] result)
-    return torch.addmm(x.new_zeros(()), x.t(), x, beta=0, alpha=1.0 / n)
+    return torch.addmm(x.new_zeros(()), x.t(), x, beta=0, alpha=scale)
 
 
 def kron_from_output_matrix(site: Site, role: str, G: Tensor) -> list:

@@ -1,0 +1,161 @@
+"""``CurvlibGGN`` and ``CurvlibEF``: laplace-torch's GGN and EF interfaces from curvlib."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from laplace.curvature.curvature import EFInterface, GGNInterface
+from laplace.utils.matrix import Kron
+from torch import Tensor, nn
+
+from .._errors import CurvatureError
+from ..extensions import (
+    KFAC,
+    KFACEmpirical,
+    KFLR,
+    BatchGrad,
+    DiagGGNExact,
+    DiagGGNMC,
+    SqrtGGNExact,
+    SqrtGGNMC,
+    SumGradSquared,
+)
+from ._interface import CurvlibInterface
+from ._options import check_constructor, generator_or_none, method_options
+
+
+_COMMON = ("last_layer", "subnetwork_indices", "dict_key_x", "dict_key_y", "generator")
+
+
+class CurvlibGGN(CurvlibInterface, GGNInterface):
+    """laplace-torch backend: the GGN (``stochastic=True``: Monte-Carlo Fisher) from curvlib.
+
+    Args: those of :class:`CurvlibInterface`, plus ``stochastic`` (use Monte-Carlo
+    labels: ``DiagGGNMC``, ``KFAC``, ``SqrtGGNMC``) and ``num_samples`` (their
+    ``mc_samples``; a call's ``mc_samples=`` overrides it).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: str,
+        last_layer: bool = False,
+        subnetwork_indices: Optional[torch.LongTensor] = None,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        stochastic: bool = False,
+        num_samples: int = 1,
+        generator: Optional[torch.Generator] = None,
+        **unknown: Any,
+    ) -> None:
+        check_constructor("CurvlibGGN", unknown, _COMMON + ("stochastic", "num_samples"))
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise CurvatureError(
+                f"CurvlibGGN(num_samples={num_samples!r}): num_samples must be a positive int."
+            )
+        self.stochastic = bool(stochastic)
+        self.num_samples = num_samples
+        CurvlibInterface.__init__(
+            self, model, likelihood, last_layer, subnetwork_indices, dict_key_x, dict_key_y,
+            generator_or_none("CurvlibGGN", generator),
+        )
+
+    def _mc(self, mc_samples: int) -> Dict[str, Any]:
+        return {"mc_samples": mc_samples, "generator": self.generator}
+
+    def diag(self, x: Any, y: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
+        """``(factor * loss, factor * diag(GGN))`` for the batch, ``[P]``."""
+        opts = method_options(self, "diag", kwargs)
+        ext = DiagGGNMC(**self._mc(opts["mc_samples"])) if self.stochastic else DiagGGNExact()
+        qs = self._run([ext], x, y)
+        H = self._select(self._flatten(qs[ext.name], 0))
+        return self.factor * qs["loss"].detach(), self.factor * H.detach()
+
+    def full(self, x: Any, y: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
+        """``(factor * loss, factor * GGN)`` for the batch, ``[P, P]``, as ``Σ S Sᵀ``."""
+        opts = method_options(self, "full", kwargs)
+        ext = SqrtGGNMC(**self._mc(opts["mc_samples"])) if self.stochastic else SqrtGGNExact()
+        qs = self._run([ext], x, y)
+        S = self._select(self._flatten(qs[ext.name], 2)).detach()  # [K, N, P]
+        S = S.reshape(-1, S.shape[-1])
+        return self.factor * qs["loss"].detach(), self.factor * (S.T @ S)
+
+    def kron(self, x: Any, y: Tensor, N: int, **kwargs: Any) -> Tuple[Tensor, Kron]:
+        """``(factor * loss, factor * Kron)``: KFLR (``stochastic``: KFAC) factors.
+
+        Kronecker factors for Linear and Conv1d/Conv2d layers; any other
+        one-dimensional parameter (LayerNorm, BatchNorm, ...) gets its exact
+        (``stochastic``: Monte-Carlo) GGN block as a single Kron factor.
+        ``mc_samples`` (stochastic only) and ``kfac_approx`` as for laplace's
+        curvlinops backend.
+        """
+        opts = method_options(self, "kron", kwargs)
+        mc = self._mc(opts["mc_samples"])
+        cls, extra = (KFAC, mc) if self.stochastic else (KFLR, {})
+        sqrt = SqrtGGNMC(**mc) if self.stochastic else SqrtGGNExact()
+
+        def kron_ext(names: List[str]):
+            ext = cls(**extra, **self._kron_options(opts["kfac_approx"]))
+            return ext, ext.name
+
+        def dense(names: List[str]):
+            qs = self._run([sqrt], x, y, names)
+            return {n: qs[sqrt.name][n].reshape(-1, self.params_dict[n].numel()) for n in names}, qs["loss"]
+
+        return self._kron(x, y, N, kron_ext, dense)
+
+
+class CurvlibEF(CurvlibInterface, EFInterface):
+    """laplace-torch backend: the empirical Fisher ``factor * Σ_n g_n g_nᵀ`` from curvlib.
+
+    ``diag`` uses ``SumGradSquared``; ``full`` the individual gradients
+    (``BatchGrad``); ``kron`` curvlib's ``KFACEmpirical`` (KFAC with the
+    individual loss gradients backpropagated; other 1-D parameters: their exact
+    empirical-Fisher block from ``BatchGrad``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: str,
+        last_layer: bool = False,
+        subnetwork_indices: Optional[torch.LongTensor] = None,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        generator: Optional[torch.Generator] = None,
+        **unknown: Any,
+    ) -> None:
+        check_constructor("CurvlibEF", unknown, _COMMON)
+        CurvlibInterface.__init__(
+            self, model, likelihood, last_layer, subnetwork_indices, dict_key_x, dict_key_y,
+            generator_or_none("CurvlibEF", generator),
+        )
+
+    def diag(self, x: Any, y: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
+        """``(factor * loss, factor * Σ_n g_n²)``, ``[P]``."""
+        method_options(self, "diag", kwargs)
+        qs = self._run([SumGradSquared()], x, y)
+        H = self._select(self._flatten(qs["sum_grad_squared"], 0))
+        return self.factor * qs["loss"].detach(), self.factor * H.detach()
+
+    def full(self, x: Any, y: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
+        """``(factor * loss, factor * Σ_n g_n g_nᵀ)``, ``[P, P]``."""
+        method_options(self, "full", kwargs)
+        Gs, loss = self.gradients(x, y)
+        return self.factor * loss, self.factor * (Gs.T @ Gs)
+
+    def kron(self, x: Any, y: Tensor, N: int, **kwargs: Any) -> Tuple[Tensor, Kron]:
+        """``(factor * loss, factor * Kron)`` of the empirical Fisher (``kfac_approx`` as for
+        laplace's curvlinops backend)."""
+        opts = method_options(self, "kron", kwargs)
+
+        def kron_ext(names: List[str]):
+            ext = KFACEmpirical(**self._kron_options(opts["kfac_approx"]))
+            return ext, ext.name
+
+        def dense(names: List[str]):
+            qs = self._run([BatchGrad()], x, y, names)
+            return {n: qs["grad_batch"][n].reshape(y.shape[0], -1) for n in names}, qs["loss"]
+
+        return self._kron(x, y, N, kron_ext, dense)
