@@ -25,9 +25,11 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
+import torch
 from torch import fx, nn
 
 from . import rules
+from ._sync import LOCK
 from .rules.functional import FunctionalUse
 
 __all__ = ["Program", "Layer", "trace_program"]
@@ -100,12 +102,60 @@ def _outermost_owners(root: nn.Module) -> List[str]:
 
 
 class _Tracer(fx.Tracer):
-    """fx tracer whose leaves are parametrized modules and torch.nn built-ins."""
+    """fx tracer whose leaves are parametrized modules, torch.nn built-ins and custom
+    ``autograd.Function`` calls.
+
+    fx would trace *into* ``Fn.apply`` (it calls ``forward`` on the proxies), and the
+    graph would then differentiate ``forward``'s ops instead of ``Fn.backward``: wrong
+    for a straight-through estimator or any custom gradient. While tracing (as fx
+    itself does with ``nn.Module.__call__``), ``Function.apply`` is patched to record
+    one ``call_function`` node whose target calls the real ``Fn.apply``; the patch is
+    undone when tracing ends, under :data:`curvlib._sync.LOCK`.
+    """
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if _owns_parameters(m):
             return True
         return super().is_leaf_module(m, module_qualified_name)
+
+    def trace(self, root, concrete_args=None):
+        tracer = self
+        original = torch.autograd.Function.__dict__["apply"]
+
+        def apply(cls, *args, **kwargs):
+            if _has_proxy((args, kwargs)):
+                return tracer.create_proxy("call_function", function_call(cls), args, kwargs)
+            return original.__func__(cls, *args, **kwargs)
+
+        with LOCK:
+            torch.autograd.Function.apply = classmethod(apply)
+            try:
+                return super().trace(root, concrete_args)
+            finally:
+                torch.autograd.Function.apply = original
+
+
+def _has_proxy(value) -> bool:
+    found = []
+    fx.node.map_aggregate(value, lambda a: found.append(a) if isinstance(a, fx.Proxy) else None)
+    return bool(found)
+
+
+_FUNCTION_CALLS: Dict[type, Callable] = {}
+
+
+def function_call(cls: type) -> Callable:
+    """The graph target for ``cls.apply`` (one per class; ``.function`` is the class)."""
+    if cls not in _FUNCTION_CALLS:
+        apply = torch.autograd.Function.__dict__["apply"].__func__
+
+        def call(*args, **kwargs):
+            return apply(cls, *args, **kwargs)
+
+        call.__name__ = call.__qualname__ = f"{cls.__name__}.apply"
+        call.function = cls
+        _FUNCTION_CALLS[cls] = call
+    return _FUNCTION_CALLS[cls]
 
 
 class _Root(nn.Module):

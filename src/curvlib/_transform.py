@@ -221,6 +221,8 @@ def _trace(model: nn.Module, second: Sequence[SecondOrder]) -> _Traced:
         chain_nodes(program)  # refuse branching graphs before any work
     hessian = any(e.quantity in ("hessian_diag", "hessian_batch_diag", "pchmp") for e in second)
     traced = program.graph is not None
+    if traced:
+        _refuse_unsupported_functions(program, second)
     return _Traced(
         program=program,
         runner=None if traced else run_eager,
@@ -229,6 +231,66 @@ def _trace(model: nn.Module, second: Sequence[SecondOrder]) -> _Traced:
         residual_nodes=_residuals.residual_plan(program) if hessian else {},
         dropout=_dropout.active(program),
     )
+
+
+# What torch.func needs of a custom autograd.Function for each extension that runs it
+# under a transform: setup_context (any transform), a vmap rule, a jvp (forward mode),
+# a backward that can be differentiated again (second derivatives).
+_FUNCTION_NEEDS = {
+    "hessian_diag": ("setup_context", "vmap", "jvp", "twice"),
+    "hessian_batch_diag": ("setup_context", "vmap", "jvp", "twice"),
+    "pchmp": ("setup_context", "vmap", "jvp", "twice"),
+    "hmp": ("setup_context", "vmap", "twice"),
+    "ggnmp": ("setup_context", "vmap", "jvp"),
+}
+_ONCE_DIFFERENTIABLE = torch.autograd.function.once_differentiable(lambda ctx, *g: g).__code__
+_LACKS = {
+    "setup_context": "a setup_context staticmethod (forward without ctx)",
+    "vmap": "a vmap staticmethod or generate_vmap_rule = True",
+    "jvp": "a jvp staticmethod (forward-mode AD)",
+    "twice": "a backward that is not @once_differentiable (its second derivative)",
+}
+
+
+def _function_lacks(fn: type) -> set:
+    from torch.autograd.function import _is_setup_context_defined
+
+    lacks = set()
+    if not _is_setup_context_defined(fn.setup_context):
+        lacks.add("setup_context")
+    if not getattr(fn, "generate_vmap_rule", False) and "vmap" not in vars(fn) and \
+            not any("vmap" in vars(c) for c in fn.__mro__[1:] if c not in (torch.autograd.Function,)):
+        lacks.add("vmap")
+    if fn.jvp is torch.autograd.Function.jvp:
+        lacks.add("jvp")
+    if getattr(fn.backward, "__code__", None) is _ONCE_DIFFERENTIABLE:
+        lacks.add("twice")
+    return lacks
+
+
+def _refuse_unsupported_functions(program: Program, exts: Sequence[SecondOrder]) -> None:
+    """Refuse, before any work, an extension that needs of a custom ``autograd.Function``
+    what it does not define (:data:`_FUNCTION_NEEDS`). Differentiating a
+    ``@once_differentiable`` backward again is not defined (its code may leave autograd,
+    e.g. numpy or a custom kernel), so any value would be a guess."""
+    exts = [e for e in exts if e.quantity in _FUNCTION_NEEDS]
+    if not exts:
+        return
+    for node in program.graph.nodes:
+        fn = getattr(node.target, "function", None) if node.op == "call_function" else None
+        if fn is None:
+            continue
+        lacks = _function_lacks(fn)
+        for ext in exts:
+            missing = [_LACKS[k] for k in _FUNCTION_NEEDS[ext.quantity] if k in lacks]
+            if missing:
+                raise CurvatureError(
+                    f"{type(ext).__name__} runs the custom autograd.Function {fn.__qualname__} (graph node "
+                    f"'{node.name}') under torch.func transforms, which needs {'; '.join(missing)}. "
+                    "Add them (https://pytorch.org/docs/stable/notes/extending.func.html), or use the "
+                    "first-order and GGN extensions (DiagGGNExact, KFLR, SqrtGGNExact, ...), which use "
+                    "only its backward."
+                )
 
 
 # ----------------------------------------------------------------------------- one call
