@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, fx, nn
 from torch.func import vjp
+from torch.utils import _pytree as pytree
 
 from . import _dropout, _independence, _inputs, _residuals
 from ._errors import CurvatureError
@@ -97,6 +98,7 @@ class NodeFailure(RuntimeError):
 
 
 def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, preserve_inputs=False) -> Tensor:
+    leaves = _inputs.trace_leaves(X) if program.leaf_inputs else None  # one placeholder per leaf
     dropout = _dropout.new_generator()  # None unless this call has active dropout
     noises = env.setdefault(_dropout.NOISES, {}) if dropout is not None else None
     placeholders_seen = 0
@@ -112,7 +114,7 @@ def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, pres
         if preserve_inputs and node.op != "placeholder" and _residuals.is_inplace(program, node):
             load = lambda a: fx.node.map_arg(a, lambda n: env[n].clone() if isinstance(env[n], Tensor) else env[n])  # noqa: E731
         if node.op == "placeholder":
-            env[node] = _placeholder(node, X, placeholders_seen)
+            env[node] = leaves[placeholders_seen] if leaves is not None else _placeholder(node, X, placeholders_seen)
             placeholders_seen += 1
         elif node.op == "get_attr":
             value = _lookup(program.root, node.target)
@@ -148,6 +150,8 @@ def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, pres
                 env[first] = env[node]
         if node.op == "output":
             result = load(node.args[0])
+            if program.out_spec is not None:
+                result = pytree.tree_unflatten(list(result), program.out_spec)
     if not isinstance(result, Tensor):
         raise CurvatureError(
             f"The model returns {type(result).__name__}; curvlib needs a single "

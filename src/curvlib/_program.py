@@ -21,6 +21,7 @@ modules) are one entry.
 
 from __future__ import annotations
 
+import inspect
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
@@ -78,6 +79,8 @@ class Program:
     calls: List[str] = field(default_factory=list)
     functional: Dict[fx.Node, "FunctionalUse"] = field(default_factory=dict)
     dependent: frozenset = frozenset()
+    out_spec: object = None  # traced with a container input: the output's pytree spec
+    leaf_inputs: bool = False  # traced with a container input: one placeholder per leaf
 
 
 def _owns_parameters(module: nn.Module) -> bool:
@@ -179,8 +182,16 @@ def _model_line(exc: BaseException) -> str:
     return f"{f.filename}:{f.lineno}: {f.line}"
 
 
-def trace_program(model: nn.Module) -> Program:
-    """Trace ``model`` once; never runs it on data and never changes it."""
+def trace_program(model: nn.Module, example=None) -> Program:
+    """Trace ``model``; never runs it on data and never changes it.
+
+    ``example``: the input's structure when it is a container (dict, tuple, ...)
+    of tensors rather than a tensor. The model then sees a real container whose
+    tensor leaves are proxies (fx's ``concrete_args``), so that a branch like
+    ``isinstance(data, Mapping)`` takes the path the real input takes; every
+    leaf becomes a placeholder, in :func:`curvlib._inputs.trace_leaves` order
+    (non-tensor leaves are specialised to their values).
+    """
     param_names: Dict[int, str] = {}
     for name, p in model.named_parameters():
         param_names.setdefault(id(p), name)
@@ -194,8 +205,14 @@ def trace_program(model: nn.Module) -> Program:
 
     graph: Optional[fx.Graph]
     error: Optional[str] = None
+    concrete = None
+    if example is not None and not isinstance(example, torch.Tensor):
+        from ._inputs import trace_structure
+
+        first = next(iter(inspect.signature(root.forward).parameters))
+        concrete = {first: trace_structure(example)}
     try:
-        graph = _Tracer().trace(root)
+        graph = _Tracer().trace(root, concrete_args=concrete)
     except Exception as exc:  # noqa: BLE001 - any tracing failure means "untraceable"
         graph = None
         line = _model_line(exc)
@@ -225,14 +242,17 @@ def trace_program(model: nn.Module) -> Program:
     return Program(
         root=root, graph=graph, trace_error=error, layers=layers,
         param_names=param_names, prefix=prefix, functional=functional,
-        dependent=frozenset(_input_dependent(graph)) if graph is not None else frozenset(),
+        dependent=frozenset(_input_dependent(graph, leaves=concrete is not None)) if graph is not None else frozenset(),
+        out_spec=getattr(getattr(graph._codegen, "pytree_info", None), "out_spec", None) if graph is not None else None,
+        leaf_inputs=concrete is not None,
     )
 
 
-def _input_dependent(graph: fx.Graph) -> set:
-    """Nodes whose value depends on the model input (the first placeholder)."""
+def _input_dependent(graph: fx.Graph, leaves: bool = False) -> set:
+    """Nodes whose value depends on the model input (the first placeholder; every
+    placeholder when the input's leaves are the placeholders)."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    dependent = set(placeholders[:1])
+    dependent = set(placeholders if leaves else placeholders[:1])
     for node in graph.nodes:
         if any(a in dependent for a in node.all_input_nodes):
             dependent.add(node)
@@ -242,7 +262,7 @@ def _input_dependent(graph: fx.Graph) -> set:
 def functional_uses(graph: fx.Graph, root: nn.Module, param_names: Dict[int, str]) -> Dict[fx.Node, FunctionalUse]:
     """Nodes that depend on the model input and read parameters directly (see
     :mod:`curvlib.rules.functional`), with their parameter-only chains."""
-    dependent = _input_dependent(graph)
+    dependent = _input_dependent(graph, leaves=getattr(graph._codegen, "pytree_info", None) is not None)
     reads: Dict[fx.Node, frozenset] = {}  # parameter-only node -> parameter names it reads
     for node in graph.nodes:
         if node in dependent:

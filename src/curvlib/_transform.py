@@ -175,12 +175,13 @@ class _Setup:
             return tuple(exts) + (SumGradSquared(),)
         return tuple(exts)
 
-    def traced(self) -> _Traced:
-        """The trace for the model's current ``training`` flags (fx bakes ``self.training`` in)."""
-        key = tuple(m.training for m in self.model.modules())
+    def traced(self, X=None) -> _Traced:
+        """The trace for the model's current ``training`` flags (fx bakes ``self.training`` in)
+        and the input's structure (a container is traced as one, see :func:`trace_program`)."""
+        key = (tuple(m.training for m in self.model.modules()), _inputs.structure_key(X))
         traced = self._traces.get(key)
         if traced is None:
-            traced = self._traces[key] = _trace(self.model, self.second)
+            traced = self._traces[key] = _trace(self.model, self.second, X)
         return traced
 
 
@@ -209,8 +210,8 @@ def _library_hook(hook) -> bool:
     return module.split(".")[0] in ("backpack", "laplace", "curvlinops", "opacus")
 
 
-def _trace(model: nn.Module, second: Sequence[SecondOrder]) -> _Traced:
-    program = trace_program(model)
+def _trace(model: nn.Module, second: Sequence[SecondOrder], X=None) -> _Traced:
+    program = trace_program(model, X)
     if second and program.graph is None:
         raise CurvatureError(
             f"{type(second[0]).__name__} needs the model's computation graph, but model "
@@ -307,7 +308,7 @@ class _Call:
         s = self.setup
         n = _inputs.check_input(X)
         values, trainable = _arguments.parameter_values(s.model, params)
-        traced = s.traced()
+        traced = s.traced(X)
         for check in traced.checks:  # (the eager runner checks modules as they are called)
             check()
         plan = self._plan(traced, X, values, trainable, y, n)
