@@ -292,3 +292,36 @@ def test_functional_use_with_batch_not_in_dim0_is_refused():
     f = curvature(model, nn.MSELoss(), [BatchGrad()])
     with pytest.raises(ValueError, match=r"w\.weight.*batch is in dim 1"):
         f(torch.randn(4, 6, 3, dtype=DT), torch.randn(4, 2, dtype=DT))
+
+
+class BranchOnMapping(nn.Module):
+    """Hugging Face style: the batch mapping as one argument, with a branch on its type."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+
+    def forward(self, data):
+        from collections.abc import Mapping
+
+        x = data["x"] * data["scale"][0] if isinstance(data, Mapping) else data
+        return self.net(x)
+
+
+def test_mapping_input_takes_the_mapping_branch():
+    """A dict X is traced as a dict, so ``isinstance(data, Mapping)`` holds in the graph too
+    (tracing with a single proxy took the tensor branch); results equal the oracle's."""
+    from collections import UserDict
+
+    torch.manual_seed(0)
+    model = BranchOnMapping().to(DT)
+    X = torch.randn(5, 4, dtype=DT)
+    scale = torch.full((5,), 2.0, dtype=DT)
+    y = torch.randint(0, 3, (5,))
+    exts = [BatchGrad(), DiagGGNExact()]
+    for batch in ({"x": X, "scale": (scale,)}, UserDict(x=X, scale=(scale,))):
+        qs = curvature(model, nn.CrossEntropyLoss(), exts)(batch, y)
+        ref = curvature(model.net, nn.CrossEntropyLoss(), exts)(2.0 * X, y)
+        for key in ("grad", "grad_batch", "diag_ggn_exact"):
+            assert_close_dicts({k[4:]: v for k, v in qs[key].items()}, ref[key], key)
+        torch.testing.assert_close(qs["loss"], nn.CrossEntropyLoss()(model(batch), y))
