@@ -304,7 +304,7 @@ class BranchOnMapping(nn.Module):
     def forward(self, data):
         from collections.abc import Mapping
 
-        x = data["x"] * data["scale"][0] if isinstance(data, Mapping) else data
+        x = data["x"] * data["scale"][0][:, None] if isinstance(data, Mapping) else data
         return self.net(x)
 
 

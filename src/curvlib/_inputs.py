@@ -63,10 +63,9 @@ def describe(X) -> str:
     if isinstance(X, Tensor):
         return f"shape {list(X.shape)}, dtype {X.dtype}"
     if isinstance(X, Mapping):
-        parts = [f"{k!r}: {describe(v)}" for k, v in X.items() if tensors(v)]
-    else:
-        parts = [describe(v) for v in X if tensors(v)] if isinstance(X, (tuple, list)) else []
-    return "{" + ", ".join(parts) + "}"
+        return "{" + ", ".join(f"{k!r}: {describe(v)}" for k, v in X.items() if tensors(v)) + "}"
+    parts = [describe(v) for v in X if tensors(v)] if isinstance(X, (tuple, list)) else []
+    return "(" + ", ".join(parts) + ")"
 
 
 def check_input(X) -> int:
