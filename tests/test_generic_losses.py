@@ -153,7 +153,12 @@ def centred(out, y):
     return ((out - out.mean(0)) ** 2).sum()
 
 
-@pytest.mark.parametrize("lossfn", [pairs, centred])
+def later_pair(out, y):
+    """Sample 0 on its own; samples 1 and 2 coupled."""
+    return (out[0] ** 2).sum() + (out[1] * out[2]).sum() + (out[3] ** 2).sum()
+
+
+@pytest.mark.parametrize("lossfn", [pairs, centred, later_pair])
 @pytest.mark.parametrize("ext", [BatchGrad, DiagGGNExact])
 def test_loss_coupling_samples_refused(lossfn, ext):
     model, _, X, y = problem("function")
