@@ -18,11 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from curvlib import CurvatureError, curvature
-from curvlib.extensions import BatchGrad, DiagGGNExact, KFACEmpirical, KFLR, SqrtGGNExact, SqrtGGNMC
+from curvlib.extensions import HMP, KFRA, PCHMP, BatchGrad, DiagGGNExact, KFACEmpirical, KFLR, SqrtGGNExact, SqrtGGNMC
 from curvlib.losses import loss_spec
 
 from loss_checks import F64, assert_converges, check_exact, close, mc_errors, model_and_input
-from oracles_second import loss_hessian_blocks
+from oracles_second import (
+    detached_params, hessian_block, kfra_reference, loss_hessian_blocks, output_jacobian, residual_block,
+)
 
 
 class Focal(nn.CrossEntropyLoss):
@@ -140,6 +142,39 @@ def test_generic_monte_carlo_converges(case):
     model, lossfn, X, y = problem(case)
     keys = ("diag_ggn_mc", "diag_ggn_mc_batch", "kfac") + (("sqrt_ggn_mc",) if case == "bce" else ())
     assert_converges(mc_errors(model, lossfn, X, y, keys=keys), ratio=3.0 if case == "bce" else 2.0)
+
+
+def modified_blocks(lossfn, out, y, modify):
+    """``U mod(Λ) Uᵀ`` of every per-sample loss Hessian block (``"clip"``: ``max(λ, 0)``, ``"abs"``)."""
+    evals, U = torch.linalg.eigh(loss_hessian_blocks(lossfn, out, y))
+    evals = evals.clamp(min=0) if modify == "clip" else evals.abs()
+    return (U * evals.unsqueeze(1)) @ U.transpose(1, 2)
+
+
+@pytest.mark.parametrize("case", ["focal", "huber", "gaussian nll", "ce negative weight"])
+@pytest.mark.parametrize("modify", ["clip", "abs"])
+def test_block_products_and_kfra(case, modify):
+    """HMP (exact Hessian), PCHMP (the loss Hessian's eigenvalues modified as well as the
+    activations' residuals: ``Σ J_nᵀ mod(H_n) J_n + R_mod``) and KFRA (``oracles_second.kfra_reference``)."""
+    if case == "ce negative weight":
+        model, X = model_and_input(False, 3, 4, 3, 4, 1, 1, "tanh", torch.Generator().manual_seed(1))
+        lossfn, y = nn.CrossEntropyLoss(weight=torch.tensor([1.0, -0.5, 2.0], dtype=F64)), torch.tensor([0, 1, 2, 1])
+    else:
+        model, lossfn, X, y = problem(case)
+    qs = curvature(model, lossfn, [HMP(), PCHMP(modify=modify), KFRA()])(X, y)
+    with torch.no_grad():
+        Hm = modified_blocks(lossfn, model(X), y, modify)
+    gen = torch.Generator().manual_seed(0)
+    for name, p in detached_params(model).items():
+        J = output_jacobian(model, X, name)
+        PC = torch.einsum("ncp,ncd,ndq->pq", J, Hm, J) + residual_block(model, lossfn, X, y, name, modify)
+        H = hessian_block(model, lossfn, X, y, name)
+        V = torch.randn((2,) + p.shape, generator=gen, dtype=F64)
+        close(qs["pchmp"][name](V), (V.reshape(2, -1) @ PC).reshape(V.shape), f"pchmp[{name}]")
+        close(qs["hmp"][name](V), (V.reshape(2, -1) @ H).reshape(V.shape), f"hmp[{name}]")
+    for name, factors in kfra_reference(model, lossfn, X, y).items():
+        for i, f in enumerate(factors):
+            close(qs["kfra"][name][i], f, f"kfra[{name}][{i}]")
 
 
 # ----------------------------------------------------------------------------- refusals
