@@ -177,6 +177,26 @@ def test_block_products_and_kfra(case, modify):
             close(qs["kfra"][name][i], f, f"kfra[{name}][{i}]")
 
 
+def test_generic_loss_under_vmap_over_an_ensemble():
+    """``vmap`` over stacked parameters: each member's results as a direct call; the square
+    root, whose existence depends on the signs vmap hides, is refused clearly."""
+    model, lossfn, X, y = problem("huber")
+    members = [{k: v.detach() * s for k, v in model.named_parameters()} for s in (1.0, 1.1)]
+    stacked = {k: torch.stack([m[k] for m in members]) for k in members[0]}
+    f = curvature(model, lossfn, [BatchGrad(), DiagGGNExact(), KFLR()])
+    batched = torch.func.vmap(lambda p: f(X, y, params=p))(stacked)
+    for i, member in enumerate(members):
+        direct = f(X, y, params=member)
+        for key in ("grad_batch", "diag_ggn_exact"):
+            for name, t in direct[key].items():
+                close(batched[key][name][i], t, f"member {i} {key}[{name}]")
+        for name, factors in direct["kflr"].items():
+            close(batched["kflr"][name][0][i], factors[0], f"member {i} kflr[{name}]")
+    g = curvature(model, lossfn, [SqrtGGNExact()])
+    with pytest.raises(CurvatureError, match="SqrtGGNExact under a torch.func transform"):
+        torch.func.vmap(lambda p: g(X, y, params=p))(stacked)
+
+
 # ----------------------------------------------------------------------------- refusals
 
 
