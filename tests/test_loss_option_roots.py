@@ -38,6 +38,7 @@ def option_cases(draw):
                if draw(st.booleans()) else None)
         w = weight.reshape(shape[1:2] + (1,) * (len(shape) - 2)) if weight is not None else None
         y = torch.rand(shape, generator=gen, dtype=F64)
+        y = 2 * y - 0.5 if draw(st.booleans()) else y  # outside [0, 1]: with pos_weight, signed
         return nn.BCEWithLogitsLoss(weight=w, pos_weight=pos, reduction=reduction), out, y
     options = dict(weight=weight, reduction=reduction, label_smoothing=draw(st.sampled_from([0.0, 0.1, 0.45])))
     if draw(st.booleans()):
