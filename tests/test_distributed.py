@@ -24,6 +24,7 @@ from curvlib.extensions import (
     GGNMP,
     HMP,
     KFAC,
+    KFACEmpirical,
     KFLR,
     KFRA,
     PCHMP,
@@ -288,7 +289,34 @@ def _case_mc(rank, world, sizes):
         _close(again, first, f"rank {rank}: MC results are not reproducible")
 
 
-CASES = {"exact": _case_exact, "mc": _case_mc}
+def _case_options(rank, world, sizes):
+    """Loss options (CE weight/ignore_index/label_smoothing, class probabilities, BCE weight and
+    pos_weight) with every exact extension, KFACEmpirical and KFRA; rank 0's targets are all
+    ignored: it contributes nothing (not NaN) to the global "mean"."""
+    n, sl = sum(sizes), _slice(rank, sizes)
+    torch.manual_seed(1234)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    X = torch.randn(n, 4, dtype=torch.float64)
+    w = torch.tensor([1.5, 0.4, 0.9], dtype=torch.float64)
+    y = torch.randint(0, 3, (n,))
+    y[y == 1] = 2
+    y[: sizes[0]] = 1
+    probs = torch.softmax(torch.randn(n, 3, dtype=torch.float64), 1)
+    problems = {"ce index": (nn.CrossEntropyLoss(weight=w, ignore_index=1, label_smoothing=0.2), y),
+                "ce prob": (nn.CrossEntropyLoss(weight=w, label_smoothing=0.2), probs),
+                "bce": (nn.BCEWithLogitsLoss(weight=w, pos_weight=w.flip(0)), probs)}
+    exts = EXACT + [KFACEmpirical(), KFRA()]
+    for reduction in ("mean", "sum"):
+        for label, (lossfn, target) in problems.items():
+            lossfn.reduction = reduction
+            where = f"rank {rank}/{world} {label} {reduction}"
+            ref = curvature(model, lossfn, exts)(X, target)
+            got = curvature(model, lossfn, exts, process_group=dist.group.WORLD)(X[sl], target[sl])
+            _compare(got, ref, sl, where)
+            _close(got["loss"], lossfn(model(X), target).detach(), f"{where} loss vs lossfn")
+
+
+CASES = {"exact": _case_exact, "mc": _case_mc, "options": _case_options}
 
 
 # ----------------------------------------------------------------------------- tests
@@ -299,7 +327,7 @@ def test_every_extension_equals_single_process_on_full_batch(sizes):
     """Exact extensions to float64 precision (one all_reduce per call), Monte-Carlo
     ones statistically and with independent, reproducible per-rank streams.
     One spawn per world size runs both cases (process start-up dominates)."""
-    _spawn("exact+mc", sizes)
+    _spawn("exact+mc+options", sizes)
 
 
 @pytest.mark.parametrize("ext", [GGNMP(), HMP(), PCHMP()], ids=lambda e: type(e).__name__)

@@ -114,19 +114,36 @@ def over_samples(
         n = int(leaves[0].shape[0]) if leaves and leaves[0].dim() > 0 else 0
         if n <= batch_chunk_size or not isinstance(y, Tensor) or y.dim() == 0 or y.shape[0] != n:
             return f(X, y, params=params, generator=generator)  # (f itself reports bad input)
+        _refuse_per_sample_weights(spec, y)
         total = normaliser(spec, y)
         combined = _Combined(kinds, n)
         for start in range(0, n, batch_chunk_size):
             stop = min(n, start + batch_chunk_size)
             part = f(_inputs.slice_batch(X, start, stop), y[start:stop], params=params, generator=generator)
             # r = M_k / M: this slice's share of the "mean" normaliser (0 for a slice with
-            # nothing counted, whose own results are NaN: 0/0)
-            r = normaliser(spec, y[start:stop]) / total if total else float("nan")
+            # nothing counted, whose own results are NaN: 0/0). Nothing counted in the whole
+            # batch: every slice's results as they are (NaN loss and curvature, autograd's zero
+            # gradient), which is what the unchunked call returns.
+            r = normaliser(spec, y[start:stop]) / total if total else 1.0
             combined.add(part, r, (stop - start) / n)
             del part
         return {k: v for k, v in combined.result().items() if k not in dropped}
 
     return g
+
+
+def _refuse_per_sample_weights(spec: LossSpec, y: Tensor) -> None:
+    """A ``BCEWithLogitsLoss`` ``weight``/``pos_weight`` with the batch in dim 0 does not fit a slice."""
+    if spec.kind != "bce":
+        return
+    for arg in ("weight", "pos_weight"):
+        w = getattr(spec.module, arg)
+        if w is not None and w.dim() == y.dim() and w.shape[0] != 1:
+            raise CurvatureError(
+                f"batch_chunk_size with {spec.name}({arg}=<shape {tuple(w.shape)}>): a {arg} with "
+                "one entry per sample cannot be cut into slices of the batch. Use a weight that "
+                "broadcasts over samples, or call without batch_chunk_size (chunk_size= bounds memory too)."
+            )
 
 
 class _Combined:

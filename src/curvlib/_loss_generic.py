@@ -11,9 +11,9 @@ which already carry whatever normalisation ``L`` applies. All blocks come out
 of ``C`` Hessian-vector products, each with the same unit direction ``e_c`` in
 every sample's row (reverse-over-reverse autodiff of ``L`` alone, no forward
 mode): row ``n`` of ``H e`` is ``H_n e_c`` because ``H`` is block diagonal.
-That assumption is checked: one more product with a direction supported on
-sample 0 alone must vanish on every other row, or the loss couples samples
-and is refused.
+That assumption is checked: two more products, along a random direction and
+along the same direction scaled by a random factor per sample, must differ row
+by row by exactly those factors, or the loss couples samples and is refused.
 
 Factors are read off ``H_n = U Λ Uᵀ`` (``eigh``): the positive part
 ``S₊ = U √Λ₊ Uᵀ`` and, where ``H_n`` is indefinite, the negative part
@@ -135,24 +135,25 @@ class GenericCurvature:
 def check_per_sample(loss_of: Callable[[Tensor], Tensor], out: Tensor, name: str) -> None:
     """Refuse a loss whose Hessian couples samples (see the module doc).
 
-    One Hessian-vector product with a random direction in sample 0's row: every
-    other row of the result must vanish (to rounding) for a per-sample loss.
+    Two Hessian-vector products, with a random direction ``d`` and with ``w ⊙ d`` (``w`` a
+    random scale per sample): for a per-sample loss row ``n`` of the second is ``w_n`` times
+    row ``n`` of the first; any coupling ``H_nm ≠ 0`` between samples breaks that, whichever
+    samples it joins. (One product along sample 0 alone would miss a coupling of two others.)
     """
     if out.shape[0] < 2:
         return
     gen = torch.Generator(device=out.device).manual_seed(0)
-    direction = torch.zeros_like(out)
-    direction[0] = torch.randn(out[0].shape, generator=gen, dtype=out.dtype, device=out.device)
+    d = torch.randn(out.shape, generator=gen, dtype=out.dtype, device=out.device)
+    w = 0.5 + torch.rand((out.shape[0],) + (1,) * (out.dim() - 1), generator=gen, dtype=out.dtype, device=out.device)
     _, pull = vjp(grad(loss_of), out.detach())
-    hv = pull(direction)[0].detach()
-    own = hv[0].abs().max()
-    others = hv[1:].abs().amax(dim=tuple(range(1, hv.dim()))) if hv.dim() > 1 else hv[1:].abs()
-    worst = int(others.argmax())
-    tol = torch.finfo(out.dtype).eps ** 0.5 * max(float(own), float(hv.abs().max()), 1e-30)
-    if float(others[worst]) > tol:
+    hv, hw = pull(d)[0].detach(), pull(w * d)[0].detach()
+    gap = (hw - w * hv).reshape(out.shape[0], -1).abs().amax(1)
+    worst = int(gap.argmax())
+    tol = torch.finfo(out.dtype).eps ** 0.5 * max(float(hv.abs().max()), float(hw.abs().max()), 1e-30)
+    if float(gap[worst]) > tol:
         raise CurvatureError(
-            f"lossfn {name} couples samples: its second derivative w.r.t. the output of sample 0 "
-            f"changes the gradient of sample {worst + 1} (|Δ| = {float(others[worst]):.3g}). curvlib "
+            f"lossfn {name} couples samples: its second derivative w.r.t. the output of sample "
+            f"{worst} depends on other samples' outputs (|Δ| = {float(gap[worst]):.3g}). curvlib "
             "needs a per-sample loss, a sum or mean of terms that each depend on one sample's "
             "output and target, to define individual gradients and the GGN. Losses over pairs "
             "or the whole batch (contrastive, ranking, batch statistics) are not supported."

@@ -173,7 +173,7 @@ def target_mass(module, out: Tensor, y: Tensor) -> Tensor:
     safe = torch.where(counted, y, torch.zeros_like(y))
     kappa = (1 - eps) * (w[safe] if w is not None else torch.ones_like(safe, dtype=out.dtype))
     if eps:
-        kappa = kappa + eps / k * (w.sum() if w is not None else 1.0)
+        kappa = kappa + eps / k * (w.sum() if w is not None else float(k))
     return kappa * counted
 
 

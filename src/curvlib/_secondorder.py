@@ -384,6 +384,14 @@ def _first_part(q: str, part: Tensor, total: int) -> Tensor:
 def _refuse_indefinite_sqrt(curv, roots, group) -> None:
     sqrt = [e for e in group if e.quantity == "sqrt"]
     if sqrt and len(roots) > 1:
+        if not losses._is_concrete(roots[0][1]):  # under vmap/grad: the signs cannot be read
+            raise CurvatureError(
+                f"{type(sqrt[0]).__name__} under a torch.func transform (vmap, grad) with this loss: "
+                "whether its Hessian w.r.t. the model output is positive semi-definite (so that the "
+                "GGN has a real square root) depends on values the transform hides. Call it outside "
+                "the transform, or use the GGN diagonals, Kronecker factors or GGNMP, which are exact "
+                "for any loss Hessian."
+            )
         value, n = curv.most_negative()
         raise CurvatureError(
             f"{type(sqrt[0]).__name__}: the Hessian of the loss w.r.t. the model output is indefinite "

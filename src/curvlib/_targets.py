@@ -26,6 +26,12 @@ def check_cross_entropy_targets(module, out: Tensor, y: Tensor) -> None:
         )
     if y.is_floating_point():
         _check_probabilities(name, out, y)
+        if module.ignore_index >= 0:  # (PyTorch's own check, made before any work)
+            raise CurvatureError(
+                f"{name}(ignore_index={module.ignore_index}) with class probabilities y: PyTorch "
+                "supports ignore_index for class indices only (a negative ignore_index, such as "
+                "the default -100, is allowed and unused)."
+            )
         return
     expected = (out.shape[0],) + tuple(out.shape[2:])
     if tuple(y.shape) != expected:

@@ -88,17 +88,19 @@ def loss_spec(lossfn: object) -> LossSpec:
         )
     name = type(lossfn).__name__
     reduction = getattr(lossfn, "reduction", None) if isinstance(lossfn, nn.Module) else None
-    if reduction is not None and reduction not in ("mean", "sum"):
+    kind = next((k for cls, k in STRUCTURAL.items()
+                 if isinstance(lossfn, cls) and type(lossfn).forward is cls.forward), "generic")
+    # "batchmean" (KLDivLoss: the sum over a sample's entries, averaged over samples) is a
+    # per-sample mean too; only the structural losses need to know their normaliser.
+    accepted = ("mean", "sum", "batchmean") if kind == "generic" else ("mean", "sum")
+    if reduction is not None and reduction not in accepted:
         raise CurvatureError(
             f"{name}(reduction={reduction!r}) is not supported: curvlib needs a scalar loss "
             "that sums or averages per-sample terms. Use reduction='sum' (or 'mean'); "
             "individual terms are what BatchGrad and the batch diagonals return."
         )
     _check_arity(lossfn, name)
-    for cls, kind in STRUCTURAL.items():
-        if isinstance(lossfn, cls) and type(lossfn).forward is cls.forward:
-            return LossSpec(kind=kind, reduction=reduction, module=lossfn)
-    return LossSpec(kind="generic", reduction=None, module=lossfn)
+    return LossSpec(kind=kind, reduction=None if kind == "generic" else reduction, module=lossfn)
 
 
 def _check_arity(lossfn, name: str) -> None:
