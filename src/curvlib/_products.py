@@ -155,7 +155,7 @@ def _guarded(product: Callable[[Tensor], Tensor], seed: Optional[int], device: t
         with contextlib.ExitStack() as stack:
             if torch.is_inference_mode_enabled():
                 stack.enter_context(torch.inference_mode(False))
-                V = V.clone() if isinstance(V, Tensor) and V.is_inference() else V
+            V = V.clone() if isinstance(V, Tensor) and V.is_inference() else V
             stack.enter_context(LOCK)
             stack.enter_context(_dropout.masks(seed, device))
             return product(V)

@@ -466,16 +466,16 @@ def _renamed(f: Callable, prefix: str, model: nn.Module) -> Callable:
 
 def _public(f: Callable) -> Callable:
     """``f`` callable under ``torch.inference_mode()``: it leaves inference mode for the
-    call (autograd is the method, not an option) and copies inference tensors (the block
-    products it returns do the same when they are called)."""
+    call (autograd is the method, not an option) and copies inference tensors, also
+    those made under inference mode and passed in outside it (the block products it
+    returns do the same when they are called)."""
 
     def call(X, y, params: Optional[Mapping[str, Tensor]] = None, generator: Optional[torch.Generator] = None):
-        if not torch.is_inference_mode_enabled():
-            return f(X, y, params=params, generator=generator)
         with torch.inference_mode(False):
+            # inference tensors (made under inference mode, also passed in outside it)
             X = _inputs.map_tensors(_arguments.inference_free, X)
             y = _arguments.inference_free(y)
-            if isinstance(params, Mapping):
+            if isinstance(params, Mapping) and any(isinstance(v, Tensor) and v.is_inference() for v in params.values()):
                 params = {k: _arguments.inference_free(v) for k, v in params.items()}
             return f(X, y, params=params, generator=generator)
 
