@@ -152,6 +152,13 @@ def inference_free(t):
     return t.clone() if isinstance(t, Tensor) and t.is_inference() else t
 
 
+def detached(t):
+    """``t`` detached (and a normal tensor for an inference tensor); others unchanged."""
+    if not isinstance(t, Tensor) or not (t.requires_grad or t.is_inference()):
+        return t
+    return inference_free(t.detach())
+
+
 def bytes_of(shape, dtype: torch.dtype) -> int:
     numel = 1
     for s in shape:

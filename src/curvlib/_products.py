@@ -147,18 +147,20 @@ def products(program, spec, y, curv, X, values, residual_nodes, lin, residual_gr
 
 def _guarded(product: Callable[[Tensor], Tensor], seed: Optional[int], device: torch.device):
     """``product`` evaluated safely whenever it is called: outside inference mode (an
-    inference tensor ``V`` is copied), with the call's dropout masks, and under
+    inference tensor ``V`` is copied; under ``no_grad`` the result is detached), with the call's dropout masks, and under
     :data:`curvlib._sync.LOCK` (forward-mode AD and the random state it replays are
     process-wide)."""
 
     def call(V: Tensor) -> Tensor:
+        grad_mode = torch.is_grad_enabled()
         with contextlib.ExitStack() as stack:
             if torch.is_inference_mode_enabled():
                 stack.enter_context(torch.inference_mode(False))
             V = V.clone() if isinstance(V, Tensor) and V.is_inference() else V
             stack.enter_context(LOCK)
             stack.enter_context(_dropout.masks(seed, device))
-            return product(V)
+            out = product(V)
+            return out if grad_mode else out.detach()  # under no_grad, as any op's result
 
     call.__doc__ = product.__doc__
     return call

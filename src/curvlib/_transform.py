@@ -468,15 +468,19 @@ def _public(f: Callable) -> Callable:
     """``f`` callable under ``torch.inference_mode()``: it leaves inference mode for the
     call (autograd is the method, not an option) and copies inference tensors, also
     those made under inference mode and passed in outside it (the block products it
-    returns do the same when they are called)."""
+    returns do the same when they are called). Under ``torch.no_grad()`` and inference
+    mode the inputs are read detached, so the results are too."""
 
     def call(X, y, params: Optional[Mapping[str, Tensor]] = None, generator: Optional[torch.Generator] = None):
+        # Under no_grad / inference mode results are detached, as any op's would be (no
+        # graph back to X or params is built or kept alive).
+        free = _arguments.inference_free if torch.is_grad_enabled() else _arguments.detached
         with torch.inference_mode(False):
             # inference tensors (made under inference mode, also passed in outside it)
-            X = _inputs.map_tensors(_arguments.inference_free, X)
-            y = _arguments.inference_free(y)
-            if isinstance(params, Mapping) and any(isinstance(v, Tensor) and v.is_inference() for v in params.values()):
-                params = {k: _arguments.inference_free(v) for k, v in params.items()}
+            X = _inputs.map_tensors(free, X)
+            y = free(y)
+            if isinstance(params, Mapping) and any(free(v) is not v for v in params.values()):
+                params = {k: free(v) for k, v in params.items()}
             return f(X, y, params=params, generator=generator)
 
     call.__doc__ = curvature.__doc__
