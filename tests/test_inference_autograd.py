@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from curvlib import curvature
-from curvlib.extensions import KFAC, KFLR, KFRA, BatchDiagGGNMC, DiagGGNMC, DiagHessian, SqrtGGNExact, SqrtGGNMC
+from curvlib.extensions import GGNMP, HMP, KFAC, KFLR, KFRA, BatchDiagGGNMC, DiagGGNMC, DiagHessian, SqrtGGNExact, SqrtGGNMC
 
-from oracles import functional_call
+from oracles import first_order_reference, functional_call
 from oracles_all import assert_close, assert_matches, assert_same, exact_extensions, kflr_map, reference
 
 DT = torch.float64
@@ -109,8 +109,14 @@ def _scalars(qs):
         if key in qs:
             out[key] = sum((v * torch.linspace(0.5, 1.5, v.numel(), dtype=DT).reshape(v.shape)).sum()
                            for v in qs[key].values())
-    if "kflr" in qs:
-        out["kflr"] = sum(f.sin().sum() for fs in qs["kflr"].values() for f in fs)
+    for key in ("kflr", "kfra"):
+        if key in qs:
+            out[key] = sum(f.sin().sum() for fs in qs[key].values() for f in fs)
+    for key in ("ggnmp", "hmp"):
+        if key in qs:
+            out[key] = sum(prod(torch.ones((2,) + tuple(w.shape), dtype=DT)).sin().sum()
+                           for prod, w in zip(qs[key].values(), qs["grad"].values()))
+    out["loss"] = qs["loss"]
     return out
 
 
@@ -121,7 +127,7 @@ def test_autograd_through_results_equals_torch_func_grad(loss):
     y = torch.randn(5, 2, dtype=DT) if loss == "mse" else torch.randint(0, 2, (5,))
     lossfn = nn.MSELoss() if loss == "mse" else nn.CrossEntropyLoss()
     exts = [e for e in exact_extensions() if e.name in ("batch_l2", "grad_batch", "variance", "diag_ggn_exact")]
-    f = curvature(model, lossfn, exts + [SqrtGGNExact(), DiagHessian(), KFLR()])
+    f = curvature(model, lossfn, exts + [SqrtGGNExact(), DiagHessian(), KFLR(), KFRA(), GGNMP(), HMP()])
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
     params = {n: p.clone().requires_grad_(True) for n, p in base.items()}
     Xg = X.clone().requires_grad_(True)
@@ -134,6 +140,11 @@ def test_autograd_through_results_equals_torch_func_grad(loss):
         for n, g in zip(names + ["X"], got):
             w = want[1] if n == "X" else want[0][n]
             assert_close(torch.zeros_like(w) if g is None else g, w, f"d {key} / d {n}")
+    # the loss's gradient w.r.t. params is curvlib's own gradient (and the oracle's)
+    got = torch.autograd.grad(qs["loss"], [params[n] for n in names])
+    ref = first_order_reference(model, lossfn, X, y)["grad"]
+    for n, g in zip(names, got):
+        assert_close(g, ref[n], f"d loss / d {n}")
 
 
 def _individual_gradients_graph(model, lossfn, params, X, y):
