@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.func import jvp, vjp
 
+from .._sync import LOCK
+
 LINEAR_MODULES: Tuple[type, ...] = (
     nn.Identity, nn.Flatten, nn.Unflatten,
     nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
@@ -156,4 +158,5 @@ def second_derivative(phi: Callable[[Tensor], Tensor], a: Tensor) -> Tensor:
     def first_derivative(x: Tensor) -> Tensor:
         return vjp(phi, x)[1](ones)[0]
 
-    return jvp(first_derivative, (a,), (ones,))[1]
+    with LOCK:  # forward-mode AD state is process-wide (curvlib._sync)
+        return jvp(first_derivative, (a,), (ones,))[1]
