@@ -107,7 +107,7 @@ def products(program, spec, y, curv, X, values, residual_nodes, lin, residual_gr
                     hjv = curv.matvec(jv.unsqueeze(0))[0]
                     return torch.func.vjp(f, p0)[1](hjv)[0]
 
-                return torch.func.vmap(one)(V)
+                return torch.func.vmap(one, randomness="same")(V)  # dropout: the call's masks
 
             return _guarded(ggnmp, seed, device)
 
@@ -138,7 +138,7 @@ def products(program, spec, y, curv, X, values, residual_nodes, lin, residual_gr
                 assert len(cot_taps) == n_taps
                 return torch.func.vjp(f, p0)[1]((hjv, cot_taps))[0] + direct
 
-            return torch.func.vmap(one)(V)
+            return torch.func.vmap(one, randomness="same")(V)
 
         return _guarded(pchmp, seed, device)
 
