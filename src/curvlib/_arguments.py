@@ -72,7 +72,10 @@ def parameter_values(model: nn.Module, params: object) -> Tuple[Dict[str, Tensor
     ``requires_grad=True``. With it: its entries (checked against the model's
     parameters' names, shapes, dtypes and devices); quantities for exactly those.
     """
-    all_params = dict(model.named_parameters())
+    from ._sync import LOCK
+
+    with LOCK:  # another thread's generic rule may have swapped a module's parameter slots
+        all_params = dict(model.named_parameters())
     if params is None:
         trainable = [n for n, p in all_params.items() if p.requires_grad]
         return {n: inference_free(p.detach()) for n, p in all_params.items()}, trainable

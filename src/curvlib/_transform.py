@@ -31,6 +31,7 @@ from ._kfra import chain_nodes, kfra
 from ._products import products, rng_state
 from ._program import Program, trace_program
 from ._secondorder import check_second_order, second_order
+from ._sync import LOCK
 from ._untraced import run_eager
 from .extensions._base import Extension
 from .extensions.secondorder import SecondOrder
@@ -180,7 +181,8 @@ class _Setup:
         key = tuple(m.training for m in self.model.modules())
         traced = self._traces.get(key)
         if traced is None:
-            traced = self._traces[key] = _trace(self.model, self.second)
+            with LOCK:  # reads the module tree, whose slots another thread's call may have swapped
+                traced = self._traces[key] = _trace(self.model, self.second)
         return traced
 
 
