@@ -31,7 +31,7 @@ from .._sync import LOCK
 
 LINEAR_MODULES: Tuple[type, ...] = (
     nn.Identity, nn.Flatten, nn.Unflatten,
-    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout,
     nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d,
     nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d,
     nn.ReflectionPad1d, nn.ReflectionPad2d, nn.ReflectionPad3d,
@@ -57,7 +57,7 @@ _LINEAR_FUNCTIONS = {
     torch.movedim, torch.swapaxes, torch.narrow, torch.select, torch.chunk, torch.split,
     torch.relu, torch.flip, torch.roll,
     F.relu, F.leaky_relu, F.relu6, F.hardtanh, F.pad, F.dropout, F.dropout1d, F.dropout2d,
-    F.dropout3d, F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d,
+    F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d,
     F.avg_pool3d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d,
     F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d, getattr,
 }
