@@ -138,13 +138,17 @@ def without_prefix(params: Optional[Mapping[str, Tensor]], prefix: str, model: n
     """``params`` keyed like the compiled module's parameters, as the original module's."""
     if params is None or not isinstance(params, Mapping):
         return params
+    from ._sync import LOCK
+
+    with LOCK:
+        names = [n for n, _ in model.named_parameters()]
     out = {}
     for name, value in params.items():
-        if not (isinstance(name, str) and name.startswith(prefix)):
+        if not (isinstance(name, str) and name.startswith(prefix) and name[len(prefix):] in names):
             raise CurvatureError(
-                f"params has an entry {name!r}; the model is torch.compile'd, so its parameters are "
-                f"named '{prefix}<name>' (as in compiled.named_parameters()), e.g. "
-                f"{[prefix + n for n, _ in list(model.named_parameters())[:3]]}."
+                f"params has an entry {name!r}, which is not a parameter of the model; the model is "
+                f"torch.compile'd, so its parameters are named '{prefix}<name>' (as in "
+                f"compiled.named_parameters()), e.g. {[prefix + n for n in names[:3]]}."
             )
         out[name[len(prefix):]] = value
     return out
