@@ -43,12 +43,14 @@ def exact_extensions(hessian: bool = True, kflr: bool = False, kfra: bool = Fals
 
 
 def reference(model: nn.Module, lossfn, X: Tensor, y: Tensor, *, hessian: bool = True,
-              kflr: Optional[Dict[str, tuple]] = None, kfra: bool = False, modify: str = "clip") -> dict:
+              kflr: Optional[Dict[str, tuple]] = None, kfra: bool = False, modify: str = "clip",
+              pchmp: Optional[bool] = None) -> dict:
     """The oracle's value of every quantity :func:`exact_extensions` asks for.
 
-    ``hessian``: also the Hessian diagonals and the positive-curvature block (the
-    model's nonlinearities must then be smooth activation *modules* or piecewise
-    linear: checked by ``G + R = H``). ``kflr``: ``{param: (module, role)}``.
+    ``hessian``: also the Hessian diagonals, and (``pchmp``, default ``hessian``) the
+    positive-curvature block (the model's nonlinearities must then be smooth
+    activation *modules* or piecewise linear: checked by ``G + R = H``).
+    ``kflr``: ``{param: (module, role)}``.
     ``kfra``: the model is an ``nn.Sequential`` of Linear layers and activations.
     """
     names = trainable_names(model)
@@ -56,7 +58,9 @@ def reference(model: nn.Module, lossfn, X: Tensor, y: Tensor, *, hessian: bool =
         loss = lossfn(model(X), y)
     ref: dict = {"loss": loss, **first_order_reference(model, lossfn, X, y)}
     keys = ["diag_ggn_exact", "diag_ggn_exact_batch", "sqrt_ggn_exact", "ggnmp", "hmp"]
-    keys += ["diag_h", "diag_h_batch", "pchmp"] if hessian else []
+    pchmp = hessian if pchmp is None else pchmp
+    keys += ["diag_h", "diag_h_batch"] if hessian else []
+    keys += ["pchmp"] if pchmp else []
     ref.update({k: {} for k in keys})
     n = X.shape[0]
     for name in names:
@@ -68,11 +72,13 @@ def reference(model: nn.Module, lossfn, X: Tensor, y: Tensor, *, hessian: bool =
         ref["sqrt_ggn_exact"][name] = Gn  # compared through Σ_v S_v S_vᵀ per sample
         ref["ggnmp"][name], ref["hmp"][name] = G, H
         if hessian:
-            R = residual_block(model, lossfn, X, y, name)
-            assert_close(G + R, H, f"oracle self-check: G + residual = Hessian [{name}]")
             Hn = hessian_per_sample(model, lossfn, X, y, name)
+            assert_close(Hn.sum(0), H, f"oracle self-check: per-sample Hessians sum to the Hessian [{name}]")
             ref["diag_h"][name] = H.diagonal().reshape(p.shape)
             ref["diag_h_batch"][name] = Hn.diagonal(dim1=1, dim2=2).reshape((n,) + tuple(p.shape))
+        if pchmp:
+            R = residual_block(model, lossfn, X, y, name)
+            assert_close(G + R, H, f"oracle self-check: G + residual = Hessian [{name}]")
             ref["pchmp"][name] = G + residual_block(model, lossfn, X, y, name, modify)
     if kflr is not None:
         ref["kflr"] = {name: kron_reference(model, lossfn, X, y, *kflr[name]) for name in names}

@@ -34,6 +34,7 @@ from ._secondorder import check_second_order, second_order
 from ._sync import LOCK
 from ._untraced import run_eager
 from .extensions._base import Extension
+from .rules.generic import refuse_buffer_updates
 from .extensions.secondorder import SecondOrder
 
 __all__ = ["curvature"]
@@ -338,6 +339,7 @@ class _Call:
         refuse_mixing(plan, s.computed, traced.program, X, values, frozenset(trainable), traced.runner,
                       s.chunk_kinds is not None)
         _dropout.refuse_in_generic(traced.program, plan.sites)
+        refuse_buffer_updates(traced.program, plan.sites, s.second)
         return plan
 
     @staticmethod

@@ -121,3 +121,48 @@ def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwa
     saved.update({f"param:{r}": t for r, t in tensors.items()})
     meta = {"module": module, "pos_static": pos_static, "kw_static": kw_static, "batch_dim": 0}
     return rec.add(Site(GENERIC, names, where, meta=meta, saved=saved), out)
+
+
+# Extensions that run a generic layer's forward under forward-mode AD or ``vmap`` over
+# its parameters (GGNMP's ``jvp``; the Hessian family's dense residual ``vmap(hessian)``).
+_TRANSFORMED = {"ggnmp": "GGNMP", "hessian_diag": "DiagHessian", "hessian_batch_diag": "BatchDiagHessian",
+                "pchmp": "PCHMP"}
+
+
+def buffer_updates(module: nn.Module) -> list:
+    """Submodules whose forward writes buffers in place in training mode (spectral norm's
+    power iteration, as a parametrization or as the older forward pre-hook)."""
+    from torch.nn.utils.parametrizations import _SpectralNorm
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
+    found = []
+    for path, m in module.named_modules():
+        if isinstance(m, _SpectralNorm) and m.training:
+            found.append(f"'{path}' (spectral_norm parametrization)")
+        elif m.training and any(isinstance(h, SpectralNorm) for h in m._forward_pre_hooks.values()):
+            found.append(f"'{path or type(m).__name__}' (torch.nn.utils.spectral_norm)")
+    return found
+
+
+def refuse_buffer_updates(program, sites, exts) -> None:
+    """Refuse, before any work, an extension that would run a trainable generic layer whose
+    forward updates buffers in place (training-mode spectral norm) under ``jvp``/``vmap``
+    over its parameters: torch.func cannot write a dual or batched value into the buffer
+    (``out=``), so these extensions cannot run it. (First order, the GGN diagonals, square
+    roots and HMP run it with plain parameter values on copies of the buffers.)"""
+    names = [_TRANSFORMED[e.quantity] for e in exts if getattr(e, "quantity", None) in _TRANSFORMED]
+    if not names:
+        return
+    layers = {layer.path: layer for layer in program.layers.values() if layer.kind == "generic"}
+    for site in sites:
+        layer = layers.get(site.where)
+        found = buffer_updates(layer.module) if layer is not None else []
+        if found:
+            raise CurvatureError(
+                f"{names[0]} runs layer '{site.where}' ({type(layer.module).__name__}, no hand-written curvlib "
+                f"rule) under torch.func's forward mode or vmap over its parameters, but in training mode its "
+                f"forward updates buffers in place ({', '.join(found)}: the power iteration writes u, v with "
+                "out=), which torch.func cannot run. Run the model once in training mode, then call .eval() "
+                "on it (the same W / σ(W), u and v now fixed), or freeze the layer, or use the first-order "
+                "extensions, the GGN diagonals and square roots, or HMP."
+            )
