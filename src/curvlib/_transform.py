@@ -375,7 +375,8 @@ class _Call:
         rng = rng_state(_inputs.first(X).device)
         lin = forward_with_probes(
             traced.program, plan, X, values, frozen_trainable, traced.residual_nodes, runner=traced.runner,
-            direct=traced.direct, keep_values=any(e.quantity == "kfra" for e in s.second),
+            # KFRA reuses the forward's node values, unless an in-place node overwrote its input
+            direct=traced.direct, keep_values=traced.direct and any(e.quantity == "kfra" for e in s.second),
             functorch=differentiable,
         )
         loss, gs, residual_grads = _loss_and_site_gradients(s.spec, lin, y, bool(s.second))
