@@ -106,7 +106,7 @@ def classify(node: fx.Node, root: nn.Module, layers: dict, dependent: set) -> Tu
         if isinstance(module, LINEAR_MODULES):
             return "linear", None
         if isinstance(module, ELEMENTWISE_MODULES):
-            return "elementwise", module
+            return "elementwise", module.forward  # (its hooks are not part of the math)
         return "other", None
     target = node.target
     if node.op == "call_method" and target.endswith("_") and not target.endswith("__"):
