@@ -14,6 +14,7 @@ as batched; all others are passed unchanged to every sample.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, Sequence
 
 from torch import Tensor, nn
@@ -37,23 +38,39 @@ def stateless_call(module: nn.Module, tensors: Dict[str, Tensor], args, kwargs) 
       parameters of a submodule that appears twice in the tree; every
       submodule's parameter and buffer slots are restored afterwards. The slots
       are swapped under :data:`curvlib._sync.LOCK` (other threads must not see them).
+    * Tensors a hook stores as plain attributes (the old-style ``weight_norm`` /
+      ``spectral_norm`` set ``module.weight`` on every forward) are restored too:
+      left behind, they would be torch.func wrappers (the model could then not
+      even be deep-copied).
     """
     from . import math_hooks
 
     if any(m.training for m in module.modules()):
         tensors = {**{name: b.clone() for name, b in module.named_buffers()}, **tensors}
-    with LOCK:
-        slots = [(m, store, dict(getattr(m, store))) for m in module.modules() for store in ("_parameters", "_buffers")]
-        try:
-            if math_hooks(module):  # hooks that compute the weight from the parameters: run them
-                return functional_call(module, tensors, tuple(args), dict(kwargs), tie_weights=False)
-            with _reparametrize_module(module, tensors, tie_weights=False):
-                return module.forward(*args, **kwargs)
-        finally:
-            for m, store, saved in slots:
-                current = getattr(m, store)
-                current.clear()
-                current.update(saved)
+    with LOCK, restored(module):
+        if math_hooks(module):  # hooks that compute the weight from the parameters: run them
+            return functional_call(module, tensors, tuple(args), dict(kwargs), tie_weights=False)
+        with _reparametrize_module(module, tensors, tie_weights=False):
+            return module.forward(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def restored(module: nn.Module):
+    """Every submodule's parameter and buffer slots, and its plain tensor attributes, as
+    they were before the block (call under :data:`curvlib._sync.LOCK`)."""
+    slots = [(m, store, dict(getattr(m, store))) for m in module.modules() for store in ("_parameters", "_buffers")]
+    attrs = [(m, {k: v for k, v in vars(m).items() if isinstance(v, Tensor)}) for m in module.modules()]
+    try:
+        yield
+    finally:
+        for m, store, saved in slots:
+            current = getattr(m, store)
+            current.clear()
+            current.update(saved)
+        for m, saved in attrs:
+            for k in [k for k, v in vars(m).items() if isinstance(v, Tensor) and k not in saved]:
+                del m.__dict__[k]
+            m.__dict__.update(saved)
 
 
 def _split_args(args, kwargs):
