@@ -21,7 +21,8 @@ from torch import Tensor
 
 from . import _dropout, _inputs, _residual_math, losses
 from ._sync import LOCK
-from ._engine import run_graph
+from ._diagnose import forward_mode_failure
+from ._engine import NodeFailure, run_graph
 from ._errors import CurvatureError
 from .rules._site import Recorder
 
@@ -93,7 +94,7 @@ def products(program, spec, y, curv, X, values, residual_nodes, lin, residual_gr
                 _, pull = torch.func.vjp(torch.func.grad(loss_of), p0)
                 return torch.func.vmap(lambda v: pull(v)[0])(V)
 
-            return _guarded(hmp, seed, device)
+            return _guarded(hmp, seed, device, "HMP")
 
         if ext.quantity == "ggnmp":
             def ggnmp(V):
@@ -109,7 +110,7 @@ def products(program, spec, y, curv, X, values, residual_nodes, lin, residual_gr
 
                 return torch.func.vmap(one, randomness="same")(V)  # dropout: the call's masks
 
-            return _guarded(ggnmp, seed, device)
+            return _guarded(ggnmp, seed, device, "GGNMP")
 
         operators = [
             _residual_math.positive_curvature(res, g_z, ext.modify)
@@ -140,12 +141,12 @@ def products(program, spec, y, curv, X, values, residual_nodes, lin, residual_gr
 
             return torch.func.vmap(one, randomness="same")(V)
 
-        return _guarded(pchmp, seed, device)
+        return _guarded(pchmp, seed, device, "PCHMP")
 
     return make
 
 
-def _guarded(product: Callable[[Tensor], Tensor], seed: Optional[int], device: torch.device):
+def _guarded(product: Callable[[Tensor], Tensor], seed: Optional[int], device: torch.device, name: str = ""):
     """``product`` evaluated safely whenever it is called: outside inference mode (an
     inference tensor ``V`` is copied; under ``no_grad`` the result is detached), with the call's dropout masks, and under
     :data:`curvlib._sync.LOCK` (forward-mode AD and the random state it replays are
@@ -159,7 +160,13 @@ def _guarded(product: Callable[[Tensor], Tensor], seed: Optional[int], device: t
             V = V.clone() if isinstance(V, Tensor) and V.is_inference() else V
             stack.enter_context(LOCK)
             stack.enter_context(_dropout.masks(seed, device))
-            out = product(V)
+            try:
+                out = product(V)
+            except (NodeFailure, NotImplementedError) as exc:
+                clear = forward_mode_failure(exc, f"{name}'s products")
+                if clear is None:
+                    raise
+                raise clear from exc
             return out if grad_mode else out.detach()  # under no_grad, as any op's result
 
     call.__doc__ = product.__doc__

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _arguments, _budget, _dropout, _inputs, _residuals, losses
-from ._diagnose import forward_failure
+from ._diagnose import forward_failure, forward_mode_failure
 from ._independence import refuse_mixing
 from ._engine import FIRST_ORDER, NodeFailure, Plan, first_order, forward_with_probes, has_inplace, make_plan, module_checks
 from ._errors import CurvatureError, CurvatureTypeError
@@ -322,7 +322,13 @@ class _Call:
         with _dropout.masks(seed, _inputs.first(X).device):
             try:
                 return self._evaluate(traced, plan, X, y, values, trainable, differentiable, seed)
-            except NodeFailure as exc:  # the real forward failed where the shape passes did not
+            except (NodeFailure, NotImplementedError) as exc:
+                forward_mode = forward_mode_failure(exc, ", ".join(type(e).__name__ for e in s.second))
+                if forward_mode is not None:
+                    raise forward_mode from exc
+                if not isinstance(exc, NodeFailure):
+                    raise
+                # the real forward failed where the shape passes did not
                 raise forward_failure(traced.program, X, values, exc, n) from exc
 
     def _plan(self, traced: _Traced, X, values, trainable: List[str], y: Tensor, n: int) -> Plan:
