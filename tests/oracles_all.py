@@ -137,13 +137,21 @@ def assert_matches(qs: dict, ref: dict, what: str = "", rtol: float = 1e-7) -> N
     assert compared > 1, f"{what}: nothing compared"
 
 
-def assert_same(a, b, what: str = "", products_shape: Optional[Dict[str, tuple]] = None) -> None:
-    """Two results of curvlib are identical (bit for bit); products compared on a fixed ``V``."""
+def assert_same(a, b, what: str = "", products_shape: Optional[Dict[str, tuple]] = None, rtol: float = 0.0) -> None:
+    """Two results of curvlib are identical (bit for bit; ``rtol > 0``: to that tolerance at
+    the scale of each result); products compared on a fixed ``V``."""
+
+    def same(u, v, label):
+        if rtol:
+            assert_close(u, v, label, rtol)
+        else:
+            assert torch.equal(u, v), f"{label} differs"
+
     assert set(a) == set(b), f"{what}: keys {set(a)} != {set(b)}"
     for key in a:
         x, z = a[key], b[key]
         if isinstance(x, Tensor):
-            assert torch.equal(x, z), f"{what} {key} differs"
+            same(x, z, f"{what} {key}")
             continue
         assert list(x) == list(z), f"{what} {key}: keys differ"
         for name in x:
@@ -153,6 +161,8 @@ def assert_same(a, b, what: str = "", products_shape: Optional[Dict[str, tuple]]
                 V = torch.randn((2,) + tuple(shape), generator=torch.Generator().manual_seed(3), dtype=torch.float64)
                 u, v = u(V), v(V)
             if isinstance(u, list):
-                assert len(u) == len(v) and all(torch.equal(s, t) for s, t in zip(u, v)), f"{what} {key}[{name}] differs"
+                assert len(u) == len(v), f"{what} {key}[{name}]: {len(u)} factors, not {len(v)}"
+                for i, (s, t) in enumerate(zip(u, v)):
+                    same(s, t, f"{what} {key}[{name}][{i}]")
             else:
-                assert torch.equal(u, v), f"{what} {key}[{name}] differs"
+                same(u, v, f"{what} {key}[{name}]")
