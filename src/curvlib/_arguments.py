@@ -72,7 +72,10 @@ def parameter_values(model: nn.Module, params: object) -> Tuple[Dict[str, Tensor
     ``requires_grad=True``. With it: its entries (checked against the model's
     parameters' names, shapes, dtypes and devices); quantities for exactly those.
     """
-    all_params = dict(model.named_parameters())
+    from ._sync import LOCK
+
+    with LOCK:  # another thread's generic rule may have swapped a module's parameter slots
+        all_params = dict(model.named_parameters())
     if params is None:
         trainable = [n for n, p in all_params.items() if p.requires_grad]
         return {n: inference_free(p.detach()) for n, p in all_params.items()}, trainable
@@ -135,13 +138,17 @@ def without_prefix(params: Optional[Mapping[str, Tensor]], prefix: str, model: n
     """``params`` keyed like the compiled module's parameters, as the original module's."""
     if params is None or not isinstance(params, Mapping):
         return params
+    from ._sync import LOCK
+
+    with LOCK:
+        names = [n for n, _ in model.named_parameters()]
     out = {}
     for name, value in params.items():
-        if not (isinstance(name, str) and name.startswith(prefix)):
+        if not (isinstance(name, str) and name.startswith(prefix) and name[len(prefix):] in names):
             raise CurvatureError(
-                f"params has an entry {name!r}; the model is torch.compile'd, so its parameters are "
-                f"named '{prefix}<name>' (as in compiled.named_parameters()), e.g. "
-                f"{[prefix + n for n, _ in list(model.named_parameters())[:3]]}."
+                f"params has an entry {name!r}, which is not a parameter of the model; the model is "
+                f"torch.compile'd, so its parameters are named '{prefix}<name>' (as in "
+                f"compiled.named_parameters()), e.g. {[prefix + n for n in names[:3]]}."
             )
         out[name[len(prefix):]] = value
     return out
@@ -150,6 +157,13 @@ def without_prefix(params: Optional[Mapping[str, Tensor]], prefix: str, model: n
 def inference_free(t):
     """A normal tensor for an inference tensor (autograd cannot save those); others unchanged."""
     return t.clone() if isinstance(t, Tensor) and t.is_inference() else t
+
+
+def detached(t):
+    """``t`` detached (and a normal tensor for an inference tensor); others unchanged."""
+    if not isinstance(t, Tensor) or not (t.requires_grad or t.is_inference()):
+        return t
+    return inference_free(t.detach())
 
 
 def bytes_of(shape, dtype: torch.dtype) -> int:

@@ -17,7 +17,7 @@ from torch import Tensor, fx
 from . import _inputs
 from ._errors import CurvatureError
 
-__all__ = ["forward_failure"]
+__all__ = ["forward_failure", "forward_mode_failure"]
 
 
 def forward_failure(program, X, params: Dict[str, Tensor], exc: BaseException, batch: int) -> CurvatureError:
@@ -79,3 +79,22 @@ def _likely_cause(program, X, params: Dict[str, Tensor], node: Optional[fx.Node]
             f"{p.dtype}: convert X (X.to({p.dtype})), or feed integer inputs to an nn.Embedding first."
         )
     return ""
+
+
+def forward_mode_failure(exc: BaseException, what: str) -> Optional[CurvatureError]:
+    """A clear error if ``exc`` is torch's "no forward-mode derivative" for an operation of
+    the model (e.g. ``_weight_norm_interface``), raised where ``what`` (extension names)
+    runs forward-mode AD; ``None`` for any other error."""
+    from ._engine import NodeFailure
+
+    node = exc.node if isinstance(exc, NodeFailure) else None
+    cause = exc.exc if isinstance(exc, NodeFailure) else exc
+    if not (isinstance(cause, NotImplementedError) and "forward AD" in str(cause)):
+        return None
+    where = f" (graph node '{node.name}')" if node is not None else ""
+    return CurvatureError(
+        f"{what}: forward-mode derivatives (torch.func.jvp) of the model's operations are needed, but "
+        f"torch has none for one of them{where}: {str(cause).splitlines()[0]} Use HMP (reverse mode only) "
+        "or the GGN diagonals and square roots for this model, or write the operation without it "
+        "(e.g. weight normalisation as w = g * v / v.norm(...) in a parametrization)."
+    )

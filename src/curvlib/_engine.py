@@ -686,8 +686,10 @@ def first_order(
     if "variance" in need:
         for name in names:
             g_sum, sgs = results["grad"][name], results["sum_grad_squared"][name]
-            # sgs/N − (g/N)² in two kernels
-            results["variance"][name] = torch.addcmul(sgs / batch_size, g_sum, g_sum, value=-1.0 / batch_size**2)
+            # sgs/N − (g/N)² in two kernels; ≥ 0 exactly, so clamp the rounding below zero
+            # (N = 1: g² − g² from two different computations)
+            results["variance"][name] = torch.addcmul(
+                sgs / batch_size, g_sum, g_sum, value=-1.0 / batch_size**2).clamp_(min=0)
         if "sum_grad_squared" not in wanted:
             del results["sum_grad_squared"]
     # Keep the model's parameter order in every dict.

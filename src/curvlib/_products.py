@@ -21,7 +21,8 @@ from torch import Tensor
 
 from . import _dropout, _inputs, _residual_math, losses
 from ._sync import LOCK
-from ._engine import run_graph
+from ._diagnose import forward_mode_failure
+from ._engine import NodeFailure, run_graph
 from ._errors import CurvatureError
 from .rules._site import Recorder
 
@@ -93,7 +94,7 @@ def products(program, spec, y, curv, X, values, residual_nodes, lin, residual_gr
                 _, pull = torch.func.vjp(torch.func.grad(loss_of), p0)
                 return torch.func.vmap(lambda v: pull(v)[0])(V)
 
-            return _guarded(hmp, seed, device)
+            return _guarded(hmp, seed, device, "HMP")
 
         if ext.quantity == "ggnmp":
             def ggnmp(V):
@@ -107,9 +108,9 @@ def products(program, spec, y, curv, X, values, residual_nodes, lin, residual_gr
                     hjv = curv.matvec(jv.unsqueeze(0))[0]
                     return torch.func.vjp(f, p0)[1](hjv)[0]
 
-                return torch.func.vmap(one)(V)
+                return torch.func.vmap(one, randomness="same")(V)  # dropout: the call's masks
 
-            return _guarded(ggnmp, seed, device)
+            return _guarded(ggnmp, seed, device, "GGNMP")
 
         operators = [
             _residual_math.positive_curvature(res, g_z, ext.modify)
@@ -138,27 +139,35 @@ def products(program, spec, y, curv, X, values, residual_nodes, lin, residual_gr
                 assert len(cot_taps) == n_taps
                 return torch.func.vjp(f, p0)[1]((hjv, cot_taps))[0] + direct
 
-            return torch.func.vmap(one)(V)
+            return torch.func.vmap(one, randomness="same")(V)
 
-        return _guarded(pchmp, seed, device)
+        return _guarded(pchmp, seed, device, "PCHMP")
 
     return make
 
 
-def _guarded(product: Callable[[Tensor], Tensor], seed: Optional[int], device: torch.device):
+def _guarded(product: Callable[[Tensor], Tensor], seed: Optional[int], device: torch.device, name: str = ""):
     """``product`` evaluated safely whenever it is called: outside inference mode (an
-    inference tensor ``V`` is copied), with the call's dropout masks, and under
+    inference tensor ``V`` is copied; under ``no_grad`` the result is detached), with the call's dropout masks, and under
     :data:`curvlib._sync.LOCK` (forward-mode AD and the random state it replays are
     process-wide)."""
 
     def call(V: Tensor) -> Tensor:
+        grad_mode = torch.is_grad_enabled()
         with contextlib.ExitStack() as stack:
             if torch.is_inference_mode_enabled():
                 stack.enter_context(torch.inference_mode(False))
-                V = V.clone() if isinstance(V, Tensor) and V.is_inference() else V
+            V = V.clone() if isinstance(V, Tensor) and V.is_inference() else V
             stack.enter_context(LOCK)
             stack.enter_context(_dropout.masks(seed, device))
-            return product(V)
+            try:
+                out = product(V)
+            except (NodeFailure, NotImplementedError) as exc:
+                clear = forward_mode_failure(exc, f"{name}'s products")
+                if clear is None:
+                    raise
+                raise clear from exc
+            return out if grad_mode else out.detach()  # under no_grad, as any op's result
 
     call.__doc__ = product.__doc__
     return call

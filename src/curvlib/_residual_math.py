@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torch.func import hessian, vmap
 
+from ._sync import LOCK
 from .rules.elementwise import second_derivative
 
 Columns = List[Tuple[float, Dict[int, Tensor], Dict[str, Tensor]]]
@@ -146,7 +147,8 @@ def _dense_matrix(res, g: Tensor) -> Tensor:
         xs = [_back(p.reshape((1,) + sh), d) for p, sh, d in zip(parts[len(names):], shapes_in, res.in_dims)]
         return (_front(res.phi(theta, *xs), res.out_dim).squeeze(0) * g_n).sum()
 
-    R = vmap(hessian(contracted))(u, gc)
+    with LOCK:  # hessian is forward-over-reverse: forward-mode AD state is process-wide
+        R = vmap(hessian(contracted))(u, gc)
     R = (R + R.transpose(1, 2)) / 2
     if res.free:
         # block id per coordinate: 1 + k for the k-th free parameter, 0 for the rest of u

@@ -175,6 +175,8 @@ def record(program: Program, node: fx.Node, planned: Planned, env: Dict[fx.Node,
             f"({_describe(program, node)}), which returns {type(z).__name__}, not a tensor; "
             "curvlib handles nonlinear operations with one tensor output."
         )
+    if not (z.is_floating_point() or z.is_complex()):
+        return  # integer or boolean values (indices, masks, comparisons): not differentiable
     inputs_nodes = [a for a in node.all_input_nodes if a in dependent]
     if kind == "diag":
         a = env[node.all_input_nodes[0]] if node.op != "call_module" else fx.node.map_arg(node.args, lambda n: env[n])[0]

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _arguments, _budget, _dropout, _inputs, _residuals, losses
-from ._diagnose import forward_failure
+from ._diagnose import forward_failure, forward_mode_failure
 from ._independence import refuse_mixing
 from ._engine import FIRST_ORDER, NodeFailure, Plan, first_order, forward_with_probes, has_inplace, make_plan, module_checks
 from ._errors import CurvatureError, CurvatureTypeError
@@ -31,8 +31,10 @@ from ._kfra import chain_nodes, kfra
 from ._products import products, rng_state
 from ._program import Program, trace_program
 from ._secondorder import check_second_order, second_order
+from ._sync import LOCK
 from ._untraced import run_eager
 from .extensions._base import Extension
+from .rules.generic import refuse_buffer_updates
 from .extensions.secondorder import SecondOrder
 
 __all__ = ["curvature"]
@@ -181,7 +183,8 @@ class _Setup:
         key = (tuple(m.training for m in self.model.modules()), _inputs.structure_key(X))
         traced = self._traces.get(key)
         if traced is None:
-            traced = self._traces[key] = _trace(self.model, self.second, X)
+            with LOCK:  # reads the module tree, whose slots another thread's call may have swapped
+                traced = self._traces[key] = _trace(self.model, self.second, X)
         return traced
 
 
@@ -320,7 +323,13 @@ class _Call:
         with _dropout.masks(seed, _inputs.first(X).device):
             try:
                 return self._evaluate(traced, plan, X, y, values, trainable, differentiable, seed)
-            except NodeFailure as exc:  # the real forward failed where the shape passes did not
+            except (NodeFailure, NotImplementedError) as exc:
+                forward_mode = forward_mode_failure(exc, ", ".join(type(e).__name__ for e in s.second))
+                if forward_mode is not None:
+                    raise forward_mode from exc
+                if not isinstance(exc, NodeFailure):
+                    raise
+                # the real forward failed where the shape passes did not
                 raise forward_failure(traced.program, X, values, exc, n) from exc
 
     def _plan(self, traced: _Traced, X, values, trainable: List[str], y: Tensor, n: int) -> Plan:
@@ -337,6 +346,7 @@ class _Call:
         refuse_mixing(plan, s.computed, traced.program, X, values, frozenset(trainable), traced.runner,
                       s.chunk_kinds is not None)
         _dropout.refuse_in_generic(traced.program, plan.sites)
+        refuse_buffer_updates(traced.program, plan.sites, s.second)
         return plan
 
     @staticmethod
@@ -372,7 +382,8 @@ class _Call:
         rng = rng_state(_inputs.first(X).device)
         lin = forward_with_probes(
             traced.program, plan, X, values, frozen_trainable, traced.residual_nodes, runner=traced.runner,
-            direct=traced.direct, keep_values=any(e.quantity == "kfra" for e in s.second),
+            # KFRA reuses the forward's node values, unless an in-place node overwrote its input
+            direct=traced.direct, keep_values=traced.direct and any(e.quantity == "kfra" for e in s.second),
             functorch=differentiable,
         )
         loss, gs, residual_grads = _loss_and_site_gradients(s.spec, lin, y, bool(s.second))
@@ -467,17 +478,21 @@ def _renamed(f: Callable, prefix: str, model: nn.Module) -> Callable:
 
 def _public(f: Callable) -> Callable:
     """``f`` callable under ``torch.inference_mode()``: it leaves inference mode for the
-    call (autograd is the method, not an option) and copies inference tensors (the block
-    products it returns do the same when they are called)."""
+    call (autograd is the method, not an option) and copies inference tensors, also
+    those made under inference mode and passed in outside it (the block products it
+    returns do the same when they are called). Under ``torch.no_grad()`` and inference
+    mode the inputs are read detached, so the results are too."""
 
     def call(X, y, params: Optional[Mapping[str, Tensor]] = None, generator: Optional[torch.Generator] = None):
-        if not torch.is_inference_mode_enabled():
-            return f(X, y, params=params, generator=generator)
+        # Under no_grad / inference mode results are detached, as any op's would be (no
+        # graph back to X or params is built or kept alive).
+        free = _arguments.inference_free if torch.is_grad_enabled() else _arguments.detached
         with torch.inference_mode(False):
-            X = _inputs.map_tensors(_arguments.inference_free, X)
-            y = _arguments.inference_free(y)
-            if isinstance(params, Mapping):
-                params = {k: _arguments.inference_free(v) for k, v in params.items()}
+            # inference tensors (made under inference mode, also passed in outside it)
+            X = _inputs.map_tensors(free, X)
+            y = free(y)
+            if isinstance(params, Mapping) and any(free(v) is not v for v in params.values()):
+                params = {k: free(v) for k, v in params.items()}
             return f(X, y, params=params, generator=generator)
 
     call.__doc__ = curvature.__doc__

@@ -22,6 +22,10 @@ How the redirect works, and why the model is left as it was:
   gets the tensors of ``params`` (so the run is a pure function of
   ``(params, X)`` and works inside :func:`torch.func.vjp` / ``vmap``: no
   ``requires_grad_``, no ``autograd.grad``);
+* dropout draws its masks from the call's seed (:mod:`curvlib._dropout`), as
+  in a traced model;
+* the run holds :data:`curvlib._sync.LOCK` (another thread calling the model
+  would go through the redirects, and see the global pre-hook);
 * a global forward pre-hook (removed in the same ``finally``) runs
   :func:`curvlib.rules.check_module` on every module of the model as it is
   called (e.g. refuses a BatchNorm in training mode before it runs);
@@ -39,14 +43,17 @@ refuses it for such models with the line at which tracing stopped.
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 from typing import Dict, List, Mapping, Optional
 
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from . import _dropout
 from ._errors import CurvatureError
 from ._program import Layer, Program
+from ._sync import LOCK
 from .rules import check_module
 from .rules._site import Recorder
 
@@ -263,6 +270,11 @@ def run_eager(
         CurvatureError: a parameter used outside its layer, a layer with hooks,
             a module its rule refuses, or an output that is not one tensor.
     """
+    with LOCK:  # the redirects and the global pre-hook are visible to every thread
+        return _run_eager(program, X, params, trainable, rec)
+
+
+def _run_eager(program: Program, X: Tensor, params: Mapping[str, Tensor], trainable: frozenset, rec: Recorder) -> Tensor:
     run = _Run(program, params, trainable, rec)
     layers: Dict[int, Layer] = {}
     for layer in program.layers.values():
@@ -291,7 +303,8 @@ def run_eager(
             installed.append((slots, slots.get("forward", _MISSING)))
             slots["forward"] = redirect(layer)
         handle = nn.modules.module.register_module_forward_pre_hook(check)
-        with _ParameterGuard(run):
+        masks = _dropout.new_generator()  # this call's dropout masks (None without dropout)
+        with _ParameterGuard(run), (_dropout.DropoutMode(masks) if masks is not None else contextlib.nullcontext()):
             out = program.root(X)
     finally:
         if handle is not None:

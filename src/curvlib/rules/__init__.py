@@ -72,7 +72,11 @@ def call_without_hooks(module: nn.Module, args, kwargs):
     a full backward hook cannot even run under torch.func), unless a hook computes its
     parameters (:func:`math_hooks`), in which case the module is called as usual."""
     if math_hooks(module):
-        return module(*args, **kwargs)
+        from .._sync import LOCK
+        from .generic import restored
+
+        with LOCK, restored(module):  # (the hook sets module.weight: not left behind)
+            return module(*args, **kwargs)
     return module.forward(*args, **kwargs)
 
 

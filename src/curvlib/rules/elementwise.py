@@ -27,9 +27,11 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.func import jvp, vjp
 
+from .._sync import LOCK
+
 LINEAR_MODULES: Tuple[type, ...] = (
     nn.Identity, nn.Flatten, nn.Unflatten,
-    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout,
     nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d,
     nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d,
     nn.ReflectionPad1d, nn.ReflectionPad2d, nn.ReflectionPad3d,
@@ -55,7 +57,7 @@ _LINEAR_FUNCTIONS = {
     torch.movedim, torch.swapaxes, torch.narrow, torch.select, torch.chunk, torch.split,
     torch.relu, torch.flip, torch.roll,
     F.relu, F.leaky_relu, F.relu6, F.hardtanh, F.pad, F.dropout, F.dropout1d, F.dropout2d,
-    F.dropout3d, F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d,
+    F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d,
     F.avg_pool3d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d,
     F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d, getattr,
 }
@@ -104,7 +106,7 @@ def classify(node: fx.Node, root: nn.Module, layers: dict, dependent: set) -> Tu
         if isinstance(module, LINEAR_MODULES):
             return "linear", None
         if isinstance(module, ELEMENTWISE_MODULES):
-            return "elementwise", module
+            return "elementwise", module.forward  # (its hooks are not part of the math)
         return "other", None
     target = node.target
     if node.op == "call_method" and target.endswith("_") and not target.endswith("__"):
@@ -156,4 +158,5 @@ def second_derivative(phi: Callable[[Tensor], Tensor], a: Tensor) -> Tensor:
     def first_derivative(x: Tensor) -> Tensor:
         return vjp(phi, x)[1](ones)[0]
 
-    return jvp(first_derivative, (a,), (ones,))[1]
+    with LOCK:  # forward-mode AD state is process-wide (curvlib._sync)
+        return jvp(first_derivative, (a,), (ones,))[1]

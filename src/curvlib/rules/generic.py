@@ -14,6 +14,7 @@ as batched; all others are passed unchanged to every sample.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, Sequence
 
 from torch import Tensor, nn
@@ -37,23 +38,39 @@ def stateless_call(module: nn.Module, tensors: Dict[str, Tensor], args, kwargs) 
       parameters of a submodule that appears twice in the tree; every
       submodule's parameter and buffer slots are restored afterwards. The slots
       are swapped under :data:`curvlib._sync.LOCK` (other threads must not see them).
+    * Tensors a hook stores as plain attributes (the old-style ``weight_norm`` /
+      ``spectral_norm`` set ``module.weight`` on every forward) are restored too:
+      left behind, they would be torch.func wrappers (the model could then not
+      even be deep-copied).
     """
     from . import math_hooks
 
     if any(m.training for m in module.modules()):
         tensors = {**{name: b.clone() for name, b in module.named_buffers()}, **tensors}
-    with LOCK:
-        slots = [(m, store, dict(getattr(m, store))) for m in module.modules() for store in ("_parameters", "_buffers")]
-        try:
-            if math_hooks(module):  # hooks that compute the weight from the parameters: run them
-                return functional_call(module, tensors, tuple(args), dict(kwargs), tie_weights=False)
-            with _reparametrize_module(module, tensors, tie_weights=False):
-                return module.forward(*args, **kwargs)
-        finally:
-            for m, store, saved in slots:
-                current = getattr(m, store)
-                current.clear()
-                current.update(saved)
+    with LOCK, restored(module):
+        if math_hooks(module):  # hooks that compute the weight from the parameters: run them
+            return functional_call(module, tensors, tuple(args), dict(kwargs), tie_weights=False)
+        with _reparametrize_module(module, tensors, tie_weights=False):
+            return module.forward(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def restored(module: nn.Module):
+    """Every submodule's parameter and buffer slots, and its plain tensor attributes, as
+    they were before the block (call under :data:`curvlib._sync.LOCK`)."""
+    slots = [(m, store, dict(getattr(m, store))) for m in module.modules() for store in ("_parameters", "_buffers")]
+    attrs = [(m, {k: v for k, v in vars(m).items() if isinstance(v, Tensor)}) for m in module.modules()]
+    try:
+        yield
+    finally:
+        for m, store, saved in slots:
+            current = getattr(m, store)
+            current.clear()
+            current.update(saved)
+        for m, saved in attrs:
+            for k in [k for k, v in vars(m).items() if isinstance(v, Tensor) and k not in saved]:
+                del m.__dict__[k]
+            m.__dict__.update(saved)
 
 
 def _split_args(args, kwargs):
@@ -121,3 +138,48 @@ def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwa
     saved.update({f"param:{r}": t for r, t in tensors.items()})
     meta = {"module": module, "pos_static": pos_static, "kw_static": kw_static, "batch_dim": 0}
     return rec.add(Site(GENERIC, names, where, meta=meta, saved=saved), out)
+
+
+# Extensions that run a generic layer's forward under forward-mode AD or ``vmap`` over
+# its parameters (GGNMP's ``jvp``; the Hessian family's dense residual ``vmap(hessian)``).
+_TRANSFORMED = {"ggnmp": "GGNMP", "hessian_diag": "DiagHessian", "hessian_batch_diag": "BatchDiagHessian",
+                "pchmp": "PCHMP"}
+
+
+def buffer_updates(module: nn.Module) -> list:
+    """Submodules whose forward writes buffers in place in training mode (spectral norm's
+    power iteration, as a parametrization or as the older forward pre-hook)."""
+    from torch.nn.utils.parametrizations import _SpectralNorm
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
+    found = []
+    for path, m in module.named_modules():
+        if isinstance(m, _SpectralNorm) and m.training:
+            found.append(f"'{path}' (spectral_norm parametrization)")
+        elif m.training and any(isinstance(h, SpectralNorm) for h in m._forward_pre_hooks.values()):
+            found.append(f"'{path or type(m).__name__}' (torch.nn.utils.spectral_norm)")
+    return found
+
+
+def refuse_buffer_updates(program, sites, exts) -> None:
+    """Refuse, before any work, an extension that would run a trainable generic layer whose
+    forward updates buffers in place (training-mode spectral norm) under ``jvp``/``vmap``
+    over its parameters: torch.func cannot write a dual or batched value into the buffer
+    (``out=``), so these extensions cannot run it. (First order, the GGN diagonals, square
+    roots and HMP run it with plain parameter values on copies of the buffers.)"""
+    names = [_TRANSFORMED[e.quantity] for e in exts if getattr(e, "quantity", None) in _TRANSFORMED]
+    if not names:
+        return
+    layers = {layer.path: layer for layer in program.layers.values() if layer.kind == "generic"}
+    for site in sites:
+        layer = layers.get(site.where)
+        found = buffer_updates(layer.module) if layer is not None else []
+        if found:
+            raise CurvatureError(
+                f"{names[0]} runs layer '{site.where}' ({type(layer.module).__name__}, no hand-written curvlib "
+                f"rule) under torch.func's forward mode or vmap over its parameters, but in training mode its "
+                f"forward updates buffers in place ({', '.join(found)}: the power iteration writes u, v with "
+                "out=), which torch.func cannot run. Run the model once in training mode, then call .eval() "
+                "on it (the same W / σ(W), u and v now fixed), or freeze the layer, or use the first-order "
+                "extensions, the GGN diagonals and square roots, or HMP."
+            )
