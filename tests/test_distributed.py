@@ -314,6 +314,14 @@ def _case_options(rank, world, sizes):
             got = curvature(model, lossfn, exts, process_group=dist.group.WORLD)(X[sl], target[sl])
             _compare(got, ref, sl, where)
             _close(got["loss"], lossfn(model(X), target).detach(), f"{where} loss vs lossfn")
+    # nothing counted on any rank: NaN loss (as PyTorch's), zero gradient and curvature
+    lossfn = nn.CrossEntropyLoss(ignore_index=1)
+    y_none = torch.ones(n, dtype=torch.long)
+    got = curvature(model, lossfn, [DiagGGNExact(), KFLR()], process_group=dist.group.WORLD)(X[sl], y_none[sl])
+    assert got["loss"].isnan(), f"rank {rank}: loss {got['loss']}"
+    for key in ("grad", "diag_ggn_exact"):
+        for name, t in got[key].items():
+            assert (t == 0).all(), f"rank {rank}: {key}[{name}] not zero"
 
 
 CASES = {"exact": _case_exact, "mc": _case_mc, "options": _case_options}

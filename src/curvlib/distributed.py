@@ -202,7 +202,7 @@ def kfra_reducer(spec: LossSpec, process_group, n_local: int, m_local: int) -> C
     sizes = torch.tensor([float(n_local), float(m_local)], dtype=torch.float64)
     dist.all_reduce(sizes, op=dist.ReduceOp.SUM, group=process_group)
     n_global, m_global = sizes.tolist()
-    r = (m_local / m_global if m_global else float("nan")) if spec.reduction == "mean" else 1.0
+    r = (m_local / m_global if m_global else 0.0) if spec.reduction == "mean" else 1.0
 
     def reduce(G: Tensor, kind: str) -> Tensor:
         G = _times(G, r if kind == "loss" else n_local / n_global)
@@ -334,7 +334,7 @@ def _aggregate(
         sizes = torch.tensor([n_local, m_local], dtype=torch.float64, device=loss.device)
         dist.all_reduce(sizes, op=dist.ReduceOp.SUM, group=group)
         n_global, m_global = sizes.tolist()
-        r = (m_local / m_global if m_global else float("nan")) if mean else 1.0
+        r = (m_local / m_global if m_global else 0.0) if mean else 1.0
         size_key = None
         pre = {1: r, 2: r * r, "A": n_local / n_global}
 
@@ -354,9 +354,10 @@ def _aggregate(
         n_global = round(n_global)
         if not mean:
             m_global = 1.0
-        r = m_local / m_global if m_global else float("nan")
+        # nothing counted on any rank: every term is zero (PyTorch: NaN loss, zero gradient)
+        r = m_local / m_global if m_global else 0.0
         post = {1: 1.0 / m_global, 2: 1.0 / m_global**2, "A": 1.0 / n_global} if m_global else {
-            1: float("nan"), 2: float("nan"), "A": 1.0 / n_global}
+            1: 0.0, 2: 0.0, "A": 1.0 / n_global}
     else:
         post = {1: 1.0, 2: 1.0, "A": 1.0}
 
@@ -383,7 +384,7 @@ def _aggregate(
             value = buf[offset:offset + t.numel()].view(t.shape) * post[power]
             offset += t.numel()
             if k == "loss":
-                out["loss"] = value
+                out["loss"] = value if not (mean and m_global == 0) else torch.full_like(value, float("nan"))
             elif k == "_sgs":
                 sgs_global[name] = value
             elif j is not None:

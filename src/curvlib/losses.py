@@ -201,9 +201,11 @@ def normaliser(spec: LossSpec, y: Tensor, out_shape=None) -> Optional[float]:
 
 
 def reduction_factor(spec: LossSpec, y: Tensor) -> float:
-    """``c``: ``1/normaliser`` (``nan`` when nothing is counted, as PyTorch's loss is)."""
+    """``c``: ``1/normaliser``. When nothing is counted (every target ignored) PyTorch's
+    ``"mean"`` loss is 0/0 = NaN, but its gradient and ``torch.func.hessian`` are zero:
+    every term is zero, and so is the curvature (``c = 0``)."""
     m = normaliser(spec, y)
-    return 1.0 / m if m else float("nan")
+    return 1.0 / m if m else 0.0
 
 
 def curvature_at(spec: LossSpec, out: Tensor, y: Tensor, check: bool = True):
