@@ -43,6 +43,7 @@ from torch import Tensor
 
 from . import _inputs
 from ._errors import CurvatureError
+from ._rootbuffers import RootBuffers
 from .extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from .extensions.secondorder import SecondOrder
 from .losses import LossSpec, normaliser
@@ -116,9 +117,13 @@ def over_samples(
             return f(X, y, params=params, generator=generator)  # (f itself reports bad input)
         total = normaliser(spec, y)
         combined = _Combined(kinds, n)
+        # square roots: every slice writes its samples into one [V, N, *p] per parameter
+        into = {"into": combined.into} if combined.into is not None else {}
         for start in range(0, n, batch_chunk_size):
             stop = min(n, start + batch_chunk_size)
-            part = f(_inputs.slice_batch(X, start, stop), y[start:stop], params=params, generator=generator)
+            if combined.into is not None:
+                combined.into.start = start
+            part = f(_inputs.slice_batch(X, start, stop), y[start:stop], params=params, generator=generator, **into)
             # r = M_k / M: this slice's share of the "mean" normaliser (0 for a slice with
             # nothing counted, whose own results are NaN: 0/0)
             r = normaliser(spec, y[start:stop]) / total if total else float("nan")
@@ -134,6 +139,7 @@ class _Combined:
 
     def __init__(self, kinds: Mapping[str, str], n: int):
         self.kinds, self.n = kinds, n
+        self.into = RootBuffers(n) if "cat_half" in kinds.values() else None
         self.acc: Dict[str, object] = {}
         self.pieces: Dict[str, Dict[str, list]] = {}
         self.order: list = []
@@ -158,14 +164,20 @@ class _Combined:
                 }
             elif kind != "variance":  # (the variance is formed from the combined Σ g²)
                 scale = {"cat1": r, "cat2": r * r, "cat_half": r**0.5}[kind]
+                pieces = self.pieces.setdefault(key, {})
                 for name, t in value.items():
-                    self.pieces.setdefault(key, {}).setdefault(name, []).append(_scaled(t, scale))
+                    if self.into is not None and (key, name) in self.into.buffers:
+                        _scale_written(t, r, scale)
+                        pieces[name] = None  # (the slices' square roots are in the buffer already)
+                    else:
+                        pieces.setdefault(name, []).append(_scaled(t, scale))
 
     def result(self) -> Dict[str, object]:
         out: Dict[str, object] = dict(self.acc)
         for key, per_name in self.pieces.items():
             dim = 1 if self.kinds[key] == "cat_half" else 0
-            out[key] = {name: _concatenated(ts, dim) for name, ts in per_name.items()}
+            out[key] = {name: self.into.buffers[(key, name)] if ts is None else _concatenated(ts, dim)
+                        for name, ts in per_name.items()}
         if "variance" in self.kinds:
             sgs, grad, n = out["sum_grad_squared"], out["grad"], self.n
             # (1/N) Σ g² − ((1/N) Σ g)² ≥ 0 exactly; clamp the rounding below zero
@@ -176,6 +188,14 @@ class _Combined:
 def _scaled(t: Tensor, r: float) -> Tensor:
     """``r · t``; a slice with nothing counted (``r = 0``) contributes zeros, not its NaNs."""
     return torch.zeros_like(t) if r == 0 else t * r
+
+
+def _scale_written(t: Tensor, r: float, scale: float) -> None:
+    """A slice's part of a preallocated result, scaled in place like :func:`_scaled`."""
+    if r == 0:
+        t.zero_()
+    elif scale != 1:
+        t.mul_(scale)
 
 
 def _concatenated(ts, dim: int) -> Tensor:

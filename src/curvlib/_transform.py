@@ -303,7 +303,8 @@ class _Call:
         self.setup = setup
 
     def __call__(self, X, y: Tensor, params: Optional[Mapping[str, Tensor]] = None,
-                 generator: Optional[torch.Generator] = None) -> Dict[str, object]:
+                 generator: Optional[torch.Generator] = None, into=None) -> Dict[str, object]:
+        """``into``: the batch's square-root buffers when this is a slice of it (:mod:`curvlib._chunking`)."""
         s = self.setup
         n = _inputs.check_input(X)
         values, trainable = _arguments.parameter_values(s.model, params)
@@ -318,7 +319,7 @@ class _Call:
         )
         with _dropout.masks(seed, _inputs.first(X).device):
             try:
-                return self._evaluate(traced, plan, X, y, values, trainable, differentiable, seed)
+                return self._evaluate(traced, plan, X, y, values, trainable, differentiable, seed, into)
             except NodeFailure as exc:  # the real forward failed where the shape passes did not
                 raise forward_failure(traced.program, X, values, exc, n) from exc
 
@@ -364,7 +365,7 @@ class _Call:
             warnings.warn(_dropout.warning(traced.dropout), UserWarning, stacklevel=3)
         return _dropout.draw_seed(generator)
 
-    def _evaluate(self, traced, plan, X, y, values, trainable, differentiable, seed) -> Dict[str, object]:
+    def _evaluate(self, traced, plan, X, y, values, trainable, differentiable, seed, into=None) -> Dict[str, object]:
         """Stages 3-6."""
         s = self.setup
         frozen_trainable = frozenset(trainable)
@@ -385,7 +386,7 @@ class _Call:
             chunk = _auto_chunk_size(plan, s.second, _inputs.first(X).device.type) if s.chunk_size == "auto" else s.chunk_size
             result.update(second_order(
                 lin, curv, s.second, trainable, values, _inputs.batch_size(X), residual_grads, product,
-                kfra_factors, chunk_size=chunk, site_grads=gs,
+                kfra_factors, chunk_size=chunk, site_grads=gs, into=into,
             ))
         return result
 
