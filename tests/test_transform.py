@@ -292,3 +292,22 @@ def test_functional_use_with_batch_not_in_dim0_is_refused():
     f = curvature(model, nn.MSELoss(), [BatchGrad()])
     with pytest.raises(ValueError, match=r"w\.weight.*batch is in dim 1"):
         f(torch.randn(4, 6, 3, dtype=DT), torch.randn(4, 2, dtype=DT))
+
+
+def test_plan_checks_once_per_plan(monkeypatch):
+    """The checks of the plan alone (layers, sample mixing) run at the first call of each
+    input signature; the targets are checked at every call."""
+    import curvlib._transform as transform
+
+    calls = []
+    real = transform.check_second_order
+    monkeypatch.setattr(transform, "check_second_order", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    f = curvature(model, nn.CrossEntropyLoss(), [DiagGGNExact()])
+    X, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    for _ in range(3):
+        f(X, y)
+    f(X[:4], y[:4])
+    assert len(calls) == 2
+    with pytest.raises(Exception, match="class index 7"):
+        f(X, torch.tensor([0, 1, 2, 7, 0, 1]))

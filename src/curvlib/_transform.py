@@ -129,6 +129,7 @@ class _Traced:
     residual_nodes: dict
     dropout: List[str]
     plans: Dict[tuple, Plan] = field(default_factory=dict)
+    checked: Dict[int, Tensor] = field(default_factory=dict)  # id(plan) -> meta output, once its checks passed
 
 
 class _Setup:
@@ -328,15 +329,24 @@ class _Call:
         s = self.setup
         plan = self._cached_plan(traced, X, values, frozenset(trainable))
         _arguments.check_targets_batch(s.spec, y, n)
-        losses.check_targets(s.spec, torch.empty(plan.out_shape, dtype=plan.out_dtype, device="meta"), y)
+        # the checks of the plan alone pass once per plan (an untraced model's plan is new per call)
+        out = traced.checked.get(id(plan)) if traced.runner is None else None
+        first = out is None
+        if first:
+            out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device="meta")
+        losses.check_targets(s.spec, out, y)
         if s.second:
-            kinds = {layer.path: layer.kind for layer in traced.program.layers.values()}
-            check_second_order(s.second, plan.sites, trainable, [], kinds)
+            if first:
+                kinds = {layer.path: layer.kind for layer in traced.program.layers.values()}
+                check_second_order(s.second, plan.sites, trainable, [], kinds)
             _budget.check_roots(s.second, plan.out_shape, plan.out_dtype, _inputs.first(X).device)
-        # Samples mixed inside the model: refuse what needs them independent (curvlib._independence).
-        refuse_mixing(plan, s.computed, traced.program, X, values, frozenset(trainable), traced.runner,
-                      s.chunk_kinds is not None)
-        _dropout.refuse_in_generic(traced.program, plan.sites)
+        if first:
+            # Samples mixed inside the model: refuse what needs them independent (curvlib._independence).
+            refuse_mixing(plan, s.computed, traced.program, X, values, frozenset(trainable), traced.runner,
+                          s.chunk_kinds is not None)
+            _dropout.refuse_in_generic(traced.program, plan.sites)
+            if traced.runner is None:
+                traced.checked[id(plan)] = out  # (plans stay in traced.plans: their ids are not reused)
         return plan
 
     @staticmethod
