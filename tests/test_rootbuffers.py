@@ -19,7 +19,7 @@ from torch import nn
 import curvlib._chunking as chunking
 import curvlib._secondorder as so
 from curvlib import curvature
-from curvlib.extensions import SqrtGGNExact, SqrtGGNMC
+from curvlib.extensions import BatchDiagGGNExact, BatchGrad, SqrtGGNExact, SqrtGGNMC
 
 
 class _Net(nn.Module):
@@ -80,16 +80,20 @@ def test_written_equals_joined(knobs, reduction, monkeypatch):
 
 
 def test_no_concatenation(monkeypatch):
-    """Neither chunks nor slices are joined by ``torch.cat`` (one buffer per parameter)."""
+    """Neither chunks nor slices are joined by ``torch.cat`` (one buffer per parameter);
+    nor are the slices' per-sample gradients and batch diagonals (``[N, *p]``)."""
 
     def refuse(*args, **kwargs):
         raise AssertionError("square roots were concatenated")
 
-    monkeypatch.setattr(so, "_combine", refuse)
+    real = so._combine
+    monkeypatch.setattr(so, "_combine", lambda q, *a, **k: refuse() if q == "sqrt" else real(q, *a, **k))
     monkeypatch.setattr(chunking, "_concatenated", refuse)
     model, X, y = _problem(n=7)
-    out = curvature(model, nn.CrossEntropyLoss(), _exts(), chunk_size=1, batch_chunk_size=3)(X, y)
+    exts = _exts() + [BatchGrad(), BatchDiagGGNExact()]
+    out = curvature(model, nn.CrossEntropyLoss(), exts, chunk_size=1, batch_chunk_size=3)(X, y)
     assert out["sqrt_ggn_exact"]["tied.weight"].shape == (3, 7, 9, 9)
+    assert out["grad_batch"]["conv.weight"].shape == (7, 3, 2, 3)
     assert out["sqrt_ggn_mc"]["conv.weight"].shape == (3, 7, 3, 2, 3)
 
 
@@ -98,10 +102,13 @@ def test_slice_with_nothing_counted():
     model, X, y = _problem()
     y[2:4] = -100
     lossfn = nn.CrossEntropyLoss(ignore_index=-100)
-    whole = _roots(model, lossfn, X, y)
-    sliced = _roots(model, lossfn, X, y, chunk_size=1, batch_chunk_size=2)
-    torch.testing.assert_close(sliced["sqrt_ggn_exact"], whole["sqrt_ggn_exact"], rtol=1e-10, atol=1e-12)
+    exts = [SqrtGGNExact(), BatchGrad(), BatchDiagGGNExact()]
+    whole = curvature(model, lossfn, exts)(X, y)
+    sliced = curvature(model, lossfn, exts, chunk_size=1, batch_chunk_size=2)(X, y)
+    for key in ("sqrt_ggn_exact", "grad_batch", "diag_ggn_exact_batch"):
+        torch.testing.assert_close(sliced[key], whole[key], rtol=1e-10, atol=1e-12)
     assert all(torch.all(t[:, 2:4] == 0) for t in sliced["sqrt_ggn_exact"].values())
+    assert all(torch.all(t[2:4] == 0) for t in sliced["grad_batch"].values())
 
 
 def test_differentiable_results_still_joined():

@@ -25,7 +25,11 @@ nothing) the batch's are
 | ``sqrt_ggn_exact``, ``sqrt_ggn_mc`` | ``√r_k · slice_k``, concatenated along dim 1 |
 
 (the same rescaling as :mod:`curvlib.distributed`, with slices in place of
-ranks). Monte-Carlo extensions draw fresh samples for every slice from their
+ranks). "Concatenated" results are written into one preallocated tensor of the
+batch's size as each slice arrives (square roots by the slice itself, column by
+column: :mod:`curvlib._rootbuffers`), so that a slice's result is the only
+temporary beside it; only under autograd or ``torch.func`` are slices joined by
+``torch.cat``. Monte-Carlo extensions draw fresh samples for every slice from their
 generator, so results with a generator are reproducible for a given
 ``batch_size`` but differ from an unchunked call's draws (they have the same
 distribution). Refused, before any work: KFRA (its recursion multiplies
@@ -41,7 +45,7 @@ from typing import Callable, Dict, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _inputs
+from . import _inputs, losses
 from ._errors import CurvatureError
 from ._rootbuffers import RootBuffers
 from .extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
@@ -127,7 +131,7 @@ def over_samples(
             # r = M_k / M: this slice's share of the "mean" normaliser (0 for a slice with
             # nothing counted, whose own results are NaN: 0/0)
             r = normaliser(spec, y[start:stop]) / total if total else float("nan")
-            combined.add(part, r, (stop - start) / n)
+            combined.add(part, r, (stop - start) / n, start)
             del part
         return {k: v for k, v in combined.result().items() if k not in dropped}
 
@@ -141,10 +145,10 @@ class _Combined:
         self.kinds, self.n = kinds, n
         self.into = RootBuffers(n) if "cat_half" in kinds.values() else None
         self.acc: Dict[str, object] = {}
-        self.pieces: Dict[str, Dict[str, list]] = {}
+        self.pieces: Dict[str, Dict[str, object]] = {}  # key -> name -> batch's tensor, or slices to join
         self.order: list = []
 
-    def add(self, part: Dict[str, object], r: float, share: float) -> None:
+    def add(self, part: Dict[str, object], r: float, share: float, start: int = 0) -> None:
         self.order = self.order or list(part)
         for key, value in part.items():
             kind = "sum1" if key == "loss" else self.kinds[key]
@@ -164,19 +168,40 @@ class _Combined:
                 }
             elif kind != "variance":  # (the variance is formed from the combined Σ g²)
                 scale = {"cat1": r, "cat2": r * r, "cat_half": r**0.5}[kind]
-                pieces = self.pieces.setdefault(key, {})
                 for name, t in value.items():
-                    if self.into is not None and (key, name) in self.into.buffers:
-                        _scale_written(t, r, scale)
-                        pieces[name] = None  # (the slices' square roots are in the buffer already)
-                    else:
-                        pieces.setdefault(name, []).append(_scaled(t, scale))
+                    self._place(key, name, t, start, r, scale)
+
+    def _place(self, key: str, name: str, t: Tensor, start: int, r: float, scale: float) -> None:
+        """A slice's per-sample result, scaled, into the batch's: written into one preallocated
+        tensor (square roots by the slice itself, see :mod:`curvlib._rootbuffers`), or, under
+        autograd or torch.func, kept to be concatenated."""
+        per_name = self.pieces.setdefault(key, {})
+        dim = 1 if self.kinds[key] == "cat_half" else 0
+        if self.into is not None and (key, name) in self.into.buffers:
+            per_name[name] = self.into.buffers[(key, name)]
+            _scale_written(t, r, scale)
+            return
+        if name not in per_name and losses._is_concrete(t) and not t.requires_grad:
+            shape = list(t.shape)
+            shape[dim] = self.n
+            per_name[name] = t.new_empty(shape)
+        buf = per_name.setdefault(name, [])
+        if isinstance(buf, list):
+            buf.append(_scaled(t, scale))
+            return
+        view = buf.narrow(dim, start, t.shape[dim])
+        if r == 0:
+            view.zero_()
+        elif scale == 1:
+            view.copy_(t)
+        else:
+            torch.mul(t, scale, out=view)
 
     def result(self) -> Dict[str, object]:
         out: Dict[str, object] = dict(self.acc)
         for key, per_name in self.pieces.items():
             dim = 1 if self.kinds[key] == "cat_half" else 0
-            out[key] = {name: self.into.buffers[(key, name)] if ts is None else _concatenated(ts, dim)
+            out[key] = {name: _concatenated(ts, dim) if isinstance(ts, list) else ts
                         for name, ts in per_name.items()}
         if "variance" in self.kinds:
             sgs, grad, n = out["sum_grad_squared"], out["grad"], self.n
