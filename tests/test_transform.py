@@ -325,3 +325,22 @@ def test_mapping_input_takes_the_mapping_branch():
         for key in ("grad", "grad_batch", "diag_ggn_exact"):
             assert_close_dicts({k[4:]: v for k, v in qs[key].items()}, ref[key], key)
         torch.testing.assert_close(qs["loss"], nn.CrossEntropyLoss()(model(batch), y))
+
+
+def test_plan_checks_once_per_plan(monkeypatch):
+    """The checks of the plan alone (layers, sample mixing) run at the first call of each
+    input signature; the targets are checked at every call."""
+    import curvlib._transform as transform
+
+    calls = []
+    real = transform.check_second_order
+    monkeypatch.setattr(transform, "check_second_order", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    f = curvature(model, nn.CrossEntropyLoss(), [DiagGGNExact()])
+    X, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    for _ in range(3):
+        f(X, y)
+    f(X[:4], y[:4])
+    assert len(calls) == 2
+    with pytest.raises(Exception, match="class index 7"):
+        f(X, torch.tensor([0, 1, 2, 7, 0, 1]))

@@ -10,7 +10,7 @@ than the device's free memory is refused with its size instead of failing
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -18,6 +18,10 @@ from ._arguments import bytes_of
 from ._errors import CurvatureError
 
 __all__ = ["available_bytes", "check_roots"]
+
+#: A root of at most ``1/HEADROOM`` of the free memory last read on its device is not re-checked.
+HEADROOM = 8
+_last_free: Dict[str, int] = {}  # device -> free bytes at the last reading
 
 
 def available_bytes(device: torch.device) -> Optional[int]:
@@ -55,7 +59,13 @@ def check_roots(exts: Sequence, out_shape: Tuple[int, ...], dtype: torch.dtype, 
             continue
         v = per_sample if root == "exact" else ext.mc_samples
         need = bytes_of((v,) + tuple(out_shape), dtype)
-        free = available_bytes(device) if free is None else free
+        last = _last_free.get(str(device))
+        if free is None and last is not None and need * HEADROOM <= last:
+            continue  # fitted many times over at the last reading
+        if free is None:
+            free = available_bytes(device)
+            if free is not None:
+                _last_free[str(device)] = free
         if free is not None and need > free:
             what = "Monte-Carlo columns" if root == "mc" else "exact loss-Hessian root (one column per output entry)"
             fix = (

@@ -25,7 +25,11 @@ nothing) the batch's are
 | ``sqrt_ggn_exact``, ``sqrt_ggn_mc`` | ``√r_k · slice_k``, concatenated along dim 1 |
 
 (the same rescaling as :mod:`curvlib.distributed`, with slices in place of
-ranks). Monte-Carlo extensions draw fresh samples for every slice from their
+ranks). "Concatenated" results are written into one preallocated tensor of the
+batch's size as each slice arrives (square roots by the slice itself, column by
+column: :mod:`curvlib._rootbuffers`), so that a slice's result is the only
+temporary beside it; only under autograd or ``torch.func`` are slices joined by
+``torch.cat``. Monte-Carlo extensions draw fresh samples for every slice from their
 generator, so results with a generator are reproducible for a given
 ``batch_size`` but differ from an unchunked call's draws (they have the same
 distribution). Refused, before any work: KFRA (its recursion multiplies
@@ -41,8 +45,9 @@ from typing import Callable, Dict, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _inputs
+from . import _inputs, losses
 from ._errors import CurvatureError
+from ._rootbuffers import RootBuffers
 from .extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from .extensions.secondorder import SecondOrder
 from .losses import LossSpec, normaliser
@@ -117,15 +122,19 @@ def over_samples(
         _refuse_per_sample_weights(spec, y)
         total = normaliser(spec, y)
         combined = _Combined(kinds, n)
+        # square roots: every slice writes its samples into one [V, N, *p] per parameter
+        into = {"_into": combined.into} if combined.into is not None else {}
         for start in range(0, n, batch_chunk_size):
             stop = min(n, start + batch_chunk_size)
-            part = f(_inputs.slice_batch(X, start, stop), y[start:stop], params=params, generator=generator)
+            if combined.into is not None:
+                combined.into.start = start
+            part = f(_inputs.slice_batch(X, start, stop), y[start:stop], params=params, generator=generator, **into)
             # r = M_k / M: this slice's share of the "mean" normaliser (0 for a slice with
             # nothing counted, whose own results are NaN: 0/0). Nothing counted in the whole
             # batch: every slice's results as they are (NaN loss and curvature, autograd's zero
             # gradient), which is what the unchunked call returns.
             r = normaliser(spec, y[start:stop]) / total if total else 1.0
-            combined.add(part, r, (stop - start) / n)
+            combined.add(part, r, (stop - start) / n, start)
             del part
         return {k: v for k, v in combined.result().items() if k not in dropped}
 
@@ -151,11 +160,12 @@ class _Combined:
 
     def __init__(self, kinds: Mapping[str, str], n: int):
         self.kinds, self.n = kinds, n
+        self.into = RootBuffers(n) if "cat_half" in kinds.values() else None
         self.acc: Dict[str, object] = {}
-        self.pieces: Dict[str, Dict[str, list]] = {}
+        self.pieces: Dict[str, Dict[str, object]] = {}  # key -> name -> batch's tensor, or slices to join
         self.order: list = []
 
-    def add(self, part: Dict[str, object], r: float, share: float) -> None:
+    def add(self, part: Dict[str, object], r: float, share: float, start: int = 0) -> None:
         self.order = self.order or list(part)
         for key, value in part.items():
             kind = "sum1" if key == "loss" else self.kinds[key]
@@ -176,13 +186,40 @@ class _Combined:
             elif kind != "variance":  # (the variance is formed from the combined Σ g²)
                 scale = {"cat1": r, "cat2": r * r, "cat_half": r**0.5}[kind]
                 for name, t in value.items():
-                    self.pieces.setdefault(key, {}).setdefault(name, []).append(_scaled(t, scale))
+                    self._place(key, name, t, start, r, scale)
+
+    def _place(self, key: str, name: str, t: Tensor, start: int, r: float, scale: float) -> None:
+        """A slice's per-sample result, scaled, into the batch's: written into one preallocated
+        tensor (square roots by the slice itself, see :mod:`curvlib._rootbuffers`), or, under
+        autograd or torch.func, kept to be concatenated."""
+        per_name = self.pieces.setdefault(key, {})
+        dim = 1 if self.kinds[key] == "cat_half" else 0
+        if self.into is not None and (key, name) in self.into.buffers:
+            per_name[name] = self.into.buffers[(key, name)]
+            _scale_written(t, r, scale)
+            return
+        if name not in per_name and losses._is_concrete(t) and not t.requires_grad:
+            shape = list(t.shape)
+            shape[dim] = self.n
+            per_name[name] = t.new_empty(shape)
+        buf = per_name.setdefault(name, [])
+        if isinstance(buf, list):
+            buf.append(_scaled(t, scale))
+            return
+        view = buf.narrow(dim, start, t.shape[dim])
+        if r == 0:
+            view.zero_()
+        elif scale == 1:
+            view.copy_(t)
+        else:
+            torch.mul(t, scale, out=view)
 
     def result(self) -> Dict[str, object]:
         out: Dict[str, object] = dict(self.acc)
         for key, per_name in self.pieces.items():
             dim = 1 if self.kinds[key] == "cat_half" else 0
-            out[key] = {name: _concatenated(ts, dim) for name, ts in per_name.items()}
+            out[key] = {name: _concatenated(ts, dim) if isinstance(ts, list) else ts
+                        for name, ts in per_name.items()}
         if "variance" in self.kinds:
             sgs, grad, n = out["sum_grad_squared"], out["grad"], self.n
             # (1/N) Σ g² − ((1/N) Σ g)² ≥ 0 exactly; clamp the rounding below zero
@@ -193,6 +230,14 @@ class _Combined:
 def _scaled(t: Tensor, r: float) -> Tensor:
     """``r · t``; a slice with nothing counted (``r = 0``) contributes zeros, not its NaNs."""
     return torch.zeros_like(t) if r == 0 else t * r
+
+
+def _scale_written(t: Tensor, r: float, scale: float) -> None:
+    """A slice's part of a preallocated result, scaled in place like :func:`_scaled`."""
+    if r == 0:
+        t.zero_()
+    elif scale != 1:
+        t.mul_(scale)
 
 
 def _concatenated(ts, dim: int) -> Tensor:

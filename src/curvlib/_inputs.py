@@ -21,6 +21,8 @@ __all__ = ["tensors", "batch_size", "map_tensors", "check_input", "describe"]
 
 def tensors(X) -> List[Tensor]:
     """The tensor leaves of ``X`` in order."""
+    if isinstance(X, Tensor):  # (the common case, several times per call)
+        return [X]
     found: List[Tensor] = []
     map_tensors(lambda t: found.append(t) or t, X)
     return found
@@ -50,12 +52,12 @@ def _rebuilt(X: Mapping, items: dict):
 
 def batch_size(X) -> int:
     """``N``: dim 0 of the (first) tensor leaf."""
-    return int(tensors(X)[0].shape[0])
+    return int(first(X).shape[0])
 
 
 def first(X) -> Tensor:
     """The first tensor leaf (device and dtype of the input for allocations)."""
-    return tensors(X)[0]
+    return X if isinstance(X, Tensor) else tensors(X)[0]
 
 
 def describe(X) -> str:

@@ -46,7 +46,7 @@ class StructuralCurvature:
 
     def __init__(self, spec, out: Tensor, y: Tensor, c: float):
         self.kind, self.out, self.y = spec.kind, out, y
-        self.scale = _scale(spec, out, y, c)  # float (MSE), [N, *out[1:]] (BCE), [N, *D] (CE)
+        self.scale = _scale(spec, out, y, c)  # float (MSE; CE counting every target alike), [N, *out[1:]] (BCE), [N, *D] (CE)
         self.signed = _may_be_negative(spec, y) and (
             not _concrete(self.scale) or bool((self.scale < 0).any())  # unknown values: split by sign
         )
@@ -59,6 +59,8 @@ class StructuralCurvature:
     def sampled_roots(self, mc_samples: int, generator: Optional[torch.Generator]) -> List[Tuple[float, Tensor]]:
         """``[(sign, S [M, N, *out[1:]])]`` with ``E[Σ sign · S Sᵀ] = c∇²ℓ``: sampled labels' gradients."""
         base = self._sampled_base(mc_samples, generator)  # [M, N, *out[1:]], E[b bᵀ] = K
+        if isinstance(self.scale, float) and not self.signed:  # one scale for all: one product
+            return [(1.0, base * (self.scale / mc_samples) ** 0.5)]
         return [(sign, base * _broadcast_scale(self, part, 1).sqrt() / mc_samples**0.5)
                 for sign, part in self._signed_scales()]
 
@@ -156,6 +158,9 @@ def _scale(spec, out: Tensor, y: Tensor, c: float):
         if module.weight is not None:
             s = s * module.weight
         return s.expand(out.shape)
+    if module.weight is None and not module.label_smoothing and not y.is_floating_point() \
+            and _concrete(y) and not bool((y == module.ignore_index).any()):
+        return float(c)  # κ = 1 everywhere: the scale of every sample and position is c
     return c * target_mass(module, out, y)
 
 
@@ -177,14 +182,15 @@ def target_mass(module, out: Tensor, y: Tensor) -> Tensor:
     return kappa * counted
 
 
-def _ce_root(out: Tensor, scale: Tensor) -> Tensor:
+def _ce_root(out: Tensor, scale) -> Tensor:
     """Column ``(a, r)``: ``√s[n, r] √p_{a,r} (e_a − p_{:,r})`` at position ``r`` (BackPACK's root)."""
     n, k = out.shape[0], out.shape[1]
     rest = out[0, 0].numel() if n else 1
     p_flat = torch.softmax(out, dim=1).reshape(n, k, rest)  # [N, K, R]
     eye_k = torch.eye(k, dtype=out.dtype, device=out.device)
     # block[a, r, n, b] = √(s[n, r] p[n, a, r]) (δ(a, b) − p[n, b, r])
-    weight = (p_flat * scale.reshape(n, 1, rest)).sqrt().permute(1, 2, 0)  # [K(a), R, N]
+    s = scale if isinstance(scale, float) else scale.reshape(n, 1, rest)
+    weight = (p_flat * s).sqrt().permute(1, 2, 0)  # [K(a), R, N]
     block = weight[:, :, :, None] * (eye_k[:, None, None, :] - p_flat.permute(2, 0, 1)[None])
     eye_r = torch.eye(rest, dtype=out.dtype, device=out.device)
     S = block[..., None] * eye_r[None, :, None, None, :]  # [a, r, n, b, r']

@@ -45,6 +45,7 @@ from .extensions.secondorder import SecondOrder
 from .rules import kron_factors, kron_input_factor
 from .rules._site import Site
 from ._residual_math import factor
+from ._rootbuffers import RootBuffers, write_sqrt
 
 KRON_KINDS = ("linear", "conv", "conv_transpose")
 # Families the Hessian extensions support: every family except the recurrent
@@ -90,7 +91,9 @@ def _sqrt(uses, m_by_site, name) -> Tensor:
     return total
 
 
-#: ``_sqrt`` loops over columns outside torch.func transforms (see there).
+#: ``_sqrt`` loops over columns outside torch.func transforms (see there), and square roots
+#: are written into preallocated results (:mod:`curvlib._rootbuffers`); ``False``: vmapped
+#: over columns and joined by ``torch.cat`` (the reference the tests compare with).
 LOOP_SQRT_COLUMNS = True
 
 
@@ -301,6 +304,7 @@ def second_order(
     kfra_factors: Callable,
     chunk_size: Optional[int] = None,
     site_grads: Optional[Sequence[Tensor]] = None,
+    into: Optional[RootBuffers] = None,
 ) -> Dict[str, Dict[str, object]]:
     """Every requested second-order quantity, per parameter (see module doc).
 
@@ -312,6 +316,8 @@ def second_order(
     ``chunk_size`` bounds the number of columns pulled back at once (memory
     ``∝ chunk_size × activations``); results are the same for any value.
     ``site_grads``: the loss gradient at every site (the empirical Fisher's root).
+    ``into``: where square roots are written (a batch's, shared by its slices; see
+    :mod:`curvlib._rootbuffers`); default: new buffers for this call.
     """
     uses = _uses(lin.sites)
     results: Dict[str, Dict[str, object]] = {}
@@ -320,7 +326,7 @@ def second_order(
         _refuse_indefinite_sqrt(curv, roots, group)
         total = None
         for sign, S in roots:
-            part = _accumulate(lin, uses, S, group, names, params, batch_size, chunk_size)
+            part = _accumulate(lin, uses, S, group, names, params, batch_size, chunk_size, into)
             total = part if total is None else _signed_sum(total, part, sign, group)
         return total
 
@@ -350,35 +356,38 @@ def second_order(
 _READ_AS = {"hessian_diag": "diag", "hessian_batch_diag": "batch_diag"}
 
 
-def _accumulate(lin, uses, S: Tensor, group, names, params, batch_size, chunk_size) -> Dict[str, Dict[str, object]]:
-    """The group's quantities from the root ``S [V, N, *out]``, pulled back in chunks of columns."""
+def _accumulate(lin, uses, S: Tensor, group, names, params, batch_size, chunk_size,
+                into: Optional[RootBuffers] = None) -> Dict[str, Dict[str, object]]:
+    """The group's quantities from the root ``S [V, N, *out]``, pulled back in chunks of columns.
+
+    Square roots go column by column into ``into`` (plain autograd only: under torch.func
+    or for results that need autograd, chunks are joined by ``torch.cat``).
+    """
     acc: Dict[str, Dict[str, object]] = {}
     static: Dict[tuple, object] = {}  # column-independent results (KFAC's A), once per call
     owned: set = set()  # ids of running sums made here (safe to add into in place)
     total = S.shape[0]
+    if not LOOP_SQRT_COLUMNS or lin.batched_pullback is None or not losses._is_concrete(S) or S.requires_grad:
+        into = None
+    elif into is None:
+        into = RootBuffers()
     for start, S_chunk in _chunks(S, chunk_size):
         m = lin.pull_batched(S_chunk)
         # per-site rule results shared by the site's parameters, per chunk
         cache: Dict[object, object] = {"static": static}
         for ext in group:
             q = _READ_AS.get(ext.quantity, ext.quantity)
+            if q == "sqrt" and into is not None:
+                cols = into.at(ext.name, total, start, S_chunk.shape[0])
+                acc[ext.name] = {n: write_sqrt(uses, m, n, params[n], batch_size, cols) for n in names}
+                continue
             approx = getattr(ext, "kfac_approx", None)
             part = {n: _read(q, uses, m, n, params, batch_size, S_chunk.shape[0], cache, approx) for n in names}
             if ext.name not in acc:
-                acc[ext.name] = {n: _first_part(q, part[n], total) for n in names} if q == "sqrt" else part
+                acc[ext.name] = part
             else:
-                acc[ext.name] = {n: _combine(q, acc[ext.name][n], part[n], owned, start) for n in names}
+                acc[ext.name] = {n: _combine(q, acc[ext.name][n], part[n], owned) for n in names}
     return acc
-
-
-def _first_part(q: str, part: Tensor, total: int) -> Tensor:
-    """A square root's first chunk, in a buffer for all ``total`` columns when more follow
-    (chunks are written into it: no ``torch.cat`` holding every chunk twice)."""
-    if part.shape[0] == total or not losses._is_concrete(part) or part.requires_grad:
-        return part
-    buf = part.new_empty((total,) + tuple(part.shape[1:]))
-    buf[: part.shape[0]] = part
-    return buf
 
 
 def _refuse_indefinite_sqrt(curv, roots, group) -> None:
@@ -436,12 +445,9 @@ def _read(q: str, uses, m, name: str, params, n: int, v: int, cache=None, approx
     return _kron(uses, m, name, cache, approx)  # "kron"
 
 
-def _combine(q: str, acc, part, owned: Optional[set] = None, start: int = 0):
-    """Sum of chunk contributions; square roots go to their columns; ``A`` is chunk-independent."""
-    if q == "sqrt":
-        if acc.shape[0] > start:  # a preallocated buffer (see _first_part)
-            acc[start:start + part.shape[0]] = part
-            return acc
+def _combine(q: str, acc, part, owned: Optional[set] = None):
+    """Sum of chunk contributions; square roots are concatenated; ``A`` is chunk-independent."""
+    if q == "sqrt":  # (only under autograd or torch.func: otherwise written into RootBuffers)
         return torch.cat([acc, part])
     if q == "kron":
         return [_sum_into(acc[0], part[0], owned)] + list(acc[1:])

@@ -62,6 +62,10 @@ def _check_class_range(module, name: str, num_classes: int, y: Tensor) -> None:
     if not _is_concrete(y) or y.numel() == 0:
         return
     ignore = module.ignore_index
+    if y.dtype != torch.uint8:  # one reduction when every index is in range (the common case)
+        lo, hi = torch.aminmax(y)
+        if 0 <= int(lo) and int(hi) < num_classes:
+            return
     counted = y[y != ignore]
     if counted.numel() == 0:
         return

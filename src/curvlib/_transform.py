@@ -131,6 +131,7 @@ class _Traced:
     residual_nodes: dict
     dropout: List[str]
     plans: Dict[tuple, Plan] = field(default_factory=dict)
+    checked: Dict[int, Tensor] = field(default_factory=dict)  # id(plan) -> meta output, once its checks passed
 
 
 class _Setup:
@@ -307,7 +308,8 @@ class _Call:
         self.setup = setup
 
     def __call__(self, X, y: Tensor, params: Optional[Mapping[str, Tensor]] = None,
-                 generator: Optional[torch.Generator] = None) -> Dict[str, object]:
+                 generator: Optional[torch.Generator] = None, _into=None) -> Dict[str, object]:
+        """``_into``: the batch's square-root buffers when this is a slice of it (:mod:`curvlib._chunking`)."""
         s = self.setup
         n = _inputs.check_input(X)
         values, trainable = _arguments.parameter_values(s.model, params)
@@ -322,7 +324,7 @@ class _Call:
         )
         with _dropout.masks(seed, _inputs.first(X).device):
             try:
-                return self._evaluate(traced, plan, X, y, values, trainable, differentiable, seed)
+                return self._evaluate(traced, plan, X, y, values, trainable, differentiable, seed, _into)
             except (NodeFailure, NotImplementedError) as exc:
                 forward_mode = forward_mode_failure(exc, ", ".join(type(e).__name__ for e in s.second))
                 if forward_mode is not None:
@@ -337,16 +339,25 @@ class _Call:
         s = self.setup
         plan = self._cached_plan(traced, X, values, frozenset(trainable))
         _arguments.check_targets_batch(s.spec, y, n)
-        losses.check_targets(s.spec, torch.empty(plan.out_shape, dtype=plan.out_dtype, device="meta"), y)
+        # the checks of the plan alone pass once per plan (an untraced model's plan is new per call)
+        out = traced.checked.get(id(plan)) if traced.runner is None else None
+        first = out is None
+        if first:
+            out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device="meta")
+        losses.check_targets(s.spec, out, y)
         if s.second:
-            kinds = {layer.path: layer.kind for layer in traced.program.layers.values()}
-            check_second_order(s.second, plan.sites, trainable, [], kinds)
+            if first:
+                kinds = {layer.path: layer.kind for layer in traced.program.layers.values()}
+                check_second_order(s.second, plan.sites, trainable, [], kinds)
             _budget.check_roots(s.second, plan.out_shape, plan.out_dtype, _inputs.first(X).device)
-        # Samples mixed inside the model: refuse what needs them independent (curvlib._independence).
-        refuse_mixing(plan, s.computed, traced.program, X, values, frozenset(trainable), traced.runner,
-                      s.chunk_kinds is not None)
-        _dropout.refuse_in_generic(traced.program, plan.sites)
-        refuse_buffer_updates(traced.program, plan.sites, s.second)
+        if first:
+            # Samples mixed inside the model: refuse what needs them independent (curvlib._independence).
+            refuse_mixing(plan, s.computed, traced.program, X, values, frozenset(trainable), traced.runner,
+                          s.chunk_kinds is not None)
+            _dropout.refuse_in_generic(traced.program, plan.sites)
+            refuse_buffer_updates(traced.program, plan.sites, s.second)
+            if traced.runner is None:
+                traced.checked[id(plan)] = out  # (plans stay in traced.plans: their ids are not reused)
         return plan
 
     @staticmethod
@@ -375,7 +386,7 @@ class _Call:
             warnings.warn(_dropout.warning(traced.dropout), UserWarning, stacklevel=3)
         return _dropout.draw_seed(generator)
 
-    def _evaluate(self, traced, plan, X, y, values, trainable, differentiable, seed) -> Dict[str, object]:
+    def _evaluate(self, traced, plan, X, y, values, trainable, differentiable, seed, into=None) -> Dict[str, object]:
         """Stages 3-6."""
         s = self.setup
         frozen_trainable = frozenset(trainable)
@@ -397,7 +408,7 @@ class _Call:
             chunk = _auto_chunk_size(plan, s.second, _inputs.first(X).device.type) if s.chunk_size == "auto" else s.chunk_size
             result.update(second_order(
                 lin, curv, s.second, trainable, values, _inputs.batch_size(X), residual_grads, product,
-                kfra_factors, chunk_size=chunk, site_grads=gs,
+                kfra_factors, chunk_size=chunk, site_grads=gs, into=into,
             ))
         return result
 
