@@ -1237,7 +1237,7 @@ def test_chunk_size_validated(bad):
 def test_auto_chunk_size_follows_the_byte_budget(monkeypatch):
     """``"auto"``: columns per chunk = budget // bytes of one column's site outputs."""
     import curvlib._transform as transform
-    from curvlib._engine import Plan
+    from curvlib._plan import Plan
 
     plan = Plan(out_shape=(4, 3), out_dtype=torch.float32, site_shapes=((4, 5), (4, 3)),
                 site_dtypes=(torch.float32, torch.float64), batch_dims=(0, 0))

@@ -19,7 +19,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from curvlib import CurvatureError, curvature, losses
-from curvlib._engine import first_order, forward_with_probes, make_plan
+from curvlib._engine import forward_with_probes
+from curvlib._firstorder import first_order
+from curvlib._plan import make_plan
 from curvlib._program import trace_program
 from curvlib._untraced import run_eager
 from curvlib.extensions import BatchGrad, BatchL2Grad, DiagGGNExact, KFAC, SumGradSquared, Variance

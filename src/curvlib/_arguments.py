@@ -170,4 +170,4 @@ def bytes_of(shape, dtype: torch.dtype) -> int:
     numel = 1
     for s in shape:
         numel *= int(s)
-    return numel * torch.empty((), dtype=dtype).element_size()
+    return numel * dtype.itemsize

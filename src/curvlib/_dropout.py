@@ -172,7 +172,7 @@ def new_generator() -> Optional[torch.Generator]:
     return torch.Generator(device=device).manual_seed(seed)
 
 
-#: env key under which :func:`curvlib._engine.run_graph` keeps each dropout node's noise
+#: env key under which :func:`curvlib._graph.run_graph` keeps each dropout node's noise
 #: (KFRA's recursion needs the very mask of the forward it reuses).
 NOISES = object()
 

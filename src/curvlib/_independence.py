@@ -8,7 +8,7 @@ individual gradients are not defined, and the per-sample read-offs return
 numbers that are silently wrong (for ``h - h.mean(0)`` after a Linear layer,
 0.3 off an oracle).
 
-:func:`analyse` runs when :func:`curvlib._engine.make_plan` makes a plan, on
+:func:`analyse` runs when :func:`curvlib._plan.make_plan` makes a plan, on
 the values of every graph node in the two planning passes (batch sizes ``N``
 and ``N + 1``, fake tensors): the changing dim of each node's shapes is its
 batch (:mod:`curvlib._mixing_ops`). A node is refused when it takes a batched

@@ -26,7 +26,7 @@ from torch import Tensor, fx, nn
 from torch.func import vjp, vmap
 
 from . import _dropout, _residuals
-from ._engine import run_graph
+from ._graph import run_graph
 from ._errors import CurvatureError
 from .rules import call_without_hooks, kron_from_matrix
 from .rules._site import Recorder, Site

@@ -229,7 +229,7 @@ def _node_call(program, node: fx.Node, params) -> Callable:
 @outside_transforms
 def pending_problem(program, found, X: Tensor, params, trainable) -> Optional[str]:
     """The first pending node that fails its test, in words (``None``: all pass)."""
-    from ._engine import run_graph
+    from ._graph import run_graph
 
     n = _inputs.batch_size(X)
     if n < 2 or not found.pending:

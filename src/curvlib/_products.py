@@ -22,7 +22,7 @@ from torch import Tensor
 from . import _dropout, _inputs, _residual_math, losses
 from ._sync import LOCK
 from ._diagnose import forward_mode_failure
-from ._engine import NodeFailure, run_graph
+from ._graph import NodeFailure, run_graph
 from ._errors import CurvatureError
 from .rules._site import Recorder
 

@@ -25,7 +25,10 @@ from torch import Tensor, nn
 from . import _arguments, _budget, _dropout, _inputs, _residuals, losses
 from ._diagnose import forward_failure, forward_mode_failure
 from ._independence import refuse_mixing
-from ._engine import FIRST_ORDER, NodeFailure, Plan, first_order, forward_with_probes, has_inplace, make_plan, module_checks
+from ._engine import forward_with_probes, has_inplace
+from ._firstorder import FIRST_ORDER, first_order
+from ._graph import NodeFailure
+from ._plan import Plan, make_plan, module_checks
 from ._errors import CurvatureError, CurvatureTypeError
 from ._kfra import chain_nodes, kfra
 from ._products import products, rng_state

@@ -9,7 +9,7 @@ gets exactly that by running the model's real ``forward`` on the real input
 with every *layer* (a module owning parameters directly, not inside another
 one; see :func:`curvlib._program.trace_program`) redirected to the layer's
 functional family forward, which records the site and adds its probe, as
-:func:`curvlib._engine.run_graph` does for a ``call_module`` node.
+:func:`curvlib._graph.run_graph` does for a ``call_module`` node.
 
 How the redirect works, and why the model is left as it was:
 
@@ -252,7 +252,7 @@ def run_eager(
 ) -> Tensor:
     """Run the model's own ``forward`` with its layers redirected to their rules.
 
-    A drop-in for :func:`curvlib._engine.run_graph` when ``program.graph is
+    A drop-in for :func:`curvlib._graph.run_graph` when ``program.graph is
     None`` (``fake_tensor`` and ``env`` are accepted and ignored: there is no
     graph; buffers are read by the model as they are).
 
