@@ -1,6 +1,7 @@
 """``curvature(model, lossfn, extensions)``: the transform, in visible stages.
 
-At ``curvature`` time: check the arguments and trace the model (:class:`_Setup`).
+At ``curvature`` time: check the arguments and trace the model (:class:`_Setup`,
+:mod:`curvlib._tracing`).
 Per call of ``f(X, y, params=None, generator=None)`` (:class:`_Call`):
 
 1. **inputs**: ``X``, ``y`` and ``params`` checked; every parameter's value;
@@ -16,26 +17,24 @@ Nothing is stored on the model or the loss.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
-from . import _arguments, _budget, _dropout, _inputs, _residuals, losses
+from . import _arguments, _budget, _dropout, _inputs, losses
 from ._diagnose import forward_failure, forward_mode_failure
 from ._independence import refuse_mixing
-from ._engine import forward_with_probes, has_inplace
+from ._engine import forward_with_probes
 from ._firstorder import FIRST_ORDER, first_order
 from ._graph import NodeFailure
-from ._plan import Plan, make_plan, module_checks
+from ._plan import Plan, make_plan
 from ._errors import CurvatureError, CurvatureTypeError
-from ._kfra import chain_nodes, kfra
+from ._kfra import kfra
 from ._products import products, rng_state
-from ._program import Program, trace_program
 from ._secondorder import check_second_order, second_order
+from ._tracing import Traced, trace, warn_hooks
 from ._sync import LOCK
-from ._untraced import run_eager
 from .extensions._base import Extension
 from .rules.generic import refuse_buffer_updates
 from .extensions.secondorder import SecondOrder
@@ -123,20 +122,6 @@ def curvature(
 # ----------------------------------------------------------------------------- setup
 
 
-@dataclass
-class _Traced:
-    """Everything derived from one trace of the model (per combination of ``training`` flags)."""
-
-    program: Program
-    runner: Optional[Callable]
-    checks: List[Callable[[], None]]
-    direct: bool
-    residual_nodes: dict
-    dropout: List[str]
-    plans: Dict[tuple, Plan] = field(default_factory=dict)
-    checked: Dict[int, Tensor] = field(default_factory=dict)  # id(plan) -> meta output, once its checks passed
-
-
 class _Setup:
     """``curvature``'s arguments, checked, and the model's traces."""
 
@@ -166,9 +151,9 @@ class _Setup:
                 "know for another loss. Use one of those, or compute per rank and sum yourself."
             )
         self.process_group = process_group
-        self._traces: Dict[tuple, _Traced] = {}
+        self._traces: Dict[tuple, Traced] = {}
         self.dropout_warned = False
-        _warn_hooks(self.model)
+        warn_hooks(self.model)
         self.traced()  # trace now: untraceable models and unsupported graphs fail at once
 
     def _computed(self, batch_chunk_size) -> tuple:
@@ -181,124 +166,15 @@ class _Setup:
             return tuple(exts) + (SumGradSquared(),)
         return tuple(exts)
 
-    def traced(self, X=None) -> _Traced:
+    def traced(self, X=None) -> Traced:
         """The trace for the model's current ``training`` flags (fx bakes ``self.training`` in)
         and the input's structure (a container is traced as one, see :func:`trace_program`)."""
         key = (tuple(m.training for m in self.model.modules()), _inputs.structure_key(X))
         traced = self._traces.get(key)
         if traced is None:
             with LOCK:  # reads the module tree, whose slots another thread's call may have swapped
-                traced = self._traces[key] = _trace(self.model, self.second, X)
+                traced = self._traces[key] = trace(self.model, self.second, X)
         return traced
-
-
-def _warn_hooks(model: nn.Module) -> None:
-    """Say once which user forward hooks curvlib does not run (they may change outputs)."""
-    from .rules import math_hooks
-
-    hooked = []
-    for path, m in model.named_modules():
-        hooks = [h for h in list(m._forward_hooks.values()) + list(m._forward_pre_hooks.values())
-                 if h not in math_hooks(m) and not _library_hook(h)]
-        if hooks:
-            hooked.append(f"'{path or type(m).__name__}' ({type(m).__name__})")
-    if hooked:
-        warnings.warn(
-            f"curvlib does not run the forward hooks of {', '.join(hooked[:3])}{', ...' if len(hooked) > 3 else ''}: "
-            "hooks are not part of the math, every module runs its own forward. A hook that changes a "
-            "module's input or output is therefore not seen; fold such a change into the module's forward.",
-            UserWarning, stacklevel=3,
-        )
-
-
-def _library_hook(hook) -> bool:
-    """Observer hooks other libraries leave behind (BackPACK's input/output store, laplace's feature recorder)."""
-    module = getattr(hook, "__module__", "") or ""
-    return module.split(".")[0] in ("backpack", "laplace", "curvlinops", "opacus")
-
-
-def _trace(model: nn.Module, second: Sequence[SecondOrder], X=None) -> _Traced:
-    program = trace_program(model, X)
-    if second and program.graph is None:
-        raise CurvatureError(
-            f"{type(second[0]).__name__} needs the model's computation graph, but model "
-            f"{type(model).__name__} could not be traced with torch.fx:\n  {program.trace_error}\n"
-            "First-order extensions do not need the graph."
-        )
-    if any(e.quantity == "kfra" for e in second):
-        chain_nodes(program)  # refuse branching graphs before any work
-    hessian = any(e.quantity in ("hessian_diag", "hessian_batch_diag", "pchmp") for e in second)
-    traced = program.graph is not None
-    if traced:
-        _refuse_unsupported_functions(program, second)
-    return _Traced(
-        program=program,
-        runner=None if traced else run_eager,
-        checks=module_checks(program) if traced else [],
-        direct=not has_inplace(program),  # differentiate w.r.t. site outputs, not zero probes
-        residual_nodes=_residuals.residual_plan(program) if hessian else {},
-        dropout=_dropout.active(program),
-    )
-
-
-# What torch.func needs of a custom autograd.Function for each extension that runs it
-# under a transform: setup_context (any transform), a vmap rule, a jvp (forward mode),
-# a backward that can be differentiated again (second derivatives).
-_FUNCTION_NEEDS = {
-    "hessian_diag": ("setup_context", "vmap", "jvp", "twice"),
-    "hessian_batch_diag": ("setup_context", "vmap", "jvp", "twice"),
-    "pchmp": ("setup_context", "vmap", "jvp", "twice"),
-    "hmp": ("setup_context", "vmap", "twice"),
-    "ggnmp": ("setup_context", "vmap", "jvp"),
-}
-_ONCE_DIFFERENTIABLE = torch.autograd.function.once_differentiable(lambda ctx, *g: g).__code__
-_LACKS = {
-    "setup_context": "a setup_context staticmethod (forward without ctx)",
-    "vmap": "a vmap staticmethod or generate_vmap_rule = True",
-    "jvp": "a jvp staticmethod (forward-mode AD)",
-    "twice": "a backward that is not @once_differentiable (its second derivative)",
-}
-
-
-def _function_lacks(fn: type) -> set:
-    from torch.autograd.function import _is_setup_context_defined
-
-    lacks = set()
-    if not _is_setup_context_defined(fn.setup_context):
-        lacks.add("setup_context")
-    if not getattr(fn, "generate_vmap_rule", False) and "vmap" not in vars(fn) and \
-            not any("vmap" in vars(c) for c in fn.__mro__[1:] if c not in (torch.autograd.Function,)):
-        lacks.add("vmap")
-    if fn.jvp is torch.autograd.Function.jvp:
-        lacks.add("jvp")
-    if getattr(fn.backward, "__code__", None) is _ONCE_DIFFERENTIABLE:
-        lacks.add("twice")
-    return lacks
-
-
-def _refuse_unsupported_functions(program: Program, exts: Sequence[SecondOrder]) -> None:
-    """Refuse, before any work, an extension that needs of a custom ``autograd.Function``
-    what it does not define (:data:`_FUNCTION_NEEDS`). Differentiating a
-    ``@once_differentiable`` backward again is not defined (its code may leave autograd,
-    e.g. numpy or a custom kernel), so any value would be a guess."""
-    exts = [e for e in exts if e.quantity in _FUNCTION_NEEDS]
-    if not exts:
-        return
-    for node in program.graph.nodes:
-        fn = getattr(node.target, "function", None) if node.op == "call_function" else None
-        if fn is None:
-            continue
-        lacks = _function_lacks(fn)
-        for ext in exts:
-            missing = [_LACKS[k] for k in _FUNCTION_NEEDS[ext.quantity] if k in lacks]
-            if missing:
-                raise CurvatureError(
-                    f"{type(ext).__name__} runs the custom autograd.Function {fn.__qualname__} (graph node "
-                    f"'{node.name}') under torch.func transforms, which needs {'; '.join(missing)}. "
-                    "Add them (https://pytorch.org/docs/stable/notes/extending.func.html), or use the "
-                    "first-order and GGN extensions (DiagGGNExact, KFLR, SqrtGGNExact, ...), which use "
-                    "only its backward."
-                )
 
 
 # ----------------------------------------------------------------------------- one call
@@ -337,7 +213,7 @@ class _Call:
                 # the real forward failed where the shape passes did not
                 raise forward_failure(traced.program, X, values, exc, n) from exc
 
-    def _plan(self, traced: _Traced, X, values, trainable: List[str], y: Tensor, n: int) -> Plan:
+    def _plan(self, traced: Traced, X, values, trainable: List[str], y: Tensor, n: int) -> Plan:
         """Stage 2: the cached plan, and every check that needs it (before any work)."""
         s = self.setup
         plan = self._cached_plan(traced, X, values, frozenset(trainable))
@@ -364,7 +240,7 @@ class _Call:
         return plan
 
     @staticmethod
-    def _cached_plan(traced: _Traced, X, values, trainable: frozenset) -> Plan:
+    def _cached_plan(traced: Traced, X, values, trainable: frozenset) -> Plan:
         leaves = _inputs.tensors(X)
         key = (
             tuple((tuple(t.shape), t.dtype, t.device.type) for t in leaves),
@@ -378,7 +254,7 @@ class _Call:
             )
         return plan
 
-    def _dropout_seed(self, traced: _Traced, generator: Optional[torch.Generator]) -> Optional[int]:
+    def _dropout_seed(self, traced: Traced, generator: Optional[torch.Generator]) -> Optional[int]:
         """One draw for this call's dropout masks (``None`` without active dropout)."""
         if generator is not None and not isinstance(generator, torch.Generator):
             raise CurvatureError(f"generator must be a torch.Generator or None, got {type(generator).__name__}.")
@@ -441,7 +317,7 @@ def _scalar_loss(spec, out: Tensor, y: Tensor) -> Tensor:
     return loss
 
 
-def _kfra_factors(s: _Setup, traced: _Traced, lin, curv, X, y, trainable, values):
+def _kfra_factors(s: _Setup, traced: Traced, lin, curv, X, y, trainable, values):
     """``() -> KFRA factors``, reusing the forward's node values where it kept them."""
 
     def factors():

@@ -1,0 +1,149 @@
+"""Stage 0 of :func:`curvlib.curvature`: trace the model once per ``training`` flags and
+input structure, and refuse, before any call, what the trace shows cannot be computed
+(an untraceable model for second order, a branching graph for KFRA, a custom
+``autograd.Function`` lacking what torch.func needs). User forward hooks are not run
+(they are not part of the math): say so once.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from . import _dropout, _residuals
+from ._engine import has_inplace
+from ._errors import CurvatureError
+from ._kfra import chain_nodes
+from ._plan import Plan, module_checks
+from ._program import Program, trace_program
+from ._untraced import run_eager
+from .extensions.secondorder import SecondOrder
+
+__all__ = ["Traced", "trace", "warn_hooks"]
+
+
+@dataclass
+class Traced:
+    """Everything derived from one trace of the model (per combination of ``training`` flags)."""
+
+    program: Program
+    runner: Optional[Callable]
+    checks: List[Callable[[], None]]
+    direct: bool
+    residual_nodes: dict
+    dropout: List[str]
+    plans: Dict[tuple, Plan] = field(default_factory=dict)
+    checked: Dict[int, Tensor] = field(default_factory=dict)  # id(plan) -> meta output, once its checks passed
+
+
+def warn_hooks(model: nn.Module) -> None:
+    """Say once which user forward hooks curvlib does not run (they may change outputs)."""
+    from .rules import math_hooks
+
+    hooked = []
+    for path, m in model.named_modules():
+        hooks = [h for h in list(m._forward_hooks.values()) + list(m._forward_pre_hooks.values())
+                 if h not in math_hooks(m) and not _library_hook(h)]
+        if hooks:
+            hooked.append(f"'{path or type(m).__name__}' ({type(m).__name__})")
+    if hooked:
+        warnings.warn(
+            f"curvlib does not run the forward hooks of {', '.join(hooked[:3])}{', ...' if len(hooked) > 3 else ''}: "
+            "hooks are not part of the math, every module runs its own forward. A hook that changes a "
+            "module's input or output is therefore not seen; fold such a change into the module's forward.",
+            UserWarning, stacklevel=3,
+        )
+
+
+def _library_hook(hook) -> bool:
+    """Observer hooks other libraries leave behind (BackPACK's input/output store, laplace's feature recorder)."""
+    module = getattr(hook, "__module__", "") or ""
+    return module.split(".")[0] in ("backpack", "laplace", "curvlinops", "opacus")
+
+
+def trace(model: nn.Module, second: Sequence[SecondOrder], X=None) -> Traced:
+    program = trace_program(model, X)
+    if second and program.graph is None:
+        raise CurvatureError(
+            f"{type(second[0]).__name__} needs the model's computation graph, but model "
+            f"{type(model).__name__} could not be traced with torch.fx:\n  {program.trace_error}\n"
+            "First-order extensions do not need the graph."
+        )
+    if any(e.quantity == "kfra" for e in second):
+        chain_nodes(program)  # refuse branching graphs before any work
+    hessian = any(e.quantity in ("hessian_diag", "hessian_batch_diag", "pchmp") for e in second)
+    traced = program.graph is not None
+    if traced:
+        _refuse_unsupported_functions(program, second)
+    return Traced(
+        program=program,
+        runner=None if traced else run_eager,
+        checks=module_checks(program) if traced else [],
+        direct=not has_inplace(program),  # differentiate w.r.t. site outputs, not zero probes
+        residual_nodes=_residuals.residual_plan(program) if hessian else {},
+        dropout=_dropout.active(program),
+    )
+
+
+# What torch.func needs of a custom autograd.Function for each extension that runs it
+# under a transform: setup_context (any transform), a vmap rule, a jvp (forward mode),
+# a backward that can be differentiated again (second derivatives).
+_FUNCTION_NEEDS = {
+    "hessian_diag": ("setup_context", "vmap", "jvp", "twice"),
+    "hessian_batch_diag": ("setup_context", "vmap", "jvp", "twice"),
+    "pchmp": ("setup_context", "vmap", "jvp", "twice"),
+    "hmp": ("setup_context", "vmap", "twice"),
+    "ggnmp": ("setup_context", "vmap", "jvp"),
+}
+_ONCE_DIFFERENTIABLE = torch.autograd.function.once_differentiable(lambda ctx, *g: g).__code__
+_LACKS = {
+    "setup_context": "a setup_context staticmethod (forward without ctx)",
+    "vmap": "a vmap staticmethod or generate_vmap_rule = True",
+    "jvp": "a jvp staticmethod (forward-mode AD)",
+    "twice": "a backward that is not @once_differentiable (its second derivative)",
+}
+
+
+def _function_lacks(fn: type) -> set:
+    from torch.autograd.function import _is_setup_context_defined
+
+    lacks = set()
+    if not _is_setup_context_defined(fn.setup_context):
+        lacks.add("setup_context")
+    if not getattr(fn, "generate_vmap_rule", False) and "vmap" not in vars(fn) and \
+            not any("vmap" in vars(c) for c in fn.__mro__[1:] if c not in (torch.autograd.Function,)):
+        lacks.add("vmap")
+    if fn.jvp is torch.autograd.Function.jvp:
+        lacks.add("jvp")
+    if getattr(fn.backward, "__code__", None) is _ONCE_DIFFERENTIABLE:
+        lacks.add("twice")
+    return lacks
+
+
+def _refuse_unsupported_functions(program: Program, exts: Sequence[SecondOrder]) -> None:
+    """Refuse, before any work, an extension that needs of a custom ``autograd.Function``
+    what it does not define (:data:`_FUNCTION_NEEDS`). Differentiating a
+    ``@once_differentiable`` backward again is not defined (its code may leave autograd,
+    e.g. numpy or a custom kernel), so any value would be a guess."""
+    exts = [e for e in exts if e.quantity in _FUNCTION_NEEDS]
+    if not exts:
+        return
+    for node in program.graph.nodes:
+        fn = getattr(node.target, "function", None) if node.op == "call_function" else None
+        if fn is None:
+            continue
+        lacks = _function_lacks(fn)
+        for ext in exts:
+            missing = [_LACKS[k] for k in _FUNCTION_NEEDS[ext.quantity] if k in lacks]
+            if missing:
+                raise CurvatureError(
+                    f"{type(ext).__name__} runs the custom autograd.Function {fn.__qualname__} (graph node "
+                    f"'{node.name}') under torch.func transforms, which needs {'; '.join(missing)}. "
+                    "Add them (https://pytorch.org/docs/stable/notes/extending.func.html), or use the "
+                    "first-order and GGN extensions (DiagGGNExact, KFLR, SqrtGGNExact, ...), which use "
+                    "only its backward."
+                )
