@@ -47,19 +47,7 @@ from .rules._site import Site
 from ._residual_math import factor
 from ._rootbuffers import RootBuffers, write_sqrt
 
-KRON_KINDS = ("linear", "conv", "conv_transpose")
-# Families the Hessian extensions support: every family except the recurrent
-# ones, whose internal nonlinearities are not graph nodes.
-HESSIAN_SITE_KINDS = (
-    "linear", "conv", "conv_transpose", "batchnorm", "embedding", "layernorm", "groupnorm", "generic",
-)
-# A parameter used by several sites needs the coupling of weight and input;
-# curvlib has it for these families (affine-in-input Linear: "bilinear";
-# the others: the dense residual of the layer as a function of both).
-SHARED_HESSIAN_KINDS = ("linear", "embedding", "layernorm", "groupnorm", "generic")
-
-
-def _uses(sites: Sequence[Site]) -> Dict[str, List[Tuple[Site, str]]]:
+def uses_of(sites: Sequence[Site]) -> Dict[str, List[Tuple[Site, str]]]:
     uses: Dict[str, List[Tuple[Site, str]]] = defaultdict(list)
     for site in sites:
         for role, name in site.params.items():
@@ -203,95 +191,6 @@ def _cached(cache: dict, key, compute):
     return cache[key]
 
 
-HESSIAN_QUANTITIES = ("hessian_diag", "hessian_batch_diag", "pchmp")
-
-
-def check_second_order(
-    exts: Sequence[SecondOrder],
-    sites: Sequence[Site],
-    names: Sequence[str],
-    unknown_nodes: List[str],
-    layer_kinds: Optional[Mapping[str, str]] = None,
-) -> None:
-    """Refuse, before any work, what the requested extensions cannot do.
-
-    Args:
-        exts: the second-order extensions.
-        sites: the planned sites.
-        names: trainable parameter names.
-        unknown_nodes: graph nodes whose second derivative is unknown.
-        layer_kinds: layer path -> family. Support is decided by the family,
-            not by the kind of its sites: an RNN is made of linear sites around
-            hidden nonlinearities.
-    """
-    uses = _uses(sites)
-    layer_kinds = layer_kinds or {}
-    params_of: Dict[str, List[str]] = defaultdict(list)
-    family_of: Dict[str, str] = {}
-    for site in sites:
-        params_of[site.where].extend(n for n in site.params.values() if n not in params_of[site.where])
-        family_of[site.where] = site.meta.get("family", layer_kinds.get(site.where, "generic"))
-    for ext in exts:
-        label = type(ext).__name__
-        hessian = ext.quantity in HESSIAN_QUANTITIES
-        if ext.kron or hessian:
-            supported = KRON_KINDS if ext.kron else HESSIAN_SITE_KINDS
-            for where, pnames in params_of.items():
-                family = family_of[where]
-                if family not in supported:
-                    raise CurvatureError(
-                        f"{label} is not supported for module '{where}' (layer family "
-                        f"'{family}', parameters {sorted(pnames)}); supported families: "
-                        f"{', '.join(supported)}. Remove the extension or set "
-                        "requires_grad=False on those parameters."
-                    )
-        if ext.kron:
-            for name in names:
-                u = uses.get(name, [])
-                if not u:
-                    raise CurvatureError(
-                        f"{label} is not defined for parameter '{name}': the model's forward "
-                        "does not use it. Set requires_grad=False on it or leave it out of params."
-                    )
-                if len(u) > 1 and (
-                    ext.quantity == "kfra"
-                    or any(s.rule.kind != "linear" or family_of[s.where] != "linear" for s, _ in u)
-                    or len({r for _, r in u}) > 1
-                ):
-                    raise CurvatureError(
-                        f"{label} is not defined for parameter '{name}': it is used by several "
-                        f"layers ({', '.join(s.where for s, _ in u)}); curvlib factors shared "
-                        "weights of Linear layers (KFAC, KFLR) only. Use DiagGGNExact or "
-                        "SqrtGGNExact, or untie the weights."
-                    )
-                if len(u) > 1 and getattr(ext, "kfac_approx", None) is not None:
-                    raise CurvatureError(
-                        f"{label}(kfac_approx={ext.kfac_approx!r}) is not defined for parameter "
-                        f"'{name}': it is used by several layers ({', '.join(s.where for s, _ in u)}). "
-                        f"Use {label}() (BackPACK's factors, uses treated as positions)."
-                    )
-                site = u[0][0]
-                if site.meta.get("kron_error"):
-                    raise CurvatureError(
-                        f"{label} is not defined for parameter '{name}' (module "
-                        f"'{site.where}'): {site.meta['kron_error']}"
-                    )
-        if hessian:
-            if unknown_nodes:
-                raise CurvatureError(
-                    f"{label} is not supported for: {', '.join(unknown_nodes)}."
-                )
-            for name, u in uses.items():
-                kinds = {family_of[site.where] for site, _ in u}
-                if len(u) > 1 and not kinds <= set(SHARED_HESSIAN_KINDS):
-                    raise CurvatureError(
-                        f"{label}: parameter '{name}' is used by several layers "
-                        f"({', '.join(s.where for s, _ in u)}) of families {sorted(kinds)}; the "
-                        "Hessian's weight-input coupling between uses is supported for: "
-                        f"{', '.join(SHARED_HESSIAN_KINDS)}. Use HMP for exact Hessian products."
-                    )
-
-
 def second_order(
     lin: Linearization,
     curv,
@@ -319,7 +218,7 @@ def second_order(
     ``into``: where square roots are written (a batch's, shared by its slices; see
     :mod:`curvlib._rootbuffers`); default: new buffers for this call.
     """
-    uses = _uses(lin.sites)
+    uses = uses_of(lin.sites)
     results: Dict[str, Dict[str, object]] = {}
 
     def signed(roots, group):

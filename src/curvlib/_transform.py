@@ -32,7 +32,8 @@ from ._plan import Plan, make_plan
 from ._errors import CurvatureError, CurvatureTypeError
 from ._kfra import kfra
 from ._products import products, rng_state
-from ._secondorder import check_second_order, second_order
+from ._secondorder import second_order
+from ._support import check_second_order
 from ._tracing import Traced, trace, warn_hooks
 from ._sync import LOCK
 from .extensions._base import Extension
