@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import curvlib.distributed as cdist
+import curvlib._allreduce as cdist
 from curvlib import CurvatureError, CurvatureTypeError, curvature
 from curvlib.extensions import (
     GGNMP,

@@ -83,6 +83,7 @@ from . import _inputs, losses
 from ._errors import CurvatureError, CurvatureTypeError
 from .extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from .extensions.secondorder import SecondOrder
+from ._allreduce import aggregate, times
 from .losses import LossSpec, normaliser
 
 __all__ = ["aggregated"]
@@ -116,8 +117,6 @@ _PRODUCT_HINT = (
     "own. Build them without process_group and sum r · (local product) over the ranks "
     "yourself, with r = M_local / M_global for reduction='mean' (1 for 'sum')."
 )
-# Dtypes whose buffers hold the unnormalised sums and the sizes (one collective call).
-_FUSED_DTYPES = (torch.float32, torch.float64)
 _MASK64 = (1 << 64) - 1
 
 
@@ -182,7 +181,7 @@ def aggregated(
             local = f(X, y, params=params, generator=generator)
         n_local = _inputs.batch_size(X)
         m_local = normaliser(spec, losses.prepare_targets(spec, y)) if mean else 1.0
-        return _aggregate(local, kinds, n_local, m_local, mean, process_group)
+        return aggregate(local, kinds, n_local, m_local, mean, process_group)
 
     return g
 
@@ -205,7 +204,7 @@ def kfra_reducer(spec: LossSpec, process_group, n_local: int, m_local: int) -> C
     r = (m_local / m_global if m_global else 0.0) if spec.reduction == "mean" else 1.0
 
     def reduce(G: Tensor, kind: str) -> Tensor:
-        G = _times(G, r if kind == "loss" else n_local / n_global)
+        G = times(G, r if kind == "loss" else n_local / n_global)
         dist.all_reduce(G, op=dist.ReduceOp.SUM, group=process_group)
         return G
 
@@ -277,131 +276,3 @@ def _rank_streams(generators: List[Optional[torch.Generator]], rank: int, device
                 stack.callback(gen.set_state, state)
                 gen.manual_seed(seed)
         yield
-
-
-# ----------------------------------------------------------------------------- reduction
-
-
-def _aggregate(
-    local: Dict[str, object], kinds, n_local: int, m_local: int, mean: bool, group
-) -> Dict[str, object]:
-    """The global quantities from this rank's ``local`` ones (see the module doc).
-
-    ``m_local`` is the number of averaged terms (``"mean"``) or 1 (``"sum"``, no rescaling).
-    """
-    import torch.distributed as dist
-
-    # Collect the summed entries: (key, name, index, tensor, power of c or "A").
-    summed: List[Tuple[str, Optional[str], Optional[int], Tensor, object]] = []
-    for key, value in local.items():
-        kind = kinds[key]
-        if key == "loss":
-            summed.append((key, None, None, value, 1))
-        elif kind in ("sum1", "sum2"):
-            for name, t in value.items():
-                summed.append((key, name, None, t, 1 if kind == "sum1" else 2))
-        elif kind == "kfra":
-            for name, factors in value.items():
-                if len(factors) == 2:
-                    summed.append((key, name, 1, factors[1], "A"))
-        elif kind in ("kron", "kron2"):
-            for name, factors in value.items():
-                if len(factors) not in (1, 2):  # pragma: no cover - guards future layouts
-                    raise CurvatureError(
-                        f"{key}['{name}'] has {len(factors)} Kronecker factors; "
-                        "curvlib.distributed aggregates [B] and [B, A] only."
-                    )
-                for i, t in enumerate(factors):
-                    summed.append((key, name, i, t, (1 if kind == "kron" else 2) if i == 0 else "A"))
-    if "variance" in local and "sum_grad_squared" not in local:
-        # Σ g² of this rank from its variance: var = sgs/N − (grad/N)².
-        for name, var in local["variance"].items():
-            grad = local["grad"][name]
-            sgs = var * n_local + grad * grad / n_local
-            summed.append(("_sgs", name, None, sgs, 2))
-
-    groups: Dict[Tuple[torch.dtype, torch.device], List[int]] = {}
-    for i, entry in enumerate(summed):
-        t = entry[3]
-        groups.setdefault((t.dtype, t.device), []).append(i)
-    fused = all(dtype in _FUSED_DTYPES for dtype, _ in groups)
-    if fused:
-        # Sizes go into the most precise buffer; the sums are unnormalised.
-        size_key = max(groups, key=lambda k: torch.finfo(k[0]).bits)
-        pre = {1: float(m_local), 2: float(m_local) ** 2, "A": float(n_local)}
-    else:
-        loss = local["loss"]
-        sizes = torch.tensor([n_local, m_local], dtype=torch.float64, device=loss.device)
-        dist.all_reduce(sizes, op=dist.ReduceOp.SUM, group=group)
-        n_global, m_global = sizes.tolist()
-        r = (m_local / m_global if m_global else 0.0) if mean else 1.0
-        size_key = None
-        pre = {1: r, 2: r * r, "A": n_local / n_global}
-
-    buffers, works = {}, []
-    for key, idx in groups.items():
-        parts = [_times(summed[i][3].detach(), pre[summed[i][4]]).reshape(-1) for i in idx]
-        if key == size_key:
-            parts.append(torch.tensor([n_local, m_local], dtype=key[0], device=key[1]))
-        buf = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-        buffers[key] = buf
-        works.append(dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True))
-    for work in works:
-        work.wait()
-
-    if fused:
-        n_global, m_global = buffers[size_key][-2:].tolist()
-        n_global = round(n_global)
-        if not mean:
-            m_global = 1.0
-        # nothing counted on any rank: every term is zero (PyTorch: NaN loss, zero gradient)
-        r = m_local / m_global if m_global else 0.0
-        post = {1: 1.0 / m_global, 2: 1.0 / m_global**2, "A": 1.0 / n_global} if m_global else {
-            1: 0.0, 2: 0.0, "A": 1.0 / n_global}
-    else:
-        post = {1: 1.0, 2: 1.0, "A": 1.0}
-
-    out: Dict[str, object] = {}
-    for key, value in local.items():
-        if key == "loss":
-            continue
-        kind = kinds[key]
-        if kind in ("kron", "kron2"):
-            out[key] = {name: [None] * len(fs) for name, fs in value.items()}
-        elif kind == "kfra":
-            out[key] = {name: [fs[0]] + [None] * (len(fs) - 1) for name, fs in value.items()}
-        elif kind in ("sum1", "sum2", "variance"):
-            out[key] = {}
-        else:
-            scale = {"local1": r, "local2": r * r, "local_half": r**0.5}[kind]
-            out[key] = {name: _times(t, scale) for name, t in value.items()}
-    sgs_global: Dict[str, Tensor] = {}
-    for key, idx in groups.items():
-        offset = 0
-        buf = buffers[key]
-        for i in idx:
-            k, name, j, t, power = summed[i]
-            value = buf[offset:offset + t.numel()].view(t.shape) * post[power]
-            offset += t.numel()
-            if k == "loss":
-                out["loss"] = value if not (mean and m_global == 0) else torch.full_like(value, float("nan"))
-            elif k == "_sgs":
-                sgs_global[name] = value
-            elif j is not None:
-                out[k][name][j] = value
-            else:
-                out[k][name] = value
-    if "variance" in local:
-        sgs = out.get("sum_grad_squared", sgs_global)
-        # (1/N) Σ g² − ((1/N) Σ g)² ≥ 0 exactly; clamp the rounding below zero
-        out["variance"] = {
-            name: (sgs[name] / n_global - (out["grad"][name] / n_global) ** 2).clamp_(min=0)
-            for name in local["variance"]
-        }
-    return {key: out[key] for key in local}
-
-
-def _times(t: Tensor, r: float) -> Tensor:
-    """``r · t``; a rank with nothing counted (``r = 0``: its local results are NaN, 0/0)
-    contributes zeros."""
-    return torch.zeros_like(t) if r == 0 else t * r
