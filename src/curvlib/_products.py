@@ -53,97 +53,105 @@ class replay_rng:
 
 
 def products(program, spec, y, curv, X, values, residual_nodes, lin, residual_grads, rng, trainable, seed=None):
-    """Factory of the block-product callables ``[V, *p] -> [V, *p]`` (GGNMP, HMP, PCHMP).
+    """Factory of the block-product callables ``[V, *p] -> [V, *p]`` (GGNMP, HMP, PCHMP):
+    ``make(ext, name)``.
 
     ``curv`` is the loss Hessian at the output (:func:`curvlib.losses.curvature_at`),
     ``seed`` the call's dropout seed (:mod:`curvlib._dropout`): the callables re-run
     the forward with the same masks whenever they are evaluated.
     """
-    device = _inputs.first(X).device
+    return _Products(program, spec, y, curv, X, values, residual_nodes, lin, residual_grads, rng, trainable,
+                     seed).make
 
-    def outputs(name, p, with_taps):
-        vals = dict(values)
+
+class _Products:
+    """What every product of one call shares: the call's inputs, parameters, random state."""
+
+    def __init__(self, program, spec, y, curv, X, values, residual_nodes, lin, residual_grads, rng, trainable, seed):
+        self.program, self.spec, self.y, self.curv, self.X = program, spec, y, curv, X
+        self.values, self.residual_nodes, self.lin, self.residual_grads = values, residual_nodes, lin, residual_grads
+        self.rng, self.trainable, self.seed = rng, trainable, seed
+        self.device = _inputs.first(X).device
+
+    def make(self, ext, name: str) -> Callable[[Tensor], Tensor]:
+        build = {"hmp": self._hmp, "ggnmp": self._ggnmp}.get(ext.quantity, self._pchmp)
+        product = build(ext, name, self.values[name])
+        label = {"hmp": "HMP", "ggnmp": "GGNMP"}.get(ext.quantity, "PCHMP")
+
+        def checked(V: Tensor) -> Tensor:
+            _check_directions(ext, name, self.values[name], V)
+            return V.new_zeros(V.shape) if V.shape[0] == 0 else product(V)
+
+        return _guarded(checked, self.seed, self.device, label)
+
+    def _outputs(self, name: str, p: Tensor, with_taps: bool):
+        """The model output with ``p`` as parameter ``name`` (and the residuals' inputs)."""
+        vals = dict(self.values)
         vals[name] = p
-        rec = Recorder(None, residual_nodes=residual_nodes if with_taps else None)
-        with replay_rng(rng, device):
+        rec = Recorder(None, residual_nodes=self.residual_nodes if with_taps else None)
+        with replay_rng(self.rng, self.device):
             # the same sites as the main pass (without probes), so the same residuals
-            out = run_graph(program, X, vals, trainable if with_taps else frozenset(), rec)
+            out = run_graph(self.program, self.X, vals, self.trainable if with_taps else frozenset(), rec)
         return out, [a for r in rec.residuals for a in r.inputs]
 
-    def make(ext, name):
-        p0 = values[name]
+    def _hmp(self, ext, name: str, p0: Tensor):
+        def loss_of(p):
+            return losses.loss_value(self.spec, self._outputs(name, p, False)[0], self.y)
 
-        def check(V):
-            if not isinstance(V, Tensor) or tuple(V.shape[1:]) != tuple(p0.shape) or V.dim() != p0.dim() + 1:
-                raise CurvatureError(
-                    f"{type(ext).__name__} product for '{name}' needs a tensor [V, *p.shape] = "
-                    f"[V, {', '.join(map(str, p0.shape))}], got "
-                    f"{tuple(V.shape) if isinstance(V, Tensor) else type(V).__name__}."
-                )
+        def hmp(V):
+            # Reverse-over-reverse (the block is symmetric): forward-over-reverse
+            # hits an immutable ZeroTensor in torch 2.13 for MSELoss(mean).
+            _, pull = torch.func.vjp(torch.func.grad(loss_of), p0)
+            return torch.func.vmap(lambda v: pull(v)[0])(V)
 
-        if ext.quantity == "hmp":
-            def loss_of(p):
-                return losses.loss_value(spec, outputs(name, p, False)[0], y)
+        return hmp
 
-            def hmp(V):
-                check(V)
-                if V.shape[0] == 0:
-                    return V.new_zeros(V.shape)
-                # Reverse-over-reverse (the block is symmetric): forward-over-reverse
-                # hits an immutable ZeroTensor in torch 2.13 for MSELoss(mean).
-                _, pull = torch.func.vjp(torch.func.grad(loss_of), p0)
-                return torch.func.vmap(lambda v: pull(v)[0])(V)
+    def _ggnmp(self, ext, name: str, p0: Tensor):
+        """``Jᵀ H J v``: a jvp, the loss Hessian, a vjp."""
+        def one(v):
+            f = lambda p: self._outputs(name, p, False)[0]  # noqa: E731
+            _, jv = torch.func.jvp(f, (p0,), (v,))
+            hjv = self.curv.matvec(jv.unsqueeze(0))[0]
+            return torch.func.vjp(f, p0)[1](hjv)[0]
 
-            return _guarded(hmp, seed, device, "HMP")
+        return lambda V: torch.func.vmap(one, randomness="same")(V)  # dropout: the call's masks
 
-        if ext.quantity == "ggnmp":
-            def ggnmp(V):
-                check(V)
-                if V.shape[0] == 0:
-                    return V.new_zeros(V.shape)
-
-                def one(v):
-                    f = lambda p: outputs(name, p, False)[0]  # noqa: E731
-                    _, jv = torch.func.jvp(f, (p0,), (v,))
-                    hjv = curv.matvec(jv.unsqueeze(0))[0]
-                    return torch.func.vjp(f, p0)[1](hjv)[0]
-
-                return torch.func.vmap(one, randomness="same")(V)  # dropout: the call's masks
-
-            return _guarded(ggnmp, seed, device, "GGNMP")
-
+    def _pchmp(self, ext, name: str, p0: Tensor):
+        """``Jᵀ H₊ J v`` plus every residual's positive part, pulled back through the taps
+        (:mod:`curvlib._residual_math`)."""
+        lin = self.lin
         operators = [
             _residual_math.positive_curvature(res, g_z, ext.modify)
-            for res, g_z in zip(lin.residuals, residual_grads)
+            for res, g_z in zip(lin.residuals, self.residual_grads)
         ]
         n_taps = sum(len(res.inputs) for res in lin.residuals)
 
-        def pchmp(V):
-            check(V)
-            if V.shape[0] == 0:
-                return V.new_zeros(V.shape)
+        def one(v):
+            f = lambda p: self._outputs(name, p, True)  # noqa: E731
+            _, (jv, jtaps) = torch.func.jvp(f, (p0,), (v,))
+            hjv = self.curv.modified_matvec(jv.unsqueeze(0), ext.modify)[0]
+            cot_taps = [torch.zeros_like(t) for t in jtaps]
+            direct = torch.zeros_like(v)
+            for res, apply in zip(lin.residuals, operators):
+                own = name in res.params or (res.kind == "bilinear" and res.site.params.get("weight") == name)
+                tap_c, theta_c = apply([jtaps[k] for k in res.taps], {name: v} if own else {})
+                for k, c in zip(res.taps, tap_c):
+                    cot_taps[k] = cot_taps[k] + c
+                if name in theta_c:
+                    direct = direct + theta_c[name]
+            assert len(cot_taps) == n_taps
+            return torch.func.vjp(f, p0)[1]((hjv, cot_taps))[0] + direct
 
-            def one(v):
-                f = lambda p: outputs(name, p, True)  # noqa: E731
-                _, (jv, jtaps) = torch.func.jvp(f, (p0,), (v,))
-                hjv = curv.modified_matvec(jv.unsqueeze(0), ext.modify)[0]
-                cot_taps = [torch.zeros_like(t) for t in jtaps]
-                direct = torch.zeros_like(v)
-                for res, apply in zip(lin.residuals, operators):
-                    own = name in res.params or (res.kind == "bilinear" and res.site.params.get("weight") == name)
-                    tap_c, theta_c = apply([jtaps[k] for k in res.taps], {name: v} if own else {})
-                    for k, c in zip(res.taps, tap_c):
-                        cot_taps[k] = cot_taps[k] + c
-                    if name in theta_c:
-                        direct = direct + theta_c[name]
-                assert len(cot_taps) == n_taps
-                return torch.func.vjp(f, p0)[1]((hjv, cot_taps))[0] + direct
+        return lambda V: torch.func.vmap(one, randomness="same")(V)
 
-            return torch.func.vmap(one, randomness="same")(V)
 
-        return _guarded(pchmp, seed, device, "PCHMP")
-
-    return make
+def _check_directions(ext, name: str, p0: Tensor, V) -> None:
+    if not isinstance(V, Tensor) or tuple(V.shape[1:]) != tuple(p0.shape) or V.dim() != p0.dim() + 1:
+        raise CurvatureError(
+            f"{type(ext).__name__} product for '{name}' needs a tensor [V, *p.shape] = "
+            f"[V, {', '.join(map(str, p0.shape))}], got "
+            f"{tuple(V.shape) if isinstance(V, Tensor) else type(V).__name__}."
+        )
 
 
 def _guarded(product: Callable[[Tensor], Tensor], seed: Optional[int], device: torch.device, name: str = ""):

@@ -55,7 +55,6 @@ AFFINE_IN_PARAMETERS = AFFINE_FAMILIES + ("layernorm", "groupnorm")
 # Per-sample entries of a dense residual: N·D² must stay below this.
 MAX_DENSE_ENTRIES = 2**26
 
-Maker = Callable[[fx.Node, Dict[fx.Node, object], Dict[str, Tensor], frozenset, Recorder], None]
 
 
 def _describe(program: Program, node: fx.Node) -> str:
