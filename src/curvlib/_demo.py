@@ -21,7 +21,8 @@ mapped to ``None`` (Monte-Carlo estimates, Kronecker factors) or missing is
 reported as *unchecked*. Matrix-product extensions (results that are
 callables ``[V, *p.shape] -> [V, *p.shape]``) are compared on seeded random
 ``V``. The exit code is 1 if any checked deviation exceeds :data:`TOLERANCE`
-or an extension raises.
+or an extension raises. The problem and the references live in
+:mod:`curvlib._demo_problem` (re-exported here).
 
 Timings: each extension alone, ``curvature(model, lossfn, [ext])(X, y)``,
 median over interleaved rounds, relative to a plain gradient
@@ -35,230 +36,23 @@ import random
 import statistics
 import sys
 import time
-from collections import OrderedDict
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad, hessian, jacrev, vmap
 
 from . import curvature
 from . import extensions as _extensions
+from ._demo_problem import REFERENCES, Gram, Reference, problem
 from .extensions import Extension
+
+__all__ = [
+    "REFERENCES", "ROUNDS", "TOLERANCE", "Gram", "Reference", "deviation", "exported_extensions",
+    "instantiate", "main", "problem", "summary",
+]
 
 TOLERANCE = 1e-8
 ROUNDS = 15
-
-
-# --------------------------------------------------------------------------- problem
-
-
-def problem(n: int = 8, seed: int = 0) -> Tuple[nn.Module, nn.Module, Tensor, Tensor]:
-    """Tiny CNN on ``[N, 1, 6, 6]`` inputs with 3 classes, float64, seeded."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = nn.Sequential(
-            OrderedDict(
-                conv=nn.Conv2d(1, 3, 3),
-                relu=nn.ReLU(),
-                pool=nn.MaxPool2d(2),
-                flatten=nn.Flatten(),
-                fc=nn.Linear(3 * 2 * 2, 3),
-            )
-        ).double()
-    X = torch.randn(n, 1, 6, 6, generator=gen, dtype=torch.float64)
-    y = torch.randint(0, 3, (n,), generator=gen)
-    return model, nn.CrossEntropyLoss(), X, y
-
-
-# --------------------------------------------------------------------------- references
-
-
-class Reference:
-    """Brute-force quantities of one problem, computed lazily and cached.
-
-    Attributes:
-        names: trainable parameter names, in the model's order.
-        shapes: their shapes; ``P`` is the sum of their sizes.
-    """
-
-    def __init__(self, model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor):
-        self.model, self.lossfn, self.X, self.y = model, lossfn, X, y
-        self.params = {n: p.detach() for n, p in model.named_parameters()}
-        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
-        self.shapes = [self.params[n].shape for n in self.names]
-        self.sizes = [self.params[n].numel() for n in self.names]
-        self._cache: Dict[str, object] = {}
-
-    # helpers ------------------------------------------------------------
-
-    def _cached(self, key: str, make: Callable[[], object]):
-        if key not in self._cache:
-            self._cache[key] = make()
-        return self._cache[key]
-
-    def _unflatten(self, theta: Tensor) -> Dict[str, Tensor]:
-        return {**self.params, **dict(zip(self.names, (t.view(s) for t, s in zip(theta.split(self.sizes), self.shapes))))}
-
-    def _theta(self) -> Tensor:
-        return torch.cat([self.params[n].flatten() for n in self.names])
-
-    def _blocks(self, flat: Tensor) -> Dict[str, Tensor]:
-        """``[..., P] -> {name: [..., *p.shape]}``."""
-        lead = flat.shape[:-1]
-        return {n: t.reshape(*lead, *s) for n, t, s in zip(self.names, flat.split(self.sizes, -1), self.shapes)}
-
-    def _diag_blocks(self, mat: Tensor) -> Dict[str, Tensor]:
-        """Block diagonals of ``[..., P, P]`` as ``{name: [..., *p.shape]}``."""
-        return self._blocks(torch.diagonal(mat, dim1=-2, dim2=-1))
-
-    def _block_grams(self, mat: Tensor) -> Dict[str, "Gram"]:
-        """``{name: Gram(M_pp)}`` for the diagonal blocks of ``[P, P]``."""
-        out, start = {}, 0
-        for n, size in zip(self.names, self.sizes):
-            out[n] = Gram(mat[start : start + size, start : start + size])
-            start += size
-        return out
-
-    def _block_products(self, mat: Tensor) -> Dict[str, Callable[[Tensor], Tensor]]:
-        """``{name: V ↦ V · M_pp}`` for the diagonal blocks of a symmetric ``[P, P]``."""
-        out, start = {}, 0
-        for n, size, shape in zip(self.names, self.sizes, self.shapes):
-            block = mat[start : start + size, start : start + size]
-            out[n] = lambda V, block=block, shape=shape: (V.flatten(1) @ block).reshape(V.shape[0], *shape)
-            start += size
-        return out
-
-    @property
-    def scale(self) -> float:
-        """The reduction factor ``c`` of one sample's loss (``1/N`` for ``"mean"``)."""
-        return 1.0 / self.X.shape[0] if self.lossfn.reduction == "mean" else 1.0
-
-    # first order ----------------------------------------------------------
-
-    def grad(self) -> Dict[str, Tensor]:
-        """Autograd's gradient of ``lossfn(model(X), y)``."""
-
-        def make():
-            ps = [p for n, p in self.model.named_parameters() if n in self.names]
-            gs = torch.autograd.grad(self.lossfn(self.model(self.X), self.y), ps)
-            return dict(zip(self.names, gs))
-
-        return self._cached("grad", make)
-
-    def grad_batch(self) -> Dict[str, Tensor]:
-        """``g_n = c ∇_θ ℓ_n`` by ``vmap(grad)`` over samples, ``[N, *p.shape]``."""
-
-        def make():
-            def loss_one(trainable, x, t):
-                out = functional_call(self.model, {**self.params, **trainable}, (x.unsqueeze(0),))
-                return self.lossfn(out, t.unsqueeze(0)) * self.scale
-
-            trainable = {n: self.params[n] for n in self.names}
-            return vmap(grad(loss_one), in_dims=(None, 0, 0))(trainable, self.X, self.y)
-
-        return self._cached("grad_batch", make)
-
-    # second order ---------------------------------------------------------
-
-    def hessian(self) -> Tensor:
-        """``∇²_θ L`` of the batch loss, ``[P, P]``."""
-
-        def make():
-            def loss(theta):
-                return self.lossfn(functional_call(self.model, self._unflatten(theta), (self.X,)), self.y)
-
-            return hessian(loss)(self._theta())
-
-        return self._cached("hessian", make)
-
-    def hessian_batch(self) -> Tensor:
-        """``H_n = ∇²_θ (c·ℓ_n)``, ``[N, P, P]``; they sum to :meth:`hessian`."""
-
-        def make():
-            def loss_one(theta, x, t):
-                out = functional_call(self.model, self._unflatten(theta), (x.unsqueeze(0),))
-                return self.lossfn(out, t.unsqueeze(0)) * self.scale
-
-            theta = self._theta()
-            return torch.stack([hessian(loss_one)(theta, x, t) for x, t in zip(self.X, self.y)])
-
-        return self._cached("hessian_batch", make)
-
-    def _jacobian_and_output_hessian(self) -> Tuple[Tensor, Tensor]:
-        """``J = ∂f/∂θ`` ``[N, K, P]`` and ``∇²_f L`` ``[N, K, N, K]`` (``K`` outputs per sample)."""
-
-        def make():
-            theta = self._theta()
-            out = functional_call(self.model, self.params, (self.X,)).detach()
-            J = jacrev(lambda th: functional_call(self.model, self._unflatten(th), (self.X,)))(theta)
-            H = hessian(lambda o: self.lossfn(o, self.y))(out)
-            n = out.shape[0]
-            k = out[0].numel()
-            return J.reshape(n, k, -1), H.reshape(n, k, n, k)
-
-        return self._cached("ggn_pieces", make)
-
-    def ggn(self) -> Tensor:
-        """``G = Jᵀ (∇²_f L) J``, ``[P, P]``."""
-        J, H = self._jacobian_and_output_hessian()
-        return torch.einsum("nkp,nkml,mlq->pq", J, H, J)
-
-    def ggn_batch(self) -> Tensor:
-        """``G_n = J_nᵀ (∇²_{f_n} L) J_n``, ``[N, P, P]``; they sum to :meth:`ggn`."""
-        J, H = self._jacobian_and_output_hessian()
-        return torch.einsum("nkp,nknl,nlq->npq", J, H, J)
-
-
-class Gram:
-    """Expected value of a matrix square root ``S`` ``[V, N, *p.shape]``, known only up to rotation.
-
-    ``S`` is checked through ``Σ_{v,n} S[v,n] S[v,n]ᵀ`` (flattened over
-    ``p``), which must equal the block ``M_pp``.
-    """
-
-    def __init__(self, block: Tensor):
-        self.block = block
-
-    def deviation(self, value: object) -> float:
-        if not isinstance(value, Tensor) or value[0, 0].numel() != self.block.shape[0]:
-            return float("inf")
-        S = value.flatten(2).flatten(0, 1)
-        return (S.T @ S - self.block).abs().max().item()
-
-
-def _first(q: Callable[[Dict[str, Tensor]], Dict[str, Tensor]]):
-    return lambda ref: q(ref.grad_batch())
-
-
-# Result name -> reference (``None``: no deterministic reference, unchecked).
-REFERENCES: Dict[str, Optional[Callable[[Reference], Dict[str, object]]]] = {
-    "grad_batch": _first(lambda gb: dict(gb)),
-    "batch_l2": _first(lambda gb: {k: (v**2).flatten(1).sum(1) for k, v in gb.items()}),
-    "sum_grad_squared": _first(lambda gb: {k: (v**2).sum(0) for k, v in gb.items()}),
-    "variance": _first(
-        lambda gb: {k: (v**2).mean(0) - v.mean(0) ** 2 for k, v in gb.items()}
-    ),
-    "diag_ggn_exact": lambda ref: ref._diag_blocks(ref.ggn()),
-    "diag_ggn_exact_batch": lambda ref: ref._diag_blocks(ref.ggn_batch()),
-    "diag_h": lambda ref: ref._diag_blocks(ref.hessian()),
-    "diag_h_batch": lambda ref: ref._diag_blocks(ref.hessian_batch()),
-    "ggnmp": lambda ref: ref._block_products(ref.ggn()),
-    "hmp": lambda ref: ref._block_products(ref.hessian()),
-    # The demo's only nonlinearities are ReLU and max-pooling (f'' = 0) and
-    # the cross-entropy Hessian is positive semi-definite, so here the
-    # positive-curvature Hessian equals the GGN. Revisit if the problem changes.
-    "pchmp": lambda ref: ref._block_products(ref.ggn()),
-    "sqrt_ggn_exact": lambda ref: ref._block_grams(ref.ggn()),
-    # Monte-Carlo estimates and Kronecker factors: no exact reference here.
-    "diag_ggn_mc": None,
-    "diag_ggn_mc_batch": None,
-    "sqrt_ggn_mc": None,  # Monte-Carlo
-    "kfac": None,
-    "kflr": None,
-    "kfra": None,
-}
 
 
 # --------------------------------------------------------------------------- comparison
@@ -369,80 +163,132 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         torch.set_num_threads(threads)
 
 
+@dataclasses.dataclass
+class _Outcome:
+    """What the extensions gave, per result name (``"grad"``, ``"loss"``, ``ext.name``).
+
+    Attributes:
+        results: name -> parameter name -> value (``"loss"``: the loss tensor).
+        expected: name -> parameter name -> reference; ``None``: unchecked.
+        calls: timing label -> a call that recomputes it (``"loss.backward"`` first).
+        label: result name -> extension class name.
+        failures, unchecked: messages and class names for the verdict.
+    """
+
+    results: Dict[str, Dict[str, object]] = dataclasses.field(default_factory=dict)
+    expected: Dict[str, Optional[Dict[str, object]]] = dataclasses.field(default_factory=dict)
+    calls: Dict[str, Callable[[], object]] = dataclasses.field(default_factory=dict)
+    label: Dict[str, str] = dataclasses.field(default_factory=dict)
+    failures: List[str] = dataclasses.field(default_factory=list)
+    unchecked: List[str] = dataclasses.field(default_factory=list)
+
+
 def _run() -> int:
+    """The demo's stages: problem, extensions, loss check, tables, timings, verdict."""
     model, lossfn, X, y = problem()
     ref = Reference(model, lossfn, X, y)
     classes = exported_extensions()
+    _print_header(model, lossfn, X, len(classes))
+    outcome = _run_extensions(model, lossfn, X, y, ref, classes)
+    _check_loss(outcome, lossfn(model(X), y).item())
+    for name in ref.names:
+        _print_parameter(name, ref.params[name], outcome)
+    _print_timings(outcome.calls)
+    return _verdict(outcome, len(classes))
+
+
+def _print_header(model: nn.Module, lossfn: nn.Module, X: Tensor, count: int) -> None:
     print(
-        f"curvlib demo: {len(classes)} extensions on a tiny CNN "
+        f"curvlib demo: {count} extensions on a tiny CNN "
         f"({' -> '.join(type(m).__name__ for m in model)}), N={X.shape[0]}, "
         f"X {list(X.shape)}, float64, {type(lossfn).__name__}(reduction={lossfn.reduction!r})"
     )
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); tolerance {TOLERANCE:g}\n")
 
-    failures: List[str] = []
-    unchecked: List[str] = []
-    results: Dict[str, Dict[str, object]] = {}
-    expected: Dict[str, Optional[Dict[str, object]]] = {}
-    calls: Dict[str, Callable[[], object]] = {}
-    label: Dict[str, str] = {}
+
+def _run_extensions(
+    model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor, ref: Reference, classes: Sequence[type]
+) -> _Outcome:
+    """The plain gradient and loss (no extension), then every extension alone, with references."""
+    outcome = _Outcome()
 
     def plain_gradient():
         model.zero_grad(set_to_none=True)
         lossfn(model(X), y).backward()
 
-    calls["loss.backward"] = plain_gradient
+    outcome.calls["loss.backward"] = plain_gradient
     first = curvature(model, lossfn, [])(X, y)
-    results["grad"], expected["grad"] = first["grad"], ref.grad()
-    results["loss"] = first["loss"]
+    outcome.results["grad"], outcome.expected["grad"] = first["grad"], ref.grad()
+    outcome.results["loss"] = first["loss"]
     for cls in classes:
-        ext = instantiate(cls)
-        label[ext.name] = cls.__name__
-        try:
-            f = curvature(model, lossfn, [ext])
-            results[ext.name] = f(X, y)[ext.name]
-            calls[cls.__name__] = lambda f=f: f(X, y)
-        except Exception as err:  # noqa: BLE001 - reported, and the demo fails
-            failures.append(f"{cls.__name__}: raised {type(err).__name__}: {err}")
-            continue
-        make = REFERENCES.get(ext.name)
-        if make is None:
-            unchecked.append(cls.__name__)
-            expected[ext.name] = None
-        else:
-            expected[ext.name] = make(ref)
+        _run_extension(cls, model, lossfn, X, y, ref, outcome)
+    return outcome
 
-    loss_dev = abs(results["loss"].item() - lossfn(model(X), y).item())
-    print(f"loss {results['loss'].item():.6f} (deviation {loss_dev:.1e})\n")
+
+def _run_extension(
+    cls: type, model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor, ref: Reference, outcome: _Outcome
+) -> None:
+    """``curvature(model, lossfn, [ext])(X, y)`` for one extension class, into ``outcome``."""
+    ext = instantiate(cls)
+    outcome.label[ext.name] = cls.__name__
+    try:
+        f = curvature(model, lossfn, [ext])
+        outcome.results[ext.name] = f(X, y)[ext.name]
+        outcome.calls[cls.__name__] = lambda f=f: f(X, y)
+    except Exception as err:  # noqa: BLE001 - reported, and the demo fails
+        outcome.failures.append(f"{cls.__name__}: raised {type(err).__name__}: {err}")
+        return
+    make = REFERENCES.get(ext.name)
+    if make is None:
+        outcome.unchecked.append(cls.__name__)
+        outcome.expected[ext.name] = None
+    else:
+        outcome.expected[ext.name] = make(ref)
+
+
+def _check_loss(outcome: _Outcome, autograd_loss: float) -> None:
+    """The loss curvlib returned against ``lossfn(model(X), y)``."""
+    loss_dev = abs(outcome.results["loss"].item() - autograd_loss)
+    print(f"loss {outcome.results['loss'].item():.6f} (deviation {loss_dev:.1e})\n")
     if not loss_dev <= TOLERANCE:
-        failures.append(f"loss: deviation {loss_dev:.2e}")
+        outcome.failures.append(f"loss: deviation {loss_dev:.2e}")
 
-    for name in ref.names:
-        p = ref.params[name]
-        rows = []
-        for q, per_param in results.items():
-            if q == "loss":
-                continue
-            what = "grad" if q == "grad" else f"{label.get(q, q)} ({q})"
-            if name not in per_param:
-                rows.append([what, "missing", "-", "-"])
-                failures.append(f"{what}: no entry for parameter {name!r}")
-                continue
-            value = per_param[name]
-            exp = expected.get(q)
-            if exp is None:
-                dev_s = "unchecked"
-            else:
-                dev = deviation(value, exp[name], p.shape, p.dtype)
-                dev_s = f"{dev:.1e}"
-                if not dev <= TOLERANCE:
-                    dev_s += "  FAIL"
-                    failures.append(f"{what}[{name}]: max |deviation| {dev:.2e} > {TOLERANCE:g}")
-            rows.append([what, _layout(value), summary(value, p.shape, p.dtype), dev_s])
-        print(f"parameter {name}  shape {list(p.shape)}")
-        print(_table(["quantity", "layout", "norm", "max |dev|"], rows))
-        print()
 
+def _print_parameter(name: str, p: Tensor, outcome: _Outcome) -> None:
+    """One parameter's table: every result's layout, norm and deviation from its reference."""
+    rows = []
+    for q, per_param in outcome.results.items():
+        if q == "loss":
+            continue
+        what = "grad" if q == "grad" else f"{outcome.label.get(q, q)} ({q})"
+        if name not in per_param:
+            rows.append([what, "missing", "-", "-"])
+            outcome.failures.append(f"{what}: no entry for parameter {name!r}")
+            continue
+        value = per_param[name]
+        dev_s = _deviation_cell(what, name, value, outcome.expected.get(q), p, outcome.failures)
+        rows.append([what, _layout(value), summary(value, p.shape, p.dtype), dev_s])
+    print(f"parameter {name}  shape {list(p.shape)}")
+    print(_table(["quantity", "layout", "norm", "max |dev|"], rows))
+    print()
+
+
+def _deviation_cell(
+    what: str, name: str, value: object, exp: Optional[Dict[str, object]], p: Tensor, failures: List[str]
+) -> str:
+    """``max |value − reference|`` as a table cell (``FAIL`` above :data:`TOLERANCE`, noted in ``failures``)."""
+    if exp is None:
+        return "unchecked"
+    dev = deviation(value, exp[name], p.shape, p.dtype)
+    dev_s = f"{dev:.1e}"
+    if not dev <= TOLERANCE:
+        dev_s += "  FAIL"
+        failures.append(f"{what}[{name}]: max |deviation| {dev:.2e} > {TOLERANCE:g}")
+    return dev_s
+
+
+def _print_timings(calls: Dict[str, Callable[[], object]]) -> None:
+    """Median time per call, and relative to the plain ``loss.backward``."""
     medians = _time(calls, ROUNDS)
     base = medians["loss.backward"]
     rows = [[k, f"{1e3 * t:.3f}", f"{t / base:.2f}"] for k, t in medians.items()]
@@ -450,14 +296,20 @@ def _run() -> int:
     print(_table(["method", "ms", "x loss.backward"], rows))
     print()
 
-    if unchecked:
-        print(f"unchecked (no exact reference): {', '.join(unchecked)}")
-    if failures:
+
+def _verdict(outcome: _Outcome, count: int) -> int:
+    """Print the unchecked extensions and any failures; 0 if none failed, else 1."""
+    if outcome.unchecked:
+        print(f"unchecked (no exact reference): {', '.join(outcome.unchecked)}")
+    if outcome.failures:
         print("FAILED:")
-        for f in failures:
+        for f in outcome.failures:
             print(f"  {f}")
         return 1
-    print(f"all checks passed: {len(classes) - len(unchecked)} extensions and the gradient match autograd to {TOLERANCE:g}")
+    print(
+        f"all checks passed: {count - len(outcome.unchecked)} extensions and the gradient match autograd to "
+        f"{TOLERANCE:g}"
+    )
     return 0
 
 

@@ -46,8 +46,11 @@ from torch import Tensor, nn
 
 from .._errors import CurvatureError
 from ._site import Recorder, Site
-from .conv import Correlation, check_batched, fold_columns, input_factor, outer_rule
-from .conv import kron as _conv_kron
+from ._conv_correlation import Correlation
+from ._conv_kron import input_factor
+from ._conv_kron import kron as _conv_kron
+from ._conv_unfold import fold_columns
+from .conv import check_batched, outer_rule
 
 _CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
