@@ -10,15 +10,23 @@ computed with :func:`torch.func.vjp` on the module run on sample ``n`` alone
 Correct for any module that treats samples independently, slower than a
 hand-written rule. Tensor arguments whose dim 0 has the batch size are taken
 as batched; all others are passed unchanged to every sample.
+
+A module whose forward branches on tensor values (``if x.sum() > 0``), which
+``vmap`` cannot run, is run sample by sample instead (:func:`map_samples`):
+the same values, one call per sample. Each sample then takes the branch its
+own values select, like autograd on that sample alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Dict, Sequence
 
+import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
+from torch.utils import _pytree as pytree
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .._errors import CurvatureError
@@ -99,6 +107,36 @@ def _join_args(saved: Dict[str, Tensor], pos_static: list, kw_static: dict):
     return args, kwargs
 
 
+# Functions (by a key, e.g. the module) seen to branch on tensor values: looped at once.
+_BRANCHING: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def map_samples(fn, in_dims, key=None):
+    """``vmap(fn, in_dims)``, or, when ``fn`` branches on tensor values (data-dependent
+    control flow or ``.item()``, which vmap cannot run), a loop over the mapped
+    dimension whose results are stacked: the same values, one call per sample.
+    ``key`` (weak-referenceable, e.g. the module ``fn`` runs): remembered as branching,
+    so that later calls loop without trying vmap first."""
+
+    def mapped(*args):
+        if key is None or key not in _BRANCHING:
+            try:
+                return vmap(fn, in_dims=in_dims)(*args)
+            except RuntimeError as exc:
+                if "data-dependent control flow" not in str(exc):
+                    raise
+                if key is not None:
+                    _BRANCHING.add(key)
+        flat, spec = pytree.tree_flatten(args)
+        dims = pytree._broadcast_to_and_flatten(in_dims, spec)
+        n = next(a.shape[d] for a, d in zip(flat, dims) if d is not None)
+        outs = [fn(*pytree.tree_unflatten([a if d is None else a.select(d, i) for a, d in zip(flat, dims)], spec))
+                for i in range(n)]
+        return pytree.tree_map(lambda *xs: torch.stack(xs), outs[0], *outs[1:])
+
+    return mapped
+
+
 def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
     module = site.meta["module"]
     n = g.shape[0]
@@ -119,7 +157,7 @@ def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
         _, pullback = vjp(f, free)
         return pullback(g_n.unsqueeze(0))[0]
 
-    return vmap(one_sample, in_dims=(in_dims, 0))(inputs, g)
+    return map_samples(one_sample, (in_dims, 0), key=module)(inputs, g)
 
 
 GENERIC = Rule(kind="generic", grad_batch=grad_batch)
