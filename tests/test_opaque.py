@@ -24,7 +24,7 @@ from torch import nn
 
 from curvlib import CurvatureError, curvature
 from curvlib._program import trace_program
-from curvlib.extensions import KFAC, KFLR, KFRA, DiagGGNMC, SqrtGGNMC
+from curvlib.extensions import KFAC, KFLR, KFRA, BatchGrad, DiagGGNExact, DiagGGNMC, DiagHessian, SqrtGGNMC
 
 from helpers import _assert_same_state, state_snapshot
 from loss_checks import assert_converges, mc_read, rel
@@ -289,3 +289,16 @@ def test_value_branch_takes_each_branch():
     qs_neg = _quiet_curvature(model, lossfn, exact_extensions(hessian=False))(-X, y)
     assert qs_pos["grad"]["mid.a.weight"].abs().sum() > 0 and qs_pos["grad"]["mid.b.weight"].abs().sum() == 0
     assert qs_neg["grad"]["mid.b.weight"].abs().sum() > 0 and qs_neg["grad"]["mid.a.weight"].abs().sum() == 0
+
+
+@pytest.mark.parametrize("ext", [BatchGrad(), DiagGGNExact(), DiagHessian()])
+def test_branch_chosen_by_the_whole_batch_refused(ext):
+    """Samples on both sides of a batch-level branch: a sample alone takes another branch than
+    in the batch, so per-sample quantities are not defined: refused, naming the module (sample 0
+    agrees with the batch, so only the per-sample runs can see it)."""
+    model, lossfn, X, y = _problem("value_branch", 3, 0, False)
+    X = X.clone()
+    X[2] = -X[2] * 0.1  # the batch's sum stays positive; sample 2's is negative
+    assert X.sum() > 0 and X[0].sum() > 0 and X[2].sum() < 0
+    with pytest.raises(CurvatureError, match="'mid' \\(Branchy.*branches on tensor values"):
+        _quiet_curvature(model, lossfn, [ext])(X, y)
