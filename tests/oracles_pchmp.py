@@ -52,10 +52,16 @@ from oracles_second import loss_hessian_blocks
 
 
 class _Leaves(fx.Tracer):
-    """Leaves: modules owning parameters themselves, and the ``torch.nn`` built-ins."""
+    """Leaves: modules owning parameters themselves, the ``torch.nn`` built-ins, and the
+    given module types (untraceable modules: one node each, as the caller states)."""
+
+    def __init__(self, leaves: tuple = ()):
+        super().__init__()
+        self.leaves = tuple(leaves)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return any(True for _ in m.parameters(recurse=False)) or super().is_leaf_module(m, qualname)
+        return (any(True for _ in m.parameters(recurse=False)) or isinstance(m, self.leaves)
+                or super().is_leaf_module(m, qualname))
 
 
 def mod(M: Tensor, modify: Optional[str]) -> Tensor:
@@ -90,9 +96,9 @@ def _getattr_path(obj, target: str):
 class _Graph:
     """The traced model, run functionally with every parameter replaceable."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, leaves: tuple = ()):
         self.model = model
-        self.graph = _Leaves().trace(model)
+        self.graph = _Leaves(leaves).trace(model)
         self.ids = {}
         for name, p in model.named_parameters():
             self.ids.setdefault(id(p), name)
@@ -248,12 +254,14 @@ def _jacobians(graph: _Graph, X: Tensor, params, name: str) -> Tuple[Tensor, Dic
     return jac[0].reshape(X.shape[0], -1, p0.numel()), {a: j.reshape(-1, p0.numel()) for a, j in zip(feeding, jac[1:])}
 
 
-def pchmp_blocks(model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor, modify: Optional[str]) -> Dict[str, Tensor]:
+def pchmp_blocks(model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor, modify: Optional[str],
+                 leaves: tuple = ()) -> Dict[str, Tensor]:
     """``{name: [P, P]}``: the positive-curvature Hessian block of every trainable parameter.
 
     ``modify=None`` gives the exact Hessian blocks (a self-check of the decomposition).
+    ``leaves``: module types that are one graph node each (whole, like curvlib's opaque modules).
     """
-    graph = _Graph(model)
+    graph = _Graph(model, leaves)
     params = {n: p.detach() for n, p in model.named_parameters()}
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     with torch.no_grad():

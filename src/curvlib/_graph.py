@@ -163,5 +163,7 @@ def _call_module(program, node: fx.Node, args, kwargs, params, trainable, rec):
     out = layer.forward(layer.module, layer.path, names, tensors, args, kwargs, rec)
     for site in rec.sites[first_site:]:
         site.meta["family"] = layer.kind
+        if layer.opaque:  # a submodule torch.fx could not trace: why (for refusals)
+            site.meta["opaque"] = layer.opaque
     return out
 

@@ -7,7 +7,14 @@ of the trace are
   a user module with an ``nn.Parameter``, ...): a *layer*, run by its rule
   from :mod:`curvlib.rules`, or by the generic torch.func rule if none fits;
 * the built-in parameter-free ``torch.nn`` modules (``ReLU``, ``MaxPool2d``,
-  ...), run as they are.
+  ...), run as they are;
+* *opaque* submodules: those whose ``forward`` torch.fx cannot trace (type or
+  shape assertions on proxies, data-dependent control flow, iteration over a
+  tensor). When the whole model fails to trace, the deepest module on fx's
+  module stack at the failure becomes a leaf and tracing is repeated, until it
+  succeeds or the failure is in the model's own ``forward`` (then the model has
+  no graph). An opaque module owning parameters (in its subtree) is one layer
+  run by the generic rule; a parameter-free one runs as it is.
 
 Everything else (user containers, functional ops, tensor methods, residual
 additions) is inlined into the graph, so any traceable model works,
@@ -48,6 +55,8 @@ class Layer:
         forward: the rule's functional forward ``(module, where, names, tensors,
             args, kwargs, recorder) -> output``.
         kind: the rule family (``"linear"``, ``"conv"``, ..., ``"generic"``).
+        opaque: why torch.fx could not trace the module's ``forward`` (``""`` if it
+            is a leaf for another reason).
     """
 
     path: str
@@ -55,6 +64,7 @@ class Layer:
     names: Dict[str, str]
     forward: Callable
     kind: str
+    opaque: str = ""
 
 
 @dataclass
@@ -81,6 +91,7 @@ class Program:
     dependent: frozenset = frozenset()
     out_spec: object = None  # traced with a container input: the output's pytree spec
     leaf_inputs: bool = False  # traced with a container input: one placeholder per leaf
+    opaque: Dict[str, str] = field(default_factory=dict)  # untraceable submodule target -> fx's error
 
 
 def _owns_parameters(module: nn.Module) -> bool:
@@ -116,10 +127,23 @@ class _Tracer(fx.Tracer):
     undone when tracing ends, under :data:`curvlib._sync.LOCK`.
     """
 
+    def __init__(self, opaque: Optional[Dict[int, str]] = None):
+        super().__init__()
+        self.opaque = opaque or {}  # id(module) -> why: modules traced as leaves
+        self.failed: Optional[nn.Module] = None  # the deepest module whose forward raised
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if _owns_parameters(m):
+        if _owns_parameters(m) or id(m) in self.opaque:
             return True
         return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m, forward, args, kwargs):
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed is None:  # the first to see the error is the innermost module
+                self.failed = m
+            raise
 
     def trace(self, root, concrete_args=None):
         tracer = self
@@ -211,12 +235,7 @@ def trace_program(model: nn.Module, example=None) -> Program:
 
         first = next(iter(inspect.signature(root.forward).parameters))
         concrete = {first: trace_structure(example)}
-    try:
-        graph = _Tracer().trace(root, concrete_args=concrete)
-    except Exception as exc:  # noqa: BLE001 - any tracing failure means "untraceable"
-        graph = None
-        line = _model_line(exc)
-        error = f"{type(exc).__name__}: {exc}" + (f"\n  at {line}" if line else "")
+    graph, error, opaque = _trace_with_opaque_leaves(root, concrete)
 
     layers: Dict[str, Layer] = {}
     modules = dict(root.named_modules(remove_duplicate=False))
@@ -237,15 +256,47 @@ def trace_program(model: nn.Module, example=None) -> Program:
         }
         path = target[len(prefix):] if target.startswith(prefix) else target
         forward, kind = rules.forward_for(module)
-        layers[target] = Layer(path=path, module=module, names=names, forward=forward, kind=kind)
+        layers[target] = Layer(path=path, module=module, names=names, forward=forward, kind=kind,
+                               opaque=opaque.get(target, ""))
     functional = functional_uses(graph, root, param_names) if graph is not None else {}
     return Program(
         root=root, graph=graph, trace_error=error, layers=layers,
         param_names=param_names, prefix=prefix, functional=functional,
         dependent=frozenset(_input_dependent(graph, leaves=concrete is not None)) if graph is not None else frozenset(),
         out_spec=getattr(getattr(graph._codegen, "pytree_info", None), "out_spec", None) if graph is not None else None,
-        leaf_inputs=concrete is not None,
+        leaf_inputs=concrete is not None, opaque=opaque,
     )
+
+
+def _why(exc: BaseException) -> str:
+    """fx's error, first line, with the model line that raised it."""
+    line = _model_line(exc)
+    message = str(exc).strip()
+    return type(exc).__name__ + (f": {message}" if message else "") + (f"\n  at {line}" if line else "")
+
+
+def _trace_with_opaque_leaves(root: nn.Module, concrete) -> "tuple[Optional[fx.Graph], Optional[str], Dict[str, str]]":
+    """Trace ``root``; while a submodule's ``forward`` fails, retry with it as a leaf.
+
+    Returns ``(graph, error, opaque)``: the graph (``None`` when the model's own
+    ``forward`` fails, with ``error`` saying why) and, per opaque module target in
+    the graph, why fx could not trace it. Each retry adds one module, so at most
+    one retry per submodule."""
+    opaque: Dict[int, str] = {}
+    for _ in range(sum(1 for _ in root.modules()) + 1):
+        tracer = _Tracer(opaque)
+        try:
+            graph = tracer.trace(root, concrete_args=concrete)
+        except Exception as exc:  # noqa: BLE001 - any tracing failure means "untraceable"
+            if tracer.failed is None or tracer.failed is root or id(tracer.failed) in opaque:
+                return None, _why(exc), {}
+            opaque[id(tracer.failed)] = _why(exc)
+            continue
+        modules = dict(root.named_modules(remove_duplicate=False))
+        targets = {n.target: opaque[id(modules[n.target])] for n in graph.nodes
+                   if n.op == "call_module" and id(modules[n.target]) in opaque}
+        return graph, None, targets
+    raise AssertionError("unreachable: every retry makes one more module a leaf")  # pragma: no cover
 
 
 def _input_dependent(graph: fx.Graph, leaves: bool = False) -> set:

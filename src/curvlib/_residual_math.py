@@ -19,10 +19,11 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 from torch import Tensor
-from torch.func import hessian, vmap
+from torch.func import hessian
 
 from ._sync import LOCK
 from .rules.elementwise import second_derivative
+from .rules.generic import map_samples
 
 Columns = List[Tuple[float, Dict[int, Tensor], Dict[str, Tensor]]]
 
@@ -148,7 +149,7 @@ def _dense_matrix(res, g: Tensor) -> Tensor:
         return (_front(res.phi(theta, *xs), res.out_dim).squeeze(0) * g_n).sum()
 
     with LOCK:  # hessian is forward-over-reverse: forward-mode AD state is process-wide
-        R = vmap(hessian(contracted))(u, gc)
+        R = map_samples(hessian(contracted), 0)(u, gc)  # (a loop for value-dependent branches)
     R = (R + R.transpose(1, 2)) / 2
     if res.free:
         # block id per coordinate: 1 + k for the k-th free parameter, 0 for the rest of u

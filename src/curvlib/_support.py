@@ -55,11 +55,16 @@ def check_second_order(
     layer_kinds = layer_kinds or {}
     params_of: Dict[str, List[str]] = defaultdict(list)
     family_of: Dict[str, str] = {}
+    opaque_of: Dict[str, str] = {}
     for site in sites:
         params_of[site.where].extend(n for n in site.params.values() if n not in params_of[site.where])
         family_of[site.where] = site.meta.get("family", layer_kinds.get(site.where, "generic"))
+        if site.meta.get("opaque"):
+            opaque_of[site.where] = site.meta["opaque"]
     for ext in exts:
         hessian = ext.quantity in HESSIAN_QUANTITIES
+        if ext.kron:
+            _refuse_opaque(ext, params_of, opaque_of)
         if ext.kron or hessian:
             _check_families(ext, KRON_KINDS if ext.kron else HESSIAN_SITE_KINDS, params_of, family_of)
         if ext.kron:
@@ -67,6 +72,20 @@ def check_second_order(
                 _check_kron_uses(ext, name, uses.get(name, []), family_of)
         if hessian:
             _check_hessian_uses(ext, uses, unknown_nodes, family_of)
+
+
+def _refuse_opaque(ext, params_of, opaque_of) -> None:
+    """A Kronecker factor needs the layer's inside (its Linear/Conv input and output);
+    a submodule torch.fx could not trace is one opaque node, whose inside curvlib never sees."""
+    for where, why in opaque_of.items():
+        raise CurvatureError(
+            f"{type(ext).__name__} is not defined for the parameters {sorted(params_of[where])} of module "
+            f"'{where}': torch.fx could not trace its forward ({'; '.join(w.strip() for w in why.splitlines())}), so curvlib runs it as "
+            "one opaque layer (generic rule) and does not see the Linear/Conv layers inside it that Kronecker "
+            "factors need. Set requires_grad=False on those parameters (or leave them out of params=) to get "
+            f"{type(ext).__name__} for the other layers, make the module traceable by torch.fx, or use "
+            "DiagGGNExact / SqrtGGNExact / GGNMP, which are exact for it."
+        )
 
 
 def _check_families(ext, supported, params_of, family_of) -> None:

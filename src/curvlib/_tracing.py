@@ -23,7 +23,7 @@ from ._program import Program, trace_program
 from ._untraced import run_eager
 from .extensions.secondorder import SecondOrder
 
-__all__ = ["Traced", "trace", "warn_hooks"]
+__all__ = ["Traced", "trace", "warn_hooks", "warn_opaque"]
 
 
 @dataclass
@@ -57,6 +57,24 @@ def warn_hooks(model: nn.Module) -> None:
             "module's input or output is therefore not seen; fold such a change into the module's forward.",
             UserWarning, stacklevel=3,
         )
+
+
+def warn_opaque(program: Program) -> None:
+    """Say once per trace which submodules torch.fx could not trace, and what that means."""
+    modules = dict(program.root.named_modules(remove_duplicate=False))
+    lines = []
+    for target, why in program.opaque.items():
+        path = target[len(program.prefix):] if target.startswith(program.prefix) else target
+        owns = any(True for _ in modules[target].parameters())
+        role = "one layer (generic rule)" if owns else "a parameter-free operation"
+        lines.append(f"  '{path}' ({type(modules[target]).__name__}), {role}: {why.splitlines()[0]}"
+                     + "".join(f"\n  {rest.strip()}" for rest in why.splitlines()[1:]))
+    warnings.warn(
+        "torch.fx could not trace the forward of these submodules; curvlib treats each as one opaque "
+        "graph node, run as it is (exact results for the branch each call takes; KFAC/KFLR/KFRA are "
+        "refused for parameters inside them):\n" + "\n".join(lines),
+        UserWarning, stacklevel=5,  # warn_opaque, traced, _Setup, curvature, the user's line
+    )
 
 
 def _library_hook(hook) -> bool:

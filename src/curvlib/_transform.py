@@ -34,7 +34,7 @@ from ._kfra import kfra
 from ._products import products, rng_state
 from ._secondorder import second_order
 from ._support import check_second_order
-from ._tracing import Traced, trace, warn_hooks
+from ._tracing import Traced, trace, warn_hooks, warn_opaque
 from ._sync import LOCK
 from .extensions._base import Extension
 from .rules.generic import refuse_buffer_updates
@@ -153,7 +153,7 @@ class _Setup:
             )
         self.process_group = process_group
         self._traces: Dict[tuple, Traced] = {}
-        self.dropout_warned = False
+        self.dropout_warned = self.opaque_warned = False
         warn_hooks(self.model)
         self.traced()  # trace now: untraceable models and unsupported graphs fail at once
 
@@ -175,6 +175,9 @@ class _Setup:
         if traced is None:
             with LOCK:  # reads the module tree, whose slots another thread's call may have swapped
                 traced = self._traces[key] = trace(self.model, self.second, X)
+            if traced.program.opaque and not self.opaque_warned:
+                self.opaque_warned = True
+                warn_opaque(traced.program)
         return traced
 
 

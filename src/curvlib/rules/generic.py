@@ -10,15 +10,24 @@ computed with :func:`torch.func.vjp` on the module run on sample ``n`` alone
 Correct for any module that treats samples independently, slower than a
 hand-written rule. Tensor arguments whose dim 0 has the batch size are taken
 as batched; all others are passed unchanged to every sample.
+
+A module whose forward branches on tensor values (``if x.sum() > 0``), which
+``vmap`` cannot run, is run sample by sample instead (:func:`map_samples`):
+the same values, one call per sample. Each sample then takes the branch its
+own values select, like autograd on that sample alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 from typing import Any, Dict, Sequence
 
+import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
+from torch.utils import _pytree as pytree
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .._errors import CurvatureError
@@ -99,6 +108,41 @@ def _join_args(saved: Dict[str, Tensor], pos_static: list, kw_static: dict):
     return args, kwargs
 
 
+# Functions (by a key, e.g. the module) seen to branch on tensor values: looped at once.
+_BRANCHING: "weakref.WeakSet" = weakref.WeakSet()
+_LOOPING = threading.local()  # .on: map_samples runs its function sample by sample (values readable)
+
+
+def map_samples(fn, in_dims, key=None):
+    """``vmap(fn, in_dims)``, or, when ``fn`` branches on tensor values (data-dependent
+    control flow or ``.item()``, which vmap cannot run), a loop over the mapped
+    dimension whose results are stacked: the same values, one call per sample.
+    ``key`` (weak-referenceable, e.g. the module ``fn`` runs): remembered as branching,
+    so that later calls loop without trying vmap first."""
+
+    def mapped(*args):
+        if key is None or key not in _BRANCHING:
+            try:
+                return vmap(fn, in_dims=in_dims)(*args)
+            except RuntimeError as exc:
+                if "data-dependent control flow" not in str(exc):
+                    raise
+                if key is not None:
+                    _BRANCHING.add(key)
+        flat, spec = pytree.tree_flatten(args)
+        dims = pytree._broadcast_to_and_flatten(in_dims, spec)
+        n = next(a.shape[d] for a, d in zip(flat, dims) if d is not None)
+        before, _LOOPING.on = getattr(_LOOPING, "on", False), True
+        try:
+            outs = [fn(*pytree.tree_unflatten([a if d is None else a.select(d, i) for a, d in zip(flat, dims)], spec))
+                    for i in range(n)]
+        finally:
+            _LOOPING.on = before
+        return pytree.tree_map(lambda *xs: torch.stack(xs), outs[0], *outs[1:])
+
+    return mapped
+
+
 def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
     module = site.meta["module"]
     n = g.shape[0]
@@ -107,7 +151,9 @@ def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
     in_dims = {k: 0 if (v.dim() > 0 and v.shape[0] == n) else None for k, v in inputs.items()}
     wanted = set(roles)
 
-    def one_sample(inputs_n: Dict[str, Tensor], g_n: Tensor) -> Dict[str, Tensor]:
+    batch_out = site.meta.get("out")
+
+    def one_sample(inputs_n: Dict[str, Tensor], g_n: Tensor, out_n: Tensor) -> Dict[str, Tensor]:
         inputs_n = {k: v.unsqueeze(0) if in_dims[k] == 0 else v for k, v in inputs_n.items()}
         args, kwargs = _join_args(inputs_n, site.meta["pos_static"], site.meta["kw_static"])
         free = {r: p for r, p in params.items() if r in wanted}
@@ -116,10 +162,28 @@ def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
         def f(free_params):
             return stateless_call(module, {**fixed, **free_params}, args, kwargs)
 
-        _, pullback = vjp(f, free)
+        alone, pullback = vjp(f, free)
+        if getattr(_LOOPING, "on", False) and batch_out is not None:
+            _check_same_branch(site, alone.squeeze(0), out_n)
         return pullback(g_n.unsqueeze(0))[0]
 
-    return vmap(one_sample, in_dims=(in_dims, 0))(inputs, g)
+    out_rows = batch_out if batch_out is not None else g
+    return map_samples(one_sample, (in_dims, 0, 0), key=module)(inputs, g, out_rows)
+
+
+def _check_same_branch(site: Site, alone: Tensor, in_batch: Tensor) -> None:
+    """A module that branches on tensor values, run on one sample alone, must compute what it
+    computed for that sample in the batch: a branch on the whole batch's values (``if
+    x.sum() > 0``) can differ, and the per-sample quantities would then be a guess."""
+    scale = in_batch.abs().max()
+    if alone.shape != in_batch.shape or not bool(((alone - in_batch).abs() <= 1e-5 * scale + 1e-6).all()):
+        raise CurvatureError(
+            f"Layer '{site.where}' ({type(site.meta['module']).__name__}, run by the generic rule) branches on "
+            "tensor values and computes something else for a sample alone than for it in the batch: its "
+            "forward takes a branch chosen by the whole batch's values, so the samples are not independent "
+            "and per-sample quantities are not defined. Make the branch depend on each sample alone "
+            "(e.g. torch.where on per-sample conditions)."
+        )
 
 
 GENERIC = Rule(kind="generic", grad_batch=grad_batch)
@@ -136,7 +200,8 @@ def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwa
         )
     saved, pos_static, kw_static = _split_args(args, kwargs)
     saved.update({f"param:{r}": t for r, t in tensors.items()})
-    meta = {"module": module, "pos_static": pos_static, "kw_static": kw_static, "batch_dim": 0}
+    meta = {"module": module, "pos_static": pos_static, "kw_static": kw_static, "batch_dim": 0,
+            "out": out.detach()}  # (a branching module's per-sample runs are checked against it)
     return rec.add(Site(GENERIC, names, where, meta=meta, saved=saved), out)
 
 
