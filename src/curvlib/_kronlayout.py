@@ -20,11 +20,11 @@ inputs (averaged with the samples' shares). :func:`root_index` says which it is.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, List, Sequence
 
 from torch import Tensor
 
-__all__ = ["root_index"]
+__all__ = ["root_index", "add_root_factor"]
 
 
 def root_index(factors: Sequence[Tensor]) -> int:
@@ -36,3 +36,10 @@ def root_index(factors: Sequence[Tensor]) -> int:
     if len(factors) == 2 and factors[0] is not None and factors[0].dim() == 1:
         return 1
     return 0
+
+
+def add_root_factor(acc: Sequence[Tensor], part: Sequence[Tensor], add: Callable) -> List[Tensor]:
+    """``acc`` with its root factor replaced by ``add(acc's, part's)`` (column chunks, signs
+    of the loss Hessian); the input factors, independent of the root, are kept."""
+    i = root_index(acc)
+    return list(acc[:i]) + [add(acc[i], part[i])] + list(acc[i + 1:])

@@ -11,7 +11,8 @@ per-sample parameter factor ``J_pᵀ m_v`` (its ``grad_batch`` applied to
 * ``diag``       = ``Σ_v sum_grad_squared(m_v)`` (never forms ``[N, *p]`` where
   the rule avoids it),
 * ``batch_diag`` = ``Σ_v grad_batch(m_v)²``,
-* ``kron``       = ``[B, A]`` from the rule's Kronecker statistics.
+* ``kron``       = ``[B, A]`` from the rule's Kronecker statistics (other layouts,
+  e.g. the exact block ``[Σ sqrt sqrtᵀ]`` of a normalisation's scale: :mod:`curvlib._kronlayout`).
 
 A parameter used by several sites sums ``J_pᵀ m`` over its sites before any
 square is taken.
@@ -42,7 +43,7 @@ from . import losses
 from ._engine import Linearization
 from ._errors import CurvatureError
 from .extensions.secondorder import SecondOrder
-from ._kronlayout import root_index
+from ._kronlayout import add_root_factor
 from .rules import OWN_KRON_KINDS, SPLIT_KRON_KINDS, kron_factors, kron_input_factor, kron_weight_output
 from .rules._site import Site
 from ._residual_math import factor
@@ -325,7 +326,7 @@ def _signed_sum(total, part, sign: float, group):
         q = _READ_AS.get(ext.quantity, ext.quantity)
         a, b = total[ext.name], part[ext.name]
         if q == "kron":
-            out[ext.name] = {n: _add_root_factor(a[n], b[n], lambda x, y: x + sign * y) for n in a}
+            out[ext.name] = {n: add_root_factor(a[n], b[n], lambda x, y: x + sign * y) for n in a}
         else:
             out[ext.name] = {n: a[n] + sign * b[n] for n in a}
     return out
@@ -358,15 +359,9 @@ def _combine(q: str, acc, part, owned: Optional[set] = None):
     if q == "sqrt":  # (only under autograd or torch.func: otherwise written into RootBuffers)
         return torch.cat([acc, part])
     if q == "kron":
-        return _add_root_factor(acc, part, lambda x, y: _sum_into(x, y, owned))
+        return add_root_factor(acc, part, lambda x, y: _sum_into(x, y, owned))
     return _sum_into(acc, part, owned)
 
-
-def _add_root_factor(acc: List[Tensor], part: List[Tensor], add) -> List[Tensor]:
-    """``acc`` with its root-dependent factor replaced by ``add(acc's, part's)``; the
-    input factors (independent of the root) are kept (:mod:`curvlib._kronlayout`)."""
-    i = root_index(acc)
-    return list(acc[:i]) + [add(acc[i], part[i])] + list(acc[i + 1:])
 
 
 def _sum_into(acc: Tensor, part: Tensor, owned: Optional[set]) -> Tensor:
