@@ -324,7 +324,26 @@ def _case_options(rank, world, sizes):
             assert (t == 0).all(), f"rank {rank}: {key}[{name}] not zero"
 
 
-CASES = {"exact": _case_exact, "mc": _case_mc, "options": _case_options}
+def _case_kron_layouts(rank, world, sizes):
+    """The Kronecker layouts beyond [B, A] (curvlib._kronlayout): Embedding's [A (1-D), B],
+    a grouped convolution's per-group [B, A], the normalisations' exact blocks [F]; the root
+    factor summed with r (r² for KFACEmpirical), the input factors averaged."""
+    n, sl = sum(sizes), _slice(rank, sizes)
+    torch.manual_seed(1234)
+    model = nn.Sequential(nn.Embedding(6, 4, padding_idx=0), nn.LayerNorm(4), nn.Flatten(),
+                          nn.Unflatten(1, (4, 3)), nn.Conv1d(4, 4, 2, groups=2), nn.GroupNorm(2, 4),
+                          nn.Flatten(), nn.Linear(8, 3)).double()
+    X = torch.randint(0, 6, (n, 3))
+    y = torch.randint(0, 3, (n,))
+    exts = [KFLR(), KFACEmpirical(kfac_approx="expand")]
+    for reduction in ("mean", "sum"):
+        lossfn = nn.CrossEntropyLoss(reduction=reduction)
+        ref = curvature(model, lossfn, exts)(X, y)
+        got = curvature(model, lossfn, exts, process_group=dist.group.WORLD)(X[sl], y[sl])
+        _compare(got, ref, sl, f"rank {rank}/{world} kron layouts {reduction}")
+
+
+CASES = {"exact": _case_exact, "mc": _case_mc, "options": _case_options, "kron_layouts": _case_kron_layouts}
 
 
 # ----------------------------------------------------------------------------- tests
@@ -335,7 +354,7 @@ def test_every_extension_equals_single_process_on_full_batch(sizes):
     """Exact extensions to float64 precision (one all_reduce per call), Monte-Carlo
     ones statistically and with independent, reproducible per-rank streams.
     One spawn per world size runs both cases (process start-up dominates)."""
-    _spawn("exact+mc+options", sizes)
+    _spawn("exact+mc+options+kron_layouts", sizes)
 
 
 @pytest.mark.parametrize("ext", [GGNMP(), HMP(), PCHMP()], ids=lambda e: type(e).__name__)

@@ -419,8 +419,13 @@ def test_cnn(cnn, n, loss, reduction, seed):
         check_second_order(model, lossfn, X, y, seed=seed, kflr=_linear_kflr_map(model))
     else:
         check_second_order(model, lossfn, X, y, seed=seed)
-        with pytest.raises(CurvatureError, match=r"0\.weight.*groups=2"):
-            curvature(model, lossfn, [KFLR()])(X, y)
+        with pytest.raises(CurvatureError, match=r"KFRA.*0\.weight.*groups=2"):
+            curvature(model, lossfn, [KFRA()])(X, y)
+        # KFLR: per-group factors (tests/test_kron_layers.py checks their values)
+        got = curvature(model, lossfn, [KFLR()])(X, y)["kflr"]["0.weight"]
+        w = model[0].weight
+        assert got[0].shape == (groups, w.shape[0] // groups, w.shape[0] // groups)
+        assert got[1].shape[:1] == (groups,) and got[1].shape[1] == w[0].numel()
 
 
 @pytest.mark.parametrize("d", [1, 2])
@@ -879,25 +884,27 @@ def test_mc_sample_mean_matches_exact_diag(loss):
 # ----------------------------------------------------------------------------- refusals
 
 
-def test_kron_refused_on_batchnorm_weight():
+def test_kfra_refused_on_batchnorm_weight():
+    """KFRA has no factors for BatchNorm (KFLR/KFAC give its exact blocks: tests/test_kron_layers.py)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double().eval()
     X = torch.randn(3, 3, dtype=torch.float64)
     y = torch.randint(0, 2, (3,))
-    for ext in (KFLR(), KFAC()):
-        with pytest.raises(CurvatureError, match=r"1\.weight") as info:
-            curvature(model, nn.CrossEntropyLoss(), [ext])(X, y)
-        assert type(ext).__name__ in str(info.value)
+    with pytest.raises(CurvatureError, match=r"KFRA is not supported for module '1'.*batchnorm"):
+        curvature(model, nn.CrossEntropyLoss(), [KFRA()])(X, y)
+    qs = curvature(model, nn.CrossEntropyLoss(), [KFLR()])(X, y)
+    assert [f.shape for f in qs["kflr"]["1.weight"]] == [(4, 4)]
     model[1].weight.requires_grad_(False)
     model[1].bias.requires_grad_(False)
-    qs = curvature(model, nn.CrossEntropyLoss(), [KFLR()])(X, y)
-    assert sorted(qs["kflr"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    qs = curvature(model, nn.CrossEntropyLoss(), [KFRA()])(X, y)
+    assert sorted(qs["kfra"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
 
 
 @pytest.mark.parametrize("ext_cls", [KFLR, KFAC, KFRA])
 @pytest.mark.parametrize("which", ["grouped conv", "grouped conv transpose", "embedding", "batchnorm"])
 def test_kron_refused_per_layer(ext_cls, which):
-    """Kronecker factors exist for Linear and (groups=1) Conv/ConvTranspose only; the message names the parameter."""
+    """KFRA has factors for Linear and (groups=1) Conv/ConvTranspose only, KFLR/KFAC for every
+    layer but grouped transposed convolutions; the message names the parameter."""
     torch.manual_seed(0)
     first, X = {
         "grouped conv": (nn.Conv1d(2, 2, 2, groups=2), torch.randn(3, 2, 3)),
@@ -910,8 +917,12 @@ def test_kron_refused_per_layer(ext_cls, which):
     with torch.no_grad():
         f = model(X).shape[1]
     model = nn.Sequential(first, nn.Flatten(), nn.Linear(f, 2)).double().eval()
-    with pytest.raises(CurvatureError, match=r"'0\.weight'"):
-        curvature(model, nn.CrossEntropyLoss(), [ext_cls()])(X, torch.randint(0, 2, (3,)))
+    call = curvature(model, nn.CrossEntropyLoss(), [ext_cls()])
+    if ext_cls is KFRA or which == "grouped conv transpose":
+        with pytest.raises(CurvatureError, match=r"'0'|'0\.weight'"):
+            call(X, torch.randint(0, 2, (3,)))
+    else:
+        assert "0.weight" in call(X, torch.randint(0, 2, (3,)))[ext_cls.name]
 
 
 def test_unused_parameter():

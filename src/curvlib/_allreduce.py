@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ._errors import CurvatureError
+from ._kronlayout import root_index
 
 __all__ = ["aggregate", "times"]
 
@@ -68,10 +69,11 @@ def _summed_entries(local: Dict[str, object], kinds, n_local: int) -> List[Entry
                 if len(factors) not in (1, 2):  # pragma: no cover - guards future layouts
                     raise CurvatureError(
                         f"{key}['{name}'] has {len(factors)} Kronecker factors; "
-                        "curvlib.distributed aggregates [B] and [B, A] only."
+                        "curvlib.distributed aggregates one- and two-factor layouts only."
                     )
+                root = root_index(factors)  # B (or an exact block); the other factor is A
                 for i, t in enumerate(factors):
-                    summed.append((key, name, i, t, (1 if kind == "kron" else 2) if i == 0 else "A"))
+                    summed.append((key, name, i, t, (1 if kind == "kron" else 2) if i == root else "A"))
     if "variance" in local and "sum_grad_squared" not in local:
         # Σ g² of this rank from its variance: var = sgs/N − (grad/N)².
         for name, var in local["variance"].items():

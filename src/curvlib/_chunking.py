@@ -18,7 +18,7 @@ nothing) the batch's are
 |---|---|
 | loss, grad, GGN/Hessian diagonals, ``B`` of KFAC/KFLR | ``Σ_k r_k · slice_k`` |
 | ``sum_grad_squared``, ``B`` of KFACEmpirical | ``Σ_k r_k² · slice_k`` |
-| ``A = (1/N) Σ x xᵀ`` of KFAC/KFLR | ``Σ_k (N_k/N) · slice_k`` |
+| ``A = (1/N) Σ x xᵀ`` of KFAC/KFLR (every input factor, :mod:`curvlib._kronlayout`) | ``Σ_k (N_k/N) · slice_k`` |
 | ``variance`` | ``(1/N) Σ g² − ((1/N) Σ g)²`` from the batch's ``grad`` and ``Σ g²`` (the slices always compute ``Σ g²`` for it) |
 | ``grad_batch``, batch diagonals | ``r_k · slice_k``, concatenated over samples |
 | ``batch_l2`` | ``r_k² · slice_k``, concatenated |
@@ -47,6 +47,7 @@ from torch import Tensor
 
 from . import _inputs, losses
 from ._errors import CurvatureError
+from ._kronlayout import root_index
 from ._rootbuffers import RootBuffers
 from .extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from .extensions.secondorder import SecondOrder
@@ -179,7 +180,8 @@ class _Combined:
                 b_scale = r if kind == "kron" else r * r
                 old = self.acc.get(key, {})
                 self.acc[key] = {
-                    name: [_add(old[name][i] if name in old else None, _scaled(t, b_scale if i == 0 else share))
+                    name: [_add(old[name][i] if name in old else None,
+                                _scaled(t, b_scale if i == root_index(fs) else share))
                            for i, t in enumerate(fs)]
                     for name, fs in value.items()
                 }

@@ -11,7 +11,8 @@ per-sample parameter factor ``J_pᵀ m_v`` (its ``grad_batch`` applied to
 * ``diag``       = ``Σ_v sum_grad_squared(m_v)`` (never forms ``[N, *p]`` where
   the rule avoids it),
 * ``batch_diag`` = ``Σ_v grad_batch(m_v)²``,
-* ``kron``       = ``[B, A]`` from the rule's Kronecker statistics.
+* ``kron``       = ``[B, A]`` from the rule's Kronecker statistics (other layouts,
+  e.g. the exact block ``[Σ sqrt sqrtᵀ]`` of a normalisation's scale: :mod:`curvlib._kronlayout`).
 
 A parameter used by several sites sums ``J_pᵀ m`` over its sites before any
 square is taken.
@@ -42,7 +43,8 @@ from . import losses
 from ._engine import Linearization
 from ._errors import CurvatureError
 from .extensions.secondorder import SecondOrder
-from .rules import kron_factors, kron_input_factor
+from ._kronlayout import add_root_factor
+from .rules import OWN_KRON_KINDS, SPLIT_KRON_KINDS, kron_factors, kron_input_factor, kron_weight_output
 from .rules._site import Site
 from ._residual_math import factor
 from ._rootbuffers import RootBuffers, write_sqrt
@@ -165,16 +167,24 @@ def _kron(uses, m_by_site, name, cache=None, approx=None) -> List[Tensor]:
     (single-use parameters only, see :func:`check_second_order`).
     """
     u = uses[name]
+    kinds = {site.rule.kind for site, _ in u}
+    if not kinds <= set(SPLIT_KRON_KINDS) | set(OWN_KRON_KINDS):
+        # scale and shift of normalisations, other 1-D parameters: the exact block
+        # F = Σ_{v,n} (J_pᵀ m_v)(J_pᵀ m_v)ᵀ [P, P] (curvlib._kronlayout)
+        S = _sqrt(uses, m_by_site, name)
+        S = S.reshape(-1, S[0, 0].numel())
+        return [S.t() @ S]
     if len(u) == 1:
         ((site, role),) = u
-        if cache is None:
+        if cache is None or site.rule.kind in OWN_KRON_KINDS:
             return kron_factors(site, role, m_by_site[site.key], approx)
         B = _cached(cache, ("kron_B", site.key, approx),
                     lambda: kron_factors(site, "bias", m_by_site[site.key], approx)[0])
         if role == "bias":
             return [B]
         static = cache.setdefault("static", {})
-        return [B, _cached(static, ("kron_A", site.key, approx), lambda: kron_input_factor(site, approx))]
+        return [kron_weight_output(site, B),
+                _cached(static, ("kron_A", site.key, approx), lambda: kron_input_factor(site, approx))]
     from .rules import linear
 
     s = sum(linear.kron_output_sum(site, m_by_site[site.key]) for site, _ in u)
@@ -316,7 +326,7 @@ def _signed_sum(total, part, sign: float, group):
         q = _READ_AS.get(ext.quantity, ext.quantity)
         a, b = total[ext.name], part[ext.name]
         if q == "kron":
-            out[ext.name] = {n: [a[n][0] + sign * b[n][0]] + list(a[n][1:]) for n in a}
+            out[ext.name] = {n: add_root_factor(a[n], b[n], lambda x, y: x + sign * y) for n in a}
         else:
             out[ext.name] = {n: a[n] + sign * b[n] for n in a}
     return out
@@ -349,8 +359,9 @@ def _combine(q: str, acc, part, owned: Optional[set] = None):
     if q == "sqrt":  # (only under autograd or torch.func: otherwise written into RootBuffers)
         return torch.cat([acc, part])
     if q == "kron":
-        return [_sum_into(acc[0], part[0], owned)] + list(acc[1:])
+        return add_root_factor(acc, part, lambda x, y: _sum_into(x, y, owned))
     return _sum_into(acc, part, owned)
+
 
 
 def _sum_into(acc: Tensor, part: Tensor, owned: Optional[set]) -> Tensor:

@@ -1,7 +1,9 @@
 """Refusals of second-order extensions, decided from the plan's sites before any work.
 
-A Kronecker factor needs a Linear/Conv family and one use per parameter (shared Linear
-weights are factored as positions); the Hessian extensions need a family whose second
+KFAC/KFLR/KFACEmpirical need Kronecker factors (Linear, Conv, ConvTranspose, Embedding
+weights; one use per parameter, but shared Linear weights are factored as positions) or
+the exact block (normalisations' scale and shift, 1-D parameters of other modules, any
+number of uses); KFRA's recursion has factors for Linear/Conv/ConvTranspose only. The Hessian extensions need a family whose second
 derivative curvlib knows, and for a parameter used by several sites the coupling of its
 weight and input, which curvlib has for :data:`SHARED_HESSIAN_KINDS`.
 """
@@ -18,7 +20,15 @@ from .rules._site import Site
 
 __all__ = ["check_second_order", "HESSIAN_QUANTITIES"]
 
-KRON_KINDS = ("linear", "conv", "conv_transpose")
+# Families KFRA's recursion reads factors off (weight [G_z, A], bias [G_z]).
+KFRA_KINDS = ("linear", "conv", "conv_transpose")
+# Families KFAC, KFLR and KFACEmpirical support (layouts: curvlib._kronlayout): Kronecker
+# factors for Linear/Conv/ConvTranspose/Embedding weights, the exact block for the
+# normalisations' scale and shift and for 1-D parameters of other modules (EXACT_BLOCK_KINDS).
+KRON_KINDS = ("linear", "conv", "conv_transpose", "embedding", "batchnorm", "layernorm", "groupnorm", "generic")
+# Families whose parameters get their exact curvature block (any parameter of the
+# normalisations; 1-D parameters only for "generic").
+EXACT_BLOCK_KINDS = ("batchnorm", "layernorm", "groupnorm", "generic")
 # Families the Hessian extensions support: every family except the recurrent
 # ones, whose internal nonlinearities are not graph nodes.
 HESSIAN_SITE_KINDS = (
@@ -39,6 +49,7 @@ def check_second_order(
     names: Sequence[str],
     unknown_nodes: List[str],
     layer_kinds: Optional[Mapping[str, str]] = None,
+    param_dims: Optional[Mapping[str, int]] = None,
 ) -> None:
     """Refuse, before any work, what the requested extensions cannot do.
 
@@ -50,9 +61,12 @@ def check_second_order(
         layer_kinds: layer path -> family. Support is decided by the family,
             not by the kind of its sites: an RNN is made of linear sites around
             hidden nonlinearities.
+        param_dims: parameter name -> number of dims (Kronecker extensions give the
+            exact block of a 1-D parameter of a module without Kronecker factors).
     """
     uses = uses_of(sites)
     layer_kinds = layer_kinds or {}
+    params_shape = param_dims or {}
     params_of: Dict[str, List[str]] = defaultdict(list)
     family_of: Dict[str, str] = {}
     opaque_of: Dict[str, str] = {}
@@ -66,10 +80,11 @@ def check_second_order(
         if ext.kron:
             _refuse_opaque(ext, params_of, opaque_of)
         if ext.kron or hessian:
-            _check_families(ext, KRON_KINDS if ext.kron else HESSIAN_SITE_KINDS, params_of, family_of)
+            supported = HESSIAN_SITE_KINDS if hessian else KFRA_KINDS if ext.quantity == "kfra" else KRON_KINDS
+            _check_families(ext, supported, params_of, family_of)
         if ext.kron:
             for name in names:
-                _check_kron_uses(ext, name, uses.get(name, []), family_of)
+                _check_kron_uses(ext, name, uses.get(name, []), family_of, params_shape)
         if hessian:
             _check_hessian_uses(ext, uses, unknown_nodes, family_of)
 
@@ -100,7 +115,7 @@ def _check_families(ext, supported, params_of, family_of) -> None:
             )
 
 
-def _check_kron_uses(ext, name: str, u, family_of) -> None:
+def _check_kron_uses(ext, name: str, u, family_of, param_dims) -> None:
     """A Kronecker factor of parameter ``name``, used by the sites ``u``."""
     label = type(ext).__name__
     if not u:
@@ -108,6 +123,10 @@ def _check_kron_uses(ext, name: str, u, family_of) -> None:
             f"{label} is not defined for parameter '{name}': the model's forward "
             "does not use it. Set requires_grad=False on it or leave it out of params."
         )
+    families = {family_of[s.where] for s, _ in u}
+    if ext.quantity != "kfra" and families <= set(EXACT_BLOCK_KINDS):
+        _check_exact_block(label, name, u, families, param_dims)
+        return
     if len(u) > 1 and (
         ext.quantity == "kfra"
         or any(s.rule.kind != "linear" or family_of[s.where] != "linear" for s, _ in u)
@@ -126,10 +145,27 @@ def _check_kron_uses(ext, name: str, u, family_of) -> None:
             f"Use {label}() (BackPACK's factors, uses treated as positions)."
         )
     site = u[0][0]
-    if site.meta.get("kron_error"):
+    error = site.meta.get("kron_error") or (site.meta.get("kfra_error") if ext.quantity == "kfra" else None)
+    if error:
+        raise CurvatureError(f"{label} is not defined for parameter '{name}' (module '{site.where}'): {error}")
+    if site.rule.kind == "embedding" and getattr(ext, "kfac_approx", None) == "reduce" and site.meta.get("index_dims", 1) > 1:
         raise CurvatureError(
-            f"{label} is not defined for parameter '{name}' (module "
-            f"'{site.where}'): {site.meta['kron_error']}"
+            f"{label}(kfac_approx='reduce') is not defined for parameter '{name}' (Embedding "
+            f"'{site.where}' on sequences): KFAC-reduce's input factor, the mean over positions "
+            "of the one-hot inputs, is a dense V x V matrix. Use kfac_approx=None or 'expand' "
+            "(diagonal token-frequency factors)."
+        )
+
+
+def _check_exact_block(label: str, name: str, u, families, param_dims) -> None:
+    """The exact block of a normalisation's scale or shift, or of a 1-D parameter elsewhere."""
+    if "generic" in families and param_dims.get(name, 1) != 1:
+        raise CurvatureError(
+            f"{label} is not defined for parameter '{name}' (module '{u[0][0].where}', handled by "
+            f"curvlib's generic rule) with {param_dims[name]} dims: curvlib has Kronecker factors for "
+            "Linear, Conv, ConvTranspose and Embedding weights, and the exact curvature block for "
+            "the normalisations' scale and shift and for 1-D parameters of any other module. Use "
+            "DiagGGNExact or SqrtGGNExact for it, or set requires_grad=False."
         )
 
 

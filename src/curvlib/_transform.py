@@ -231,7 +231,8 @@ class _Call:
         if s.second:
             if first:
                 kinds = {layer.path: layer.kind for layer in traced.program.layers.values()}
-                check_second_order(s.second, plan.sites, trainable, [], kinds)
+                check_second_order(s.second, plan.sites, trainable, [], kinds,
+                                   {name: values[name].dim() for name in trainable})
             _budget.check_roots(s.second, plan.out_shape, plan.out_dtype, _inputs.first(X).device)
         if first:
             # Samples mixed inside the model: refuse what needs them independent (curvlib._independence).

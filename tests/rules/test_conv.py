@@ -258,13 +258,15 @@ def test_kronecker_factors_match_backpack(d, ext):
             torch.testing.assert_close(a, b)
 
 
-def test_kronecker_factors_of_grouped_conv_are_refused():
-    from curvlib.extensions import KFAC
+def test_kfra_factors_of_grouped_conv_are_refused():
+    """KFRA refuses grouped convolutions; KFAC gives per-group factors (tests/test_kron_layers.py)."""
+    from curvlib.extensions import KFAC, KFRA
 
     model = nn.Sequential(nn.Conv1d(2, 2, 1, groups=2), nn.Flatten()).double()
-    X = torch.randn(2, 2, 3, dtype=torch.float64)
+    X, y = torch.randn(2, 2, 3, dtype=torch.float64), torch.randn(2, 6, dtype=torch.float64)
     with pytest.raises(CurvatureError, match="groups=2"):
-        curvature(model, nn.MSELoss(), [KFAC()])(X, torch.randn(2, 6, dtype=torch.float64))
+        curvature(model, nn.MSELoss(), [KFRA()])(X, y)
+    assert [f.shape for f in curvature(model, nn.MSELoss(), [KFAC()])(X, y)["kfac"]["0.weight"]] == [(2, 1, 1)] * 2
 
 
 # --------------------------------------------------------------------- per-sample methods

@@ -34,7 +34,11 @@ positions of a sample share (convolutions, Linear layers on sequences), as
 curvlinops defines them: ``"expand"`` ``B = Σ_{v,n,s} m mᵀ``,
 ``A = (1/(N·S)) Σ_{n,s} x xᵀ``; ``"reduce"`` ``B`` as BackPACK's,
 ``A = (1/N) Σ_n x̄ x̄ᵀ`` (``x̄`` the mean over the ``S`` positions). Without
-shared positions all three coincide.
+shared positions all three coincide (for convolutions ``"expand"`` is the KFC
+convention of Grosse & Martens, 2016). Other layers (``Embedding``: ``[A [V], B]``;
+grouped convolutions: per-group factors; normalisations' scale and shift and 1-D
+parameters of other modules: their exact block ``[F]``) follow
+:mod:`curvlib._kronlayout`; ``KFRA`` has factors for Linear/Conv/ConvTranspose only.
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ class SecondOrder(Extension):
         quantity: what is read off per parameter: ``"diag"``, ``"batch_diag"``,
             ``"sqrt"``, ``"kron"``, ``"hessian_diag"``, ``"hessian_batch_diag"``,
             ``"kfra"``, or a product ``"ggnmp"``/``"hmp"``/``"pchmp"``.
-        kron: True for Kronecker-factored extensions (only Linear and Conv).
+        kron: True for Kronecker-factored extensions (layouts: :mod:`curvlib._kronlayout`).
     """
 
     order: ClassVar[int] = 2

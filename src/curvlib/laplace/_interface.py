@@ -214,13 +214,25 @@ class CurvlibInterface(CurvatureInterface):
             blocks = {name: F[name].T @ F[name] for name in dense_names}
         return self.factor * loss.detach(), self._kron_from(factors, blocks, y.shape[0], N)
 
+    def _biasless(self) -> set:
+        """Weights of layers without a bias (laplace's curvlinops backend merges their
+        factors into one when both are ``1 x 1``)."""
+        out = set()
+        for mod_name, module in self._model.named_modules():
+            if isinstance(module, _KRON_LAYERS) and module.bias is None:
+                out.add(f"{mod_name}.weight" if mod_name else "weight")
+        return out
+
     def _kron_from(self, factors: Dict[str, list], blocks: Dict[str, Tensor], M: int, N: int) -> Kron:
         kfacs = []
+        biasless = self._biasless()
         for name in self.params_dict:
             if name in factors:
                 F = [t.detach().clone() for t in factors[name]]
                 if len(F) == 2:
                     F[1] = F[1] * (M / N)  # batch mean of the inputs -> share of the data-set mean
+                    if name in biasless and F[0].numel() == F[1].numel() == 1:
+                        F = [F[0] * F[1]]  # as laplace's CurvlinopsInterface._get_kron_factors
                 kfacs.append(F)
             else:
                 kfacs.append([blocks[name].detach()])

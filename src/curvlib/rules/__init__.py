@@ -104,6 +104,19 @@ def kron_factors(site, role: str, m, approx=None):
     return family.kron(site, role, m, approx)
 
 
+#: Rule kinds with Kronecker factors ``[B, A]`` of their own (``kron``, ``kron_input``).
+SPLIT_KRON_KINDS = ("linear", "conv", "conv_transpose")
+#: Rule kinds with their own factors in another layout (``kron`` only; see :mod:`curvlib._kronlayout`).
+OWN_KRON_KINDS = ("embedding",)
+
+
+def kron_weight_output(site, B):
+    """The weight's output-side factor from the full ``B`` (per-group blocks of grouped convolutions)."""
+    family = importlib.import_module(f"{__name__}.{site.rule.kind}")
+    weight_output = getattr(family, "weight_output_factor", None)
+    return B if weight_output is None else weight_output(site, B)
+
+
 def kron_input_factor(site, approx=None):
     """The input-side Kronecker factor ``A`` of ``site``'s weight (independent of the root)."""
     family = importlib.import_module(f"{__name__}.{site.rule.kind}")

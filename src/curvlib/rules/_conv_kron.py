@@ -5,8 +5,9 @@ from the output side (the pulled-back root, or KFRA's output matrix) and
 ``A [C_in·K, C_in·K]`` from the unfolded input ``U [N, C_in·K, L]``
 (:func:`~curvlib.rules._conv_unfold.unfold`); the bias gets ``B`` alone.
 Conventions are BackPACK's, with curvlinops' ``"expand"``/``"reduce"``
-variants. Defined for ``groups = 1`` only (refused at planning through
-``meta["kron_error"]``).
+variants. With ``groups = G > 1`` the weight's factors are block-diagonal per
+group (``[B [G, C_out/G, C_out/G], A [G, C_in/G·K, C_in/G·K]]``); KFRA is refused
+there (``meta["kfra_error"]``).
 """
 
 from __future__ import annotations
@@ -26,15 +27,30 @@ def kron(site: Site, role: str, m: Tensor, approx: Optional[str] = None) -> List
     ``s = Σ_l m[v, n, :, l]`` (positions summed *before* the outer product, so
     ``B`` is the bias GGN); weight: ``[B, A]`` with ``A`` from :func:`kron_input`,
     bias: ``[B]``. ``"expand"``: ``B = Σ_{v,n,l} m mᵀ``; ``"reduce"``: ``B`` as
-    BackPACK's (curvlinops' definitions). ``groups = 1`` only (refused at
-    planning through ``meta["kron_error"]``).
+    BackPACK's (curvlinops' definitions). With ``groups = G > 1`` the weight's
+    factors are block-diagonal per group (:func:`weight_output_factor`,
+    :func:`kron_input`): ``[B [G, C_out/G, C_out/G], A [G, C_in/G·K, C_in/G·K]]``,
+    the GGN block of group ``g``'s weights ``W[g·C_out/G:(g+1)·C_out/G]``
+    (row-major) approximated by ``B[g] ⊗ A[g]``, groups uncoupled; the bias keeps
+    the full ``[B]``.
     """
     if approx == "expand":
         s = m.flatten(3).transpose(2, 3).reshape(-1, m.shape[2])  # [V·N·L, C_out]
     else:
         s = m.flatten(3).sum(3).flatten(0, 1)  # [V·N, C_out]
     B = s.t() @ s
-    return [B] if role == "bias" else [B, kron_input(site, approx)]
+    return [B] if role == "bias" else [weight_output_factor(site, B), kron_input(site, approx)]
+
+
+def weight_output_factor(site: Site, B: Tensor) -> Tensor:
+    """The weight's output factor from the full ``B [C_out, C_out]``: ``B`` itself for
+    ``groups = 1``, else its ``G`` diagonal blocks ``[G, C_out/G, C_out/G]`` (a group's
+    weights see only their own output channels)."""
+    groups = site.meta["groups"]
+    if groups == 1:
+        return B
+    o = B.shape[0] // groups
+    return B.reshape(groups, o, groups, o).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
 
 
 def kron_input(site: Site, approx: Optional[str] = None) -> Tensor:
@@ -51,16 +67,20 @@ def kron_input(site: Site, approx: Optional[str] = None) -> Tensor:
     u = patches(x, m["kernel_size"], m["stride"], m["dilation"])
     # one copy, straight into [C_in·K, N·L]: rows (c, k), columns (n, l)
     cols = u.permute([1, *range(2 + d, 2 + 2 * d), 0, *range(2, 2 + d)]).reshape(u.shape[1] * prod(m["kernel_size"]), -1)
+    groups = m["groups"]
+    if groups != 1:  # rows (g, c, k): one factor per group, [G, C_in/G·K, N·L]
+        cols = cols.reshape(groups, cols.shape[0] // groups, cols.shape[1])
     return input_factor(cols, x.shape[0], approx)
 
 
 def input_factor(cols: Tensor, n: int, approx: Optional[str]) -> Tensor:
-    """``A`` from the unfolded inputs ``cols [C·K, N·L]`` (columns ordered ``(n, l)``)."""
+    """``A`` from the unfolded inputs ``cols [*G, C·K, N·L]`` (columns ordered ``(n, l)``;
+    optional leading group dims give one factor per group)."""
     if approx == "reduce":
-        cols = cols.reshape(cols.shape[0], n, -1).mean(2)
-        return cols @ cols.t() / n
-    scale = n * (cols.shape[1] // n) if approx == "expand" else n
-    return cols @ cols.t() / scale
+        cols = cols.reshape(cols.shape[:-1] + (n, -1)).mean(-1)
+        return cols @ cols.transpose(-1, -2) / n
+    scale = n * (cols.shape[-1] // n) if approx == "expand" else n
+    return cols @ cols.transpose(-1, -2) / scale
 
 
 def kron_from_output_matrix(site: Site, role: str, G: Tensor) -> List[Tensor]:

@@ -88,7 +88,7 @@ from ._conv_correlation import (
     Correlation, CorrelationOf, bias_grad_batch, conv_site_correlation, one_position_column_squares,
     per_sample_by_bmm, per_sample_by_kernel, square_fresh, sum_outer_squares, unfolded_x, weight_grad,
 )
-from ._conv_kron import input_factor, kron, kron_from_output_matrix, kron_input
+from ._conv_kron import input_factor, kron, kron_from_output_matrix, kron_input, weight_output_factor
 from ._conv_unfold import (
     cached, explicit_padding, fold_columns, in_functorch_transform, padded_input, patches, prod, unfold,
 )
@@ -99,7 +99,7 @@ __all__ = [
     "Correlation", "CorrelationOf", "bias_grad_batch", "cached", "check", "check_batched",
     "choose_method", "explicit_padding", "fold_columns", "forward", "input_factor", "kron",
     "kron_from_output_matrix", "kron_input", "outer_rule", "padded_input", "patches",
-    "per_sample_weight_grad", "unfold", "weight_grad",
+    "per_sample_weight_grad", "unfold", "weight_grad", "weight_output_factor",
 ]
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
@@ -383,9 +383,9 @@ def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwa
         "mode": mode,
         "batch_dim": 0,
     }
-    if module.groups != 1:
-        meta["kron_error"] = (
-            f"Kronecker factors of a grouped convolution (groups={module.groups}) are not "
-            "defined (as in BackPACK); supported: groups=1."
+    if module.groups != 1:  # KFAC/KFLR: per-group factors (kron); KFRA's recursion has none
+        meta["kfra_error"] = (
+            f"KFRA's factors of a grouped convolution (groups={module.groups}) are not "
+            "defined (as in BackPACK); supported: groups=1. KFAC and KFLR give per-group factors."
         )
     return rec.add(Site(CONV, names, where, saved={"x": x}, meta=meta), out)

@@ -36,7 +36,7 @@ here are dense tensors either way.
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -139,6 +139,64 @@ def sum_grad_squared(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors
     return {"weight": out.index_add(0, index, rows**2 * first.unsqueeze(1))}
 
 
+def kron(site: Site, role: str, m: Tensor, approx: Optional[str] = None) -> List[Tensor]:
+    """Kronecker factors ``[A, B]`` of the weight ``W [V, D]`` from the root ``m [V', N, *S, D]``.
+
+    The look-up is a Linear map of the one-hot input ``x = e_idx`` (``0`` at padding
+    positions, whose rows get no gradient), ``y = Wᵀ x``, so Linear's factors apply with
+    the roles of rows and columns swapped; in the row-major order of ``W`` (row ``v``,
+    column ``d``) the input factor comes first:
+
+    * ``A [V]``: the diagonal of ``(1/N) Σ_{n,p} x xᵀ``, i.e. token counts
+      ``#{(n, p): idx[n, p] = v ≠ padding_idx} / N`` (``"expand"``: ``/ (N·P)``); never
+      a dense ``V × V`` matrix;
+    * ``B [D, D]``: ``Σ_{v',n} (Σ_p m̃)(Σ_p m̃)ᵀ`` (``"expand"``: ``Σ_{v',n,p} m̃ m̃ᵀ``),
+      ``m̃`` the root with padding positions zeroed.
+
+    ``"reduce"`` equals ``None`` for ``idx [N]`` (one position); on sequences its input
+    factor is dense, which :func:`curvlib._support.check_second_order` refuses.
+    """
+    idx, rows = _root_rows(site, m)  # [N, P], [V', N, P, D]
+    if approx == "reduce" and idx.shape[1] > 1:  # (refused before any work; a backstop)
+        raise CurvatureError(f"KFAC-reduce of Embedding '{site.where}' on sequences needs a dense V x V factor.")
+    s = rows.reshape(-1, rows.shape[-1]) if approx == "expand" else rows.sum(2).reshape(-1, rows.shape[-1])
+    return [kron_input(site, approx), s.t() @ s]
+
+
+def _root_rows(site: Site, m: Tensor) -> Tuple[Tensor, Tensor]:
+    """``idx [N, P]`` and the root ``m [V', N, P, D]`` with padding positions zeroed."""
+    bdim = site.meta.get("batch_dim", 0)
+    m = m.movedim(bdim + 1, 1) if bdim != 0 else m
+    idx = _flat_index(site)
+    m = m.reshape(m.shape[0], idx.shape[0], idx.shape[1], m.shape[-1])
+    pad = site.meta["padding_idx"]
+    if pad is not None:
+        m = m * (idx != pad % site.meta["num_embeddings"]).unsqueeze(-1).to(m.dtype)
+    return idx, m
+
+
+def _flat_index(site: Site) -> Tensor:
+    """``idx [N, P]``, batch in front."""
+    idx = site.saved["idx"]
+    bdim = site.meta.get("batch_dim", 0)
+    idx = idx.movedim(bdim, 0) if bdim != 0 else idx
+    return idx.reshape(idx.shape[0], -1)
+
+
+def kron_input(site: Site, approx: Optional[str] = None) -> Tensor:
+    """``A [V]``: token counts (padding left out) over ``N`` (``"expand"``: ``N·P``), see :func:`kron`."""
+    idx = _flat_index(site)
+    n, positions = idx.shape
+    v = site.meta["num_embeddings"]
+    dtype = site.meta.get("dtype", torch.get_default_dtype())
+    weights = torch.ones(idx.numel(), dtype=dtype, device=idx.device)
+    pad = site.meta["padding_idx"]
+    if pad is not None:
+        weights = weights * (idx.reshape(-1) != pad % v).to(dtype)
+    counts = weights.new_zeros(v).index_add(0, idx.reshape(-1), weights)
+    return counts / (n * positions if approx == "expand" else n)
+
+
 EMBEDDING = Rule(
     kind="embedding",
     grad_batch=grad_batch,
@@ -159,5 +217,6 @@ def forward(module: nn.Embedding, where: str, names: dict, tensors: dict, args, 
         # forward agree, so that forward-mode derivatives (block products) do too.
         pad = module.padding_idx % module.num_embeddings
         out = torch.where((idx == pad).unsqueeze(-1), out.detach(), out)
-    meta = {"batch_dim": 0, "padding_idx": module.padding_idx, "num_embeddings": module.num_embeddings}
+    meta = {"batch_dim": 0, "padding_idx": module.padding_idx, "num_embeddings": module.num_embeddings,
+            "dtype": out.dtype, "index_dims": idx.dim()}
     return rec.add(Site(EMBEDDING, names, where, saved={"idx": idx}, meta=meta), out)

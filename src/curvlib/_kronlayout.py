@@ -1,0 +1,45 @@
+"""Layouts of the Kronecker factors of ``KFAC``, ``KFLR``, ``KFACEmpirical`` per parameter.
+
+Each parameter gets a list of factors whose Kronecker product (in order; a 1-D factor
+stands for a diagonal matrix; a leading group dim for a block-diagonal matrix, one
+block per group) approximates its curvature block:
+
+| layer | parameter | factors | stands for |
+|---|---|---|---|
+| ``Linear``, ``Conv``, ``ConvTranspose`` (``groups=1``) | weight | ``[B, A]`` | BackPACK's layout, ``B ⊗ A`` |
+| same | bias | ``[B]`` | ``B`` (exact bias block for ``kfac_approx=None``) |
+| ``Conv`` with ``groups=G`` | weight | ``[B [G, o, o], A [G, a, a]]`` | ``blockdiag_g(B[g] ⊗ A[g])`` |
+| ``Embedding`` ``[V, D]`` | weight | ``[A [V], B [D, D]]`` | ``diag(A) ⊗ B`` (row-major ``W``) |
+| ``LayerNorm``, ``GroupNorm``, ``BatchNorm``; any other 1-D parameter | weight, bias | ``[F [P, P]]`` | the exact block of ``p`` flattened (``P = p.numel()``) |
+
+Exactly one factor depends on the backpropagated root (``B``, or ``F``): it is summed
+over column chunks and signs of the loss Hessian, and rescaled like the loss over
+slices of the batch and over ranks; every other factor is a batch mean of the layer's
+inputs (averaged with the samples' shares). :func:`root_index` says which it is.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Sequence
+
+from torch import Tensor
+
+__all__ = ["root_index", "add_root_factor"]
+
+
+def root_index(factors: Sequence[Tensor]) -> int:
+    """Index of the factor that depends on the root (see the module doc).
+
+    ``0`` for every layout but Embedding's ``[A [V], B [D, D]]``, the only one with two
+    factors whose first is a 1-D (diagonal) input factor.
+    """
+    if len(factors) == 2 and factors[0] is not None and factors[0].dim() == 1:
+        return 1
+    return 0
+
+
+def add_root_factor(acc: Sequence[Tensor], part: Sequence[Tensor], add: Callable) -> List[Tensor]:
+    """``acc`` with its root factor replaced by ``add(acc's, part's)`` (column chunks, signs
+    of the loss Hessian); the input factors, independent of the root, are kept."""
+    i = root_index(acc)
+    return list(acc[:i]) + [add(acc[i], part[i])] + list(acc[i + 1:])
