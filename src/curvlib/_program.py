@@ -27,10 +27,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 
 from . import rules
 from ._sync import LOCK
+from .rules import attention
 from .rules.functional import FunctionalUse
 
 __all__ = ["Program", "Layer", "trace_program"]
@@ -117,9 +119,20 @@ class _Tracer(fx.Tracer):
     """
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if attention.traced_forward(m) is not None:
+            return False  # traced as its math (curvlib.rules.attention)
         if _owns_parameters(m):
             return True
         return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward, args, kwargs):
+        math = attention.traced_forward(m)
+        return super().call_module(m, math if math is not None else forward, args, kwargs)
+
+    def create_proxy(self, kind, target, args, kwargs, *rest, **more):
+        if kind == "call_function" and target is F.scaled_dot_product_attention:
+            return attention.scaled_dot_product_attention(*args, **kwargs)  # inlined as its math
+        return super().create_proxy(kind, target, args, kwargs, *rest, **more)
 
     def trace(self, root, concrete_args=None):
         tracer = self
@@ -197,10 +210,11 @@ def trace_program(model: nn.Module, example=None) -> Program:
         param_names.setdefault(id(p), name)
 
     root, prefix = (model, "")
-    if _owns_parameters(model) and rules.has_family(model):
+    if (_owns_parameters(model) and rules.has_family(model)) or attention.traced_forward(model) is not None:
         # A bare nn.Linear/Conv/... model: trace a holder so that it is one layer
         # with its hand-written rule. Any other model that owns parameters is
-        # traced as it is; its direct parameter uses become functional sites.
+        # traced as it is; its direct parameter uses become functional sites. (An attention
+        # module or transformer block as the model: traced through the holder as its math.)
         root, prefix = (_Root(model), "model.")
 
     graph: Optional[fx.Graph]

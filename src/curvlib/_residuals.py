@@ -194,9 +194,13 @@ def record(program: Program, node: fx.Node, planned: Planned, env: Dict[fx.Node,
             return
         env_out[node] = rec.residual(node.name, kind, None, [site.saved["x"]], z, site=site)
         return
-    # dense: the node as a function of its graph inputs (and its trainable parameters)
+    # dense: the node as a function of its graph inputs (and its trainable parameters);
+    # integer and boolean inputs (sizes, masks) are constants of it
+    inputs_nodes = [a for a in inputs_nodes if isinstance(env[a], Tensor) and (env[a].is_floating_point() or env[a].is_complex())]
     inputs = [env[a] for a in inputs_nodes]
     own = _own_parameters(program, node, trainable, coupled)
+    if not inputs and not own:
+        return
     phi = _node_function(program, node, env, inputs_nodes, params)
     if inplace:
         phi_inplace = phi
