@@ -33,7 +33,7 @@ from torch import fx, nn
 from . import rules
 from ._sync import LOCK
 from .rules import attention
-from .rules.functional import FunctionalUse
+from .rules.functional import FunctionalUse, is_affine, linear_roles
 
 __all__ = ["Program", "Layer", "trace_program"]
 
@@ -307,5 +307,7 @@ def functional_uses(graph: fx.Graph, root: nn.Module, param_names: Dict[int, str
                 stack.extend(a.all_input_nodes)
         chain = tuple(n for n in graph.nodes if n in chain_set)
         inputs = tuple(a for a in node.all_input_nodes if a in dependent)
-        uses[node] = FunctionalUse(node=node, chain=chain, params=tuple(sorted(params)), inputs=inputs)
+        uses[node] = FunctionalUse(node=node, chain=chain, params=tuple(sorted(params)), inputs=inputs,
+                                   linear=linear_roles(node, root, param_names, dependent),
+                                   affine=is_affine(node, chain))
     return uses

@@ -99,8 +99,14 @@ def residual_plan(program: Program) -> Dict[fx.Node, Planned]:
             elif layer.kind == "linear" and layer.names.get("weight") in coupled:
                 plan[node] = ("bilinear", None, coupled)
             continue
-        if node in program.functional:
-            plan[node] = ("dense", None, frozenset(program.functional[node].params) & reach)
+        use = program.functional.get(node)
+        if use is not None:
+            coupled = frozenset(use.params) & reach
+            if use.linear is not None:  # F.linear on parameters: a Linear site
+                if use.linear["weight"] in coupled:
+                    plan[node] = ("bilinear", None, coupled)
+            elif not (use.affine and not coupled):  # (affine, uncoupled: no residual)
+                plan[node] = ("dense", None, coupled)
             continue
         kind, phi = classify(node, program.root, program.layers, dependent)
         if kind == "elementwise":
@@ -189,7 +195,7 @@ def record(program: Program, node: fx.Node, planned: Planned, env: Dict[fx.Node,
             env_out[node] = rec.residual(node.name, kind, None, [x, y], z)
             return
     if kind == "bilinear":
-        site = rec.sites[-1] if rec.sites and rec.sites[-1].where == program.layers[node.target].path else None
+        site = rec.sites[-1] if rec.sites and _site_of(rec.sites[-1], program, node) else None
         if site is None or "weight" not in site.params:
             return
         env_out[node] = rec.residual(node.name, kind, None, [site.saved["x"]], z, site=site)
@@ -209,6 +215,13 @@ def record(program: Program, node: fx.Node, planned: Planned, env: Dict[fx.Node,
                                  free=[n for n in own if n not in coupled])
 
 
+def _site_of(site, program: Program, node: fx.Node) -> bool:
+    """Whether ``site`` was recorded by ``node`` (a Linear layer, or ``F.linear`` on parameters)."""
+    if node.op == "call_module":
+        return site.where == program.layers[node.target].path
+    return site.meta.get("node") == node.name
+
+
 def _own_parameters(program: Program, node: fx.Node, trainable: frozenset, coupled: frozenset) -> List[str]:
     """The node's trainable parameters in ``u``: those its inputs depend on, and, unless
     the layer is affine in its parameters, the others too (as ``free`` ones)."""
@@ -217,7 +230,8 @@ def _own_parameters(program: Program, node: fx.Node, trainable: frozenset, coupl
         names, affine = dict.fromkeys(layer.names.values()), layer.kind in AFFINE_IN_PARAMETERS
     else:
         use = program.functional.get(node)
-        names, affine = (use.params if use is not None else ()), False
+        names = use.params if use is not None else ()
+        affine = use is not None and (use.linear is not None or use.affine)
     return [n for n in names if n in trainable and (n in coupled or not affine)]
 
 
