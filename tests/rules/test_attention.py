@@ -84,7 +84,7 @@ class MHAModel(nn.Module):
             for a in (q, k, v):
                 moved.setdefault(id(a), a.transpose(0, 1))
             q, k, v = (moved[id(a)] for a in (q, k, v))
-        pad = ((x[..., 0] > 0.3) & self.later) if self.padding else None
+        pad = torch.logical_and(x[..., 0] > 0.3, self.later) if self.padding else None
         out, w = self.mha(q, k, v, key_padding_mask=pad, attn_mask=self.mask, need_weights=self.need_weights,
                           average_attn_weights=self.average)
         if not self.batch_first:
@@ -194,7 +194,7 @@ class Decoder(nn.Module):
 
     def forward(self, x):
         mem = torch.tanh(self.memory(x))
-        pad = (x[..., 1] > 0.0) & self.later
+        pad = torch.logical_and(x[..., 1] > 0.0, self.later)
         tgt = x
         if not self.batch_first:
             tgt, mem = tgt.transpose(0, 1), mem.transpose(0, 1)
@@ -312,3 +312,84 @@ def test_no_fused_kernel_in_graph():
     assert not any(isinstance(layer.module, (nn.MultiheadAttention, nn.TransformerEncoderLayer))
                    for layer in program.layers.values())
     assert sum(1 for u in program.functional.values() if u.linear is not None) == 2  # one packed product per layer
+
+
+class _Twin(nn.Module):
+    """``MHAModel``'s self-attention written out in plain operations (its parameters owned
+    directly, so that the PCHMP oracle sees every operation as a node of its own)."""
+
+    def __init__(self, torch_model: "MHAModel"):
+        super().__init__()
+        mha = torch_model.mha
+        self.in_proj_weight = nn.Parameter(mha.in_proj_weight.detach().clone())
+        self.in_proj_bias = nn.Parameter(mha.in_proj_bias.detach().clone())
+        self.out_proj = nn.Linear(mha.embed_dim, mha.embed_dim).to(DT)
+        self.head = nn.Linear(mha.embed_dim, 3).to(DT)
+        self.out_proj.load_state_dict(mha.out_proj.state_dict())
+        self.head.load_state_dict(torch_model.head.state_dict())
+        self.h, self.e = mha.num_heads, mha.embed_dim
+        self.register_buffer("bias", torch_model.mask.clone())
+        self.register_buffer("later", torch_model.later.clone())
+
+    def forward(self, x):
+        p = F.linear(x, self.in_proj_weight, self.in_proj_bias)
+        e, h = self.e, self.h
+        q, k, v = (p[..., i * e:(i + 1) * e].unflatten(-1, (h, e // h)).transpose(1, 2) for i in range(3))
+        pad = torch.zeros(x.shape[:2], dtype=DT).masked_fill(torch.logical_and(x[..., 0] > 0.3, self.later), float("-inf"))
+        scores = torch.matmul(q * (e // h) ** -0.5, k.transpose(-2, -1)) + self.bias + pad[:, None, None, :]
+        a = torch.matmul(torch.softmax(scores, dim=-1), v)
+        return self.head(self.out_proj(a.transpose(1, 2).flatten(2)).mean(1))
+
+
+@pytest.mark.parametrize("modify", ["clip", "abs"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_pchmp_attention(modify, seed):
+    """PCHMP through ``nn.MultiheadAttention`` (float mask, key padding) equals the
+    brute-force positive-curvature blocks (:mod:`oracles_pchmp`) of the same attention
+    written out in plain operations: the residuals of ``q kᵀ``, softmax and ``A v``."""
+    from curvlib.extensions import PCHMP
+    from oracles_all import product_matrix
+    from oracles_pchmp import pchmp_blocks
+
+    torch.manual_seed(seed)
+    n, t, e = 2, 3, 4
+    model = MHAModel(e, 2, None, None, True, False, False, True, "self", "float", True, False, True, t).to(DT).eval()
+    twin = _Twin(model)
+    X, y = torch.randn(n, t, e, dtype=DT), torch.randint(0, 3, (n,))
+    assert torch.allclose(model(X), twin(X))
+    got = curvature(model, CE, [PCHMP(modify=modify)])(X, y)["pchmp"]
+    want = pchmp_blocks(twin, CE, X, y, modify)
+    names = {"mha.in_proj_weight": "in_proj_weight", "mha.in_proj_bias": "in_proj_bias",
+             "mha.out_proj.weight": "out_proj.weight", "mha.out_proj.bias": "out_proj.bias",
+             "head.weight": "head.weight", "head.bias": "head.bias"}
+    scale = max(float(w.abs().max()) for w in want.values())
+    params = dict(model.named_parameters())
+    for mine, theirs in names.items():
+        block = product_matrix(got[mine], params[mine].shape)
+        err = float((block - want[theirs]).abs().max())
+        assert err <= 1e-7 * scale, f"pchmp[{mine}] ({modify}): max error {err:.3g} at scale {scale:.3g}"
+
+
+def test_diag_ggn_mc_attention():
+    """DiagGGNMC / BatchDiagGGNMC through a transformer decoder layer converge to the exact
+    GGN diagonals (``oracles_second.ggn_per_sample``; seeded generators, error ~ 1/√M)."""
+    from curvlib.extensions import BatchDiagGGNMC, DiagGGNMC
+    from oracles_second import ggn_per_sample
+
+    torch.manual_seed(0)
+    model = Decoder(4, 2, True, "gelu", True, 3).to(DT).eval()
+    X, y = torch.randn(2, 3, 4, dtype=DT), torch.randint(0, 3, (2,))
+    with oracle_mode():
+        per = {k: ggn_per_sample(model, CE, X, y, k).diagonal(dim1=1, dim2=2).reshape((2,) + p.shape)
+               for k, p in model.named_parameters()}
+    exact = {"diag_ggn_mc": {k: v.sum(0) for k, v in per.items()}, "diag_ggn_mc_batch": per}
+    errors = {}
+    for m in (100, 10000):
+        exts = [DiagGGNMC(mc_samples=m, generator=torch.Generator().manual_seed(1)),
+                BatchDiagGGNMC(mc_samples=m, generator=torch.Generator().manual_seed(2))]
+        qs = curvature(model, CE, exts)(X, y)
+        for key, want in exact.items():
+            num = sum(float(((qs[key][k] - w) ** 2).sum()) for k, w in want.items())
+            errors[key, m] = (num / sum(float((w**2).sum()) for w in want.values())) ** 0.5
+    for key in exact:
+        assert errors[key, 10000] < 0.05 and errors[key, 10000] < errors[key, 100] / 3, errors
