@@ -223,6 +223,8 @@ def _residuals(graph, node, own, free, params, env, g, bdim) -> Tensor:
         return graph.call(node, theta, load(node.args), load(node.kwargs))
 
     sizes = [t.numel() for t in u0]
+    if not u0:  # a function of sizes or masks only (no float input, no parameter): no residual
+        return g.new_zeros(g.shape[bdim], 0, 0)
     result = []
     for n in range(g.shape[bdim]):
         g_n = torch.zeros_like(g)
@@ -281,6 +283,8 @@ def pchmp_blocks(model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor, modi
         J, jac_in = _jacobians(graph, X, params, name)
         total = torch.einsum("ncp,ncd,ndq->pq", J, H_loss, J)
         for own, inputs, M in nodes:
+            if M.shape[1] == 0:
+                continue
             p0 = params[name]
             Ju = torch.cat([torch.eye(P, dtype=p0.dtype) if c == name else p0.new_zeros(params[c].numel(), P) for c in own]
                            + [jac_in[a] for a in inputs])  # [D, P]: ∂u/∂p

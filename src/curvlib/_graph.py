@@ -113,7 +113,10 @@ def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, pres
             self_obj, *rest = load(node.args)
             env[node] = getattr(self_obj, node.target)(*rest, **load(node.kwargs))
         use = program.functional.get(node)
-        if use is not None and any(n in trainable for n in use.params):
+        if use is not None and use.linear is not None:
+            names = {r: n for r, n in use.linear.items() if n in trainable}
+            env[node] = functional.record_linear(use, names, env[use.inputs[0]], env[node], rec)
+        elif use is not None and any(n in trainable for n in use.params):
             env[node] = functional.record(
                 use, program.root, program.param_names,
                 {n: n for n in use.params if n in trainable},

@@ -130,8 +130,8 @@ def _gap(a: Tensor, b: Tensor, rel: float) -> float:
         return 0.0
     if not (a.is_floating_point() or a.is_complex()):
         return float("inf") if bool((a != b).any()) else 0.0
-    both_nan = a.isnan() & b.isnan()
-    diff = (a - b).abs().masked_fill(both_nan, 0).nan_to_num(float("inf"))
+    same = (a.isnan() & b.isnan()) | (a == b)  # (equal infinities, e.g. masked attention scores)
+    diff = (a - b).abs().masked_fill(same, 0).nan_to_num(float("inf"))
     eps = torch.finfo(a.dtype).eps
     scale = max(float(a.abs().nan_to_num(0, 0, 0).max()), float(b.abs().nan_to_num(0, 0, 0).max()))
     gap = float(diff.max())

@@ -34,11 +34,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 
 from . import rules
 from ._sync import LOCK
-from .rules.functional import FunctionalUse
+from .rules import attention
+from .rules.functional import FunctionalUse, is_affine, linear_roles
 
 __all__ = ["Program", "Layer", "trace_program"]
 
@@ -133,17 +135,25 @@ class _Tracer(fx.Tracer):
         self.failed: Optional[nn.Module] = None  # the deepest module whose forward raised
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if attention.traced_forward(m) is not None:
+            return False  # traced as its math (curvlib.rules.attention)
         if _owns_parameters(m) or id(m) in self.opaque:
             return True
         return super().is_leaf_module(m, module_qualified_name)
 
-    def call_module(self, m, forward, args, kwargs):
+    def call_module(self, m: nn.Module, forward, args, kwargs):
+        math = attention.traced_forward(m)
         try:
-            return super().call_module(m, forward, args, kwargs)
+            return super().call_module(m, math if math is not None else forward, args, kwargs)
         except Exception:
             if self.failed is None:  # the first to see the error is the innermost module
                 self.failed = m
             raise
+
+    def create_proxy(self, kind, target, args, kwargs, *rest, **more):
+        if kind == "call_function" and target is F.scaled_dot_product_attention:
+            return attention.scaled_dot_product_attention(*args, **kwargs)  # inlined as its math
+        return super().create_proxy(kind, target, args, kwargs, *rest, **more)
 
     def trace(self, root, concrete_args=None):
         tracer = self
@@ -221,10 +231,11 @@ def trace_program(model: nn.Module, example=None) -> Program:
         param_names.setdefault(id(p), name)
 
     root, prefix = (model, "")
-    if _owns_parameters(model) and rules.has_family(model):
+    if (_owns_parameters(model) and rules.has_family(model)) or attention.traced_forward(model) is not None:
         # A bare nn.Linear/Conv/... model: trace a holder so that it is one layer
         # with its hand-written rule. Any other model that owns parameters is
-        # traced as it is; its direct parameter uses become functional sites.
+        # traced as it is; its direct parameter uses become functional sites. (An attention
+        # module or transformer block as the model: traced through the holder as its math.)
         root, prefix = (_Root(model), "model.")
 
     graph: Optional[fx.Graph]
@@ -344,5 +355,7 @@ def functional_uses(graph: fx.Graph, root: nn.Module, param_names: Dict[int, str
                 stack.extend(a.all_input_nodes)
         chain = tuple(n for n in graph.nodes if n in chain_set)
         inputs = tuple(a for a in node.all_input_nodes if a in dependent)
-        uses[node] = FunctionalUse(node=node, chain=chain, params=tuple(sorted(params)), inputs=inputs)
+        uses[node] = FunctionalUse(node=node, chain=chain, params=tuple(sorted(params)), inputs=inputs,
+                                   linear=linear_roles(node, root, param_names, dependent),
+                                   affine=is_affine(node, chain))
     return uses

@@ -99,8 +99,14 @@ def residual_plan(program: Program) -> Dict[fx.Node, Planned]:
             elif layer.kind == "linear" and layer.names.get("weight") in coupled:
                 plan[node] = ("bilinear", None, coupled)
             continue
-        if node in program.functional:
-            plan[node] = ("dense", None, frozenset(program.functional[node].params) & reach)
+        use = program.functional.get(node)
+        if use is not None:
+            coupled = frozenset(use.params) & reach
+            if use.linear is not None:  # F.linear on parameters: a Linear site
+                if use.linear["weight"] in coupled:
+                    plan[node] = ("bilinear", None, coupled)
+            elif not (use.affine and not coupled):  # (affine, uncoupled: no residual)
+                plan[node] = ("dense", None, coupled)
             continue
         kind, phi = classify(node, program.root, program.layers, dependent)
         if kind == "elementwise":
@@ -189,20 +195,31 @@ def record(program: Program, node: fx.Node, planned: Planned, env: Dict[fx.Node,
             env_out[node] = rec.residual(node.name, kind, None, [x, y], z)
             return
     if kind == "bilinear":
-        site = rec.sites[-1] if rec.sites and rec.sites[-1].where == program.layers[node.target].path else None
+        site = rec.sites[-1] if rec.sites and _site_of(rec.sites[-1], program, node) else None
         if site is None or "weight" not in site.params:
             return
         env_out[node] = rec.residual(node.name, kind, None, [site.saved["x"]], z, site=site)
         return
-    # dense: the node as a function of its graph inputs (and its trainable parameters)
+    # dense: the node as a function of its graph inputs (and its trainable parameters);
+    # integer and boolean inputs (sizes, masks) are constants of it
+    inputs_nodes = [a for a in inputs_nodes if isinstance(env[a], Tensor) and (env[a].is_floating_point() or env[a].is_complex())]
     inputs = [env[a] for a in inputs_nodes]
     own = _own_parameters(program, node, trainable, coupled)
+    if not inputs and not own:
+        return
     phi = _node_function(program, node, env, inputs_nodes, params)
     if inplace:
         phi_inplace = phi
         phi = lambda theta, *xs: phi_inplace(theta, *(x.clone() for x in xs))  # noqa: E731
     env_out[node] = rec.residual(node.name, "dense", phi, inputs, z, params={n: params[n] for n in own},
                                  free=[n for n in own if n not in coupled])
+
+
+def _site_of(site, program: Program, node: fx.Node) -> bool:
+    """Whether ``site`` was recorded by ``node`` (a Linear layer, or ``F.linear`` on parameters)."""
+    if node.op == "call_module":
+        return site.where == program.layers[node.target].path
+    return site.meta.get("node") == node.name
 
 
 def _own_parameters(program: Program, node: fx.Node, trainable: frozenset, coupled: frozenset) -> List[str]:
@@ -213,7 +230,8 @@ def _own_parameters(program: Program, node: fx.Node, trainable: frozenset, coupl
         names, affine = dict.fromkeys(layer.names.values()), layer.kind in AFFINE_IN_PARAMETERS
     else:
         use = program.functional.get(node)
-        names, affine = (use.params if use is not None else ()), False
+        names = use.params if use is not None else ()
+        affine = use is not None and (use.linear is not None or use.affine)
     return [n for n in names if n in trainable and (n in coupled or not affine)]
 
 

@@ -109,6 +109,8 @@ def classify(node: fx.Node, root: nn.Module, layers: dict, dependent: set) -> Tu
             return "elementwise", module.forward  # (its hooks are not part of the math)
         return "other", None
     target = node.target
+    if node.op == "call_function" and getattr(target, "curvlib_linear", False):
+        return "linear", None  # curvlib's own affine helpers (masking in curvlib.rules.attention)
     if node.op == "call_method" and target.endswith("_") and not target.endswith("__"):
         target = target[:-1]  # x.relu_() has the curvature of x.relu()
     if node.op == "call_function":

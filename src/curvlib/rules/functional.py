@@ -18,12 +18,17 @@ module's before any square is taken.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+import operator
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
 
 from torch import Tensor, fx, nn
 from torch.func import vjp, vmap
 
 from ._site import Recorder, RoleTensors, Rule, Site
+from .linear import LINEAR
 
 
 @dataclass(frozen=True)
@@ -35,12 +40,20 @@ class FunctionalUse:
         chain: its parameter-only ancestors, in graph order (``get_attr`` and ops on them).
         params: canonical names of the parameters the chain reads.
         inputs: the node's input-dependent argument nodes.
+        linear: for ``F.linear(x, W, b)`` with ``W`` (and ``b``) parameters read as they are:
+            role (``"weight"``, ``"bias"``) -> canonical name; the node is then a Linear site
+            (:mod:`curvlib.rules.linear`: per-sample outer products, Kronecker factors), not
+            a generic one.
+        affine: the node is affine in its inputs and parameters jointly (a bias added, a
+            parameter concatenated): no second derivative of its own.
     """
 
     node: fx.Node
     chain: Tuple[fx.Node, ...]
     params: Tuple[str, ...]
     inputs: Tuple[fx.Node, ...]
+    linear: Optional[Dict[str, str]] = None  # F.linear on parameters: role -> canonical name
+    affine: bool = False  # affine in the parameters and the inputs together (see :func:`is_affine`)
 
 
 def _lookup(root: nn.Module, target: str):
@@ -103,3 +116,49 @@ def record(use: FunctionalUse, root: nn.Module, param_names: Dict[int, str], nam
     meta = {"use": use, "root": root, "param_names": param_names, "batch_dim": 0}
     where = f"{use.node.name} (op in forward using {', '.join(use.params)})"
     return rec.add(Site(FUNCTIONAL, names, where, meta=meta, saved=saved), out)
+
+
+def _parameter_name(arg, root: nn.Module, param_names: Dict[int, str]) -> Optional[str]:
+    """The canonical name of a parameter read as it is by ``get_attr`` (else ``None``)."""
+    if not isinstance(arg, fx.Node) or arg.op != "get_attr":
+        return None
+    value = _lookup(root, arg.target)
+    return param_names.get(id(value)) if isinstance(value, nn.Parameter) else None
+
+
+def linear_roles(node: fx.Node, root: nn.Module, param_names: Dict[int, str], dependent) -> Optional[Dict[str, str]]:
+    """``{"weight": name[, "bias": name]}`` for ``F.linear(x, W, b)`` whose input depends on
+    the model input and whose ``W`` (and ``b``, if any) are parameters read as they are."""
+    if node.op != "call_function" or node.target is not F.linear:
+        return None
+    args = list(node.args) + [node.kwargs.get(k) for k in ("input", "weight", "bias")[len(node.args):]]
+    x, w, b = (args + [None] * 3)[:3]
+    if not (isinstance(x, fx.Node) and x in dependent):
+        return None
+    roles = {"weight": _parameter_name(w, root, param_names)}
+    if b is not None:
+        roles["bias"] = _parameter_name(b, root, param_names)
+    return roles if all(roles.values()) else None
+
+
+# Operations affine in all their tensor arguments jointly, and the reshaping ops a parameter
+# may go through on the way (a slice of a packed bias, ``bias_k.expand(...)``).
+_AFFINE_OPS = {operator.add, operator.sub, torch.add, torch.sub, torch.cat, F.linear}
+_RESHAPING = {operator.getitem, "__getitem__", "view", "reshape", "expand", "repeat", "unsqueeze", "squeeze",
+              "flatten", "unflatten", "transpose", "permute", "t", "contiguous", torch.reshape, torch.transpose,
+              torch.unsqueeze, torch.flatten, "chunk", "split", torch.chunk, torch.split}
+
+
+def is_affine(node: fx.Node, chain: Sequence[fx.Node]) -> bool:
+    """Whether the node is affine in its inputs and its parameters together (``x + b[:E]``,
+    ``cat([k, bias_k.expand(...)])``; not ``F.linear``, whose weight multiplies the input)."""
+    if node.target is F.linear or not (node.target in _AFFINE_OPS or getattr(node.target, "curvlib_linear", False)):
+        return False
+    return all(n.op == "get_attr" or n.target in _RESHAPING for n in chain)
+
+
+def record_linear(use: FunctionalUse, names: Dict[str, str], x: Tensor, out: Tensor, rec: Recorder) -> Tensor:
+    """Record ``F.linear(x, W, b)`` on parameters as a Linear site (``names``: trainable roles)."""
+    where = f"{use.node.name} (F.linear on {use.linear['weight']})"
+    return rec.add(Site(LINEAR, names, where, saved={"x": x}, meta={"batch_dim": 0, "family": "linear",
+                                                                    "node": use.node.name}), out)
