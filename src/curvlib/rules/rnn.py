@@ -51,6 +51,7 @@ from torch.nn.utils.rnn import PackedSequence
 from .._errors import CurvatureError
 from ._site import Recorder, Site
 from .linear import LINEAR
+from .rnn_steps import Coupling, StepNodes, gru_step, lstm_step, rnn_step
 
 _GATES = {"RNN_TANH": 1, "RNN_RELU": 1, "LSTM": 4, "GRU": 3}
 
@@ -164,7 +165,8 @@ def _direction(
     where: str,
     rec: Recorder,
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """Run one layer in one direction and record its sites.
+    """Run one layer in one direction and record its sites (and, for the Hessian
+    family, its nonlinear nodes: :mod:`curvlib.rules.rnn_steps`).
 
     Args:
         inp: layer input ``[N, T, I]``.
@@ -177,18 +179,23 @@ def _direction(
     """
     sfx = f"_l{layer}" + ("_reverse" if reverse else "")
     mode = module.mode
-    bias = module.bias
     n, steps = inp.shape[0], inp.shape[1]
     w_ih, w_hh = tensors["weight_ih" + sfx], tensors["weight_hh" + sfx]
-    b_ih = tensors["bias_ih" + sfx] if bias else None
-    b_hh = tensors["bias_hh" + sfx] if bias else None
-    bname = (lambda s: s + sfx) if bias else (lambda s: None)
+    b_ih, b_hh = (tensors["bias_ih" + sfx], tensors["bias_hh" + sfx]) if module.bias else (None, None)
+    bname = (lambda s: s + sfx) if module.bias else (lambda s: None)
+    coupling: Optional[Coupling] = rec.layer_residuals
+    nodes = StepNodes(rec, where, f"l{layer}" + ("r" if reverse else ""), coupling)
+    # parameters the layer's input and initial states depend on (a module applied to its own output)
+    reach_hx = coupling.hx if coupling is not None else frozenset()
+    reach_x = (coupling.x | (reach_hx if layer > 0 else frozenset())) if coupling is not None else frozenset()
+    state_varies = coupling is not None and coupling.state_varies
 
     site_ih = Site(
         LINEAR, _roles(names, "weight_ih" + sfx, bname("bias_ih")), where,
         saved={"x": inp}, meta={"batch_dim": 0},
     )
     pre_ih = rec.add(site_ih, F.linear(inp, w_ih, b_ih))  # [N, T, G·H]
+    pre_ih = nodes.bilinear("ih", site_ih, inp, pre_ih, site_ih.params.get("weight") in reach_x)
     site_hh = Site(LINEAR, _roles(names, "weight_hh" + sfx, bname("bias_hh")), where, meta={"batch_dim": 0})
     probe_hh = rec.open(site_hh, (n, steps, w_hh.shape[0]), pre_ih.dtype)
     proj = mode == "LSTM" and module.proj_size > 0
@@ -200,32 +207,30 @@ def _direction(
 
     outs: List[Optional[Tensor]] = [None] * steps
     h_prevs: List[Optional[Tensor]] = [None] * steps
-    for t in (range(steps - 1, -1, -1) if reverse else range(steps)):
+    order = range(steps - 1, -1, -1) if reverse else range(steps)
+    for k, t in enumerate(order):
+        nodes.t = t
+        first = k == 0  # the states entering this step are the initial ones
         h_prevs[t] = h
         a = pre_ih[:, t]
         b = F.linear(h, w_hh, b_hh)
         if probe_hh is not None:
             b = b + probe_hh[:, t]
-        if mode == "RNN_TANH":
-            h = torch.tanh(a + b)
-        elif mode == "RNN_RELU":
-            h = torch.relu(a + b)
+        b = nodes.bilinear("hh", site_hh, h, b, not first or site_hh.params.get("weight") in reach_hx)
+        if mode in ("RNN_TANH", "RNN_RELU"):
+            h = rnn_step(nodes, mode, a + b)
         elif mode == "LSTM":
-            gi, gf, gg, go = (a + b).chunk(4, -1)
-            c = torch.sigmoid(gf) * c + torch.sigmoid(gi) * torch.tanh(gg)
-            h = torch.sigmoid(go) * torch.tanh(c)
+            h, c = lstm_step(nodes, a + b, c, not first or state_varies)
             if proj:
                 m_steps[t] = h
                 h = F.linear(h, w_hr)
                 if probe_hr is not None:
                     h = h + probe_hr[:, t]
+                coupled = not first or site_hr.params.get("weight") in (reach_x | reach_hx)
+                h = nodes.bilinear("hr", site_hr, m_steps[t], h, coupled)
         else:  # GRU
-            a_r, a_z, a_n = a.chunk(3, -1)
-            b_r, b_z, b_n = b.chunk(3, -1)
-            r = torch.sigmoid(a_r + b_r)
-            z = torch.sigmoid(a_z + b_z)
-            cand = torch.tanh(a_n + r * b_n)
-            h = (1 - z) * cand + z * h
+            bn_varies = not first or state_varies or "bias" in site_hh.params
+            h = gru_step(nodes, a, b, h, not first or state_varies, bn_varies)
         outs[t] = h
     site_hh.saved = {"x": torch.stack(h_prevs, 1)}  # [N, T, H_out]
     if proj:
