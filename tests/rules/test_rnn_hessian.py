@@ -21,15 +21,14 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
-import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 from torch import Tensor, nn
 from torch.autograd.functional import hessian
 
 from curvlib import curvature
-from curvlib.extensions import PCHMP, BatchDiagHessian, DiagHessian, HMP
+from curvlib.extensions import PCHMP, BatchDiagHessian, DiagHessian
 
 from oracles_pchmp import pchmp_blocks
 
@@ -61,7 +60,7 @@ class Net(nn.Module):
 
     ``init``: ``"none"``, ``"from_x"`` (tanh of a Linear of the first step),
     ``"buffer"`` (fixed, expanded to the batch), ``"learned"``. With
-    ``unroll = (N, T)`` the recurrence runs written out (:func:`unrolled`).
+    ``unroll = T`` the recurrence runs written out (:func:`unrolled`).
     """
 
     def __init__(self, kind, i, h, o, layers, bias, batch_first, bidirectional, init, readout):
@@ -82,7 +81,7 @@ class Net(nn.Module):
             for k, s in enumerate(self.sizes):
                 self.register_buffer(f"state{k}", torch.randn(self.ld, 1, s))
         self.fc = nn.Linear(d * h_out, o)
-        self.unroll: Optional[Tuple[int, int]] = None
+        self.unroll: Optional[int] = None
 
     def initial(self, x: Tensor):
         if self.init == "none":
@@ -94,13 +93,15 @@ class Net(nn.Module):
             elif self.init == "learned":
                 states.append(self.inits[k](x).transpose(0, 1))
             else:
-                states.append(getattr(self, f"state{k}").expand(-1, x.shape[0], -1))
+                # (broadcast by a product with ones: an expand to x.shape[0] would be a node
+                # without tensor inputs, which the brute-force PCHMP cannot differentiate)
+                states.append(getattr(self, f"state{k}") * torch.ones_like(x[:, :1, :1]).transpose(0, 1))
         return tuple(states) if self.lstm else states[0]
 
     def forward(self, x: Tensor) -> Tensor:
         hx = self.initial(x)
         if self.unroll is not None:
-            out = unrolled(self.rnn, x, hx, *self.unroll)
+            out = unrolled(self.rnn, x, hx, self.unroll)
         else:
             out, _ = self.rnn(x if self.batch_first else x.transpose(0, 1), hx)
             out = out if self.batch_first else out.transpose(0, 1)
@@ -113,27 +114,35 @@ def _parts(x: Tensor, k: int, h: int):
     return [x[..., j * h:(j + 1) * h] for j in range(k)]
 
 
-def _step(mode: str, a: Tensor, b: Tensor, h: Tensor, c, size: int):
-    """One step of the recurrence in PyTorch's formulas (gate order i, f, g, o / r, z, n)."""
+def _hidden(h: Optional[Tensor], w: Tensor, b: Optional[Tensor]):
+    """``W h + b``; a zero state (``None``) gives the bias alone (or nothing)."""
+    return F.linear(h, w, b) if h is not None else b
+
+
+def _step(mode: str, a: Tensor, b, h, c, size: int):
+    """One step in PyTorch's formulas (gate order i, f, g, o / r, z, n); ``b``, ``h``, ``c``
+    may be ``None`` (zero initial state: the terms they multiply are left out)."""
+    pre = a if b is None else a + b
     if mode == "RNN_TANH":
-        return torch.tanh(a + b), c
+        return torch.tanh(pre), c
     if mode == "RNN_RELU":
-        return torch.relu(a + b), c
+        return torch.relu(pre), c
     if mode == "LSTM":
-        gi, gf, gg, go = _parts(a + b, 4, size)
-        c = torch.sigmoid(gf) * c + torch.sigmoid(gi) * torch.tanh(gg)
+        gi, gf, gg, go = _parts(pre, 4, size)
+        c = torch.sigmoid(gi) * torch.tanh(gg) + (torch.sigmoid(gf) * c if c is not None else 0)
         return torch.sigmoid(go) * torch.tanh(c), c
-    (a_r, a_z, a_n), (b_r, b_z, b_n) = _parts(a, 3, size), _parts(b, 3, size)
+    (a_r, a_z, a_n), (b_r, b_z, b_n) = _parts(a, 3, size), _parts(b, 3, size) if b is not None else (0, 0, None)
     r, z = torch.sigmoid(a_r + b_r), torch.sigmoid(a_z + b_z)
-    n = torch.tanh(a_n + r * b_n)
-    return (1 - z) * n + z * h, c
+    n = torch.tanh(a_n + r * b_n) if b_n is not None else torch.tanh(a_n)
+    return (1 - z) * n + (z * h if h is not None else 0), c
 
 
-def unrolled(rnn: nn.RNNBase, x: Tensor, hx, n: int, steps: int) -> Tensor:
-    """The module's output ``[N, T, D·H_out]`` on ``x [N, T, I]``, written out
-    (absent initial states are constant zeros: ``n`` is a Python int)."""
+def unrolled(rnn: nn.RNNBase, x: Tensor, hx, steps: int) -> Tensor:
+    """The module's output ``[N, T, D·H_out]`` on ``x [N, T, I]``, written out. Absent
+    initial states are zeros, constants: the first step leaves out what they multiply
+    (a graph of the written-out model must not take them as functions of the input)."""
     d = 2 if rnn.bidirectional else 1
-    size, h_out = rnn.hidden_size, rnn.proj_size or rnn.hidden_size
+    size = rnn.hidden_size
     lstm = rnn.mode == "LSTM"
     inp = x
     for layer in range(rnn.num_layers):
@@ -142,13 +151,13 @@ def unrolled(rnn: nn.RNNBase, x: Tensor, hx, n: int, steps: int) -> Tensor:
             k, sfx = layer * d + rev, f"_l{layer}" + ("_reverse" if rev else "")
             w = lambda name: getattr(rnn, name + sfx) if (rnn.bias or "bias" not in name) else None  # noqa: E731
             if hx is None:
-                h, c = torch.zeros(n, h_out, dtype=DT), torch.zeros(n, size, dtype=DT)
+                h, c = None, None
             else:
                 h, c = (hx[0][k], hx[1][k]) if lstm else (hx[k], None)
             pre = F.linear(inp, w("weight_ih"), w("bias_ih"))
             out = [None] * steps
             for t in (range(steps - 1, -1, -1) if rev else range(steps)):
-                h, c = _step(rnn.mode, pre[:, t], F.linear(h, w("weight_hh"), w("bias_hh")), h, c, size)
+                h, c = _step(rnn.mode, pre[:, t], _hidden(h, w("weight_hh"), w("bias_hh")), h, c, size)
                 if rnn.proj_size > 0:
                     h = F.linear(h, w("weight_hr"))
                 out[t] = h
@@ -220,6 +229,7 @@ def _assert_close(got: Dict[str, Tensor], want: Dict[str, Tensor], what: str) ->
         assert err <= RTOL * scale, f"{what}[{name}]: max error {err:.3e}, relative {err / scale:.3e}"
 
 
+@settings(max_examples=25)
 @given(**configs)
 def test_diag_and_batch_diag_hessian(kind, n, t, i, h, layers, bias, batch_first, bidirectional, init, readout,
                                      loss, reduction, seed):
@@ -243,7 +253,7 @@ def pchmp_of(model, lossfn, X, y, modify: str) -> Dict[str, Tensor]:
     return {k: fns[k](eye(p)).reshape(p.numel(), -1) for k, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.slow
+@settings(max_examples=15)
 @given(**configs, modify=st.sampled_from(["clip", "abs"]))
 def test_pchmp(kind, n, t, i, h, layers, bias, batch_first, bidirectional, init, readout, loss, reduction, seed,
                modify):
@@ -253,8 +263,57 @@ def test_pchmp(kind, n, t, i, h, layers, bias, batch_first, bidirectional, init,
     twin = Net(kind, i, max(h, 2) if kind == "lstm_proj" else h, 2, layers, bias, batch_first, bidirectional, init,
                readout).to(DT)
     twin.load_state_dict(model.state_dict())
-    twin.unroll = (X.shape[0], X.shape[1])
+    twin.unroll = X.shape[1]
     torch.testing.assert_close(twin(X), model(X), rtol=1e-12, atol=1e-12)
     exact = {k: hessians(model, lossfn, X, y, k)[0] for k in got}
     _assert_close(pchmp_blocks(twin, lossfn, X, y, None), exact, "oracle self-check (unmodified = Hessian)")
     _assert_close(got, pchmp_blocks(twin, lossfn, X, y, modify), f"pchmp ({modify})")
+
+
+def _diag_reference(model, lossfn, X, y):
+    return {k: hessians(model, lossfn, X, y, k)[0].diagonal().reshape(p.shape)
+            for k, p in model.named_parameters() if p.requires_grad}
+
+
+@given(kind=st.sampled_from(["rnn_tanh", "lstm", "gru"]), twice=st.booleans(), seed=st.integers(0, 2**16))
+def test_module_applied_to_its_own_output(kind, twice, seed):
+    """A recurrent module applied to its own output sequence (and initial state): its
+    input projection's and first step's weight-input couplings are nodes too."""
+
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = KINDS[kind][0](2, 2, batch_first=True, **KINDS[kind][1])
+            self.fc = nn.Linear(2, 2)
+
+        def forward(self, x):
+            out, state = self.rnn(x)
+            out, _ = self.rnn(out, state if twice else None)
+            return self.fc(out[:, -1])
+
+    torch.manual_seed(seed)
+    model = Chain().to(DT)
+    X = torch.randn(2, 3, 2, dtype=DT, generator=torch.Generator().manual_seed(seed))
+    y = torch.tensor([0, 1])
+    lossfn = nn.CrossEntropyLoss()
+    got = curvature(model, lossfn, [DiagHessian()])(X, y)[DiagHessian().name]
+    _assert_close(got, _diag_reference(model, lossfn, X, y), "diag_h")
+
+
+@given(kind=st.sampled_from(sorted(KINDS)), frozen=st.sampled_from(["weight_hh", "bias_hh", "weight_ih", "_l0"]),
+       init=st.sampled_from(["none", "from_x"]), modify=st.sampled_from(["clip", "abs"]), seed=st.integers(0, 2**16))
+@settings(max_examples=10)
+def test_frozen_parameters(kind, frozen, init, modify, seed):
+    """Frozen recurrent parameters: no entry, and the others' diagonal and PCHMP blocks exact."""
+    model, X, y = _case(kind, 2, 3, 2, 2, 1, True, True, False, init, "last", "ce", seed)
+    for k, p in model.named_parameters():
+        p.requires_grad_(frozen not in k)
+    lossfn = nn.CrossEntropyLoss()
+    got = curvature(model, lossfn, [DiagHessian()])(X, y)[DiagHessian().name]
+    _assert_close(got, _diag_reference(model, lossfn, X, y), "diag_h")
+    twin = Net(kind, 2, 2, 2, 1, True, True, False, init, "last").to(DT)
+    twin.load_state_dict(model.state_dict())
+    twin.unroll = X.shape[1]
+    for k, p in twin.named_parameters():
+        p.requires_grad_(frozen not in k)
+    _assert_close(pchmp_of(model, lossfn, X, y, modify), pchmp_blocks(twin, lossfn, X, y, modify), "pchmp")

@@ -216,7 +216,10 @@ def _direction(
         b = F.linear(h, w_hh, b_hh)
         if probe_hh is not None:
             b = b + probe_hh[:, t]
-        b = nodes.bilinear("hh", site_hh, h, b, not first or site_hh.params.get("weight") in reach_hx)
+        # h depends on W_hh from the third step on; on the second if the initial state is not
+        # the zero one (W_hh h0); on the first if the initial state itself depends on W_hh
+        coupled = k >= 2 or (k == 1 and state_varies) or site_hh.params.get("weight") in reach_hx
+        b = nodes.bilinear("hh", site_hh, h, b, coupled)
         if mode in ("RNN_TANH", "RNN_RELU"):
             h = rnn_step(nodes, mode, a + b)
         elif mode == "LSTM":

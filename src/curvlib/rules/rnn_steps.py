@@ -17,8 +17,9 @@ runs with nothing recorded. Nodes of one step, with ``σ`` the sigmoid
   ``n = tanh(a_n + r ⊙ b_n)`` (diag), ``(1 - z) ⊙ n`` and ``z ⊙ h_prev``
   (products);
 * every step: the hidden projection ``b = W_hh h_prev + b_hh`` (bilinear
-  where ``h_prev`` depends on ``W_hh``: every step after the first, and the
-  first one if the initial state does).
+  where ``h_prev`` depends on ``W_hh``: from the third step on, from the
+  second if an initial state is passed, on the first if the initial state
+  depends on ``W_hh``); likewise ``h = W_hr m`` (from the second step on).
 
 A node with a factor that depends on nothing (the zero initial state when
 the model passes none) is linear and has no residual; the first step's
