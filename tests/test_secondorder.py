@@ -734,16 +734,21 @@ def test_recurrent_ggn(kind, n, t, h, layers, batch_first, bidirectional, loss, 
 
 
 @pytest.mark.parametrize("kind", ["rnn", "lstm", "gru"])
-@pytest.mark.parametrize("ext", [DiagHessian, BatchDiagHessian, PCHMP])
-def test_recurrent_hessian_family_refused(kind, ext):
-    """The recurrent cell's own nonlinearities are not graph nodes: the Hessian
-    family must refuse (naming the module), never return the GGN instead."""
+def test_recurrent_hessian_family(kind):
+    """The recurrent cell's nonlinearities are nodes of the unrolled graph: the Hessian
+    diagonal is exact (once refused; full coverage in tests/rules/test_rnn_hessian.py),
+    and PCHMP runs."""
     torch.manual_seed(0)
     model = RecurrentNet(kind, 2, 3, 2, 1, True, False).double()
     X = torch.randn(3, 4, 2, dtype=torch.float64)
     y = torch.randn(3, 2, dtype=torch.float64)
-    with pytest.raises(CurvatureError, match="rnn"):
-        curvature(model, nn.MSELoss(), [ext()])(X, y)
+    lossfn = nn.MSELoss()
+    qs = curvature(model, lossfn, [DiagHessian(), PCHMP()])(X, y)
+    for name, p in model.named_parameters():
+        H = torch.autograd.functional.hessian(
+            lambda t: lossfn(torch.func.functional_call(model, {name: t}, (X,)), y), p.detach())
+        _close(qs["diag_h"][name], H.reshape(p.numel(), p.numel()).diagonal().reshape(p.shape), f"diag_h[{name}]")
+        assert qs["pchmp"][name](torch.ones((1,) + tuple(p.shape), dtype=torch.float64)).shape == (1,) + p.shape
 
 
 @pytest.mark.parametrize("ext", [KFLR, KFAC, KFRA])

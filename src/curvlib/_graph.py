@@ -163,7 +163,13 @@ def _call_module(program, node: fx.Node, args, kwargs, params, trainable, rec):
     names = {r: n for r, n in layer.names.items() if n in trainable}
     tensors = {r: params[n] for r, n in layer.names.items()}
     first_site = len(rec.sites)
-    out = layer.forward(layer.module, layer.path, names, tensors, args, kwargs, rec)
+    planned = rec.residual_nodes.get(node)
+    # a layer that records its own nonlinear nodes (recurrent): what it needs to know
+    rec.layer_residuals = planned[1] if planned is not None and planned[0] == "layer" else None
+    try:
+        out = layer.forward(layer.module, layer.path, names, tensors, args, kwargs, rec)
+    finally:
+        rec.layer_residuals = None
     for site in rec.sites[first_site:]:
         site.meta["family"] = layer.kind
         if layer.opaque:  # a submodule torch.fx could not trace: why (for refusals)

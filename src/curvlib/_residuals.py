@@ -45,6 +45,7 @@ from ._program import Program
 from .rules import call_without_hooks, functional
 from .rules._site import Recorder
 from .rules.elementwise import classify
+from .rules.rnn_steps import Coupling
 
 # Families whose layers are affine in their input: no residual of their own
 # unless the input depends on the weight ("bilinear"; only Linear supports that).
@@ -71,8 +72,9 @@ def residual_plan(program: Program) -> Dict[fx.Node, Planned]:
     """Which graph nodes carry a residual, and how to record it.
 
     Returns:
-        node -> ``(kind, phi, coupled)``: ``phi`` is ``φ(a)`` for ``"diag"``,
-        ``None`` otherwise (a dense node's function is built from the node);
+        node -> ``(kind, phi, coupled)``: ``phi`` is ``φ(a)`` for ``"diag"``, the
+        :class:`~curvlib.rules.rnn_steps.Coupling` for ``"layer"`` (a recurrent
+        module, whose rule records its unrolled nodes itself), ``None`` otherwise (a dense node's function is built from the node);
         ``coupled`` the node's own parameters (canonical names) on which one of
         its inputs depends (see the module doc).
     """
@@ -86,14 +88,10 @@ def residual_plan(program: Program) -> Dict[fx.Node, Planned]:
         reach = frozenset().union(*(upstream[a] for a in node.all_input_nodes if a in dependent))
         layer = program.layers.get(node.target) if node.op == "call_module" else None
         if layer is not None:
-            if layer.kind == "rnn":
-                raise CurvatureError(
-                    f"The Hessian extensions (DiagHessian, BatchDiagHessian, PCHMP) are not "
-                    f"supported for module '{layer.path}' ({type(layer.module).__name__}): the "
-                    "second derivatives of a recurrent layer's internal nonlinearities are not "
-                    "available, even with its parameters frozen. Use the GGN extensions or HMP."
-                )
             coupled = frozenset(layer.names.values()) & reach
+            if layer.kind == "rnn":  # the rule records its unrolled nodes itself
+                plan[node] = ("layer", _recurrent_coupling(node, layer, upstream, dependent), coupled)
+                continue
             if layer.kind not in AFFINE_FAMILIES:
                 plan[node] = ("dense", None, coupled)
             elif layer.kind == "linear" and layer.names.get("weight") in coupled:
@@ -114,6 +112,24 @@ def residual_plan(program: Program) -> Dict[fx.Node, Planned]:
         elif kind == "other":
             plan[node] = ("product" if _is_product(node, dependent) else "dense", None, frozenset())
     return plan
+
+
+def _recurrent_coupling(node: fx.Node, layer, upstream, dependent: set) -> Coupling:
+    """Which of a recurrent module's own parameters its input and initial states depend
+    on, and whether the initial states depend on the model input (:mod:`curvlib.rules.rnn_steps`)."""
+    x_arg = node.args[0] if node.args else node.kwargs.get("input")
+    hx_arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("hx")
+    own = frozenset(layer.names.values())
+
+    def nodes_in(arg) -> List[fx.Node]:
+        found: List[fx.Node] = []
+        fx.node.map_arg(arg, found.append)
+        return found
+
+    def reach(arg) -> frozenset:
+        return own & frozenset().union(*(upstream[a] for a in nodes_in(arg)))
+
+    return Coupling(x=reach(x_arg), hx=reach(hx_arg), state_varies=any(a in dependent for a in nodes_in(hx_arg)))
 
 
 def _upstream_parameters(program: Program) -> Dict[fx.Node, frozenset]:
@@ -167,6 +183,8 @@ def record(program: Program, node: fx.Node, planned: Planned, env: Dict[fx.Node,
     function of those values, and they carry the graph).
     """
     kind, phi, coupled = planned
+    if kind == "layer":
+        return  # recorded by the layer's rule while it ran (recurrent modules)
     env_out = env
     z = env[node]
     inplace = before is not None

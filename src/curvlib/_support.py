@@ -29,15 +29,15 @@ KRON_KINDS = ("linear", "conv", "conv_transpose", "embedding", "batchnorm", "lay
 # Families whose parameters get their exact curvature block (any parameter of the
 # normalisations; 1-D parameters only for "generic").
 EXACT_BLOCK_KINDS = ("batchnorm", "layernorm", "groupnorm", "generic")
-# Families the Hessian extensions support: every family except the recurrent
-# ones, whose internal nonlinearities are not graph nodes.
+# Families the Hessian extensions support (the recurrent ones through their unrolled
+# nodes, curvlib.rules.rnn_steps).
 HESSIAN_SITE_KINDS = (
-    "linear", "conv", "conv_transpose", "batchnorm", "embedding", "layernorm", "groupnorm", "generic",
+    "linear", "conv", "conv_transpose", "batchnorm", "embedding", "layernorm", "groupnorm", "generic", "rnn",
 )
 # A parameter used by several sites needs the coupling of weight and input;
 # curvlib has it for these families (affine-in-input Linear: "bilinear";
 # the others: the dense residual of the layer as a function of both).
-SHARED_HESSIAN_KINDS = ("linear", "embedding", "layernorm", "groupnorm", "generic")
+SHARED_HESSIAN_KINDS = ("linear", "embedding", "layernorm", "groupnorm", "generic", "rnn")
 
 
 HESSIAN_QUANTITIES = ("hessian_diag", "hessian_batch_diag", "pchmp")

@@ -152,6 +152,9 @@ class Recorder:
         self.out_dtypes: List[torch.dtype] = []
         self.residuals: List[Residual] = []
         self.residual_shapes: List[Tuple[int, ...]] = []
+        # Set while a layer whose rule records its own nonlinear nodes runs (a recurrent
+        # module: its rnn_steps.Coupling); None when no residuals are wanted from it.
+        self.layer_residuals: Any = None
 
     def residual(self, where: str, kind: str, phi: Optional[Callable], inputs: List[Tensor], z: Tensor,
                  params: Optional[Dict[str, Tensor]] = None, site: Optional["Site"] = None,

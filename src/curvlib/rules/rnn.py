@@ -51,6 +51,7 @@ from torch.nn.utils.rnn import PackedSequence
 from .._errors import CurvatureError
 from ._site import Recorder, Site
 from .linear import LINEAR
+from .rnn_steps import Coupling, StepNodes, gru_step, lstm_step, rnn_step
 
 _GATES = {"RNN_TANH": 1, "RNN_RELU": 1, "LSTM": 4, "GRU": 3}
 
@@ -152,83 +153,6 @@ def _check_state(t: Tensor, expected: Tuple[int, int, int], where: str, what: st
         )
 
 
-def _cell(mode: str, a: Tensor, b: Tensor, h: Tensor, c: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
-    """One step's nonlinearity (module docstring): ``(h_t, c_t)``.
-
-    Args:
-        a, b: the input and hidden projections ``a_t``, ``b_t`` ``[N, G·H]``.
-        h: ``h_{t-1} [N, H_out]``; c: ``c_{t-1} [N, H]`` (LSTM) or ``None``
-            (returned unchanged).
-
-    For LSTM ``h_t`` is ``m_t = σ(o) ⊙ tanh(c_t)``, before any projection.
-    """
-    if mode == "RNN_TANH":
-        return torch.tanh(a + b), c
-    if mode == "RNN_RELU":
-        return torch.relu(a + b), c
-    if mode == "LSTM":
-        gi, gf, gg, go = (a + b).chunk(4, -1)
-        c = torch.sigmoid(gf) * c + torch.sigmoid(gi) * torch.tanh(gg)
-        return torch.sigmoid(go) * torch.tanh(c), c
-    # GRU: the reset gate scales only the hidden part of the candidate, n = tanh(a_n + r ⊙ b_n)
-    a_r, a_z, a_n = a.chunk(3, -1)
-    b_r, b_z, b_n = b.chunk(3, -1)
-    r = torch.sigmoid(a_r + b_r)
-    z = torch.sigmoid(a_z + b_z)
-    cand = torch.tanh(a_n + r * b_n)
-    return (1 - z) * cand + z * h, c
-
-
-class _Recurrence:
-    """The step-by-step sites of one layer and direction (suffix ``sfx``).
-
-    The hidden projection ``b_t = W_hh h_{t-1} + b_hh`` and, for LSTM with
-    ``proj_size > 0``, the projection ``h_t = W_hr m_t`` are linear sites whose
-    probes ``[N, T, *]`` are opened before the first step and added at every
-    step ``t``; their saved inputs ``h_{t-1}`` and ``m_t`` are collected step
-    by step and stacked over ``t`` by :meth:`save_inputs`.
-    """
-
-    def __init__(
-        self, module: nn.RNNBase, sfx: str, n: int, steps: int, dtype: torch.dtype,
-        names: Dict[str, str], tensors: Dict[str, Tensor], where: str, rec: Recorder,
-    ):
-        bias = module.bias
-        self.mode = module.mode
-        self.w_hh = tensors["weight_hh" + sfx]
-        self.b_hh = tensors["bias_hh" + sfx] if bias else None
-        roles_hh = _roles(names, "weight_hh" + sfx, ("bias_hh" + sfx) if bias else None)
-        self.site_hh = Site(LINEAR, roles_hh, where, meta={"batch_dim": 0})
-        self.probe_hh = rec.open(self.site_hh, (n, steps, self.w_hh.shape[0]), dtype)
-        self.h_prevs: List[Optional[Tensor]] = [None] * steps
-        self.proj = self.mode == "LSTM" and module.proj_size > 0
-        if self.proj:
-            self.w_hr = tensors["weight_hr" + sfx]
-            self.site_hr = Site(LINEAR, _roles(names, "weight_hr" + sfx, None), where, meta={"batch_dim": 0})
-            self.probe_hr = rec.open(self.site_hr, (n, steps, self.w_hr.shape[0]), dtype)
-            self.m_steps: List[Optional[Tensor]] = [None] * steps
-
-    def step(self, t: int, a: Tensor, h: Tensor, c: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
-        """``(h_t [N, H_out], c_t)`` from ``a_t [N, G·H]``, ``h_{t-1}`` and ``c_{t-1}``."""
-        self.h_prevs[t] = h
-        b = F.linear(h, self.w_hh, self.b_hh)
-        if self.probe_hh is not None:
-            b = b + self.probe_hh[:, t]
-        h, c = _cell(self.mode, a, b, h, c)
-        if self.proj:
-            self.m_steps[t] = h
-            h = F.linear(h, self.w_hr)
-            if self.probe_hr is not None:
-                h = h + self.probe_hr[:, t]
-        return h, c
-
-    def save_inputs(self) -> None:
-        """The sites' saved inputs, once every step has run."""
-        self.site_hh.saved = {"x": torch.stack(self.h_prevs, 1)}  # [N, T, H_out]
-        if self.proj:
-            self.site_hr.saved = {"x": torch.stack(self.m_steps, 1)}  # [N, T, H]
-
-
 def _direction(
     module: nn.RNNBase,
     layer: int,
@@ -241,7 +165,8 @@ def _direction(
     where: str,
     rec: Recorder,
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """Run one layer in one direction and record its sites.
+    """Run one layer in one direction and record its sites (and, for the Hessian
+    family, its nonlinear nodes: :mod:`curvlib.rules.rnn_steps`).
 
     Args:
         inp: layer input ``[N, T, I]``.
@@ -253,17 +178,66 @@ def _direction(
         state being the one after the direction's final step.
     """
     sfx = f"_l{layer}" + ("_reverse" if reverse else "")
+    mode = module.mode
     n, steps = inp.shape[0], inp.shape[1]
-    b_ih = tensors["bias_ih" + sfx] if module.bias else None
-    roles_ih = _roles(names, "weight_ih" + sfx, ("bias_ih" + sfx) if module.bias else None)
-    site_ih = Site(LINEAR, roles_ih, where, saved={"x": inp}, meta={"batch_dim": 0})
-    pre_ih = rec.add(site_ih, F.linear(inp, tensors["weight_ih" + sfx], b_ih))  # [N, T, G·H], all steps at once
-    recurrence = _Recurrence(module, sfx, n, steps, pre_ih.dtype, names, tensors, where, rec)
+    w_ih, w_hh = tensors["weight_ih" + sfx], tensors["weight_hh" + sfx]
+    b_ih, b_hh = (tensors["bias_ih" + sfx], tensors["bias_hh" + sfx]) if module.bias else (None, None)
+    bname = (lambda s: s + sfx) if module.bias else (lambda s: None)
+    coupling: Optional[Coupling] = rec.layer_residuals
+    nodes = StepNodes(rec, where, f"l{layer}" + ("r" if reverse else ""), coupling)
+    # parameters the layer's input and initial states depend on (a module applied to its own output)
+    reach_hx = coupling.hx if coupling is not None else frozenset()
+    reach_x = (coupling.x | (reach_hx if layer > 0 else frozenset())) if coupling is not None else frozenset()
+    state_varies = coupling is not None and coupling.state_varies
+
+    site_ih = Site(
+        LINEAR, _roles(names, "weight_ih" + sfx, bname("bias_ih")), where,
+        saved={"x": inp}, meta={"batch_dim": 0},
+    )
+    pre_ih = rec.add(site_ih, F.linear(inp, w_ih, b_ih))  # [N, T, G·H]
+    pre_ih = nodes.bilinear("ih", site_ih, inp, pre_ih, site_ih.params.get("weight") in reach_x)
+    site_hh = Site(LINEAR, _roles(names, "weight_hh" + sfx, bname("bias_hh")), where, meta={"batch_dim": 0})
+    probe_hh = rec.open(site_hh, (n, steps, w_hh.shape[0]), pre_ih.dtype)
+    proj = mode == "LSTM" and module.proj_size > 0
+    if proj:
+        w_hr = tensors["weight_hr" + sfx]
+        site_hr = Site(LINEAR, _roles(names, "weight_hr" + sfx, None), where, meta={"batch_dim": 0})
+        probe_hr = rec.open(site_hr, (n, steps, w_hr.shape[0]), pre_ih.dtype)
+        m_steps: List[Optional[Tensor]] = [None] * steps
+
     outs: List[Optional[Tensor]] = [None] * steps
-    for t in (range(steps - 1, -1, -1) if reverse else range(steps)):
-        h, c = recurrence.step(t, pre_ih[:, t], h, c)
+    h_prevs: List[Optional[Tensor]] = [None] * steps
+    order = range(steps - 1, -1, -1) if reverse else range(steps)
+    for k, t in enumerate(order):
+        nodes.t = t
+        first = k == 0  # the states entering this step are the initial ones
+        h_prevs[t] = h
+        a = pre_ih[:, t]
+        b = F.linear(h, w_hh, b_hh)
+        if probe_hh is not None:
+            b = b + probe_hh[:, t]
+        # h depends on W_hh from the third step on; on the second if the initial state is not
+        # the zero one (W_hh h0); on the first if the initial state itself depends on W_hh
+        coupled = k >= 2 or (k == 1 and state_varies) or site_hh.params.get("weight") in reach_hx
+        b = nodes.bilinear("hh", site_hh, h, b, coupled)
+        if mode in ("RNN_TANH", "RNN_RELU"):
+            h = rnn_step(nodes, mode, a + b)
+        elif mode == "LSTM":
+            h, c = lstm_step(nodes, a + b, c, not first or state_varies)
+            if proj:
+                m_steps[t] = h
+                h = F.linear(h, w_hr)
+                if probe_hr is not None:
+                    h = h + probe_hr[:, t]
+                coupled = not first or site_hr.params.get("weight") in (reach_x | reach_hx)
+                h = nodes.bilinear("hr", site_hr, m_steps[t], h, coupled)
+        else:  # GRU
+            bn_varies = not first or state_varies or "bias" in site_hh.params
+            h = gru_step(nodes, a, b, h, not first or state_varies, bn_varies)
         outs[t] = h
-    recurrence.save_inputs()
+    site_hh.saved = {"x": torch.stack(h_prevs, 1)}  # [N, T, H_out]
+    if proj:
+        site_hr.saved = {"x": torch.stack(m_steps, 1)}  # [N, T, H]
     return torch.stack(outs, 1), h, c
 
 
