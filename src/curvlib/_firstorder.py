@@ -10,12 +10,12 @@ sums its individual gradients over the sites before any square or norm is taken.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from .rules._site import Site
+from .rules._site import Site, uses_of
 
 __all__ = ["FIRST_ORDER", "first_order"]
 
@@ -46,10 +46,7 @@ def first_order(
         wanted quantity, each ``{name: tensor}`` in ``names``' order; per-sample
         ones are ``[N, *p]``, the others ``[*p]``.
     """
-    uses: Dict[str, List[Tuple[Site, str]]] = defaultdict(list)
-    for site in sites:
-        for role, name in site.params.items():
-            uses[name].append((site, role))
+    uses = uses_of(sites)
     need = set(wanted)
     if "variance" in need:
         need.add("sum_grad_squared")

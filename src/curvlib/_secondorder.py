@@ -32,8 +32,7 @@ form no Jacobian or Hessian.
 
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -45,17 +44,9 @@ from ._errors import CurvatureError
 from .extensions.secondorder import SecondOrder
 from ._kronlayout import add_root_factor
 from .rules import OWN_KRON_KINDS, SPLIT_KRON_KINDS, kron_factors, kron_input_factor, kron_weight_output
-from .rules._site import Site
+from .rules._site import uses_of
 from ._residual_math import factor
 from ._rootbuffers import RootBuffers, write_sqrt
-
-def uses_of(sites: Sequence[Site]) -> Dict[str, List[Tuple[Site, str]]]:
-    uses: Dict[str, List[Tuple[Site, str]]] = defaultdict(list)
-    for site in sites:
-        for role, name in site.params.items():
-            uses[name].append((site, role))
-    return uses
-
 
 def _sqrt(uses, m_by_site, name) -> Tensor:
     """``[V, N, *p]``: ``Σ_sites J_pᵀ m_v`` per sample."""

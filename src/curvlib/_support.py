@@ -14,9 +14,8 @@ from collections import defaultdict
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from ._errors import CurvatureError
-from ._secondorder import uses_of
 from .extensions.secondorder import SecondOrder
-from .rules._site import Site
+from .rules._site import Site, uses_of
 
 __all__ = ["check_second_order", "HESSIAN_QUANTITIES"]
 

@@ -20,6 +20,7 @@ features, ``v`` backpropagated vectors.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -212,6 +213,15 @@ class Recorder:
         """Whether an in-place operation changed a direct target after it was recorded
         (its gradient would then be that of the changed tensor: redo with probes)."""
         return any(v is not None and t._version != v for t, v in zip(self.targets, self.versions))
+
+
+def uses_of(sites: Sequence[Site]) -> Dict[str, List[Tuple[Site, str]]]:
+    """Parameter name -> every ``(site, role)`` that reads it (several for shared weights)."""
+    uses: Dict[str, List[Tuple[Site, str]]] = defaultdict(list)
+    for site in sites:
+        for role, name in site.params.items():
+            uses[name].append((site, role))
+    return uses
 
 
 def reduce_over_batch(values: Mapping[str, Tensor]) -> RoleTensors:
