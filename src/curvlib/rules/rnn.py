@@ -153,6 +153,26 @@ def _check_state(t: Tensor, expected: Tuple[int, int, int], where: str, what: st
         )
 
 
+def _reach(coupling: Optional[Coupling], layer: int) -> Tuple[frozenset, frozenset, bool]:
+    """The parameters the layer's input and its initial states depend on (a module applied to
+    its own output; deeper layers' inputs carry the initial states' too), and whether the
+    initial states vary with the parameters at all."""
+    if coupling is None:
+        return frozenset(), frozenset(), False
+    return coupling.x | (coupling.hx if layer > 0 else frozenset()), coupling.hx, coupling.state_varies
+
+
+def _linear_step(nodes: StepNodes, tag: str, site: Site, w: Tensor, bias: Optional[Tensor], probe,
+                 x: Tensor, t: int, coupled: bool) -> Tensor:
+    """One step of a recurrent linear site: ``W x + b [N, out]`` (probed at step ``t``),
+    recorded as a bilinear node when ``x`` depends on ``W`` (``W_hh h_prev``; LSTM's
+    ``W_hr m``)."""
+    y = F.linear(x, w, bias)
+    if probe is not None:
+        y = y + probe[:, t]
+    return nodes.bilinear(tag, site, x, y, coupled)
+
+
 def _direction(
     module: nn.RNNBase,
     layer: int,
@@ -185,10 +205,7 @@ def _direction(
     bname = (lambda s: s + sfx) if module.bias else (lambda s: None)
     coupling: Optional[Coupling] = rec.layer_residuals
     nodes = StepNodes(rec, where, f"l{layer}" + ("r" if reverse else ""), coupling)
-    # parameters the layer's input and initial states depend on (a module applied to its own output)
-    reach_hx = coupling.hx if coupling is not None else frozenset()
-    reach_x = (coupling.x | (reach_hx if layer > 0 else frozenset())) if coupling is not None else frozenset()
-    state_varies = coupling is not None and coupling.state_varies
+    reach_x, reach_hx, state_varies = _reach(coupling, layer)
 
     site_ih = Site(
         LINEAR, _roles(names, "weight_ih" + sfx, bname("bias_ih")), where,
@@ -213,24 +230,18 @@ def _direction(
         first = k == 0  # the states entering this step are the initial ones
         h_prevs[t] = h
         a = pre_ih[:, t]
-        b = F.linear(h, w_hh, b_hh)
-        if probe_hh is not None:
-            b = b + probe_hh[:, t]
         # h depends on W_hh from the third step on; on the second if the initial state is not
         # the zero one (W_hh h0); on the first if the initial state itself depends on W_hh
         coupled = k >= 2 or (k == 1 and state_varies) or site_hh.params.get("weight") in reach_hx
-        b = nodes.bilinear("hh", site_hh, h, b, coupled)
+        b = _linear_step(nodes, "hh", site_hh, w_hh, b_hh, probe_hh, h, t, coupled)
         if mode in ("RNN_TANH", "RNN_RELU"):
             h = rnn_step(nodes, mode, a + b)
         elif mode == "LSTM":
             h, c = lstm_step(nodes, a + b, c, not first or state_varies)
             if proj:
                 m_steps[t] = h
-                h = F.linear(h, w_hr)
-                if probe_hr is not None:
-                    h = h + probe_hr[:, t]
                 coupled = not first or site_hr.params.get("weight") in (reach_x | reach_hx)
-                h = nodes.bilinear("hr", site_hr, m_steps[t], h, coupled)
+                h = _linear_step(nodes, "hr", site_hr, w_hr, None, probe_hr, h, t, coupled)
         else:  # GRU
             bn_varies = not first or state_varies or "bias" in site_hh.params
             h = gru_step(nodes, a, b, h, not first or state_varies, bn_varies)
