@@ -38,6 +38,16 @@ MAX_ENTRIES = 2**27
 
 def chain_nodes(program) -> List[fx.Node]:
     """The graph's nodes from input to output, if they form a chain; else raise."""
+    recurrent = sorted(path for path, layer in program.layers.items() if layer.kind == "rnn")
+    if recurrent:
+        # a recurrent layer is a loop of one cell over time steps, not a chain of layers: KFRA's
+        # backward recursion G_in = Jᵀ G_out J over layers has no layer-to-layer Jacobian to use
+        raise CurvatureError(
+            f"KFRA is not defined for the recurrent module(s) {recurrent}: KFRA's recursion passes "
+            "the output curvature backward through a chain of layers, and a recurrent layer's "
+            "weights are shared over its unrolled time steps (a loop, not a chain). Use KFLR or "
+            "KFAC (Kronecker factors with the time steps as shared positions)."
+        )
     nodes = [n for n in program.graph.nodes if n.op not in ("output", "get_attr")]
     placeholders = [n for n in nodes if n.op == "placeholder"]
     chain = [placeholders[0]]

@@ -24,7 +24,7 @@ KFRA_KINDS = ("linear", "conv", "conv_transpose")
 # Families KFAC, KFLR and KFACEmpirical support (layouts: curvlib._kronlayout): Kronecker
 # factors for Linear/Conv/ConvTranspose/Embedding weights, the exact block for the
 # normalisations' scale and shift and for 1-D parameters of other modules (EXACT_BLOCK_KINDS).
-KRON_KINDS = ("linear", "conv", "conv_transpose", "embedding", "batchnorm", "layernorm", "groupnorm", "generic")
+KRON_KINDS = ("linear", "conv", "conv_transpose", "embedding", "batchnorm", "layernorm", "groupnorm", "generic", "rnn")
 # Families whose parameters get their exact curvature block (any parameter of the
 # normalisations; 1-D parameters only for "generic").
 EXACT_BLOCK_KINDS = ("batchnorm", "layernorm", "groupnorm", "generic")
