@@ -751,15 +751,19 @@ def test_recurrent_hessian_family(kind):
         assert qs["pchmp"][name](torch.ones((1,) + tuple(p.shape), dtype=torch.float64)).shape == (1,) + p.shape
 
 
-@pytest.mark.parametrize("ext", [KFLR, KFAC, KFRA])
-def test_recurrent_kron_refused(ext):
+def test_recurrent_kron():
+    """KFLR/KFAC give Kronecker factors of recurrent weights (time steps as shared positions;
+    exact references in tests/rules/test_rnn_kron.py); KFRA refuses the RNN by name."""
     torch.manual_seed(0)
     model = RecurrentNet("rnn", 2, 3, 2, 1, True, False).double()
     X = torch.randn(3, 4, 2, dtype=torch.float64)
     y = torch.randn(3, 2, dtype=torch.float64)
-    # KFRA may refuse earlier, for the non-chain graph; both must name the RNN
-    with pytest.raises(CurvatureError, match="rnn" if ext is KFRA else r"rnn\.weight_ih_l0"):
-        curvature(model, nn.MSELoss(), [ext()])(X, y)
+    qs = curvature(model, nn.MSELoss(), [KFLR(), KFAC()])(X, y)
+    for key in ("kflr", "kfac"):
+        assert [tuple(f.shape) for f in qs[key]["rnn.weight_ih_l0"]] == [(3, 3), (2, 2)]
+        assert [tuple(f.shape) for f in qs[key]["rnn.weight_hh_l0"]] == [(3, 3), (3, 3)]
+    with pytest.raises(CurvatureError, match=r"KFRA is not defined for the recurrent module\(s\) \['rnn'\]"):
+        curvature(model, nn.MSELoss(), [KFRA()])(X, y)
 
 
 # ----------------------------------------------------------------------------- Monte Carlo

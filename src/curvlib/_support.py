@@ -128,13 +128,13 @@ def _check_kron_uses(ext, name: str, u, family_of, param_dims) -> None:
         return
     if len(u) > 1 and (
         ext.quantity == "kfra"
-        or any(s.rule.kind != "linear" or family_of[s.where] != "linear" for s, _ in u)
+        or any(s.rule.kind != "linear" or family_of[s.where] not in ("linear", "rnn") for s, _ in u)
         or len({r for _, r in u}) > 1
     ):
         raise CurvatureError(
             f"{label} is not defined for parameter '{name}': it is used by several "
             f"layers ({', '.join(s.where for s, _ in u)}); curvlib factors shared "
-            "weights of Linear layers (KFAC, KFLR) only. Use DiagGGNExact or "
+            "weights of Linear and recurrent layers (KFAC, KFLR) only. Use DiagGGNExact or "
             "SqrtGGNExact, or untie the weights."
         )
     if len(u) > 1 and getattr(ext, "kfac_approx", None) is not None:

@@ -248,3 +248,134 @@ def test_kflr_and_empirical_factors(kind, n, t, i, h, layers, bias, batch_first,
                 assert len(got[key][full]) == len(factors), full
                 for j, (a, b) in enumerate(zip(got[key][full], factors)):
                     _close(a, b, f"{key}(kfac_approx={approx!r})[{full}][{j}]")
+
+
+@pytest.mark.parametrize("approx", APPROXES)
+@pytest.mark.parametrize("kind", ["rnn_tanh", "lstm_proj", "gru"])
+def test_kfac_monte_carlo(kind, approx):
+    """KFAC's ``B`` is ``Σ S Sᵀ`` of the bias's Monte-Carlo root (same draws; positions summed:
+    None, "reduce"), its ``A`` is KFLR's, and ``B`` converges to KFLR's (every approx)."""
+    model, X, y = _case(kind, 3, 3, 2, 2, 1, True, True, True, "from_x", "last", "ce", 0)
+    lossfn = nn.CrossEntropyLoss()
+    exact = curvature(model, lossfn, [KFLR(kfac_approx=approx)])(X, y)["kflr"]
+    for m in (1, 3):
+        gen = lambda: torch.Generator().manual_seed(5)  # noqa: E731
+        kfac = curvature(model, lossfn, [KFAC(mc_samples=m, kfac_approx=approx, generator=gen())])(X, y)["kfac"]
+        sqrt = curvature(model, lossfn, [SqrtGGNMC(mc_samples=m, generator=gen())])(X, y)["sqrt_ggn_mc"]
+        for name, factors in kfac.items():
+            if not name.startswith("rnn.weight"):
+                continue
+            _close(factors[1], exact[name][1], f"A of {name}")
+            bias = name.replace("weight", "bias")
+            if approx != "expand" and bias in sqrt:
+                S = sqrt[bias].reshape(-1, sqrt[bias].shape[-1])
+                _close(factors[0], S.T @ S, f"B of {name}")
+                _close(kfac[bias][0], S.T @ S, f"B of {bias}")
+    mc = curvature(model, lossfn, [KFAC(mc_samples=3000, kfac_approx=approx,
+                                        generator=torch.Generator().manual_seed(1))])(X, y)["kfac"]
+    for name in ("rnn.weight_ih_l0", "rnn.weight_hh_l0_reverse"):
+        assert (mc[name][0] - exact[name][0]).norm() < 0.1 * exact[name][0].norm(), name
+
+
+class Cell(nn.Module):
+    """``T = 1`` without initial state: an RNN step is ``tanh(W_ih x + b_ih + b_hh)``."""
+
+    def __init__(self, rnn: nn.RNN, fc: nn.Linear):
+        super().__init__()
+        self.lin = nn.Linear(rnn.input_size, rnn.hidden_size, dtype=DT)
+        with torch.no_grad():
+            self.lin.weight.copy_(rnn.weight_ih_l0)
+            self.lin.bias.copy_(rnn.bias_ih_l0 + rnn.bias_hh_l0)
+        self.fc = fc
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.lin(x)))
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_single_step_is_a_linear_layer(loss):
+    """With ``T = 1`` and zero initial state, ``weight_ih``'s factors are those of the
+    equivalent Linear layer (every extension and approx)."""
+    model, X, y = _case("rnn_tanh", 4, 1, 3, 2, 1, True, True, False, "none", "last", loss, 3)
+    cell = Cell(model.rnn, model.fc).to(DT)
+    lossfn = LOSSES[loss]()
+    for approx in APPROXES:
+        gen = lambda: torch.Generator().manual_seed(2)  # noqa: E731
+        exts = lambda: [KFLR(kfac_approx=approx), KFACEmpirical(kfac_approx=approx),  # noqa: E731
+                        KFAC(mc_samples=2, kfac_approx=approx, generator=gen())]
+        got = curvature(model, lossfn, exts())(X, y)
+        want = curvature(cell, lossfn, exts())(X[:, 0], y)
+        for key in ("kflr", "kfac_empirical", "kfac"):
+            for a, b in zip(got[key]["rnn.weight_ih_l0"], want[key]["lin.weight"]):
+                _close(a, b, f"{key}({approx!r}) weight")
+            for bias in ("rnn.bias_ih_l0", "rnn.bias_hh_l0"):
+                _close(got[key][bias][0], want[key]["lin.bias"][0], f"{key}({approx!r}) {bias}")
+            # weight_hh acts on the zero initial state: A = 0
+            assert got[key]["rnn.weight_hh_l0"][1].abs().max() == 0
+
+
+@pytest.mark.parametrize("approx", APPROXES)
+def test_chunks_and_batch_slices(approx):
+    """Column chunks and batch slices give the same factors (exactly one factor, ``B``,
+    depends on the root: curvlib._kronlayout)."""
+    model, X, y = _case("lstm", 4, 3, 2, 2, 2, True, False, True, "buffer", "seq", "ce", 7)
+    lossfn = nn.CrossEntropyLoss()
+    exts = [KFLR(kfac_approx=approx), KFACEmpirical(kfac_approx=approx)]
+    whole = curvature(model, lossfn, exts)(X, y)
+    for kw in ({"chunk_size": 1}, {"batch_chunk_size": 3}):
+        parts = curvature(model, lossfn, exts, **kw)(X, y)
+        for key in ("kflr", "kfac_empirical"):
+            for name, factors in whole[key].items():
+                for a, b in zip(parts[key][name], factors):
+                    _close(a, b, f"{key}[{name}] with {kw}")
+
+
+def test_module_applied_twice_is_positions():
+    """A recurrent module used twice (on its own output): ``kfac_approx=None`` treats the
+    uses like more positions (roots summed in ``B``, inputs' outer products in ``A``);
+    "expand"/"reduce" refuse, as for a shared Linear weight."""
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.GRU(2, 2, batch_first=True)
+            self.fc = nn.Linear(2, 2)
+
+        def forward(self, x):
+            o, _ = self.rnn(x)
+            o, _ = self.rnn(o)
+            return self.fc(o[:, -1])
+
+    torch.manual_seed(0)
+    model = Twice().to(DT)
+    X, y = torch.randn(3, 2, 2, dtype=DT), torch.randint(0, 2, (3,))
+    lossfn = nn.CrossEntropyLoss()
+    got = curvature(model, lossfn, [KFLR()])(X, y)["kflr"]
+    # oracle: one offset per use and step, summed over both (uses as positions)
+    with torch.no_grad():
+        o1, _ = model.rnn(X)
+        o2, _ = model.rnn(o1)
+    n = X.shape[0]
+    H = loss_hessian_blocks(lossfn, model(X), y)
+
+    def out_with(d1, d2):
+        r1 = unrolled(model.rnn, X, None, {"weight_ih_l0": d1, "weight_hh_l0": torch.zeros(n, 2, 6, dtype=DT)}, None)
+        r2 = unrolled(model.rnn, r1, None, {"weight_ih_l0": d2, "weight_hh_l0": torch.zeros(n, 2, 6, dtype=DT)}, None)
+        return model.fc(r2[:, -1])
+
+    z = torch.zeros(n, 2, 6, dtype=DT)
+    J1, J2 = jacrev(out_with, argnums=(0, 1))(z, z)
+    Js = torch.stack([(J1[i, :, i] + J2[i, :, i]).sum(1) for i in range(n)])  # [N, C, O]
+    B = torch.einsum("nco,ncd,ndq->oq", Js, H, Js).detach()
+    A = (torch.einsum("nti,ntj->ij", X, X) + torch.einsum("nti,ntj->ij", o1, o1)) / n
+    _close(got["rnn.weight_ih_l0"][0], B, "B")
+    _close(got["rnn.weight_ih_l0"][1], A, "A")
+    with pytest.raises(CurvatureError, match=r"kfac_approx='expand'\) is not defined for parameter 'rnn.weight_ih_l0'"):
+        curvature(model, lossfn, [KFLR(kfac_approx="expand")])(X, y)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_kfra_refused_by_name(kind):
+    model, X, y = _case(kind, 2, 2, 2, 2, 1, True, True, False, "none", "last", "mse", 0)
+    with pytest.raises(CurvatureError, match=r"KFRA is not defined for the recurrent module\(s\) \['rnn'\].*KFLR or KFAC"):
+        curvature(model, nn.MSELoss(), [KFRA()])(X, y)
