@@ -9,6 +9,7 @@ block per group) approximates its curvature block:
 | ``Linear``, ``Conv``, ``ConvTranspose`` (``groups=1``) | weight | ``[B, A]`` | BackPACK's layout, ``B ⊗ A`` |
 | same | bias | ``[B]`` | ``B`` (exact bias block for ``kfac_approx=None``) |
 | ``Conv`` with ``groups=G`` | weight | ``[B [G, o, o], A [G, a, a]]`` | ``blockdiag_g(B[g] ⊗ A[g])`` |
+| ``RNN``, ``LSTM``, ``GRU`` (time steps as positions) | weight_ih/hh/hr, bias_ih/hh | as ``Linear`` | ``B ⊗ A``, ``B`` |
 | ``Embedding`` ``[V, D]`` | weight | ``[A [V], B [D, D]]`` | ``diag(A) ⊗ B`` (row-major ``W``) |
 | ``LayerNorm``, ``GroupNorm``, ``BatchNorm``; any other 1-D parameter | weight, bias | ``[F [P, P]]`` | the exact block of ``p`` flattened (``P = p.numel()``) |
 

@@ -1,7 +1,8 @@
 """Refusals of second-order extensions, decided from the plan's sites before any work.
 
 KFAC/KFLR/KFACEmpirical need Kronecker factors (Linear, Conv, ConvTranspose, Embedding
-weights; one use per parameter, but shared Linear weights are factored as positions) or
+weights, and RNN/LSTM/GRU weights, which are Linear sites shared over time steps; one use
+per parameter, but shared Linear or recurrent weights are factored as positions) or
 the exact block (normalisations' scale and shift, 1-D parameters of other modules, any
 number of uses); KFRA's recursion has factors for Linear/Conv/ConvTranspose only. The Hessian extensions need a family whose second
 derivative curvlib knows, and for a parameter used by several sites the coupling of its
@@ -22,7 +23,8 @@ __all__ = ["check_second_order", "HESSIAN_QUANTITIES"]
 # Families KFRA's recursion reads factors off (weight [G_z, A], bias [G_z]).
 KFRA_KINDS = ("linear", "conv", "conv_transpose")
 # Families KFAC, KFLR and KFACEmpirical support (layouts: curvlib._kronlayout): Kronecker
-# factors for Linear/Conv/ConvTranspose/Embedding weights, the exact block for the
+# factors for Linear/Conv/ConvTranspose/Embedding weights and the recurrent layers' (their
+# sites are Linear ones, time steps as positions: curvlib.rules.rnn), the exact block for the
 # normalisations' scale and shift and for 1-D parameters of other modules (EXACT_BLOCK_KINDS).
 KRON_KINDS = ("linear", "conv", "conv_transpose", "embedding", "batchnorm", "layernorm", "groupnorm", "generic", "rnn")
 # Families whose parameters get their exact curvature block (any parameter of the

@@ -33,6 +33,20 @@ Because the probe of the hidden projection is added to ``b_t`` at every step,
 including the step from a non-zero initial state ``h0``. Samples never mix,
 so every rule of the linear family (norms, squares) applies unchanged.
 
+Kronecker factors (``KFAC``, ``KFLR``, ``KFACEmpirical``) are the linear rule's
+(:func:`curvlib.rules.linear.kron`) on these sites: the time steps are the
+positions ``s = t`` sharing the weight (Eschenhagen et al., 2023), ``x`` the
+site's saved input at step ``t`` (``x_t``, ``h_{t-1}`` with the initial state,
+``m_t``) and ``m`` the root pulled back to the site's output at step ``t``
+(``W_ih x_t + b_ih``, ``W_hh h_{t-1} + b_hh``, ``W_hr m_t``). For a GRU that is
+the root at ``W_hn h + b_hn`` *before* the product with ``r``, not at the
+gate's pre-activation: the weight's gradient is ``Σ_t m_t x_tᵀ`` only for the
+root at its own output. ``kfac_approx=None``: ``B = Σ_{v,n} (Σ_t m)(Σ_t m)ᵀ``,
+``A = (1/N) Σ_{n,t} x xᵀ``; ``"expand"``: ``B = Σ_{v,n,t} m mᵀ``,
+``A = (1/(N·T)) Σ_{n,t} x xᵀ``; ``"reduce"``: ``B`` as ``None``,
+``A = (1/N) Σ_n x̄ x̄ᵀ`` (``x̄`` the mean over ``t``). KFRA is refused (a loop
+over time steps is not a chain of layers: :func:`curvlib._kfra.chain_nodes`).
+
 The reverse direction runs ``t = T-1, …, 0``; its sites are indexed by the
 true time ``t`` as well. Layers feed the concatenated directions to the next
 layer, with ``F.dropout(p=dropout)`` in between in training mode (the forward
