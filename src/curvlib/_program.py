@@ -100,6 +100,11 @@ def _owns_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False))
 
 
+def _holds_attention(module: nn.Module) -> bool:
+    """Whether a submodule is an attention module or transformer block traced as its math."""
+    return any(attention.traced_forward(m) is not None for m in module.modules())
+
+
 def _outermost_owners(root: nn.Module) -> List[str]:
     """Layers of a model without a graph: the modules that own parameters directly
     (or through ``torch.nn.utils.parametrize``), except those inside another
@@ -137,8 +142,13 @@ class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if attention.traced_forward(m) is not None:
             return False  # traced as its math (curvlib.rules.attention)
-        if _owns_parameters(m) or id(m) in self.opaque:
+        if id(m) in self.opaque:
             return True
+        if _owns_parameters(m):
+            # A user module that owns parameters and holds attention inside: traced through
+            # (its direct parameter uses become functional sites, as the root's), since as a
+            # generic leaf its attention would run PyTorch's fused kernels.
+            return rules.has_family(m) or not _holds_attention(m)
         return super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward, args, kwargs):
