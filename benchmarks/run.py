@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import random
@@ -78,6 +79,12 @@ ISSUE_PEERS = {
 #: Absolute caps from issue 5 (ratio to backward), on top of "0.8x the fastest peer".
 CAPS = {"BatchL2Grad": (1.5, ("mlp", "3c3d")), "SumGradSquared": (1.5, ("mlp", "3c3d")),
         "Variance": (1.5, ("mlp", "3c3d")), "DiagGGNMC": (2.0, None), "KFAC": (2.0, None)}
+#: Issue 11's caps for one problem (override CAPS there): KFAC/KFLR <= 3x a backward on the GPT.
+PROBLEM_CAPS = {("gpt", "KFAC"): 3.0, ("gpt", "KFLR"): 3.0, ("gpt-v16", "KFAC"): 3.0, ("gpt-v16", "KFLR"): 3.0}
+#: Quantities that backpropagate every one of the C output columns per sample (the exact GGN
+#: family): skipped when C > --max-columns (a GPT's logits [V, T] give C = V*T columns).
+ALL_COLUMNS = ("DiagGGNExact", "BatchDiagGGNExact", "DiagHessian", "BatchDiagHessian", "KFLR", "KFRA",
+               "SqrtGGNExact")
 #: The exact quantities swept over the number of classes.
 SWEEP = ("DiagGGNExact", "BatchDiagGGNExact", "KFLR", "SqrtGGNExact", "DiagHessian")
 SHORT = {"backpack": "BP", "torch.func": "func", "opacus": "Opacus", "curvlinops": "CL"}
@@ -165,6 +172,25 @@ def kfra_dense_bytes(problem, element_size: int = 4) -> int:
     return max(sizes, default=0) ** 2 * element_size
 
 
+def method_quantity(method: str) -> str:
+    """The curvlib extension a method computes: ``INFO``'s quantity, else the name before ``[``."""
+    info = INFO.get(method)
+    return (info.quantity if info is not None and info.quantity else method.split("[")[0].split(":")[-1])
+
+
+def too_many_columns(problem, method: str, max_columns: int) -> str | None:
+    """The skip reason when ``method`` backpropagates all ``C`` output columns and ``C > max_columns``."""
+    if method_quantity(method) not in ALL_COLUMNS:
+        return None
+    with torch.no_grad():
+        shape = tuple(problem.model(problem.X[:1]).shape[1:])
+    columns = math.prod(shape)
+    if columns <= max_columns:
+        return None
+    return (f"skipped: backpropagates all C = {columns} output columns per sample (output {list(shape)}) "
+            f"> --max-columns {max_columns}")
+
+
 def result_bytes(problem, method: str, element_size: int = 4) -> int:
     """Bytes of a method's result when it is ``[N, *p]`` or ``[C, N, *p]``; 0 otherwise."""
     size = INFO[method].size if method in INFO else ""
@@ -219,6 +245,10 @@ def bench_problem(name: str, methods: list[str], args, bar=None, build_kwargs: d
         nbytes = result_bytes(problem, m)
         if nbytes > args.max_result_gb * 2**30:
             status[m] = f"skipped: result {nbytes / 2**30:.1f} GiB > --max-result-gb {args.max_result_gb}"
+            continue
+        columns = too_many_columns(problem, m, args.max_columns)
+        if columns is not None:
+            status[m] = columns
             continue
         if m == "backpack:KFRA" and kfra_dense_bytes(problem) > args.max_result_gb * 2**30:
             # BackPACK builds it and runs out of memory (the process is killed, nothing to catch).
@@ -396,7 +426,7 @@ def summary(rows: list[dict]) -> list[dict]:
                 target = 0.8 * min(valid)
             if target is not None and entry["bound"] is not None and target < entry["bound"]:
                 target = 1.25 * entry["bound"]
-            cap = CAPS.get(m)
+            cap = (PROBLEM_CAPS[(p, m)], None) if (p, m) in PROBLEM_CAPS else CAPS.get(m)
             if cap is not None and (cap[1] is None or p in cap[1]):
                 target = cap[0] if target is None else min(target, cap[0])
             entry["target"] = target
@@ -528,6 +558,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-result-gb", type=float, default=1.5,
                         help="skip methods whose [N, *p] / [C, N, *p] result is larger (GiB)")
+    parser.add_argument("--max-columns", type=int, default=1024,
+                        help="skip the exact GGN family (every output column backpropagated) when a sample's "
+                             "output has more entries (the GPT's [V, T] logits: 16384)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-method peak-memory processes")
     parser.add_argument("--sweep-classes", type=int, nargs="*", default=[10, 20, 50, 100],
                         help="numbers of classes for the MLP sweep of the exact quantities (none: no sweep)")
