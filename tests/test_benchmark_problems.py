@@ -51,3 +51,15 @@ def test_exact_ggn_family_skipped_beyond_max_columns():
     assert R.too_many_columns(gpt, "backpack:KFLR", 1024) is not None
     assert R.too_many_columns(gpt, "DiagGGNExact[chunk_size=10]", 1024) is not None
     assert R.too_many_columns(P.PROBLEMS["gpt-v16"](), "KFLR", 1024) is None
+
+
+def test_first_call_time_limit_interrupts_a_hopeless_method():
+    import time
+
+    with pytest.raises(R.FirstCallTimeout):
+        with R._time_limit(0.2):
+            for _ in range(100):
+                time.sleep(0.05)
+    with R._time_limit(5.0):  # a call within the limit is untouched, and the timer is cleared
+        pass
+    time.sleep(0.01)
