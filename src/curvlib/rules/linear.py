@@ -74,8 +74,8 @@ def grad(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
 def grad_from_batch(site: Site, g: Tensor) -> bool:
     """Sum the individual gradients ``[N, O, I]`` (N·O·I reads) rather than the product
     ``gᵀx`` (2·N·S·O·I flops) when the weight is shared by ``S >= 8`` positions: measured
-    9% of a BatchGrad on the GPT benchmark (S = 64), 25% on the transformer one (S = 32);
-    slower on an MLP (S = 1), where the product is one efficient kernel."""
+    8-12% of a BatchGrad on the GPT benchmark (S = 64; the transformer one, S = 32, within
+    the noise); slower on an MLP or a convolution, where the product is one efficient kernel."""
     return _flat_input(site).shape[1] >= 8
 
 
