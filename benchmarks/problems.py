@@ -453,13 +453,15 @@ def _opacus_post(problem: Problem, out):
     return opacus_to_original(problem.model, {n: g * scale for n, g in out.items()})
 
 
-def _curvlinops_kfac(fisher_type: str) -> Callable[[Problem], Callable[[], object]]:
+def _curvlinops_kfac(fisher_type: str, linear_only: bool = False) -> Callable[[Problem], Callable[[], object]]:
     def setup(problem: Problem) -> Callable[[], object]:
         from curvlinops import KFACLinearOperator
 
         model, lossfn, X, y = problem
         model = copy.deepcopy(model)
         params = [p for p in model.parameters() if p.requires_grad]
+        if linear_only:  # only the parameters of nn.Linear modules, the rest frozen out
+            params = [p for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters()]
         op = KFACLinearOperator(
             model, lossfn, params, [(X, y)], check_deterministic=False,
             fisher_type=fisher_type, num_data=X.shape[0],
@@ -505,6 +507,13 @@ INFO["curvlinops:KFAC(empirical)"] = Info("curvlinops")
 
 #: Methods run when none are named ("backward" is always run: it is the reference).
 DEFAULT_METHODS: tuple[str, ...] = tuple(METHODS)
+
+# On request: curvlinops' KFAC on the nn.Linear parameters only (it refuses Embedding,
+# LayerNorm, MultiheadAttention's in_proj_weight and bare parameters): a lower bound on
+# a full KFAC peer's time for the transformers, not the same quantity (never checked).
+for _ft in ("mc", "type-2"):
+    METHODS[f"curvlinops:KFAC({_ft},Linear)"] = _curvlinops_kfac(_ft, linear_only=True)
+    INFO[f"curvlinops:KFAC({_ft},Linear)"] = Info("curvlinops")
 
 # Every other exported extension (GGNMP, HMP, PCHMP, ...): timed alone on request, not by default.
 for _name in extensions.__all__:
