@@ -22,6 +22,11 @@ the reference every ratio is taken against.
 | ``allcnnc`` | DeepOBS ``cifar100_allcnnc`` at 1/3 width (9 conv, C=100) | 32 | ``[N, 3, 32, 32]`` | ``CrossEntropyLoss()`` |
 | ``resnet`` | ResNet-8 (3 basic blocks 16-32-64, BatchNorm eval) | 32 | ``[N, 3, 32, 32]`` | ``CrossEntropyLoss()`` |
 | ``transformer`` | one pre-LN encoder block, d 64, 4 heads, vocab 1000 | 32 | ``[N, 32]`` tokens | ``CrossEntropyLoss()`` |
+| ``gpt`` | GPT from ``nn.TransformerEncoderLayer``: vocab 256, learned positions, 4 pre-LN blocks d 128, 4 heads, causal, T 64 | 32 | ``[N, 64]`` tokens | ``CrossEntropyLoss()``, every position |
+| ``gpt-v16`` | the same with vocab 16 (C = 16·64 = 1024 output columns, for the exact quantities) | 32 | ``[N, 64]`` tokens | ``CrossEntropyLoss()``, every position |
+| ``lstm`` | ``nn.LSTM`` 32 -> 128, 2 layers, last step -> Linear 10; T 50 | 64 | ``[N, 50, 32]`` | ``CrossEntropyLoss()`` |
+
+The sequence models and their Opacus copies are in ``sequence_models.py``.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from curvlib import curvature, extensions
+from sequence_models import GPT, LSTMClassifier, opacus_copy, opacus_to_original
 
 
 class Problem(NamedTuple):
@@ -227,6 +233,40 @@ def transformer(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: i
     return Problem(model.to(device=device, dtype=dtype), nn.CrossEntropyLoss(), X.to(device), y.to(device))
 
 
+def gpt(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, vocab: int = 256) -> Problem:
+    """GPT-style language model (``sequence_models.GPT``): token embedding (``vocab``, default
+    256) + learned positions ``nn.Parameter [64, 128]``, 4 pre-LN ``nn.TransformerEncoderLayer``
+    (d 128, 4 heads, MLP 512, GELU, dropout 0) with the causal mask, final LayerNorm, Linear
+    head; eval mode. N=32 sequences of T=64 tokens; the loss is ``CrossEntropyLoss(mean)`` of
+    the next-token logits ``[N, V, T]`` at every position against targets ``[N, T]``."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    n, length = 32, 64
+    model = GPT(vocab=vocab, length=length).eval()
+    X = torch.randint(0, vocab, (n, length), generator=gen)
+    y = torch.randint(0, vocab, (n, length), generator=gen)
+    return Problem(model.to(device=device, dtype=dtype), nn.CrossEntropyLoss(), X.to(device), y.to(device))
+
+
+def gpt_v16(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> Problem:
+    """:func:`gpt` with a 16-token vocabulary: C = V·T = 1024 output columns per sample instead
+    of 16384, so the exact GGN family (which backpropagates all of them) can be measured."""
+    return gpt(device, dtype, seed, vocab=16)
+
+
+def lstm(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> Problem:
+    """Sequence classifier (``sequence_models.LSTMClassifier``): ``nn.LSTM`` 32 -> 128, 2 layers,
+    ``batch_first``, last time step -> Linear 128 -> 10; N=64 sequences ``[N, 50, 32]``,
+    ``CrossEntropyLoss(mean)``."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    n, length, features, classes = 64, 50, 32, 10
+    model = LSTMClassifier(features=features, hidden=128, layers=2, classes=classes)
+    X = torch.randn(n, length, features, generator=gen)
+    y = torch.randint(0, classes, (n,), generator=gen)
+    return _place(Problem(model, nn.CrossEntropyLoss(), X, y), device, dtype)
+
+
 def _place(problem: Problem, device: str, dtype: torch.dtype) -> Problem:
     model, lossfn, X, y = problem
     return Problem(model.to(device=device, dtype=dtype), lossfn, X.to(device=device, dtype=dtype), y.to(device))
@@ -238,6 +278,9 @@ PROBLEMS: dict[str, Callable[..., Problem]] = {
     "allcnnc": allcnnc,
     "resnet": resnet,
     "transformer": transformer,
+    "gpt": gpt,
+    "gpt-v16": gpt_v16,
+    "lstm": lstm,
 }
 
 
@@ -383,12 +426,14 @@ def _backpack(ext_name: str) -> Callable[[Problem], Callable[[], object]]:
 
 
 def opacus_grad_sample(problem: Problem) -> Callable[[], object]:
-    """Peer: Opacus ``GradSampleModule`` per-sample gradients (``p.grad_sample``) on a deep copy."""
+    """Peer: Opacus ``GradSampleModule`` per-sample gradients (``p.grad_sample``) on a copy
+    (``sequence_models.opacus_copy``: ``DPMultiheadAttention``/``DPLSTM`` where needed)."""
     from opacus import GradSampleModule
 
     warnings.filterwarnings("ignore", module="opacus")
     model, lossfn, X, y = problem
-    gsm = GradSampleModule(copy.deepcopy(model), loss_reduction=lossfn.reduction)
+    copied = opacus_copy(model)
+    gsm = GradSampleModule(copied, batch_first=getattr(copied, "batch_first", True), loss_reduction=lossfn.reduction)
     params = [(n, p) for n, p in gsm._module.named_parameters() if p.requires_grad]
 
     def run():
@@ -405,16 +450,18 @@ def opacus_grad_sample(problem: Problem) -> Callable[[], object]:
 def _opacus_post(problem: Problem, out):
     # Opacus returns gradients of the individual (unscaled) losses; curvlib's carry 1/N for "mean".
     scale = 1.0 / problem.X.shape[0] if problem.lossfn.reduction == "mean" else 1.0
-    return {n: g * scale for n, g in out.items()}
+    return opacus_to_original(problem.model, {n: g * scale for n, g in out.items()})
 
 
-def _curvlinops_kfac(fisher_type: str) -> Callable[[Problem], Callable[[], object]]:
+def _curvlinops_kfac(fisher_type: str, linear_only: bool = False) -> Callable[[Problem], Callable[[], object]]:
     def setup(problem: Problem) -> Callable[[], object]:
         from curvlinops import KFACLinearOperator
 
         model, lossfn, X, y = problem
         model = copy.deepcopy(model)
         params = [p for p in model.parameters() if p.requires_grad]
+        if linear_only:  # only the parameters of nn.Linear modules, the rest frozen out
+            params = [p for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters()]
         op = KFACLinearOperator(
             model, lossfn, params, [(X, y)], check_deterministic=False,
             fisher_type=fisher_type, num_data=X.shape[0],
@@ -460,6 +507,13 @@ INFO["curvlinops:KFAC(empirical)"] = Info("curvlinops")
 
 #: Methods run when none are named ("backward" is always run: it is the reference).
 DEFAULT_METHODS: tuple[str, ...] = tuple(METHODS)
+
+# On request: curvlinops' KFAC on the nn.Linear parameters only (it refuses Embedding,
+# LayerNorm, MultiheadAttention's in_proj_weight and bare parameters): a lower bound on
+# a full KFAC peer's time for the transformers, not the same quantity (never checked).
+for _ft in ("mc", "type-2"):
+    METHODS[f"curvlinops:KFAC({_ft},Linear)"] = _curvlinops_kfac(_ft, linear_only=True)
+    INFO[f"curvlinops:KFAC({_ft},Linear)"] = Info("curvlinops")
 
 # Every other exported extension (GGNMP, HMP, PCHMP, ...): timed alone on request, not by default.
 for _name in extensions.__all__:

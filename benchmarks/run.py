@@ -29,10 +29,13 @@ reported, not fatal. Writes ``results-<device>.json``, ``results-<device>.md`` a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import platform
 import random
+import signal
 import statistics
 import sys
 import time
@@ -78,6 +81,12 @@ ISSUE_PEERS = {
 #: Absolute caps from issue 5 (ratio to backward), on top of "0.8x the fastest peer".
 CAPS = {"BatchL2Grad": (1.5, ("mlp", "3c3d")), "SumGradSquared": (1.5, ("mlp", "3c3d")),
         "Variance": (1.5, ("mlp", "3c3d")), "DiagGGNMC": (2.0, None), "KFAC": (2.0, None)}
+#: Issue 11's caps for one problem (override CAPS there): KFAC/KFLR <= 3x a backward on the GPT.
+PROBLEM_CAPS = {("gpt", "KFAC"): 3.0, ("gpt", "KFLR"): 3.0, ("gpt-v16", "KFAC"): 3.0, ("gpt-v16", "KFLR"): 3.0}
+#: Quantities that backpropagate every one of the C output columns per sample (the exact GGN
+#: family): skipped when C > --max-columns (a GPT's logits [V, T] give C = V*T columns).
+ALL_COLUMNS = ("DiagGGNExact", "BatchDiagGGNExact", "DiagHessian", "BatchDiagHessian", "KFLR", "KFRA",
+               "SqrtGGNExact")
 #: The exact quantities swept over the number of classes.
 SWEEP = ("DiagGGNExact", "BatchDiagGGNExact", "KFLR", "SqrtGGNExact", "DiagHessian")
 SHORT = {"backpack": "BP", "torch.func": "func", "opacus": "Opacus", "curvlinops": "CL"}
@@ -165,6 +174,26 @@ def kfra_dense_bytes(problem, element_size: int = 4) -> int:
     return max(sizes, default=0) ** 2 * element_size
 
 
+def method_quantity(method: str) -> str:
+    """The curvlib extension a method computes: ``INFO``'s quantity, else the name before ``[``."""
+    info = INFO.get(method)
+    return (info.quantity if info is not None and info.quantity else method.split("[")[0].split(":")[-1])
+
+
+def too_many_columns(problem, method: str, max_columns: int) -> str | None:
+    """The skip reason when ``method`` backpropagates all ``C`` output columns and ``C > max_columns``."""
+    # curvlinops' type-2 backpropagates V columns with the positions summed, not V*T: not bounded here.
+    if method_quantity(method) not in ALL_COLUMNS or method.startswith("curvlinops:"):
+        return None
+    with torch.no_grad():
+        shape = tuple(problem.model(problem.X[:1]).shape[1:])
+    columns = math.prod(shape)
+    if columns <= max_columns:
+        return None
+    return (f"skipped: backpropagates all C = {columns} output columns per sample (output {list(shape)}) "
+            f"> --max-columns {max_columns}")
+
+
 def result_bytes(problem, method: str, element_size: int = 4) -> int:
     """Bytes of a method's result when it is ``[N, *p]`` or ``[C, N, *p]``; 0 otherwise."""
     size = INFO[method].size if method in INFO else ""
@@ -206,6 +235,31 @@ def compare(out, ref) -> str:
 # --------------------------------------------------------------------------- timing
 
 
+class FirstCallTimeout(Exception):
+    """A method's setup and first call took longer than ``--first-call-timeout``."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """Raise :class:`FirstCallTimeout` in the main thread after ``seconds`` (SIGALRM; 0 or
+    no SIGALRM: no limit). Torch's kernels are short, so the signal lands between them."""
+    if not seconds or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise FirstCallTimeout()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+
 def bench_problem(name: str, methods: list[str], args, bar=None, build_kwargs: dict | None = None) -> list[dict]:
     """Rows ``{problem, method, median_ms, ratio, first_call_ms, times_ms, check}`` for one problem."""
     problem = PROBLEMS[name](device=args.device, seed=args.seed, **(build_kwargs or {}))
@@ -220,17 +274,24 @@ def bench_problem(name: str, methods: list[str], args, bar=None, build_kwargs: d
         if nbytes > args.max_result_gb * 2**30:
             status[m] = f"skipped: result {nbytes / 2**30:.1f} GiB > --max-result-gb {args.max_result_gb}"
             continue
+        columns = too_many_columns(problem, m, args.max_columns)
+        if columns is not None:
+            status[m] = columns
+            continue
         if m == "backpack:KFRA" and kfra_dense_bytes(problem) > args.max_result_gb * 2**30:
             # BackPACK builds it and runs out of memory (the process is killed, nothing to catch).
             status[m] = (f"skipped: BackPACK's KFRA forms a dense {kfra_dense_bytes(problem) / 2**30:.0f} GiB "
                          "matrix at a convolution output (out of memory)")
             continue
         try:
-            runs[m] = METHODS[m](problem)
-            torch.manual_seed(args.seed)
-            t0 = now()
-            out = runs[m]()
-            first[m] = now() - t0
+            with _time_limit(args.first_call_timeout):
+                runs[m] = METHODS[m](problem)
+                torch.manual_seed(args.seed)
+                t0 = now()
+                out = runs[m]()
+                first[m] = now() - t0
+        except FirstCallTimeout:
+            status[m] = f"skipped: setup and first call did not finish in --first-call-timeout {args.first_call_timeout:g} s"
         except ImportError as err:
             status[m] = _missing_package(err)
         except Exception as err:  # noqa: BLE001 - a refusal (CurvatureError) or a peer's limitation
@@ -396,7 +457,7 @@ def summary(rows: list[dict]) -> list[dict]:
                 target = 0.8 * min(valid)
             if target is not None and entry["bound"] is not None and target < entry["bound"]:
                 target = 1.25 * entry["bound"]
-            cap = CAPS.get(m)
+            cap = (PROBLEM_CAPS[(p, m)], None) if (p, m) in PROBLEM_CAPS else CAPS.get(m)
             if cap is not None and (cap[1] is None or p in cap[1]):
                 target = cap[0] if target is None else min(target, cap[0])
             entry["target"] = target
@@ -528,6 +589,11 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-result-gb", type=float, default=1.5,
                         help="skip methods whose [N, *p] / [C, N, *p] result is larger (GiB)")
+    parser.add_argument("--max-columns", type=int, default=1024,
+                        help="skip the exact GGN family (every output column backpropagated) when a sample's "
+                             "output has more entries (the GPT's [V, T] logits: 16384)")
+    parser.add_argument("--first-call-timeout", type=float, default=180.0,
+                        help="skip a method whose setup and first call take longer (seconds; 0: no limit)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-method peak-memory processes")
     parser.add_argument("--sweep-classes", type=int, nargs="*", default=[10, 20, 50, 100],
                         help="numbers of classes for the MLP sweep of the exact quantities (none: no sweep)")

@@ -75,7 +75,8 @@ def _single_use(results, uses, names, gs, need) -> None:
         site = site_of[sid]
         rule, g = site.rule, gs[site.key]
         batch = rule.grad_batch(site, g, roles) if "grad_batch" in need else None
-        per_q = {"grad": (rule.grad(site, g, roles) if rule.grad else None)}
+        summed = batch is not None and rule.grad_from_batch is not None and rule.grad_from_batch(site, g)
+        per_q = {"grad": (rule.grad(site, g, roles) if rule.grad and not summed else None)}
         if "batch_l2" in need:
             per_q["batch_l2"] = rule.batch_l2(site, g, roles) if rule.batch_l2 else None
         if "sum_grad_squared" in need:

@@ -72,3 +72,27 @@ def test_linear_batch_not_in_dim0():
     model = TimeMajor().double()
     X = torch.randn(4, 5, 3, dtype=torch.float64)
     check_first_order(model, nn.CrossEntropyLoss(), X, torch.randint(0, 2, (4,)))
+
+
+@given(
+    n=st.integers(1, 3),
+    positions=st.integers(5, 12),
+    i=st.integers(1, 4),
+    o=st.integers(1, 3),
+    bias=st.booleans(),
+    only_batch_grad=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_over_positions_gradient_summed_from_individual_ones(n, positions, i, o, bias, only_batch_grad, seed):
+    """With the individual gradients requested, a Linear over >= 8 positions sums them for
+    ``grad`` (``Σ_n g_n``) instead of the product ``gᵀx``: both paths against the oracle."""
+    from curvlib.extensions import BatchGrad, BatchL2Grad
+
+    gen = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(i, 3, bias=bias), nn.Tanh(), nn.Linear(3, o, bias=bias)).double()
+    X = torch.randn(n, positions, i, generator=gen, dtype=torch.float64)
+    y = torch.randn(n, positions, o, generator=gen, dtype=torch.float64)
+    exts = (BatchGrad,) if only_batch_grad else (BatchGrad, BatchL2Grad)
+    qs = check_first_order(model, nn.MSELoss(), X, y, exts)
+    for name, g in qs["grad"].items():
+        torch.testing.assert_close(g, qs["grad_batch"][name].sum(0))

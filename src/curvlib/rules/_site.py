@@ -56,6 +56,9 @@ class Rule:
     kind: str
     grad_batch: RuleFn
     grad: Optional[RuleFn] = None
+    # (site, g) -> whether, when the individual gradients are computed anyway, their sum
+    # Σ_n grad_batch_n is cheaper than ``grad`` (e.g. a Linear over many positions).
+    grad_from_batch: Optional[Callable[[Site, Tensor], bool]] = None
     batch_l2: Optional[RuleFn] = None
     sum_grad_squared: Optional[RuleFn] = None
     any_batch_dim: bool = False

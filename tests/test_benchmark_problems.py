@@ -1,0 +1,65 @@
+"""Smoke tests of the benchmark's sequence problems (issue 11): they build, a backward runs,
+and the peers' per-sample gradients agree with curvlib's ``BatchGrad`` on a few samples
+(the Opacus copies' gradients mapped back by ``opacus_to_original``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import problems as P  # noqa: E402
+import run as R  # noqa: E402
+
+
+def _few(problem: P.Problem, n: int) -> P.Problem:
+    return P.Problem(problem.model, problem.lossfn, problem.X[:n], problem.y[:n])
+
+
+@pytest.mark.parametrize("name, out_shape", [("gpt", (32, 256, 64)), ("gpt-v16", (32, 16, 64)), ("lstm", (64, 10))])
+def test_problem_builds_and_backward_runs(name, out_shape):
+    problem = P.PROBLEMS[name]()
+    with torch.no_grad():
+        assert tuple(problem.model(problem.X).shape) == out_shape
+    P.METHODS["backward"](_few(problem, 2))()
+    assert all(p.grad is not None for p in problem.model.parameters())
+
+
+@pytest.mark.parametrize("name, peer", [
+    pytest.param("gpt", "vmap(grad)", marks=pytest.mark.slow),  # ~9 s: torch's MHA fallback under vmap
+    ("gpt", "opacus"), ("lstm", "vmap(grad)"), ("lstm", "opacus"),
+])
+def test_peer_per_sample_gradients_match_batchgrad(name, peer):
+    pytest.importorskip("opacus")
+    problem = _few(P.PROBLEMS[name](), 3)
+    ref = P.METHODS["BatchGrad"](problem)()
+    out = P.METHODS[peer](problem)()
+    info = P.INFO[peer]
+    out = info.post(problem, out) if info.post else out
+    assert list(out) == list(ref)  # same names, same order
+    assert R.compare(out, ref) == "ok"
+
+
+def test_exact_ggn_family_skipped_beyond_max_columns():
+    gpt = P.PROBLEMS["gpt"]()
+    why = R.too_many_columns(gpt, "DiagGGNExact", 1024)
+    assert why is not None and "C = 16384" in why and "[256, 64]" in why
+    assert R.too_many_columns(gpt, "BatchGrad", 1024) is None
+    assert R.too_many_columns(gpt, "backpack:KFLR", 1024) is not None
+    assert R.too_many_columns(gpt, "DiagGGNExact[chunk_size=10]", 1024) is not None
+    assert R.too_many_columns(P.PROBLEMS["gpt-v16"](), "KFLR", 1024) is None
+
+
+def test_first_call_time_limit_interrupts_a_hopeless_method():
+    import time
+
+    with pytest.raises(R.FirstCallTimeout):
+        with R._time_limit(0.2):
+            for _ in range(100):
+                time.sleep(0.05)
+    with R._time_limit(5.0):  # a call within the limit is untouched, and the timer is cleared
+        pass
+    time.sleep(0.01)
