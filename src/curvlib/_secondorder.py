@@ -44,6 +44,7 @@ from ._errors import CurvatureError
 from .extensions.secondorder import SecondOrder
 from ._kronlayout import add_root_factor
 from .rules import OWN_KRON_KINDS, SPLIT_KRON_KINDS, kron_factors, kron_input_factor, kron_weight_output
+from .rules import fixed_rows
 from .rules._site import uses_of
 from ._residual_math import factor
 from ._rootbuffers import RootBuffers, write_sqrt
@@ -162,9 +163,7 @@ def _kron(uses, m_by_site, name, cache=None, approx=None) -> List[Tensor]:
     if not kinds <= set(SPLIT_KRON_KINDS) | set(OWN_KRON_KINDS):
         # scale and shift of normalisations, other 1-D parameters: the exact block
         # F = Σ_{v,n} (J_pᵀ m_v)(J_pᵀ m_v)ᵀ [P, P] (curvlib._kronlayout)
-        S = _sqrt(uses, m_by_site, name)
-        S = S.reshape(-1, S[0, 0].numel())
-        return [S.t() @ S]
+        return _generic_block(uses, m_by_site, name, approx)
     if len(u) == 1:
         ((site, role),) = u
         if cache is None or site.rule.kind in OWN_KRON_KINDS:
@@ -184,6 +183,22 @@ def _kron(uses, m_by_site, name, cache=None, approx=None) -> List[Tensor]:
     if u[0][1] == "bias":
         return [B]
     return [B, sum(linear.kron_input(site) for site, _ in u)]
+
+
+def _generic_block(uses, m_by_site, name, approx) -> List[Tensor]:
+    """A parameter without Kronecker factors of its rule's own: a bias-like ``≥ 2``-dim
+    parameter (``h + self.pos``) gets Embedding's layout at its fixed rows, any other
+    ``≥ 2``-dim generic one the diagonal of its exact block ``[F [P]]``, the others (scale and
+    shift of normalisations, 1-D parameters) the exact block ``[F [P, P]]`` (:mod:`curvlib._kronlayout`)."""
+    u = uses[name]
+    rows = fixed_rows.row_map(u[0][0]) if len(u) == 1 else None
+    if rows is not None:
+        return fixed_rows.kron(u[0][0], rows, m_by_site[u[0][0].key], approx)
+    S = _sqrt(uses, m_by_site, name)  # F = Σ_{v,n} (J_pᵀ m_v)(J_pᵀ m_v)ᵀ
+    if S.dim() > 3 and all(site.rule.kind == "generic" for site, _ in u):
+        return fixed_rows.diagonal_block(S)
+    S = S.reshape(-1, S[0, 0].numel())
+    return [S.t() @ S]
 
 
 def _cached(cache: dict, key, compute):

@@ -64,11 +64,15 @@ def _lookup(root: nn.Module, target: str):
 
 
 def evaluate(use: FunctionalUse, root: nn.Module, param_names: Dict[int, str],
-             tensors: Dict[str, Tensor], inputs: Sequence[Tensor]):
-    """The node's value with parameters ``tensors`` (canonical name -> tensor) and ``inputs``."""
-    env: Dict[fx.Node, object] = dict(zip(use.inputs, inputs))
+             tensors: Dict[str, Tensor], inputs: Sequence[Tensor], constants: Optional[Dict] = None):
+    """The node's value with parameters ``tensors`` (canonical name -> tensor) and ``inputs``;
+    ``constants``: values of chain nodes that read the model input's shape only."""
+    env: Dict[fx.Node, object] = dict(constants or {})
+    env.update(zip(use.inputs, inputs))
     load = lambda a: fx.node.map_arg(a, lambda n: env[n])  # noqa: E731
     for node in use.chain + (use.node,):
+        if node in env:
+            continue
         if node.op == "get_attr":
             value = _lookup(root, node.target)
             if isinstance(value, nn.Parameter):
