@@ -65,7 +65,7 @@ def row_map(site: Site) -> Optional[Tensor]:
     """``r [S]``: the parameter row every output position reads (``None``: not bias-like)."""
     if not bias_like(site):
         return None
-    use, name = site.meta["use"], site.meta["use"].params[0]
+    name = site.meta["use"].params[0]
     p = site.saved[f"param:{name}"]
     if p.dim() < 2:
         return None
