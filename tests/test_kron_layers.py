@@ -275,7 +275,8 @@ def test_kfra_keeps_refusing_new_layers():
 
 
 class Mixed(nn.Module):
-    """Every new layout at once: Embedding, LayerNorm, grouped Conv, GroupNorm, BatchNorm."""
+    """Every new layout at once: Embedding, LayerNorm, grouped Conv, GroupNorm, BatchNorm, a
+    bias-like position parameter and a generic 2-D one."""
 
     def __init__(self):
         super().__init__()
@@ -285,9 +286,12 @@ class Mixed(nn.Module):
         self.gn = nn.GroupNorm(2, 4)
         self.bn = nn.BatchNorm1d(4)
         self.out = nn.Linear(8, 3)
+        self.pos = nn.Parameter(torch.randn(3, 4))  # bias-like: Embedding's layout at fixed rows
+        self.mix = nn.Parameter(torch.randn(4, 4))  # generic 2-D: the diagonal block
 
     def forward(self, idx):
-        h = self.ln(self.emb(idx)).transpose(1, 2)  # [N, 4, T]
+        h = self.ln(self.emb(idx) + self.pos) @ self.mix
+        h = h.transpose(1, 2)  # [N, 4, T]
         h = self.bn(torch.tanh(self.gn(self.conv(h))))
         return self.out(h.flatten(1))
 
@@ -305,6 +309,7 @@ def test_new_layouts_combine_over_chunks_and_slices(reduction):
     whole = curvature(model, lossfn, exts)(X, y)
     assert [f.dim() for f in whole["kflr"]["emb.weight"]] == [1, 2]
     assert [f.dim() for f in whole["kflr"]["conv.weight"]] == [3, 3]
+    assert [f.dim() for f in whole["kflr"]["pos"]] == [1, 2] and [f.dim() for f in whole["kflr"]["mix"]] == [1]
     for kw in ({"chunk_size": 1}, {"batch_chunk_size": 2}, {"chunk_size": 2, "batch_chunk_size": 3}):
         parts = curvature(model, lossfn, exts, **kw)(X, y)
         for ext in exts:

@@ -1,9 +1,10 @@
 """Refusals of second-order extensions, decided from the plan's sites before any work.
 
 KFAC/KFLR/KFACEmpirical need Kronecker factors (Linear, Conv, ConvTranspose, Embedding
-weights; one use per parameter, but shared Linear weights are factored as positions) or
+weights; one use per parameter, but shared Linear weights are factored as positions),
 the exact block (normalisations' scale and shift, 1-D parameters of other modules, any
-number of uses); KFRA's recursion has factors for Linear/Conv/ConvTranspose only. The Hessian extensions need a family whose second
+number of uses), Embedding's layout (bias-like generic parameters) or the diagonal block
+(other generic parameters, :mod:`curvlib.rules.fixed_rows`); KFRA's recursion has factors for Linear/Conv/ConvTranspose only. The Hessian extensions need a family whose second
 derivative curvlib knows, and for a parameter used by several sites the coupling of its
 weight and input, which curvlib has for :data:`SHARED_HESSIAN_KINDS`.
 """
