@@ -262,6 +262,41 @@ def test_grouped_conv_factors_per_group(d, groups, c_in, c_out, k, stride, paddi
         _close(got["0.bias"][0], B, "bias")
 
 
+@settings(max_examples=10, deadline=None)
+@given(
+    groups=st.integers(2, 3), c_in=st.integers(1, 2), c_out=st.integers(1, 2), k=st.integers(1, 2),
+    stride=st.integers(1, 2), padding=st.integers(0, 1), n=st.integers(1, 3), bias=st.booleans(),
+    loss=st.sampled_from(sorted(LOSSES)), approx=st.sampled_from([None, "expand", "reduce"]),
+    seed=st.integers(0, 2**16),
+)
+def test_grouped_conv_transpose_factors_per_group(groups, c_in, c_out, k, stride, padding, n, bias, loss, approx,
+                                                  seed):
+    """As grouped convolutions: weight ``[C_in, C_out/G, *k]``, ``[B [G, o, o], A [G, a, a]]`` the
+    diagonal blocks per group of the ungrouped definitions (``A``'s rows ``(g, c, k)``); bias ``[B]``."""
+    torch.manual_seed(seed)
+    conv = nn.ConvTranspose2d(c_in * groups, c_out * groups, k, stride=stride, padding=padding, groups=groups,
+                              bias=bias)
+    shape = (n, c_in * groups, 3, 3)
+    with torch.no_grad():
+        flat = conv(torch.zeros(shape)).numel() // n
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(flat, 3)).to(DT)
+    X, y = torch.randn(shape, dtype=DT), _targets(loss, n, 3, seed)
+    lossfn = LOSSES[loss](reduction="sum")
+    got = curvature(model, lossfn, [KFLR(kfac_approx=approx)])(X, y)["kflr"]
+    B_expand, B_reduce = output_factors(model, lossfn, X, y, "0")
+    A_none, A_expand, A_reduce = input_factors(model, X, "0")
+    B = B_expand if approx == "expand" else B_reduce
+    A = {None: A_none, "expand": A_expand, "reduce": A_reduce}[approx]
+    Bw, Aw = got["0.weight"]
+    o, a = c_out, c_in * k**2
+    assert Bw.shape == (groups, o, o) and Aw.shape == (groups, a, a)
+    for g in range(groups):
+        _close(Bw[g], B[g * o:(g + 1) * o, g * o:(g + 1) * o], f"B[{g}]")
+        _close(Aw[g], A[g * a:(g + 1) * a, g * a:(g + 1) * a], f"A[{g}]")
+    if bias:
+        _close(got["0.bias"][0], B, "bias")
+
+
 def test_kfra_keeps_refusing_new_layers():
     torch.manual_seed(0)
     model = Tokens(5, 2, None).to(DT)
