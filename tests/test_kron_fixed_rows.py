@@ -239,3 +239,36 @@ def test_every_extension_on_position_forms(kind, t, n, seed):
     A, B = got["kflr"][used]
     assert A.shape == (4,) and B.shape == (2, 2)
     _close(A, (torch.arange(4) < t).to(DT))  # every row read once per sample, up to T
+
+
+class Tied(nn.Module):
+    """Tied input/output embeddings (GPT's ``head.weight = tok.weight``)."""
+
+    def __init__(self, v: int, d: int):
+        super().__init__()
+        self.tok = nn.Embedding(v, d)
+        self.pos = nn.Parameter(torch.randn(2, d))
+        self.head = nn.Linear(d, v)
+        self.head.weight = self.tok.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.tok(x) + self.pos)).transpose(1, 2)
+
+
+@settings(max_examples=6, deadline=None)
+@given(v=st.integers(2, 4), d=st.integers(1, 3), n=st.integers(1, 3), approx=st.sampled_from([None, "expand"]),
+       seed=st.integers(0, 2**16))
+def test_tied_embedding_gets_the_diagonal_block(v, d, n, approx, seed):
+    """``[F [V·D]]``: the diagonal of the exact block with both uses summed (GGN: full Jacobians;
+    empirical: per-sample gradients), for every ``kfac_approx``; the other parameters keep theirs."""
+    torch.manual_seed(seed)
+    model = Tied(v, d).to(DT)
+    X = torch.randint(0, v, (n, 2), generator=torch.Generator().manual_seed(seed))
+    y = torch.randint(0, v, (n, 2), generator=torch.Generator().manual_seed(seed + 1))
+    lossfn = nn.CrossEntropyLoss()
+    got = curvature(model, lossfn, [KFLR(kfac_approx=approx), KFACEmpirical(kfac_approx=approx)])(X, y)
+    (F,) = got["kflr"]["tok.weight"]
+    _close(F, ggn_block(model, lossfn, X, y, "tok.weight").diagonal(), "kflr")
+    g = individual_gradients(model, lossfn, X, y, ["tok.weight"])["tok.weight"]
+    _close(got["kfac_empirical"]["tok.weight"][0], (g**2).sum(0).reshape(-1), "empirical")
+    assert [f.shape for f in got["kflr"]["pos"]] == [(2,), (d, d)]

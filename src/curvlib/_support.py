@@ -17,6 +17,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 from ._errors import CurvatureError
 from .extensions.secondorder import SecondOrder
 from .rules import fixed_rows
+from .rules.fixed_rows import tied_across_layers
 from .rules._site import Site, uses_of
 
 __all__ = ["check_second_order", "HESSIAN_QUANTITIES"]
@@ -128,6 +129,8 @@ def _check_kron_uses(ext, name: str, u, family_of, param_dims) -> None:
     if ext.quantity != "kfra" and families <= set(EXACT_BLOCK_KINDS):
         _check_exact_block(label, name, u, families, param_dims, getattr(ext, "kfac_approx", None))
         return
+    if len(u) > 1 and ext.quantity != "kfra" and tied_across_layers(u, family_of):
+        return  # the diagonal of the exact block (curvlib._secondorder._generic_block)
     if len(u) > 1 and (
         ext.quantity == "kfra"
         or any(s.rule.kind != "linear" or family_of[s.where] != "linear" for s, _ in u)

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from . import embedding, functional
 from ._site import Site
 
-__all__ = ["BIAS_OPS", "bias_like", "row_map", "kron", "diagonal_block"]
+__all__ = ["BIAS_OPS", "bias_like", "row_map", "kron", "diagonal_block", "tied_across_layers"]
 
 #: Ops ``h ± p`` that can make a parameter bias-like.
 BIAS_OPS = (operator.add, operator.sub, torch.add, torch.sub, operator.iadd, operator.isub)
@@ -112,3 +112,15 @@ def diagonal_block(sqrt: Tensor) -> List[Tensor]:
     (the exact/MC GGN's, or for ``KFACEmpirical`` the per-sample gradients': then the sum
     of squared gradients); a 1-D factor stands for a diagonal matrix."""
     return [(sqrt**2).sum((0, 1)).reshape(-1)]
+
+
+def tied_across_layers(u, family_of=None) -> bool:
+    """A parameter used by several sites that are not all Linear weights in one role (tied
+    input/output embeddings: ``head.weight = tok.weight``, ``W [V, D]`` read by the Embedding
+    at rows ``idx`` and by the Linear with output ``V`` and input ``D``). No single Kronecker product holds
+    both uses: the Embedding's ``V`` side is its (one-hot) input, the Linear's its output,
+    and a sum of the two pairs' factors, ``(B_lin + diag(A_emb)) ⊗ (A_lin + B_emb)``, would
+    add gradient to input covariances, whose split of scale between the factors is
+    arbitrary. Kronecker extensions give it the diagonal of its exact block, ``[F [P]]``."""
+    kinds = {s.rule.kind for s, _ in u} | ({family_of[s.where] for s, _ in u} if family_of else set())
+    return kinds != {"linear"} or len({r for _, r in u}) > 1
