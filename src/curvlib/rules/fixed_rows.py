@@ -122,5 +122,7 @@ def tied_across_layers(u, family_of=None) -> bool:
     and a sum of the two pairs' factors, ``(B_lin + diag(A_emb)) ⊗ (A_lin + B_emb)``, would
     add gradient to input covariances, whose split of scale between the factors is
     arbitrary. Kronecker extensions give it the diagonal of its exact block, ``[F [P]]``."""
+    if len(u) < 2:
+        return False
     kinds = {s.rule.kind for s, _ in u} | ({family_of[s.where] for s, _ in u} if family_of else set())
     return kinds != {"linear"} or len({r for _, r in u}) > 1
