@@ -162,9 +162,9 @@ def _kron(uses, m_by_site, name, cache=None, approx=None) -> List[Tensor]:
     u = uses[name]
     kinds = {site.rule.kind for site, _ in u}
     if not kinds <= set(SPLIT_KRON_KINDS) | set(OWN_KRON_KINDS) or (len(u) > 1 and tied_across_layers(u)):
-        # scale and shift of normalisations, other 1-D parameters: the exact block
-        # F = Σ_{v,n} (J_pᵀ m_v)(J_pᵀ m_v)ᵀ [P, P] (curvlib._kronlayout)
-        return _generic_block(uses, m_by_site, name, approx)
+        # normalisations, generic parameters, tied weights: the exact block, its diagonal, or
+        # Embedding's layout at fixed rows for bias-like ones (curvlib.rules.fixed_rows)
+        return fixed_rows.generic_block(u, m_by_site, lambda: _sqrt(uses, m_by_site, name), approx)
     if len(u) == 1:
         ((site, role),) = u
         if cache is None or site.rule.kind in OWN_KRON_KINDS:
@@ -184,23 +184,6 @@ def _kron(uses, m_by_site, name, cache=None, approx=None) -> List[Tensor]:
     if u[0][1] == "bias":
         return [B]
     return [B, sum(linear.kron_input(site) for site, _ in u)]
-
-
-def _generic_block(uses, m_by_site, name, approx) -> List[Tensor]:
-    """A parameter without Kronecker factors of its rule's own: a bias-like ``≥ 2``-dim
-    parameter (``h + self.pos``) gets Embedding's layout at its fixed rows, any other
-    ``≥ 2``-dim generic one or one tied across layers (:func:`curvlib.rules.fixed_rows.tied_across_layers`)
-    the diagonal of its exact block ``[F [P]]``, the others (scale and
-    shift of normalisations, 1-D parameters) the exact block ``[F [P, P]]`` (:mod:`curvlib._kronlayout`)."""
-    u = uses[name]
-    rows = fixed_rows.row_map(u[0][0]) if len(u) == 1 else None
-    if rows is not None:
-        return fixed_rows.kron(u[0][0], rows, m_by_site[u[0][0].key], approx)
-    S = _sqrt(uses, m_by_site, name)  # F = Σ_{v,n} (J_pᵀ m_v)(J_pᵀ m_v)ᵀ, uses summed first
-    if S.dim() > 3 and (all(site.rule.kind == "generic" for site, _ in u) or tied_across_layers(u)):
-        return fixed_rows.diagonal_block(S)
-    S = S.reshape(-1, S[0, 0].numel())
-    return [S.t() @ S]
 
 
 def _cached(cache: dict, key, compute):

@@ -26,7 +26,7 @@ check). Any other ``≥ 2``-dim generic parameter gets the diagonal of its exact
 from __future__ import annotations
 
 import operator
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 from torch import Tensor, nn
@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from . import embedding, functional
 from ._site import Site
 
-__all__ = ["BIAS_OPS", "bias_like", "row_map", "kron", "diagonal_block", "tied_across_layers"]
+__all__ = ["BIAS_OPS", "bias_like", "row_map", "kron", "diagonal_block", "tied_across_layers", "generic_block"]
 
 #: Ops ``h ± p`` that can make a parameter bias-like.
 BIAS_OPS = (operator.add, operator.sub, torch.add, torch.sub, operator.iadd, operator.isub)
@@ -126,3 +126,20 @@ def tied_across_layers(u, family_of=None) -> bool:
         return False
     kinds = {s.rule.kind for s, _ in u} | ({family_of[s.where] for s, _ in u} if family_of else set())
     return kinds != {"linear"} or len({r for _, r in u}) > 1
+
+
+def generic_block(u, m_by_site, sqrt: Callable[[], Tensor], approx: Optional[str]) -> List[Tensor]:
+    """Factors of a parameter without Kronecker factors of its rule's own, used by the sites
+    ``u`` (``sqrt()``: its ``[V, N, *p]`` root, uses summed): a bias-like ``≥ 2``-dim one
+    (``h + self.pos``) gets Embedding's layout at its fixed rows (:func:`kron`); a ``≥ 2``-dim
+    generic one or one tied across layers the diagonal of its exact block ``[F [P]]``; the
+    others (scale and shift of normalisations, 1-D parameters) the exact block
+    ``F = Σ_{v,n} (J_pᵀ m_v)(J_pᵀ m_v)ᵀ [P, P]`` (:mod:`curvlib._kronlayout`)."""
+    rows = row_map(u[0][0]) if len(u) == 1 else None
+    if rows is not None:
+        return kron(u[0][0], rows, m_by_site[u[0][0].key], approx)
+    S = sqrt()
+    if S.dim() > 3 and (all(site.rule.kind == "generic" for site, _ in u) or tied_across_layers(u)):
+        return diagonal_block(S)
+    S = S.reshape(-1, S[0, 0].numel())
+    return [S.t() @ S]
