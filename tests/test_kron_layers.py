@@ -120,11 +120,10 @@ def test_generic_one_dimensional_parameter_gets_exact_block():
     model = nn.Sequential(Scaled(3), nn.Linear(3, 2)).to(DT)
     X, y = torch.randn(4, 3, dtype=DT), _targets("ce", 4, 2, 0)
     lossfn = nn.CrossEntropyLoss()
-    with pytest.raises(CurvatureError, match=r"KFLR is not defined for parameter '0\.mix'.*2 dims"):
-        curvature(model, lossfn, [KFLR()])(X, y)
-    model[0].mix.requires_grad_(False)
-    (F,) = curvature(model, lossfn, [KFLR()])(X, y)["kflr"]["0.scale"]
-    _close(F, ggn_block(model, lossfn, X, y, "0.scale"))
+    got = curvature(model, lossfn, [KFLR()])(X, y)["kflr"]
+    _close(got["0.scale"][0], ggn_block(model, lossfn, X, y, "0.scale"))
+    # a 2-D one that is not bias-like: the diagonal of its exact block (tests/test_kron_fixed_rows.py)
+    _close(got["0.mix"][0], ggn_block(model, lossfn, X, y, "0.mix").diagonal())
 
 
 # ------------------------------------------------------------------------ Embedding
@@ -263,6 +262,41 @@ def test_grouped_conv_factors_per_group(d, groups, c_in, c_out, k, stride, paddi
         _close(got["0.bias"][0], B, "bias")
 
 
+@settings(max_examples=10, deadline=None)
+@given(
+    groups=st.integers(2, 3), c_in=st.integers(1, 2), c_out=st.integers(1, 2), k=st.integers(1, 2),
+    stride=st.integers(1, 2), padding=st.integers(0, 1), n=st.integers(1, 3), bias=st.booleans(),
+    loss=st.sampled_from(sorted(LOSSES)), approx=st.sampled_from([None, "expand", "reduce"]),
+    seed=st.integers(0, 2**16),
+)
+def test_grouped_conv_transpose_factors_per_group(groups, c_in, c_out, k, stride, padding, n, bias, loss, approx,
+                                                  seed):
+    """As grouped convolutions: weight ``[C_in, C_out/G, *k]``, ``[B [G, o, o], A [G, a, a]]`` the
+    diagonal blocks per group of the ungrouped definitions (``A``'s rows ``(g, c, k)``); bias ``[B]``."""
+    torch.manual_seed(seed)
+    conv = nn.ConvTranspose2d(c_in * groups, c_out * groups, k, stride=stride, padding=padding, groups=groups,
+                              bias=bias)
+    shape = (n, c_in * groups, 3, 3)
+    with torch.no_grad():
+        flat = conv(torch.zeros(shape)).numel() // n
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(flat, 3)).to(DT)
+    X, y = torch.randn(shape, dtype=DT), _targets(loss, n, 3, seed)
+    lossfn = LOSSES[loss](reduction="sum")
+    got = curvature(model, lossfn, [KFLR(kfac_approx=approx)])(X, y)["kflr"]
+    B_expand, B_reduce = output_factors(model, lossfn, X, y, "0")
+    A_none, A_expand, A_reduce = input_factors(model, X, "0")
+    B = B_expand if approx == "expand" else B_reduce
+    A = {None: A_none, "expand": A_expand, "reduce": A_reduce}[approx]
+    Bw, Aw = got["0.weight"]
+    o, a = c_out, c_in * k**2
+    assert Bw.shape == (groups, o, o) and Aw.shape == (groups, a, a)
+    for g in range(groups):
+        _close(Bw[g], B[g * o:(g + 1) * o, g * o:(g + 1) * o], f"B[{g}]")
+        _close(Aw[g], A[g * a:(g + 1) * a, g * a:(g + 1) * a], f"A[{g}]")
+    if bias:
+        _close(got["0.bias"][0], B, "bias")
+
+
 def test_kfra_keeps_refusing_new_layers():
     torch.manual_seed(0)
     model = Tokens(5, 2, None).to(DT)
@@ -276,7 +310,8 @@ def test_kfra_keeps_refusing_new_layers():
 
 
 class Mixed(nn.Module):
-    """Every new layout at once: Embedding, LayerNorm, grouped Conv, GroupNorm, BatchNorm."""
+    """Every new layout at once: Embedding, LayerNorm, grouped Conv, GroupNorm, BatchNorm, a
+    bias-like position parameter and a generic 2-D one."""
 
     def __init__(self):
         super().__init__()
@@ -286,9 +321,12 @@ class Mixed(nn.Module):
         self.gn = nn.GroupNorm(2, 4)
         self.bn = nn.BatchNorm1d(4)
         self.out = nn.Linear(8, 3)
+        self.pos = nn.Parameter(torch.randn(3, 4))  # bias-like: Embedding's layout at fixed rows
+        self.mix = nn.Parameter(torch.randn(4, 4))  # generic 2-D: the diagonal block
 
     def forward(self, idx):
-        h = self.ln(self.emb(idx)).transpose(1, 2)  # [N, 4, T]
+        h = self.ln(self.emb(idx) + self.pos) @ self.mix
+        h = h.transpose(1, 2)  # [N, 4, T]
         h = self.bn(torch.tanh(self.gn(self.conv(h))))
         return self.out(h.flatten(1))
 
@@ -306,6 +344,7 @@ def test_new_layouts_combine_over_chunks_and_slices(reduction):
     whole = curvature(model, lossfn, exts)(X, y)
     assert [f.dim() for f in whole["kflr"]["emb.weight"]] == [1, 2]
     assert [f.dim() for f in whole["kflr"]["conv.weight"]] == [3, 3]
+    assert [f.dim() for f in whole["kflr"]["pos"]] == [1, 2] and [f.dim() for f in whole["kflr"]["mix"]] == [1]
     for kw in ({"chunk_size": 1}, {"batch_chunk_size": 2}, {"chunk_size": 2, "batch_chunk_size": 3}):
         parts = curvature(model, lossfn, exts, **kw)(X, y)
         for ext in exts:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Mapping, Optional
 
+import torch
 from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
 
@@ -121,7 +122,7 @@ def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, pres
                 use, program.root, program.param_names,
                 {n: n for n in use.params if n in trainable},
                 {n: params[n] for n in use.params},
-                [env[a] for a in use.inputs], env[node], rec,
+                [env[a] for a in use.inputs], env[node], rec, {a: env[a] for a in use.fixed},
             )
         if node in rec.residual_nodes:
             _residuals.record(program, node, rec.residual_nodes[node], env, params, trainable, rec,
@@ -160,6 +161,11 @@ def _call_module(program, node: fx.Node, args, kwargs, params, trainable, rec):
     layer = program.layers.get(node.target)
     if layer is None:
         return call_without_hooks(_lookup(program.root, node.target), args, kwargs)
+    if program.dependent and node not in program.dependent:
+        # a layer on constants (nanoGPT's wpe(torch.arange(T))): part of the parameter-only
+        # chain of the op that uses its output, which records the site (rules.functional)
+        own = {r: params[n] for r, n in layer.names.items()}
+        return torch.func.functional_call(layer.module, own, tuple(args), kwargs)
     names = {r: n for r, n in layer.names.items() if n in trainable}
     tensors = {r: params[n] for r, n in layer.names.items()}
     first_site = len(rec.sites)

@@ -8,10 +8,12 @@ block per group) approximates its curvature block:
 |---|---|---|---|
 | ``Linear``, ``Conv``, ``ConvTranspose`` (``groups=1``) | weight | ``[B, A]`` | BackPACK's layout, ``B ⊗ A`` |
 | same | bias | ``[B]`` | ``B`` (exact bias block for ``kfac_approx=None``) |
-| ``Conv`` with ``groups=G`` | weight | ``[B [G, o, o], A [G, a, a]]`` | ``blockdiag_g(B[g] ⊗ A[g])`` |
+| ``Conv``, ``ConvTranspose`` with ``groups=G`` | weight | ``[B [G, o, o], A [G, a, a]]`` | ``blockdiag_g(B[g] ⊗ A[g])`` |
 | ``RNN``, ``LSTM``, ``GRU`` (time steps as positions) | weight_ih/hh/hr, bias_ih/hh | as ``Linear`` | ``B ⊗ A``, ``B`` |
 | ``Embedding`` ``[V, D]`` | weight | ``[A [V], B [D, D]]`` | ``diag(A) ⊗ B`` (row-major ``W``) |
 | ``LayerNorm``, ``GroupNorm``, ``BatchNorm``; any other 1-D parameter | weight, bias | ``[F [P, P]]`` | the exact block of ``p`` flattened (``P = p.numel()``) |
+| bias-like generic ``p [*L, D]`` (``h + self.pos[:T]``; :mod:`curvlib.rules.fixed_rows`) | ``p`` | ``[A [R], B [D, D]]`` | ``diag(A) ⊗ B``, Embedding's at fixed rows |
+| any other generic parameter with ``≥ 2`` dims; a weight tied across layers of different kinds | ``p`` | ``[F [P]]`` | ``diag(F)``: the exact block's diagonal |
 
 Exactly one factor depends on the backpropagated root (``B``, or ``F``): it is summed
 over column chunks and signs of the loss Hessian, and rescaled like the loss over

@@ -326,9 +326,18 @@ def _input_dependent(graph: fx.Graph, leaves: bool = False) -> set:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     dependent = set(placeholders if leaves else placeholders[:1])
     for node in graph.nodes:
-        if any(a in dependent for a in node.all_input_nodes):
+        if any(a in dependent for a in node.all_input_nodes) and not _shape_query(node):
             dependent.add(node)
     return dependent
+
+
+def _shape_query(node: fx.Node) -> bool:
+    """``x.shape``, ``x.size(1)``, ``x.dim()``, ``x.device``, ``x.dtype``: constant for the
+    derivatives (``self.pos[:x.shape[1]]``, nanoGPT's ``wpe(torch.arange(x.size(1)))``)."""
+    if node.op == "call_method":
+        return node.target in ("size", "dim")
+    return (node.op == "call_function" and node.target is getattr and len(node.args) == 2
+            and node.args[1] in ("shape", "device", "dtype", "ndim"))
 
 
 def functional_uses(graph: fx.Graph, root: nn.Module, param_names: Dict[int, str]) -> Dict[fx.Node, FunctionalUse]:
@@ -346,6 +355,9 @@ def functional_uses(graph: fx.Graph, root: nn.Module, param_names: Dict[int, str
                 value = getattr(value, part)
             if isinstance(value, nn.Parameter) and id(value) in param_names:
                 names.add(param_names[id(value)])
+        elif node.op == "call_module":  # a layer on constants (wpe(arange(T))): its parameters
+            names |= {param_names[id(p)] for p in root.get_submodule(node.target).parameters()
+                      if id(p) in param_names}
         for a in node.all_input_nodes:
             names |= reads.get(a, frozenset())
         reads[node] = frozenset(names)
@@ -365,7 +377,8 @@ def functional_uses(graph: fx.Graph, root: nn.Module, param_names: Dict[int, str
                 stack.extend(a.all_input_nodes)
         chain = tuple(n for n in graph.nodes if n in chain_set)
         inputs = tuple(a for a in node.all_input_nodes if a in dependent)
-        uses[node] = FunctionalUse(node=node, chain=chain, params=tuple(sorted(params)), inputs=inputs,
+        fixed = tuple(n for n in chain if not reads.get(n))  # (index computations, the input's shape)
+        uses[node] = FunctionalUse(node=node, chain=chain, params=tuple(sorted(params)), inputs=inputs, fixed=fixed,
                                    linear=linear_roles(node, root, param_names, dependent),
-                                   affine=is_affine(node, chain))
+                                   affine=is_affine(node, chain, fixed, root))
     return uses

@@ -268,7 +268,8 @@ def _node_function(program: Program, node: fx.Node, env, inputs_nodes, params) -
             return layer.forward(layer.module, layer.path, {}, tensors, args, kwargs, Recorder(None))
         use = program.functional.get(node)
         if use is not None:
-            return functional.evaluate(use, program.root, program.param_names, {**params, **theta}, list(inputs))
+            return functional.evaluate(use, program.root, program.param_names, {**params, **theta}, list(inputs),
+                                       {a: env[a] for a in use.fixed})
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
         return node.target(*args, **kwargs)

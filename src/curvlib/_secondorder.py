@@ -44,6 +44,8 @@ from ._errors import CurvatureError
 from .extensions.secondorder import SecondOrder
 from ._kronlayout import add_root_factor
 from .rules import OWN_KRON_KINDS, SPLIT_KRON_KINDS, kron_factors, kron_input_factor, kron_weight_output
+from .rules import fixed_rows
+from .rules.fixed_rows import tied_across_layers
 from .rules._site import uses_of
 from ._residual_math import factor
 from ._rootbuffers import RootBuffers, write_sqrt
@@ -159,12 +161,10 @@ def _kron(uses, m_by_site, name, cache=None, approx=None) -> List[Tensor]:
     """
     u = uses[name]
     kinds = {site.rule.kind for site, _ in u}
-    if not kinds <= set(SPLIT_KRON_KINDS) | set(OWN_KRON_KINDS):
-        # scale and shift of normalisations, other 1-D parameters: the exact block
-        # F = Σ_{v,n} (J_pᵀ m_v)(J_pᵀ m_v)ᵀ [P, P] (curvlib._kronlayout)
-        S = _sqrt(uses, m_by_site, name)
-        S = S.reshape(-1, S[0, 0].numel())
-        return [S.t() @ S]
+    if not kinds <= set(SPLIT_KRON_KINDS) | set(OWN_KRON_KINDS) or (len(u) > 1 and tied_across_layers(u)):
+        # normalisations, generic parameters, tied weights: the exact block, its diagonal, or
+        # Embedding's layout at fixed rows for bias-like ones (curvlib.rules.fixed_rows)
+        return fixed_rows.generic_block(u, m_by_site, lambda: _sqrt(uses, m_by_site, name), approx)
     if len(u) == 1:
         ((site, role),) = u
         if cache is None or site.rule.kind in OWN_KRON_KINDS:

@@ -2,9 +2,10 @@
 
 KFAC/KFLR/KFACEmpirical need Kronecker factors (Linear, Conv, ConvTranspose, Embedding
 weights, and RNN/LSTM/GRU weights, which are Linear sites shared over time steps; one use
-per parameter, but shared Linear or recurrent weights are factored as positions) or
+per parameter, but shared Linear or recurrent weights are factored as positions),
 the exact block (normalisations' scale and shift, 1-D parameters of other modules, any
-number of uses); KFRA's recursion has factors for Linear/Conv/ConvTranspose only. The Hessian extensions need a family whose second
+number of uses), Embedding's layout (bias-like generic parameters) or the diagonal block
+(other generic parameters, :mod:`curvlib.rules.fixed_rows`); KFRA's recursion has factors for Linear/Conv/ConvTranspose only. The Hessian extensions need a family whose second
 derivative curvlib knows, and for a parameter used by several sites the coupling of its
 weight and input, which curvlib has for :data:`SHARED_HESSIAN_KINDS`.
 """
@@ -16,6 +17,8 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 from ._errors import CurvatureError
 from .extensions.secondorder import SecondOrder
+from .rules import fixed_rows
+from .rules.fixed_rows import tied_across_layers
 from .rules._site import Site, uses_of
 
 __all__ = ["check_second_order", "HESSIAN_QUANTITIES"]
@@ -126,8 +129,10 @@ def _check_kron_uses(ext, name: str, u, family_of, param_dims) -> None:
         )
     families = {family_of[s.where] for s, _ in u}
     if ext.quantity != "kfra" and families <= set(EXACT_BLOCK_KINDS):
-        _check_exact_block(label, name, u, families, param_dims)
+        _check_exact_block(label, name, u, families, param_dims, getattr(ext, "kfac_approx", None))
         return
+    if len(u) > 1 and ext.quantity != "kfra" and tied_across_layers(u, family_of):
+        return  # the diagonal of the exact block (curvlib._secondorder._generic_block)
     if len(u) > 1 and (
         ext.quantity == "kfra"
         or any(s.rule.kind != "linear" or family_of[s.where] not in ("linear", "rnn") for s, _ in u)
@@ -158,15 +163,17 @@ def _check_kron_uses(ext, name: str, u, family_of, param_dims) -> None:
         )
 
 
-def _check_exact_block(label: str, name: str, u, families, param_dims) -> None:
-    """The exact block of a normalisation's scale or shift, or of a 1-D parameter elsewhere."""
-    if "generic" in families and param_dims.get(name, 1) != 1:
+def _check_exact_block(label: str, name: str, u, families, param_dims, approx=None) -> None:
+    """A normalisation's scale or shift, a 1-D parameter elsewhere (exact block), a bias-like
+    ``≥ 2``-dim one (Embedding's layout at fixed rows) or any other (diagonal block):
+    only KFAC-reduce of a bias-like one is undefined here (a dense ``R x R`` input factor)."""
+    if approx == "reduce" and "generic" in families and param_dims.get(name, 1) >= 2 and len(u) == 1 \
+            and fixed_rows.bias_like(u[0][0]):
         raise CurvatureError(
-            f"{label} is not defined for parameter '{name}' (module '{u[0][0].where}', handled by "
-            f"curvlib's generic rule) with {param_dims[name]} dims: curvlib has Kronecker factors for "
-            "Linear, Conv, ConvTranspose and Embedding weights, and the exact curvature block for "
-            "the normalisations' scale and shift and for 1-D parameters of any other module. Use "
-            "DiagGGNExact or SqrtGGNExact for it, or set requires_grad=False."
+            f"{label}(kfac_approx='reduce') is not defined for parameter '{name}' (added as a bias by "
+            f"'{u[0][0].where}'): it is an embedding looked up at fixed rows (one per position), and "
+            "KFAC-reduce's input factor, the mean over positions of the one-hot rows, is a dense R x R "
+            "matrix. Use kfac_approx=None or 'expand' (diagonal row-count factors)."
         )
 
 

@@ -49,6 +49,7 @@ from ._site import Recorder, Site
 from ._conv_correlation import Correlation
 from ._conv_kron import input_factor
 from ._conv_kron import kron as _conv_kron
+from ._conv_kron import weight_output_factor
 from ._conv_unfold import fold_columns
 from .conv import check_batched, outer_rule
 
@@ -98,15 +99,21 @@ def kron_input(site: Site, approx: Optional[str] = None) -> Tensor:
         x, onehot, None, m["stride"], m["padding"], m["output_padding"], c_in, m["dilation"]
     )
     cols = u.transpose(0, 1).reshape(c_in * k, -1)  # [C_in·K, N·L]: rows (c, k), columns (n, l)
+    groups = m["groups"]
+    if groups != 1:  # rows (g, c, k): group g's weights W[g·C_in/G:(g+1)·C_in/G] read only its rows
+        cols = cols.reshape(groups, cols.shape[0] // groups, cols.shape[1])
     return input_factor(cols, x.shape[0], approx)
 
 
 def kron(site: Site, role: str, m: Tensor, approx: Optional[str] = None) -> List[Tensor]:
     """Factors from the pulled-back root ``m [V, N, C_out, *L]`` as for convolutions:
     BackPACK's ``B = Σ_{v,n} s sᵀ`` with ``s = Σ_l m[v, n, :, l]`` (``"expand"``:
-    ``Σ_{v,n,l} m mᵀ``); weight ``[B, A]``, bias ``[B]``."""
+    ``Σ_{v,n,l} m mᵀ``); weight ``[B, A]``, bias ``[B]``. With ``groups = G > 1``, as grouped
+    convolutions: weight ``[B [G, C_out/G, C_out/G], A [G, C_in/G·K, C_in/G·K]]``, group ``g``'s
+    weights ``W[g·C_in/G:(g+1)·C_in/G]`` (BackPACK's layout per group) ≈ ``B[g] ⊗ A[g]``, the
+    diagonal blocks of the ungrouped ``B`` and ``A``; the bias keeps the full ``[B]``."""
     (B,) = _conv_kron(site, "bias", m, approx)  # the output side is a convolution's
-    return [B] if role == "bias" else [B, kron_input(site, approx)]
+    return [B] if role == "bias" else [weight_output_factor(site, B), kron_input(site, approx)]
 
 
 def kron_from_output_matrix(site: Site, role: str, G: Tensor) -> List[Tensor]:
@@ -159,8 +166,6 @@ def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwa
         "out_channels": module.out_channels,
         "batch_dim": 0,
     }
-    if module.groups != 1:
-        meta["kron_error"] = (
-            f"Kronecker factors need groups=1 (as in BackPACK), got groups={module.groups}."
-        )
+    if module.groups != 1:  # KFAC/KFLR: per-group factors (kron); KFRA's recursion has none
+        meta["kfra_error"] = f"KFRA's factors need groups=1 (as in BackPACK), got groups={module.groups}."
     return rec.add(Site(CONV_TRANSPOSE, names, where, saved={"x": x}, meta=meta), out)

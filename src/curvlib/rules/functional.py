@@ -54,6 +54,7 @@ class FunctionalUse:
     inputs: Tuple[fx.Node, ...]
     linear: Optional[Dict[str, str]] = None  # F.linear on parameters: role -> canonical name
     affine: bool = False  # affine in the parameters and the inputs together (see :func:`is_affine`)
+    fixed: Tuple[fx.Node, ...] = ()  # chain nodes reading no parameter: their values are taken as they are
 
 
 def _lookup(root: nn.Module, target: str):
@@ -64,11 +65,15 @@ def _lookup(root: nn.Module, target: str):
 
 
 def evaluate(use: FunctionalUse, root: nn.Module, param_names: Dict[int, str],
-             tensors: Dict[str, Tensor], inputs: Sequence[Tensor]):
-    """The node's value with parameters ``tensors`` (canonical name -> tensor) and ``inputs``."""
-    env: Dict[fx.Node, object] = dict(zip(use.inputs, inputs))
+             tensors: Dict[str, Tensor], inputs: Sequence[Tensor], constants: Optional[Dict] = None):
+    """The node's value with parameters ``tensors`` (canonical name -> tensor) and ``inputs``;
+    ``constants``: values of chain nodes that read the model input's shape only."""
+    env: Dict[fx.Node, object] = dict(constants or {})
+    env.update(zip(use.inputs, inputs))
     load = lambda a: fx.node.map_arg(a, lambda n: env[n])  # noqa: E731
     for node in use.chain + (use.node,):
+        if node in env:
+            continue
         if node.op == "get_attr":
             value = _lookup(root, node.target)
             if isinstance(value, nn.Parameter):
@@ -79,8 +84,11 @@ def evaluate(use: FunctionalUse, root: nn.Module, param_names: Dict[int, str],
         elif node.op == "call_method":
             self_obj, *rest = load(node.args)
             env[node] = getattr(self_obj, node.target)(*rest, **load(node.kwargs))
-        else:  # call_module of a parameter-free module on parameters
-            env[node] = _lookup(root, node.target)(*load(node.args), **load(node.kwargs))
+        else:  # call_module on parameters or constants (wpe(arange(T))), with the given parameters
+            module = _lookup(root, node.target)
+            own = {k: tensors[param_names[id(p)]] for k, p in module.named_parameters()
+                   if param_names.get(id(p)) in tensors}
+            env[node] = torch.func.functional_call(module, own, tuple(load(node.args)), load(node.kwargs))
     return env[use.node]
 
 
@@ -98,7 +106,7 @@ def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
         fixed = {r: p for r, p in params.items() if r not in wanted}
 
         def f(free_params):
-            return evaluate(use, root, param_names, {**fixed, **free_params}, inputs_n)
+            return evaluate(use, root, param_names, {**fixed, **free_params}, inputs_n, site.meta.get("constants"))
 
         return vjp(f, free)[1](g_n.unsqueeze(0))[0]
 
@@ -109,11 +117,13 @@ FUNCTIONAL = Rule(kind="generic", grad_batch=grad_batch)
 
 
 def record(use: FunctionalUse, root: nn.Module, param_names: Dict[int, str], names: Dict[str, str],
-           tensors: Dict[str, Tensor], inputs: Sequence[Tensor], out: Tensor, rec: Recorder) -> Tensor:
-    """Record the node as a site (``out`` is its value, computed by the interpreter)."""
+           tensors: Dict[str, Tensor], inputs: Sequence[Tensor], out: Tensor, rec: Recorder,
+           constants: Optional[Dict] = None) -> Tensor:
+    """Record the node as a site (``out`` is its value, computed by the interpreter; ``constants``:
+    the values of the chain's nodes that read no parameter)."""
     saved = {f"param:{k}": v for k, v in tensors.items()}
     saved.update({f"in{i}": x for i, x in enumerate(inputs)})
-    meta = {"use": use, "root": root, "param_names": param_names, "batch_dim": 0}
+    meta = {"use": use, "root": root, "param_names": param_names, "batch_dim": 0, "constants": constants or {}}
     where = f"{use.node.name} (op in forward using {', '.join(use.params)})"
     return rec.add(Site(FUNCTIONAL, names, where, meta=meta, saved=saved), out)
 
@@ -149,12 +159,21 @@ _RESHAPING = {operator.getitem, "__getitem__", "view", "reshape", "expand", "rep
               torch.unsqueeze, torch.flatten, "chunk", "split", torch.chunk, torch.split}
 
 
-def is_affine(node: fx.Node, chain: Sequence[fx.Node]) -> bool:
+def is_affine(node: fx.Node, chain: Sequence[fx.Node], fixed: Sequence[fx.Node] = (),
+              root: Optional[nn.Module] = None) -> bool:
     """Whether the node is affine in its inputs and its parameters together (``x + b[:E]``,
-    ``cat([k, bias_k.expand(...)])``; not ``F.linear``, whose weight multiplies the input)."""
+    ``cat([k, bias_k.expand(...)])``, ``x + wpe(arange(T))``; not ``F.linear``, whose weight
+    multiplies the input). ``fixed``: chain nodes that read no parameter (indices)."""
     if node.target is F.linear or not (node.target in _AFFINE_OPS or getattr(node.target, "curvlib_linear", False)):
         return False
-    return all(n.op == "get_attr" or n.target in _RESHAPING for n in chain)
+    return all(n.op == "get_attr" or n.target in _RESHAPING or n in fixed or _lookup_embedding(n, root)
+               for n in chain)
+
+
+def _lookup_embedding(node: fx.Node, root: Optional[nn.Module]) -> bool:
+    """An ``nn.Embedding`` called on constants: linear in its weight."""
+    return (root is not None and node.op == "call_module"
+            and type(root.get_submodule(node.target)) is nn.Embedding)
 
 
 def record_linear(use: FunctionalUse, names: Dict[str, str], x: Tensor, out: Tensor, rec: Recorder) -> Tensor:
