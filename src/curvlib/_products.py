@@ -14,7 +14,7 @@ the same dropout masks) and multiplies without forming any Jacobian or Hessian:
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -72,6 +72,7 @@ class _Products:
         self.values, self.residual_nodes, self.lin, self.residual_grads = values, residual_nodes, lin, residual_grads
         self.rng, self.trainable, self.seed = rng, trainable, seed
         self.device = _inputs.first(X).device
+        self.operators: Dict[str, List[Callable]] = {}
 
     def make(self, ext, name: str) -> Callable[[Tensor], Tensor]:
         build = {"hmp": self._hmp, "ggnmp": self._ggnmp}.get(ext.quantity, self._pchmp)
@@ -93,6 +94,16 @@ class _Products:
             # the same sites as the main pass (without probes), so the same residuals
             out = run_graph(self.program, self.X, vals, self.trainable if with_taps else frozenset(), rec)
         return out, [a for r in rec.residuals for a in r.inputs]
+
+    def _operators(self, modify: str) -> List[Callable]:
+        """Every residual's ``mod(R)`` operator, built once per call and shared by all
+        parameters' products (eigendecompositions are the expensive part)."""
+        if modify not in self.operators:
+            self.operators[modify] = [
+                _residual_math.positive_curvature(res, g_z, modify)
+                for res, g_z in zip(self.lin.residuals, self.residual_grads)
+            ]
+        return self.operators[modify]
 
     def _hmp(self, ext, name: str, p0: Tensor):
         def loss_of(p):
@@ -120,10 +131,7 @@ class _Products:
         """``Jᵀ H₊ J v`` plus every residual's positive part, pulled back through the taps
         (:mod:`curvlib._residual_math`)."""
         lin = self.lin
-        operators = [
-            _residual_math.positive_curvature(res, g_z, ext.modify)
-            for res, g_z in zip(lin.residuals, self.residual_grads)
-        ]
+        operators = self._operators(ext.modify)
         n_taps = sum(len(res.inputs) for res in lin.residuals)
 
         def one(v):

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torch.func import hessian
 
+from . import _residual_structured
 from ._sync import LOCK
 from .rules.elementwise import second_derivative
 from .rules.generic import map_samples
@@ -66,6 +67,10 @@ def factor(res, g: Tensor) -> Columns:
         return [(1.0, pos, {}), (-1.0, neg, {})]
     if res.kind == "bilinear":
         return _bilinear_columns(res, g)
+    if res.kind == "softmax":
+        return _residual_structured.softmax_columns(res, g)
+    if res.kind == "matmul":
+        return _residual_structured.matmul_columns(res, g)
     return _dense_columns(res, g)
 
 
@@ -189,6 +194,10 @@ def positive_curvature(res, g: Tensor, modify: str) -> Callable:
         return lambda taps, theta: ([a * taps[0], a * taps[1]], {})
     if res.kind == "bilinear":
         return _bilinear_operator(res, g, clip)
+    if res.kind == "softmax":
+        return _residual_structured.softmax_operator(res, g, clip)
+    if res.kind == "matmul":
+        return _residual_structured.matmul_operator(res, g, clip)
     return _dense_operator(res, g, clip)
 
 

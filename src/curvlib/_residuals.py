@@ -24,7 +24,13 @@ Kinds, by structure:
 * ``"bilinear"``: a Linear layer ``y = W x`` whose input depends on its own
   weight (shared modules, tied weights): ``R`` couples ``W_oi`` and ``x_si``
   with ``g_so``;
-* ``"dense"``: any other node (softmax, division, normalisation, attention
+* ``"softmax"``: ``softmax`` along one axis: per row ``diag(b) − b sᵀ − s bᵀ``,
+  rows independent (:mod:`curvlib._residual_structured`);
+* ``"matmul"``: ``z = X Y`` of two graph tensors with the same leading dims
+  (attention's ``q kᵀ`` and ``A v``): ``R`` couples ``X`` and ``Y`` through
+  ``G ⊗ I`` per leading index, factored by an SVD of ``G``
+  (:mod:`curvlib._residual_structured`);
+* ``"dense"``: any other node (division, normalisation, broadcasting matrix
   products, layers nonlinear in their input): ``R`` per sample from
   :func:`torch.func.hessian`. Its size is checked before any work.
 
@@ -38,6 +44,7 @@ import operator
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
 from ._errors import CurvatureError
@@ -110,8 +117,42 @@ def residual_plan(program: Program) -> Dict[fx.Node, Planned]:
         if kind == "elementwise":
             plan[node] = ("diag", phi, frozenset())
         elif kind == "other":
-            plan[node] = ("product" if _is_product(node, dependent) else "dense", None, frozenset())
+            plan[node] = (_structured_kind(node, program.root, dependent), None, frozenset())
     return plan
+
+
+_MATMULS = (torch.matmul, operator.matmul, torch.bmm)
+
+
+def _structured_kind(node: fx.Node, root: nn.Module, dependent: set) -> str:
+    """``"product"``, ``"matmul"`` (both factors graph tensors), ``"softmax"`` or ``"dense"``
+    (shapes are checked again when the node is recorded)."""
+    if _is_product(node, dependent):
+        return "product"
+    args = node.args
+    if ((node.op == "call_function" and node.target in _MATMULS) or (node.op == "call_method" and node.target in ("matmul", "bmm"))) \
+            and len(args) == 2 and not node.kwargs and all(isinstance(a, fx.Node) and a in dependent for a in args):
+        return "matmul"
+    if softmax_axis(node, root) is not None:
+        return "softmax"
+    return "dense"
+
+
+def softmax_axis(node: fx.Node, root: nn.Module) -> Optional[int]:
+    """The axis of ``torch.softmax``/``F.softmax``/``x.softmax``/``nn.Softmax`` on one graph
+    tensor (no ``dtype``), else ``None``."""
+    if node.op == "call_module":
+        module = root.get_submodule(node.target)
+        ok = type(module) is nn.Softmax and len(node.args) == 1 and not node.kwargs
+        return module.dim if ok and module.dim is not None else None
+    if not ((node.op == "call_function" and node.target in (torch.softmax, F.softmax))
+            or (node.op == "call_method" and node.target == "softmax")):
+        return None
+    rest, kwargs = node.args[1:], dict(node.kwargs)
+    dim = rest[0] if rest else kwargs.pop("dim", None)
+    if len(rest) > 1 or kwargs.get("dtype") is not None or set(kwargs) - {"dtype", "_stacklevel"}:
+        return None
+    return dim if isinstance(dim, int) else None
 
 
 def _recurrent_coupling(node: fx.Node, layer, upstream, dependent: set) -> Coupling:
@@ -212,6 +253,19 @@ def record(program: Program, node: fx.Node, planned: Planned, env: Dict[fx.Node,
         else:
             env_out[node] = rec.residual(node.name, kind, None, [x, y], z)
             return
+    if kind == "softmax":
+        a = env[node.all_input_nodes[0]]
+        if isinstance(a, Tensor) and a.shape == z.shape and a.dtype == z.dtype:
+            env_out[node] = rec.residual(node.name, kind, None, [a], z,
+                                         meta={"axis": softmax_axis(node, program.root)})
+            return
+        kind = "dense"
+    if kind == "matmul":
+        x, y = (env[a] for a in node.args)
+        if x.dim() >= 3 and x.dim() == y.dim() == z.dim() and x.shape[:-2] == y.shape[:-2] == z.shape[:-2]:
+            env_out[node] = rec.residual(node.name, kind, None, [x, y], z)
+            return
+        kind = "dense"  # vectors, broadcasting or no leading dims: no structure to exploit
     if kind == "bilinear":
         site = rec.sites[-1] if rec.sites and _site_of(rec.sites[-1], program, node) else None
         if site is None or "weight" not in site.params:

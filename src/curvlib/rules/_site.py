@@ -97,7 +97,7 @@ class Residual:
 
     Attributes:
         where: the graph node's name, for messages.
-        kind: ``"diag"``, ``"product"``, ``"bilinear"`` or ``"dense"``.
+        kind: ``"diag"``, ``"product"``, ``"bilinear"``, ``"softmax"``, ``"matmul"`` or ``"dense"``.
         phi: ``φ(a)`` (diag) or ``φ(theta, *inputs)`` (dense); ``None`` otherwise.
         inputs: the node's graph inputs (*taps*: the forward returns them, so that
             vectors can be pulled back from them).
@@ -108,6 +108,7 @@ class Residual:
             depends on (their couplings with the rest of ``u`` are left out).
         in_dims: the batch dimension of every input (filled in from the plan).
         out_dim: the batch dimension of the node's output.
+        meta: kind-specific facts (softmax: its ``axis``).
     """
 
     where: str
@@ -120,6 +121,7 @@ class Residual:
     free: Tuple[str, ...] = ()
     in_dims: Tuple[int, ...] = ()
     out_dim: int = 0
+    meta: Dict[str, Any] = field(default_factory=dict)
 
 
 class Recorder:
@@ -162,13 +164,14 @@ class Recorder:
 
     def residual(self, where: str, kind: str, phi: Optional[Callable], inputs: List[Tensor], z: Tensor,
                  params: Optional[Dict[str, Tensor]] = None, site: Optional["Site"] = None,
-                 free: Sequence[str] = ()) -> Tensor:
+                 free: Sequence[str] = (), meta: Optional[Dict[str, Any]] = None) -> Tensor:
         """Record the residual of a node with output ``z``; return ``z`` + its probe."""
         k = len(self.residuals)
         first = sum(len(r.inputs) for r in self.residuals)
         self.residuals.append(
             Residual(where, kind, phi, list(inputs), dict(params or {}), site,
-                     list(range(first, first + len(inputs))), tuple(free), (0,) * len(inputs))
+                     list(range(first, first + len(inputs))), tuple(free), (0,) * len(inputs),
+                     meta=dict(meta or {}))
         )
         self.residual_shapes.append(tuple(z.shape))
         if self.residual_probes is None:

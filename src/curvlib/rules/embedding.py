@@ -197,12 +197,34 @@ def kron_input(site: Site, approx: Optional[str] = None) -> Tensor:
     return counts / (n * positions if approx == "expand" else n)
 
 
+def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``{"weight": [1, V, D]}``: ``Σ_c Σ_n G_c[n]²`` for a root ``m [C, *out]`` at once
+    (each distinct ``(n, v)`` pair's row ``Σ_{p: idx[n,p]=v} m̃_c[n, p]``, squared, summed
+    over the columns, then added into row ``v``)."""
+    if "weight" not in roles:
+        return {}
+    bdim = site.meta.get("batch_dim", 0)
+    idx, _ = _flat(site, m[0])
+    mc = m.movedim(bdim + 1, 1) if bdim != 0 else m
+    c, n, v = m.shape[0], idx.shape[0], site.meta["num_embeddings"]
+    mc = mc.reshape(c, n * idx.shape[1], m.shape[-1])
+    pad = site.meta["padding_idx"]
+    if pad is not None:
+        mc = mc * (idx != pad).reshape(1, -1, 1).to(mc.dtype)
+    keys = (torch.arange(n, device=idx.device).unsqueeze(1) * v + idx).reshape(-1)
+    pairs, which = torch.unique(keys, return_inverse=True)
+    rows = mc.new_zeros(c, pairs.shape[0], mc.shape[-1]).index_add(1, which, mc)
+    out = mc.new_zeros(v, mc.shape[-1]).index_add(0, pairs % v, (rows**2).sum(0))
+    return {"weight": out.unsqueeze(0)}
+
+
 EMBEDDING = Rule(
     kind="embedding",
     grad_batch=grad_batch,
     grad=grad,
     batch_l2=batch_l2,
     sum_grad_squared=sum_grad_squared,
+    sum_squares_over_columns=sum_squares_over_columns,
     any_batch_dim=True,
 )
 

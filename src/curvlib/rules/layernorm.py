@@ -106,12 +106,30 @@ def sum_grad_squared(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors
     return {role: (v**2).sum(0).reshape(shape) for role, v in vals.items()}
 
 
+def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``[1, *D]`` per role: ``Σ_c Σ_n (∂ℓ_n/∂p)²`` for a root ``m [C, *out]`` in one pass."""
+    c = m.shape[0]
+    bdim = site.meta.get("batch_dim", 0)
+    mc = m.movedim(bdim + 1, 1) if bdim != 0 else m
+    mc = mc.reshape((c * mc.shape[1],) + tuple(mc.shape[2:]))  # columns folded into the batch
+    gc = mc.reshape(mc.shape[0], -1, site.meta["norm_numel"])
+    out = {}
+    if "weight" in roles:
+        xhat = _canon(site, site.saved["xhat"])  # [N, s, d]
+        out["weight"] = ((gc.reshape((c,) + tuple(xhat.shape)) * xhat).sum(2) ** 2).sum((0, 1))
+    if "bias" in roles:
+        out["bias"] = (gc.sum(1) ** 2).sum(0)
+    shape = site.meta["norm_shape"]
+    return {role: v.reshape((1,) + shape) for role, v in out.items()}
+
+
 LAYERNORM = Rule(
     kind="layernorm",
     grad_batch=grad_batch,
     grad=grad,
     batch_l2=batch_l2,
     sum_grad_squared=sum_grad_squared,
+    sum_squares_over_columns=sum_squares_over_columns,
     any_batch_dim=True,
 )
 
