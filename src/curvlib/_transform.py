@@ -35,7 +35,7 @@ from ._products import products, rng_state
 from ._secondorder import second_order
 from ._support import check_second_order
 from ._tracing import Traced, trace, warn_hooks, warn_opaque
-from ._sync import LOCK
+from ._sync import LOCK, prepare_forward_ad
 from .extensions._base import Extension
 from .rules.generic import refuse_buffer_updates
 from .extensions.secondorder import SecondOrder
@@ -106,6 +106,7 @@ def curvature(
         CurvatureError: anything else curvlib cannot handle, named in the message.
     """
     setup = _Setup(model, lossfn, extensions, process_group, chunk_size, batch_chunk_size)
+    prepare_forward_ad()  # torch's own one-time jvp set-up warns; not inside the user's call
     f: Callable[..., Dict[str, object]] = _Call(setup)
     if setup.chunk_kinds is not None:
         from ._chunking import over_samples
