@@ -124,3 +124,14 @@ def test_shared_layernorm_hessian():
     model = _Twice().to(DT)
     X, y = torch.randn(2, 3, dtype=DT), torch.randn(2, 1, dtype=DT)
     check_hessian_family(model, nn.MSELoss(reduction="sum"), X, y, exact_pchmp=False)
+
+
+def test_frozen_layernorm_weight_scales_residual():
+    """A frozen (non-trainable) LayerNorm weight still scales ``g`` in the residual."""
+    torch.manual_seed(1)
+    model = _LNNet((4,), True, True).to(DT)
+    with torch.no_grad():
+        model.ln.weight.copy_(torch.randn(4, dtype=DT) * 2)
+    model.ln.weight.requires_grad_(False)
+    X, y = torch.randn(2, 2, 3, dtype=DT), torch.randn(2, 2, dtype=DT)
+    check_hessian_family(model, nn.MSELoss(reduction="sum"), X, y, exact_pchmp=False)
