@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.func import hessian
 
-from . import _residual_structured
+from . import _residual_norm, _residual_structured
 from ._sync import LOCK
 from .rules.elementwise import second_derivative
 from .rules.generic import map_samples
@@ -71,6 +71,8 @@ def factor(res, g: Tensor) -> Columns:
         return _residual_structured.softmax_columns(res, g)
     if res.kind == "matmul":
         return _residual_structured.matmul_columns(res, g)
+    if res.kind == "norm":
+        return _residual_norm.norm_columns(res, g)
     return _dense_columns(res, g)
 
 
@@ -198,6 +200,8 @@ def positive_curvature(res, g: Tensor, modify: str) -> Callable:
         return _residual_structured.softmax_operator(res, g, clip)
     if res.kind == "matmul":
         return _residual_structured.matmul_operator(res, g, clip)
+    if res.kind == "norm":
+        return _residual_norm.norm_operator(res, g, clip)
     return _dense_operator(res, g, clip)
 
 

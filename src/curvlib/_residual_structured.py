@@ -92,9 +92,10 @@ def softmax_residual(res, g: Tensor) -> Tuple[_Rows, Tensor]:
     return layout, R
 
 
-def softmax_columns(res, g: Tensor):
-    """Signed columns ``q √λ±`` of every row's ``R``, one per (row, eigenvector)."""
-    layout, R = softmax_residual(res, g)
+def row_columns(layout, R: Tensor):
+    """Signed columns ``q √λ±`` of block-diagonal residuals ``R [N, rows, S, S]`` (one block per
+    row of ``layout``, which maps ``[*lead, N, rows, S]`` back to the input's layout), one per
+    (row, eigenvector), built per chunk."""
     evals, evecs = torch.linalg.eigh(R)  # [N, rows, S], [N, rows, S, S]
     n, rows, s = evals.shape
     sets = []
@@ -112,9 +113,8 @@ def softmax_columns(res, g: Tensor):
     return sets
 
 
-def softmax_operator(res, g: Tensor, clip: bool) -> Callable:
-    """``mod(R)`` row by row."""
-    layout, R = softmax_residual(res, g)
+def row_operator(layout, R: Tensor, clip: bool) -> Callable:
+    """``mod(R)`` of block-diagonal residuals ``R [N, rows, S, S]``, row by row."""
     evals, evecs = torch.linalg.eigh(R)
     evals = evals.clamp(min=0) if clip else evals.abs()
     M = (evecs * evals.unsqueeze(-2)) @ evecs.transpose(-1, -2)  # [N, rows, S, S]
@@ -124,6 +124,17 @@ def softmax_operator(res, g: Tensor, clip: bool) -> Callable:
         return [layout.back(torch.einsum("nrij,nrj->nri", M, t))], {}
 
     return apply
+
+
+def softmax_columns(res, g: Tensor):
+    """Signed columns ``q √λ±`` of every row's ``R``, one per (row, eigenvector)."""
+    return row_columns(*softmax_residual(res, g))
+
+
+def softmax_operator(res, g: Tensor, clip: bool) -> Callable:
+    """``mod(R)`` row by row."""
+    layout, R = softmax_residual(res, g)
+    return row_operator(layout, R, clip)
 
 
 # ----------------------------------------------------------------------------- matrix products

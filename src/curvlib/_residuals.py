@@ -30,7 +30,10 @@ Kinds, by structure:
   (attention's ``q kᵀ`` and ``A v``): ``R`` couples ``X`` and ``Y`` through
   ``G ⊗ I`` per leading index, factored by an SVD of ``G``
   (:mod:`curvlib._residual_structured`);
-* ``"dense"``: any other node (division, normalisation, broadcasting matrix
+* ``"norm"``: ``nn.LayerNorm``/``nn.GroupNorm`` whose input does not depend on
+  its own parameters: block-diagonal, one ``[d, d]`` block per normalised row
+  (closed form, :mod:`curvlib._residual_norm`);
+* ``"dense"``: any other node (division, other normalisations, broadcasting matrix
   products, layers nonlinear in their input): ``R`` per sample from
   :func:`torch.func.hessian`. Its size is checked before any work.
 
@@ -60,6 +63,8 @@ AFFINE_FAMILIES = ("linear", "conv", "conv_transpose", "batchnorm", "embedding")
 # Families affine in their parameters (∂²f/∂θ² = 0): a parameter that no input
 # depends on has a zero residual block of its own and leaves ``u``.
 AFFINE_IN_PARAMETERS = AFFINE_FAMILIES + ("layernorm", "groupnorm")
+# Normalisations with a block-diagonal residual over their input (``"norm"`` kind).
+NORM_FAMILIES = ("layernorm", "groupnorm")
 # Per-sample entries of a dense residual: N·D² must stay below this.
 MAX_DENSE_ENTRIES = 2**26
 
@@ -99,7 +104,9 @@ def residual_plan(program: Program) -> Dict[fx.Node, Planned]:
             if layer.kind == "rnn":  # the rule records its unrolled nodes itself
                 plan[node] = ("layer", _recurrent_coupling(node, layer, upstream, dependent), coupled)
                 continue
-            if layer.kind not in AFFINE_FAMILIES:
+            if layer.kind in NORM_FAMILIES and not coupled:
+                plan[node] = ("norm", None, coupled)
+            elif layer.kind not in AFFINE_FAMILIES:
                 plan[node] = ("dense", None, coupled)
             elif layer.kind == "linear" and layer.names.get("weight") in coupled:
                 plan[node] = ("bilinear", None, coupled)
@@ -260,6 +267,9 @@ def record(program: Program, node: fx.Node, planned: Planned, env: Dict[fx.Node,
                                          meta={"axis": softmax_axis(node, program.root)})
             return
         kind = "dense"
+    if kind == "norm":
+        env_out[node] = _record_norm(program, node, env, params, rec, z)
+        return
     if kind == "matmul":
         x, y = (env[a] for a in node.args)
         if x.dim() >= 3 and x.dim() == y.dim() == z.dim() and x.shape[:-2] == y.shape[:-2] == z.shape[:-2]:
@@ -285,6 +295,21 @@ def record(program: Program, node: fx.Node, planned: Planned, env: Dict[fx.Node,
         phi = lambda theta, *xs: phi_inplace(theta, *(x.clone() for x in xs))  # noqa: E731
     env_out[node] = rec.residual(node.name, "dense", phi, inputs, z, params={n: params[n] for n in own},
                                  free=[n for n in own if n not in coupled])
+
+
+def _record_norm(program: Program, node: fx.Node, env, params: Dict[str, Tensor], rec: Recorder, z: Tensor):
+    """Record a LayerNorm/GroupNorm residual: the input, and what its per-row blocks need
+    (``eps``, the weight ``w`` that scales ``g``, the normalised axes or the groups)."""
+    layer = program.layers[node.target]
+    module = layer.module
+    x = fx.node.map_arg(node.args, lambda n: env[n])[0] if node.args else env[node.kwargs["input"]]
+    weight = params[layer.names["weight"]] if "weight" in layer.names else None
+    meta = {"eps": module.eps, "weight": weight.detach() if weight is not None else None}
+    if layer.kind == "layernorm":
+        meta.update(groups=None, norm_dims=len(module.normalized_shape))
+    else:
+        meta.update(groups=module.num_groups)
+    return rec.residual(node.name, "norm", None, [x], z, meta=meta)
 
 
 def _site_of(site, program: Program, node: fx.Node) -> bool:
