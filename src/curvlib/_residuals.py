@@ -248,43 +248,58 @@ def record(program: Program, node: fx.Node, planned: Planned, env: Dict[fx.Node,
         )
     if not (z.is_floating_point() or z.is_complex()):
         return  # integer or boolean values (indices, masks, comparisons): not differentiable
-    inputs_nodes = [a for a in node.all_input_nodes if a in dependent]
+    if _record_structured(program, node, kind, phi, env, env_out, params, rec, z):
+        return
+    _record_dense(program, node, env, env_out, params, trainable, coupled, rec, dependent, inplace, z)
+
+
+def _record_structured(program: Program, node: fx.Node, kind: str, phi, env, env_out,
+                       params: Dict[str, Tensor], rec: Recorder, z: Tensor) -> bool:
+    """Record a residual of a structured kind (element-wise, product, softmax rows,
+    normalisation rows, ``X @ Y``, a tied Linear's bilinear term); ``False`` when the
+    node's values do not have the structure after all (it is then recorded dense)."""
     if kind == "diag":
         a = env[node.all_input_nodes[0]] if node.op != "call_module" else fx.node.map_arg(node.args, lambda n: env[n])[0]
         env_out[node] = rec.residual(node.name, kind, phi, [a], z)
-        return
+        return True
     if kind == "product":
         x, y = (env[a] for a in node.args)
         if not (isinstance(x, Tensor) and isinstance(y, Tensor) and x.shape == y.shape == z.shape):
-            kind = "dense"  # broadcasting product: no structure to exploit
-        else:
-            env_out[node] = rec.residual(node.name, kind, None, [x, y], z)
-            return
+            return False  # broadcasting product: no structure to exploit
+        env_out[node] = rec.residual(node.name, kind, None, [x, y], z)
+        return True
     if kind == "softmax":
         a = env[node.all_input_nodes[0]]
         if isinstance(a, Tensor) and a.shape == z.shape and a.dtype == z.dtype:
             env_out[node] = rec.residual(node.name, kind, None, [a], z,
                                          meta={"axis": softmax_axis(node, program.root)})
-            return
-        kind = "dense"
+            return True
+        return False
     if kind == "norm":
         env_out[node] = _record_norm(program, node, env, params, rec, z)
-        return
+        return True
     if kind == "matmul":
         x, y = (env[a] for a in node.args)
         if x.dim() >= 3 and x.dim() == y.dim() == z.dim() and x.shape[:-2] == y.shape[:-2] == z.shape[:-2]:
             env_out[node] = rec.residual(node.name, kind, None, [x, y], z)
-            return
-        kind = "dense"  # vectors, broadcasting or no leading dims: no structure to exploit
+            return True
+        return False  # vectors, broadcasting or no leading dims: no structure to exploit
     if kind == "bilinear":
         site = rec.sites[-1] if rec.sites and _site_of(rec.sites[-1], program, node) else None
         if site is None or "weight" not in site.params:
-            return
+            return True
         env_out[node] = rec.residual(node.name, kind, None, [site.saved["x"]], z, site=site)
-        return
-    # dense: the node as a function of its graph inputs (and its trainable parameters);
+        return True
+    return False
+
+
+def _record_dense(program: Program, node: fx.Node, env, env_out, params: Dict[str, Tensor],
+                  trainable: frozenset, coupled, rec: Recorder, dependent: set, inplace: bool, z: Tensor) -> None:
+    """Record the node's dense residual."""
+    # the node as a function of its graph inputs (and its trainable parameters);
     # integer and boolean inputs (sizes, masks) are constants of it
-    inputs_nodes = [a for a in inputs_nodes if isinstance(env[a], Tensor) and (env[a].is_floating_point() or env[a].is_complex())]
+    inputs_nodes = [a for a in node.all_input_nodes if a in dependent and isinstance(env[a], Tensor)
+                    and (env[a].is_floating_point() or env[a].is_complex())]
     inputs = [env[a] for a in inputs_nodes]
     own = _own_parameters(program, node, trainable, coupled)
     if not inputs and not own:
