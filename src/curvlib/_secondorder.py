@@ -102,6 +102,9 @@ def _diag(uses, m_by_site, name, params, cache=None) -> Tensor:
         site, role = u[0]
         rule = site.rule
         m = m_by_site[site.key]
+        rows = fixed_rows.row_map(site) if rule.kind == "generic" else None
+        if rows is not None:  # a bias-like parameter (learned positions): a scatter of m
+            return fixed_rows.squares_per_sample(site, rows, m).sum(0)
         if rule.sum_squares_over_columns is not None:
             per_role = _per_site(cache, site, uses, "diag", lambda roles: rule.sum_squares_over_columns(site, m, roles))
             return _column_sum(per_role[role])
@@ -138,6 +141,9 @@ def _batch_diag(uses, m_by_site, name, params, n, cache=None) -> Tensor:
         return params[name].new_zeros((n,) + tuple(params[name].shape))
     if len(u) == 1:
         site, role = u[0]
+        rows = fixed_rows.row_map(site) if site.rule.kind == "generic" else None
+        if rows is not None:  # a bias-like parameter (learned positions): a scatter of m
+            return fixed_rows.squares_per_sample(site, rows, m_by_site[site.key])
         fast = getattr(site.rule, "batch_sum_squares_over_columns", None)
         if fast is not None:
             m = m_by_site[site.key]
