@@ -241,6 +241,24 @@ def test_products_use_the_masks_of_their_call():
         assert_close(product_matrix(first["pchmp"][name], p.shape), ref["pchmp"][name], f"pchmp[{name}]")
 
 
+@pytest.mark.parametrize("product", ["ggnmp", "hmp", "pchmp"])
+def test_products_refuse_a_changed_training_mode(product):
+    """A product re-runs its call's forward, whose modules read their training flag when it
+    runs: after ``model.eval()`` it would silently use no dropout; it is refused, naming the
+    module, and works again once the mode is back."""
+    model, lossfn, (X, y) = _model("plain", 0.5, act=nn.Sigmoid), nn.CrossEntropyLoss(), _data(5, "ce", 2)
+    ext = {"ggnmp": GGNMP(), "hmp": HMP(), "pchmp": PCHMP()}[product]
+    qs = curvature(model, lossfn, [ext])(X, y, generator=torch.Generator().manual_seed(3))
+    name, p = next(iter(model.named_parameters()))
+    V = torch.randn(2, *p.shape, dtype=p.dtype)
+    before = qs[product][name](V)
+    model.eval()
+    with pytest.raises(CurvatureError, match="training mode of .* changed"):
+        qs[product][name](V)
+    model.train()
+    assert torch.equal(qs[product][name](V), before), "the call's mode again"
+
+
 def test_warned_once_per_curvature_object():
     model, (X, y) = _model("functional", 0.5), _data(4, "ce", 0)
     with warnings.catch_warnings(record=True) as caught:

@@ -73,6 +73,20 @@ class _Products:
         self.rng, self.trainable, self.seed = rng, trainable, seed
         self.device = _inputs.first(X).device
         self.operators: Dict[str, List[Callable]] = {}
+        # the modules' training flags of the call: the graph re-run by a product calls the
+        # modules (dropout, batch norm), which read their flag when the product is evaluated
+        self.modes = [(path, module, module.training) for path, module in program.root.named_modules()]
+
+    def check_modes(self, label: str) -> None:
+        """Refuse a product evaluated after a module's ``train()``/``eval()`` changed."""
+        changed = [path or "(the model)" for path, module, training in self.modes if module.training != training]
+        if changed:
+            raise CurvatureError(
+                f"{label}: the training mode of {', '.join(changed[:3])}"
+                f"{' and others' if len(changed) > 3 else ''} changed since the call that returned "
+                "this product; the product re-runs that call's forward and would use the new mode. "
+                "Evaluate products before model.train()/model.eval(), or call f again."
+            )
 
     def make(self, ext, name: str) -> Callable[[Tensor], Tensor]:
         build = {"hmp": self._hmp, "ggnmp": self._ggnmp}.get(ext.quantity, self._pchmp)
@@ -80,6 +94,7 @@ class _Products:
         label = {"hmp": "HMP", "ggnmp": "GGNMP"}.get(ext.quantity, "PCHMP")
 
         def checked(V: Tensor) -> Tensor:
+            self.check_modes(label)
             _check_directions(ext, name, self.values[name], V)
             return V.new_zeros(V.shape) if V.shape[0] == 0 else product(V)
 
