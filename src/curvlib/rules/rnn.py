@@ -55,7 +55,7 @@ that ran is the one differentiated).
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -228,42 +228,57 @@ def _direction(
     pre_ih = rec.add(site_ih, F.linear(inp, w_ih, b_ih))  # [N, T, G·H]
     pre_ih = nodes.bilinear("ih", site_ih, inp, pre_ih, site_ih.params.get("weight") in reach_x)
     site_hh = Site(LINEAR, _roles(names, "weight_hh" + sfx, bname("bias_hh")), where, meta={"batch_dim": 0})
-    probe_hh = rec.open(site_hh, (n, steps, w_hh.shape[0]), pre_ih.dtype)
-    proj = mode == "LSTM" and module.proj_size > 0
-    if proj:
+    hh = _Recurrent(site_hh, w_hh, b_hh, rec.open(site_hh, (n, steps, w_hh.shape[0]), pre_ih.dtype))
+    hr = None
+    if mode == "LSTM" and module.proj_size > 0:
         w_hr = tensors["weight_hr" + sfx]
         site_hr = Site(LINEAR, _roles(names, "weight_hr" + sfx, None), where, meta={"batch_dim": 0})
-        probe_hr = rec.open(site_hr, (n, steps, w_hr.shape[0]), pre_ih.dtype)
-        m_steps: List[Optional[Tensor]] = [None] * steps
-
+        hr = _Recurrent(site_hr, w_hr, None, rec.open(site_hr, (n, steps, w_hr.shape[0]), pre_ih.dtype))
     outs: List[Optional[Tensor]] = [None] * steps
     h_prevs: List[Optional[Tensor]] = [None] * steps
+    m_steps: List[Optional[Tensor]] = [None] * steps  # LSTM with proj_size: W_hr's inputs
     order = range(steps - 1, -1, -1) if reverse else range(steps)
     for k, t in enumerate(order):
         nodes.t = t
-        first = k == 0  # the states entering this step are the initial ones
         h_prevs[t] = h
-        a = pre_ih[:, t]
-        # h depends on W_hh from the third step on; on the second if the initial state is not
-        # the zero one (W_hh h0); on the first if the initial state itself depends on W_hh
-        coupled = k >= 2 or (k == 1 and state_varies) or site_hh.params.get("weight") in reach_hx
-        b = _linear_step(nodes, "hh", site_hh, w_hh, b_hh, probe_hh, h, t, coupled)
-        if mode in ("RNN_TANH", "RNN_RELU"):
-            h = rnn_step(nodes, mode, a + b)
-        elif mode == "LSTM":
-            h, c = lstm_step(nodes, a + b, c, not first or state_varies)
-            if proj:
-                m_steps[t] = h
-                coupled = not first or site_hr.params.get("weight") in (reach_x | reach_hx)
-                h = _linear_step(nodes, "hr", site_hr, w_hr, None, probe_hr, h, t, coupled)
-        else:  # GRU
-            bn_varies = not first or state_varies or "bias" in site_hh.params
-            h = gru_step(nodes, a, b, h, not first or state_varies, bn_varies)
+        h, c = _cell_step(nodes, mode, hh, hr, pre_ih[:, t], h, c, k, t, state_varies, reach_x, reach_hx, m_steps)
         outs[t] = h
     site_hh.saved = {"x": torch.stack(h_prevs, 1)}  # [N, T, H_out]
-    if proj:
-        site_hr.saved = {"x": torch.stack(m_steps, 1)}  # [N, T, H]
+    if hr is not None:
+        hr.site.saved = {"x": torch.stack(m_steps, 1)}  # [N, T, H]
     return torch.stack(outs, 1), h, c
+
+
+class _Recurrent(NamedTuple):
+    """A linear site applied once per step to the recurrent state (``W_hh``, LSTM's ``W_hr``)."""
+
+    site: Site
+    weight: Tensor
+    bias: Optional[Tensor]
+    probe: object
+
+
+def _cell_step(nodes: StepNodes, mode: str, hh: _Recurrent, hr: Optional[_Recurrent], a: Tensor, h: Tensor,
+               c: Optional[Tensor], k: int, t: int, state_varies: bool, reach_x, reach_hx,
+               m_steps: List[Optional[Tensor]]) -> Tuple[Tensor, Optional[Tensor]]:
+    """Step ``t`` (the ``k``-th of its direction) from ``a = W_ih x_t + b_ih [N, G·H]`` and the
+    states entering it; returns the new ``(h, c)``."""
+    first = k == 0  # the states entering this step are the initial ones
+    # h depends on W_hh from the third step on; on the second if the initial state is not
+    # the zero one (W_hh h0); on the first if the initial state itself depends on W_hh
+    coupled = k >= 2 or (k == 1 and state_varies) or hh.site.params.get("weight") in reach_hx
+    b = _linear_step(nodes, "hh", hh.site, hh.weight, hh.bias, hh.probe, h, t, coupled)
+    if mode in ("RNN_TANH", "RNN_RELU"):
+        return rnn_step(nodes, mode, a + b), c
+    if mode == "LSTM":
+        h, c = lstm_step(nodes, a + b, c, not first or state_varies)
+        if hr is not None:
+            m_steps[t] = h
+            coupled = not first or hr.site.params.get("weight") in (reach_x | reach_hx)
+            h = _linear_step(nodes, "hr", hr.site, hr.weight, None, hr.probe, h, t, coupled)
+        return h, c
+    bn_varies = not first or state_varies or "bias" in hh.site.params  # GRU
+    return gru_step(nodes, a, b, h, not first or state_varies, bn_varies), c
 
 
 def forward(module: nn.RNNBase, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
