@@ -42,6 +42,7 @@ import time
 import warnings
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from problems import (
@@ -260,12 +261,37 @@ def _time_limit(seconds: float):
 
 
 
+class _AtenCounter(TorchDispatchMode):
+    """Counts the aten operator calls that reach the dispatcher (views and factories
+    included), a device-independent proxy for a GPU's kernel-launch overhead."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def aten_ops(run) -> int | str:
+    """Aten operator calls of one call of ``run`` (untimed, after warm-up)."""
+    counter = _AtenCounter()
+    try:
+        with counter:
+            out = run()
+    except Exception as err:  # noqa: BLE001 - a method that does not run under a dispatch mode
+        return "n/a (" + _why(err)[:40] + ")"
+    del out
+    return counter.calls
+
+
 def bench_problem(name: str, methods: list[str], args, bar=None, build_kwargs: dict | None = None) -> list[dict]:
     """Rows ``{problem, method, median_ms, ratio, first_call_ms, times_ms, check}`` for one problem."""
     problem = PROBLEMS[name](device=args.device, seed=args.seed, **(build_kwargs or {}))
     label = name if not build_kwargs else f"{name}[{','.join(f'{k}={v}' for k, v in build_kwargs.items())}]"
     now = _timer(args.device)
-    runs, first, status, checks = {}, {}, {}, {}
+    runs, first, status, checks, ops = {}, {}, {}, {}, {}
     refs: dict[str, object] = {}
     for m in methods:
         if bar is not None:
@@ -312,6 +338,7 @@ def bench_problem(name: str, methods: list[str], args, bar=None, build_kwargs: d
         if first[m] < args.slow_s:
             for _ in range(args.warmup - 1):
                 runs[m]()
+        ops[m] = aten_ops(runs[m]) if args.count_ops else ""
     refs.clear()
     methods = [m for m in methods if m in runs]
     per_round = sum(first[m] for m in methods)
@@ -338,7 +365,7 @@ def bench_problem(name: str, methods: list[str], args, bar=None, build_kwargs: d
         med = statistics.median(times[m])
         rows.append({
             "problem": label, "method": m, "median_ms": 1e3 * med, "ratio": med / ref,
-            "first_call_ms": 1e3 * first[m], "rounds": rounds, "check": checks.get(m, ""),
+            "first_call_ms": 1e3 * first[m], "rounds": rounds, "check": checks.get(m, ""), "aten_ops": ops.get(m, ""),
             "times_ms": [round(1e3 * t, 4) for t in times[m]],
         })
     for m, why in status.items():
@@ -421,16 +448,16 @@ def _mem(r: dict | None) -> str:
 
 def markdown_full(rows: list[dict]) -> str:
     idx = _index(rows)
-    lines = ["| problem | method | median ms | ratio to backward | bound | peak MiB | first call ms | check |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| problem | method | median ms | ratio to backward | bound | peak MiB | first call ms | aten ops | check |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         if "refused" in r:
-            lines.append(f"| {r['problem']} | {r['method']} | {r['refused']} | | | | | |")
+            lines.append(f"| {r['problem']} | {r['method']} | {r['refused']} | | | | | | |")
             continue
         b = _bound_for(idx, r["problem"], r["method"]) if not r["method"].startswith("bound") else None
         lines.append(
             f"| {r['problem']} | {r['method']} | {r['median_ms']:.2f} | {r['ratio']:.2f} | "
-            f"{_num(b)} | {_mem(r)} | {r['first_call_ms']:.1f} | {r.get('check', '')} |"
+            f"{_num(b)} | {_mem(r)} | {r['first_call_ms']:.1f} | {r.get('aten_ops', '')} | {r.get('check', '')} |"
         )
     return "\n".join(lines)
 
@@ -595,6 +622,8 @@ def main(argv=None) -> int:
     parser.add_argument("--first-call-timeout", type=float, default=180.0,
                         help="skip a method whose setup and first call take longer (seconds; 0: no limit)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-method peak-memory processes")
+    parser.add_argument("--no-count-ops", dest="count_ops", action="store_false",
+                        help="skip counting each method's aten operator calls (one untimed call under a dispatch mode)")
     parser.add_argument("--sweep-classes", type=int, nargs="*", default=[10, 20, 50, 100],
                         help="numbers of classes for the MLP sweep of the exact quantities (none: no sweep)")
     parser.add_argument("--sweep-rounds", type=int, default=10)

@@ -63,3 +63,31 @@ def test_first_call_time_limit_interrupts_a_hopeless_method():
     with R._time_limit(5.0):  # a call within the limit is untouched, and the timer is cleared
         pass
     time.sleep(0.01)
+
+
+def test_aten_ops_counts_operator_calls():
+    """The op count is exact on a known sequence, counts the backward's operators too, and
+    reports (does not raise) a method that fails under the dispatch mode."""
+    x = torch.randn(3, 4)
+    assert R.aten_ops(lambda: (x + 1).mul(2).sum()) == 3
+    w = torch.randn(4, 2, requires_grad=True)
+    forward_only = R.aten_ops(lambda: (x @ w).tanh().sum())
+    assert R.aten_ops(lambda: (x @ w).tanh().sum().backward()) > forward_only
+
+    def broken():
+        raise RuntimeError("no")
+
+    assert R.aten_ops(broken).startswith("n/a")
+
+
+def test_run_reports_aten_ops(tmp_path):
+    """``run.py`` writes an ``aten ops`` column per method (``--no-count-ops`` leaves it empty)."""
+    out = tmp_path / "res"
+    code = R.main(["--problems", "mlp", "--methods", "backward", "BatchGrad", "--rounds", "1", "--min-rounds", "1",
+                   "--no-memory", "--no-plot", "--sweep-classes", "--out", str(out)])
+    assert code == 0
+    md = (out / "results-cpu.md").read_text()
+    assert "aten ops" in md
+    rows = [line for line in md.splitlines() if line.startswith("| mlp | BatchGrad |")]
+    assert rows and int(rows[-1].split("|")[8]) > int(
+        [line for line in md.splitlines() if line.startswith("| mlp | backward |")][-1].split("|")[8])
