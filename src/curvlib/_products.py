@@ -200,5 +200,10 @@ def _guarded(product: Callable[[Tensor], Tensor], seed: Optional[int], device: t
                 raise clear from exc
             return out if grad_mode else out.detach()  # under no_grad, as any op's result
 
-    call.__doc__ = product.__doc__
-    return call
+    eager = torch.compiler.disable(call, recursive=True)  # eager under torch.compile, as ``f``
+
+    def product_of(V: Tensor) -> Tensor:
+        return eager(V)
+
+    product_of.__doc__ = product.__doc__
+    return product_of

@@ -379,7 +379,13 @@ def _public(f: Callable) -> Callable:
     returns do the same when they are called). Under ``torch.no_grad()`` and inference
     mode the inputs are read detached, so the results are too."""
 
-    def call(X, y, params: Optional[Mapping[str, Tensor]] = None, generator: Optional[torch.Generator] = None):
+    # Under torch.compile the call runs eagerly, as one opaque step of the compiled
+    # function (one graph break, here): Dynamo tracing into it broke the graph at every
+    # site, recompiled per call and failed on the second-order passes' retained graphs
+    # (donated buffers). The disabled function is an inner one: torch.compile unwraps a
+    # disabled function it is given directly.
+    @torch.compiler.disable(recursive=True)
+    def eager(X, y, params, generator):
         # Under no_grad / inference mode results are detached, as any op's would be (no
         # graph back to X or params is built or kept alive).
         free = _arguments.inference_free if torch.is_grad_enabled() else _arguments.detached
@@ -390,6 +396,9 @@ def _public(f: Callable) -> Callable:
             if isinstance(params, Mapping) and any(free(v) is not v for v in params.values()):
                 params = {k: free(v) for k, v in params.items()}
             return f(X, y, params=params, generator=generator)
+
+    def call(X, y, params: Optional[Mapping[str, Tensor]] = None, generator: Optional[torch.Generator] = None):
+        return eager(X, y, params, generator)
 
     call.__doc__ = curvature.__doc__
     return call
