@@ -1264,11 +1264,20 @@ def test_auto_chunk_size_follows_the_byte_budget(monkeypatch):
     per_column = 4 * 5 * 4 + 4 * 3 * 8
     monkeypatch.setattr(transform, "AUTO_CHUNK_BYTES", 3 * per_column + 1)
     monkeypatch.setattr(transform, "AUTO_CHUNK_BYTES_CPU", 2 * per_column)
+    monkeypatch.setattr(transform._budget, "available_bytes", lambda device: None)  # (no GPU here)
     assert transform._auto_chunk_size(plan) == 3
     assert transform._auto_chunk_size(plan, [DiagGGNExact()], "cpu") == 2
     assert transform._auto_chunk_size(plan, [DiagGGNExact(), BatchDiagGGNExact()], "cpu") == 3
     monkeypatch.setattr(transform, "AUTO_CHUNK_BYTES", 1)
     assert transform._auto_chunk_size(plan) == 1
+    # CUDA: up to a share of the free device memory (read per call), never below the budget
+    monkeypatch.setattr(transform._budget, "available_bytes", lambda device: 80 * per_column)
+    assert transform._auto_chunk_size(plan, [DiagGGNExact()], "cuda") == 10
+    assert transform._auto_chunk_size(plan, [DiagGGNExact()], torch.device("cuda", 0)) == 10
+    monkeypatch.setattr(transform, "AUTO_CHUNK_BYTES", 3 * per_column + 1)
+    monkeypatch.setattr(transform._budget, "available_bytes", lambda device: None)
+    assert transform._auto_chunk_size(plan, [DiagGGNExact()], "cuda") == 3
+    assert transform._auto_chunk_size(plan, [DiagGGNExact()], "cpu") == 2  # the CPU never reads it
 
 
 def test_sqrt_columns_loop_equals_vmap(monkeypatch):

@@ -82,7 +82,8 @@ def curvature(
             do not depend on it. ``"auto"`` (default): as many as fit in
             :data:`AUTO_CHUNK_BYTES` of pulled-back site outputs
             (:data:`AUTO_CHUNK_BYTES_CPU` on a CPU unless a batch diagonal is
-            requested). ``None``: all at once.
+            requested; on CUDA up to :data:`AUTO_CHUNK_FREE_SHARE` of the free
+            device memory when that is more). ``None``: all at once.
         batch_chunk_size: at most this many samples are processed at once; the
             slices' results are combined into the whole batch's (see
             :mod:`curvlib._chunking`). Not for KFRA and the block products.
@@ -290,7 +291,7 @@ class _Call:
             product = products(traced.program, s.spec, y, curv, X, values, traced.residual_nodes, lin,
                                residual_grads, rng, frozen_trainable, seed)
             kfra_factors = _kfra_factors(s, traced, lin, curv, X, y, trainable, values)
-            chunk = _auto_chunk_size(plan, s.second, _inputs.first(X).device.type) if s.chunk_size == "auto" else s.chunk_size
+            chunk = _auto_chunk_size(plan, s.second, _inputs.first(X).device) if s.chunk_size == "auto" else s.chunk_size
             result.update(second_order(
                 lin, curv, s.second, trainable, values, _inputs.batch_size(X), residual_grads, product,
                 kfra_factors, chunk_size=chunk, site_grads=gs, into=into,
@@ -349,12 +350,22 @@ AUTO_CHUNK_BYTES = 256 * 2**20
 AUTO_CHUNK_BYTES_CPU = 32 * 2**20
 
 
-def _auto_chunk_size(plan: Plan, exts: Sequence = (), device: str = "cuda") -> int:
+#: ... and on a GPU, where every chunk costs kernel launches, up to this share of the
+#: device's free memory when that is more (an H100 with 70 GiB free: ~8.7 GiB a chunk,
+#: all columns at once on the benchmark problems).
+AUTO_CHUNK_FREE_SHARE = 1 / 8
+
+
+def _auto_chunk_size(plan: Plan, exts: Sequence = (), device: Union[str, torch.device] = "cuda") -> int:
     """Columns per chunk so that their site gradients fit in the byte budget."""
+    device = torch.device(device)
     budget = AUTO_CHUNK_BYTES
     batch_diagonal = any(getattr(e, "quantity", None) in ("batch_diag", "hessian_batch_diag") for e in exts)
-    if device == "cpu" and not batch_diagonal:
+    if device.type == "cpu" and not batch_diagonal:
         budget = min(budget, AUTO_CHUNK_BYTES_CPU)
+    if device.type == "cuda":
+        free = _budget.available_bytes(device)
+        budget = max(budget, int((free or 0) * AUTO_CHUNK_FREE_SHARE))
     per_column = sum(_arguments.bytes_of(shape, dtype) for shape, dtype in zip(plan.site_shapes, plan.site_dtypes))
     return max(1, budget // max(per_column, 1))
 
