@@ -20,6 +20,7 @@ from curvlib.extensions import (
 )
 
 from oracles_all import assert_matches, assert_same, exact_extensions, kflr_map, reference
+from on_device import seeded
 
 DT = torch.float64
 
@@ -30,7 +31,7 @@ def _mlp(seed=0):
 
 
 def _data(n=5, seed=1):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     return torch.randn(n, 3, generator=g, dtype=DT), torch.randint(0, 2, (n,), generator=g)
 
 
