@@ -17,6 +17,7 @@ from oracles_second import (
     detached_params, ggn_per_sample, hessian_block, hessian_per_sample, kron_input_factor,
     kron_output_factor, trainable_names,
 )
+from on_device import seeded
 
 F64 = torch.float64
 
@@ -60,7 +61,7 @@ def check_exact(model, lossfn, X, y, sqrt=True):
         for name, want in per_param.items():
             close(qs[key][name], want, f"{key}[{name}]")
     n, params = X.shape[0], detached_params(model)
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     for name in trainable_names(model):
         p = params[name]
         Gn = ggn_per_sample(model, lossfn, X, y, name)
@@ -117,7 +118,7 @@ def mc_errors(model, lossfn, X, y, sizes=(1, 100, 10000), on_result=None, keys=t
     exact = mc_exact(model, lossfn, X, y)
     errs = {key: {} for key in keys}
     for m in sizes:
-        exts = [MC_EXTS[key](mc_samples=m, generator=torch.Generator().manual_seed(i)) for i, key in enumerate(keys)]
+        exts = [MC_EXTS[key](mc_samples=m, generator=seeded(i)) for i, key in enumerate(keys)]
         qs = curvature(model, lossfn, exts)(X, y)
         for key in keys:
             errs[key][m] = rel(mc_read(key, qs[key], model, X), exact[key])

@@ -28,6 +28,7 @@ from typing import Callable, Dict, NamedTuple, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from on_device import seeded
 
 DT = torch.float64
 
@@ -306,7 +307,7 @@ def _case(model: nn.Module, lossfn: nn.Module, X: Tensor, gen: torch.Generator, 
 
 def _float(seed: int, *shape: int) -> Tuple[torch.Generator, Tensor]:
     torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed + 1000)
+    gen = seeded(seed + 1000)
     return gen, torch.randn(shape, generator=gen, dtype=DT)
 
 
@@ -318,7 +319,7 @@ def resnet(seed: int = 0, n: int = 2) -> Case:
 
 def transformer(seed: int = 0, n: int = 2, pool: str = "mean") -> Case:
     torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed + 1000)
+    gen = seeded(seed + 1000)
     model = TinyTransformer(pool=pool).to(DT)
     X = torch.randint(0, 7, (n, 4), generator=gen)
     return _case(model, nn.CrossEntropyLoss(), X, gen, hessian="softmax, q·kᵀ products, LayerNorm")

@@ -25,6 +25,7 @@ from oracles import first_order_reference
 from oracles_second import (
     ggn_per_sample, hessian_block, hessian_per_sample, kfra_reference, kron_reference, residual_block, trainable_names,
 )
+from on_device import seeded
 
 PRODUCTS = ("ggnmp", "hmp", "pchmp")
 
@@ -158,7 +159,7 @@ def assert_same(a, b, what: str = "", products_shape: Optional[Dict[str, tuple]]
             u, v = x[name], z[name]
             if callable(u):
                 shape = products_shape[name]
-                V = torch.randn((2,) + tuple(shape), generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+                V = torch.randn((2,) + tuple(shape), generator=seeded(3), dtype=torch.float64)
                 u, v = u(V), v(V)
             if isinstance(u, list):
                 assert len(u) == len(v), f"{what} {key}[{name}]: {len(u)} factors, not {len(v)}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from on_device import seeded
 
 DT = torch.float64
 N_DATA, D_IN, C = 12, 3, 4
@@ -49,7 +50,7 @@ def layernorm(seed=0):
 
 
 def data(likelihood, seed=1, n=N_DATA):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     X = torch.randn(n, D_IN, generator=g, dtype=DT)
     if likelihood == "classification":
         y = torch.randint(0, C, (n,), generator=g)

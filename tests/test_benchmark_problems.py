@@ -13,6 +13,14 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import problems as P  # noqa: E402
 import run as R  # noqa: E402
+from on_device import DEVICE  # noqa: E402
+
+
+def _build(name: str) -> P.Problem:
+    """The benchmark problem on the test device; built on CPU as ``benchmarks/run.py`` does (its CPU
+    generators draw the same data for every device), then placed."""
+    with torch.device("cpu"):
+        return P.PROBLEMS[name](device=str(DEVICE))
 
 
 def _few(problem: P.Problem, n: int) -> P.Problem:
@@ -21,7 +29,7 @@ def _few(problem: P.Problem, n: int) -> P.Problem:
 
 @pytest.mark.parametrize("name, out_shape", [("gpt", (32, 256, 64)), ("gpt-v16", (32, 16, 64)), ("lstm", (64, 10))])
 def test_problem_builds_and_backward_runs(name, out_shape):
-    problem = P.PROBLEMS[name]()
+    problem = _build(name)
     with torch.no_grad():
         assert tuple(problem.model(problem.X).shape) == out_shape
     P.METHODS["backward"](_few(problem, 2))()
@@ -34,7 +42,7 @@ def test_problem_builds_and_backward_runs(name, out_shape):
 ])
 def test_peer_per_sample_gradients_match_batchgrad(name, peer):
     pytest.importorskip("opacus")
-    problem = _few(P.PROBLEMS[name](), 3)
+    problem = _few(_build(name), 3)
     ref = P.METHODS["BatchGrad"](problem)()
     out = P.METHODS[peer](problem)()
     info = P.INFO[peer]
@@ -44,13 +52,13 @@ def test_peer_per_sample_gradients_match_batchgrad(name, peer):
 
 
 def test_exact_ggn_family_skipped_beyond_max_columns():
-    gpt = P.PROBLEMS["gpt"]()
+    gpt = _build("gpt")
     why = R.too_many_columns(gpt, "DiagGGNExact", 1024)
     assert why is not None and "C = 16384" in why and "[256, 64]" in why
     assert R.too_many_columns(gpt, "BatchGrad", 1024) is None
     assert R.too_many_columns(gpt, "backpack:KFLR", 1024) is not None
     assert R.too_many_columns(gpt, "DiagGGNExact[chunk_size=10]", 1024) is not None
-    assert R.too_many_columns(P.PROBLEMS["gpt-v16"](), "KFLR", 1024) is None
+    assert R.too_many_columns(_build("gpt-v16"), "KFLR", 1024) is None
 
 
 def test_first_call_time_limit_interrupts_a_hopeless_method():

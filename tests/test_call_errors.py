@@ -9,6 +9,7 @@ are absent from every result, and the others equal the oracle.
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from curvlib.extensions import (
 )
 
 from oracles_all import assert_matches, assert_same, exact_extensions, kflr_map, reference
+from on_device import seeded
 
 DT = torch.float64
 
@@ -30,7 +32,7 @@ def _mlp(seed=0):
 
 
 def _data(n=5, seed=1):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     return torch.randn(n, 3, generator=g, dtype=DT), torch.randint(0, 2, (n,), generator=g)
 
 
@@ -71,8 +73,9 @@ def test_params_dtype_and_device_checked_against_the_model():
     model, (X, y) = _mlp(), _data()
     f = curvature(model, nn.CrossEntropyLoss(), EXTS)
     w = model[0].weight.detach()
-    with pytest.raises(CurvatureError, match=r"params\['0\.weight'\] has dtype torch\.float32 on cpu, but the model's "
-                                             r"parameter has dtype torch\.float64 on cpu.*value\.to\(torch\.float64\)"):
+    on = re.escape(str(w.device))  # the test device (CURVLIB_TEST_DEVICE)
+    with pytest.raises(CurvatureError, match=rf"params\['0\.weight'\] has dtype torch\.float32 on {on}, but the model's "
+                                             rf"parameter has dtype torch\.float64 on {on}.*value\.to\(torch\.float64\)"):
         f(X, y, params={"0.weight": w.float()})
     with pytest.raises(CurvatureError, match=r"params\['0\.weight'\] has dtype torch\.float64 on meta"):
         f(X, y, params={"0.weight": w.to("meta")})
@@ -85,13 +88,14 @@ def test_x_dtype_and_device_against_the_parameters():
                                              r"\(module '0': Linear.*\n.*X has dtype torch\.float32 but the model's "
                                              r"parameters have dtype torch\.float64.*X\.to\(torch\.float64\)"):
         f(X.float(), y)
-    with pytest.raises(CurvatureError, match=r"X is on meta but parameter '0\.weight' is on cpu: move X"):
+    on = re.escape(str(model[0].weight.device))
+    with pytest.raises(CurvatureError, match=rf"X is on meta but parameter '0\.weight' is on {on}: move X"):
         f(X.to("meta"), y)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_x_on_another_device_than_the_model():
-    model, (X, y) = _mlp(), _data()
+    model, (X, y) = _mlp().cpu(), tuple(t.cpu() for t in _data())  # deliberately on CPU, whatever the test device
     with pytest.raises(CurvatureError, match=r"X is on cuda:0 but parameter '0\.weight' is on cpu"):
         curvature(model, nn.CrossEntropyLoss(), EXTS)(X.cuda(), y.cuda())
     with pytest.raises(CurvatureError, match=r"params\['0\.weight'\] has dtype torch\.float64 on cuda:0"):

@@ -35,6 +35,7 @@ from curvlib.extensions import (
 )
 
 from helpers import _assert_same_state, state_snapshot
+from on_device import seeded
 
 DETERMINISTIC = [
     BatchGrad, BatchL2Grad, SumGradSquared, Variance, DiagGGNExact, BatchDiagGGNExact,
@@ -53,7 +54,7 @@ def _model(seq: bool) -> nn.Module:
 
 
 def _data(model, loss: str, n: int, seq: bool, seed: int):
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     X = torch.randn((n, 2, 5) if seq else (n, 2, 5, 5), generator=gen, dtype=torch.float64)
     with torch.no_grad():
         out = model(X)
@@ -115,7 +116,7 @@ def test_kfac_input_factor_exact_and_output_factor_converges():
     exact = curvature(model, nn.CrossEntropyLoss(), [KFLR()])(X, y)["kflr"]
     errs = {}
     for m in (1, 100, 10000):
-        ext = KFAC(mc_samples=m, generator=torch.Generator().manual_seed(0))
+        ext = KFAC(mc_samples=m, generator=seeded(0))
         got = curvature(model, nn.CrossEntropyLoss(), [ext], batch_chunk_size=4)(X, y)["kfac"]
         for name in exact:
             if len(exact[name]) == 2:
@@ -133,7 +134,7 @@ def test_monte_carlo_with_slices_converges(ext_cls, key):
     exact = curvature(model, nn.CrossEntropyLoss(), [BatchDiagGGNExact()])(X, y)["diag_ggn_exact_batch"]
     errs = {}
     for m in (1, 100, 10000):
-        ext = ext_cls(mc_samples=m, generator=torch.Generator().manual_seed(1))
+        ext = ext_cls(mc_samples=m, generator=seeded(1))
         got = curvature(model, nn.CrossEntropyLoss(), [ext], batch_chunk_size=2)(X, y)[key]
         if key == "sqrt_ggn_mc":
             assert all(g.shape[:2] == (m, 5) for g in got.values())

@@ -24,12 +24,13 @@ from curvlib.extensions import (
 from oracles import first_order_reference
 from oracles_all import assert_close, assert_matches, exact_extensions, reference
 from oracles_second import loss_hessian_blocks
+from on_device import seeded
 
 DT = torch.float64
 
 
 def _data(n=5, d=3, seed=1, classes=2):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     return torch.randn(n, d, generator=g, dtype=DT), torch.randint(0, classes, (n,), generator=g)
 
 
@@ -171,7 +172,7 @@ def test_functorch_capable_function_gets_exact_second_order():
     DiagHessian, BatchDiagHessian, GGNMP and HMP (and first order) equal the oracle."""
     torch.manual_seed(0)
     model, (X, _) = WithFunction(Cube).to(DT), _data()
-    X, y = X / 2, torch.randn(5, 2, generator=torch.Generator().manual_seed(3), dtype=DT)
+    X, y = X / 2, torch.randn(5, 2, generator=seeded(3), dtype=DT)
     exts = [e for e in exact_extensions() if e.name != "pchmp"]
     qs = curvature(model, nn.MSELoss(), exts)(X, y)
     assert_matches(qs, reference(model, nn.MSELoss(), X, y, pchmp=False), "Cube")

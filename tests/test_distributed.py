@@ -4,7 +4,8 @@ Every rank computes the aggregated quantities on its slice of one global
 batch (uneven local batch sizes) and compares them, inside the worker, with
 the single-process result on the full batch; a mismatch raises in the worker
 and fails the test. Processes run on 127.0.0.1 with a free port, with a time
-limit, and are always torn down.
+limit, and are always torn down. The ranks run on CPU whatever
+``CURVLIB_TEST_DEVICE`` says (fresh processes without conftest; gloo).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from curvlib.extensions import (
     SumGradSquared,
     Variance,
 )
+from on_device import CPU_ONLY, ON_CPU
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
@@ -247,7 +249,7 @@ def _case_mc(rank, world, sizes):
         model, lossfn, X, y = _problem("mlp", loss, "mean", n)
         where = f"rank {rank}/{world} {loss}"
         ref = curvature(model, lossfn, [DiagGGNExact(), KFLR()])(X, y)
-        gen = torch.Generator().manual_seed(7)  # seeded the same way on every rank
+        gen = torch.Generator(device="cpu").manual_seed(7)  # the same on every rank; ranks run on CPU (gloo)
         exts = [DiagGGNMC(mc_samples=mc, generator=gen), BatchDiagGGNMC(mc_samples=mc),
                 SqrtGGNMC(mc_samples=mc), KFAC(mc_samples=mc, generator=gen)]
         got = curvature(model, lossfn, exts, process_group=dist.group.WORLD)(X[sl], y[sl])
@@ -272,7 +274,7 @@ def _case_mc(rank, world, sizes):
     # Identical data and identically seeded generators on every rank: the draws
     # still differ between ranks, are reproducible, and the generators stay in step.
     model, lossfn, X, y = _problem("mlp", "ce", "mean", 4)
-    for gen in (torch.Generator().manual_seed(3), None):
+    for gen in (torch.Generator(device="cpu").manual_seed(3), None):  # ranks run on CPU (gloo)
         ext = SqrtGGNMC(mc_samples=2, generator=gen)
         f = curvature(model, lossfn, [ext], process_group=dist.group.WORLD)
         torch.manual_seed(11)
@@ -372,6 +374,7 @@ def test_needs_initialised_group():
         curvature(model, lossfn, [BatchGrad()], process_group=object())
 
 
+@pytest.mark.skipif(not ON_CPU, reason=CPU_ONLY + " (gloo in this process)")
 def test_single_process_group_and_bad_group_type(tmp_path):
     """World size 1 in this process: the identity; a non-group is refused."""
     if dist.is_initialized():  # pragma: no cover

@@ -32,6 +32,7 @@ from curvlib.extensions import KFRA, BatchGrad, DiagGGNExact, DiagGGNMC, DiagHes
 
 from oracles_all import assert_close, assert_matches, assert_same, exact_extensions, kflr_map, product_matrix, reference
 from oracles_second import kron_input_factor, loss_hessian_blocks
+from on_device import seeded
 
 DT = torch.float64
 ALPHA = 1.7580993408473766
@@ -82,7 +83,7 @@ def _noise_shape(m, x_shape):
 def masks(model: nn.Sequential, X, generator=None):
     """The noise curvlib draws for one call (module doc), per active dropout child."""
     seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     shapes, x = {}, X
     with torch.no_grad():
         for name, m in model.named_children():
@@ -133,7 +134,7 @@ def _model(kind: str, p: float, act=nn.Tanh):
 
 
 def _data(n, loss, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     X = torch.randn(n, 3, generator=g, dtype=DT)
     y = torch.randint(0, 2, (n,), generator=g) if loss == "ce" else torch.randn(n, 2, generator=g, dtype=DT)
     return X, y
@@ -174,11 +175,11 @@ def test_results_equal_the_oracle_with_the_same_masks(kind, p, loss, n, seed):
     torch.manual_seed(seed)
     model, lossfn = _model(kind, p), LOSSES[loss]()
     X, y = _data(n, loss, seed)
-    noise = masks(model, X, torch.Generator().manual_seed(seed))
+    noise = masks(model, X, seeded(seed))
     packed = Packed(model, X, noise)
     ref = reference(packed, lossfn, packed.pack(X, noise), y, kflr=kflr_map(packed))
     f = curvature(model, lossfn, exact_extensions(kflr=True))
-    qs = f(X, y, generator=torch.Generator().manual_seed(seed))
+    qs = f(X, y, generator=seeded(seed))
     assert_matches(qs, ref, f"{kind} p={p}")
 
 
@@ -205,18 +206,18 @@ def test_generator_state_decides_the_masks():
     model, lossfn, (X, y) = _model("alpha", 0.3), nn.MSELoss(), _data(5, "mse", 1)
 
     def run(gen):
-        exts = exact_extensions(kflr=True) + [DiagGGNMC(generator=torch.Generator().manual_seed(4))]
+        exts = exact_extensions(kflr=True) + [DiagGGNMC(generator=seeded(4))]
         return curvature(model, lossfn, exts)(X, y, generator=gen)
 
     shapes = {n: tuple(q.shape) for n, q in model.named_parameters()}
     torch.manual_seed(0)
-    a = run(torch.Generator().manual_seed(7))
+    a = run(seeded(7))
     torch.manual_seed(1)  # the global state does not matter with a generator
-    b = run(torch.Generator().manual_seed(7))
+    b = run(seeded(7))
     assert_same(a, b, "same generator state", shapes)
-    g = torch.Generator().manual_seed(7)
+    g = seeded(7)
     run(g)
-    for other in (run(g), run(torch.Generator().manual_seed(8))):
+    for other in (run(g), run(seeded(8))):
         for key in ("grad", "diag_ggn_exact", "diag_h", "diag_ggn_mc"):
             assert not torch.equal(a[key]["0.weight"], other[key]["0.weight"]), f"{key}: same masks"
 
@@ -227,9 +228,9 @@ def test_products_use_the_masks_of_their_call():
     random state changed; PCHMP equals the oracle with those masks."""
     model, lossfn, (X, y) = _model("plain", 0.5, act=nn.Sigmoid), nn.CrossEntropyLoss(), _data(5, "ce", 2)
     f = curvature(model, lossfn, [GGNMP(), HMP(), PCHMP(), DiagGGNExact(), DiagHessian()])
-    first = f(X, y, generator=torch.Generator().manual_seed(3))
-    noise = masks(model, X, torch.Generator().manual_seed(3))
-    later = [f(X, y, generator=torch.Generator().manual_seed(s)) for s in (4, 5)]
+    first = f(X, y, generator=seeded(3))
+    noise = masks(model, X, seeded(3))
+    later = [f(X, y, generator=seeded(s)) for s in (4, 5)]
     torch.manual_seed(123)
     packed = Packed(model, X, noise)
     ref = reference(packed, lossfn, packed.pack(X, noise), y)
@@ -248,7 +249,7 @@ def test_products_refuse_a_changed_training_mode(product):
     module, and works again once the mode is back."""
     model, lossfn, (X, y) = _model("plain", 0.5, act=nn.Sigmoid), nn.CrossEntropyLoss(), _data(5, "ce", 2)
     ext = {"ggnmp": GGNMP(), "hmp": HMP(), "pchmp": PCHMP()}[product]
-    qs = curvature(model, lossfn, [ext])(X, y, generator=torch.Generator().manual_seed(3))
+    qs = curvature(model, lossfn, [ext])(X, y, generator=seeded(3))
     name, p = next(iter(model.named_parameters()))
     V = torch.randn(2, *p.shape, dtype=p.dtype)
     before = qs[product][name](V)
@@ -285,8 +286,8 @@ def test_kfra_with_dropout(kind):
     ``D_n``, the KFRA recursion written out here on the masked chain."""
     torch.manual_seed(0)
     model, lossfn, (X, y) = _model(kind, 0.5), nn.CrossEntropyLoss(), _data(5, "ce", 3)
-    noise = masks(model, X, torch.Generator().manual_seed(9))
-    qs = curvature(model, lossfn, [KFRA()])(X, y, generator=torch.Generator().manual_seed(9))
+    noise = masks(model, X, seeded(9))
+    qs = curvature(model, lossfn, [KFRA()])(X, y, generator=seeded(9))
     acts, mods = [X], list(model.named_children())
     with torch.no_grad():
         for name, m in mods:
@@ -352,10 +353,10 @@ def test_untraced_model_masks_follow_the_generator():
     lossfn, (X, y) = nn.CrossEntropyLoss(), _data(6, "ce", 4)
     f = curvature(model, lossfn, exact_extensions(hessian=False)[:4])
     torch.manual_seed(1)
-    a = f(X, y, generator=torch.Generator().manual_seed(2))
+    a = f(X, y, generator=seeded(2))
     torch.manual_seed(2)
-    assert_same(a, f(X, y, generator=torch.Generator().manual_seed(2)), "untraced, same generator")
-    noise = masks(model, X, torch.Generator().manual_seed(2))
+    assert_same(a, f(X, y, generator=seeded(2)), "untraced, same generator")
+    noise = masks(model, X, seeded(2))
     packed = Packed(nn.Sequential(*model), X, noise)
     assert_matches(a, reference(packed, lossfn, packed.pack(X, noise), y, hessian=False), "untraced")
 
@@ -365,7 +366,7 @@ def test_batch_chunks_with_dropout():
     individual gradients still sum to the gradient of the returned loss."""
     model, lossfn, (X, y) = _model("plain", 0.5), nn.CrossEntropyLoss(reduction="sum"), _data(7, "ce", 5)
     f = curvature(model, lossfn, [BatchGrad(), DiagGGNExact()], batch_chunk_size=3)
-    a = f(X, y, generator=torch.Generator().manual_seed(0))
-    assert_same(a, f(X, y, generator=torch.Generator().manual_seed(0)), "chunked")
+    a = f(X, y, generator=seeded(0))
+    assert_same(a, f(X, y, generator=seeded(0)), "chunked")
     for name, g in a["grad"].items():
         assert_close(a["grad_batch"][name].sum(0), g, f"Σ grad_batch[{name}]")

@@ -12,6 +12,14 @@ sys.path.insert(0, EXAMPLES)
 import architectures  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _on_cpu():
+    """The example is a CPU script (its own CPU generators): it stays on CPU whatever
+    ``CURVLIB_TEST_DEVICE`` says (a no-op without the switch)."""
+    with torch.device("cpu"):
+        yield
+
+
 def _lstm_problem():
     return next(p for p in architectures.problems() if p[0] == "LSTMClassifier")
 

@@ -25,6 +25,7 @@ from loss_checks import F64, assert_converges, check_exact, close, mc_errors, mo
 from oracles_second import (
     detached_params, hessian_block, kfra_reference, loss_hessian_blocks, output_jacobian, residual_block,
 )
+from on_device import seeded
 
 
 class Focal(nn.CrossEntropyLoss):
@@ -75,7 +76,7 @@ CASES = {
 
 def problem(case: str, n: int = 4):
     seq, post, lossfn, target = CASES[case]
-    gen = torch.Generator().manual_seed(len(case))
+    gen = seeded(len(case))
     model, X = model_and_input(seq, 3, 4, 3, n, 2, 2, "tanh", gen)
     if post is not None:
         model = nn.Sequential(model, post)
@@ -157,14 +158,14 @@ def test_block_products_and_kfra(case, modify):
     """HMP (exact Hessian), PCHMP (the loss Hessian's eigenvalues modified as well as the
     activations' residuals: ``Σ J_nᵀ mod(H_n) J_n + R_mod``) and KFRA (``oracles_second.kfra_reference``)."""
     if case == "ce negative weight":
-        model, X = model_and_input(False, 3, 4, 3, 4, 1, 1, "tanh", torch.Generator().manual_seed(1))
+        model, X = model_and_input(False, 3, 4, 3, 4, 1, 1, "tanh", seeded(1))
         lossfn, y = nn.CrossEntropyLoss(weight=torch.tensor([1.0, -0.5, 2.0], dtype=F64)), torch.tensor([0, 1, 2, 1])
     else:
         model, lossfn, X, y = problem(case)
     qs = curvature(model, lossfn, [HMP(), PCHMP(modify=modify), KFRA()])(X, y)
     with torch.no_grad():
         Hm = modified_blocks(lossfn, model(X), y, modify)
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     for name, p in detached_params(model).items():
         J = output_jacobian(model, X, name)
         PC = torch.einsum("ncp,ncd,ndq->pq", J, Hm, J) + residual_block(model, lossfn, X, y, name, modify)

@@ -38,6 +38,7 @@ from oracles_pchmp import pchmp_blocks
 from oracles_second import detached_params, ggn_block, hessian_block, hessian_per_sample, trainable_names
 from test_pchmp import assert_blocks_close
 from test_secondorder import check_second_order
+from on_device import seeded
 
 DT = torch.float64
 RTOL, ATOL = 1e-7, 1e-9
@@ -298,7 +299,7 @@ LOSSES = {"mse": nn.MSELoss, "ce": nn.CrossEntropyLoss, "bce": nn.BCEWithLogitsL
 def _dag_case(spec, n, loss, reduction, seed):
     torch.manual_seed(seed)
     model = RandomDAG(spec).to(DT)
-    gen = torch.Generator().manual_seed(seed + 1)
+    gen = seeded(seed + 1)
     X = torch.randn(n, POSITIONS, WIDTH, generator=gen, dtype=DT)
     lossfn = LOSSES[loss](reduction=reduction)
     with torch.no_grad():

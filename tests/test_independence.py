@@ -27,6 +27,7 @@ import models
 from helpers import _assert_same_state, check_first_order, state_snapshot
 from oracles import assert_close_dicts, first_order_reference
 from oracles_second import ggn_block, hessian_block, trainable_names
+from on_device import seeded
 
 DT = torch.float64
 N = 5
@@ -46,7 +47,7 @@ class Net(nn.Module):
 
 
 def _data(seed: int = 0, n: int = N, shape=(3,)):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     return torch.randn((n,) + tuple(shape), generator=g, dtype=DT), torch.randn(n, 2, generator=g, dtype=DT)
 
 
@@ -142,7 +143,7 @@ def test_loss_grad_hmp_ggnmp_stay_exact_on_a_mixing_model():
     X, y = _data(1)
     model = Net(lambda h: h - h.mean(0)).to(DT)
     lossfn = nn.CrossEntropyLoss()
-    y = torch.randint(0, 2, (N,), generator=torch.Generator().manual_seed(3))
+    y = torch.randint(0, 2, (N,), generator=seeded(3))
     qs = curvature(model, lossfn, [E.HMP(), E.GGNMP()])(X, y)
     params = dict(model.named_parameters())
     loss = lossfn(model(X), y)
@@ -152,7 +153,7 @@ def test_loss_grad_hmp_ggnmp_stay_exact_on_a_mixing_model():
     assert curvature(model, lossfn)(X, y)["grad"].keys() == params.keys()
     for name in trainable_names(model):
         p = params[name]
-        V = torch.randn((3,) + tuple(p.shape), dtype=DT, generator=torch.Generator().manual_seed(4))
+        V = torch.randn((3,) + tuple(p.shape), dtype=DT, generator=seeded(4))
         flat = V.reshape(3, -1)
         H, G = hessian_block(model, lossfn, X, y, name), ggn_block(model, lossfn, X, y, name)
         torch.testing.assert_close(qs["hmp"][name](V).reshape(3, -1), flat @ H.T)

@@ -22,6 +22,7 @@ from curvlib.extensions import GGNMP, HMP, KFAC, KFLR, KFRA, BatchDiagGGNMC, Dia
 
 from oracles import first_order_reference, functional_call
 from oracles_all import assert_close, assert_matches, assert_same, exact_extensions, kflr_map, reference
+from on_device import seeded
 
 DT = torch.float64
 MODES = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}
@@ -33,16 +34,16 @@ def _mlp(seed=0, act=nn.Tanh):
 
 
 def _data(n=5, seed=1):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     return torch.randn(n, 3, generator=g, dtype=DT), torch.randint(0, 2, (n,), generator=g)
 
 
 def _mc_extensions():
     """Monte-Carlo extensions, each with a freshly seeded generator."""
-    return [DiagGGNMC(mc_samples=3, generator=torch.Generator().manual_seed(5)),
-            BatchDiagGGNMC(generator=torch.Generator().manual_seed(6)),
-            KFAC(mc_samples=2, generator=torch.Generator().manual_seed(7)),
-            SqrtGGNMC(mc_samples=2, generator=torch.Generator().manual_seed(8))]
+    return [DiagGGNMC(mc_samples=3, generator=seeded(5)),
+            BatchDiagGGNMC(generator=seeded(6)),
+            KFAC(mc_samples=2, generator=seeded(7)),
+            SqrtGGNMC(mc_samples=2, generator=seeded(8))]
 
 
 def _shapes(model):
@@ -182,7 +183,7 @@ def test_autograd_through_ggn_diagonal_equals_double_differentiation():
     names = list(params)
     out_of = lambda *ps: functional_call(model, dict(zip(names, ps)), (X,))  # noqa: E731
     J = torch.autograd.functional.jacobian(out_of, tuple(params.values()), create_graph=True)
-    weights = {n: torch.rand(p.shape, generator=torch.Generator().manual_seed(2), dtype=DT) for n, p in params.items()}
+    weights = {n: torch.rand(p.shape, generator=seeded(2), dtype=DT) for n, p in params.items()}
     oracle = sum((weights[n] * 2 * (Jn ** 2).sum((0, 1))).sum() for n, Jn in zip(names, J))
     want = torch.autograd.grad(oracle, list(params.values()), allow_unused=True)
     qs = curvature(model, nn.MSELoss(reduction="sum"), exact_extensions()[4:5])(X, y, params=params)

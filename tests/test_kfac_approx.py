@@ -17,6 +17,7 @@ from curvlib import CurvatureError, curvature
 from curvlib.extensions import KFAC, KFLR
 
 from oracles_second import layer_input, loss_hessian_blocks, unfold_conv_input
+from on_device import seeded
 
 DT = torch.float64
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
@@ -160,7 +161,7 @@ def test_kfac_samples_approach_kflr(approx):
     model, layer, X, y = _setup("conv2d", "ce")
     exact = curvature(model, LOSSES["ce"], [KFLR(kfac_approx=approx)])(X, y)["kflr"]
     mc = curvature(model, LOSSES["ce"], [KFAC(mc_samples=4000, kfac_approx=approx,
-                                              generator=torch.Generator().manual_seed(0))])(X, y)["kfac"]
+                                              generator=seeded(0))])(X, y)["kfac"]
     w = f"{layer}.weight"
     torch.testing.assert_close(mc[w][1], exact[w][1])  # A does not depend on the samples
     assert (mc[w][0] - exact[w][0]).norm() < 0.08 * exact[w][0].norm()

@@ -27,6 +27,7 @@ from curvlib.extensions import KFAC, KFACEmpirical, KFLR, SqrtGGNMC
 
 from oracles import individual_gradients
 from oracles_second import ggn_block, loss_hessian_blocks
+from on_device import seeded
 
 DT = torch.float64
 LOSSES = {"ce": nn.CrossEntropyLoss, "mse": nn.MSELoss}
@@ -109,7 +110,7 @@ def _close(a, b, what=""):
 
 
 def _targets(loss, n, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     return torch.randint(0, 3, (n,), generator=g) if loss == "ce" else torch.randn(n, 3, generator=g, dtype=DT)
 
 
@@ -124,7 +125,7 @@ def test_position_embedding_factors(kind, v, d, t, heads, n, loss, reduction, ap
     """``[A [R], B [D, D]]`` of a learned position term: KFLR and KFACEmpirical vs the definitions."""
     torch.manual_seed(seed)
     model = Positions(kind, v, d, t, heads).to(DT)
-    X = torch.randint(0, v, (n, t), generator=torch.Generator().manual_seed(seed))
+    X = torch.randint(0, v, (n, t), generator=seeded(seed))
     y = _targets(loss, n, seed)
     lossfn = LOSSES[loss](reduction=reduction)
     name = model.param_name()
@@ -143,7 +144,7 @@ def test_position_embedding_kfac_and_reduce():
     X, y = torch.randint(0, 5, (4, 3)), torch.randint(0, 3, (4,))
     lossfn = nn.CrossEntropyLoss()
     exact = curvature(model, lossfn, [KFLR()])(X, y)["kflr"]["pos"]
-    mc = curvature(model, lossfn, [KFAC(mc_samples=4000, generator=torch.Generator().manual_seed(0))])(X, y)
+    mc = curvature(model, lossfn, [KFAC(mc_samples=4000, generator=seeded(0))])(X, y)
     _close(mc["kfac"]["pos"][0], exact[0])
     assert (mc["kfac"]["pos"][1] - exact[1]).norm() < 0.08 * exact[1].norm()
     with pytest.raises(CurvatureError, match=r"kfac_approx='reduce'.*'pos'.*dense R x R"):
@@ -184,9 +185,9 @@ def test_other_parameters_get_the_diagonal_block(kind, d, n, loss, approx, seed)
     X, y = torch.randn(n, d, d, dtype=DT), _targets(loss, n, seed)
     lossfn = LOSSES[loss]()
     exts = [KFLR(kfac_approx=approx), KFACEmpirical(kfac_approx=approx),
-            KFAC(kfac_approx=approx, mc_samples=2, generator=torch.Generator().manual_seed(3))]
+            KFAC(kfac_approx=approx, mc_samples=2, generator=seeded(3))]
     got = curvature(model, lossfn, exts)(X, y)
-    sqrt = curvature(model, lossfn, [SqrtGGNMC(mc_samples=2, generator=torch.Generator().manual_seed(3))])(X, y)
+    sqrt = curvature(model, lossfn, [SqrtGGNMC(mc_samples=2, generator=seeded(3))])(X, y)
     (F,) = got["kflr"]["w"]
     _close(F, ggn_block(model, lossfn, X, y, "w").diagonal(), "kflr")
     g = individual_gradients(model, lossfn, X, y, ["w"])["w"]
@@ -231,8 +232,8 @@ def test_every_extension_on_position_forms(kind, t, n, seed):
     used = {"nanogpt": "wpe.weight", "weight": "wpe.weight", "shape": "pos"}[kind]
     for name, p in model.named_parameters():  # (a parameter the forward does not use is refused)
         p.requires_grad_(name in ("tok.weight", "out.weight", used))
-    X = torch.randint(0, 4, (n, t), generator=torch.Generator().manual_seed(seed))
-    y = torch.randint(0, 3, (n,), generator=torch.Generator().manual_seed(seed + 1))
+    X = torch.randint(0, 4, (n, t), generator=seeded(seed))
+    y = torch.randint(0, 3, (n,), generator=seeded(seed + 1))
     lossfn = nn.CrossEntropyLoss()
     got = curvature(model, lossfn, exact_extensions(kflr=True))(X, y)
     assert_matches(got, reference(model, lossfn, X, y), kind)
@@ -263,8 +264,8 @@ def test_tied_embedding_gets_the_diagonal_block(v, d, n, approx, seed):
     empirical: per-sample gradients), for every ``kfac_approx``; the other parameters keep theirs."""
     torch.manual_seed(seed)
     model = Tied(v, d).to(DT)
-    X = torch.randint(0, v, (n, 2), generator=torch.Generator().manual_seed(seed))
-    y = torch.randint(0, v, (n, 2), generator=torch.Generator().manual_seed(seed + 1))
+    X = torch.randint(0, v, (n, 2), generator=seeded(seed))
+    y = torch.randint(0, v, (n, 2), generator=seeded(seed + 1))
     lossfn = nn.CrossEntropyLoss()
     got = curvature(model, lossfn, [KFLR(kfac_approx=approx), KFACEmpirical(kfac_approx=approx)])(X, y)
     (F,) = got["kflr"]["tok.weight"]

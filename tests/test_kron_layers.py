@@ -28,6 +28,7 @@ from curvlib.extensions import KFAC, KFACEmpirical, KFLR, KFRA, SqrtGGNMC
 from oracles import individual_gradients
 from oracles_second import ggn_block, loss_hessian_blocks
 from test_kfac_approx import input_factors, output_factors
+from on_device import seeded
 
 DT = torch.float64
 LOSSES = {"ce": nn.CrossEntropyLoss, "mse": nn.MSELoss}
@@ -35,7 +36,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated
 
 
 def _targets(loss: str, n: int, c: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     return torch.randint(0, c, (n,), generator=g) if loss == "ce" else torch.randn(n, c, generator=g, dtype=DT)
 
 
@@ -93,13 +94,13 @@ def test_kfac_exact_block_is_the_sampled_square_root():
     X, y = torch.randn((4,) + shape, dtype=DT), _targets("ce", 4, 3, 0)
     lossfn = nn.CrossEntropyLoss()
     for m in (1, 3):
-        kfac = curvature(model, lossfn, [KFAC(mc_samples=m, generator=torch.Generator().manual_seed(5))])(X, y)
-        sqrt = curvature(model, lossfn, [SqrtGGNMC(mc_samples=m, generator=torch.Generator().manual_seed(5))])(X, y)
+        kfac = curvature(model, lossfn, [KFAC(mc_samples=m, generator=seeded(5))])(X, y)
+        sqrt = curvature(model, lossfn, [SqrtGGNMC(mc_samples=m, generator=seeded(5))])(X, y)
         for name in ("1.weight", "1.bias"):
             S = sqrt["sqrt_ggn_mc"][name].reshape(-1, 6)
             _close(kfac["kfac"][name][0], S.T @ S, name)
     exact = curvature(model, lossfn, [KFLR()])(X, y)["kflr"]["1.weight"][0]
-    mc = curvature(model, lossfn, [KFAC(mc_samples=4000, generator=torch.Generator().manual_seed(1))])(X, y)
+    mc = curvature(model, lossfn, [KFAC(mc_samples=4000, generator=seeded(1))])(X, y)
     assert (mc["kfac"]["1.weight"][0] - exact).norm() < 0.08 * exact.norm()
 
 
@@ -188,7 +189,7 @@ def test_embedding_factors(v, d, n, positions, pad, loss, reduction, approx, see
     torch.manual_seed(seed)
     model = Tokens(v, d, pad, sequence=positions > 0).to(DT)
     shape = (n,) if positions == 0 else (n, positions)
-    X = torch.randint(0, v, shape, generator=torch.Generator().manual_seed(seed))
+    X = torch.randint(0, v, shape, generator=seeded(seed))
     y = _targets(loss, n, 3, seed)
     lossfn = LOSSES[loss](reduction=reduction)
     call = curvature(model, lossfn, [KFLR(kfac_approx=approx)])
@@ -212,7 +213,7 @@ def test_embedding_kfac_and_empirical():
     X, y = torch.randint(0, 5, (4, 3)), _targets("ce", 4, 3, 0)
     lossfn = nn.CrossEntropyLoss()
     exact = curvature(model, lossfn, [KFLR()])(X, y)["kflr"]["emb.weight"]
-    mc = curvature(model, lossfn, [KFAC(mc_samples=4000, generator=torch.Generator().manual_seed(0))])(X, y)
+    mc = curvature(model, lossfn, [KFAC(mc_samples=4000, generator=seeded(0))])(X, y)
     mc = mc["kfac"]["emb.weight"]
     _close(mc[0], exact[0])
     assert (mc[1] - exact[1]).norm() < 0.08 * exact[1].norm()

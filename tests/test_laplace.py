@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from on_device import seeded
 
 pytest.importorskip(
     "laplace",
@@ -219,7 +220,7 @@ def test_stochastic_ggn_is_reproducible_and_unbiased(likelihood):
 
     def backend(seed, samples):
         return CurvlibGGN(model, likelihood, stochastic=True, num_samples=samples,
-                          generator=torch.Generator().manual_seed(seed))
+                          generator=seeded(seed))
 
     close(backend(0, 3).diag(X, y)[1], backend(0, 3).diag(X, y)[1])
     H = backend(1, 4000).full(X, y)[1]

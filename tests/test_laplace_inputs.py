@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
+from on_device import seeded
 
 pytest.importorskip(
     "laplace",
@@ -167,7 +168,7 @@ def test_soft_labels_match_brute_force():
     """The logit Hessian of the cross-entropy does not depend on the targets: the GGN of
     soft labels is the GGN of hard ones; the gradients follow the probabilities."""
     X, y = data("classification")
-    probs = torch.softmax(torch.randn(N_DATA, C, dtype=DT, generator=torch.Generator().manual_seed(3)), 1)
+    probs = torch.softmax(torch.randn(N_DATA, C, dtype=DT, generator=seeded(3)), 1)
     ggn = CurvlibGGN(mlp(), "classification")
     G = brute_force_ggn(mlp(), X, y, "classification")
     close(ggn.full(X, probs)[1], G)

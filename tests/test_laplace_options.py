@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from on_device import seeded
 
 pytest.importorskip(
     "laplace",
@@ -110,7 +111,7 @@ def test_mc_samples_per_call_overrides_num_samples(method):
 
     def run(num_samples, **kwargs):
         backend = CurvlibGGN(mlp(), "classification", stochastic=True, num_samples=num_samples,
-                             generator=torch.Generator().manual_seed(4))
+                             generator=seeded(4))
         out = getattr(backend, method)(*ARGS[method](X, y), **kwargs)
         return out[1].to_matrix() if method == "kron" else out[1]
 
@@ -127,7 +128,7 @@ def test_more_mc_samples_approach_kflr(likelihood):
     exact = kron_matrix(CurvlibGGN(mlp(), likelihood).kron(X, y, N_DATA))
 
     def error(samples, seed):
-        backend = CurvlibGGN(mlp(), likelihood, stochastic=True, generator=torch.Generator().manual_seed(seed))
+        backend = CurvlibGGN(mlp(), likelihood, stochastic=True, generator=seeded(seed))
         return (kron_matrix(backend.kron(X, y, N_DATA, mc_samples=samples)) - exact).norm() / exact.norm()
 
     assert error(3000, 1) < 0.1
@@ -164,7 +165,7 @@ def test_kfac_approx_through_laplace_matches_curvlinops():
 def test_kfac_approx_with_weight_sharing_matches_curvlinops(model_fn, X, approx):
     """Where positions share a weight: laplace's default ('expand', as its curvlinops
     backend) and both approximations, from curvlib's KFLR(kfac_approx=...)."""
-    y = torch.randint(0, C, (5,), generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, C, (5,), generator=seeded(0))
     kw = {} if approx is None else {"kfac_approx": approx}
     loss, kron = CurvlibGGN(model_fn(), "classification").kron(X, y, 10, **kw)
     ref_loss, ref = CurvlinopsGGN(model_fn(), "classification").kron(X, y, 10, **kw)

@@ -18,6 +18,7 @@ from torch import nn
 from curvlib.losses import curvature_at, hessian_matvec, loss_spec, normaliser, sqrt_hessian
 
 from oracles_second import loss_hessian_blocks
+from on_device import seeded
 
 F64 = torch.float64
 
@@ -28,7 +29,7 @@ def option_cases(draw):
     kind = draw(st.sampled_from(["ce", "bce"]))
     n, k = draw(st.integers(1, 3)), draw(st.integers(1, 4))
     shape = (n, k) + tuple(draw(st.lists(st.integers(1, 3), max_size=2)))
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    gen = seeded(draw(st.integers(0, 2**16)))
     out = 2 * torch.randn(shape, generator=gen, dtype=F64)
     reduction = draw(st.sampled_from(["mean", "sum"]))
     low = -1.0 if reduction == "sum" and draw(st.booleans()) else 0.2  # negative weights: signed roots
@@ -92,7 +93,7 @@ def test_products_apply_loss_hessian(case, modify):
         evals, evecs = torch.linalg.eigh(H)
         evals = evals.clamp(min=0) if modify == "clip" else evals.abs()
         H = (evecs * evals.unsqueeze(1)) @ evecs.transpose(1, 2)
-    mat = torch.randn((3,) + tuple(out.shape), generator=torch.Generator().manual_seed(0), dtype=F64)
+    mat = torch.randn((3,) + tuple(out.shape), generator=seeded(0), dtype=F64)
     spec = loss_spec(lossfn)
     got = (hessian_matvec(spec, out, y, mat) if modify is None
            else curvature_at(spec, out, y).modified_matvec(mat, modify))
@@ -136,7 +137,7 @@ def test_sampled_roots_are_unbiased(case):
     """``Σ_m sign · s_m s_mᵀ`` -> ``H_n``: relative error ~ 1/√M; ignored positions get zero columns."""
     make, target = SAMPLED[case]
     lossfn = make()
-    gen = torch.Generator().manual_seed(4)
+    gen = seeded(4)
     out = torch.randn(3, 3, 2, generator=gen, dtype=F64)
     if target == "index":
         y = torch.tensor([[0, 1], [1, 2], [2, 0]])
@@ -147,7 +148,7 @@ def test_sampled_roots_are_unbiased(case):
     H = loss_hessian_blocks(lossfn, out, y)
     errs = {}
     for m in (200, 20000):
-        roots = curvature_at(loss_spec(lossfn), out, y).sampled_roots(m, torch.Generator().manual_seed(1))
+        roots = curvature_at(loss_spec(lossfn), out, y).sampled_roots(m, seeded(1))
         assert all(S.shape == (m,) + tuple(out.shape) for _, S in roots)
         errs[m] = float((signed_blocks(roots, 3, 6) - H).norm() / H.norm())
         if case == "ce options":  # y[0, 1] and y[1, 0] are ignored

@@ -29,6 +29,7 @@ from curvlib.extensions import (
 )
 
 from loss_checks import F64, assert_converges, check_exact, close, mc_errors, model_and_input
+from on_device import seeded
 
 
 # ----------------------------------------------------------------------------- problems
@@ -53,7 +54,7 @@ def ce_targets(out, target: str, ignore: str, ignore_class: int, gen):
 def ce_problems(draw):
     seq = draw(st.booleans())
     k, n = draw(st.integers(2, 3)), draw(st.integers(2, 4))
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    gen = seeded(draw(st.integers(0, 2**16)))
     model, X = model_and_input(seq, draw(st.integers(1, 3)), draw(st.integers(1, 3)), k, n,
                                draw(st.integers(1, 3)), draw(st.integers(1, 2)),
                                draw(st.sampled_from(["tanh", "sigmoid", "relu"])), gen)
@@ -82,7 +83,7 @@ def bce_weight(shape_kind: str, out_shape, gen):
 @st.composite
 def bce_problems(draw):
     seq = draw(st.booleans())
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    gen = seeded(draw(st.integers(0, 2**16)))
     model, X = model_and_input(seq, draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 3)),
                                draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(1, 2)),
                                draw(st.sampled_from(["tanh", "sigmoid", "relu"])), gen)
@@ -113,7 +114,7 @@ def test_bce_with_logits_options(problem):
 
 def test_ignored_samples_contribute_nothing():
     """A sample whose target is ``ignore_index`` has zero individual gradient and GGN terms."""
-    model, X = model_and_input(False, 3, 4, 3, 5, 1, 1, "tanh", torch.Generator().manual_seed(0))
+    model, X = model_and_input(False, 3, 4, 3, 5, 1, 1, "tanh", seeded(0))
     y = torch.tensor([0, 2, 1, 2, 0])
     lossfn = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 0.5, 2.0], dtype=F64), ignore_index=2, label_smoothing=0.2)
     qs = check_exact(model, lossfn, X, y)
@@ -125,7 +126,7 @@ def test_ignored_samples_contribute_nothing():
 def test_negative_class_weight_is_exact_and_refuses_the_square_root():
     """A negative class weight makes the loss concave for those targets: the GGN-linear
     quantities are exact (signed parts), its square root is refused naming the eigenvalue."""
-    model, X = model_and_input(False, 3, 4, 3, 4, 1, 1, "tanh", torch.Generator().manual_seed(1))
+    model, X = model_and_input(False, 3, 4, 3, 4, 1, 1, "tanh", seeded(1))
     y = torch.tensor([0, 1, 2, 1])
     lossfn = nn.CrossEntropyLoss(weight=torch.tensor([1.0, -0.5, 2.0], dtype=F64), reduction="sum")
     check_exact(model, lossfn, X, y, sqrt=False)
@@ -136,7 +137,7 @@ def test_negative_class_weight_is_exact_and_refuses_the_square_root():
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.int8, torch.uint8])
 def test_small_integer_targets(dtype):
-    model, X = model_and_input(True, 2, 3, 3, 3, 2, 1, "tanh", torch.Generator().manual_seed(2))
+    model, X = model_and_input(True, 2, 3, 3, 3, 2, 1, "tanh", seeded(2))
     y = torch.tensor([[0, 2], [1, 1], [2, 0]])
     lossfn = nn.CrossEntropyLoss(ignore_index=1, weight=torch.tensor([1.0, 0.5, 2.0], dtype=F64))
     exts = lambda: [BatchGrad(), DiagGGNExact(), KFLR()]  # noqa: E731
@@ -148,7 +149,7 @@ def test_small_integer_targets(dtype):
 
 
 def test_real_ignore_index_with_probabilities_refused_before_work():
-    model, X = model_and_input(False, 2, 3, 3, 2, 1, 1, "tanh", torch.Generator().manual_seed(3))
+    model, X = model_and_input(False, 2, 3, 3, 2, 1, 1, "tanh", seeded(3))
     y = torch.softmax(torch.randn(2, 3, dtype=F64), 1)
     with pytest.raises(CurvatureError, match=r"ignore_index=1\) with class probabilities"):
         curvature(model, nn.CrossEntropyLoss(ignore_index=1), [BatchGrad()])(X, y)
@@ -162,7 +163,7 @@ W3 = torch.tensor([1.5, 0.4, 0.9], dtype=F64)
 def fixed_problem(case: str, n: int = 4):
     """``(model, lossfn, X, y)``: CE with every option on ``[N, C]``, CE with probabilities on
     ``[N, C, D]``, BCE with ``weight`` and ``pos_weight``; targets of samples 1 and 2 ignored (CE)."""
-    gen = torch.Generator().manual_seed(5)
+    gen = seeded(5)
     model, X = model_and_input(case == "ce prob", 3, 4, 3, n, 2, 2, "tanh", gen)
     with torch.no_grad():
         out = model(X)

@@ -8,13 +8,14 @@ from torch import nn
 from curvlib.losses import hessian_matvec, loss_spec, reduction_factor, sqrt_hessian, sqrt_hessian_sampled
 
 from oracles_second import loss_hessian_blocks, loss_root
+from on_device import seeded
 
 LOSSES = {"mse": nn.MSELoss, "ce": nn.CrossEntropyLoss, "bce": nn.BCEWithLogitsLoss}
 
 
 def _case(kind, n, c, extra, seed, scale=2.0):
     """Logits ``[N, C, *extra]`` and targets for ``kind``."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     out = scale * torch.randn((n, c, *extra), generator=gen, dtype=torch.float64)
     if kind == "ce":
         y = torch.randint(0, c, (n, *extra), generator=gen)
@@ -60,7 +61,7 @@ def test_hessian_matvec(kind, reduction, n, c, extra, seed, v):
     """``hessian_matvec(mat)[v, n] = H_n mat[v, n]``."""
     lossfn = LOSSES[kind](reduction=reduction)
     out, y = _case(kind, n, c, extra, seed)
-    gen = torch.Generator().manual_seed(seed + 1)
+    gen = seeded(seed + 1)
     mat = torch.randn((v,) + tuple(out.shape), generator=gen, dtype=torch.float64)
     got = hessian_matvec(loss_spec(lossfn), out, y, mat)
     assert got.shape == mat.shape
@@ -84,7 +85,7 @@ def test_reduction_factor(kind, reduction):
 def _sampled_error(kind, reduction, n, c, extra, mc, seed):
     lossfn = LOSSES[kind](reduction=reduction)
     out, y = _case(kind, n, c, extra, 3, scale=1.0)
-    S = sqrt_hessian_sampled(loss_spec(lossfn), out, y, mc, torch.Generator().manual_seed(seed))
+    S = sqrt_hessian_sampled(loss_spec(lossfn), out, y, mc, seeded(seed))
     assert S.shape == (mc,) + tuple(out.shape)
     Sf = S.reshape(mc, n, -1)
     est = torch.einsum("vnc,vnd->ncd", Sf, Sf)
@@ -111,7 +112,7 @@ def test_sampled_root_mean_over_seeds(kind):
     acc = 0
     k = 4000
     for seed in range(k):
-        s = sqrt_hessian_sampled(spec, out, y, 1, torch.Generator().manual_seed(seed)).reshape(1, 2, -1)
+        s = sqrt_hessian_sampled(spec, out, y, 1, seeded(seed)).reshape(1, 2, -1)
         acc = acc + torch.einsum("vnc,vnd->ncd", s, s)
     H = loss_hessian_blocks(lossfn, out, y)
     assert ((acc / k - H).norm() / H.norm()).item() < 0.08
@@ -122,9 +123,9 @@ def test_sampled_root_reproducible_and_structured(kind):
     lossfn = LOSSES[kind](reduction="sum")
     out, y = _case(kind, 3, 4, [2], 0)
     spec = loss_spec(lossfn)
-    a = sqrt_hessian_sampled(spec, out, y, 7, torch.Generator().manual_seed(1))
-    b = sqrt_hessian_sampled(spec, out, y, 7, torch.Generator().manual_seed(1))
-    c = sqrt_hessian_sampled(spec, out, y, 7, torch.Generator().manual_seed(2))
+    a = sqrt_hessian_sampled(spec, out, y, 7, seeded(1))
+    b = sqrt_hessian_sampled(spec, out, y, 7, seeded(1))
+    c = sqrt_hessian_sampled(spec, out, y, 7, seeded(2))
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
     scale = (1 / 7) ** 0.5
@@ -156,7 +157,7 @@ def test_sampled_classes_follow_the_softmax():
     y = torch.tensor([0, 1])
     m = 40000
     spec = loss_spec(nn.CrossEntropyLoss(reduction="sum"))
-    S = sqrt_hessian_sampled(spec, out, y, m, torch.Generator().manual_seed(3))  # √(1/M)(p − onehot)
+    S = sqrt_hessian_sampled(spec, out, y, m, seeded(3))  # √(1/M)(p − onehot)
     p = torch.softmax(out, 1)
     onehot = p - S * m**0.5  # [M, N, K]
     assert torch.allclose(onehot, onehot.round(), atol=1e-9)

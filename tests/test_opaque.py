@@ -31,6 +31,7 @@ from loss_checks import assert_converges, mc_read, rel
 from oracles_all import assert_matches, exact_extensions, kflr_map, product_matrix, reference
 from oracles_pchmp import pchmp_blocks
 from oracles_second import ggn_per_sample, kron_input_factor
+from on_device import seeded
 
 # --------------------------------------------------------------------------- models
 
@@ -272,8 +273,8 @@ def test_monte_carlo_extensions_converge(case):
     exact = {"diag_ggn_mc": {k: G.sum(0).diagonal() for k, G in Gn.items()}, "sqrt_ggn_mc": Gn}
     errs = {key: {} for key in exact}
     for m in (1, 100, 10000):
-        exts = [DiagGGNMC(mc_samples=m, generator=torch.Generator().manual_seed(m)),
-                SqrtGGNMC(mc_samples=m, generator=torch.Generator().manual_seed(m + 1))]
+        exts = [DiagGGNMC(mc_samples=m, generator=seeded(m)),
+                SqrtGGNMC(mc_samples=m, generator=seeded(m + 1))]
         qs = _quiet_curvature(model, lossfn, exts)(X, y)
         qs["diag_ggn_mc"] = {k: v.flatten() for k, v in qs["diag_ggn_mc"].items()}
         for key in exact:

@@ -28,6 +28,7 @@ from curvlib import curvature
 from curvlib.extensions import BatchDiagHessian, DiagHessian, PCHMP
 
 from oracles_pchmp import hessian_blocks_autograd, pchmp_blocks
+from on_device import seeded
 
 DT = torch.float64
 RTOL = 1e-7
@@ -63,7 +64,7 @@ def check_pchmp(model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor, modif
 def _case(model: nn.Module, x_shape, loss: str, reduction: str, seed: int, freeze: str = "none"):
     """Random parameters (normalisations too), inputs and targets; ``freeze``: a
     parameter name suffix whose parameters are frozen."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     model = model.to(DT)
     with torch.no_grad():
         for name, p in model.named_parameters():

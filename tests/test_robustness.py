@@ -31,12 +31,13 @@ from helpers import _assert_same_state, state_snapshot
 from oracles import first_order_reference
 from oracles_all import assert_close, assert_matches, assert_same, exact_extensions, kflr_map, reference
 from oracles_second import kfra_reference
+from on_device import seeded
 
 DT = torch.float64
 
 
 def _data(n=5, d=3, seed=1, classes=2):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     return torch.randn(n, d, generator=g, dtype=DT), torch.randint(0, classes, (n,), generator=g)
 
 
@@ -257,7 +258,7 @@ def test_mapping_and_tuple_inputs(container):
     tensor_model = TensorNet().to(DT)
     tensor_model.load_state_dict(dict_model.state_dict())
     X, y = _data(5)
-    ids = torch.randint(0, 6, (5,), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 6, (5,), generator=seeded(2))
     inp = {"dict": lambda: {"x": X, "ids": ids}, "UserDict": lambda: UserDict(x=X, ids=ids),
            "tuple": lambda: (X, ids), "list": lambda: [X, ids]}[container]()
     Z = torch.cat([X, ids[:, None].to(DT)], 1)

@@ -20,6 +20,7 @@ import curvlib._chunking as chunking
 import curvlib._secondorder as so
 from curvlib import curvature
 from curvlib.extensions import BatchDiagGGNExact, BatchGrad, SqrtGGNExact, SqrtGGNMC
+from on_device import seeded
 
 
 class _Net(nn.Module):
@@ -48,7 +49,7 @@ def _problem(n=6, seed=0):
 
 
 def _exts():
-    return [SqrtGGNExact(), SqrtGGNMC(mc_samples=3, generator=torch.Generator().manual_seed(2))]
+    return [SqrtGGNExact(), SqrtGGNMC(mc_samples=3, generator=seeded(2))]
 
 
 def _roots(model, lossfn, X, y, **knobs):

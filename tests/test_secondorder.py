@@ -51,6 +51,7 @@ from oracles_second import (
     residual_block,
     trainable_names,
 )
+from on_device import seeded
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same'")
 
@@ -87,7 +88,7 @@ def targets(kind: str, out: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 def _data(model, X, loss, seed):
     with torch.no_grad():
         out = model(X)
-    return targets(loss, out, torch.Generator().manual_seed(seed + 7))
+    return targets(loss, out, seeded(seed + 7))
 
 
 # ----------------------------------------------------------------------------- the check
@@ -136,7 +137,7 @@ def check_second_order(
         c = model(X)[0].numel()
     names = trainable_names(model)
     params = detached_params(model)
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     for ext in exts:
         assert list(qs[ext.name]) == names, f"{ext.name}: keys {list(qs[ext.name])} != {names}"
     for name in names:
@@ -237,7 +238,7 @@ def test_mlp(mlp, n, loss, reduction, modify, seed):
     torch.manual_seed(seed)
     model, i = mlp
     model = model.double()
-    X = torch.randn(n, i, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    X = torch.randn(n, i, generator=seeded(seed), dtype=torch.float64)
     y = _data(model, X, loss, seed)
     check_second_order(
         model, LOSSES[loss](reduction=reduction), X, y, modify=modify, kflr=_linear_kflr_map(model), seed=seed
@@ -310,7 +311,7 @@ def test_kfra_mlp(mlp, n, loss, reduction, seed):
     torch.manual_seed(seed)
     model, i = mlp
     model = model.double()
-    X = torch.randn(n, i, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    X = torch.randn(n, i, generator=seeded(seed), dtype=torch.float64)
     y = _data(model, X, loss, seed)
     _check_kfra(model, LOSSES[loss](reduction=reduction), X, y)
 
@@ -412,7 +413,7 @@ def cnns(draw, dims=(1, 2, 3)):
 def test_cnn(cnn, n, loss, reduction, seed):
     torch.manual_seed(seed)
     model, shape, groups = cnn
-    X = torch.randn((n,) + shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    X = torch.randn((n,) + shape, generator=seeded(seed), dtype=torch.float64)
     y = _data(model, X, loss, seed)
     lossfn = LOSSES[loss](reduction=reduction)
     if groups == 1:  # KFLR of the conv (all options, padding modes) and of the head
@@ -593,7 +594,7 @@ def conv_transposes(draw):
 def test_conv_transpose(net, n, loss, reduction, seed):
     torch.manual_seed(seed)
     model, shape = net
-    X = torch.randn((n,) + shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    X = torch.randn((n,) + shape, generator=seeded(seed), dtype=torch.float64)
     y = _data(model, X, loss, seed)
     check_second_order(model, LOSSES[loss](reduction=reduction), X, y, seed=seed)
 
@@ -621,7 +622,7 @@ def _randomise_bn(bn: nn.Module, gen: torch.Generator) -> None:
 )
 def test_batchnorm_eval(conv, affine, act, n, loss, reduction, seed):
     torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     if conv:
         bn = nn.BatchNorm2d(2, affine=affine)
         model = nn.Sequential(nn.Conv2d(1, 2, 2), bn, ACTS[act](), nn.Flatten(), nn.Linear(2 * 2 * 2, 2))
@@ -662,7 +663,7 @@ class MeanEmbedding(nn.Module):
 def test_embedding(n, s, v, d, pad, loss, reduction, seed):
     """Repeated indices within a sample (small vocabulary), optionally a padding index."""
     torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     model = MeanEmbedding(v, d, 2, padding_idx=0 if pad else None).double()
     X = torch.randint(0, v, (n, s), generator=gen)
     y = _data(model, X, loss, seed)
@@ -726,7 +727,7 @@ def test_recurrent_ggn(kind, n, t, h, layers, batch_first, bidirectional, loss, 
     """GGN family (+ HMP by the re-run forward) on RNN/LSTM/GRU models."""
     torch.manual_seed(seed)
     model = RecurrentNet(kind, 2, h, 2, layers, batch_first, bidirectional).double()
-    X = torch.randn(n, t, 2, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    X = torch.randn(n, t, 2, generator=seeded(seed), dtype=torch.float64)
     y = _data(model, X, loss, seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -774,7 +775,7 @@ MC_SIZES = (1, 100, 10000)
 def _tiny(loss):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3)).double()
-    X = torch.randn(4, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    X = torch.randn(4, 3, generator=seeded(1), dtype=torch.float64)
     y = _data(model, X, loss, 1)
     return model, LOSSES[loss](), X, y
 
@@ -789,7 +790,7 @@ def _errors(ext_cls, loss, read, exact, seed=0):
     model, lossfn, X, y = _tiny(loss)
     errs = {}
     for m in MC_SIZES:
-        ext = ext_cls(mc_samples=m, generator=torch.Generator().manual_seed(seed))
+        ext = ext_cls(mc_samples=m, generator=seeded(seed))
         qs = curvature(model, lossfn, [ext])(X, y)
         errs[m] = _rel(read(qs[ext.name]), exact)
     return errs
@@ -865,7 +866,7 @@ def test_mc_reproducible_with_generator(ext_cls):
     model, lossfn, X, y = _tiny("ce")
 
     def run(seed):
-        ext = ext_cls(mc_samples=3, generator=torch.Generator().manual_seed(seed))
+        ext = ext_cls(mc_samples=3, generator=seeded(seed))
         return curvature(model, lossfn, [ext])(X, y)[ext.name]
 
     a, b, c = run(5), run(5), run(6)
@@ -884,7 +885,7 @@ def test_mc_sample_mean_matches_exact_diag(loss):
     k = 300
     acc = {n: 0 for n in exact}
     for seed in range(k):
-        r = curvature(model, lossfn, [DiagGGNMC(mc_samples=10, generator=torch.Generator().manual_seed(seed))])(X, y)
+        r = curvature(model, lossfn, [DiagGGNMC(mc_samples=10, generator=seeded(seed))])(X, y)
         for n_ in exact:
             acc[n_] = acc[n_] + r["diag_ggn_mc"][n_] / k
     assert _rel(acc, exact) < 0.1
@@ -1145,7 +1146,7 @@ def test_matches_backpack(which, loss, reduction):
     from backpack import extensions as bx
 
     model, shape = _backpack_models()[which]
-    X = torch.randn((5,) + shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    X = torch.randn((5,) + shape, generator=seeded(1), dtype=torch.float64)
     y = _data(model, X, loss, 1)
     lossfn = LOSSES[loss](reduction=reduction)
     pairs = [
@@ -1237,7 +1238,7 @@ def test_chunk_size_gives_identical_results(chunk_size, auto_bytes, monkeypatch)
     X = torch.randn(4, 3, dtype=torch.float64)
     y = torch.randint(0, 3, (4,))
     exts = lambda: [DiagGGNExact(), BatchDiagGGNExact(), SqrtGGNExact(), KFLR(), DiagHessian(), BatchDiagHessian(),  # noqa: E731
-                    DiagGGNMC(mc_samples=5, generator=torch.Generator().manual_seed(1))]
+                    DiagGGNMC(mc_samples=5, generator=seeded(1))]
     whole = curvature(model, nn.CrossEntropyLoss(), exts(), chunk_size=None)(X, y)
     chunked = curvature(model, nn.CrossEntropyLoss(), exts(), chunk_size=chunk_size)(X, y)
     for key in ("diag_ggn_exact", "diag_ggn_exact_batch", "sqrt_ggn_exact", "diag_h", "diag_h_batch", "diag_ggn_mc"):
@@ -1288,7 +1289,7 @@ def test_sqrt_columns_loop_equals_vmap(monkeypatch):
     model = nn.Sequential(nn.Conv1d(2, 3, 3), nn.Tanh(), nn.Linear(4, 3), nn.Flatten(), nn.Linear(9, 3)).double()
     X = torch.randn(5, 2, 6, dtype=torch.float64)
     y = torch.randint(0, 3, (5,))
-    exts = lambda: [SqrtGGNExact(), SqrtGGNMC(mc_samples=3, generator=torch.Generator().manual_seed(2))]  # noqa: E731
+    exts = lambda: [SqrtGGNExact(), SqrtGGNMC(mc_samples=3, generator=seeded(2))]  # noqa: E731
     looped = curvature(model, nn.CrossEntropyLoss(), exts())(X, y)
     monkeypatch.setattr(so, "LOOP_SQRT_COLUMNS", False)
     vmapped = curvature(model, nn.CrossEntropyLoss(), exts())(X, y)

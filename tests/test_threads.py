@@ -28,6 +28,7 @@ from curvlib.extensions import (
 )
 
 from helpers import _assert_same_state, state_snapshot
+from on_device import seeded
 
 DT = torch.float64
 THREADS, CALLS = 4, 12
@@ -96,7 +97,7 @@ def _hammer(call, expected: dict, calls: int = CALLS) -> None:
 
 
 def _vectors(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     return {n: torch.randn((2,) + tuple(p.shape), generator=g, dtype=DT) for n, p in model.named_parameters()}
 
 
@@ -105,7 +106,7 @@ def test_hessian_family_and_products_in_threads():
     BatchDiagHessian, GGNMP, PCHMP, HMP and the GGN family."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), Scale(5), nn.Linear(5, 4), nn.GELU(), nn.Linear(4, 3)).to(DT)
-    g = torch.Generator().manual_seed(1)
+    g = seeded(1)
     data = [(torch.randn(4, 3, generator=g, dtype=DT), torch.randint(0, 3, (4,), generator=g)) for _ in range(3)]
     exts = [DiagHessian(), BatchDiagHessian(), GGNMP(), PCHMP(), HMP(), DiagGGNExact(), SqrtGGNExact(), BatchGrad()]
     f = curvature(model, nn.CrossEntropyLoss(), exts)
@@ -120,7 +121,7 @@ def test_dense_residual_in_threads():
     """LayerNorm's dense per-sample residual (torch.func.hessian: forward over reverse)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3, elementwise_affine=False), nn.Linear(3, 2)).to(DT)
-    g = torch.Generator().manual_seed(1)
+    g = seeded(1)
     data = [(torch.randn(4, 3, generator=g, dtype=DT), torch.randn(4, 2, generator=g, dtype=DT)) for _ in range(2)]
     f = curvature(model, nn.MSELoss(), [DiagHessian()])
     expected = [_evaluate(f(X, y), {}) for X, y in data]
@@ -150,7 +151,7 @@ def test_dropout_with_generators_in_threads():
         V = _vectors(model)
 
         def call(i):
-            return _evaluate(f(X, y, generator=torch.Generator().manual_seed(100 + i)), V)
+            return _evaluate(f(X, y, generator=seeded(100 + i)), V)
 
         expected = [call(i) for i in range(4)]
         assert not torch.equal(expected[0]["grad[0.weight]"], expected[1]["grad[0.weight]"])
@@ -168,7 +169,7 @@ def test_untraced_model_in_threads():
         before = state_snapshot(model)
 
         def call(i):
-            return _evaluate(f(X, y, generator=torch.Generator().manual_seed(i)), {})
+            return _evaluate(f(X, y, generator=seeded(i)), {})
 
         expected = [call(i) for i in range(3)]
         _hammer(call, expected)

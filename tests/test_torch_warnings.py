@@ -2,12 +2,16 @@
 which scripts jvp decompositions and warns that ``torch.jit.script`` is deprecated).
 Run in a fresh process: the set-up happens once per process."""
 
+import os
 import subprocess
 import sys
 
 SCRIPT = r"""
+import os
 import warnings
 import torch
+if os.environ.get("CURVLIB_TEST_DEVICE"):  # the test device, as conftest sets it
+    torch.set_default_device(os.environ["CURVLIB_TEST_DEVICE"])
 from torch import nn
 from curvlib import curvature
 from curvlib.extensions import DiagHessian, HMP
@@ -25,6 +29,6 @@ print("\n".join(f"{w.category.__name__}: {w.message}" for w in caught))
 
 
 def test_no_torch_warnings_in_a_forward_mode_call():
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, env=os.environ)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", out.stdout

@@ -12,6 +12,7 @@ from curvlib.extensions import HMP, KFLR, BatchGrad, BatchL2Grad, DiagGGNExact, 
 
 from helpers import check_first_order
 from oracles import assert_close_dicts, first_order_reference
+from on_device import seeded
 
 DT = torch.float64
 
@@ -22,7 +23,7 @@ def _mlp(seed=0):
 
 
 def _data(n=5, seed=1):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     return torch.randn(n, 4, generator=g, dtype=DT), torch.randint(0, 3, (n,), generator=g)
 
 

@@ -28,6 +28,7 @@ from curvlib.extensions import BatchGrad, BatchL2Grad, DiagGGNExact, KFAC, SumGr
 
 from helpers import _assert_same_state, check_first_order, state_snapshot
 from oracles import assert_close_dicts, first_order_reference
+from on_device import seeded
 
 WANTED = ("grad_batch", "batch_l2", "sum_grad_squared", "variance")
 LOSSES = [
@@ -199,7 +200,7 @@ class _Double(nn.Module):
 )
 def test_branch_on_value(sign, n, loss, seed):
     torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     model = BranchOnValue().double()
     X = sign * (torch.rand(n, 3, generator=gen, dtype=torch.float64) + 0.1)
     lossfn = LOSSES[loss]()
@@ -212,7 +213,7 @@ def test_branch_on_value(sign, n, loss, seed):
 @given(steps=st.integers(0, 3), n=st.integers(1, 4), seed=st.integers(0, 2**16))
 def test_loop_count_from_item_shared_module(steps, n, seed):
     torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     model = LoopFromItem().double()
     X = torch.randn(n, 3, generator=gen, dtype=torch.float64)
     X[:, -1] = float(steps)
@@ -223,7 +224,7 @@ def test_loop_count_from_item_shared_module(steps, n, seed):
 @given(n=st.integers(1, 3), seed=st.integers(0, 2**16), rank3=st.booleans())
 def test_shape_branch_conv_bn_nested_tied(n, seed, rank3):
     torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     model = ShapeBranchConvNet().double()
     with torch.no_grad():
         model.bn.running_mean.uniform_(-0.5, 0.5)

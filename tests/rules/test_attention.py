@@ -27,6 +27,7 @@ from curvlib import curvature
 from curvlib.extensions import KFLR
 
 from oracles_all import assert_matches, exact_extensions, reference
+from on_device import seeded
 
 DT = torch.float64
 CE = nn.CrossEntropyLoss()
@@ -166,7 +167,7 @@ def test_transformer_encoder_tied_padding(n, t, heads, layers, norm_first, activ
     act = torch.tanh if activation == "callable" else activation
     vocab, e = 5, 4
     model = Encoder(vocab, e, heads, layers, t, norm_first, act, batch_first, final_norm).to(DT).eval()
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     X = _tokens(n, t, vocab, gen)
     y = torch.randint(0, vocab, (n, t), generator=gen)
     check_all(model, X, y, lossfn=_FlatCE())
@@ -385,8 +386,8 @@ def test_diag_ggn_mc_attention():
     exact = {"diag_ggn_mc": {k: v.sum(0) for k, v in per.items()}, "diag_ggn_mc_batch": per}
     errors = {}
     for m in (100, 10000):
-        exts = [DiagGGNMC(mc_samples=m, generator=torch.Generator().manual_seed(1)),
-                BatchDiagGGNMC(mc_samples=m, generator=torch.Generator().manual_seed(2))]
+        exts = [DiagGGNMC(mc_samples=m, generator=seeded(1)),
+                BatchDiagGGNMC(mc_samples=m, generator=seeded(2))]
         qs = curvature(model, CE, exts)(X, y)
         for key, want in exact.items():
             num = sum(float(((qs[key][k] - w) ** 2).sum()) for k, w in want.items())

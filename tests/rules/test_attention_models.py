@@ -15,6 +15,7 @@ from curvlib.extensions import BatchDiagGGNExact, BatchGrad, DiagGGNExact, DiagH
 
 from oracles_all import assert_close, assert_matches, exact_extensions, product_matrix, reference
 from rules.test_attention import CE, DT, check_all
+from on_device import seeded
 
 
 class Seq2Seq(nn.Module):
@@ -102,8 +103,8 @@ class MaskedTwin(nn.Module):
 def _noise(shape, p, seed):
     """curvlib's documented masks (:mod:`curvlib._dropout`, reproduced as in ``test_dropout``): one
     seed ``randint(0, 2**62)`` from the call's generator, then ``bernoulli(1 − p)`` per dropout node."""
-    call_seed = int(torch.randint(0, 2**62, (1,), generator=torch.Generator().manual_seed(seed)).item())
-    return torch.empty(shape, dtype=DT).bernoulli_(1 - p, generator=torch.Generator().manual_seed(call_seed))
+    call_seed = int(torch.randint(0, 2**62, (1,), generator=seeded(seed)).item())
+    return torch.empty(shape, dtype=DT).bernoulli_(1 - p, generator=seeded(call_seed))
 
 
 @pytest.mark.filterwarnings("ignore:The model has dropout in training mode")
@@ -116,7 +117,7 @@ def test_attention_dropout_matches_the_masked_oracle(heads, seed):
     n, t, e, p = 2, 3, 4, 0.4
     model = DropMHA(e, heads, p).to(DT).train()
     X, y = torch.randn(n, t, e, dtype=DT), torch.randint(0, 3, (n,))
-    qs = curvature(model, CE, exact_extensions())(X, y, generator=torch.Generator().manual_seed(seed))
+    qs = curvature(model, CE, exact_extensions())(X, y, generator=seeded(seed))
     twin = MaskedTwin(model, t).to(DT)
     packed = torch.cat([X.flatten(1), _noise((n, heads, t, t), p, seed).flatten(1)], 1)
     ref = reference(twin, CE, packed, y, pchmp=False)
@@ -140,9 +141,9 @@ def test_encoder_layer_dropout_consistent_in_one_call(norm_first):
     model = nn.Sequential(layer, nn.Flatten(), nn.Linear(12, 3)).to(DT).train()
     X, y = torch.randn(3, 3, 4, dtype=DT), torch.randint(0, 3, (3,))
     f = curvature(model, CE, [BatchGrad(), DiagGGNExact(), BatchDiagGGNExact(), DiagHessian(), GGNMP(), HMP()])
-    qs = f(X, y, generator=torch.Generator().manual_seed(5))
-    again = f(X, y, generator=torch.Generator().manual_seed(5))
-    other = f(X, y, generator=torch.Generator().manual_seed(6))
+    qs = f(X, y, generator=seeded(5))
+    again = f(X, y, generator=seeded(5))
+    other = f(X, y, generator=seeded(6))
     assert not torch.allclose(qs["loss"], CE(copy.deepcopy(model).eval()(X), y))  # the masks are active
     assert torch.equal(again["loss"], qs["loss"]) and not torch.equal(other["loss"], qs["loss"])
     for name, p in model.named_parameters():

@@ -11,6 +11,7 @@ from curvlib import CurvatureError, curvature
 from curvlib.extensions import BatchGrad, BatchL2Grad
 
 from helpers import check_first_order, state_snapshot, _assert_same_state
+from on_device import seeded
 
 BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
 LOSSES = {"mse": nn.MSELoss, "ce": nn.CrossEntropyLoss}
@@ -48,7 +49,7 @@ def test_batchnorm_eval(n, spatial, c, affine, freeze_bias, loss, reduction, see
     With ``affine=False`` the BatchNorm has no parameters; the layers around it
     must still be right.
     """
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     torch.manual_seed(seed)
     bn = BN[max(len(spatial), 1)](c, affine=affine).double()
     _randomise(bn, gen)
@@ -87,7 +88,7 @@ def test_batchnorm_batch_not_in_dim0():
             h = self.bn(x.transpose(0, 2)).transpose(0, 2)
             return self.fc(h.flatten(1))
 
-    gen = torch.Generator().manual_seed(1)
+    gen = seeded(1)
     model = LastBatch().double()
     _randomise(model.bn, gen)
     model.eval()

@@ -12,6 +12,7 @@ from curvlib import CurvatureError, curvature
 from curvlib.extensions import BatchGrad
 from curvlib.rules import conv as conv_rule
 from helpers import check_first_order, check_ggn_columns
+from on_device import seeded
 
 LOSSES = {"mse": nn.MSELoss, "ce": nn.CrossEntropyLoss, "bce": nn.BCEWithLogitsLoss}
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
@@ -81,7 +82,7 @@ def conv_configs(draw, dims=(1, 2, 3)):
 
 def _model_and_data(d, kwargs, spatial, n, seed, head):
     torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     conv = CONV[d](**kwargs)
     X = torch.randn((n, kwargs["in_channels"], *spatial), generator=gen, dtype=torch.float64)
     with torch.no_grad():
@@ -117,7 +118,7 @@ def test_conv_all_options(config, n, head, loss, reduction, seed):
 def test_two_convs_and_linear_head(config, n, loss, seed):
     d, kwargs, spatial = config
     torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     first = CONV[d](**kwargs)
     second = CONV[d](kwargs["out_channels"], 3, kernel_size=1, stride=1, padding=1, padding_mode="replicate")
     X = torch.randn((n, kwargs["in_channels"], *spatial), generator=gen, dtype=torch.float64)

@@ -8,6 +8,7 @@ from torch import nn
 from curvlib import CurvatureError, curvature
 from curvlib.extensions import BatchGrad
 from helpers import check_first_order, check_ggn_columns
+from on_device import seeded
 
 LOSSES = {"mse": nn.MSELoss, "ce": nn.CrossEntropyLoss, "bce": nn.BCEWithLogitsLoss}
 CONV_T = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
@@ -93,7 +94,7 @@ class WithOutputSize(nn.Module):
 def test_conv_transpose_all_options(config, n, head, use_output_size, loss, reduction, seed):
     d, kwargs, spatial, extra = config
     torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     if use_output_size:
         kwargs = {**kwargs, "output_padding": 0}
     up = CONV_T[d](**kwargs).double()

@@ -12,6 +12,7 @@ from curvlib import curvature
 from curvlib.extensions import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 
 from helpers import check_first_order, state_snapshot, _assert_same_state
+from on_device import seeded
 
 LOSSES = {"mse": nn.MSELoss, "ce": nn.CrossEntropyLoss}
 
@@ -50,7 +51,7 @@ def test_embedding(n, s, v, d, pad, head, loss, reduction, seed):
     within a sample), with or without ``padding_idx`` (which then occurs)."""
     if pad is not None and not -v <= pad < v:
         pad = pad % v
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     torch.manual_seed(seed)
     emb = nn.Embedding(v, d, padding_idx=pad)
     with torch.no_grad():  # the padding row need not stay zero; its gradient must
@@ -75,7 +76,7 @@ def test_embedding_sparse_same_as_dense():
 
     (The oracle cannot square sparse gradients, so the dense twin is checked against it.)
     """
-    gen = torch.Generator().manual_seed(4)
+    gen = seeded(4)
     torch.manual_seed(4)
     dense = nn.Sequential(nn.Embedding(5, 3, padding_idx=2), nn.Flatten(), nn.Linear(9, 2)).double()
     sparse = copy.deepcopy(dense)
@@ -97,7 +98,7 @@ def test_embedding_sparse_same_as_dense():
 
 def test_embedding_many_repeats_and_padding():
     """Long sequences over a tiny vocabulary: every (sample, index) pair repeats."""
-    gen = torch.Generator().manual_seed(3)
+    gen = seeded(3)
     torch.manual_seed(3)
     model = MeanOverPositions(nn.Embedding(3, 2, padding_idx=1), 2).double()
     X = torch.randint(0, 3, (4, 17), generator=gen)
@@ -118,7 +119,7 @@ def test_embedding_tied_to_output_layer():
         def forward(self, idx):  # [N, S] -> [N, V, S]
             return self.out(torch.tanh(self.emb(idx))).movedim(-1, 1)
 
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     torch.manual_seed(0)
     model = TinyLM().double()
     X = torch.randint(0, 5, (3, 4), generator=gen)
@@ -138,7 +139,7 @@ def test_embedding_batch_not_in_dim0():
             h = self.emb(idx.t())  # [S, N, D]
             return self.fc(h.transpose(0, 1).flatten(1))
 
-    gen = torch.Generator().manual_seed(2)
+    gen = seeded(2)
     torch.manual_seed(2)
     model = TimeMajor().double()
     X = torch.randint(0, 4, (5, 3), generator=gen)

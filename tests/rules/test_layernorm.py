@@ -24,6 +24,7 @@ from curvlib.extensions import (
 from helpers import check_first_order
 from oracles_second import hessian_block, hessian_per_sample
 from test_secondorder import check_second_order
+from on_device import seeded
 
 LOSSES = {"mse": nn.MSELoss, "ce": nn.CrossEntropyLoss, "bce": nn.BCEWithLogitsLoss}
 
@@ -90,7 +91,7 @@ class LeadingNet(nn.Module):
 )
 def test_layernorm_first_order(n, extra, ns, affine, bias, eps, freeze, loss, reduction, seed):
     """Any leading dims, one or two normalised dims, affine/bias on and off, frozen parts."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     torch.manual_seed(seed)
     norm = _layernorm(tuple(ns), affine, bias, eps)
     model = LeadingNet(extra, ns, 3, norm).double()
@@ -117,7 +118,7 @@ def test_layernorm_batch_not_in_dim0(batch_dim):
             h = self.norm(x.movedim(0, batch_dim)).movedim(batch_dim, 0)
             return self.head(torch.sin(h).flatten(1))
 
-    gen = torch.Generator().manual_seed(batch_dim)
+    gen = seeded(batch_dim)
     model = SeqFirst().double()
     _randomise(model.norm, gen)
     X = torch.randn(5, 3, 2, 4, generator=gen, dtype=torch.float64)
@@ -130,7 +131,7 @@ def test_layernorm_batch_not_in_dim0(batch_dim):
 def test_groupnorm_ggn_1d_3d(spatial):
     """GroupNorm on ``[N, C, L]`` and ``[N, C, D, H, W]`` inputs, GGN family."""
     torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(3)
+    gen = seeded(3)
     model = GroupNet(4, spatial, 2, nn.GroupNorm(2, 4)).double()
     _randomise(model.norm, gen)
     X = torch.randn((3, 4, *spatial), generator=gen, dtype=torch.float64)
@@ -142,7 +143,7 @@ def test_layernorm_float32():
     """float32: the loss is the module's to rounding; the norms match the individual gradients."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 6), nn.LayerNorm(6), nn.Linear(6, 3))
-    _randomise(model[1], torch.Generator().manual_seed(0))
+    _randomise(model[1], seeded(0))
     X, y = torch.randn(7, 5), torch.randint(0, 3, (7,))
     qs = curvature(model, nn.CrossEntropyLoss(), [BatchGrad(), BatchL2Grad(), SumGradSquared()])(X, y)
     torch.testing.assert_close(qs["loss"], nn.CrossEntropyLoss()(model(X), y), rtol=1e-6, atol=0)
@@ -203,7 +204,7 @@ class GroupNet(nn.Module):
 )
 def test_groupnorm_first_order(n, groups, per_group, spatial, affine, eps, freeze, loss, reduction, seed):
     """Groups of one channel (instance norm) up to one group (layer norm over C, *S)."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     torch.manual_seed(seed)
     c = groups * per_group
     if per_group == 1 and torch.Size(spatial).numel() == 1:
@@ -240,7 +241,7 @@ def test_groupnorm_wrong_channels_refused():
 def test_layernorm_ggn(n, d, extra, bias, loss, reduction, seed):
     """Linear -> LayerNorm -> GELU -> (flatten) -> Linear: GGN family, square root, GGNMP, HMP."""
     torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     layers = [nn.Linear(2, d), _layernorm((d,), True, bias, 1e-5), nn.GELU()]
     if extra:
         layers.append(nn.Flatten())
@@ -248,7 +249,7 @@ def test_layernorm_ggn(n, d, extra, bias, loss, reduction, seed):
     model = nn.Sequential(*layers).double()
     _randomise(model[1], gen)
     X = torch.randn((n, *extra, 2), generator=gen, dtype=torch.float64)
-    y = _targets(loss, model(X), torch.Generator().manual_seed(seed + 1))
+    y = _targets(loss, model(X), seeded(seed + 1))
     check_second_order(model, LOSSES[loss](reduction=reduction), X, y, hessian=False, hmp=True, seed=seed)
 
 
@@ -262,13 +263,13 @@ def test_layernorm_ggn(n, d, extra, bias, loss, reduction, seed):
 def test_groupnorm_ggn(n, groups, loss, reduction, seed):
     """Conv2d -> GroupNorm -> ReLU -> Flatten -> Linear."""
     torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     model = nn.Sequential(
         nn.Conv2d(1, 4, 2), nn.GroupNorm(groups, 4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 2 * 2, 2)
     ).double()
     _randomise(model[1], gen)
     X = torch.randn(n, 1, 3, 3, generator=gen, dtype=torch.float64)
-    y = _targets(loss, model(X), torch.Generator().manual_seed(seed + 1))
+    y = _targets(loss, model(X), seeded(seed + 1))
     check_second_order(model, LOSSES[loss](reduction=reduction), X, y, hessian=False, hmp=True, seed=seed)
 
 
@@ -297,7 +298,7 @@ class Block(nn.Module):
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_transformer_block_first_order(loss, reduction):
     torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(1)
+    gen = seeded(1)
     model = Block(4, 3).double()
     for ln in (model.ln1, model.ln2, model.ln_f):
         _randomise(ln, gen)
@@ -310,7 +311,7 @@ def test_transformer_block_first_order(loss, reduction):
 @pytest.mark.parametrize("loss", ["mse", "ce"])
 def test_transformer_block_ggn(loss):
     torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(2)
+    gen = seeded(2)
     model = Block(2, 2).double()
     for ln in (model.ln1, model.ln2, model.ln_f):
         _randomise(ln, gen)
@@ -333,7 +334,7 @@ def test_shared_layernorm():
             return self.head(self.norm(torch.tanh(self.fc(self.norm(x)))))
 
     torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     model = Twice().double()
     _randomise(model.norm, gen)
     X, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
@@ -392,7 +393,7 @@ def test_hessian_family_refused_or_exact(norm, ext_cls):
     torch.manual_seed(0)
     layer = nn.LayerNorm(4) if norm == "layernorm" else nn.GroupNorm(2, 4)
     model = nn.Sequential(OrderedDict(fc=nn.Linear(3, 4), norm=layer, out=nn.Linear(4, 2))).double()
-    _randomise(layer, torch.Generator().manual_seed(0))
+    _randomise(layer, seeded(0))
     X, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
     lossfn = nn.MSELoss()
     ext = ext_cls() if ext_cls is not PCHMP else PCHMP(modify="abs")
@@ -421,7 +422,7 @@ def test_ggn_diag_matches_generic_rule():
             return super().forward(x)
 
     torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     fast = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Tanh(), nn.Linear(4, 2)).double()
     slow = nn.Sequential(nn.Linear(3, 4), MyLN(4), nn.Tanh(), nn.Linear(4, 2)).double()
     _randomise(fast[1], gen)

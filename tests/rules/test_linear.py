@@ -5,6 +5,7 @@ from hypothesis import given, strategies as st
 from torch import nn
 
 from helpers import check_first_order
+from on_device import seeded
 
 
 def _targets(kind, out, gen):
@@ -29,7 +30,7 @@ LOSSES = {"mse": nn.MSELoss, "ce": nn.CrossEntropyLoss, "bce": nn.BCEWithLogitsL
     seed=st.integers(0, 2**16),
 )
 def test_linear_any_leading_dims(n, extra, i, o, bias, loss, reduction, seed):
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(i, 3, bias=bias), nn.Sigmoid(), nn.Linear(3, o, bias=bias)).double()
     X = torch.randn((n, *extra, i), generator=gen, dtype=torch.float64)
@@ -88,7 +89,7 @@ def test_linear_over_positions_gradient_summed_from_individual_ones(n, positions
     ``grad`` (``Σ_n g_n``) instead of the product ``gᵀx``: both paths against the oracle."""
     from curvlib.extensions import BatchGrad, BatchL2Grad
 
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     model = nn.Sequential(nn.Linear(i, 3, bias=bias), nn.Tanh(), nn.Linear(3, o, bias=bias)).double()
     X = torch.randn(n, positions, i, generator=gen, dtype=torch.float64)
     y = torch.randn(n, positions, o, generator=gen, dtype=torch.float64)

@@ -12,6 +12,7 @@ from curvlib.rules import rnn as rnn_rule
 from curvlib.rules._site import Recorder
 
 from helpers import check_first_order
+from on_device import seeded
 
 # kind -> (module class, extra constructor arguments)
 KINDS = {
@@ -103,7 +104,7 @@ class Net(nn.Module):
 
 
 def _data(model, n, t, i, loss, seed):
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     X = torch.randn(n, t, i, generator=gen, dtype=torch.float64)
     out = model(X)
     if loss == "ce":

@@ -31,6 +31,7 @@ from curvlib import curvature
 from curvlib.extensions import PCHMP, BatchDiagHessian, DiagHessian
 
 from oracles_pchmp import pchmp_blocks
+from on_device import seeded
 
 DT = torch.float64
 RTOL = 1e-7
@@ -189,7 +190,7 @@ def _case(kind, n, t, i, h, layers, bias, batch_first, bidirectional, init, read
     if kind == "lstm_proj":
         h = max(h, 2)
     model = Net(kind, i, h, 2, layers, bias, batch_first, bidirectional, init, readout).to(DT)
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     X = torch.randn(n, t, i, generator=gen, dtype=DT)
     with torch.no_grad():
         out = model(X)
@@ -293,7 +294,7 @@ def test_module_applied_to_its_own_output(kind, twice, seed):
 
     torch.manual_seed(seed)
     model = Chain().to(DT)
-    X = torch.randn(2, 3, 2, dtype=DT, generator=torch.Generator().manual_seed(seed))
+    X = torch.randn(2, 3, 2, dtype=DT, generator=seeded(seed))
     y = torch.tensor([0, 1])
     lossfn = nn.CrossEntropyLoss()
     got = curvature(model, lossfn, [DiagHessian()])(X, y)[DiagHessian().name]

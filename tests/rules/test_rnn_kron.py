@@ -35,6 +35,7 @@ from curvlib import CurvatureError, curvature
 from curvlib.extensions import KFAC, KFACEmpirical, KFLR, KFRA, SqrtGGNMC
 
 from oracles_second import loss_hessian_blocks
+from on_device import seeded
 
 DT = torch.float64
 KINDS = {
@@ -202,7 +203,7 @@ def _case(kind, n, t, i, h, layers, bias, batch_first, bidirectional, init, read
     if kind == "lstm_proj":
         h = max(h, 2)
     model = Net(kind, i, h, 2, layers, bias, batch_first, bidirectional, init, readout).to(DT)
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     X = torch.randn(n, t, i, generator=gen, dtype=DT)
     with torch.no_grad():
         out = model(X)
@@ -259,7 +260,7 @@ def test_kfac_monte_carlo(kind, approx):
     lossfn = nn.CrossEntropyLoss()
     exact = curvature(model, lossfn, [KFLR(kfac_approx=approx)])(X, y)["kflr"]
     for m in (1, 3):
-        gen = lambda: torch.Generator().manual_seed(5)  # noqa: E731
+        gen = lambda: seeded(5)  # noqa: E731
         kfac = curvature(model, lossfn, [KFAC(mc_samples=m, kfac_approx=approx, generator=gen())])(X, y)["kfac"]
         sqrt = curvature(model, lossfn, [SqrtGGNMC(mc_samples=m, generator=gen())])(X, y)["sqrt_ggn_mc"]
         for name, factors in kfac.items():
@@ -272,7 +273,7 @@ def test_kfac_monte_carlo(kind, approx):
                 _close(factors[0], S.T @ S, f"B of {name}")
                 _close(kfac[bias][0], S.T @ S, f"B of {bias}")
     mc = curvature(model, lossfn, [KFAC(mc_samples=3000, kfac_approx=approx,
-                                        generator=torch.Generator().manual_seed(1))])(X, y)["kfac"]
+                                        generator=seeded(1))])(X, y)["kfac"]
     for name in ("rnn.weight_ih_l0", "rnn.weight_hh_l0_reverse"):
         assert (mc[name][0] - exact[name][0]).norm() < 0.1 * exact[name][0].norm(), name
 
@@ -300,7 +301,7 @@ def test_single_step_is_a_linear_layer(loss):
     cell = Cell(model.rnn, model.fc).to(DT)
     lossfn = LOSSES[loss]()
     for approx in APPROXES:
-        gen = lambda: torch.Generator().manual_seed(2)  # noqa: E731
+        gen = lambda: seeded(2)  # noqa: E731
         exts = lambda: [KFLR(kfac_approx=approx), KFACEmpirical(kfac_approx=approx),  # noqa: E731
                         KFAC(mc_samples=2, kfac_approx=approx, generator=gen())]
         got = curvature(model, lossfn, exts())(X, y)

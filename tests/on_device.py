@@ -1,0 +1,26 @@
+"""The device every test runs on: ``CURVLIB_TEST_DEVICE`` (default ``cpu``).
+
+``conftest.py`` makes it torch's default device when the variable is set, so
+tensors, modules and parameters that tests create without a ``device=`` land
+there; random streams come from :func:`seeded`, a generator on the same device
+(torch refuses a CPU generator for a CUDA tensor). With the variable unset, or
+``cpu``, ``seeded(seed)`` is exactly ``torch.Generator().manual_seed(seed)``.
+
+Kept free of curvlib imports so that conftest, oracles and models can use it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+SWITCH = "CURVLIB_TEST_DEVICE"
+DEVICE = torch.device(os.environ.get(SWITCH) or "cpu")
+ON_CPU = DEVICE.type == "cpu"
+CPU_ONLY = "inherently CPU-bound: kept off the device chosen by " + SWITCH
+
+
+def seeded(seed: int) -> torch.Generator:
+    """A generator on the test device, seeded with ``seed``."""
+    return torch.Generator(device=DEVICE).manual_seed(seed)
