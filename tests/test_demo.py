@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from curvlib import _demo
@@ -38,11 +39,57 @@ def test_demo_fails_on_a_wrong_result(monkeypatch, capsys):
     assert "FAILED" in out and "batch_l2" in out
 
 
-def test_module_entry_point_exits_zero():
+def test_module_entry_point_exits_zero(tmp_path):
+    """``python -m curvlib`` in a fresh process: every extension, progress on stderr, the PNG
+    where ``--out`` says, and no warning from torch (e.g. "Failed to initialize NumPy")."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = tmp_path / "sub" / "demo.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "curvlib"], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-m", "curvlib", "--device", "cpu", "--out", str(out), "--rounds", "3"],
+        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for cls in _demo.exported_extensions():
         assert cls.__name__ in proc.stdout
+    assert [line[:5] for line in proc.stderr.splitlines()] == ["[1/4]", "[2/4]", "[3/4]", "[4/4]"], proc.stderr
+    assert "Warning" not in proc.stderr and "NumPy" not in proc.stderr
+    if _has_matplotlib():
+        assert out.stat().st_size > 10_000
+        assert not (tmp_path / "figures").exists()  # only where --out says
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_help_explains_the_options_and_columns(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _demo.main(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for word in ("--device", "--extensions", "--out", "--no-plot", "max |dev|", "layout", "unchecked"):
+        assert word in text
+
+
+def test_selected_extensions_and_figure(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "demo.png"
+    assert _demo.main(["--extensions", "BatchGrad", "KFAC", "--out", str(out), "--rounds", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "BatchGrad (grad_batch)" in text and "KFAC (kfac)" in text and "DiagGGNExact" not in text
+    assert out.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--extensions", "Nope"], "unknown extension"),
+    (["--device", "nodevice"], "--device 'nodevice' cannot be used"),
+    (["--device", "meta"], "meta"),
+])
+def test_bad_arguments_are_refused_clearly(argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        _demo.main(argv + ["--no-plot"])
+    assert message in str(exit_.value.code)

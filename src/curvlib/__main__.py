@@ -4,4 +4,4 @@ import sys
 
 from ._demo import main
 
-sys.exit(main())
+sys.exit(main(sys.argv[1:]))

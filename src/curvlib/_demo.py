@@ -31,12 +31,14 @@ median over interleaved rounds, relative to a plain gradient
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
 import random
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -69,16 +71,18 @@ def exported_extensions() -> List[type]:
     return found
 
 
-def instantiate(cls: type) -> Extension:
-    """Default instance; Monte-Carlo extensions get a seeded generator."""
+def instantiate(cls: type, device: Union[str, torch.device] = "cpu") -> Extension:
+    """Default instance; Monte-Carlo extensions get a seeded generator on ``device``."""
     fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
     if "generator" in fields:
-        return cls(generator=torch.Generator().manual_seed(0))
+        return cls(generator=torch.Generator(device).manual_seed(0))
     return cls()
 
 
 def _probe(value: Callable[[Tensor], Tensor], shape: torch.Size, dtype: torch.dtype) -> Tensor:
+    # the same CPU stream on every device; the demo runs under its device as the default
     V = torch.randn(2, *shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    V = V.to(torch.get_default_device())
     return value(V)
 
 
@@ -151,16 +155,54 @@ def _time(calls: Dict[str, Callable[[], object]], rounds: int) -> Dict[str, floa
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the demo; print the tables; return 0 if every check passes, 1 otherwise.
 
-    Runs with one torch thread (tiny float64 convolutions are far slower with
-    several) and restores the caller's thread count afterwards.
+    ``argv``: command-line arguments (``python -m curvlib --help`` lists them);
+    ``None`` runs the defaults without writing a figure. Runs with one torch
+    thread (tiny float64 convolutions are far slower with several) and restores
+    the caller's thread count afterwards.
     """
-    del argv
+    args = _parser().parse_args(list(argv) if argv is not None else ["--no-plot"])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run()
+        return _run(args)
     finally:
         torch.set_num_threads(threads)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m curvlib",
+        description=(
+            "Run every curvlib extension (or those named) on a tiny seeded CNN in float64, "
+            "check each result against a brute-force torch.func/autograd reference, time each "
+            "extension against a plain loss.backward(), and save a PNG summary."
+        ),
+        epilog=_COLUMNS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--device", default="cpu", help="torch device to run on (default: cpu; e.g. cuda)")
+    parser.add_argument(
+        "--extensions", nargs="+", metavar="NAME", default=None,
+        help="extension classes to run (default: all), e.g. BatchGrad DiagGGNExact KFAC",
+    )
+    parser.add_argument(
+        "--out", default=os.path.join("figures", "curvlib_demo.png"),
+        help="where the PNG summary goes (default: figures/curvlib_demo.png; needs matplotlib)",
+    )
+    parser.add_argument("--no-plot", action="store_true", help="write no figure")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"timed rounds (default {ROUNDS})")
+    return parser
+
+
+_COLUMNS = """\
+columns of the per-parameter tables:
+  quantity   the extension class and, in brackets, its result key in the dict f(X, y) returns
+  layout     the result's shape for this parameter ("2 factors [B] [A]": Kronecker factors;
+             "callable": a block product V [K, *p] -> [K, *p])
+  norm       Frobenius norm of the result (of its factors; of its product with a seeded V)
+  max |dev|  largest absolute deviation from the brute-force reference; "unchecked" where
+             there is no exact one (Monte-Carlo estimates, Kronecker approximations)
+timings: median of interleaved rounds, each extension alone, relative to loss.backward()."""
 
 
 @dataclasses.dataclass
@@ -172,6 +214,7 @@ class _Outcome:
         expected: name -> parameter name -> reference; ``None``: unchecked.
         calls: timing label -> a call that recomputes it (``"loss.backward"`` first).
         label: result name -> extension class name.
+        deviations: result name -> parameter name -> ``max |dev|`` (checked ones only).
         failures, unchecked: messages and class names for the verdict.
     """
 
@@ -179,22 +222,83 @@ class _Outcome:
     expected: Dict[str, Optional[Dict[str, object]]] = dataclasses.field(default_factory=dict)
     calls: Dict[str, Callable[[], object]] = dataclasses.field(default_factory=dict)
     label: Dict[str, str] = dataclasses.field(default_factory=dict)
+    deviations: Dict[str, Dict[str, float]] = dataclasses.field(default_factory=dict)
     failures: List[str] = dataclasses.field(default_factory=list)
     unchecked: List[str] = dataclasses.field(default_factory=list)
 
 
-def _run() -> int:
-    """The demo's stages: problem, extensions, loss check, tables, timings, verdict."""
-    model, lossfn, X, y = problem()
+def _run(args: argparse.Namespace) -> int:
+    """The demo's stages: problem, extensions, loss check, tables, timings, figure, verdict."""
+    device = _device(args.device)
+    _progress(f"[1/4] building the problem and its brute-force references on {device}")
+    model, lossfn, X, y = problem()  # built on CPU (its CPU generator), then placed
+    model, X, y = model.to(device), X.to(device), y.to(device)
+    classes = _selected(args.extensions)
+    with torch.device(device):
+        return _check_and_time(args, model, lossfn, X, y, classes)
+
+
+def _check_and_time(args: argparse.Namespace, model, lossfn, X: Tensor, y: Tensor, classes) -> int:
+    """Stages 2-4 on the demo's device (the default device meanwhile)."""
     ref = Reference(model, lossfn, X, y)
-    classes = exported_extensions()
     _print_header(model, lossfn, X, len(classes))
+    _progress(f"[2/4] running {len(classes)} extension(s), each against its reference")
     outcome = _run_extensions(model, lossfn, X, y, ref, classes)
     _check_loss(outcome, lossfn(model(X), y).item())
+    print(_COLUMNS + "\n")
     for name in ref.names:
         _print_parameter(name, ref.params[name], outcome)
-    _print_timings(outcome.calls)
-    return _verdict(outcome, len(classes))
+    _progress(f"[3/4] timing {len(outcome.calls)} methods, {args.rounds} interleaved rounds")
+    ratios = _print_timings(outcome.calls, args.rounds)
+    code = _verdict(outcome, len(classes))
+    if not args.no_plot:
+        _save_figure(args.out, ratios, outcome, ref.names, X, code)
+    return code
+
+
+def _device(name: str) -> torch.device:
+    """``--device``, refused clearly when torch does not know it or it is not available."""
+    try:
+        device = torch.device(name)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as err:
+        raise SystemExit(f"--device {name!r} cannot be used here: {err}") from None
+    if device.type == "meta":
+        raise SystemExit("--device meta holds no values to check; use cpu or cuda")
+    return device
+
+
+def _progress(message: str) -> None:
+    """A progress line on stderr (the tables go to stdout)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def _selected(names: Optional[Sequence[str]]) -> List[type]:
+    """The exported extension classes, or those named (an unknown name is a clear error)."""
+    classes = exported_extensions()
+    if names is None:
+        return classes
+    by_name = {c.__name__: c for c in classes}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise SystemExit(f"unknown extension(s) {unknown}; known: {sorted(by_name)}")
+    return [by_name[n] for n in names]
+
+
+def _save_figure(path: str, ratios, outcome: "_Outcome", names: Sequence[str], X: Tensor, code: int) -> None:
+    """The PNG summary (:mod:`curvlib._demo_plot`); a missing matplotlib is reported, not fatal."""
+    deviations = {
+        ("grad" if q == "grad" else f"{outcome.label.get(q, q)} ({q})"): outcome.deviations.get(q, {})
+        for q in outcome.results if q != "loss"
+    }
+    verdict = "all checks passed" if code == 0 else "FAILED"
+    title = f"curvlib demo: tiny CNN, N={X.shape[0]}, float64, {X.device.type}: {verdict}"
+    try:
+        from ._demo_plot import save_summary
+
+        _progress(f"[4/4] figure: {save_summary(path, ratios, deviations, list(names), TOLERANCE, title)}")
+    except ImportError as err:
+        _progress(f"[4/4] no figure: {err} (pip install matplotlib)")
 
 
 def _print_header(model: nn.Module, lossfn: nn.Module, X: Tensor, count: int) -> None:
@@ -220,8 +324,12 @@ def _run_extensions(
     first = curvature(model, lossfn, [])(X, y)
     outcome.results["grad"], outcome.expected["grad"] = first["grad"], ref.grad()
     outcome.results["loss"] = first["loss"]
-    for cls in classes:
+    for k, cls in enumerate(classes, 1):
+        if sys.stderr.isatty():  # one line, rewritten in place
+            print(f"\r      {k}/{len(classes)} {cls.__name__:<24}", end="", file=sys.stderr, flush=True)
         _run_extension(cls, model, lossfn, X, y, ref, outcome)
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
     return outcome
 
 
@@ -229,7 +337,7 @@ def _run_extension(
     cls: type, model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor, ref: Reference, outcome: _Outcome
 ) -> None:
     """``curvature(model, lossfn, [ext])(X, y)`` for one extension class, into ``outcome``."""
-    ext = instantiate(cls)
+    ext = instantiate(cls, X.device)
     outcome.label[ext.name] = cls.__name__
     try:
         f = curvature(model, lossfn, [ext])
@@ -266,7 +374,8 @@ def _print_parameter(name: str, p: Tensor, outcome: _Outcome) -> None:
             outcome.failures.append(f"{what}: no entry for parameter {name!r}")
             continue
         value = per_param[name]
-        dev_s = _deviation_cell(what, name, value, outcome.expected.get(q), p, outcome.failures)
+        dev_s = _deviation_cell(what, name, value, outcome.expected.get(q), p, outcome.failures,
+                                outcome.deviations.setdefault(q, {}))
         rows.append([what, _layout(value), summary(value, p.shape, p.dtype), dev_s])
     print(f"parameter {name}  shape {list(p.shape)}")
     print(_table(["quantity", "layout", "norm", "max |dev|"], rows))
@@ -274,12 +383,14 @@ def _print_parameter(name: str, p: Tensor, outcome: _Outcome) -> None:
 
 
 def _deviation_cell(
-    what: str, name: str, value: object, exp: Optional[Dict[str, object]], p: Tensor, failures: List[str]
+    what: str, name: str, value: object, exp: Optional[Dict[str, object]], p: Tensor, failures: List[str],
+    into: Dict[str, float],
 ) -> str:
-    """``max |value − reference|`` as a table cell (``FAIL`` above :data:`TOLERANCE`, noted in ``failures``)."""
+    """``max |value − reference|`` as a table cell (``FAIL`` above :data:`TOLERANCE`, noted in
+    ``failures``), also kept in ``into[name]``."""
     if exp is None:
         return "unchecked"
-    dev = deviation(value, exp[name], p.shape, p.dtype)
+    dev = into[name] = deviation(value, exp[name], p.shape, p.dtype)
     dev_s = f"{dev:.1e}"
     if not dev <= TOLERANCE:
         dev_s += "  FAIL"
@@ -287,14 +398,15 @@ def _deviation_cell(
     return dev_s
 
 
-def _print_timings(calls: Dict[str, Callable[[], object]]) -> None:
-    """Median time per call, and relative to the plain ``loss.backward``."""
-    medians = _time(calls, ROUNDS)
+def _print_timings(calls: Dict[str, Callable[[], object]], rounds: int = ROUNDS) -> Dict[str, float]:
+    """Median time per call, and relative to the plain ``loss.backward`` (returned: label -> ratio)."""
+    medians = _time(calls, rounds)
     base = medians["loss.backward"]
     rows = [[k, f"{1e3 * t:.3f}", f"{t / base:.2f}"] for k, t in medians.items()]
-    print(f"time per call, median of {ROUNDS} interleaved rounds (each extension alone):")
+    print(f"time per call, median of {rounds} interleaved rounds (each extension alone):")
     print(_table(["method", "ms", "x loss.backward"], rows))
     print()
+    return {k: t / base for k, t in medians.items()}
 
 
 def _verdict(outcome: _Outcome, count: int) -> int:

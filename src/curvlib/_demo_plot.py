@@ -1,0 +1,109 @@
+"""The demo's PNG summary: timings per extension and deviations per layer.
+
+Two panels, written by :func:`save_summary` (matplotlib with the ``Agg``
+backend, imported only here, so the demo runs without it):
+
+* left: each extension's median time per call relative to a plain
+  ``loss.backward()`` (log scale), the dashed line at 1;
+* right: ``log10 max |value − reference|`` per quantity (rows) and parameter
+  (columns); grey cells are unchecked (Monte-Carlo estimates, Kronecker
+  approximations), red-bordered ones exceed the tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Dict, List, Optional, Sequence
+
+__all__ = ["save_summary"]
+
+
+def save_summary(
+    path: str,
+    ratios: Dict[str, float],
+    deviations: Dict[str, Dict[str, Optional[float]]],
+    parameters: Sequence[str],
+    tolerance: float,
+    title: str,
+) -> str:
+    """Write the two-panel summary to ``path`` (folders created); return the path.
+
+    Args:
+        ratios: method label -> median time / ``loss.backward``'s.
+        deviations: quantity label -> parameter name -> ``max |dev|``
+            (``None``: unchecked).
+        parameters: the column order.
+        tolerance: cells above it are outlined.
+        title: the figure's title (problem and verdict).
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(deviations)
+    fig, (left, right) = plt.subplots(
+        1, 2, figsize=(13, max(4.0, 0.32 * len(rows) + 1.5)), gridspec_kw={"width_ratios": [1, 1.3]}
+    )
+    _timing_panel(left, ratios)
+    image = _deviation_panel(right, deviations, rows, parameters, tolerance)
+    fig.colorbar(image, ax=right, label="log10 max |curvlib − brute force|")
+    fig.suptitle(title)
+    fig.tight_layout()
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _timing_panel(ax, ratios: Dict[str, float]) -> None:
+    labels = list(ratios)
+    ax.barh(range(len(labels)), [ratios[k] for k in labels], color="tab:blue")
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
+    ax.set_xlabel("time per call / loss.backward() (median)")
+    ax.set_title("cost of each extension alone")
+
+
+def _deviation_panel(ax, deviations, rows: List[str], parameters: Sequence[str], tolerance: float):
+    import numpy as np
+
+    grid = np.full((len(rows), len(parameters)), np.nan)
+    for i, q in enumerate(rows):
+        for j, p in enumerate(parameters):
+            dev = deviations[q].get(p)
+            if dev is not None:
+                grid[i, j] = math.log10(max(dev, 1e-20))
+    cmap = matplotlib_cmap()
+    image = ax.imshow(grid, aspect="auto", cmap=cmap, vmin=-20, vmax=0)
+    for i, q in enumerate(rows):
+        for j, p in enumerate(parameters):
+            dev = deviations[q].get(p)
+            if dev is not None and not dev <= tolerance:
+                ax.add_patch(_outline(i, j))
+    ax.set_yticks(range(len(rows)), rows, fontsize=8)
+    ax.set_xticks(range(len(parameters)), parameters, rotation=30, ha="right", fontsize=8)
+    ax.set_title(f"deviation from brute force (grey: unchecked; tolerance {tolerance:g})")
+    return image
+
+
+def matplotlib_cmap():
+    """``viridis`` with NaN (unchecked) drawn grey."""
+    import matplotlib
+
+    cmap = matplotlib.colormaps["viridis"].copy()
+    cmap.set_bad("lightgrey")
+    return cmap
+
+
+def _outline(i: int, j: int):
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2)
