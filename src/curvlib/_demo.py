@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import random
 import statistics
 import sys
@@ -45,6 +44,7 @@ from torch import Tensor, nn
 
 from . import curvature
 from . import extensions as _extensions
+from ._demo_cli import COLUMNS, device_of, parser, selected
 from ._demo_problem import REFERENCES, Gram, Reference, problem
 from .extensions import Extension
 
@@ -160,49 +160,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     thread (tiny float64 convolutions are far slower with several) and restores
     the caller's thread count afterwards.
     """
-    args = _parser().parse_args(list(argv) if argv is not None else ["--no-plot"])
+    args = parser(ROUNDS).parse_args(list(argv) if argv is not None else ["--no-plot"])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         return _run(args)
     finally:
         torch.set_num_threads(threads)
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m curvlib",
-        description=(
-            "Run every curvlib extension (or those named) on a tiny seeded CNN in float64, "
-            "check each result against a brute-force torch.func/autograd reference, time each "
-            "extension against a plain loss.backward(), and save a PNG summary."
-        ),
-        epilog=_COLUMNS,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--device", default="cpu", help="torch device to run on (default: cpu; e.g. cuda)")
-    parser.add_argument(
-        "--extensions", nargs="+", metavar="NAME", default=None,
-        help="extension classes to run (default: all), e.g. BatchGrad DiagGGNExact KFAC",
-    )
-    parser.add_argument(
-        "--out", default=os.path.join("figures", "curvlib_demo.png"),
-        help="where the PNG summary goes (default: figures/curvlib_demo.png; needs matplotlib)",
-    )
-    parser.add_argument("--no-plot", action="store_true", help="write no figure")
-    parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"timed rounds (default {ROUNDS})")
-    return parser
-
-
-_COLUMNS = """\
-columns of the per-parameter tables:
-  quantity   the extension class and, in brackets, its result key in the dict f(X, y) returns
-  layout     the result's shape for this parameter ("2 factors [B] [A]": Kronecker factors;
-             "callable": a block product V [K, *p] -> [K, *p])
-  norm       Frobenius norm of the result (of its factors; of its product with a seeded V)
-  max |dev|  largest absolute deviation from the brute-force reference; "unchecked" where
-             there is no exact one (Monte-Carlo estimates, Kronecker approximations)
-timings: median of interleaved rounds, each extension alone, relative to loss.backward()."""
 
 
 @dataclasses.dataclass
@@ -229,11 +193,11 @@ class _Outcome:
 
 def _run(args: argparse.Namespace) -> int:
     """The demo's stages: problem, extensions, loss check, tables, timings, figure, verdict."""
-    device = _device(args.device)
+    device = device_of(args.device)
     _progress(f"[1/4] building the problem and its brute-force references on {device}")
     model, lossfn, X, y = problem()  # built on CPU (its CPU generator), then placed
     model, X, y = model.to(device), X.to(device), y.to(device)
-    classes = _selected(args.extensions)
+    classes = selected(exported_extensions, args.extensions)
     with torch.device(device):
         return _check_and_time(args, model, lossfn, X, y, classes)
 
@@ -245,7 +209,7 @@ def _check_and_time(args: argparse.Namespace, model, lossfn, X: Tensor, y: Tenso
     _progress(f"[2/4] running {len(classes)} extension(s), each against its reference")
     outcome = _run_extensions(model, lossfn, X, y, ref, classes)
     _check_loss(outcome, lossfn(model(X), y).item())
-    print(_COLUMNS + "\n")
+    print(COLUMNS + "\n")
     for name in ref.names:
         _print_parameter(name, ref.params[name], outcome)
     _progress(f"[3/4] timing {len(outcome.calls)} methods, {args.rounds} interleaved rounds")
@@ -256,33 +220,9 @@ def _check_and_time(args: argparse.Namespace, model, lossfn, X: Tensor, y: Tenso
     return code
 
 
-def _device(name: str) -> torch.device:
-    """``--device``, refused clearly when torch does not know it or it is not available."""
-    try:
-        device = torch.device(name)
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError) as err:
-        raise SystemExit(f"--device {name!r} cannot be used here: {err}") from None
-    if device.type == "meta":
-        raise SystemExit("--device meta holds no values to check; use cpu or cuda")
-    return device
-
-
 def _progress(message: str) -> None:
     """A progress line on stderr (the tables go to stdout)."""
     print(message, file=sys.stderr, flush=True)
-
-
-def _selected(names: Optional[Sequence[str]]) -> List[type]:
-    """The exported extension classes, or those named (an unknown name is a clear error)."""
-    classes = exported_extensions()
-    if names is None:
-        return classes
-    by_name = {c.__name__: c for c in classes}
-    unknown = [n for n in names if n not in by_name]
-    if unknown:
-        raise SystemExit(f"unknown extension(s) {unknown}; known: {sorted(by_name)}")
-    return [by_name[n] for n in names]
 
 
 def _save_figure(path: str, ratios, outcome: "_Outcome", names: Sequence[str], X: Tensor, code: int) -> None:
