@@ -10,6 +10,7 @@ import torch
 
 __all__ = ["COLUMNS", "device_of", "parser", "selected"]
 
+
 def parser(rounds: int) -> argparse.ArgumentParser:
     """The demo's argument parser (``rounds``: the default number of timed rounds)."""
     parser = argparse.ArgumentParser(
