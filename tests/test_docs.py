@@ -84,7 +84,8 @@ def _cases():
 def _run(setup: str, block: str, name: str, seen: dict = ()) -> dict:
     ns: dict = {"__name__": f"docs_{name}"}
     ns.update(seen)
-    with warnings.catch_warnings():
+    # the docs are CPU code (CPU generators): run them there under any CURVLIB_TEST_DEVICE
+    with warnings.catch_warnings(), torch.device("cpu"):
         warnings.simplefilter("ignore")  # BackPACK's hook warnings, dropout notices
         torch.manual_seed(0)
         exec(compile(setup, f"<{name} setup>", "exec"), ns)

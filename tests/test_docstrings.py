@@ -16,6 +16,7 @@ import re
 import warnings
 
 import pytest
+import torch
 
 import curvlib
 from curvlib import distributed, extensions, losses
@@ -65,7 +66,7 @@ def test_docstring_examples_run(module, name):
     tests = doctest.DocTestFinder(recurse=False).find(obj, name, globs={})
     assert tests and tests[0].examples, f"{module}.{name}: no doctest examples found"
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), torch.device("cpu"):  # the examples are CPU code
         warnings.simplefilter("ignore")
         for test in tests:
             runner.run(test, out=lambda text: pytest.fail(text, pytrace=False))
