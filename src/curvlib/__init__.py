@@ -1,11 +1,12 @@
 """curvlib: per-sample gradients and curvature as a pure functional transform.
 
-```python
-from curvlib import curvature
-from curvlib.extensions import BatchGrad, BatchL2Grad
+    from curvlib import curvature
+    from curvlib.extensions import BatchGrad, BatchL2Grad
 
-qs = curvature(model, lossfn, [BatchGrad(), BatchL2Grad()])(X, y)
-```
+    qs = curvature(model, lossfn, [BatchGrad(), BatchL2Grad()])(X, y)
+
+See ``help(curvlib.curvature)``, each extension's docstring, docs/conventions.md
+and docs/migrating-from-backpack.md.
 """
 
 from ._errors import CurvatureError, CurvatureTypeError

@@ -53,12 +53,35 @@ def curvature(
 ) -> Callable[..., Dict[str, object]]:
     """Turn a model and a loss into a function returning gradients and curvature.
 
-    !!! Example
-        ```python
-        f = curvature(model, nn.CrossEntropyLoss(), [BatchGrad(), BatchL2Grad()])
-        qs = f(X, y)
-        qs["loss"], qs["grad"]["0.weight"], qs["grad_batch"]["0.weight"]  # [N, *p.shape]
-        ```
+    ``f = curvature(model, lossfn, [ext, ...])``; ``qs = f(X, y)`` is a plain
+    dict: ``qs["loss"]`` (0-dim, ``lossfn(model(X), y)``), ``qs["grad"]``
+    (parameter name -> gradient, autograd's) and ``qs[ext.name]`` for every
+    extension (parameter name -> quantity; the keys are BackPACK's attribute
+    names: ``grad_batch``, ``diag_ggn_exact``, ``kflr``, ...). With the loss
+    ``L = c·Σ_n ℓ(f(x_n), y_n)`` (``c = 1/N`` for ``reduction="mean"`` over
+    ``N`` samples), the individual gradients ``g_n = ∂(c·ℓ_n)/∂θ`` sum to the
+    gradient and the GGN is ``Σ_n J_nᵀ (c∇²ℓ_n) J_n``; see each extension's
+    docstring and docs/conventions.md.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib import curvature
+        >>> from curvlib.extensions import BatchGrad, DiagGGNExact
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+        >>> X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+        >>> f = curvature(model, nn.CrossEntropyLoss(), [BatchGrad(), DiagGGNExact()])
+        >>> qs = f(X, y)
+        >>> sorted(qs)
+        ['diag_ggn_exact', 'grad', 'grad_batch', 'loss']
+        >>> qs["grad_batch"]["0.weight"].shape            # [N, *p.shape]
+        torch.Size([5, 4, 3])
+        >>> qs["diag_ggn_exact"]["0.weight"].shape        # p.shape
+        torch.Size([4, 3])
+        >>> params = {k: v.detach() * 2 for k, v in model.named_parameters()}
+        >>> f(X, y, params=params)["grad"]["2.bias"].shape   # at other parameter values
+        torch.Size([2])
 
     Args:
         model: any ``nn.Module`` whose forward treats samples independently
@@ -71,22 +94,22 @@ def curvature(
             probabilities) and ``nn.BCEWithLogitsLoss`` (``weight``, ``pos_weight``)
             with ``reduction="mean"`` or ``"sum"`` (closed forms), or any loss module
             or function ``lossfn(output, y)`` that sums or averages per-sample terms
-            (exact Hessians by autodiff; see :mod:`curvlib.losses`).
-        extensions: instances from :mod:`curvlib.extensions`.
+            (exact Hessians by autodiff; see ``curvlib.losses``).
+        extensions: instances from ``curvlib.extensions``.
         process_group: a ``torch.distributed`` process group: every rank calls
             ``f`` on its local batch and gets the quantities of the global batch
-            (see :mod:`curvlib.distributed`). ``None``: one process.
+            (see ``curvlib.distributed``). ``None``: one process.
         chunk_size: at most this many columns (classes, Monte-Carlo samples,
             residual columns) are pulled back through the model at once, which
             bounds the memory of the exact second-order quantities; the results
             do not depend on it. ``"auto"`` (default): as many as fit in
-            :data:`AUTO_CHUNK_BYTES` of pulled-back site outputs
-            (:data:`AUTO_CHUNK_BYTES_CPU` on a CPU unless a batch diagonal is
-            requested; on CUDA up to :data:`AUTO_CHUNK_FREE_SHARE` of the free
+            ``AUTO_CHUNK_BYTES`` (``curvlib._transform``) of pulled-back site outputs
+            (``AUTO_CHUNK_BYTES_CPU`` (``curvlib._transform``) on a CPU unless a batch diagonal is
+            requested; on CUDA up to ``AUTO_CHUNK_FREE_SHARE`` (``curvlib._transform``) of the free
             device memory when that is more). ``None``: all at once.
         batch_chunk_size: at most this many samples are processed at once; the
             slices' results are combined into the whole batch's (see
-            :mod:`curvlib._chunking`). Not for KFRA and the block products.
+            ``curvlib._chunking``). Not for KFRA and the block products.
 
     Returns:
         ``f(X, y, params=None, generator=None)`` returning a plain dict with

@@ -129,7 +129,7 @@ def aggregated(
     """Wrap the single-process transform ``f`` so that it returns global quantities.
 
     Args:
-        f: ``f(X, y, params=None)`` of :func:`curvlib.curvature` without a group.
+        f: ``f(X, y, params=None)`` of ``curvlib.curvature`` without a group.
         spec: the loss (its reduction decides the rescaling).
         exts: the extensions ``f`` computes.
         process_group: a ``torch.distributed`` process group (e.g.
@@ -143,6 +143,23 @@ def aggregated(
         CurvatureError: an extension that cannot be aggregated (KFRA, block
             products), or torch.distributed is not initialised.
         CurvatureTypeError: ``process_group`` is not a process group.
+
+    Examples::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from torch import nn
+        >>> from curvlib import curvature
+        >>> from curvlib.extensions import DiagGGNExact
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        >>> X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+        >>> f = curvature(model, nn.CrossEntropyLoss(), [DiagGGNExact()], process_group=dist.group.WORLD)
+        >>> qs = f(X, y)                                   # every rank calls it: a collective
+        >>> single = curvature(model, nn.CrossEntropyLoss(), [DiagGGNExact()])(X, y)
+        >>> torch.allclose(qs["diag_ggn_exact"]["0.weight"], single["diag_ggn_exact"]["0.weight"])
+        True
+        >>> dist.destroy_process_group()
     """
     kinds: Dict[str, str] = {"loss": "sum1", "grad": "sum1"}
     generators: List[Optional[torch.Generator]] = []

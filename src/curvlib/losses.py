@@ -9,13 +9,13 @@ Hessian w.r.t. the output is block diagonal over samples.
 
 Two kinds:
 
-* **structural** (the fast path, :mod:`curvlib._loss_structural`): instances of
+* **structural** (the fast path, ``curvlib._loss_structural``): instances of
   ``nn.MSELoss``, ``nn.CrossEntropyLoss`` (class indices with ``ignore_index``,
   or class probabilities; ``weight``, ``label_smoothing``) and
   ``nn.BCEWithLogitsLoss`` (``weight``, ``pos_weight``) whose ``forward`` is
   PyTorch's own, with ``reduction="mean"`` or ``"sum"``: closed-form Hessian
   roots (BackPACK's) and label sampling;
-* **generic** (:mod:`curvlib._loss_generic`): any other loss module or
+* **generic** (``curvlib._loss_generic``): any other loss module or
   function called as ``lossfn(output, y)`` (a subclass that overrides
   ``forward``, e.g. a focal loss; ``nn.NLLLoss``, ``nn.HuberLoss``,
   ``nn.SmoothL1Loss``, ``nn.KLDivLoss``, ``nn.BCELoss``, ...): exact per-sample
@@ -30,7 +30,7 @@ The reduction factor of a structural loss is ``c = 1`` for ``"sum"`` and
   ``ignore_index`` (their count without ``weight``);
 * CE with class probabilities ``[N, K, *D]``: ``N · prod(D)``.
 
-This module and :mod:`curvlib._loss_structural` are the only places that know ``c``.
+This module and ``curvlib._loss_structural`` are the only places that know ``c``.
 """
 
 from __future__ import annotations
@@ -62,6 +62,15 @@ class LossSpec:
         kind: ``"mse"``, ``"ce"``, ``"bce"`` (structural) or ``"generic"``.
         reduction: ``"mean"`` or ``"sum"`` for structural losses; ``None`` for generic ones.
         module: the user's loss module or function; called, never changed.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib import losses
+        >>> spec = losses.loss_spec(nn.MSELoss(reduction="sum"))
+        >>> spec.kind, spec.reduction, spec.name
+        ('mse', 'sum', 'MSELoss')
     """
 
     kind: Literal["mse", "ce", "bce", "generic"]
@@ -80,6 +89,20 @@ def loss_spec(lossfn: object) -> LossSpec:
     Raises:
         CurvatureTypeError: ``lossfn`` is not callable as ``lossfn(output, y)``.
         CurvatureError: it has ``reduction="none"`` (curvlib needs a scalar loss).
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib import losses
+        >>> losses.loss_spec(nn.CrossEntropyLoss()).kind
+        'ce'
+        >>> losses.loss_spec(nn.HuberLoss()).kind                 # any other per-sample loss
+        'generic'
+        >>> losses.loss_spec(nn.MSELoss(reduction="none"))
+        Traceback (most recent call last):
+            ...
+        curvlib._errors.CurvatureError: MSELoss(reduction='none') is not supported: curvlib needs a scalar loss that sums or averages per-sample terms. Use reduction='sum' (or 'mean'); individual terms are what BatchGrad and the batch diagonals return.
     """
     if not callable(lossfn) or isinstance(lossfn, type):
         raise CurvatureTypeError(
@@ -150,6 +173,18 @@ def check_targets(spec: LossSpec, out: Tensor, y: object) -> None:
     Raises:
         CurvatureTypeError: ``y`` is not a tensor or has the wrong dtype.
         CurvatureError: shapes do not match, or a class index is out of range.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib import losses
+        >>> spec = losses.loss_spec(nn.MSELoss())
+        >>> losses.check_targets(spec, torch.zeros(4, 3), torch.zeros(4, 3))     # fine: returns None
+        >>> losses.check_targets(spec, torch.zeros(4, 3), torch.zeros(4, 2))
+        Traceback (most recent call last):
+            ...
+        curvlib._errors.CurvatureError: MSELoss: y has shape (4, 2), but the model output has shape (4, 3); they must be equal.
     """
     if not isinstance(y, Tensor):
         raise CurvatureTypeError(f"y must be a torch.Tensor, got {type(y).__name__}.")
@@ -177,13 +212,36 @@ def check_targets(spec: LossSpec, out: Tensor, y: object) -> None:
 
 
 def loss_value(spec: LossSpec, out: Tensor, y: Tensor) -> Tensor:
-    """``lossfn(out, y)``, by the user's own loss (a module's ``forward``: its hooks are not run)."""
+    """``lossfn(out, y)``, by the user's own loss (a module's ``forward``: its hooks are not run).
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib import losses
+        >>> spec = losses.loss_spec(nn.MSELoss())
+        >>> out, y = torch.ones(2, 3), torch.zeros(2, 3)
+        >>> losses.loss_value(spec, out, y)
+        tensor(1.)
+    """
     m = spec.module
     return m.forward(out, y) if isinstance(m, nn.Module) else m(out, y)
 
 
 def normaliser(spec: LossSpec, y: Tensor, out_shape=None) -> Optional[float]:
-    """``M`` with ``c = 1/M`` for ``"mean"`` (module doc), 1 for ``"sum"``, ``None`` if unknown (generic)."""
+    """``M`` with ``c = 1/M`` for ``"mean"`` (module doc), 1 for ``"sum"``, ``None`` if unknown (generic).
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib import losses
+        >>> ce = losses.loss_spec(nn.CrossEntropyLoss(ignore_index=-1))
+        >>> losses.normaliser(ce, torch.tensor([0, 2, -1, 1]))      # three counted targets
+        3.0
+        >>> losses.normaliser(losses.loss_spec(nn.MSELoss()), torch.zeros(4, 3))   # every entry
+        12.0
+    """
     if spec.kind == "generic":
         return None
     if spec.reduction == "sum":
@@ -203,7 +261,18 @@ def normaliser(spec: LossSpec, y: Tensor, out_shape=None) -> Optional[float]:
 def reduction_factor(spec: LossSpec, y: Tensor) -> float:
     """``c``: ``1/normaliser``. When nothing is counted (every target ignored) PyTorch's
     ``"mean"`` loss is 0/0 = NaN, but its gradient and ``torch.func.hessian`` are zero:
-    every term is zero, and so is the curvature (``c = 0``)."""
+    every term is zero, and so is the curvature (``c = 0``).
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib import losses
+        >>> losses.reduction_factor(losses.loss_spec(nn.MSELoss()), torch.zeros(4, 3))
+        0.08333333333333333
+        >>> losses.reduction_factor(losses.loss_spec(nn.MSELoss(reduction="sum")), torch.zeros(4, 3))
+        1.0
+    """
     m = normaliser(spec, y)
     return 1.0 / m if m else 0.0
 
@@ -213,6 +282,17 @@ def curvature_at(spec: LossSpec, out: Tensor, y: Tensor, check: bool = True):
     ``matvec(mat)``, ``modified_matvec(mat, modify)``, ``signed`` and ``most_negative()``.
 
     ``check``: for a generic loss, refuse one that couples samples (where values are readable).
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib import losses
+        >>> spec = losses.loss_spec(nn.CrossEntropyLoss())
+        >>> out, y = torch.randn(4, 3), torch.tensor([0, 1, 2, 0])
+        >>> hess = losses.curvature_at(spec, out, y)
+        >>> [(sign, S.shape) for sign, S in hess.roots()]          # one positive root [C, N, C]
+        [(1.0, torch.Size([3, 4, 3]))]
     """
     if spec.kind == "generic":
         loss_of = lambda o: loss_value(spec, o, y)  # noqa: E731
@@ -236,8 +316,18 @@ def sqrt_hessian(spec: LossSpec, out: Tensor, y: Tensor) -> Tensor:
     * CE (per sample and position): ``∇²ℓ = diag(p) − p pᵀ``, ``p = softmax(f)``;
       column ``c'`` of the root is ``√p_{c'} (e_{c'} − p)``, non-zero only at its own position.
 
-    (Options scale each term, see :mod:`curvlib._loss_structural`.) Raises if the
-    Hessian is indefinite (use :func:`curvature_at` for signed roots).
+    (Options scale each term, see ``curvlib._loss_structural``.) Raises if the
+    Hessian is indefinite (use ``curvature_at`` for signed roots).
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib import losses
+        >>> spec = losses.loss_spec(nn.MSELoss(reduction="sum"))
+        >>> S = losses.sqrt_hessian(spec, torch.zeros(2, 3), torch.zeros(2, 3))   # [C, N, C]
+        >>> torch.allclose(torch.einsum("vna,vnb->nab", S, S), 2 * torch.eye(3).expand(2, 3, 3))
+        True
     """
     return _single(curvature_at(spec, out, y, check=False).roots(), spec)
 
@@ -255,12 +345,34 @@ def sqrt_hessian_sampled(spec: LossSpec, out: Tensor, y: Tensor, mc_samples: int
     * CE: ``ŷ ~ Categorical(softmax(f))`` per sample and position, ``∇ℓ = p − onehot(ŷ)``.
 
     The same ``generator`` state gives the same result.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib import losses
+        >>> spec = losses.loss_spec(nn.CrossEntropyLoss())
+        >>> out, y = torch.randn(4, 3), torch.tensor([0, 1, 2, 0])
+        >>> g = torch.Generator().manual_seed(0)
+        >>> losses.sqrt_hessian_sampled(spec, out, y, mc_samples=5, generator=g).shape   # [M, N, C]
+        torch.Size([5, 4, 3])
     """
     return _single(curvature_at(spec, out, y, check=False).sampled_roots(mc_samples, generator), spec)
 
 
 def hessian_matvec(spec: LossSpec, out: Tensor, y: Tensor, mat: Tensor) -> Tensor:
-    """``c · ∇²ℓ`` applied per sample: ``mat [V, N, *out.shape[1:]]`` -> same shape."""
+    """``c · ∇²ℓ`` applied per sample: ``mat [V, N, *out.shape[1:]]`` -> same shape.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib import losses
+        >>> spec = losses.loss_spec(nn.MSELoss(reduction="sum"))
+        >>> mat = torch.randn(2, 4, 3)                             # [V, N, C]
+        >>> torch.allclose(losses.hessian_matvec(spec, torch.zeros(4, 3), torch.zeros(4, 3), mat), 2 * mat)
+        True
+    """
     return curvature_at(spec, out, y, check=False).matvec(mat)
 
 

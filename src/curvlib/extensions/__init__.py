@@ -1,4 +1,4 @@
-"""The extensions: pass instances to :func:`curvlib.curvature`.
+"""The extensions: pass instances to ``curvlib.curvature``.
 
 Each instance's ``name`` is the key of its result (BackPACK's attribute name).
 """

@@ -18,7 +18,7 @@ class Extension:
 
     Attributes:
         name: key of the extension's result in the dict returned by
-            :func:`curvlib.curvature` (BackPACK's attribute name).
+            ``curvlib.curvature`` (BackPACK's attribute name).
         order: 1 for first-order extensions (they need only the gradient
             backpropagated once), 2 for curvature extensions.
     """

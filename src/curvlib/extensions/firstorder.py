@@ -2,7 +2,7 @@
 
 Let ``g_n = ∂(c·ℓ_n)/∂θ`` be sample ``n``'s individual gradient, where ``c`` is
 the loss's reduction factor (``1/M`` for ``"mean"``, see
-:mod:`curvlib.losses`), so that ``Σ_n g_n`` is the gradient. This is
+`curvlib.losses`), so that ``Σ_n g_n`` is the gradient. This is
 BackPACK's convention.
 
 | extension          | name               | value                                      |
@@ -25,27 +25,117 @@ from ._base import Extension
 
 @dataclass(frozen=True)
 class BatchGrad(Extension):
-    """Individual gradients ``[N, *p.shape]``; they sum to the gradient."""
+    """Individual gradients, one per sample (BackPACK's ``BatchGrad``).
+
+    Result key: ``"grad_batch"``, a dict parameter name -> ``[N, *p.shape]``.
+
+    Row ``n`` is ``g_n = ∂(c·ℓ_n)/∂p``, the gradient of sample ``n``'s term of
+    the loss ``L = c·Σ_n ℓ_n`` with the reduction factor ``c`` in it (``1/N``
+    for ``reduction="mean"`` over ``N`` samples, 1 for ``"sum"``), so the rows
+    sum to the gradient ``qs["grad"]``. Options: none. Computed without forming
+    ``[N, *p.shape]`` intermediates beyond the result itself.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib import curvature
+        >>> from curvlib.extensions import BatchGrad
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        >>> X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+        >>> qs = curvature(model, nn.CrossEntropyLoss(), [BatchGrad()])(X, y)
+        >>> qs["grad_batch"]["0.weight"].shape
+        torch.Size([5, 4, 3])
+        >>> torch.allclose(qs["grad_batch"]["0.weight"].sum(0), qs["grad"]["0.weight"], atol=1e-6)
+        True
+    """
 
     name: ClassVar[str] = "grad_batch"
 
 
 @dataclass(frozen=True)
 class BatchL2Grad(Extension):
-    """Squared L2 norm of each individual gradient, ``[N]`` per parameter."""
+    """Squared L2 norm of each individual gradient (BackPACK's ``BatchL2Grad``).
+
+    Result key: ``"batch_l2"``, a dict parameter name -> ``[N]``.
+
+    Entry ``n`` is ``‖g_n‖²`` for the individual gradient ``g_n`` of
+    ``BatchGrad`` (with the reduction factor ``c``, so it carries ``c²``),
+    computed without forming ``g_n`` where the layer allows (``Linear``:
+    ``‖m_n‖²·‖x_n‖²``). Sum over parameters for the norm of the whole
+    individual gradient (e.g. per-sample clipping). Options: none.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib import curvature
+        >>> from curvlib.extensions import BatchL2Grad
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        >>> X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+        >>> qs = curvature(model, nn.CrossEntropyLoss(), [BatchL2Grad()])(X, y)
+        >>> qs["batch_l2"]["0.weight"].shape
+        torch.Size([5])
+        >>> per_sample = sum(qs["batch_l2"].values())          # ‖g_n‖² over all parameters
+        >>> per_sample.shape
+        torch.Size([5])
+    """
 
     name: ClassVar[str] = "batch_l2"
 
 
 @dataclass(frozen=True)
 class SumGradSquared(Extension):
-    """Sum over samples of the squared individual gradients, ``p.shape``."""
+    """Sum over samples of the squared individual gradients (BackPACK's ``SumGradSquared``).
+
+    Result key: ``"sum_grad_squared"``, a dict parameter name -> ``p.shape``.
+
+    Value: ``Σ_n g_n ⊙ g_n`` (element-wise), ``g_n`` as in ``BatchGrad``;
+    it carries ``c²`` (``1/N²`` for ``"mean"``). It is the diagonal of the
+    empirical Fisher ``Σ_n g_n g_nᵀ``. Options: none.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib import curvature
+        >>> from curvlib.extensions import SumGradSquared
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        >>> X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+        >>> qs = curvature(model, nn.CrossEntropyLoss(), [SumGradSquared()])(X, y)
+        >>> qs["sum_grad_squared"]["2.weight"].shape
+        torch.Size([2, 4])
+        >>> bool((qs["sum_grad_squared"]["2.weight"] >= 0).all())
+        True
+    """
 
     name: ClassVar[str] = "sum_grad_squared"
 
 
 @dataclass(frozen=True)
 class Variance(Extension):
-    """BackPACK's gradient variance ``(1/N) Σ g_n² − ((1/N) Σ g_n)²``, ``p.shape``."""
+    """Gradient variance over the batch (BackPACK's ``Variance``).
+
+    Result key: ``"variance"``, a dict parameter name -> ``p.shape``.
+
+    Value, element-wise: ``(1/N) Σ_n g_n² − ((1/N) Σ_n g_n)²`` with ``g_n`` as
+    in ``BatchGrad`` (carrying ``c``) and ``N`` the batch size, exactly
+    BackPACK's formula. With ``process_group`` it is recomputed from the global
+    sums. Options: none.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib import curvature
+        >>> from curvlib.extensions import Variance
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        >>> X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+        >>> qs = curvature(model, nn.CrossEntropyLoss(), [Variance()])(X, y)
+        >>> from curvlib.extensions import BatchGrad
+        >>> g = curvature(model, nn.CrossEntropyLoss(), [BatchGrad()])(X, y)["grad_batch"]["0.bias"]
+        >>> torch.allclose(qs["variance"]["0.bias"], g.pow(2).mean(0) - g.mean(0).pow(2), atol=1e-7)
+        True
+    """
 
     name: ClassVar[str] = "variance"

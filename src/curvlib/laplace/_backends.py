@@ -31,9 +31,26 @@ _COMMON = ("last_layer", "subnetwork_indices", "dict_key_x", "dict_key_y", "gene
 class CurvlibGGN(CurvlibInterface, GGNInterface):
     """laplace-torch backend: the GGN (``stochastic=True``: Monte-Carlo Fisher) from curvlib.
 
-    Args: those of :class:`CurvlibInterface`, plus ``stochastic`` (use Monte-Carlo
+    Args: those of ``CurvlibInterface``, plus ``stochastic`` (use Monte-Carlo
     labels: ``DiagGGNMC``, ``KFAC``, ``SqrtGGNMC``) and ``num_samples`` (their
     ``mc_samples``; a call's ``mc_samples=`` overrides it).
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from laplace import Laplace
+        >>> from curvlib.laplace import CurvlibGGN
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        >>> X, y = torch.randn(16, 3), torch.randint(0, 2, (16,))
+        >>> loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y), batch_size=8)
+        >>> la = Laplace(model, "classification", hessian_structure="kron", backend=CurvlibGGN)
+        >>> la.fit(loader)
+        >>> la(X[:2], pred_type="glm", link_approx="probit").shape      # predictive probabilities
+        torch.Size([2, 2])
+        >>> loss, diag = CurvlibGGN(model, "classification").diag(X, y)  # the backend on its own
+        >>> diag.shape                                                  # GGN diagonal of Σ_n ℓ_n, [P]
+        torch.Size([26])
     """
 
     def __init__(
@@ -113,6 +130,18 @@ class CurvlibEF(CurvlibInterface, EFInterface):
     (``BatchGrad``); ``kron`` curvlib's ``KFACEmpirical`` (KFAC with the
     individual loss gradients backpropagated; other 1-D parameters: their exact
     empirical-Fisher block from ``BatchGrad``).
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from laplace import Laplace
+        >>> from curvlib.laplace import CurvlibEF
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        >>> X, y = torch.randn(16, 3), torch.randint(0, 2, (16,))
+        >>> loss, H = CurvlibEF(model, "classification").full(X, y)     # Σ_n g_n g_nᵀ, [P, P]
+        >>> H.shape
+        torch.Size([26, 26])
     """
 
     def __init__(

@@ -34,6 +34,21 @@ class CurvlibInterface(CurvatureInterface):
         dict_key_x, dict_key_y: laplace's keys for mapping inputs (laplace reads
             batch sizes and targets with them; the model gets the whole mapping).
         generator: optional ``torch.Generator`` for the Monte-Carlo extensions.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib.laplace import CurvlibGGN     # a CurvlibInterface
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        >>> X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+        >>> backend = CurvlibGGN(model, "classification")
+        >>> Js, out = backend.jacobians(X)                  # [N, C, P], [N, C]
+        >>> Js.shape, out.shape
+        (torch.Size([5, 2, 26]), torch.Size([5, 2]))
+        >>> Gs, loss = backend.gradients(X, y)              # individual gradients [N, P]
+        >>> Gs.shape
+        torch.Size([5, 26])
     """
 
     def __init__(
