@@ -11,6 +11,7 @@ from torch import nn
 from curvlib import CurvatureError, CurvatureTypeError, curvature
 from curvlib.extensions import KFLR
 from curvlib.optim import KFACOptimizer
+from on_device import seeded
 from oracles_second import kron_reference
 
 DT = torch.float64
@@ -22,7 +23,7 @@ def _model(seed=0):
 
 
 def _data(n=16, seed=1):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     return torch.randn(n, 3, dtype=DT, generator=g), torch.randint(0, 2, (n,), generator=g)
 
 
@@ -91,7 +92,7 @@ def test_reduces_the_loss_of_a_regression_problem(kind):
     y = torch.sin(X @ torch.randn(4, 2, dtype=DT))
     model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.LayerNorm(16), nn.Linear(16, 2)).to(DT)
     opt = KFACOptimizer(model, nn.MSELoss(), lr=0.5, damping=1e-2, curvature=kind, kl_clip=1e-2,
-                        generator=torch.Generator().manual_seed(0))
+                        generator=seeded(0))
     first = opt.step(X, y)
     for _ in range(30):
         last = opt.step(X, y)

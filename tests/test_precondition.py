@@ -18,6 +18,7 @@ from curvlib.precondition import (
     diag_inverse_vp, ekfac_eigenvalues, ekfac_inverse_vp, kron_inverse_vp, kron_preconditioner,
     reduction_scale,
 )
+from on_device import seeded
 from oracles import individual_gradients
 
 DT = torch.float64
@@ -49,7 +50,7 @@ def _close(a, b, what, rtol=1e-9):
        method=st.sampled_from(["pi", "plain", "exact"]), rank=st.sampled_from([None, 1]))
 def test_linear_pair_matches_dense_solve(o, a, lam, seed, method, rank):
     """``[B, A]`` of a weight ``[o, a]``: the three damping methods against the dense solve."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     B, A = _spd(o, gen, rank), _spd(a, gen)
     v = torch.randn(o, a, dtype=DT, generator=gen)
     got = kron_inverse_vp({"w": [B, A]}, {"w": v}, lam, method=method)["w"]
