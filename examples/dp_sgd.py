@@ -28,7 +28,7 @@ installed, otherwise the noise multiplier is stated instead.
 
 Run (needs scikit-learn and matplotlib; digits ship with scikit-learn)::
 
-    python examples/dp_sgd.py                 # a few minutes on 2 CPU cores
+    python examples/dp_sgd.py                 # ~40 s on 2 CPU cores
     python examples/dp_sgd.py --quick         # under a minute
     python examples/dp_sgd.py --out figures/  # where the PNG goes (default figures/)
 
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     parser.add_argument("--epochs", type=int, default=None)
     parser.add_argument("--sigmas", type=float, nargs="+", default=None, help="noise multipliers σ")
     args = parser.parse_args(argv)
-    epochs = args.epochs or (5 if args.quick else 20)
+    epochs = args.epochs or (3 if args.quick else 20)
     sigmas = args.sigmas or ([1.0, 2.0] if args.quick else [0.7, 1.0, 2.0, 4.0])
     require("matplotlib", "the figure")
     os.makedirs(args.out, exist_ok=True)
