@@ -1,6 +1,7 @@
 """Every curvlib extension on a GPT-style transformer and an LSTM, checked by brute force.
 
-    python examples/architectures.py          # ~20 s on one CPU core
+    python examples/architectures.py                  # ~20 s on one CPU core
+    python examples/architectures.py --quick --out DIR  # the LSTM only; PNG into DIR
 
 What it shows, on models built only from PyTorch's own modules:
 
@@ -33,11 +34,20 @@ factors are approximations by design: their relative distance to the exact
 quantity is printed as information. A refused extension prints its message.
 The exit code is 1 if anything checked disagrees or raises an unexpected
 error.
+
+The figure ``architectures.png`` (``--out``, default ``figures/``) has one
+panel per model: per extension, the relative error against the brute force
+(log scale; green checked, grey an approximation's distance, a red cross a
+refusal) and the time of its call.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import importlib.util
+import os
+import re
 import sys
 import time
 from typing import Callable, Dict, List, Tuple
@@ -298,8 +308,10 @@ def run_extension(ext, check, model, lossfn, X, y, ref) -> Tuple[str, bool]:
     return f"{status} ({text}; {ms:.0f} ms)", passed is False
 
 
-def check_problem(title: str, model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor) -> int:
-    """Print one model's table (every extension alone vs brute force); return the number of failures."""
+def check_problem(title: str, model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor,
+                  rows: List[Tuple[str, str, str]] = None) -> int:
+    """Print one model's table (every extension alone vs brute force); return the number of failures.
+    ``rows``, if given, receives ``(title, extension, cell)`` per row (for the figure)."""
     P = sum(p.numel() for p in model.parameters())
     print(f"\n{title}: {P} parameters, X {list(X.shape)}, output {list(model(X).shape)}, "
           f"{type(lossfn).__name__}, float64")
@@ -309,14 +321,73 @@ def check_problem(title: str, model: nn.Module, lossfn: nn.Module, X: Tensor, y:
         cell, failed = run_extension(ext, check, model, lossfn, X, y, ref)
         failures += failed
         print(f"  {type(ext).__name__:<18} {ext.name:<22} {cell}")
+        if rows is not None:
+            rows.append((title, type(ext).__name__, cell))
     return failures
 
 
-def main() -> int:
-    """Every problem's table; 0 if every checked quantity agrees, else 1."""
+def _parse(cell: str) -> Tuple[str, float, float]:
+    """``(status, relative error or nan, ms or nan)`` read back from a table cell."""
+    err = re.search(r"(?:vs brute force|samples|rel\. distance) ([0-9.]+(?:e[+-]?[0-9]+)?)", cell)
+    if err is None and "≥ 0" in cell:  # PCHMP: a property holds, no error to show
+        err = re.match(r"(0)", "0")
+    ms = re.search(r"; ([0-9]+) ms\)$", cell)
+    return (cell.split(" ")[0].rstrip(":"), float(err.group(1)) if err else float("nan"),
+            float(ms.group(1)) if ms else float("nan"))
+
+
+def plot(rows: List[Tuple[str, str, str]], path: str) -> None:
+    """One panel per model: relative error per extension (log), coloured by status; the call's time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    titles = list(dict.fromkeys(r[0] for r in rows))
+    fig, axes = plt.subplots(1, len(titles), figsize=(5.2 * len(titles), 6), sharey=True, squeeze=False)
+    colours = {"ok": "tab:green", "ran": "tab:gray", "refused": "tab:red"}
+    for ax, title in zip(axes[0], titles):
+        mine = [r for r in rows if r[0] == title]
+        for i, (_, ext, cell) in enumerate(mine):
+            status, err, ms = _parse(cell)
+            if status == "refused" or err != err:
+                ax.plot([1e-16], [i], "x", color="tab:red", ms=9)
+            else:
+                ax.barh(i, max(err, 1e-17), left=1e-17, color=colours.get(status, "black"))
+            if ms == ms:
+                ax.text(3e-16 if status == "refused" else max(err, 1e-17) * 2, i, f"{ms:.0f} ms",
+                        va="center", fontsize=7)
+        ax.set_yticks(range(len(mine)), [r[1] for r in mine], fontsize=8)
+        ax.set_xscale("log")
+        ax.set_xlim(1e-17, 1e3)
+        ax.axvline(TOLERANCE, color="k", ls=":", lw=1)
+        ax.set_xlabel("rel. error vs brute force (green: checked, grey: approximation)")
+        ax.set_title(title)
+    axes[0][0].invert_yaxis()
+    fig.suptitle(f"every extension vs torch.func brute force (float64; dotted: tolerance {TOLERANCE:g}; x: refused)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    """Every problem's table and the figure; 0 if every checked quantity agrees, else 1."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="only the LSTM (under 15 s)")
+    parser.add_argument("--out", default="figures", help="folder for the PNG (created if missing)")
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)  # tiny float64 problems: one thread is fastest
-    failures = sum(check_problem(*problem) for problem in problems())
+    chosen = [p for p in problems() if not args.quick or p[0] == "LSTMClassifier"]
+    rows: List[Tuple[str, str, str]] = []
+    failures = sum(check_problem(*problem, rows=rows) for problem in chosen)
     print(f"\n{'FAILED: ' + str(failures) + ' disagreement(s)' if failures else 'every checked quantity agrees'}")
+    if importlib.util.find_spec("matplotlib") is None:
+        print("matplotlib not installed: no figure")
+    else:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "architectures.png")
+        plot(rows, path)
+        print(f"figure saved to {path}")
     return 1 if failures else 0
 
 

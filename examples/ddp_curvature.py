@@ -6,13 +6,21 @@ shard and gets the quantities of the *global* batch: the loss, the gradient
 (equal to the gradient DDP averaged), the GGN diagonal and the gradient
 variance. Rank 0 prints them.
 
-    python examples/ddp_curvature.py
+    python examples/ddp_curvature.py                 # 20 steps; figures/ddp_curvature.png
+    python examples/ddp_curvature.py --quick --out DIR   # 6 steps; the PNG into DIR
 
-It stops on its own after a few steps (and is killed after 120 s at most).
+It stops on its own (and is killed after 120 s at most). The signal-to-noise
+ratio printed is ``‖ḡ‖² / (tr Σ / N)`` with ``Σ`` the per-sample gradients'
+covariance (see examples/noise_monitor.py). The figure ``ddp_curvature.png``
+shows, over steps, the global loss, that SNR, and the mean GGN diagonal per
+parameter, all as rank 0 received them from the collective call.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import os
 import socket
 import sys
 import time
@@ -28,12 +36,11 @@ from curvlib import curvature
 from curvlib.extensions import DiagGGNExact, Variance
 
 WORLD = 2
-STEPS = 6
 LOCAL_BATCH = 32
 TIMEOUT_S = 120
 
 
-def train(rank: int, port: int) -> None:
+def train(rank: int, port: int, steps: int, figure: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
@@ -56,7 +63,8 @@ def train(rank: int, port: int) -> None:
             print(f"{'step':>4} {'loss':>8} {'|grad-DDP|':>10} "
                   + " ".join(f"{'diagGGN ' + n:>16}" for n, _ in model.named_parameters())
                   + f" {'mean var':>9} {'SNR':>7}")
-        for step in range(STEPS):
+        log = {"loss": [], "snr": [], "diag": {n: [] for n, _ in model.named_parameters()}}
+        for step in range(steps):
             X = torch.randn(LOCAL_BATCH, 10, generator=shard)
             y = (X @ teacher).argmax(1)
 
@@ -73,14 +81,44 @@ def train(rank: int, port: int) -> None:
             # which carry the 1/N of the mean) times N is the variance of the batch mean.
             snr = float(grads.pow(2).sum() / (n_global * var.sum()))
             if rank == 0:
+                log["loss"].append(float(qs["loss"]))
+                log["snr"].append(snr)
+                for n, d in qs["diag_ggn_exact"].items():
+                    log["diag"][n].append(float(d.mean()))
                 diag = " ".join(f"{float(d.mean()):16.3e}" for d in qs["diag_ggn_exact"].values())
                 print(f"{step:4d} {float(qs['loss']):8.4f} {dev:10.1e} {diag} "
                       f"{float(var.mean()):9.2e} {snr:7.3f}", flush=True)
             assert dev < 1e-5, f"rank {rank}: aggregated gradient differs from DDP's by {dev}"
             opt.step()
         dist.barrier()
+        if rank == 0:
+            plot(log, figure)
+            print(f"figure saved to {figure}")
     finally:
         dist.destroy_process_group()
+
+
+def plot(log: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    axes[0].plot(log["loss"], "o-")
+    axes[0].set_title("loss of the global batch")
+    axes[1].semilogy(log["snr"], "o-")
+    axes[1].set_title("gradient SNR  ‖ḡ‖² / (tr Σ / N)")
+    for name, values in log["diag"].items():
+        axes[2].semilogy(values, "o-", label=name)
+    axes[2].set_title("mean diag GGN per parameter")
+    axes[2].legend(fontsize=8)
+    for ax in axes:
+        ax.set_xlabel("step")
+    fig.suptitle(f"DDP, {WORLD} gloo ranks x {LOCAL_BATCH} samples: quantities of the global batch (rank 0)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _free_port() -> int:
@@ -89,8 +127,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def main() -> int:
-    ctx = mp.start_processes(train, args=(_free_port(),), nprocs=WORLD, join=False, start_method="spawn")
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a short run (under a minute on 2 cores)")
+    parser.add_argument("--out", default="figures", help="folder for the PNG (created if missing)")
+    parser.add_argument("--steps", type=int, default=None, help="default 20 (6 with --quick)")
+    args = parser.parse_args(argv)
+    if importlib.util.find_spec("matplotlib") is None:  # checked here, used by rank 0
+        sys.exit("the figure needs `matplotlib`: pip install matplotlib  (or pip install -e '.[examples]')")
+    os.makedirs(args.out, exist_ok=True)
+    steps = args.steps or (6 if args.quick else 20)
+    figure = os.path.join(args.out, "ddp_curvature.png")
+    ctx = mp.start_processes(train, args=(_free_port(), steps, figure), nprocs=WORLD, join=False,
+                             start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     try:
         while not ctx.join(timeout=1.0):
