@@ -39,7 +39,7 @@ def check(compile: object, setup) -> Optional[dict]:
     if compile is False or compile is None:
         return None
     if compile is True:
-        return {}
+        compile = {}
     if not isinstance(compile, Mapping):
         raise CurvatureTypeError(f"compile must be True, False or a dict of torch.compile options, got {type(compile).__name__}.")
     if "fullgraph" in compile:
@@ -140,7 +140,7 @@ class CompiledCall:
         from torch.fx.experimental.proxy_tensor import make_fx
 
         traced, plan, values, trainable = self._checked(X, y, params)
-        names, buffers = list(values), _buffers(self.call.setup.model)
+        names, buffers = list(values), _buffers(self.call.setup)
         leaves, x_spec = pytree.tree_flatten(X)
         n_in = len(names) + len(buffers) + len(leaves) + 1
         out_spec: list = []
@@ -148,10 +148,12 @@ class CompiledCall:
         def program(*flat):
             v = dict(zip(names, flat[:len(names)]))
             b = dict(zip(buffers, flat[len(names):len(names) + len(buffers)]))
+            loss_module = self.call.setup.spec.module
             X_ = pytree.tree_unflatten(list(flat[len(names) + len(buffers):n_in - 1]), x_spec)
             y_ = flat[n_in - 1]
             # buffers (BatchNorm statistics) are inputs, not constants baked into the graph
-            with LOCK, _reparametrize_module(self.call.setup.model, b), \
+            with LOCK, _reparametrize_module(self.call.setup.model, {k[6:]: t for k, t in b.items() if k[0] == "m"}), \
+                    _reparametrize_module(loss_module, {k[6:]: t for k, t in b.items() if k[0] == "l"}), \
                     _draws.recording(_draws.Tape(list(flat[n_in:]) or None)) as tape, \
                     _dropout.masks(None, leaves[0].device), torch.enable_grad():
                 result = self.call._evaluate(traced, plan, X_, losses.prepare_targets(self.call.setup.spec, y_),
@@ -173,13 +175,18 @@ class CompiledCall:
 
     def _run(self, program: _Program, X, y, values):
         draws = _replay(program.recipes) if program.recipes else []
-        buffers = list(_buffers(self.call.setup.model).values())
+        buffers = list(_buffers(self.call.setup).values())
         flat = list(values.values()) + buffers + pytree.tree_leaves(X) + [y] + draws
         return pytree.tree_unflatten(program.run(*flat), program.spec)
 
 
-def _buffers(model) -> Dict[str, Tensor]:
-    return {n: b for n, b in model.named_buffers() if isinstance(b, Tensor)}
+def _buffers(setup) -> Dict[str, Tensor]:
+    """The model's buffers (``model.*``) and the loss module's (``loss..*``: ``weight``, ``pos_weight``)."""
+    loss = setup.spec.module
+    named = [("model." + n, b) for n, b in setup.model.named_buffers()]
+    if isinstance(loss, torch.nn.Module):
+        named += [("loss.." + n, b) for n, b in loss.named_buffers()]
+    return {n: b for n, b in named if isinstance(b, Tensor)}
 
 
 @torch.compiler.disable(recursive=True)
