@@ -16,13 +16,14 @@ from torch.utils import _pytree as pytree
 
 from curvlib import CurvatureError, CurvatureTypeError, curvature, extensions as E
 
+from on_device import seeded
 from oracles_all import assert_matches, assert_same, reference
 
 FAST = {"backend": "aot_eager"}
 
 
 def _supported(seed: int = 0) -> list:
-    gens = [torch.Generator().manual_seed(seed + i) for i in range(4)]
+    gens = [seeded(seed + i) for i in range(4)]
     return [E.BatchGrad(), E.BatchL2Grad(), E.SumGradSquared(), E.Variance(), E.DiagGGNExact(),
             E.BatchDiagGGNExact(), E.KFLR(), E.SqrtGGNExact(), E.DiagGGNMC(generator=gens[0]),
             E.BatchDiagGGNMC(generator=gens[1]), E.KFAC(generator=gens[2]), E.SqrtGGNMC(mc_samples=2, generator=gens[3])]
@@ -87,7 +88,7 @@ def test_compiled_losses(lossfn):
 def test_inductor_cnn():
     """The default backend (inductor) on the conv model, float64, against eager."""
     model, X, y = _cnn(torch.float64)
-    exts = [E.BatchGrad(), E.DiagGGNExact(), E.KFAC(generator=torch.Generator().manual_seed(0))]
+    exts = [E.BatchGrad(), E.DiagGGNExact(), E.KFAC(generator=seeded(0))]
     got = curvature(model, nn.CrossEntropyLoss(), exts, compile=True)(X, y)
     exts[2].generator.manual_seed(0)
     assert_same(got, curvature(model, nn.CrossEntropyLoss(), exts)(X, y), "inductor", rtol=1e-9)
