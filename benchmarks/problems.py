@@ -536,3 +536,28 @@ PEER_PACKAGES = {
     "opacus": "opacus",
     "curvlinops": "curvlinops-for-pytorch",
 }
+
+# torch.compile (issue 12), timed on request: "compiled:<Extension>" is
+# curvature(..., compile=True) (one traced, torch.compile(fullgraph=True) program per
+# input signature; the tracing and compilation fall in the "first call" column), checked
+# against the eager method like a peer; "compiled:backward" is torch.compile of the loss
+# and backward step (compiled forward+backward by AOTAutograd), for reference.
+for _name in FIRST_ORDER + ("DiagGGNExact", "DiagGGNMC", "BatchDiagGGNExact", "BatchDiagGGNMC", "KFAC", "KFLR",
+                            "SqrtGGNExact", "SqrtGGNMC"):
+    METHODS[f"compiled:{_name}"] = _curvlib(getattr(extensions, _name), compile=True)
+    INFO[f"compiled:{_name}"] = INFO[_name]._replace(library="curvlib compiled")
+
+
+def compiled_backward(problem: Problem) -> Callable[[], object]:
+    """``torch.compile`` of ``lossfn(model(X), y).backward()`` (after ``zero_grad``)."""
+    model, lossfn, X, y = problem
+    forward = torch.compile(lambda X, y: lossfn(model(X), y))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        forward(X, y).backward()
+
+    return run
+
+
+METHODS["compiled:backward"], INFO["compiled:backward"] = compiled_backward, Info("torch.compile")

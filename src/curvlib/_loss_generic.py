@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 from torch.func import grad, vjp, vmap
 
+from . import _draws
 from ._errors import CurvatureError
 
 __all__ = ["GenericCurvature", "check_per_sample"]
@@ -114,7 +115,7 @@ class GenericCurvature:
         n, c = self.out.shape[0], self.out[0].numel()
         result = []
         for sign, R in self._symmetric_roots():
-            eps = torch.randn((mc_samples, n, c), generator=generator, dtype=R.dtype, device=R.device)
+            eps = _draws.randn((mc_samples, n, c), generator, R.dtype, R.device)
             S = torch.einsum("nab,mnb->mna", R, eps) / mc_samples**0.5
             result.append((sign, S.reshape((mc_samples, n) + tuple(self.out.shape[1:]))))
         return result

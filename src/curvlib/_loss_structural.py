@@ -31,6 +31,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import _draws
+
 __all__ = ["StructuralCurvature"]
 
 
@@ -104,10 +106,10 @@ class StructuralCurvature:
         out = self.out
         shape = (m,) + tuple(out.shape)
         if self.kind == "mse":  # ∇ℓ of ‖f − ŷ‖², ŷ ~ N(f, ½I): √2 ε
-            return torch.randn(shape, generator=generator, dtype=out.dtype, device=out.device) * 2.0**0.5
+            return _draws.randn(shape, generator, out.dtype, out.device) * 2.0**0.5
         if self.kind == "bce":  # ŷ ~ Bernoulli(σ(f)): σ(f) − ŷ
             s = torch.sigmoid(out)
-            draws = torch.bernoulli(s.detach().expand(shape).contiguous(), generator=generator)
+            draws = _draws.bernoulli(s.detach().expand(shape).contiguous(), generator)
             return s - draws
         return _ce_sampled(out, m, generator)
 
@@ -205,7 +207,7 @@ def _ce_sampled(out: Tensor, m: int, generator) -> Tensor:
     # Inverse-CDF sampling, ŷ = #{j : P_j ≤ u} with P the cumulative probabilities and
     # u ~ U[0, 1): a few vectorised ops, several times cheaper than torch.multinomial
     # for the small class counts of a loss (rounding in P only shifts mass ~1e-7).
-    u = torch.rand((m, p_rows.shape[0], 1), generator=generator, dtype=out.dtype, device=out.device)
+    u = _draws.rand((m, p_rows.shape[0], 1), generator, out.dtype, out.device)
     cdf = p_rows.detach().cumsum(-1)  # [N·R, K]
     draws = (cdf.unsqueeze(0) <= u).sum(-1).clamp_(max=k - 1)  # [M, N·R]
     onehot = torch.nn.functional.one_hot(draws, k).to(out.dtype)  # [M, N·R, K]

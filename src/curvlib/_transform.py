@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from . import _arguments, _budget, _dropout, _inputs, losses
+from . import _arguments, _budget, _compiled, _dropout, _inputs, losses
 from ._diagnose import forward_failure, forward_mode_failure
 from ._independence import refuse_mixing
 from ._engine import forward_with_probes
@@ -50,6 +50,7 @@ def curvature(
     process_group: object = None,
     chunk_size: Union[int, str, None] = "auto",
     batch_chunk_size: Optional[int] = None,
+    compile: Union[bool, Mapping[str, object]] = False,
 ) -> Callable[..., Dict[str, object]]:
     """Turn a model and a loss into a function returning gradients and curvature.
 
@@ -110,6 +111,11 @@ def curvature(
         batch_chunk_size: at most this many samples are processed at once; the
             slices' results are combined into the whole batch's (see
             ``curvlib._chunking``). Not for KFRA and the block products.
+        compile: ``True`` (or a dict of ``torch.compile`` options, e.g. ``{"mode":
+            "max-autotune"}``): each input signature's call is traced once into one
+            graph and compiled with ``torch.compile(fullgraph=True)`` (first order and
+            the GGN family; see the README section "Compiled calls"). Results are then not
+            differentiable; other extensions are refused.
 
     Returns:
         ``f(X, y, params=None, generator=None)`` returning a plain dict with
@@ -130,8 +136,12 @@ def curvature(
         CurvatureError: anything else curvlib cannot handle, named in the message.
     """
     setup = _Setup(model, lossfn, extensions, process_group, chunk_size, batch_chunk_size)
+    options = _compiled.check(compile, setup)
     prepare_forward_ad()  # torch's own one-time jvp set-up warns; not inside the user's call
     f: Callable[..., Dict[str, object]] = _Call(setup)
+    if options is not None:
+        f = _compiled.CompiledCall(f, options)
+        return _renamed(f, setup.prefix, setup.model) if setup.prefix else f
     if setup.chunk_kinds is not None:
         from ._chunking import over_samples
 

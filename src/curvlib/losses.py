@@ -144,7 +144,11 @@ def _check_arity(lossfn, name: str) -> None:
 
 
 def _is_concrete(t: Tensor) -> bool:
-    """True if ``t`` holds plain values (not a vmap/grad wrapper we cannot read)."""
+    """True if ``t`` holds plain values (not a vmap/grad wrapper or a traced fake we cannot read)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(t):  # traced once per input signature (curvature(..., compile=True))
+        return False
     try:
         return not torch._C._functorch.is_functorch_wrapped_tensor(t)
     except AttributeError:  # pragma: no cover - older torch
@@ -258,10 +262,12 @@ def normaliser(spec: LossSpec, y: Tensor, out_shape=None) -> Optional[float]:
     return float((m.weight[safe] * counted).sum())
 
 
-def reduction_factor(spec: LossSpec, y: Tensor) -> float:
+def reduction_factor(spec: LossSpec, y: Tensor):
     """``c``: ``1/normaliser``. When nothing is counted (every target ignored) PyTorch's
     ``"mean"`` loss is 0/0 = NaN, but its gradient and ``torch.func.hessian`` are zero:
-    every term is zero, and so is the curvature (``c = 0``).
+    every term is zero, and so is the curvature (``c = 0``). Cross-entropy's class
+    indices whose values cannot be read (traced for ``compile=True``, batched) give a
+    0-dim tensor ``c`` instead of a float.
 
     Examples::
 
@@ -273,6 +279,14 @@ def reduction_factor(spec: LossSpec, y: Tensor) -> float:
         >>> losses.reduction_factor(losses.loss_spec(nn.MSELoss(reduction="sum")), torch.zeros(4, 3))
         1.0
     """
+    if spec.kind == "ce" and spec.reduction == "mean" and not y.is_floating_point() and not _is_concrete(y):
+        m = spec.module
+        counted = y != m.ignore_index
+        if m.weight is None:
+            total = counted.sum().to(torch.float64)
+        else:
+            total = (m.weight[torch.where(counted, y, torch.zeros_like(y))] * counted).sum()
+        return torch.where(total != 0, 1 / total, torch.zeros_like(total))
     m = normaliser(spec, y)
     return 1.0 / m if m else 0.0
 

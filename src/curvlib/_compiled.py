@@ -1,0 +1,209 @@
+"""``curvature(..., compile=True)``: one compiled program per input signature.
+
+The first call with a new *signature* (the modules' ``training`` flags, the shapes,
+dtypes and devices of ``X``'s tensors, of ``y`` and of every parameter value, and
+which parameters are wanted) checks everything as the eager call does, then traces
+stages 3-6 of :mod:`curvlib._transform` (forward, loss, backward, read-off, the
+plain-autograd route) into one flat aten graph with ``make_fx`` on fake tensors and
+hands it to ``torch.compile(fullgraph=True)``. Later calls with that signature run
+the compiled program: no Python per site, no per-call state that could recompile.
+Monte-Carlo draws are made eagerly before the program runs and passed in
+(:mod:`curvlib._draws`), so the ``generator`` of an MC extension keeps its meaning.
+
+What cannot be traced this way is refused at ``curvature`` time (:func:`check`) or
+at the first call (dropout in training mode, inputs that require grad, untraced
+models, torch.func transforms around ``f``).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Optional
+
+import torch
+from torch import Tensor
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils import _pytree as pytree
+
+from . import _arguments, _draws, _dropout, _inputs, losses
+from ._errors import CurvatureError, CurvatureTypeError
+from ._sync import LOCK
+
+__all__ = ["COMPILABLE", "check", "CompiledCall"]
+
+#: second-order quantities a compiled program computes (the GGN family; first order always)
+COMPILABLE = frozenset({"diag", "batch_diag", "kron", "sqrt"})
+
+
+def check(compile: object, setup) -> Optional[dict]:
+    """``compile``'s torch.compile options (``None``: eager), or a refusal naming what is not supported."""
+    if compile is False or compile is None:
+        return None
+    if compile is True:
+        compile = {}
+    if not isinstance(compile, Mapping):
+        raise CurvatureTypeError(f"compile must be True, False or a dict of torch.compile options, got {type(compile).__name__}.")
+    if "fullgraph" in compile:
+        raise CurvatureError("compile options: fullgraph is always True for curvature(..., compile=...); leave it out.")
+    supported = ("the first-order extensions and DiagGGNExact, DiagGGNMC, BatchDiagGGNExact, BatchDiagGGNMC, "
+                 "KFAC, KFLR, KFACEmpirical, SqrtGGNExact, SqrtGGNMC")
+    for ext in setup.second:
+        if ext.quantity not in COMPILABLE:
+            raise CurvatureError(
+                f"curvature(..., compile=True) does not compile {type(ext).__name__}: supported are {supported}. "
+                "Use compile=False (torch.compile(f) around it then runs the call eagerly, one graph break)."
+            )
+    if setup.spec.kind == "generic":
+        raise CurvatureError(
+            f"curvature(..., compile=True) with lossfn {setup.spec.name}: only nn.MSELoss, nn.CrossEntropyLoss "
+            "and nn.BCEWithLogitsLoss are compiled (a generic loss's per-sample check reads values). Use compile=False."
+        )
+    if setup.process_group is not None or setup.chunk_kinds is not None:
+        raise CurvatureError("curvature(..., compile=True) does not combine with process_group or batch_chunk_size.")
+    return dict(compile)
+
+
+class _Program:
+    """One signature's compiled program: flat inputs -> flat results."""
+
+    def __init__(self, run, spec, recipes):
+        self.run, self.spec, self.recipes = run, spec, recipes
+
+
+class CompiledCall:
+    """``f(X, y, params=None, generator=None)`` running compiled programs (module doc)."""
+
+    def __init__(self, call, options: dict):
+        self.call, self.options = call, options
+        self.programs: Dict[tuple, _Program] = {}
+
+    def __call__(self, X, y: Tensor, params: Optional[Mapping[str, Tensor]] = None, generator=None):
+        if torch.compiler.is_compiling():  # inside a user's compiled function: no checks, no builds
+            values, trainable = self._values(params)
+            program = self.programs.get(self._signature(X, y, values, trainable))
+            if program is None:
+                program = _build_outside(self, X, y, params)
+            return self._run(program, X, y, values)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise CurvatureError(f"generator must be a torch.Generator or None, got {type(generator).__name__}.")
+        values, trainable = _arguments.parameter_values(self.call.setup.model, params)
+        key = self._signature(X, y, values, trainable)
+        program = self.programs.get(key)
+        if program is None:
+            program = self.programs[key] = self._build(X, y, params)
+        else:  # the per-call checks (cheap once planned: the plan is cached)
+            self._checked(X, y, params)
+        return self._run(program, X, y, values)
+
+    def _values(self, params):
+        model = self.call.setup.model
+        if params is None:
+            return ({n: p.detach() for n, p in model.named_parameters()},
+                    [n for n, p in model.named_parameters() if p.requires_grad])
+        return ({n: (params[n] if n in params else p.detach()) for n, p in model.named_parameters()},
+                [n for n, _ in model.named_parameters() if n in params])
+
+    def _signature(self, X, y: Tensor, values: Dict[str, Tensor], trainable: List[str]) -> tuple:
+        model = self.call.setup.model
+        return (
+            tuple(m.training for m in model.modules()),
+            tuple((tuple(t.shape), t.dtype, t.device.type) for t in pytree.tree_leaves(X)),
+            (tuple(y.shape), y.dtype),
+            tuple((n, tuple(v.shape), v.dtype) for n, v in values.items()),
+            tuple(trainable),
+        )
+
+    def _checked(self, X, y, params):
+        """Stages 1-2 of the eager call (every refusal) and this call's trace and plan."""
+        s = self.call.setup
+        if torch._C._functorch.maybe_current_level() is not None:
+            raise CurvatureError("curvature(..., compile=True) cannot run inside a torch.func transform; use compile=False.")
+        n = _inputs.check_input(X)
+        values, trainable = _arguments.parameter_values(s.model, params)
+        traced = s.traced(X)
+        for c in traced.checks:
+            c()
+        plan = self.call._plan(traced, X, values, trainable, y, n)
+        if traced.runner is not None:
+            raise CurvatureError("curvature(..., compile=True) needs a model curvlib traces (this one runs untraced).")
+        if traced.dropout:
+            raise CurvatureError("curvature(..., compile=True): dropout in training mode is not compiled; "
+                                 "call model.eval() or use compile=False.")
+        if torch.is_grad_enabled() and (any(t.requires_grad for t in _inputs.tensors(X))
+                                        or any(v.requires_grad for v in values.values())):
+            raise CurvatureError("curvature(..., compile=True) returns results that are not differentiable: "
+                                 "pass X and params that do not require grad (or use compile=False).")
+        return traced, plan, values, trainable
+
+    def _build(self, X, y, params) -> _Program:
+        """Trace stages 3-6 for this signature (twice with Monte-Carlo draws: to learn them, then
+        with them as inputs) and compile the graph."""
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        traced, plan, values, trainable = self._checked(X, y, params)
+        names, buffers = list(values), _buffers(self.call.setup)
+        leaves, x_spec = pytree.tree_flatten(X)
+        n_in = len(names) + len(buffers) + len(leaves) + 1
+        out_spec: list = []
+
+        def program(*flat):
+            v = dict(zip(names, flat[:len(names)]))
+            b = dict(zip(buffers, flat[len(names):len(names) + len(buffers)]))
+            loss_module = self.call.setup.spec.module
+            X_ = pytree.tree_unflatten(list(flat[len(names) + len(buffers):n_in - 1]), x_spec)
+            y_ = flat[n_in - 1]
+            # buffers (BatchNorm statistics) are inputs, not constants baked into the graph
+            with LOCK, _reparametrize_module(self.call.setup.model, {k[6:]: t for k, t in b.items() if k[0] == "m"}), \
+                    _reparametrize_module(loss_module, {k[6:]: t for k, t in b.items() if k[0] == "l"}), \
+                    _draws.recording(_draws.Tape(list(flat[n_in:]) or None)) as tape, \
+                    _dropout.masks(None, leaves[0].device), torch.enable_grad():
+                result = self.call._evaluate(traced, plan, X_, losses.prepare_targets(self.call.setup.spec, y_),
+                                             v, trainable, False, None)
+            recipes.append(tape.recipes)
+            out, spec = pytree.tree_flatten(result)
+            out_spec.append(spec)
+            return out
+
+        flat = [values[n] for n in names] + list(buffers.values()) + leaves + [y]
+        recipes: list = []
+        graph = make_fx(program, tracing_mode="fake")(*flat)
+        if recipes[-1]:  # Monte-Carlo: trace again with the draws as inputs
+            draws = [torch.empty(shape, dtype=dtype, device=device) for _, shape, _, dtype, device in recipes[-1]]
+            recipes.clear()
+            graph = make_fx(program, tracing_mode="fake")(*flat, *draws)
+        compiled = torch.compile(graph, fullgraph=True, **self.options)
+        return _Program(compiled, out_spec[-1], recipes[-1])
+
+    def _run(self, program: _Program, X, y, values):
+        draws = _replay(program.recipes) if program.recipes else []
+        buffers = list(_buffers(self.call.setup).values())
+        flat = list(values.values()) + buffers + pytree.tree_leaves(X) + [y] + draws
+        return pytree.tree_unflatten(program.run(*flat), program.spec)
+
+
+def _buffers(setup) -> Dict[str, Tensor]:
+    """The model's buffers (``model.*``) and the loss module's (``loss..*``: ``weight``, ``pos_weight``)."""
+    loss = setup.spec.module
+    named = [("model." + n, b) for n, b in setup.model.named_buffers()]
+    if isinstance(loss, torch.nn.Module):
+        named += [("loss.." + n, b) for n, b in loss.named_buffers()]
+    return {n: b for n, b in named if isinstance(b, Tensor)}
+
+
+@torch.compiler.disable(recursive=True)
+def _build_outside(compiled: CompiledCall, X, y, params) -> _Program:
+    """A new signature met inside a user's compiled function: built eagerly (a graph break there)."""
+    values, trainable = compiled._values(params)
+    key = compiled._signature(X, y, values, trainable)
+    program = compiled.programs[key] = compiled._build(X, y, params)
+    return program
+
+
+def _replay(recipes):
+    if torch.compiler.is_compiling() and any(r[2] is not None for r in recipes):
+        return _replay_eagerly(recipes)  # Dynamo cannot trace a torch.Generator: a graph break
+    return _draws.replay(recipes)
+
+
+@torch.compiler.disable(recursive=True)
+def _replay_eagerly(recipes):
+    return _draws.replay(recipes)
