@@ -9,7 +9,8 @@ qs = curvature(model, lossfn, [BatchGrad(), BatchL2Grad()])(X, y)
 """
 
 from ._errors import CurvatureError, CurvatureTypeError
+from ._strategy import strategy
 from ._transform import curvature
 
-__all__ = ["curvature", "CurvatureError", "CurvatureTypeError"]
+__all__ = ["curvature", "strategy", "CurvatureError", "CurvatureTypeError"]
 __version__ = "0.1.0"

@@ -84,6 +84,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._errors import CurvatureError
+from .._strategy import column_block_bytes
 from ._conv_correlation import (
     Correlation, CorrelationOf, bias_grad_batch, conv_site_correlation, one_position_column_squares,
     per_sample_by_bmm, per_sample_by_kernel, square_fresh, sum_outer_squares, unfolded_x, weight_grad,
@@ -159,9 +160,11 @@ def per_sample_weight_grad(c: Correlation) -> Tensor:
 
 
 def _column_block(c: Correlation, itemsize: int) -> int:
-    """Columns per block: ``[N, B, *W]`` near :data:`COLUMN_BLOCK_BYTES`, ``B ≥ 1``."""
+    """Columns per block: ``[N, B, *W]`` near :data:`COLUMN_BLOCK_BYTES`, ``B ≥ 1``
+    (under the ``"batched"`` strategy a far larger budget, :func:`~curvlib._strategy.column_block_bytes`:
+    all columns of a chunk in one weight-gradient kernel)."""
     per_column = c.x.shape[0] * c.g.shape[1] * (c.x.shape[1] // c.groups) * prod(c.kernel_size) * itemsize
-    return max(1, COLUMN_BLOCK_BYTES // max(1, per_column))
+    return max(1, column_block_bytes(c.x.device, COLUMN_BLOCK_BYTES) // max(1, per_column))
 
 
 def _column_squares(correlation: CorrelationOf, site: Site, m: Tensor, batch: bool) -> Tensor:
