@@ -357,7 +357,9 @@ AUTO_CHUNK_FREE_SHARE = 1 / 8
 
 
 def _auto_chunk_size(plan: Plan, exts: Sequence = (), device: Union[str, torch.device] = "cuda") -> int:
-    """Columns per chunk so that their site gradients fit in the byte budget."""
+    """Columns per chunk so that their site gradients fit in the byte budget
+    (:data:`AUTO_CHUNK_BYTES_CPU` under the ``"looped"`` strategy, the CPU default;
+    the larger budgets under ``"batched"``, the CUDA default: :mod:`curvlib._strategy`)."""
     device = torch.device(device)
     budget = AUTO_CHUNK_BYTES
     batch_diagonal = any(getattr(e, "quantity", None) in ("batch_diag", "hessian_batch_diag") for e in exts)

@@ -62,7 +62,9 @@ the channels of ``g`` (``B·C_g/G`` per group; of ``g̃`` for the transposed
 convolution), so one call gives ``[N, G, B, C_g/G, C_x/G, *k]``, squared in
 place and summed; blocks are sized so that this stays near
 :data:`COLUMN_BLOCK_BYTES` (at least one column: the block sizes hardly
-change the time, the memory stays that of one individual gradient). For
+change the time on a CPU, the memory stays that of one individual gradient;
+under the ``"batched"`` strategy, the CUDA default, a block holds a whole chunk:
+:func:`curvlib._strategy.column_block_bytes`). For
 ``L = 1`` the squares separate,
 ``Σ_{v,n} (a_vn b_nᵀ)² = Σ_n (Σ_v a_vn²)(b_n²)ᵀ``.
 
