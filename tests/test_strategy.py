@@ -253,3 +253,33 @@ def test_batched_kernels_per_call_do_not_grow_with_columns(monkeypatch):
     monkeypatch.setattr(conv_rule, "METHOD", "conv")
     assert _backward_kernels(3, "batched") == _backward_kernels(9, "batched")
     assert _backward_kernels(9, "looped") > _backward_kernels(3, "looped")
+
+
+# ----------------------------------------------------------------------------- batch norm (eval)
+
+
+def _eval_bn(bn: nn.Module, seed: int) -> nn.Module:
+    gen = seeded(seed)
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.randn(bn.num_features, generator=gen, dtype=torch.float64))
+        bn.running_var.copy_(torch.rand(bn.num_features, generator=gen, dtype=torch.float64) + 0.5)
+        bn.weight.copy_(torch.randn(bn.num_features, generator=gen, dtype=torch.float64))
+        bn.bias.copy_(torch.randn(bn.num_features, generator=gen, dtype=torch.float64))
+    return bn
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("d", [0, 1, 2, 3])
+def test_batchnorm_columns_under_strategy(strategy, d):
+    """Eval-mode BatchNorm's all-columns read-off (``Σ_v`` in one product with ``x̂``)
+    for every exact extension; ``d = 0``: BatchNorm1d on ``[N, C]``."""
+    torch.manual_seed(d)
+    if d == 0:
+        X = torch.randn(3, 4, dtype=torch.float64)
+        body = nn.Sequential(nn.Linear(4, 3), _eval_bn(nn.BatchNorm1d(3).double(), d), nn.Tanh())
+    else:
+        X = torch.randn((3, 2) + (4, 3, 3)[:d], dtype=torch.float64)
+        bn = getattr(nn, f"BatchNorm{d}d")(3).double()
+        body = nn.Sequential(CONV[d](2, 3, 2, padding=1), _eval_bn(bn, d), nn.Tanh())
+    model = _head(body.double().eval(), X).eval()
+    _check_exact(model, X, torch.tensor([0, 2, 1]), strategy, kflr=False, what=f"bn{d}d")
