@@ -17,6 +17,7 @@ import torch
 from hypothesis import assume, given, strategies as st
 from torch import nn
 
+import curvlib
 from curvlib import CurvatureError, curvature
 from curvlib.extensions import (
     BatchDiagGGNExact,
@@ -1263,6 +1264,7 @@ def test_auto_chunk_size_follows_the_byte_budget(monkeypatch):
     plan = Plan(out_shape=(4, 3), out_dtype=torch.float32, site_shapes=((4, 5), (4, 3)),
                 site_dtypes=(torch.float32, torch.float64), batch_dims=(0, 0))
     per_column = 4 * 5 * 4 + 4 * 3 * 8
+    monkeypatch.setenv("CURVLIB_STRATEGY", "auto")  # (the strategy by device; forced ones below)
     monkeypatch.setattr(transform, "AUTO_CHUNK_BYTES", 3 * per_column + 1)
     monkeypatch.setattr(transform, "AUTO_CHUNK_BYTES_CPU", 2 * per_column)
     monkeypatch.setattr(transform._budget, "available_bytes", lambda device: None)  # (no GPU here)
@@ -1279,6 +1281,16 @@ def test_auto_chunk_size_follows_the_byte_budget(monkeypatch):
     monkeypatch.setattr(transform._budget, "available_bytes", lambda device: None)
     assert transform._auto_chunk_size(plan, [DiagGGNExact()], "cuda") == 3
     assert transform._auto_chunk_size(plan, [DiagGGNExact()], "cpu") == 2  # the CPU never reads it
+    # forced strategies: "batched" on a CPU takes the large budget (no free memory read),
+    # "looped" on CUDA the small one
+    monkeypatch.setattr(transform._budget, "available_bytes", lambda device: 80 * per_column)
+    with curvlib.strategy("batched"):
+        assert transform._auto_chunk_size(plan, [DiagGGNExact()], "cpu") == 3
+        assert transform._auto_chunk_size(plan, [DiagGGNExact()], "cuda") == 10
+    with curvlib.strategy("looped"):
+        assert transform._auto_chunk_size(plan, [DiagGGNExact()], "cuda") == 2
+    monkeypatch.setenv("CURVLIB_STRATEGY", "batched")
+    assert transform._auto_chunk_size(plan, [DiagGGNExact()], "cpu") == 3
 
 
 def test_sqrt_columns_loop_equals_vmap(monkeypatch):

@@ -10,7 +10,8 @@ and docs/migrating-from-backpack.md.
 """
 
 from ._errors import CurvatureError, CurvatureTypeError
+from ._strategy import strategy
 from ._transform import curvature
 
-__all__ = ["curvature", "CurvatureError", "CurvatureTypeError"]
+__all__ = ["curvature", "strategy", "CurvatureError", "CurvatureTypeError"]
 __version__ = "0.1.0"

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, fx
 from torch.func import vjp
 
-from . import _inputs, _residuals
+from . import _inputs, _residuals, _strategy
 from ._program import Program
 from ._graph import run_graph
 from ._plan import Plan
@@ -203,6 +203,24 @@ def _forward_functorch(program, plan, X, params, trainable, residual_nodes, runn
     return Linearization(out=out, sites=rec.sites, residuals=rec.residuals, taps=list(taps), pullback=pullback)
 
 
+def _batched(pullback: Callable, device: torch.device) -> Callable:
+    """``(c_out [V, *out], c_taps) -> site gradients [V, *site_out]`` for ``pullback``.
+
+    ``"looped"`` (:mod:`curvlib._strategy`, the CPU default):
+    ``autograd.grad(is_grads_batched=True)``, whose legacy vmap runs most backward
+    kernels (convolution, pooling) once per column. ``"batched"`` (the CUDA default):
+    :func:`torch.func.vmap` over the same backward, whose batching rules fold the
+    ``V`` columns into each kernel's batch: one ``convolution_backward`` or
+    ``max_pool2d_with_indices_backward`` per site and chunk instead of ``V``.
+    """
+    def pull(c_out, c_taps):
+        if not _strategy.batched(device):
+            return pullback((c_out, c_taps), batched=True)[0]
+        return torch.func.vmap(lambda o, t: pullback((o, t))[0])(c_out, list(c_taps))
+
+    return pull
+
+
 def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner, direct: bool = False,
                       keep_values: bool = False):
     """The forward under plain autograd (``None`` if ``direct`` and an in-place
@@ -261,7 +279,7 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
     saved = [{k: v.detach() for k, v in site.saved.items()} for site in rec.sites]
     _finish(rec, plan, saved, [t.detach() for t in taps])
     lin = Linearization(out=out.detach(), sites=rec.sites, residuals=rec.residuals, taps=[t.detach() for t in taps], pullback=pullback)
-    lin.batched_pullback = lambda c_out, c_taps: pullback((c_out, c_taps), batched=True)[0]
+    lin.batched_pullback = _batched(pullback, _inputs.first(X).device)
     lin.pull_loss = pull_loss
     lin.values = values
     return lin

@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from . import _arguments, _budget, _compiled, _dropout, _inputs, losses
+from . import _arguments, _budget, _compiled, _dropout, _inputs, _strategy, losses
 from ._diagnose import forward_failure, forward_mode_failure
 from ._independence import refuse_mixing
 from ._engine import forward_with_probes
@@ -390,13 +390,16 @@ AUTO_CHUNK_FREE_SHARE = 1 / 8
 
 
 def _auto_chunk_size(plan: Plan, exts: Sequence = (), device: Union[str, torch.device] = "cuda") -> int:
-    """Columns per chunk so that their site gradients fit in the byte budget."""
+    """Columns per chunk so that their site gradients fit in the byte budget
+    (:data:`AUTO_CHUNK_BYTES_CPU` under the ``"looped"`` strategy, the CPU default;
+    the larger budgets under ``"batched"``, the CUDA default: :mod:`curvlib._strategy`)."""
     device = torch.device(device)
     budget = AUTO_CHUNK_BYTES
     batch_diagonal = any(getattr(e, "quantity", None) in ("batch_diag", "hessian_batch_diag") for e in exts)
-    if device.type == "cpu" and not batch_diagonal:
+    looped = not _strategy.batched(device)  # curvlib._strategy: CPU default "looped", CUDA "batched"
+    if looped and not batch_diagonal:
         budget = min(budget, AUTO_CHUNK_BYTES_CPU)
-    if device.type == "cuda":
+    if device.type == "cuda" and not looped:
         free = _budget.available_bytes(device)
         budget = max(budget, int((free or 0) * AUTO_CHUNK_FREE_SHARE))
     per_column = sum(_arguments.bytes_of(shape, dtype) for shape, dtype in zip(plan.site_shapes, plan.site_dtypes))

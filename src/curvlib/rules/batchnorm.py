@@ -113,12 +113,40 @@ def sum_grad_squared(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors
     return {role: (v**2).sum(0) for role, v in grad_batch(site, g, roles).items()}
 
 
+def _column_grads(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``[V, N, C]`` per role for root columns ``m [V, *out]``: all columns in one
+    product with ``x̂`` (batch in dim 0), else column by column."""
+    if site.meta.get("batch_dim", 0) != 0:
+        per = [grad_batch(site, m[k], roles) for k in range(m.shape[0])]
+        return {role: torch.stack([p[role] for p in per]) for role in roles}
+    mm = m.reshape(m.shape[0], m.shape[1], m.shape[2], -1)  # [V, N, C, s]
+    out = {}
+    if "weight" in roles:
+        xhat = site.saved["xhat"]
+        out["weight"] = (mm * xhat.reshape(xhat.shape[0], xhat.shape[1], -1)).sum(3)
+    if "bias" in roles:
+        out["bias"] = mm.sum(3)
+    return out
+
+
+def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``[1, C]`` per role: ``Σ_v Σ_n (J_pᵀ m_v)²`` (one pass over all columns)."""
+    return {role: v.square().sum((0, 1)).unsqueeze(0) for role, v in _column_grads(site, m, roles).items()}
+
+
+def batch_sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``[N, C]`` per role: ``Σ_v (J_pᵀ m_v)²`` per sample."""
+    return {role: v.square().sum(0) for role, v in _column_grads(site, m, roles).items()}
+
+
 BATCHNORM = Rule(
     kind="batchnorm",
     grad_batch=grad_batch,
     grad=grad,
     batch_l2=batch_l2,
     sum_grad_squared=sum_grad_squared,
+    sum_squares_over_columns=sum_squares_over_columns,
+    batch_sum_squares_over_columns=batch_sum_squares_over_columns,
     any_batch_dim=True,
 )
 

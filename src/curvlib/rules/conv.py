@@ -62,7 +62,9 @@ the channels of ``g`` (``B·C_g/G`` per group; of ``g̃`` for the transposed
 convolution), so one call gives ``[N, G, B, C_g/G, C_x/G, *k]``, squared in
 place and summed; blocks are sized so that this stays near
 :data:`COLUMN_BLOCK_BYTES` (at least one column: the block sizes hardly
-change the time, the memory stays that of one individual gradient). For
+change the time on a CPU, the memory stays that of one individual gradient;
+under the ``"batched"`` strategy, the CUDA default, a block holds a whole chunk:
+:func:`curvlib._strategy.column_block_bytes`). For
 ``L = 1`` the squares separate,
 ``Σ_{v,n} (a_vn b_nᵀ)² = Σ_n (Σ_v a_vn²)(b_n²)ᵀ``.
 
@@ -84,6 +86,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._errors import CurvatureError
+from .._strategy import column_block_bytes
 from ._conv_correlation import (
     Correlation, CorrelationOf, bias_grad_batch, conv_site_correlation, one_position_column_squares,
     per_sample_by_bmm, per_sample_by_kernel, square_fresh, sum_outer_squares, unfolded_x, weight_grad,
@@ -159,9 +162,11 @@ def per_sample_weight_grad(c: Correlation) -> Tensor:
 
 
 def _column_block(c: Correlation, itemsize: int) -> int:
-    """Columns per block: ``[N, B, *W]`` near :data:`COLUMN_BLOCK_BYTES`, ``B ≥ 1``."""
+    """Columns per block: ``[N, B, *W]`` near :data:`COLUMN_BLOCK_BYTES`, ``B ≥ 1``
+    (under the ``"batched"`` strategy a far larger budget, :func:`~curvlib._strategy.column_block_bytes`:
+    all columns of a chunk in one weight-gradient kernel)."""
     per_column = c.x.shape[0] * c.g.shape[1] * (c.x.shape[1] // c.groups) * prod(c.kernel_size) * itemsize
-    return max(1, COLUMN_BLOCK_BYTES // max(1, per_column))
+    return max(1, column_block_bytes(c.x.device, COLUMN_BLOCK_BYTES) // max(1, per_column))
 
 
 def _column_squares(correlation: CorrelationOf, site: Site, m: Tensor, batch: bool) -> Tensor:
