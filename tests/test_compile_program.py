@@ -165,3 +165,23 @@ def test_refused_arguments_and_inputs():
     dropout = nn.Sequential(nn.Linear(5, 6), nn.Dropout(0.5), nn.Linear(6, 3)).double().train()
     with pytest.raises(CurvatureError, match="dropout"):
         curvature(dropout, nn.CrossEntropyLoss(), [E.BatchGrad()], compile=FAST)(X.detach(), y)
+
+
+@pytest.mark.parametrize("first_under_mode", [False, True], ids=["built-before", "built-under-mode"])
+def test_under_a_dispatch_mode(first_under_mode):
+    """Under a ``TorchDispatchMode`` (a FLOP counter, an operator counter) the program's
+    aten graph runs uncompiled (Dynamo skips frames under such a mode, which with
+    fullgraph raised and then broke ``f`` for good); before and after, the compiled one."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, X, y = _mlp(torch.float64)
+    exts = [E.BatchGrad(), E.DiagGGNExact(), E.KFLR()]
+    f = curvature(model, nn.CrossEntropyLoss(), exts, compile=FAST)
+    want = curvature(model, nn.CrossEntropyLoss(), exts)(X, y)
+    if not first_under_mode:
+        assert_same(f(X, y), want, rtol=1e-10)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        assert_same(f(X, y), want, rtol=1e-10)
+    assert counter.get_total_flops() > 0  # the mode saw the program's operations
+    assert_same(f(X, y), want, rtol=1e-10)

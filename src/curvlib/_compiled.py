@@ -63,10 +63,25 @@ def check(compile: object, setup) -> Optional[dict]:
 
 
 class _Program:
-    """One signature's compiled program: flat inputs -> flat results."""
+    """One signature's compiled program: flat inputs -> flat results.
 
-    def __init__(self, run, spec, recipes):
-        self.run, self.spec, self.recipes = run, spec, recipes
+    ``graph`` is the traced aten graph itself, run as it is (the same operations, not
+    compiled) while a ``TorchDispatchMode`` is active (a ``FlopCounterMode``, an
+    operator counter): Dynamo skips a frame under such a mode, which with
+    ``fullgraph=True`` raises, and then refuses the frame for good.
+    """
+
+    def __init__(self, run, spec, recipes, graph=None):
+        self.run, self.spec, self.recipes, self.graph = run, spec, recipes, graph
+
+    def __call__(self, *flat):
+        if self.graph is not None and _dispatch_mode_active() and not torch.compiler.is_compiling():
+            return self.graph(*flat)
+        return self.run(*flat)
+
+
+def _dispatch_mode_active() -> bool:
+    return torch._C._len_torch_dispatch_stack() > 0
 
 
 class CompiledCall:
@@ -171,13 +186,13 @@ class CompiledCall:
             recipes.clear()
             graph = make_fx(program, tracing_mode="fake")(*flat, *draws)
         compiled = torch.compile(graph, fullgraph=True, **self.options)
-        return _Program(compiled, out_spec[-1], recipes[-1])
+        return _Program(compiled, out_spec[-1], recipes[-1], graph)
 
     def _run(self, program: _Program, X, y, values):
         draws = _replay(program.recipes) if program.recipes else []
         buffers = list(_buffers(self.call.setup).values())
         flat = list(values.values()) + buffers + pytree.tree_leaves(X) + [y] + draws
-        return pytree.tree_unflatten(program.run(*flat), program.spec)
+        return pytree.tree_unflatten(program(*flat), program.spec)
 
 
 def _buffers(setup) -> Dict[str, Tensor]:
