@@ -1229,11 +1229,11 @@ def test_pchmp_on_products(modify):
 def test_chunk_size_gives_identical_results(chunk_size, auto_bytes, monkeypatch):
     """Pulling the columns back in chunks changes memory, not results (``"auto"``
     with a tiny byte budget: one column, or a few, per chunk)."""
-    import curvlib._transform as transform
+    import curvlib._budget as budget
 
     if auto_bytes is not None:
-        monkeypatch.setattr(transform, "AUTO_CHUNK_BYTES", auto_bytes)
-        monkeypatch.setattr(transform, "AUTO_CHUNK_BYTES_CPU", auto_bytes)
+        monkeypatch.setattr(budget, "AUTO_CHUNK_BYTES", auto_bytes)
+        monkeypatch.setattr(budget, "AUTO_CHUNK_BYTES_CPU", auto_bytes)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3), nn.Sigmoid(), nn.Linear(3, 3)).double()
     X = torch.randn(4, 3, dtype=torch.float64)
@@ -1258,39 +1258,39 @@ def test_chunk_size_validated(bad):
 
 def test_auto_chunk_size_follows_the_byte_budget(monkeypatch):
     """``"auto"``: columns per chunk = budget // bytes of one column's site outputs."""
-    import curvlib._transform as transform
+    import curvlib._budget as budget
     from curvlib._plan import Plan
 
     plan = Plan(out_shape=(4, 3), out_dtype=torch.float32, site_shapes=((4, 5), (4, 3)),
                 site_dtypes=(torch.float32, torch.float64), batch_dims=(0, 0))
     per_column = 4 * 5 * 4 + 4 * 3 * 8
     monkeypatch.setenv("CURVLIB_STRATEGY", "auto")  # (the strategy by device; forced ones below)
-    monkeypatch.setattr(transform, "AUTO_CHUNK_BYTES", 3 * per_column + 1)
-    monkeypatch.setattr(transform, "AUTO_CHUNK_BYTES_CPU", 2 * per_column)
-    monkeypatch.setattr(transform._budget, "available_bytes", lambda device: None)  # (no GPU here)
-    assert transform._auto_chunk_size(plan) == 3
-    assert transform._auto_chunk_size(plan, [DiagGGNExact()], "cpu") == 2
-    assert transform._auto_chunk_size(plan, [DiagGGNExact(), BatchDiagGGNExact()], "cpu") == 3
-    monkeypatch.setattr(transform, "AUTO_CHUNK_BYTES", 1)
-    assert transform._auto_chunk_size(plan) == 1
+    monkeypatch.setattr(budget, "AUTO_CHUNK_BYTES", 3 * per_column + 1)
+    monkeypatch.setattr(budget, "AUTO_CHUNK_BYTES_CPU", 2 * per_column)
+    monkeypatch.setattr(budget, "available_bytes", lambda device: None)  # (no GPU here)
+    assert budget.auto_chunk_size(plan) == 3
+    assert budget.auto_chunk_size(plan, [DiagGGNExact()], "cpu") == 2
+    assert budget.auto_chunk_size(plan, [DiagGGNExact(), BatchDiagGGNExact()], "cpu") == 3
+    monkeypatch.setattr(budget, "AUTO_CHUNK_BYTES", 1)
+    assert budget.auto_chunk_size(plan) == 1
     # CUDA: up to a share of the free device memory (read per call), never below the budget
-    monkeypatch.setattr(transform._budget, "available_bytes", lambda device: 80 * per_column)
-    assert transform._auto_chunk_size(plan, [DiagGGNExact()], "cuda") == 10
-    assert transform._auto_chunk_size(plan, [DiagGGNExact()], torch.device("cuda", 0)) == 10
-    monkeypatch.setattr(transform, "AUTO_CHUNK_BYTES", 3 * per_column + 1)
-    monkeypatch.setattr(transform._budget, "available_bytes", lambda device: None)
-    assert transform._auto_chunk_size(plan, [DiagGGNExact()], "cuda") == 3
-    assert transform._auto_chunk_size(plan, [DiagGGNExact()], "cpu") == 2  # the CPU never reads it
+    monkeypatch.setattr(budget, "available_bytes", lambda device: 80 * per_column)
+    assert budget.auto_chunk_size(plan, [DiagGGNExact()], "cuda") == 10
+    assert budget.auto_chunk_size(plan, [DiagGGNExact()], torch.device("cuda", 0)) == 10
+    monkeypatch.setattr(budget, "AUTO_CHUNK_BYTES", 3 * per_column + 1)
+    monkeypatch.setattr(budget, "available_bytes", lambda device: None)
+    assert budget.auto_chunk_size(plan, [DiagGGNExact()], "cuda") == 3
+    assert budget.auto_chunk_size(plan, [DiagGGNExact()], "cpu") == 2  # the CPU never reads it
     # forced strategies: "batched" on a CPU takes the large budget (no free memory read),
     # "looped" on CUDA the small one
-    monkeypatch.setattr(transform._budget, "available_bytes", lambda device: 80 * per_column)
+    monkeypatch.setattr(budget, "available_bytes", lambda device: 80 * per_column)
     with curvlib.strategy("batched"):
-        assert transform._auto_chunk_size(plan, [DiagGGNExact()], "cpu") == 3
-        assert transform._auto_chunk_size(plan, [DiagGGNExact()], "cuda") == 10
+        assert budget.auto_chunk_size(plan, [DiagGGNExact()], "cpu") == 3
+        assert budget.auto_chunk_size(plan, [DiagGGNExact()], "cuda") == 10
     with curvlib.strategy("looped"):
-        assert transform._auto_chunk_size(plan, [DiagGGNExact()], "cuda") == 2
+        assert budget.auto_chunk_size(plan, [DiagGGNExact()], "cuda") == 2
     monkeypatch.setenv("CURVLIB_STRATEGY", "batched")
-    assert transform._auto_chunk_size(plan, [DiagGGNExact()], "cpu") == 3
+    assert budget.auto_chunk_size(plan, [DiagGGNExact()], "cpu") == 3
 
 
 def test_sqrt_columns_loop_equals_vmap(monkeypatch):

@@ -5,7 +5,7 @@ reads every site's quantity off its ``V`` pulled-back columns. Two strategies
 give the same numbers:
 
 * ``"looped"`` (the CPU default): a few columns at a time (``chunk_size="auto"``
-  takes :data:`~curvlib._transform.AUTO_CHUNK_BYTES_CPU`), and convolutions
+  takes :data:`~curvlib._budget.AUTO_CHUNK_BYTES_CPU`), and convolutions
   form their per-sample, per-column weight gradients in blocks of about
   :data:`~curvlib.rules.conv.COLUMN_BLOCK_BYTES`: small working sets stay in a
   CPU's caches, which is faster there;

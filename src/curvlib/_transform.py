@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from . import _arguments, _budget, _compiled, _dropout, _inputs, _strategy, losses
+from . import _arguments, _budget, _compiled, _dropout, _inputs, losses
 from ._diagnose import forward_failure, forward_mode_failure
 from ._independence import refuse_mixing
 from ._engine import forward_with_probes
@@ -103,11 +103,12 @@ def curvature(
         chunk_size: at most this many columns (classes, Monte-Carlo samples,
             residual columns) are pulled back through the model at once, which
             bounds the memory of the exact second-order quantities; the results
-            do not depend on it. ``"auto"`` (default): as many as fit in
-            ``AUTO_CHUNK_BYTES`` (``curvlib._transform``) of pulled-back site outputs
-            (``AUTO_CHUNK_BYTES_CPU`` (``curvlib._transform``) on a CPU unless a batch diagonal is
-            requested; on CUDA up to ``AUTO_CHUNK_FREE_SHARE`` (``curvlib._transform``) of the free
-            device memory when that is more). ``None``: all at once.
+            do not depend on it. ``"auto"`` (default): as many as fit in 256 MiB
+            of pulled-back site outputs under the "batched" strategy (the CUDA
+            default; there up to 1/8 of the free device memory when that is more),
+            32 MiB under "looped" (the CPU default) unless a batch diagonal is
+            requested (``curvlib._budget.AUTO_CHUNK_*``, ``curvlib.strategy``).
+            ``None``: all at once.
         batch_chunk_size: at most this many samples are processed at once; the
             slices' results are combined into the whole batch's (see
             ``curvlib._chunking``). Not for KFRA and the block products.
@@ -324,7 +325,7 @@ class _Call:
             product = products(traced.program, s.spec, y, curv, X, values, traced.residual_nodes, lin,
                                residual_grads, rng, frozen_trainable, seed)
             kfra_factors = _kfra_factors(s, traced, lin, curv, X, y, trainable, values)
-            chunk = _auto_chunk_size(plan, s.second, _inputs.first(X).device) if s.chunk_size == "auto" else s.chunk_size
+            chunk = _budget.auto_chunk_size(plan, s.second, _inputs.first(X).device) if s.chunk_size == "auto" else s.chunk_size
             result.update(second_order(
                 lin, curv, s.second, trainable, values, _inputs.batch_size(X), residual_grads, product,
                 kfra_factors, chunk_size=chunk, site_grads=gs, into=into,
@@ -370,40 +371,6 @@ def _kfra_factors(s: _Setup, traced: Traced, lin, curv, X, y, trainable, values)
         return kfra(traced.program, curv, X, trainable, values, lin.sites, reduce=reduce, forward=forward)
 
     return factors
-
-
-#: ``chunk_size="auto"``: the pulled-back site outputs of one chunk of columns
-#: (``[chunk, *site output]`` for every site) take at most this many bytes ...
-AUTO_CHUNK_BYTES = 256 * 2**20
-#: ... or this many on a CPU when no batch diagonal is requested: there, chunks of
-#: a few columns stay in cache and are faster as well as smaller (3c3d, C = 10:
-#: DiagGGNExact 9.2x -> 8.0x a backward, 530 -> 194 MiB; KFLR 6.7x -> 5.2x).
-#: Batch diagonals sum ``Σ_v m_v²`` over all columns of a chunk before one outer
-#: product per sample, so they keep the larger chunks.
-AUTO_CHUNK_BYTES_CPU = 32 * 2**20
-
-
-#: ... and on a GPU, where every chunk costs kernel launches, up to this share of the
-#: device's free memory when that is more (an H100 with 70 GiB free: ~8.7 GiB a chunk,
-#: all columns at once on the benchmark problems).
-AUTO_CHUNK_FREE_SHARE = 1 / 8
-
-
-def _auto_chunk_size(plan: Plan, exts: Sequence = (), device: Union[str, torch.device] = "cuda") -> int:
-    """Columns per chunk so that their site gradients fit in the byte budget
-    (:data:`AUTO_CHUNK_BYTES_CPU` under the ``"looped"`` strategy, the CPU default;
-    the larger budgets under ``"batched"``, the CUDA default: :mod:`curvlib._strategy`)."""
-    device = torch.device(device)
-    budget = AUTO_CHUNK_BYTES
-    batch_diagonal = any(getattr(e, "quantity", None) in ("batch_diag", "hessian_batch_diag") for e in exts)
-    looped = not _strategy.batched(device)  # curvlib._strategy: CPU default "looped", CUDA "batched"
-    if looped and not batch_diagonal:
-        budget = min(budget, AUTO_CHUNK_BYTES_CPU)
-    if device.type == "cuda" and not looped:
-        free = _budget.available_bytes(device)
-        budget = max(budget, int((free or 0) * AUTO_CHUNK_FREE_SHARE))
-    per_column = sum(_arguments.bytes_of(shape, dtype) for shape, dtype in zip(plan.site_shapes, plan.site_dtypes))
-    return max(1, budget // max(per_column, 1))
 
 
 # ----------------------------------------------------------------------------- wrappers
