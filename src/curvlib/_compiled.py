@@ -75,7 +75,9 @@ class _Program:
         self.run, self.spec, self.recipes, self.graph = run, spec, recipes, graph
 
     def __call__(self, *flat):
-        if self.graph is not None and _dispatch_mode_active() and not torch.compiler.is_compiling():
+        # (is_compiling first: under a user's compiled step Dynamo must not see `graph`,
+        # the module `run` compiled, a second time)
+        if not torch.compiler.is_compiling() and _dispatch_mode_active() and self.graph is not None:
             return self.graph(*flat)
         return self.run(*flat)
 
