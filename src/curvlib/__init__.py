@@ -12,7 +12,7 @@ and docs/migrating-from-backpack.md.
 from ._errors import CurvatureError, CurvatureTypeError
 from ._strategy import strategy
 from ._transform import curvature
-from . import optim, precondition  # noqa: E402 - submodules, so `curvlib.precondition` works after `import curvlib`
+from . import optim, precondition  # submodules: `curvlib.precondition` works after `import curvlib`
 
-__all__ = ["curvature", "strategy", "CurvatureError", "CurvatureTypeError"]
+__all__ = ["curvature", "strategy", "CurvatureError", "CurvatureTypeError", "optim", "precondition"]
 __version__ = "0.1.0"
