@@ -157,3 +157,37 @@ def test_refusals():
         KFACOptimizer(model, nn.MSELoss(), factor_interval=0)
     with pytest.raises(CurvatureTypeError, match=r"step\(X, y\)"):
         KFACOptimizer(model, nn.MSELoss()).step(closure=lambda: 0.0)
+
+
+def test_ekfac_keeps_its_basis_and_reads_refitted_eigenvalues():
+    """Between refreshes (inverse_interval=3) EKFAC's eigenvalues are re-fitted every
+    factor step while the basis is kept: the direction is the EKFAC solve with the
+    current eigenvalues, and the preconditioner eigendecomposes the basis once per refresh
+    (not per step; each re-fit, ``ekfac_eigenvalues``, decomposes it once more)."""
+    import curvlib._kronbasis as kronbasis
+    from curvlib import precondition as pre
+
+    model, (X, y) = _model(), _data()
+    lossfn = nn.CrossEntropyLoss()
+    opt = KFACOptimizer(model, lossfn, lr=0.1, damping=0.1, curvature="ekfac", factor_interval=1,
+                        inverse_interval=3, ema_decay=0.5, generator=seeded(2))
+    calls = []
+    original = kronbasis.eigen_of
+    pre.eigen_of = lambda *a: calls.append(1) or original(*a)
+    try:
+        for _ in range(3):
+            opt.step(X, y)
+    finally:
+        pre.eigen_of = original
+    n_params = len(list(model.parameters()))
+    # per parameter: the preconditioner's once (step 0's refresh) + one per re-fit (3 factor steps);
+    # before, every step's solve decomposed the basis again (n_params * 6)
+    assert len(calls) == n_params * (1 + 3)
+    names = [n for n, _ in model.named_parameters()]
+    basis = {n: opt.state[p]["basis"] for n, p in model.named_parameters()}
+    s = {n: opt.state[p]["ekfac"] for n, p in model.named_parameters()}
+    grads = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    got = opt._directions(grads)
+    want = pre.ekfac_inverse_vp(basis, s, grads, 0.1)
+    for n in names:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-10, atol=1e-12)

@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Dict, List, Optional
 
 import torch
@@ -141,16 +142,24 @@ class KFACOptimizer(torch.optim.Optimizer):
         """Eigendecompose the averaged factors (EKFAC: snapshot the basis, re-fit ``s``)."""
         group = self.param_groups[0]
         factors = self._averaged()
-        if self.curvature_type != "ekfac":
-            self._precondition = pre.kron_preconditioner(factors, group["damping"], method=self.method,
+        if self.curvature_type == "ekfac":
+            for n, f in factors.items():
+                self._state_of(n)["basis"] = [t.clone() for t in f]
+            if "grad_batch" in qs:
+                self._average_ekfac(qs, y, reset=True)
+        self._build(group["damping"])
+
+    def _build(self, damping: float) -> None:
+        """The preconditioner of the current factors (EKFAC: basis), eigendecomposed once
+        and kept until the next refresh; EKFAC's eigenvalues are read from the state at
+        every step (they are re-fitted between refreshes)."""
+        if self.curvature_type == "ekfac":
+            basis = {n: self._state_of(n)["basis"] for n in self._names}
+            self._precondition = pre.ekfac_preconditioner(basis, _StateView(self, "ekfac"), damping, model=self.model)
+        else:
+            self._precondition = pre.kron_preconditioner(self._averaged(), damping, method=self.method,
                                                          model=self.model)
-            self._damping_used = group["damping"]
-            return
-        for n, f in factors.items():
-            self._state_of(n)["basis"] = [t.clone() for t in f]
-        if "grad_batch" in qs:
-            self._average_ekfac(qs, y, reset=True)
-        self._precondition = "ekfac"
+        self._damping_used = damping
 
     def _average_ekfac(self, qs: dict, y, reset: bool) -> None:
         basis = {n: self._state_of(n)["basis"] for n in self._names}
@@ -163,14 +172,8 @@ class KFACOptimizer(torch.optim.Optimizer):
 
     def _directions(self, grads: Dict[str, Tensor]) -> Dict[str, Tensor]:
         group = self.param_groups[0]
-        if self.curvature_type == "ekfac":
-            basis = {n: self._state_of(n)["basis"] for n in self._names}
-            s = {n: self._state_of(n)["ekfac"] for n in self._names}
-            return pre.ekfac_inverse_vp(basis, s, grads, group["damping"], model=self.model)
         if group["damping"] != self._damping_used:  # a scheduler changed it: re-damp
-            self._precondition = pre.kron_preconditioner(self._averaged(), group["damping"],
-                                                         method=self.method, model=self.model)
-            self._damping_used = group["damping"]
+            self._build(group["damping"])
         return self._precondition(grads)
 
     @torch.no_grad()
@@ -204,12 +207,25 @@ class KFACOptimizer(torch.optim.Optimizer):
         self._steps = int(state_dict.pop("curvlib_steps", 0))
         super().load_state_dict(state_dict)
         self._precondition = None
-        if self.curvature_type == "ekfac" and all("basis" in self._state_of(n) for n in self._names):
-            self._precondition = "ekfac"
-        elif all("factors" in self._state_of(n) for n in self._names) and self.curvature_type != "ekfac":
-            self._precondition = pre.kron_preconditioner(self._averaged(), self.param_groups[0]["damping"],
-                                                         method=self.method, model=self.model)
-            self._damping_used = self.param_groups[0]["damping"]
+        needed = "basis" if self.curvature_type == "ekfac" else "factors"
+        if all(needed in self._state_of(n) for n in self._names):
+            self._build(self.param_groups[0]["damping"])
+
+
+class _StateView(Mapping):
+    """``name -> optimizer.state[param][key]``, read when asked (a live view)."""
+
+    def __init__(self, optimizer: "KFACOptimizer", key: str):
+        self.optimizer, self.key = optimizer, key
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.optimizer._state_of(name)[self.key]
+
+    def __iter__(self):
+        return iter(self.optimizer._names)
+
+    def __len__(self) -> int:
+        return len(self.optimizer._names)
 
 
 def _check_options(curvature: str, method: str, factor_interval, inverse_interval, ema_decay, lr) -> None:

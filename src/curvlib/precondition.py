@@ -139,6 +139,25 @@ def _apply(eig: Eigen, layout: Layout, denom: Tensor, v: Tensor) -> Tensor:
     return layout.from_core(eig.unrotate(core))
 
 
+def _in_eigenbasis(factors, model: Optional[nn.Module], denominator) -> Callable[[Vectors], Dict[str, Tensor]]:
+    """``v -> Q (Qᵀ v / d)`` per parameter, ``Q`` the factors' eigenbasis (computed at the
+    first use of a name, then kept) and ``d [G, o, a]`` from ``denominator(name, eig,
+    layout)``, read at every call (EKFAC's eigenvalues may be updated in between)."""
+    transposed = transposed_weights(model) if model is not None else None
+    cache: Dict[str, Eigen] = {}
+
+    def precondition(vectors: Vectors) -> Dict[str, Tensor]:
+        out = {}
+        for name, v in vectors.items():
+            layout = _layout(factors, name, v.shape, transposed)
+            if name not in cache:
+                cache[name] = eigen_of(factors[name], layout)
+            out[name] = _apply(cache[name], layout, denominator(name, cache[name], layout), v)
+        return out
+
+    return precondition
+
+
 def kron_preconditioner(factors: Mapping[str, Sequence[Tensor]], damping: float, *, method: str = "pi",
                         model: Optional[nn.Module] = None) -> Callable[[Vectors], Dict[str, Tensor]]:
     """Eigendecompose the factors once; return ``P(vectors) -> {name: (F_name + λ)⁻¹ v}``.
@@ -161,19 +180,7 @@ def kron_preconditioner(factors: Mapping[str, Sequence[Tensor]], damping: float,
     """
     _check_damping(damping)
     _check_method(method)
-    transposed = transposed_weights(model) if model is not None else None
-    cache: Dict[str, Eigen] = {}
-
-    def precondition(vectors: Vectors) -> Dict[str, Tensor]:
-        out = {}
-        for name, v in vectors.items():
-            layout = _layout(factors, name, v.shape, transposed)
-            if name not in cache:
-                cache[name] = eigen_of(factors[name], layout)
-            out[name] = _apply(cache[name], layout, _denominator(cache[name], layout, damping, method), v)
-        return out
-
-    return precondition
+    return _in_eigenbasis(factors, model, lambda name, eig, layout: _denominator(eig, layout, damping, method))
 
 
 def kron_inverse_vp(factors: Mapping[str, Sequence[Tensor]], vectors: Vectors, damping: float, *,
@@ -241,21 +248,13 @@ def ekfac_preconditioner(factors: Mapping[str, Sequence[Tensor]], eigenvalues: M
         step = P(qs["grad"])
     """
     _check_damping(damping)
-    transposed = transposed_weights(model) if model is not None else None
-    cache: Dict[str, Eigen] = {}
 
-    def precondition(vectors: Vectors) -> Dict[str, Tensor]:
-        out = {}
-        for name, v in vectors.items():
-            layout = _layout(factors, name, v.shape, transposed)
-            if name not in eigenvalues:
-                raise CurvatureError(f"no EKFAC eigenvalues for parameter {name!r}.")
-            if name not in cache:
-                cache[name] = eigen_of(factors[name], layout)
-            out[name] = _apply(cache[name], layout, eigenvalues[name] + damping, v)
-        return out
+    def denominator(name: str, eig: Eigen, layout: Layout) -> Tensor:
+        if name not in eigenvalues:
+            raise CurvatureError(f"no EKFAC eigenvalues for parameter {name!r}.")
+        return eigenvalues[name] + damping
 
-    return precondition
+    return _in_eigenbasis(factors, model, denominator)
 
 
 def ekfac_inverse_vp(factors: Mapping[str, Sequence[Tensor]], eigenvalues: Mapping[str, Tensor],
