@@ -187,7 +187,7 @@ class CompiledCall:
             draws = [torch.empty(shape, dtype=dtype, device=device) for _, shape, _, dtype, device in recipes[-1]]
             recipes.clear()
             graph = make_fx(program, tracing_mode="fake")(*flat, *draws)
-        compiled = torch.compile(graph, fullgraph=True, **self.options)
+        compiled = torch.compile(graph, fullgraph=True, **device_options(self.options, leaves[0].device))
         return _Program(compiled, out_spec[-1], recipes[-1], graph)
 
     def _run(self, program: _Program, X, y, values):
@@ -195,6 +195,24 @@ class CompiledCall:
         buffers = list(_buffers(self.call.setup).values())
         flat = list(values.values()) + buffers + pytree.tree_leaves(X) + [y] + draws
         return pytree.tree_unflatten(program(*flat), program.spec)
+
+
+#: inductor settings curvlib's programs get on CPU unless the caller sets them
+CPU_INDUCTOR_DEFAULTS = {
+    # Inductor converts convolutions to channels-last when it expects a win; for the
+    # per-sample and per-column convolution backwards of these programs it does not
+    # win on CPU: 3c3d DiagGGNExact 10.7 -> 8.6, ResNet 12.3 -> 7.3 backwards (eager
+    # 7.8 / 10.5), 2 threads (benchmarks/README.md, "torch.compile").
+    "layout_optimization": False,
+}
+
+
+def device_options(options: dict, device: torch.device) -> dict:
+    """``options`` with :data:`CPU_INDUCTOR_DEFAULTS` for inductor on CPU (the caller's
+    settings win; a ``mode`` excludes ``options`` in torch.compile, so it is left alone)."""
+    if device.type != "cpu" or options.get("backend", "inductor") != "inductor" or "mode" in options:
+        return options
+    return {**options, "options": {**CPU_INDUCTOR_DEFAULTS, **options.get("options", {})}}
 
 
 def _buffers(setup) -> Dict[str, Tensor]:
