@@ -188,13 +188,13 @@ def test_under_a_dispatch_mode(first_under_mode):
 
 
 def test_cpu_inductor_defaults():
-    """Inductor on CPU gets layout_optimization=False unless the caller says otherwise."""
+    """Inductor on CPU gets CPU_INDUCTOR_DEFAULTS unless the caller says otherwise."""
     from curvlib._compiled import device_options
 
     cpu, meta = torch.device("cpu"), torch.device("meta")
-    assert device_options({}, cpu) == {"options": {"layout_optimization": False}}
-    assert device_options({"options": {"layout_optimization": True, "x": 1}}, cpu) == \
-        {"options": {"layout_optimization": True, "x": 1}}
+    assert device_options({}, cpu) == {"options": {"layout_optimization": False, "max_fusion_size": 2}}
+    assert device_options({"options": {"layout_optimization": True, "max_fusion_size": 64}}, cpu) == \
+        {"options": {"layout_optimization": True, "max_fusion_size": 64}}
     assert device_options({"backend": "aot_eager"}, cpu) == {"backend": "aot_eager"}
     assert device_options({"mode": "max-autotune"}, cpu) == {"mode": "max-autotune"}
     assert device_options({}, meta) == {}

@@ -198,12 +198,17 @@ class CompiledCall:
 
 
 #: inductor settings curvlib's programs get on CPU unless the caller sets them
+#: (3c3d / ResNet DiagGGNExact, 1 thread, ratio to a backward: eager 7.7 / 10.6,
+#: inductor's defaults 8.8 (2 threads: 12.4) / 12.3, these 7.0 / 6.6; the MLP is unchanged)
 CPU_INDUCTOR_DEFAULTS = {
     # Inductor converts convolutions to channels-last when it expects a win; for the
-    # per-sample and per-column convolution backwards of these programs it does not
-    # win on CPU: 3c3d DiagGGNExact 10.7 -> 8.6, ResNet 12.3 -> 7.3 backwards (eager
-    # 7.8 / 10.5), 2 threads (benchmarks/README.md, "torch.compile").
+    # per-sample and per-column convolution backwards of these programs it loses on CPU.
     "layout_optimization": False,
+    # Fusing at most two nodes a kernel stops inductor from summing all C columns'
+    # squared per-sample weight gradients, Σ_c Σ_n R_{c,n}², in one loop that reads C
+    # blocks of [N, *W] at once: every block would stay alive until that loop (10 x
+    # 28 MB for 3c3d's last conv), out of cache; one column at a time, like eager, wins.
+    "max_fusion_size": 2,
 }
 
 
