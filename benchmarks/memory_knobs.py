@@ -244,11 +244,11 @@ def markdown(results: list, trees: list) -> str:
 
 
 def main(argv=None) -> int:
-    from problems import PROBLEMS
+    from problems import DEFAULT_PROBLEMS, PROBLEMS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--problems", nargs="+", default=list(PROBLEMS), choices=list(PROBLEMS))
+    parser.add_argument("--problems", nargs="+", default=list(DEFAULT_PROBLEMS), choices=list(PROBLEMS))
     parser.add_argument("--extensions", nargs="+", default=list(EXTENSIONS))
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--tree", action="append", default=None, metavar="LABEL=SRC",

@@ -26,12 +26,17 @@ the reference every ratio is taken against.
 | ``gpt-v16`` | the same with vocab 16 (C = 16·64 = 1024 output columns, for the exact quantities) | 32 | ``[N, 64]`` tokens | ``CrossEntropyLoss()``, every position |
 | ``lstm`` | ``nn.LSTM`` 32 -> 128, 2 layers, last step -> Linear 10; T 50 | 64 | ``[N, 50, 32]`` | ``CrossEntropyLoss()`` |
 
+On request (:data:`GPU_PROBLEMS`, not in the CPU default): ``mlp-1024``, ``3c3d-256``,
+``resnet-128`` (the same models with N = 1024, 256, 128) and ``allcnnc-96``
+(All-CNN-C at DeepOBS's full width 96/192, N = 128): the sizes issue 12 measured on a GPU.
+
 The sequence models and their Opacus copies are in ``sequence_models.py``.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from typing import Callable, NamedTuple
 
@@ -54,12 +59,13 @@ class Problem(NamedTuple):
 # --------------------------------------------------------------------------- problems
 
 
-def mlp(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, classes: int = 10) -> Problem:
-    """MNIST-sized MLP 784-128-128-``classes`` (default 10) with ReLU; N=128,
+def mlp(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, classes: int = 10,
+        n: int = 128) -> Problem:
+    """MNIST-sized MLP 784-128-128-``classes`` (default 10) with ReLU; N=``n`` (128),
     ``CrossEntropyLoss(mean)``. ``classes`` is swept by ``run.py --sweep-classes``."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    n, d = 128, 784
+    d = 784
     model = nn.Sequential(
         nn.Linear(d, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, classes)
     )
@@ -68,8 +74,8 @@ def mlp(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, 
     return _place(Problem(model, nn.CrossEntropyLoss(), X, y), device, dtype)
 
 
-def cifar10_3c3d(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> Problem:
-    """DeepOBS's ``cifar10_3c3d`` net; N=64, input ``[N, 3, 32, 32]``, ``CrossEntropyLoss(mean)``.
+def cifar10_3c3d(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, n: int = 64) -> Problem:
+    """DeepOBS's ``cifar10_3c3d`` net; N=``n`` (64), input ``[N, 3, 32, 32]``, ``CrossEntropyLoss(mean)``.
 
     DeepOBS (Schneider et al., 2019): conv 64@5x5 "valid", ReLU, max-pool 3x3
     stride 2 "same"; conv 96@3x3 "valid", ReLU, max-pool; conv 128@3x3 "same",
@@ -81,7 +87,7 @@ def cifar10_3c3d(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: 
     """
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    n, classes = 64, 10
+    classes = 10
     features = nn.Sequential(
         nn.Conv2d(3, 64, 5),
         nn.ReLU(),
@@ -109,8 +115,9 @@ def cifar10_3c3d(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: 
     return _place(Problem(model, nn.CrossEntropyLoss(), X, y), device, dtype)
 
 
-def allcnnc(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, width: int = 32) -> Problem:
-    """DeepOBS's ``cifar100_allcnnc`` (Springenberg et al., 2015) at reduced width; N=32,
+def allcnnc(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, width: int = 32,
+            n: int = 32) -> Problem:
+    """DeepOBS's ``cifar100_allcnnc`` (Springenberg et al., 2015) at reduced width; N=``n`` (32),
     input ``[N, 3, 32, 32]``, C=100, ``CrossEntropyLoss(mean)``.
 
     The original has widths 96 and 192; here ``width`` and ``2 * width`` (default 32
@@ -123,7 +130,7 @@ def allcnnc(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int =
     """
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    n, classes, w1, w2 = 32, 100, width, 2 * width
+    classes, w1, w2 = 100, width, 2 * width
 
     def conv(c_in: int, c_out: int, k: int, stride: int = 1, pad: int = 0):
         return [nn.Conv2d(c_in, c_out, k, stride, pad), nn.ReLU()]
@@ -171,13 +178,13 @@ class _ResNet8(nn.Module):
         return self.head(h.mean(dim=(2, 3)))
 
 
-def resnet(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> Problem:
+def resnet(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, n: int = 32) -> Problem:
     """ResNet-8 on CIFAR-10 shapes: stem conv 16, basic blocks 16 -> 32 -> 64 (identity
     and 1x1-projection shortcuts), BatchNorm in eval mode (random running statistics),
-    global average pooling, Linear 64 -> 10; N=32, ``CrossEntropyLoss(mean)``."""
+    global average pooling, Linear 64 -> 10; N=``n`` (32), ``CrossEntropyLoss(mean)``."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    n, classes = 32, 10
+    classes = 10
     model = _ResNet8(classes)
     with torch.no_grad():
         for m in model.modules():
@@ -282,6 +289,19 @@ PROBLEMS: dict[str, Callable[..., Problem]] = {
     "gpt-v16": gpt_v16,
     "lstm": lstm,
 }
+
+#: What ``run.py`` times by default (the CPU benchmark); ``GPU_PROBLEMS`` on request.
+DEFAULT_PROBLEMS: tuple[str, ...] = tuple(PROBLEMS)
+
+#: The sizes issue 12 measured on an H100 (``--problems mlp-1024 3c3d-256 allcnnc-96 resnet-128``):
+#: more samples, and All-CNN-C at DeepOBS's full width (96/192). Too large for the CPU default.
+GPU_PROBLEMS: dict[str, Callable[..., Problem]] = {
+    "mlp-1024": functools.partial(mlp, n=1024),
+    "3c3d-256": functools.partial(cifar10_3c3d, n=256),
+    "allcnnc-96": functools.partial(allcnnc, width=96, n=128),
+    "resnet-128": functools.partial(resnet, n=128),
+}
+PROBLEMS.update(GPU_PROBLEMS)
 
 
 # --------------------------------------------------------------------------- methods

@@ -50,6 +50,8 @@ from problems import (
     INFO,
     METHODS,
     PEER_PACKAGES,
+    DEFAULT_PROBLEMS,
+    GPU_PROBLEMS,
     PROBLEMS,
     outputs_per_sample,
 )
@@ -601,7 +603,8 @@ def plot(entries: list[dict], path: str, title: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--problems", nargs="+", default=list(PROBLEMS), choices=list(PROBLEMS))
+    parser.add_argument("--problems", nargs="+", default=list(DEFAULT_PROBLEMS), choices=list(PROBLEMS),
+                        help="default: the CPU set; also " + ", ".join(GPU_PROBLEMS) + " (issue 12's GPU sizes)")
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS),
                         help="methods to time ('backward' is always added: it is the reference); "
                              "default: every curvlib extension, every peer, the bounds")

@@ -99,3 +99,15 @@ def test_run_reports_aten_ops(tmp_path):
     rows = [line for line in md.splitlines() if line.startswith("| mlp | BatchGrad |")]
     assert rows and int(rows[-1].split("|")[8]) > int(
         [line for line in md.splitlines() if line.startswith("| mlp | backward |")][-1].split("|")[8])
+
+
+def test_gpu_sizes_on_request_only():
+    """The GPU sizes build with their batch and width, and stay out of the CPU default."""
+    assert not set(P.GPU_PROBLEMS) & set(P.DEFAULT_PROBLEMS)
+    sizes = {"mlp-1024": (1024, 784), "3c3d-256": (256, 3, 32, 32), "resnet-128": (128, 3, 32, 32),
+             "allcnnc-96": (128, 3, 32, 32)}
+    for name, shape in sizes.items():
+        model, _, X, y = P.PROBLEMS[name](device=str(DEVICE))
+        assert tuple(X.shape) == shape and y.shape[0] == shape[0]
+    wide = P.PROBLEMS["allcnnc-96"](device=str(DEVICE)).model
+    assert max(m.out_channels for m in wide.modules() if isinstance(m, torch.nn.Conv2d)) == 192
