@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# One GPU session's checks (issue 12), in steps that each fit a 10-minute command on
+# a lent machine without a package registry. Run from the repository root.
+#
+#   bash benchmarks/gpu_session.sh wheels            # where a registry is reachable: the
+#                                                    # peers' wheels into .wheels/ (ignored
+#                                                    # by git; carry it to the GPU machine)
+#   bash benchmarks/gpu_session.sh tests OUT [ARGS]  # the suite on CUDA, pytest ARGS (e.g. a
+#                                                    # few files, to split it into parts)
+#   bash benchmarks/gpu_session.sh bench OUT PROBLEM...
+#                                                    # eager and compiled curvlib and the peers
+#                                                    # on CUDA; one or two problems a call (the
+#                                                    # compiled first calls take minutes): e.g.
+#                                                    # 3c3d-256, allcnnc-96, mlp-1024, resnet-128,
+#                                                    # 3c3d, allcnnc, mlp, resnet
+#
+# OUT receives tests-*.txt / junit-*.xml, or results-cuda.{md,json,png} and bench.log;
+# the bench step also copies its results to benchmarks/results/cuda/<problems>/ to
+# commit. MEMORY=1 adds the per-method peak-memory processes (slow).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+step=${1:?usage: gpu_session.sh wheels | tests OUT [pytest args] | bench OUT [problems]}
+shift
+
+install_carried() {
+    # curvlib from the working tree (no build step offline), the peers from .wheels/
+    export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+    if compgen -G ".wheels/*.whl" >/dev/null; then
+        pip install -q --no-deps --no-index .wheels/*.whl 2>&1 | grep -v "as the 'root' user" || true
+    fi
+    python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
+}
+
+case "$step" in
+wheels)
+    mkdir -p .wheels
+    grep -v '^#' requirements-peers.txt | grep . | xargs pip download -q --no-deps -d .wheels
+    pip download -q --no-deps -d .wheels tqdm
+    # scipy (curvlinops, laplace-torch, the examples) for the GPU machine's Python 3.12
+    pip download -q --no-deps -d .wheels --only-binary=:all: --python-version 3.12 \
+        --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 scipy
+    ls .wheels
+    ;;
+tests)
+    out=${1:?tests needs OUT}; shift
+    mkdir -p "$out"
+    install_carried
+    tag=$(date +%H%M%S)
+    CURVLIB_TEST_DEVICE=cuda CI=true python -m pytest -q -p no:cacheprovider \
+        --junitxml="$out/junit-$tag.xml" "$@" 2>&1 | tee "$out/tests-$tag.txt" | tail -25
+    ;;
+bench)
+    out=${1:?bench needs OUT}; shift
+    mkdir -p "$out"
+    install_carried
+    problems=("${@:?bench needs at least one problem}")
+    memory=(--no-memory)
+    [ "${MEMORY:-0}" = 1 ] && memory=()
+    methods=(BatchGrad opacus "backpack:BatchGrad" SumGradSquared "backpack:SumGradSquared" Variance
+             DiagGGNExact "backpack:DiagGGNExact" BatchDiagGGNExact "backpack:BatchDiagGGNExact"
+             DiagHessian "backpack:DiagHessian" BatchDiagHessian "backpack:BatchDiagHessian"
+             DiagGGNMC "backpack:DiagGGNMC" KFAC "backpack:KFAC" "curvlinops:KFAC(mc)" KFLR "backpack:KFLR"
+             compiled:backward compiled:BatchGrad compiled:SumGradSquared compiled:Variance
+             compiled:DiagGGNExact compiled:BatchDiagGGNExact compiled:DiagGGNMC compiled:KFAC compiled:KFLR)
+    python benchmarks/run.py --device cuda --problems "${problems[@]}" --methods "${methods[@]}" \
+        --budget 20 --first-call-timeout 120 --sweep-classes "${memory[@]}" --out "$out" 2>&1 \
+        | tee "$out/bench.log" | tail -60
+    keep="benchmarks/results/cuda/$(IFS=_; echo "${problems[*]}")"
+    mkdir -p "$keep" && cp "$out"/results-cuda.* "$keep"/
+    ;;
+*)
+    echo "unknown step $step" >&2
+    exit 2
+    ;;
+esac
