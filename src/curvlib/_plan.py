@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _independence, _inputs, _residuals
+from . import _independence, _inputs
 from ._errors import CurvatureError
 from ._program import Program
 from .rules._site import Recorder, Site
@@ -25,6 +25,9 @@ from .rules._site import Recorder, Site
 from ._graph import _lookup, run_graph
 
 __all__ = ["Plan", "make_plan", "module_checks"]
+
+# Per-sample entries of a dense residual: N·D² must stay below this.
+MAX_DENSE_ENTRIES = 2**26
 
 
 @dataclass(frozen=True)
@@ -202,8 +205,8 @@ def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=Non
                 f"output (shape {list(sa)}), but this layer needs it in dim 0."
             )
         batch_dims.append(d)
-    residual_dims = _residuals.batch_dims(rec_a, rec_b)
-    _residuals.check_sizes(rec_a.residuals, residual_dims, n)
+    residual_dims = residual_batch_dims(rec_a, rec_b)
+    check_residual_sizes(rec_a.residuals, residual_dims, n)
     for site, site_b in zip(rec_a.sites, rec_b.sites):
         if site.rule.kind == "generic":
             _check_generic_inputs(site, site_b, n)
@@ -220,3 +223,37 @@ def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=Non
     )
 
 
+def residual_batch_dims(rec_a: Recorder, rec_b: Recorder) -> Tuple[Tuple[Tuple[int, ...], int], ...]:
+    """Per residual, the batch dimension of each input and of the output, from two
+    planning passes with batch sizes ``N`` and ``N + 1``: the one dimension whose
+    size changes (0 if none or several do)."""
+
+    def dim(a, b) -> int:
+        changed = [k for k, (p, q) in enumerate(zip(a, b)) if p != q]
+        return changed[0] if len(changed) == 1 else 0
+
+    return tuple(
+        (tuple(dim(x.shape, y.shape) for x, y in zip(ra.inputs, rb.inputs)), dim(za, zb))
+        for ra, rb, za, zb in zip(rec_a.residuals, rec_b.residuals, rec_a.residual_shapes, rec_b.residual_shapes)
+    )
+
+
+def check_residual_sizes(residuals, dims, n: int) -> None:
+    """Refuse dense or bilinear residuals too large to factor (called at planning).
+
+    ``dims``: :func:`residual_batch_dims` of ``residuals``."""
+    for res, (in_dims, _) in zip(residuals, dims):
+        per_sample = [a.numel() // max(a.shape[k], 1) for a, k in zip(res.inputs, in_dims)]
+        if res.kind == "dense":
+            d = sum(per_sample) + sum(p.numel() for p in res.params.values())
+        elif res.kind == "bilinear":
+            d = per_sample[0]
+        else:
+            continue
+        if n * d * d > MAX_DENSE_ENTRIES:
+            raise CurvatureError(
+                f"The Hessian extensions need the second derivative of graph node '{res.where}', "
+                f"a dense {d}x{d} matrix per sample here (N={n}), which is too large "
+                f"(limit: N·d² ≤ {MAX_DENSE_ENTRIES}). Use the GGN extensions (DiagGGNExact, "
+                "BatchDiagGGNExact) or HMP (exact Hessian-vector products) for this model."
+            )

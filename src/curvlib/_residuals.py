@@ -65,8 +65,6 @@ AFFINE_FAMILIES = ("linear", "conv", "conv_transpose", "batchnorm", "embedding")
 AFFINE_IN_PARAMETERS = AFFINE_FAMILIES + ("layernorm", "groupnorm")
 # Normalisations with a block-diagonal residual over their input (``"norm"`` kind).
 NORM_FAMILIES = ("layernorm", "groupnorm")
-# Per-sample entries of a dense residual: N·D² must stay below this.
-MAX_DENSE_ENTRIES = 2**26
 
 
 
@@ -369,39 +367,3 @@ def _node_function(program: Program, node: fx.Node, env, inputs_nodes, params) -
         return node.target(*args, **kwargs)
 
     return phi
-
-
-def batch_dims(rec_a: Recorder, rec_b: Recorder) -> Tuple[Tuple[Tuple[int, ...], int], ...]:
-    """Per residual, the batch dimension of each input and of the output, from two
-    planning passes with batch sizes ``N`` and ``N + 1``: the one dimension whose
-    size changes (0 if none or several do)."""
-
-    def dim(a, b) -> int:
-        changed = [k for k, (p, q) in enumerate(zip(a, b)) if p != q]
-        return changed[0] if len(changed) == 1 else 0
-
-    return tuple(
-        (tuple(dim(x.shape, y.shape) for x, y in zip(ra.inputs, rb.inputs)), dim(za, zb))
-        for ra, rb, za, zb in zip(rec_a.residuals, rec_b.residuals, rec_a.residual_shapes, rec_b.residual_shapes)
-    )
-
-
-def check_sizes(residuals, dims, n: int) -> None:
-    """Refuse dense or bilinear residuals too large to factor (called at planning).
-
-    ``dims``: :func:`batch_dims` of ``residuals``."""
-    for res, (in_dims, _) in zip(residuals, dims):
-        per_sample = [a.numel() // max(a.shape[k], 1) for a, k in zip(res.inputs, in_dims)]
-        if res.kind == "dense":
-            d = sum(per_sample) + sum(p.numel() for p in res.params.values())
-        elif res.kind == "bilinear":
-            d = per_sample[0]
-        else:
-            continue
-        if n * d * d > MAX_DENSE_ENTRIES:
-            raise CurvatureError(
-                f"The Hessian extensions need the second derivative of graph node '{res.where}', "
-                f"a dense {d}x{d} matrix per sample here (N={n}), which is too large "
-                f"(limit: N·d² ≤ {MAX_DENSE_ENTRIES}). Use the GGN extensions (DiagGGNExact, "
-                "BatchDiagGGNExact) or HMP (exact Hessian-vector products) for this model."
-            )
