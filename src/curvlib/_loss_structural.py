@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from . import _draws
+from ._strategy import batched
 
 __all__ = ["StructuralCurvature"]
 
@@ -161,8 +162,9 @@ def _scale(spec, out: Tensor, y: Tensor, c: float):
             s = s * module.weight
         return s.expand(out.shape)
     if module.weight is None and not module.label_smoothing and not y.is_floating_point() \
-            and _concrete(y) and not bool((y == module.ignore_index).any()):
+            and _concrete(y) and not batched(out.device) and not bool((y == module.ignore_index).any()):
         return float(c)  # κ = 1 everywhere: the scale of every sample and position is c
+    # (under "batched", the CUDA default, whether a target is ignored is not read: a host sync)
     return c * target_mass(module, out, y)
 
 
@@ -177,6 +179,8 @@ def target_mass(module, out: Tensor, y: Tensor) -> Tensor:
             q = q * w.reshape((1, k) + (1,) * (y.dim() - 2))
         return q.sum(1)
     counted = y != module.ignore_index
+    if w is None and not eps:  # κ = 1 where counted
+        return counted.to(out.dtype)
     safe = torch.where(counted, y, torch.zeros_like(y))
     kappa = (1 - eps) * (w[safe] if w is not None else torch.ones_like(safe, dtype=out.dtype))
     if eps:
@@ -210,7 +214,16 @@ def _ce_sampled(out: Tensor, m: int, generator) -> Tensor:
     u = _draws.rand((m, p_rows.shape[0], 1), generator, out.dtype, out.device)
     cdf = p_rows.detach().cumsum(-1)  # [N·R, K]
     draws = (cdf.unsqueeze(0) <= u).sum(-1).clamp_(max=k - 1)  # [M, N·R]
-    onehot = torch.nn.functional.one_hot(draws, k).to(out.dtype)  # [M, N·R, K]
+    onehot = one_hot(draws, k, out.dtype)  # [M, N·R, K]
     grads = p_rows.unsqueeze(0) - onehot
     moved = tuple(out.movedim(1, -1).shape)
     return grads.reshape((m,) + moved).movedim(-1, 2)
+
+
+def one_hot(index: Tensor, k: int, dtype: torch.dtype) -> Tensor:
+    """``F.one_hot(index, k).to(dtype)`` without its range check: ``[*index.shape, k]``.
+
+    ``F.one_hot`` reads the indices' minimum and maximum (two host syncs, each a
+    stall of a GPU's launch queue); the indices here are in ``[0, k)`` by construction.
+    """
+    return (index.unsqueeze(-1) == torch.arange(k, device=index.device)).to(dtype)

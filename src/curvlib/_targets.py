@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from ._errors import CurvatureError, CurvatureTypeError
+from ._strategy import batched
 
 
 def check_cross_entropy_targets(module, out: Tensor, y: Tensor) -> None:
@@ -62,10 +63,14 @@ def _check_class_range(module, name: str, num_classes: int, y: Tensor) -> None:
     if not _is_concrete(y) or y.numel() == 0:
         return
     ignore = module.ignore_index
-    if y.dtype != torch.uint8:  # one reduction when every index is in range (the common case)
-        lo, hi = torch.aminmax(y)
-        if 0 <= int(lo) and int(hi) < num_classes:
-            return
+    values = y.long() if y.dtype == torch.uint8 else y
+    if batched(y.device):  # ignored entries read as class 0: one host read whatever y holds
+        values = torch.where(values != ignore, values, 0)
+    # One reduction and one host read (a sync on a GPU) when every index is in range, the
+    # common case; ignored entries under "looped" (a CPU read is cheap) take the path below.
+    lo, hi = torch.aminmax(values)
+    if bool((lo >= 0) & (hi < num_classes)):
+        return
     counted = y[y != ignore]
     if counted.numel() == 0:
         return

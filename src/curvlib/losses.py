@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from ._errors import CurvatureError, CurvatureTypeError
 from ._loss_generic import GenericCurvature, check_per_sample
 from ._loss_structural import StructuralCurvature
+from ._strategy import batched
 
 __all__ = [
     "LossSpec", "loss_spec", "check_targets", "loss_value", "normaliser", "reduction_factor",
@@ -267,7 +268,9 @@ def reduction_factor(spec: LossSpec, y: Tensor):
     ``"mean"`` loss is 0/0 = NaN, but its gradient and ``torch.func.hessian`` are zero:
     every term is zero, and so is the curvature (``c = 0``). Cross-entropy's class
     indices whose values cannot be read (traced for ``compile=True``, batched) give a
-    0-dim tensor ``c`` instead of a float.
+    0-dim tensor ``c`` instead of a float; so do concrete ones under the ``"batched"``
+    strategy (:mod:`curvlib._strategy`, the CUDA default), where reading the count
+    would stall a GPU's launch queue (a host sync) in the middle of the call.
 
     Examples::
 
@@ -279,7 +282,8 @@ def reduction_factor(spec: LossSpec, y: Tensor):
         >>> losses.reduction_factor(losses.loss_spec(nn.MSELoss(reduction="sum")), torch.zeros(4, 3))
         1.0
     """
-    if spec.kind == "ce" and spec.reduction == "mean" and not y.is_floating_point() and not _is_concrete(y):
+    if spec.kind == "ce" and spec.reduction == "mean" and not y.is_floating_point() \
+            and (not _is_concrete(y) or batched(y.device)):
         m = spec.module
         counted = y != m.ignore_index
         if m.weight is None:
