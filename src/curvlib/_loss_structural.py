@@ -34,7 +34,7 @@ from torch import Tensor
 from . import _draws
 from ._strategy import batched
 
-__all__ = ["StructuralCurvature"]
+__all__ = ["StructuralCurvature", "negative_scale"]
 
 
 class StructuralCurvature:
@@ -45,13 +45,15 @@ class StructuralCurvature:
         out: model output ``[N, *]``.
         y: targets (already checked).
         c: the reduction factor.
+        negative: whether some scale is negative, when already read (see :func:`negative_scale`).
     """
 
-    def __init__(self, spec, out: Tensor, y: Tensor, c: float):
+    def __init__(self, spec, out: Tensor, y: Tensor, c: float, negative: Optional[bool] = None):
         self.kind, self.out, self.y = spec.kind, out, y
         self.scale = _scale(spec, out, y, c)  # float (MSE; CE counting every target alike), [N, *out[1:]] (BCE), [N, *D] (CE)
         self.signed = _may_be_negative(spec, y) and (
-            not _concrete(self.scale) or bool((self.scale < 0).any())  # unknown values: split by sign
+            # unknown values (traced): split by sign; else read here unless the target check did
+            (not _concrete(self.scale) or bool((self.scale < 0).any())) if negative is None else negative
         )
 
     # ------------------------------------------------------------------ roots
@@ -130,6 +132,24 @@ def _may_be_negative(spec, y: Tensor) -> bool:
     if spec.kind == "bce":
         return m.weight is not None or m.pos_weight is not None
     return spec.kind == "ce" and (m.weight is not None or y.is_floating_point())
+
+
+def negative_scale(spec, out: Tensor, y: Tensor, c) -> Optional[Tensor]:
+    """Whether some entry of the scale ``s`` (module doc) is negative, as a 0-dim bool tensor
+    (not read: the caller reads it with its other checks, one host sync), or ``None`` when
+    the options allow no negative scale. ``out`` may be a meta tensor: only its shape and
+    dtype are used; ``c`` is the reduction factor (a float or a 0-dim tensor)."""
+    if not _may_be_negative(spec, y):
+        return None
+    module = spec.module
+    if spec.kind == "ce":
+        return (c * target_mass(module, out, y) < 0).any()
+    s = torch.ones((), dtype=y.dtype, device=y.device)  # BCE: c > 0 leaves the sign alone
+    if module.pos_weight is not None:
+        s = s * (module.pos_weight * y + 1 - y)
+    if module.weight is not None:
+        s = s * module.weight
+    return (s < 0).any()
 
 
 def _concrete(t) -> bool:
