@@ -71,8 +71,8 @@ W = torch.tensor([1.0, 0.5, 2.0], dtype=F64)
 Y_INDEX = torch.tensor([0, 1, 2, 1, 0, 2])
 Y_IGNORED = torch.tensor([0, -100, 2, 1, -100, 2])
 Y_REAL_IGNORED = torch.tensor([0, 1, 2, 1, 1, 2])
-Y_PROB = torch.softmax(torch.randn(6, 3, generator=torch.Generator().manual_seed(1), dtype=F64), 1)
-Y_REAL = torch.rand(6, 3, generator=torch.Generator().manual_seed(2), dtype=F64)
+Y_PROB = torch.softmax(torch.randn(6, 3, generator=seeded(1), dtype=F64), 1)
+Y_REAL = torch.rand(6, 3, generator=seeded(2), dtype=F64)
 
 #: (loss, targets, host reads with first order only, with second order)
 LOSSES = {

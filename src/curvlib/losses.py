@@ -180,7 +180,7 @@ def check_targets(spec: LossSpec, out: Tensor, y: object, signs: bool = False) -
             read as cross-entropy's class-index range (one sync on a GPU), and return it.
 
     Returns:
-        With ``signs``, that flag for :func:`curvature_at` (``None`` where not read); else ``None``.
+        With ``signs``, that flag for ``curvature_at`` (``None`` where not read); else ``None``.
 
     Raises:
         CurvatureTypeError: ``y`` is not a tensor or has the wrong dtype.
@@ -275,7 +275,7 @@ def reduction_factor(spec: LossSpec, y: Tensor):
     every term is zero, and so is the curvature (``c = 0``). Cross-entropy's class
     indices whose values cannot be read (traced for ``compile=True``, batched) give a
     0-dim tensor ``c`` instead of a float; so do concrete ones under the ``"batched"``
-    strategy (:mod:`curvlib._strategy`, the CUDA default), where reading the count
+    strategy (``curvlib.strategy``, the CUDA default), where reading the count
     would stall a GPU's launch queue (a host sync) in the middle of the call.
 
     Examples::
@@ -306,7 +306,7 @@ def curvature_at(spec: LossSpec, out: Tensor, y: Tensor, check: bool = True, neg
     ``matvec(mat)``, ``modified_matvec(mat, modify)``, ``signed`` and ``most_negative()``.
 
     ``check``: for a generic loss, refuse one that couples samples (where values are readable).
-    ``negative``: whether the scale has a negative entry, when :func:`check_targets` read it.
+    ``negative``: whether the scale has a negative entry, when ``check_targets`` read it.
 
     Examples::
 
