@@ -265,27 +265,36 @@ def _time_limit(seconds: float):
 
 class _AtenCounter(TorchDispatchMode):
     """Counts the aten operator calls that reach the dispatcher (views and factories
-    included), a device-independent proxy for a GPU's kernel-launch overhead."""
+    included), a device-independent proxy for a GPU's kernel-launch overhead, and among
+    them the host reads of a device value (``aten._local_scalar_dense``: ``.item()``,
+    ``float(t)``, ``bool(t)``), each a sync that stalls a GPU's launch queue."""
 
     def __init__(self):
         super().__init__()
         self.calls = 0
+        self.syncs = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.calls += 1
+        self.syncs += func is torch.ops.aten._local_scalar_dense.default
         return func(*args, **(kwargs or {}))
 
 
-def aten_ops(run) -> int | str:
-    """Aten operator calls of one call of ``run`` (untimed, after warm-up)."""
+def op_counts(run) -> tuple[int | str, int | str]:
+    """``(aten operator calls, host syncs)`` of one call of ``run`` (untimed, after warm-up)."""
     counter = _AtenCounter()
     try:
         with counter:
             out = run()
     except Exception as err:  # noqa: BLE001 - a method that does not run under a dispatch mode
-        return "n/a (" + _why(err)[:40] + ")"
+        return "n/a (" + _why(err)[:40] + ")", ""
     del out
-    return counter.calls
+    return counter.calls, counter.syncs
+
+
+def aten_ops(run) -> int | str:
+    """Aten operator calls of one call of ``run`` (untimed, after warm-up)."""
+    return op_counts(run)[0]
 
 
 def bench_problem(name: str, methods: list[str], args, bar=None, build_kwargs: dict | None = None) -> list[dict]:
@@ -293,7 +302,7 @@ def bench_problem(name: str, methods: list[str], args, bar=None, build_kwargs: d
     problem = PROBLEMS[name](device=args.device, seed=args.seed, **(build_kwargs or {}))
     label = name if not build_kwargs else f"{name}[{','.join(f'{k}={v}' for k, v in build_kwargs.items())}]"
     now = _timer(args.device)
-    runs, first, status, checks, ops = {}, {}, {}, {}, {}
+    runs, first, status, checks, ops, syncs = {}, {}, {}, {}, {}, {}
     refs: dict[str, object] = {}
     for m in methods:
         if bar is not None:
@@ -340,7 +349,7 @@ def bench_problem(name: str, methods: list[str], args, bar=None, build_kwargs: d
         if first[m] < args.slow_s:
             for _ in range(args.warmup - 1):
                 runs[m]()
-        ops[m] = aten_ops(runs[m]) if args.count_ops else ""
+        ops[m], syncs[m] = op_counts(runs[m]) if args.count_ops else ("", "")
     refs.clear()
     methods = [m for m in methods if m in runs]
     per_round = sum(first[m] for m in methods)
@@ -368,6 +377,7 @@ def bench_problem(name: str, methods: list[str], args, bar=None, build_kwargs: d
         rows.append({
             "problem": label, "method": m, "median_ms": 1e3 * med, "ratio": med / ref,
             "first_call_ms": 1e3 * first[m], "rounds": rounds, "check": checks.get(m, ""), "aten_ops": ops.get(m, ""),
+            "host_syncs": syncs.get(m, ""),
             "times_ms": [round(1e3 * t, 4) for t in times[m]],
         })
     for m, why in status.items():
@@ -450,16 +460,18 @@ def _mem(r: dict | None) -> str:
 
 def markdown_full(rows: list[dict]) -> str:
     idx = _index(rows)
-    lines = ["| problem | method | median ms | ratio to backward | bound | peak MiB | first call ms | aten ops | check |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| problem | method | median ms | ratio to backward | bound | peak MiB | first call ms | aten ops | "
+             "host syncs | check |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         if "refused" in r:
-            lines.append(f"| {r['problem']} | {r['method']} | {r['refused']} | | | | | | |")
+            lines.append(f"| {r['problem']} | {r['method']} | {r['refused']} | | | | | | | |")
             continue
         b = _bound_for(idx, r["problem"], r["method"]) if not r["method"].startswith("bound") else None
         lines.append(
             f"| {r['problem']} | {r['method']} | {r['median_ms']:.2f} | {r['ratio']:.2f} | "
-            f"{_num(b)} | {_mem(r)} | {r['first_call_ms']:.1f} | {r.get('aten_ops', '')} | {r.get('check', '')} |"
+            f"{_num(b)} | {_mem(r)} | {r['first_call_ms']:.1f} | {r.get('aten_ops', '')} | "
+            f"{r.get('host_syncs', '')} | {r.get('check', '')} |"
         )
     return "\n".join(lines)
 

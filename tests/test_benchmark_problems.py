@@ -86,6 +86,7 @@ def test_aten_ops_counts_operator_calls():
         raise RuntimeError("no")
 
     assert R.aten_ops(broken).startswith("n/a")
+    assert R.op_counts(lambda: float((x + 1).sum()) + bool(x.max() > 0)) == (6, 2)  # add sum max gt + two reads
 
 
 def test_run_reports_aten_ops(tmp_path):
@@ -99,6 +100,7 @@ def test_run_reports_aten_ops(tmp_path):
     rows = [line for line in md.splitlines() if line.startswith("| mlp | BatchGrad |")]
     assert rows and int(rows[-1].split("|")[8]) > int(
         [line for line in md.splitlines() if line.startswith("| mlp | backward |")][-1].split("|")[8])
+    assert "host syncs" in md and int(rows[-1].split("|")[9]) == 1  # the class-index range check
 
 
 def test_gpu_sizes_on_request_only():

@@ -32,8 +32,9 @@ import torch
 from torch import Tensor
 
 from . import _draws
+from ._strategy import batched
 
-__all__ = ["StructuralCurvature"]
+__all__ = ["StructuralCurvature", "negative_scale"]
 
 
 class StructuralCurvature:
@@ -44,13 +45,15 @@ class StructuralCurvature:
         out: model output ``[N, *]``.
         y: targets (already checked).
         c: the reduction factor.
+        negative: whether some scale is negative, when already read (see :func:`negative_scale`).
     """
 
-    def __init__(self, spec, out: Tensor, y: Tensor, c: float):
+    def __init__(self, spec, out: Tensor, y: Tensor, c: float, negative: Optional[bool] = None):
         self.kind, self.out, self.y = spec.kind, out, y
         self.scale = _scale(spec, out, y, c)  # float (MSE; CE counting every target alike), [N, *out[1:]] (BCE), [N, *D] (CE)
         self.signed = _may_be_negative(spec, y) and (
-            not _concrete(self.scale) or bool((self.scale < 0).any())  # unknown values: split by sign
+            # unknown values (traced): split by sign; else read here unless the target check did
+            (not _concrete(self.scale) or bool((self.scale < 0).any())) if negative is None else negative
         )
 
     # ------------------------------------------------------------------ roots
@@ -131,6 +134,24 @@ def _may_be_negative(spec, y: Tensor) -> bool:
     return spec.kind == "ce" and (m.weight is not None or y.is_floating_point())
 
 
+def negative_scale(spec, out: Tensor, y: Tensor, c) -> Optional[Tensor]:
+    """Whether some entry of the scale ``s`` (module doc) is negative, as a 0-dim bool tensor
+    (not read: the caller reads it with its other checks, one host sync), or ``None`` when
+    the options allow no negative scale. ``out`` may be a meta tensor: only its shape and
+    dtype are used; ``c`` is the reduction factor (a float or a 0-dim tensor)."""
+    if not _may_be_negative(spec, y):
+        return None
+    module = spec.module
+    if spec.kind == "ce":
+        return (c * target_mass(module, out, y) < 0).any()
+    s = torch.ones((), dtype=y.dtype, device=y.device)  # BCE: c > 0 leaves the sign alone
+    if module.pos_weight is not None:
+        s = s * (module.pos_weight * y + 1 - y)
+    if module.weight is not None:
+        s = s * module.weight
+    return (s < 0).any()
+
+
 def _concrete(t) -> bool:
     if isinstance(t, float):
         return True
@@ -161,8 +182,9 @@ def _scale(spec, out: Tensor, y: Tensor, c: float):
             s = s * module.weight
         return s.expand(out.shape)
     if module.weight is None and not module.label_smoothing and not y.is_floating_point() \
-            and _concrete(y) and not bool((y == module.ignore_index).any()):
+            and _concrete(y) and not batched(out.device) and not bool((y == module.ignore_index).any()):
         return float(c)  # κ = 1 everywhere: the scale of every sample and position is c
+    # (under "batched", the CUDA default, whether a target is ignored is not read: a host sync)
     return c * target_mass(module, out, y)
 
 
@@ -177,6 +199,8 @@ def target_mass(module, out: Tensor, y: Tensor) -> Tensor:
             q = q * w.reshape((1, k) + (1,) * (y.dim() - 2))
         return q.sum(1)
     counted = y != module.ignore_index
+    if w is None and not eps:  # κ = 1 where counted
+        return counted.to(out.dtype)
     safe = torch.where(counted, y, torch.zeros_like(y))
     kappa = (1 - eps) * (w[safe] if w is not None else torch.ones_like(safe, dtype=out.dtype))
     if eps:
@@ -210,7 +234,16 @@ def _ce_sampled(out: Tensor, m: int, generator) -> Tensor:
     u = _draws.rand((m, p_rows.shape[0], 1), generator, out.dtype, out.device)
     cdf = p_rows.detach().cumsum(-1)  # [N·R, K]
     draws = (cdf.unsqueeze(0) <= u).sum(-1).clamp_(max=k - 1)  # [M, N·R]
-    onehot = torch.nn.functional.one_hot(draws, k).to(out.dtype)  # [M, N·R, K]
+    onehot = one_hot(draws, k, out.dtype)  # [M, N·R, K]
     grads = p_rows.unsqueeze(0) - onehot
     moved = tuple(out.movedim(1, -1).shape)
     return grads.reshape((m,) + moved).movedim(-1, 2)
+
+
+def one_hot(index: Tensor, k: int, dtype: torch.dtype) -> Tensor:
+    """``F.one_hot(index, k).to(dtype)`` without its range check: ``[*index.shape, k]``.
+
+    ``F.one_hot`` reads the indices' minimum and maximum (two host syncs, each a
+    stall of a GPU's launch queue); the indices here are in ``[0, k)`` by construction.
+    """
+    return (index.unsqueeze(-1) == torch.arange(k, device=index.device)).to(dtype)

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
 from ._errors import CurvatureError, CurvatureTypeError
+from ._strategy import batched
 
 
-def check_cross_entropy_targets(module, out: Tensor, y: Tensor) -> None:
+def check_cross_entropy_targets(module, out: Tensor, y: Tensor, negative: Optional[Tensor] = None) -> Optional[bool]:
     """Class indices ``[N, *D]`` (``ignore_index`` allowed) or probabilities ``[N, K, *D]``.
 
     ``out`` is the model output ``[N, K, *D]``. Raises a :class:`CurvatureError`
-    naming the bad shape, dtype or class index.
+    naming the bad shape, dtype or class index. ``negative`` (a 0-dim bool tensor)
+    is read with the class-index range, in the same host read; returns its value
+    (``None`` if not given or nothing was read).
     """
     name = type(module).__name__
     if out.dim() < 2:
@@ -32,14 +37,14 @@ def check_cross_entropy_targets(module, out: Tensor, y: Tensor) -> None:
                 "supports ignore_index for class indices only (a negative ignore_index, such as "
                 "the default -100, is allowed and unused)."
             )
-        return
+        return None if negative is None else bool(negative)
     expected = (out.shape[0],) + tuple(out.shape[2:])
     if tuple(y.shape) != expected:
         raise CurvatureError(
             f"{name}: y has shape {tuple(y.shape)}, but for model output {tuple(out.shape)} it must "
             f"have shape {expected} (class indices) or {tuple(out.shape)} (class probabilities)."
         )
-    _check_class_range(module, name, out.shape[1], y)
+    return _check_class_range(module, name, out.shape[1], y, negative)
 
 
 def _check_probabilities(name: str, out: Tensor, y: Tensor) -> None:
@@ -56,19 +61,29 @@ def _check_probabilities(name: str, out: Tensor, y: Tensor) -> None:
         )
 
 
-def _check_class_range(module, name: str, num_classes: int, y: Tensor) -> None:
+def _check_class_range(module, name: str, num_classes: int, y: Tensor, negative: Optional[Tensor]) -> Optional[bool]:
     from .losses import _is_concrete
 
     if not _is_concrete(y) or y.numel() == 0:
-        return
+        return None
     ignore = module.ignore_index
-    if y.dtype != torch.uint8:  # one reduction when every index is in range (the common case)
-        lo, hi = torch.aminmax(y)
-        if 0 <= int(lo) and int(hi) < num_classes:
-            return
+    values = y.long() if y.dtype == torch.uint8 else y
+    if batched(y.device):  # ignored entries read as class 0: one host read whatever y holds
+        values = torch.where(values != ignore, values, 0)
+    # One reduction and one host read (a sync on a GPU) when every index is in range, the
+    # common case; ignored entries under "looped" (a CPU read is cheap) take the path below.
+    lo, hi = torch.aminmax(values)
+    in_range = (lo >= 0) & (hi < num_classes)
+    if negative is None:
+        if bool(in_range):
+            return None
+    else:  # both bits in one read: in_range + 2 · negative
+        code = int(in_range.to(torch.uint8) + 2 * negative.to(torch.uint8))
+        if code & 1:
+            return bool(code & 2)
     counted = y[y != ignore]
     if counted.numel() == 0:
-        return
+        return None if negative is None else bool(negative)
     lo, hi = (int(v) for v in torch.aminmax(counted.long()))
     if lo < 0 or hi >= num_classes:
         bad = lo if lo < 0 else hi
@@ -76,3 +91,24 @@ def _check_class_range(module, name: str, num_classes: int, y: Tensor) -> None:
             f"{name}: y holds class index {bad}, outside [0, {num_classes - 1}] for a model with "
             f"{num_classes} classes (and not the loss's ignore_index={ignore})."
         )
+    return None if negative is None else bool(negative)
+
+
+def scale_sign(spec, out: Tensor, y: Tensor) -> Optional[Tensor]:
+    """Whether the loss Hessian's scale has a negative entry (``negative_scale`` of
+    :mod:`curvlib._loss_structural`), a 0-dim bool tensor not yet read, for targets not yet
+    checked; ``None`` where unknown (values hidden) or impossible (no option allows it)."""
+    from ._loss_structural import _may_be_negative, negative_scale
+    from .losses import _is_concrete, prepare_targets, reduction_factor
+
+    if not isinstance(y, Tensor) or not _may_be_negative(spec, y) or not _is_concrete(y) or y.numel() == 0 or (spec.kind == "ce" and (y.is_complex() or y.dtype == torch.bool)):
+        return None
+    y = prepare_targets(spec, y)
+    if spec.kind == "ce" and not y.is_floating_point():
+        if y.dim() == 0 or out.dim() < 2:
+            return None
+        # indices outside [0, K) (refused by the same read) count as ignored: w[y] must not fail
+        y = torch.where((y >= 0) & (y < out.shape[1]), y, spec.module.ignore_index)
+    elif spec.kind == "ce" and tuple(y.shape) != tuple(out.shape):
+        return None
+    return negative_scale(spec, out, y, reduction_factor(spec, y))

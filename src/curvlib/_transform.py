@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from . import _arguments, _budget, _compiled, _dropout, _inputs, losses
+from . import _arguments, _budget, _compiled, _dropout, _inputs, _strategy, losses
 from ._diagnose import forward_failure, forward_mode_failure
 from ._independence import refuse_mixing
 from ._engine import forward_with_probes
@@ -235,7 +235,8 @@ class _Call:
         traced = s.traced(X)
         for check in traced.checks:  # (the eager runner checks modules as they are called)
             check()
-        plan = self._plan(traced, X, values, trainable, y, n)
+        read: Dict[str, object] = {}
+        plan = self._plan(traced, X, values, trainable, y, n, read)
         y = losses.prepare_targets(s.spec, y)
         seed = self._dropout_seed(traced, generator)
         differentiable = torch.is_grad_enabled() and (
@@ -243,7 +244,8 @@ class _Call:
         )
         with _dropout.masks(seed, _inputs.first(X).device):
             try:
-                return self._evaluate(traced, plan, X, y, values, trainable, differentiable, seed, _into)
+                return self._evaluate(traced, plan, X, y, values, trainable, differentiable, seed, _into,
+                                      negative=read.get("negative"))
             except (NodeFailure, NotImplementedError) as exc:
                 forward_mode = forward_mode_failure(exc, ", ".join(type(e).__name__ for e in s.second))
                 if forward_mode is not None:
@@ -253,8 +255,12 @@ class _Call:
                 # the real forward failed where the shape passes did not
                 raise forward_failure(traced.program, X, values, exc, n) from exc
 
-    def _plan(self, traced: Traced, X, values, trainable: List[str], y: Tensor, n: int) -> Plan:
-        """Stage 2: the cached plan, and every check that needs it (before any work)."""
+    def _plan(self, traced: Traced, X, values, trainable: List[str], y: Tensor, n: int,
+              read: Optional[Dict[str, object]] = None) -> Plan:
+        """Stage 2: the cached plan, and every check that needs it (before any work).
+
+        ``read``: receives ``"negative"``, whether the loss Hessian's scale has a negative
+        entry, read with the targets' check (one host read, see :func:`losses.check_targets`)."""
         s = self.setup
         plan = self._cached_plan(traced, X, values, frozenset(trainable))
         _arguments.check_targets_batch(s.spec, y, n)
@@ -263,7 +269,12 @@ class _Call:
         first = out is None
         if first:
             out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device="meta")
-        losses.check_targets(s.spec, out, y)
+        # under "batched" (a host read stalls a GPU) the scale's sign is read with the targets'
+        # check, in the same read; under "looped" where the loss Hessian is formed (fewer ops)
+        signs = bool(s.second) and read is not None and _strategy.batched(_inputs.first(X).device)
+        negative = losses.check_targets(s.spec, out, y, signs=signs)
+        if read is not None:
+            read["negative"] = negative
         if s.second:
             if first:
                 kinds = {layer.path: layer.kind for layer in traced.program.layers.values()}
@@ -306,7 +317,8 @@ class _Call:
             warnings.warn(_dropout.warning(traced.dropout), UserWarning, stacklevel=3)
         return _dropout.draw_seed(generator)
 
-    def _evaluate(self, traced, plan, X, y, values, trainable, differentiable, seed, into=None) -> Dict[str, object]:
+    def _evaluate(self, traced, plan, X, y, values, trainable, differentiable, seed, into=None,
+                  negative: Optional[bool] = None) -> Dict[str, object]:
         """Stages 3-6."""
         s = self.setup
         frozen_trainable = frozenset(trainable)
@@ -321,7 +333,7 @@ class _Call:
         result: Dict[str, object] = {"loss": loss}
         result.update(first_order(lin.sites, gs, trainable, values, [e.name for e in s.first], _inputs.batch_size(X)))
         if s.second:
-            curv = losses.curvature_at(s.spec, lin.out, y)
+            curv = losses.curvature_at(s.spec, lin.out, y, negative=negative)
             product = products(traced.program, s.spec, y, curv, X, values, traced.residual_nodes, lin,
                                residual_grads, rng, frozen_trainable, seed)
             kfra_factors = _kfra_factors(s, traced, lin, curv, X, y, trainable, values)

@@ -44,7 +44,9 @@ from torch import Tensor, nn
 
 from ._errors import CurvatureError, CurvatureTypeError
 from ._loss_generic import GenericCurvature, check_per_sample
+from . import _targets
 from ._loss_structural import StructuralCurvature
+from ._strategy import batched
 
 __all__ = [
     "LossSpec", "loss_spec", "check_targets", "loss_value", "normaliser", "reduction_factor",
@@ -166,13 +168,19 @@ def prepare_targets(spec: LossSpec, y: Tensor) -> Tensor:
 _SMALL_INTS = (torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
-def check_targets(spec: LossSpec, out: Tensor, y: object) -> None:
+def check_targets(spec: LossSpec, out: Tensor, y: object, signs: bool = False) -> Optional[bool]:
     """Refuse targets that do not fit the model output for this loss (before any work).
 
     Args:
         spec: the loss.
         out: model output ``[N, *]`` (a meta tensor is enough).
         y: targets, batch in dim 0.
+        signs: also read whether the loss Hessian's scale has a negative entry (a structural
+            loss whose options allow one, see ``curvlib._loss_structural``), in the same host
+            read as cross-entropy's class-index range (one sync on a GPU), and return it.
+
+    Returns:
+        With ``signs``, that flag for ``curvature_at`` (``None`` where not read); else ``None``.
 
     Raises:
         CurvatureTypeError: ``y`` is not a tensor or has the wrong dtype.
@@ -195,12 +203,9 @@ def check_targets(spec: LossSpec, out: Tensor, y: object) -> None:
     if out.dim() == 0:
         raise CurvatureError("The model output is a scalar; it needs the batch in dim 0.")
     if spec.kind == "generic":
-        return  # the function itself decides what it accepts
+        return None  # the function itself decides what it accepts
     if spec.kind == "ce":
-        from ._targets import check_cross_entropy_targets
-
-        check_cross_entropy_targets(spec.module, out, y)
-        return
+        return _targets.check_cross_entropy_targets(spec.module, out, y, _targets.scale_sign(spec, out, y) if signs else None)
     name = spec.name
     if not y.is_floating_point():
         raise CurvatureTypeError(f"{name} needs floating-point targets y, got dtype {y.dtype}.")
@@ -213,6 +218,8 @@ def check_targets(spec: LossSpec, out: Tensor, y: object) -> None:
         raise CurvatureTypeError(
             f"{name}: y has dtype {y.dtype} but the model output has dtype {out.dtype}; they must be equal."
         )
+    negative = _targets.scale_sign(spec, out, y) if signs else None
+    return None if negative is None else bool(negative)
 
 
 def loss_value(spec: LossSpec, out: Tensor, y: Tensor) -> Tensor:
@@ -267,7 +274,9 @@ def reduction_factor(spec: LossSpec, y: Tensor):
     ``"mean"`` loss is 0/0 = NaN, but its gradient and ``torch.func.hessian`` are zero:
     every term is zero, and so is the curvature (``c = 0``). Cross-entropy's class
     indices whose values cannot be read (traced for ``compile=True``, batched) give a
-    0-dim tensor ``c`` instead of a float.
+    0-dim tensor ``c`` instead of a float; so do concrete ones under the ``"batched"``
+    strategy (``curvlib.strategy``, the CUDA default), where reading the count
+    would stall a GPU's launch queue (a host sync) in the middle of the call.
 
     Examples::
 
@@ -279,7 +288,8 @@ def reduction_factor(spec: LossSpec, y: Tensor):
         >>> losses.reduction_factor(losses.loss_spec(nn.MSELoss(reduction="sum")), torch.zeros(4, 3))
         1.0
     """
-    if spec.kind == "ce" and spec.reduction == "mean" and not y.is_floating_point() and not _is_concrete(y):
+    if spec.kind == "ce" and spec.reduction == "mean" and not y.is_floating_point() \
+            and (not _is_concrete(y) or batched(y.device)):
         m = spec.module
         counted = y != m.ignore_index
         if m.weight is None:
@@ -291,11 +301,12 @@ def reduction_factor(spec: LossSpec, y: Tensor):
     return 1.0 / m if m else 0.0
 
 
-def curvature_at(spec: LossSpec, out: Tensor, y: Tensor, check: bool = True):
+def curvature_at(spec: LossSpec, out: Tensor, y: Tensor, check: bool = True, negative: Optional[bool] = None):
     """The loss Hessian at ``(out, y)``: an object with ``roots()``, ``sampled_roots(M, gen)``,
     ``matvec(mat)``, ``modified_matvec(mat, modify)``, ``signed`` and ``most_negative()``.
 
     ``check``: for a generic loss, refuse one that couples samples (where values are readable).
+    ``negative``: whether the scale has a negative entry, when ``check_targets`` read it.
 
     Examples::
 
@@ -313,7 +324,7 @@ def curvature_at(spec: LossSpec, out: Tensor, y: Tensor, check: bool = True):
         if check and _is_concrete(out):
             check_per_sample(loss_of, out, spec.name)
         return GenericCurvature(loss_of, out, spec.name)
-    return StructuralCurvature(spec, out, y, reduction_factor(spec, y))
+    return StructuralCurvature(spec, out, y, reduction_factor(spec, y), negative)
 
 
 # -- the single-root helpers the rest of curvlib and the tests use -------------------
