@@ -30,8 +30,12 @@ from ._sync import LOCK
 
 __all__ = ["COMPILABLE", "check", "CompiledCall"]
 
-#: second-order quantities a compiled program computes (the GGN family; first order always)
-COMPILABLE = frozenset({"diag", "batch_diag", "kron", "sqrt"})
+#: second-order quantities a compiled program computes (the GGN family and the Hessian
+#: diagonals; first order always). Tracing runs on fake tensors, so a traced quantity
+#: cannot depend on values read in Python: where values are unknown (the signs of the
+#: Hessian residuals' eigenvalues, of a weighted loss's scale) the traced code takes
+#: the value-independent path (both signed parts).
+COMPILABLE = frozenset({"diag", "batch_diag", "kron", "sqrt", "hessian_diag", "hessian_batch_diag"})
 
 
 def check(compile: object, setup) -> Optional[dict]:
@@ -45,7 +49,7 @@ def check(compile: object, setup) -> Optional[dict]:
     if "fullgraph" in compile:
         raise CurvatureError("compile options: fullgraph is always True for curvature(..., compile=...); leave it out.")
     supported = ("the first-order extensions and DiagGGNExact, DiagGGNMC, BatchDiagGGNExact, BatchDiagGGNMC, "
-                 "KFAC, KFLR, KFACEmpirical, SqrtGGNExact, SqrtGGNMC")
+                 "KFAC, KFLR, KFACEmpirical, SqrtGGNExact, SqrtGGNMC, DiagHessian, BatchDiagHessian")
     for ext in setup.second:
         if ext.quantity not in COMPILABLE:
             raise CurvatureError(
@@ -187,6 +191,7 @@ class CompiledCall:
             draws = [torch.empty(shape, dtype=dtype, device=device) for _, shape, _, dtype, device in recipes[-1]]
             recipes.clear()
             graph = make_fx(program, tracing_mode="fake")(*flat, *draws)
+        _drop_unused_queries(graph)
         compiled = torch.compile(graph, fullgraph=True, **device_options(self.options, leaves[0].device))
         return _Program(compiled, out_spec[-1], recipes[-1], graph)
 
@@ -195,6 +200,23 @@ class CompiledCall:
         buffers = list(_buffers(self.call.setup).values())
         flat = list(values.values()) + buffers + pytree.tree_leaves(X) + [y] + draws
         return pytree.tree_unflatten(program(*flat), program.spec)
+
+
+def _drop_unused_queries(graph: torch.fx.GraphModule) -> None:
+    """Remove unused aten queries that answer a ``bool`` (``is_same_size``,
+    ``_has_same_storage_numel``). Double backward (the Hessian residuals' second
+    derivatives) asks them; ``make_fx`` records the question, whose answer was already
+    used while tracing, but Dynamo cannot put a ``bool`` into a graph, so
+    ``fullgraph=True`` would fail on it."""
+    for node in list(graph.graph.nodes):
+        if node.op == "call_function" and not node.users and _answers_bool(node.target):
+            graph.graph.erase_node(node)
+    graph.recompile()
+
+
+def _answers_bool(target) -> bool:
+    returns = getattr(getattr(target, "_schema", None), "returns", None)
+    return bool(returns) and all(str(r.type) == "bool" for r in returns)
 
 
 #: inductor settings curvlib's programs get on CPU unless the caller sets them
