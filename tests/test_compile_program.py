@@ -225,7 +225,7 @@ def test_compiled_hessian_diagonals(name, loss):
     also for new values under the same signature (no recompile): the traced program reads
     no values (residual eigenvalue signs, a weighted loss's scale signs)."""
     model, X = _residual_models()[name]
-    gen = torch.Generator().manual_seed(2)
+    gen = seeded(2)
     if loss == "mse":
         lossfn, y = nn.MSELoss(), torch.randn(6, 3, dtype=torch.float64)
     else:
