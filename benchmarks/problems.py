@@ -563,7 +563,7 @@ PEER_PACKAGES = {
 # against the eager method like a peer; "compiled:backward" is torch.compile of the loss
 # and backward step (compiled forward+backward by AOTAutograd), for reference.
 for _name in FIRST_ORDER + ("DiagGGNExact", "DiagGGNMC", "BatchDiagGGNExact", "BatchDiagGGNMC", "KFAC", "KFLR",
-                            "SqrtGGNExact", "SqrtGGNMC"):
+                            "SqrtGGNExact", "SqrtGGNMC", "DiagHessian", "BatchDiagHessian"):
     METHODS[f"compiled:{_name}"] = _curvlib(getattr(extensions, _name), compile=True)
     INFO[f"compiled:{_name}"] = INFO[_name]._replace(library="curvlib compiled")
 
