@@ -61,7 +61,8 @@ bench)
              DiagHessian "backpack:DiagHessian" BatchDiagHessian "backpack:BatchDiagHessian"
              DiagGGNMC "backpack:DiagGGNMC" KFAC "backpack:KFAC" "curvlinops:KFAC(mc)" KFLR "backpack:KFLR"
              compiled:backward compiled:BatchGrad compiled:SumGradSquared compiled:Variance
-             compiled:DiagGGNExact compiled:BatchDiagGGNExact compiled:DiagGGNMC compiled:KFAC compiled:KFLR)
+             compiled:DiagGGNExact compiled:BatchDiagGGNExact compiled:DiagHessian compiled:DiagGGNMC
+             compiled:KFAC compiled:KFLR)
     python benchmarks/run.py --device cuda --problems "${problems[@]}" --methods "${methods[@]}" \
         --budget 20 --first-call-timeout 120 --sweep-classes "${memory[@]}" --out "$out" 2>&1 \
         | tee "$out/bench.log" | tail -60
