@@ -114,9 +114,9 @@ def curvature(
             ``curvlib._chunking``). Not for KFRA and the block products.
         compile: ``True`` (or a dict of ``torch.compile`` options, e.g. ``{"mode":
             "max-autotune"}``): each input signature's call is traced once into one
-            graph and compiled with ``torch.compile(fullgraph=True)`` (first order and
-            the GGN family; see the README section "Compiled calls"). Results are then not
-            differentiable; other extensions are refused.
+            graph and compiled with ``torch.compile(fullgraph=True)`` (first order, the
+            GGN family and the Hessian diagonals; see the README section "Compiled calls").
+            Results are then not differentiable; KFRA and the block products are refused.
 
     Returns:
         ``f(X, y, params=None, generator=None)`` returning a plain dict with
