@@ -221,21 +221,27 @@ def _batched(pullback: Callable, device: torch.device) -> Callable:
     return pull
 
 
+def _autograd_probes(plan, X, direct: bool):
+    """``(probes, residual probes, X)`` for :func:`_forward_autograd`: zero probes added
+    to every site's output, or (``direct``) sites read as they are, lazily."""
+    if not direct:
+        return (*_zero_probes(plan, X, requires_grad=True), X)
+    probes = _LazyProbes(plan, X)
+    rprobes = [
+        torch.zeros(shape, dtype=plan.out_dtype, device=_inputs.first(X).device, requires_grad=True)
+        for shape in plan.residual_shapes
+    ]
+    # A floating input that requires grad puts the first layers' outputs into the
+    # autograd graph (the engine never computes the input's own gradient).
+    X = _inputs.map_tensors(lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t, X)
+    return probes, rprobes, X
+
+
 def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner, direct: bool = False,
                       keep_values: bool = False):
     """The forward under plain autograd (``None`` if ``direct`` and an in-place
     operation overwrote a site's output: the caller then runs it with probes)."""
-    if direct:
-        probes = _LazyProbes(plan, X)
-        rprobes = [
-            torch.zeros(shape, dtype=plan.out_dtype, device=_inputs.first(X).device, requires_grad=True)
-            for shape in plan.residual_shapes
-        ]
-        # A floating input that requires grad puts the first layers' outputs into the
-        # autograd graph (the engine never computes the input's own gradient).
-        X = _inputs.map_tensors(lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t, X)
-    else:
-        probes, rprobes = _zero_probes(plan, X, requires_grad=True)
+    probes, rprobes, X = _autograd_probes(plan, X, direct)
     rec = Recorder(probes, rprobes if residual_nodes else None, residual_nodes, direct=direct)
     values: Optional[Dict[fx.Node, object]] = {} if keep_values and runner is None else None
     with torch.enable_grad():
