@@ -113,17 +113,8 @@ def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, pres
         elif node.op == "call_method":
             self_obj, *rest = load(node.args)
             env[node] = getattr(self_obj, node.target)(*rest, **load(node.kwargs))
-        use = program.functional.get(node)
-        if use is not None and use.linear is not None:
-            names = {r: n for r, n in use.linear.items() if n in trainable}
-            env[node] = functional.record_linear(use, names, env[use.inputs[0]], env[node], rec)
-        elif use is not None and any(n in trainable for n in use.params):
-            env[node] = functional.record(
-                use, program.root, program.param_names,
-                {n: n for n in use.params if n in trainable},
-                {n: params[n] for n in use.params},
-                [env[a] for a in use.inputs], env[node], rec, {a: env[a] for a in use.fixed},
-            )
+        if node in program.functional:
+            env[node] = _record_functional(program, program.functional[node], env[node], env, params, trainable, rec)
         if node in rec.residual_nodes:
             _residuals.record(program, node, rec.residual_nodes[node], env, params, trainable, rec,
                               program.dependent, before)
@@ -142,6 +133,23 @@ def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, pres
             "output tensor with the batch in dim 0."
         )
     return result
+
+
+def _record_functional(program, use, value, env, params, trainable, rec):
+    """A call that uses parameters outside their module (``F.linear(x, self.w)``,
+    ``x @ self.w``): a linear use records its site; another, when a parameter it uses
+    is trainable, is recorded by the functional rule. ``value``: the call's output."""
+    if use.linear is not None:
+        names = {r: n for r, n in use.linear.items() if n in trainable}
+        return functional.record_linear(use, names, env[use.inputs[0]], value, rec)
+    if any(n in trainable for n in use.params):
+        return functional.record(
+            use, program.root, program.param_names,
+            {n: n for n in use.params if n in trainable},
+            {n: params[n] for n in use.params},
+            [env[a] for a in use.inputs], value, rec, {a: env[a] for a in use.fixed},
+        )
+    return value
 
 
 def _placeholder(node: fx.Node, X, seen: int):
