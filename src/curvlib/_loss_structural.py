@@ -144,12 +144,8 @@ def negative_scale(spec, out: Tensor, y: Tensor, c) -> Optional[Tensor]:
     module = spec.module
     if spec.kind == "ce":
         return (c * target_mass(module, out, y) < 0).any()
-    s = torch.ones((), dtype=y.dtype, device=y.device)  # BCE: c > 0 leaves the sign alone
-    if module.pos_weight is not None:
-        s = s * (module.pos_weight * y + 1 - y)
-    if module.weight is not None:
-        s = s * module.weight
-    return (s < 0).any()
+    # BCE: c > 0 leaves the sign alone
+    return (_bce_weights(module, y, torch.ones((), dtype=y.dtype, device=y.device)) < 0).any()
 
 
 def _concrete(t) -> bool:
@@ -175,17 +171,21 @@ def _scale(spec, out: Tensor, y: Tensor, c: float):
     if spec.kind == "mse":
         return float(c)
     if spec.kind == "bce":
-        s = torch.full_like(out, c)
-        if module.pos_weight is not None:
-            s = s * (module.pos_weight * y + 1 - y)
-        if module.weight is not None:
-            s = s * module.weight
-        return s.expand(out.shape)
+        return _bce_weights(module, y, torch.full_like(out, c)).expand(out.shape)
     if module.weight is None and not module.label_smoothing and not y.is_floating_point() \
             and _concrete(y) and not batched(out.device) and not bool((y == module.ignore_index).any()):
         return float(c)  # κ = 1 everywhere: the scale of every sample and position is c
     # (under "batched", the CUDA default, whether a target is ignored is not read: a host sync)
     return c * target_mass(module, out, y)
+
+
+def _bce_weights(module, y: Tensor, base: Tensor) -> Tensor:
+    """``base · (p·y + 1 − y) · w``: BCE's scale with ``pos_weight`` ``p`` and ``weight`` ``w``."""
+    if module.pos_weight is not None:
+        base = base * (module.pos_weight * y + 1 - y)
+    if module.weight is not None:
+        base = base * module.weight
+    return base
 
 
 def target_mass(module, out: Tensor, y: Tensor) -> Tensor:

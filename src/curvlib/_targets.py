@@ -101,7 +101,10 @@ def scale_sign(spec, out: Tensor, y: Tensor) -> Optional[Tensor]:
     from ._loss_structural import _may_be_negative, negative_scale
     from .losses import _is_concrete, prepare_targets, reduction_factor
 
-    if not isinstance(y, Tensor) or not _may_be_negative(spec, y) or not _is_concrete(y) or y.numel() == 0 or (spec.kind == "ce" and (y.is_complex() or y.dtype == torch.bool)):
+    unreadable = not isinstance(y, Tensor) or not _is_concrete(y) or y.numel() == 0
+    if unreadable or not _may_be_negative(spec, y):
+        return None
+    if spec.kind == "ce" and (y.is_complex() or y.dtype == torch.bool):  # refused by the check itself
         return None
     y = prepare_targets(spec, y)
     if spec.kind == "ce" and not y.is_floating_point():
