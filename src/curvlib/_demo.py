@@ -81,7 +81,7 @@ def instantiate(cls: type, device: Union[str, torch.device] = "cpu") -> Extensio
 
 def _probe(value: Callable[[Tensor], Tensor], shape: torch.Size, dtype: torch.dtype) -> Tensor:
     # the same CPU stream on every device; the demo runs under its device as the default
-    V = torch.randn(2, *shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    V = torch.randn(2, *shape, generator=torch.Generator().manual_seed(1), dtype=dtype, device="cpu")
     V = V.to(torch.get_default_device())
     return value(V)
 

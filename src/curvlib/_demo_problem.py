@@ -26,7 +26,8 @@ __all__ = ["Gram", "REFERENCES", "Reference", "problem"]
 def problem(n: int = 8, seed: int = 0) -> Tuple[nn.Module, nn.Module, Tensor, Tensor]:
     """Tiny CNN on ``[N, 1, 6, 6]`` inputs with 3 classes, float64, seeded."""
     gen = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng(devices=[]):
+    # built on CPU whatever the default device (the same numbers everywhere), placed by the caller
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.manual_seed(seed)
         model = nn.Sequential(
             OrderedDict(
@@ -37,8 +38,8 @@ def problem(n: int = 8, seed: int = 0) -> Tuple[nn.Module, nn.Module, Tensor, Te
                 fc=nn.Linear(3 * 2 * 2, 3),
             )
         ).double()
-    X = torch.randn(n, 1, 6, 6, generator=gen, dtype=torch.float64)
-    y = torch.randint(0, 3, (n,), generator=gen)
+    X = torch.randn(n, 1, 6, 6, generator=gen, dtype=torch.float64, device="cpu")
+    y = torch.randint(0, 3, (n,), generator=gen, device="cpu")
     return model, nn.CrossEntropyLoss(), X, y
 
 

@@ -112,7 +112,7 @@ def _perturbed(j: int, n: int, gen: torch.Generator) -> Callable:
         if v.is_floating_point() or v.is_complex():
             shape = [1] * v.dim()
             shape[leaf.dim] = -1
-            noise = torch.randn(v.shape, generator=gen, dtype=v.dtype).to(v.device)
+            noise = torch.randn(v.shape, generator=gen, dtype=v.dtype, device="cpu").to(v.device)
             scale = float(v.abs().max().nan_to_num(0.0)) or 1.0
             return v + noise * scale * mine.reshape(shape).to(v.dtype)
         other = j + 1 if j + 1 < n else j - 1  # integers (indices): another sample's rows
@@ -306,7 +306,7 @@ def _probe_leak(program, plan, X, params, trainable, runner, base, j, n, gen, on
         p = torch.zeros(shape, dtype=dtype, device=_inputs.first(X).device)
         if only is None or k == only:  # unit noise on sample j's rows
             mine = _rows(shape[bdim], Batch(bdim), n, j, _inputs.first(X).device).reshape([-1] + [1] * (len(shape) - bdim - 1))
-            p = torch.randn(shape, generator=gen, dtype=dtype).to(_inputs.first(X).device) * mine
+            p = torch.randn(shape, generator=gen, dtype=dtype, device="cpu").to(_inputs.first(X).device) * mine
         probes.append(p)
     with _seeded(_inputs.first(X).device, _SEED):
         out = runner(program, X, params, trainable, Recorder(probes))
