@@ -8,6 +8,7 @@ engine functions directly (``_first_order`` below replays what
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 
 import hypothesis.strategies as st
@@ -410,6 +411,23 @@ def test_direct_parameter_use_refused_with_line():
     assert f"test_untraced.py:{_line_of(DirectUse, 'DIRECT-USE')}" in str(info.value)
     # Metadata and detached reads are fine.
     assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_direct_parameter_line_found_in_a_folder_named_curvlib(tmp_path):
+    """User code under a clone named ``curvlib/`` keeps its pointer (issue 24, item 1):
+    "inside the library" is the package's own folder, not a name in the path."""
+    user_dir = tmp_path / "curvlib" / "tests"
+    user_dir.mkdir(parents=True)
+    source = inspect.getsource(DirectUse)
+    (user_dir / "user_model.py").write_text("import torch\nimport torch.nn.functional as F\nfrom torch import nn\n\n\n" + source)
+    spec = importlib.util.spec_from_file_location("user_model_in_curvlib_folder", user_dir / "user_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(CurvatureError, match=r"parameter 'enc.weight' outside its module") as info:
+        _first_order(module.DirectUse().double(), nn.MSELoss(), torch.rand(2, 3, dtype=torch.float64),
+                     torch.ones(2, 3, dtype=torch.float64))
+    line = 5 + next(i for i, text in enumerate(source.splitlines()) if "DIRECT-USE" in text) + 1
+    assert f"{user_dir / 'user_model.py'}:{line}" in str(info.value)
 
 
 def test_training_mode_batchnorm_refused():

@@ -44,9 +44,11 @@ refuses it for such models with the line at which tracing stopped.
 from __future__ import annotations
 
 import contextlib
+import os
 import traceback
 from typing import Dict, List, Mapping, Optional
 
+import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
@@ -82,11 +84,15 @@ _READ_ONLY = frozenset(
 )
 
 
+# "Inside a library" is decided by the packages' own folders, not by a name in the path: a
+# user's clone named ``curvlib/`` (what ``git clone .../curvlib`` makes) holds user code too.
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(path)) + os.sep for path in (torch.__file__, __file__))
+
+
 def _user_line() -> str:
     """The innermost frame of the current stack outside torch and curvlib."""
     for frame in reversed(traceback.extract_stack()):
-        path = frame.filename.replace("\\", "/")
-        if "/torch/" in path or "/curvlib/" in path:
+        if os.path.abspath(frame.filename).startswith(_LIBRARY_DIRS):
             continue
         return f"{frame.filename}:{frame.lineno}: {frame.line}"
     return ""
