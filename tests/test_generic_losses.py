@@ -12,13 +12,15 @@ empirical-Fisher Kronecker factors built from autograd gradients at each layer.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from curvlib import CurvatureError, curvature
-from curvlib.extensions import HMP, KFRA, PCHMP, BatchGrad, DiagGGNExact, KFACEmpirical, KFLR, SqrtGGNExact, SqrtGGNMC
+from curvlib.extensions import HMP, KFRA, PCHMP, BatchGrad, DiagGGNExact, DiagHessian, KFACEmpirical, KFLR, SqrtGGNExact, SqrtGGNMC
 from curvlib.losses import loss_spec
 
 from loss_checks import F64, assert_converges, check_exact, close, mc_errors, model_and_input
@@ -321,3 +323,22 @@ def test_kfac_empirical(case, reduction, approx):
         assert len(factors) == len(want), name
         for i, (a, b) in enumerate(zip(factors, want)):
             close(a, b, f"kfac_empirical[{name}][{i}]")
+
+
+def test_nll_loss_ggn_warns_once_and_points_to_cross_entropy():
+    """NLLLoss is linear in f: the GGN is exactly 0, said once per curvature object (issue 24, item 5)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.LogSoftmax(1)).double()
+    X, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 4, (5,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        f = curvature(model, nn.NLLLoss(), [DiagGGNExact()])
+        qs = [f(X, y) for _ in range(2)]
+    linear = [w for w in caught if "linear in the model output" in str(w.message)]
+    assert len(linear) == 1 and "nn.CrossEntropyLoss on the logits" in str(linear[0].message)
+    assert linear[0].filename == __file__  # points at the user's curvature(...) line
+    assert all(float(d.abs().max()) == 0.0 for q in qs for d in q["diag_ggn_exact"].values())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        curvature(model, nn.NLLLoss(), [DiagHessian()])  # the Hessian keeps the log-softmax's curvature
+        curvature(model[0], nn.CrossEntropyLoss(), [DiagGGNExact()])
+    assert not [w for w in caught if "linear in the model output" in str(w.message)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -171,3 +172,31 @@ def bytes_of(shape, dtype: torch.dtype) -> int:
     for s in shape:
         numel *= int(s)
     return numel * dtype.itemsize
+
+
+#: Results made of the loss Hessian ``∇²_f ℓ`` alone (the GGN ``Jᵀ ∇²_f ℓ J`` and its
+#: Kronecker, square-root and sampled forms): all exactly 0 for a loss linear in ``f``.
+_GGN_RESULTS = frozenset({
+    "diag_ggn_exact", "diag_ggn_exact_batch", "diag_ggn_mc", "diag_ggn_mc_batch", "kfac", "kflr",
+    "kfra", "sqrt_ggn_exact", "sqrt_ggn_mc", "ggnmp",
+})
+
+
+def warn_linear_loss(spec: losses.LossSpec, extensions) -> None:
+    """Warn (once, at ``curvature`` time) that ``nn.NLLLoss`` makes every GGN quantity 0.
+
+    ``NLLLoss(f, y) = -f[y]`` is linear in the model output ``f``, so ``∇²_f ℓ = 0`` and
+    the GGN vanishes even after ``nn.LogSoftmax``: the log-softmax's curvature is part of
+    the model, which the GGN linearises. ``nn.CrossEntropyLoss`` on the logits puts it into
+    the loss, where the GGN keeps it (same loss value and gradient).
+    """
+    wanted = sorted(e.name for e in extensions if e.name in _GGN_RESULTS)
+    if not wanted or not isinstance(spec.module, nn.NLLLoss):
+        return
+    warnings.warn(
+        f"lossfn is nn.NLLLoss, which is linear in the model output: its Hessian is 0, so "
+        f"{', '.join(wanted)} will be exactly 0 (also after nn.LogSoftmax, whose curvature the GGN "
+        "linearises away). For the GGN of a softmax classifier, drop the LogSoftmax and use "
+        "nn.CrossEntropyLoss on the logits (same loss and gradient).",
+        UserWarning, stacklevel=4,  # warn_linear_loss, _Setup, curvature, the user's line
+    )

@@ -168,6 +168,7 @@ class _Setup:
         self.model, self.prefix = _arguments.unwrap_compiled(model)
         self.spec = losses.loss_spec(lossfn)
         self.exts = _arguments.check_extensions(extensions)
+        _arguments.warn_linear_loss(self.spec, self.exts)
         _arguments.check_chunk_size(chunk_size)
         self.chunk_size = chunk_size
         self.computed = self._computed(batch_chunk_size)
