@@ -149,3 +149,45 @@ def test_layer_that_merges_batch_is_refused():
     f = curvature(Merge().to(DT), nn.MSELoss(), [BatchGrad()])
     with pytest.raises(ValueError, match=r"Layer 'fc'.*batch"):
         f(X, torch.randn(5, 6, dtype=DT))
+
+
+class _DictOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return {"logits": self.lin(x), "hidden": x}
+
+
+class _TupleOut(_DictOut):
+    def forward(self, x):
+        if x.sum() > 1e9:  # data-dependent: run untraced, the eager path's refusal
+            x = x * 2
+        return self.lin(x), x
+
+
+@pytest.mark.parametrize("model, match", [
+    (_DictOut(), r"returns a dict \('logits': tensor \[4, 2\], 'hidden': tensor \[4, 3\]\)"),
+    (_TupleOut(), r"returns a tuple \(tensor \[4, 2\], tensor \[4, 3\]\)"),
+])
+def test_non_tensor_output_names_the_users_type_and_the_fix(model, match):
+    """Not fx's ``immutable_dict``: the type the user wrote, its entries and how to pick the logits
+    (issue 24, item 6); the advised wrapper then works for a traceable model (an untraceable
+    one inside a wrapper becomes an opaque leaf that must return one tensor: issue 21)."""
+    X, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    with pytest.raises(curvlib.CurvatureError, match=match + r".*return self\.model\(x\)\[\"logits\"\]"):
+        curvature(model, nn.CrossEntropyLoss(), [BatchGrad()])(X, y)
+    if isinstance(model, _TupleOut):
+        return
+
+    class Logits(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.model = inner
+
+        def forward(self, x):
+            return self.model(x)["logits"]
+
+    qs = curvature(Logits(model), nn.CrossEntropyLoss(), [BatchGrad()])(X, y)
+    assert qs["grad_batch"]["model.lin.weight"].shape == (4, 2, 3)

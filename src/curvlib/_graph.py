@@ -15,7 +15,7 @@ from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
 
 from . import _dropout, _inputs, _residuals
-from ._errors import CurvatureError
+from ._errors import CurvatureError, output_not_a_tensor
 from ._program import Program
 from .rules import call_without_hooks, functional
 from .rules._site import Recorder
@@ -128,10 +128,7 @@ def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, pres
             if program.out_spec is not None:
                 result = pytree.tree_unflatten(list(result), program.out_spec)
     if not isinstance(result, Tensor):
-        raise CurvatureError(
-            f"The model returns {type(result).__name__}; curvlib needs a single "
-            "output tensor with the batch in dim 0."
-        )
+        raise output_not_a_tensor(result)
     return result
 
 

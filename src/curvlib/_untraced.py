@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from . import _dropout
-from ._errors import CurvatureError
+from ._errors import CurvatureError, output_not_a_tensor
 from ._program import Layer, Program
 from ._sync import LOCK
 from .rules import check_module
@@ -323,8 +323,5 @@ def _run_eager(program: Program, X: Tensor, params: Mapping[str, Tensor], traina
     if rec.probes is not None and [tuple(p.shape) for p in rec.probes] != list(rec.out_shapes):
         raise CurvatureError(_path_changed(rec))
     if not isinstance(out, Tensor):
-        raise CurvatureError(
-            f"The model returns {type(out).__name__}; curvlib needs a single output tensor "
-            "with the batch in dim 0."
-        )
+        raise output_not_a_tensor(out)
     return out
