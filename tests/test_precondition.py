@@ -6,6 +6,7 @@ EKFAC's eigenvalues come from ``torch.func`` per-sample gradients (``vmap(grad)`
 """
 
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -257,3 +258,33 @@ def test_refusals_name_the_argument():
     d = {"w": torch.tensor([1.0, -1.0], dtype=DT)}
     with pytest.raises(CurvatureError, match="'w' has negative entries"):
         diag_inverse_vp(d, {"w": torch.ones(2, dtype=DT)}, 1.0, negative="error")
+
+
+@settings(max_examples=10)
+@given(o=st.integers(2, 6), a=st.integers(2, 6), seed=st.integers(0, 999), tiny=st.sampled_from([1e-30, 1e-20, 1e-16]))
+def test_float32_factors_of_tiny_entries_and_failed_eigh(o, a, seed, tiny):
+    """A diverged float32 loop's factors (entries 1e-30..1e-16; issue 24, item 4): the same
+    solve as the float64 dense one, also when float32 eigh fails (then float64 is used)."""
+    gen = seeded(seed)
+    B, A = _spd(o, gen) * tiny, _spd(a, gen) * tiny
+    v, lam = torch.randn(o, a, dtype=DT, generator=gen), 1e-3
+    want = torch.linalg.solve(_damped(B, A, lam, "exact"), v.reshape(-1)).reshape(o, a)
+    got = kron_inverse_vp({"w": [B.float(), A.float()]}, {"w": v.float()}, lam, method="exact")["w"]
+    _close(got.double(), want, "tiny float32 factors", rtol=1e-5)
+    eigh = torch.linalg.eigh
+
+    def fails_in_float32(m):
+        if m.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+        return eigh(m)
+
+    with mock.patch.object(torch.linalg, "eigh", fails_in_float32):
+        got = kron_inverse_vp({"w": [B.float(), A.float()]}, {"w": v.float()}, lam, method="exact")["w"]
+    assert got.dtype == torch.float32
+    _close(got.double(), want, "float64 fallback", rtol=1e-5)
+
+
+def test_non_finite_factor_refused_naming_the_parameter():
+    B = torch.eye(3, dtype=DT)
+    with pytest.raises(CurvatureError, match=r"parameter 'fc.weight' has non-finite entries.*Damp more"):
+        kron_inverse_vp({"fc.weight": [B * float("nan"), B]}, {"fc.weight": torch.ones(3, 3, dtype=DT)}, 1e-3)

@@ -147,22 +147,36 @@ class Eigen:
         return core
 
 
-def _eig(factor: Tensor, groups: int) -> Tuple[Optional[Tensor], Tensor]:
+def _eig(factor: Tensor, groups: int, name: str) -> Tuple[Optional[Tensor], Tensor]:
     if factor.dim() == 1:
         return None, factor.clamp_min(0).reshape(groups, -1)
     mat = factor.reshape(groups, factor.shape[-1], factor.shape[-1])
-    lam, q = torch.linalg.eigh((mat + mat.transpose(-1, -2)) / 2)
-    return q, lam.clamp_min(0)
+    if not bool(torch.isfinite(mat).all()):
+        raise CurvatureError(
+            f"The Kronecker factor of parameter '{name}' has non-finite entries (inf or NaN), so it has "
+            "no eigendecomposition: the loop that produced it diverged. Damp more (a larger "
+            "damping, or damping that grows when the loss rises, as KFACOptimizer's kl_clip does)."
+        )
+    # eigh(cM) = (c λ, Q): normalising by the largest entry keeps a factor of tiny entries
+    # (1e-30..1e-16, float32 subnormals) in range, where LAPACK's float32 eigh fails to converge.
+    scale = mat.abs().amax(dim=(-2, -1), keepdim=True)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    sym = (mat + mat.transpose(-1, -2)) / (2 * scale)
+    try:
+        lam, q = torch.linalg.eigh(sym)
+    except torch.linalg.LinAlgError:  # ill-conditioned in float32: float64 converges
+        lam, q = (t.to(mat.dtype) for t in torch.linalg.eigh(sym.double()))
+    return q, (lam * scale[..., 0]).clamp_min(0)
 
 
-def eigen_of(factors, layout: Layout) -> Eigen:
-    """Eigendecompositions of the factors in ``layout`` (root factor first)."""
+def eigen_of(factors, layout: Layout, name: str = "") -> Eigen:
+    """Eigendecompositions of the factors in ``layout`` (root factor first) of parameter ``name``."""
     f = list(factors)
     g = layout.groups
     if layout.single:
-        q, lam = _eig(f[0], 1)
+        q, lam = _eig(f[0], 1, name)
         return Eigen(q, lam, None, torch.ones(1, 1, dtype=lam.dtype, device=lam.device))
     r = root_index(f)
-    q_out, lam_out = _eig(f[r], g)
-    q_in, lam_in = _eig(f[1 - r], g)
+    q_out, lam_out = _eig(f[r], g, name)
+    q_in, lam_in = _eig(f[1 - r], g, name)
     return Eigen(q_out, lam_out, q_in, lam_in)

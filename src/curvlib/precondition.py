@@ -151,7 +151,7 @@ def _in_eigenbasis(factors, model: Optional[nn.Module], denominator) -> Callable
         for name, v in vectors.items():
             layout = _layout(factors, name, v.shape, transposed)
             if name not in cache:
-                cache[name] = eigen_of(factors[name], layout)
+                cache[name] = eigen_of(factors[name], layout, name)
             out[name] = _apply(cache[name], layout, denominator(name, cache[name], layout), v)
         return out
 
@@ -218,7 +218,7 @@ def ekfac_eigenvalues(factors: Mapping[str, Sequence[Tensor]], rows: Vectors, *,
         f = _factors_of(factors, name)
         lead = _row_dims(name, r, f)
         layout = _layout(factors, name, r.shape[lead:], transposed)
-        rotated = eigen_of(f, layout).rotate(layout.to_core(r.reshape(-1, *r.shape[lead:])))
+        rotated = eigen_of(f, layout, name).rotate(layout.to_core(r.reshape(-1, *r.shape[lead:])))
         out[name] = rotated.square().sum(0) * scale
     return out
 
