@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import warnings
 
 import hypothesis.strategies as st
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
+from hypothesis import given, settings
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -29,6 +30,7 @@ from curvlib.extensions import BatchGrad, BatchL2Grad, DiagGGNExact, KFAC, SumGr
 
 from helpers import _assert_same_state, check_first_order, state_snapshot
 from oracles import assert_close_dicts, first_order_reference
+from oracles_all import assert_matches, exact_extensions, reference
 from on_device import seeded
 
 WANTED = ("grad_batch", "batch_l2", "sum_grad_squared", "variance")
@@ -495,3 +497,30 @@ def test_curvature_end_to_end_loop_and_item():
     qs = check_first_order(model, nn.MSELoss(), X, torch.randn(3, 3, dtype=torch.float64))
     assert set(qs) == {"loss", "grad", "grad_batch", "batch_l2", "sum_grad_squared", "variance"}
     assert isinstance(BatchL2Grad(), BatchL2Grad) and SumGradSquared and Variance
+
+
+class _BilinearNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bil = nn.Bilinear(3, 4, 5)
+        self.out = nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.bil(x[:, :3], x[:, 3:])))
+
+
+@settings(max_examples=4)
+@given(seed=st.integers(0, 2**16), n=st.integers(2, 4))
+def test_bilinear_exact_without_torch_warnings(seed, n):
+    """``nn.Bilinear`` (generic rule) as an einsum: every exact extension matches the brute
+    force and torch's "performance drop" warning (``_trilinear`` has no vmap rule) is gone
+    (issue 24, item 7)."""
+    gen = seeded(seed)
+    torch.manual_seed(seed)
+    model = _BilinearNet().double()
+    X, y = torch.randn(n, 7, dtype=torch.float64, generator=gen), torch.randint(0, 2, (n,), generator=gen)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qs = curvature(model, nn.CrossEntropyLoss(), exact_extensions())(X, y)
+    assert not [w for w in caught if "performance drop" in str(w.message)]
+    assert_matches(qs, reference(model, nn.CrossEntropyLoss(), X, y, hessian=True, pchmp=False), "bilinear")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -54,6 +54,8 @@ def stateless_call(module: nn.Module, tensors: Dict[str, Tensor], args, kwargs) 
     """
     from . import math_hooks
 
+    if type(module) is nn.Bilinear and not kwargs:  # exactly the class: no parametrization
+        return _bilinear(tensors.get("weight", module.weight), tensors.get("bias", module.bias), *args)
     if any(m.training for m in module.modules()):
         tensors = {**{name: b.clone() for name, b in module.named_buffers()}, **tensors}
     with LOCK, restored(module):
@@ -61,6 +63,14 @@ def stateless_call(module: nn.Module, tensors: Dict[str, Tensor], args, kwargs) 
             return functional_call(module, tensors, tuple(args), dict(kwargs), tie_weights=False)
         with _reparametrize_module(module, tensors, tie_weights=False):
             return module.forward(*args, **kwargs)
+
+
+def _bilinear(weight: Tensor, bias: Optional[Tensor], x1: Tensor, x2: Tensor) -> Tensor:
+    """``nn.Bilinear``'s ``y_o = x1ᵀ W_o x2 + b_o`` as an einsum: ``F.bilinear`` calls
+    ``aten::_trilinear``, which has no vmap batching rule (torch then warns of a performance
+    drop at every call and loops over the batch)."""
+    y = torch.einsum("...i,oij,...j->...o", x1, weight, x2)
+    return y if bias is None else y + bias
 
 
 @contextlib.contextmanager
