@@ -115,11 +115,12 @@ def over_samples(
     """
     dropped = {e.name for e in drop}
 
-    def g(X, y: Tensor, params: Optional[Mapping[str, Tensor]] = None, generator=None) -> Dict[str, object]:
+    def g(X, y: Tensor, params: Optional[Mapping[str, Tensor]] = None, generator=None,
+          buffers: Optional[Mapping[str, Tensor]] = None) -> Dict[str, object]:
         leaves = _inputs.tensors(X)
         n = int(leaves[0].shape[0]) if leaves and leaves[0].dim() > 0 else 0
         if n <= batch_chunk_size or not isinstance(y, Tensor) or y.dim() == 0 or y.shape[0] != n:
-            return f(X, y, params=params, generator=generator)  # (f itself reports bad input)
+            return f(X, y, params=params, generator=generator, buffers=buffers)  # (f reports bad input)
         _refuse_per_sample_weights(spec, y)
         total = normaliser(spec, y)
         combined = _Combined(kinds, n)
@@ -129,7 +130,8 @@ def over_samples(
             stop = min(n, start + batch_chunk_size)
             if combined.into is not None:
                 combined.into.start = start
-            part = f(_inputs.slice_batch(X, start, stop), y[start:stop], params=params, generator=generator, **into)
+            part = f(_inputs.slice_batch(X, start, stop), y[start:stop], params=params, generator=generator,
+                     buffers=buffers, **into)
             # r = M_k / M: this slice's share of the "mean" normaliser (0 for a slice with
             # nothing counted, whose own results are NaN: 0/0). Nothing counted in the whole
             # batch: every slice's results as they are (NaN loss and curvature, autograd's zero

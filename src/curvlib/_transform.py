@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from . import _arguments, _budget, _compiled, _dropout, _inputs, _strategy, _wrappers, losses
+from . import _arguments, _budget, _buffers, _compiled, _dropout, _inputs, _strategy, _wrappers, losses
 from ._diagnose import forward_failure, forward_mode_failure
 from ._independence import refuse_mixing
 from ._engine import forward_with_probes
@@ -227,10 +227,13 @@ class _Call:
         self.setup = setup
 
     def __call__(self, X, y: Tensor, params: Optional[Mapping[str, Tensor]] = None,
-                 generator: Optional[torch.Generator] = None, _into=None) -> Dict[str, object]:
+                 generator: Optional[torch.Generator] = None, buffers: Optional[Mapping[str, Tensor]] = None,
+                 _into=None) -> Dict[str, object]:
         """``_into``: the batch's square-root buffers when this is a slice of it (:mod:`curvlib._chunking`)."""
         s = self.setup
         n = _inputs.check_input(X)
+        params, buffers = _buffers.split(s.model, params, buffers)
+        _buffers.refuse_unbuffered(s.model, params, buffers)
         values, trainable = _arguments.parameter_values(s.model, params)
         traced = s.traced(X)
         for check in traced.checks:  # (the eager runner checks modules as they are called)
@@ -242,10 +245,11 @@ class _Call:
         differentiable = torch.is_grad_enabled() and (
             any(t.requires_grad for t in _inputs.tensors(X)) or any(v.requires_grad for v in values.values())
         )
-        with _dropout.masks(seed, _inputs.first(X).device):
+        # planned with the model's buffers (same shapes); run with the caller's
+        with _dropout.masks(seed, _inputs.first(X).device), _buffers.using(s.model, buffers):
             try:
                 return self._evaluate(traced, plan, X, y, values, trainable, differentiable, seed, _into,
-                                      negative=read.get("negative"))
+                                      negative=read.get("negative"), buffers=buffers)
             except (NodeFailure, NotImplementedError) as exc:
                 forward_mode = forward_mode_failure(exc, ", ".join(type(e).__name__ for e in s.second))
                 if forward_mode is not None:
@@ -318,8 +322,9 @@ class _Call:
         return _dropout.draw_seed(generator)
 
     def _evaluate(self, traced, plan, X, y, values, trainable, differentiable, seed, into=None,
-                  negative: Optional[bool] = None) -> Dict[str, object]:
-        """Stages 3-6."""
+                  negative: Optional[bool] = None, buffers=None) -> Dict[str, object]:
+        """Stages 3-6 (``buffers``: the caller's, in the model's slots for this call; the block
+        products put them there again whenever they are evaluated)."""
         s = self.setup
         frozen_trainable = frozenset(trainable)
         rng = rng_state(_inputs.first(X).device)
@@ -336,6 +341,7 @@ class _Call:
             curv = losses.curvature_at(s.spec, lin.out, y, negative=negative)
             product = products(traced.program, s.spec, y, curv, X, values, traced.residual_nodes, lin,
                                residual_grads, rng, frozen_trainable, seed)
+            product = _buffers.bind_products(product, s.model, buffers)
             kfra_factors = _kfra_factors(s, traced, lin, curv, X, y, trainable, values)
             chunk = _budget.auto_chunk_size(plan, s.second, _inputs.first(X).device) if s.chunk_size == "auto" else s.chunk_size
             result.update(second_order(

@@ -186,7 +186,8 @@ def aggregated(
 
     mean = spec.reduction == "mean"
 
-    def g(X, y: Tensor, params: Optional[Mapping[str, Tensor]] = None, generator=None) -> Dict[str, object]:
+    def g(X, y: Tensor, params: Optional[Mapping[str, Tensor]] = None, generator=None,
+          buffers: Optional[Mapping[str, Tensor]] = None) -> Dict[str, object]:
         rank = dist.get_rank(process_group)
         if rank < 0:
             raise CurvatureError(
@@ -195,7 +196,7 @@ def aggregated(
             )
         device = _inputs.first(X).device
         with _rank_streams(generators, rank, device):
-            local = f(X, y, params=params, generator=generator)
+            local = f(X, y, params=params, generator=generator, buffers=buffers)
         n_local = _inputs.batch_size(X)
         m_local = normaliser(spec, losses.prepare_targets(spec, y)) if mean else 1.0
         return aggregate(local, kinds, n_local, m_local, mean, process_group)
