@@ -15,12 +15,14 @@ reads, and that does not pass them, is refused before any work
 The given buffers are swapped into the model's buffer slots for the call's forward
 passes (and whenever a block product it returns is evaluated), under
 :data:`curvlib._sync.LOCK`, as ``torch.func.functional_call`` does; the model's own
-buffers are back in place when ``f`` returns.
+buffers are back in place when ``f`` returns. Calls reading a model's own buffers
+from other threads wait while a swap is in place (:class:`_Swaps`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import torch
@@ -121,21 +123,73 @@ def refuse_unbuffered(model: nn.Module, params: object, buffers: Optional[Mappin
                                                    + (", ..." if len(missing) > 4 else "")))
 
 
+class _Swaps:
+    """Who may read the modules' buffer slots: calls that read a model's own buffers run
+    together (readers); a call that swaps the caller's buffers in runs alone (the writer,
+    re-entrant: its block products swap them in again). A reader never sees another
+    thread's buffers, so calls may still come from several threads."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.readers, self.writer, self.depth = 0, None, 0
+
+    @contextlib.contextmanager
+    def read(self):
+        me = threading.get_ident()
+        with self.cond:
+            nested = self.writer == me  # inside this thread's own swap: it reads those
+            while not nested and self.writer is not None:
+                self.cond.wait()
+            self.readers += not nested
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.readers -= not nested
+                self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def write(self):
+        me = threading.get_ident()
+        with self.cond:
+            while self.writer not in (None, me) or (self.writer is None and self.readers):
+                self.cond.wait()
+            self.writer, self.depth = me, self.depth + 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.depth -= 1
+                if not self.depth:
+                    self.writer = None
+                self.cond.notify_all()
+
+
+SWAPS = _Swaps()
+
+
 @contextlib.contextmanager
 def using(model: nn.Module, buffers: Optional[Mapping[str, Tensor]]):
-    """The model runs with ``buffers`` in its buffer slots (nothing changes for ``None``)."""
+    """The model runs with ``buffers`` in its buffer slots; ``None``: with its own (waiting
+    while another thread's call has swapped buffers in, see :class:`_Swaps`)."""
     if not buffers:
-        yield
+        if next(model.buffers(), None) is None:
+            yield
+            return
+        with SWAPS.read():
+            yield
         return
     from torch.nn.utils.stateless import _reparametrize_module
 
-    with LOCK, _reparametrize_module(model, dict(buffers)):
+    # the swap waits for readers first, then takes LOCK (readers may take LOCK: no cycle)
+    with SWAPS.write(), LOCK, _reparametrize_module(model, dict(buffers)):
         yield
 
 
 def bind_products(make: Callable, model: nn.Module, buffers: Optional[Mapping[str, Tensor]]) -> Callable:
-    """``make(ext, name)`` whose block products run with ``buffers`` whenever they are evaluated."""
-    if not buffers:
+    """``make(ext, name)`` whose block products run with ``buffers`` (``None``: the model's
+    own) whenever they are evaluated."""
+    if not buffers and next(model.buffers(), None) is None:
         return make
 
     def bound_make(ext, name):

@@ -25,7 +25,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from . import _arguments, _draws, _dropout, _inputs, losses
-from ._buffers import split as split_buffers
+from ._buffers import SWAPS, split as split_buffers
 from ._errors import CurvatureError, CurvatureTypeError
 from ._sync import LOCK
 
@@ -186,8 +186,9 @@ class CompiledCall:
             loss_module = self.call.setup.spec.module
             X_ = pytree.tree_unflatten(list(flat[len(names) + len(buffers):n_in - 1]), x_spec)
             y_ = flat[n_in - 1]
-            # buffers (BatchNorm statistics) are inputs, not constants baked into the graph
-            with LOCK, _reparametrize_module(self.call.setup.model, {k[6:]: t for k, t in b.items() if k[0] == "m"}), \
+            # buffers (BatchNorm statistics) are inputs, not constants baked into the graph; other
+            # threads' calls wait while they are swapped in (curvlib._buffers._Swaps)
+            with SWAPS.write(), LOCK, _reparametrize_module(self.call.setup.model, {k[6:]: t for k, t in b.items() if k[0] == "m"}), \
                     _reparametrize_module(loss_module, {k[6:]: t for k, t in b.items() if k[0] == "l"}), \
                     _draws.recording(_draws.Tape(list(flat[n_in:]) or None)) as tape, \
                     _dropout.masks(None, leaves[0].device), torch.enable_grad():
