@@ -36,7 +36,7 @@ from curvlib.extensions import (
     BatchL2Grad, DiagGGNExact, DiagGGNMC, DiagHessian, SqrtGGNExact, SqrtGGNMC, SumGradSquared, Variance,
 )
 from models import BasicBlock, randomise_batchnorm
-from on_device import seeded
+from on_device import CPU_ONLY, ON_CPU, seeded
 
 DT = torch.float64
 MODES = ("params", "task", "both")
@@ -221,8 +221,17 @@ def test_every_extension_under_vmap_equals_the_loop(name, seed, m, n):
 @settings(max_examples=1)
 @given(seed=st.integers(0, 2**16), n=st.integers(2, 3))
 def test_every_extension_under_vmap_equals_the_loop_heavy(name, seed, n):
-    """As above, for the transformer layer and the GRU (two members)."""
-    run_modes(name, seed, 2, n)
+    """As above, for the transformer layer and the GRU: two members, vmapped over params
+    and tasks at once (the three modes separately: the slow test below)."""
+    run_modes(name, seed, 2, n, modes=("both",))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", HEAVY)
+@settings(max_examples=2)
+@given(seed=st.integers(0, 2**16), m=st.integers(2, 3), n=st.integers(2, 4))
+def test_every_extension_under_vmap_equals_the_loop_heavy_all_modes(name, seed, m, n):
+    run_modes(name, seed, m, n)
 
 
 @pytest.mark.parametrize("name", sorted(n for n, z in ZOO.items() if "kfra" in z.refused))
@@ -440,3 +449,52 @@ def test_buffered_and_own_buffer_calls_from_threads():
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+@pytest.mark.skipif(not ON_CPU, reason=CPU_ONLY + " (gloo in this process)")
+def test_buffers_through_a_process_group(tmp_path):
+    """``process_group`` (world size 1 in this process) passes ``buffers=`` on."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # pragma: no cover
+        pytest.skip("a process group is already initialised in this process")
+    ens, _, _, X, y = _bn_ensemble(2)
+    q = {k: v.detach() for k, v in ens[1].named_parameters()}
+    c = {k: b.clone() for k, b in ens[1].named_buffers()}
+    exts = [BatchGrad(), DiagGGNExact()]
+    ref = curvature(ens[1], nn.CrossEntropyLoss(), exts)(X, y)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=30))
+    try:
+        f = curvature(ens[0], nn.CrossEntropyLoss(), exts, process_group=dist.group.WORLD)
+        assert_member(f(X, y, params=q, buffers=c), ref, "process_group")
+        params, buffers = stack_module_state(ens)
+        with pytest.raises(CurvatureError, match="process_group.*vmap"):
+            vmap(lambda p, b: f(X, y, params=p, buffers=b))(params, buffers)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_chunking_and_process_group_under_vmap():
+    """``batch_chunk_size`` under vmap over params (and over tasks with MSE) equals the
+    unchunked call; over the targets of a mean cross-entropy (slices weighted by host-read
+    counts) and with ``process_group`` (collectives have no vmap rule) it is refused
+    before any work, naming the transform."""
+    ens = members("mlp", 6, 2)
+    params = {k: v.detach() for k, v in stack_module_state(ens)[0].items()}
+    gen = seeded(6)
+    X, Xs = torch.randn(5, 4, generator=gen, dtype=DT), torch.randn(2, 5, 4, generator=gen, dtype=DT)
+    y, ys = torch.randint(0, 3, (5,), generator=gen), torch.randint(0, 3, (2, 5), generator=gen)
+    exts = [BatchGrad(), Variance(), DiagGGNExact(), SqrtGGNExact(), KFLR()]
+    chunked = curvature(ens[0], nn.CrossEntropyLoss(), exts, batch_chunk_size=2)
+    whole = curvature(ens[0], nn.CrossEntropyLoss(), exts)
+    got = vmap(lambda p: chunked(X, y, params=p))(params)
+    assert_member(member(got, 1), whole(X, y, params=member(params, 1)), "chunked, vmap over params")
+    with pytest.raises(CurvatureError, match="batch_chunk_size.*vmap over y"):
+        vmap(lambda X_, y_: chunked(X_, y_))(Xs, ys)
+    targets = torch.randn(2, 5, 3, generator=gen, dtype=DT)
+    mse = curvature(ens[0], nn.MSELoss(), exts, batch_chunk_size=2)
+    got = vmap(lambda X_, y_: mse(X_, y_))(Xs, targets)
+    assert_member(member(got, 1), curvature(ens[0], nn.MSELoss(), exts)(Xs[1], targets[1]), "chunked MSE, tasks")

@@ -2,9 +2,10 @@
 
 At ``curvature`` time: check the arguments and trace the model (:class:`_Setup`,
 :mod:`curvlib._tracing`).
-Per call of ``f(X, y, params=None, generator=None)`` (:class:`_Call`):
+Per call of ``f(X, y, params=None, generator=None, buffers=None)`` (:class:`_Call`):
 
-1. **inputs**: ``X``, ``y`` and ``params`` checked; every parameter's value;
+1. **inputs**: ``X``, ``y``, ``params`` and ``buffers`` checked (buffers:
+   :mod:`curvlib._buffers`); every parameter's value;
 2. **plan**: shapes and batch dimensions for this input signature (cached), and
    every refusal (targets, unsupported layers, memory) before any real work;
 3. **forward**: the linearised forward pass (:mod:`curvlib._engine`);
@@ -119,18 +120,28 @@ def curvature(
             Results are then not differentiable; KFRA and the block products are refused.
 
     Returns:
-        ``f(X, y, params=None, generator=None)`` returning a plain dict with
-        ``"loss"`` (0-dim), ``"grad"`` (name -> gradient) and, per extension,
+        ``f(X, y, params=None, generator=None, buffers=None)`` returning a plain dict
+        with ``"loss"`` (0-dim), ``"grad"`` (name -> gradient) and, per extension,
         ``ext.name`` (name -> quantity). ``X`` is a tensor, or a dict/tuple of
         tensors passed to the model as one argument, all with the batch in dim 0.
         ``params`` (name -> tensor) replaces the model's parameters; quantities are
         then returned for exactly its entries, otherwise for every parameter with
-        ``requires_grad=True`` (a frozen parameter gets no entry). Results are
+        ``requires_grad=True`` (a frozen parameter gets no entry). ``buffers``
+        (name -> tensor, as ``model.named_buffers()``; the second output of
+        ``torch.func.stack_module_state``) replaces the model's buffers, e.g.
+        BatchNorm's running statistics (default: the model's own); buffer entries
+        may also be put into ``params``; no result has a buffer entry. Results are
         differentiable w.r.t. ``params`` values and ``X`` that require grad; the
         model's own parameters are read detached. ``generator`` draws the dropout
         masks of a model in training mode (default: the global random state).
-        ``f`` is a pure function of ``(X, y, params)`` and composes with
-        ``torch.func.vmap``; it may be called from several threads.
+        ``f`` is a pure function of ``(X, y, params, buffers)`` and composes with
+        ``torch.func.vmap`` (over stacked ``params`` and ``buffers``, over a task
+        dimension of ``X`` and ``y``, or both: every extension equals the loop of
+        per-member calls; Monte-Carlo extensions need ``randomness="same"`` or
+        ``"different"``); vmapped ``params`` of a model with buffers its forward
+        reads are refused unless ``buffers`` are given. It may be called from several
+        threads (a call with ``buffers`` swaps them into the model's slots; calls
+        reading the model's own wait meanwhile).
 
     Raises:
         CurvatureTypeError: an argument has the wrong type.
