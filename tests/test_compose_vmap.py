@@ -403,9 +403,9 @@ def test_bad_buffers_are_refused():
         f(X, y, params={"1.running_mean": own["1.running_mean"]}, buffers={"1.running_mean": own["1.running_mean"]})
 
 
-def test_buffers_through_chunking_compile_and_compiled_models():
-    """``batch_chunk_size``, ``compile=True`` and a ``torch.compile``d model take ``buffers=``
-    (and buffer entries in ``params``) like the plain call."""
+def test_buffers_through_chunking_and_compiled_models():
+    """``batch_chunk_size`` and a ``torch.compile``d model (``_orig_mod.`` names) take
+    ``buffers=`` like the plain call."""
     ens, _, _, X, y = _bn_ensemble(2)
     q = {k: v.detach() for k, v in ens[1].named_parameters()}
     c = {k: b.clone() for k, b in ens[1].named_buffers()}
@@ -413,14 +413,27 @@ def test_buffers_through_chunking_compile_and_compiled_models():
     ref = curvature(ens[1], nn.CrossEntropyLoss(), exts)(X, y)
     chunked = curvature(ens[0], nn.CrossEntropyLoss(), exts, batch_chunk_size=3)
     assert_member(chunked(X, y, params=q, buffers=c), ref, "batch_chunk_size")
-    compiled = curvature(ens[0], nn.CrossEntropyLoss(), exts, compile={"backend": "eager"})
-    assert_member(compiled(X, y, params={**q, **c}), ref, "compile=True")
-    assert_member(compiled(X, y), curvature(ens[0], nn.CrossEntropyLoss(), exts)(X, y), "compile=True, own")
     wrapped = curvature(torch.compile(ens[0]), nn.CrossEntropyLoss(), exts)
     out = wrapped(X, y, params={"_orig_mod." + k: v for k, v in q.items()},
                   buffers={"_orig_mod." + k: v for k, v in c.items()})
     assert_member(out, {k: ({"_orig_mod." + n: t for n, t in v.items()} if k != "loss" else v) for k, v in ref.items()},
                   "torch.compile'd model")
+
+
+def test_buffers_through_compile():
+    """``compile=True`` takes ``buffers=`` (program inputs, like the model's), also inside a
+    user's ``torch.compile(step, fullgraph=True)``."""
+    ens, _, _, X, y = _bn_ensemble(2)
+    q = {k: v.detach() for k, v in ens[1].named_parameters()}
+    c = {k: b.clone() for k, b in ens[1].named_buffers()}
+    exts = [BatchGrad(), DiagGGNExact()]
+    ref = curvature(ens[1], nn.CrossEntropyLoss(), exts)(X, y)
+    compiled = curvature(ens[0], nn.CrossEntropyLoss(), exts, compile={"backend": "eager"})
+    assert_member(compiled(X, y, params={**q, **c}), ref, "compile=True")
+    assert_member(compiled(X, y), curvature(ens[0], nn.CrossEntropyLoss(), exts)(X, y), "compile=True, own")
+    # a user's fullgraph step through the compiled f, buffers passed inside it
+    step = torch.compile(lambda X_, p, b: compiled(X_, y, params=p, buffers=b), fullgraph=True, backend="eager")
+    assert_member(step(X, q, c), ref, "compile=True inside a fullgraph step")
 
 
 def test_buffered_and_own_buffer_calls_from_threads():

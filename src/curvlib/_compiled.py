@@ -97,6 +97,7 @@ class CompiledCall:
     def __init__(self, call, options: dict):
         self.call, self.options = call, options
         self.programs: Dict[tuple, _Program] = {}
+        self.buffer_names = frozenset(n for n, _ in call.setup.model.named_buffers())
 
     def __call__(self, X, y: Tensor, params: Optional[Mapping[str, Tensor]] = None, generator=None,
                  buffers: Optional[Mapping[str, Tensor]] = None):
@@ -123,8 +124,8 @@ class CompiledCall:
     def _split_unchecked(self, params, buffers):
         """:func:`curvlib._buffers.split` without its checks (inside a compiled step: they ran
         eagerly at the signature's first call)."""
-        names = {n for n, _ in self.call.setup.model.named_buffers()}
-        if isinstance(params, Mapping) and any(k in names for k in params):
+        names = self.buffer_names
+        if names and isinstance(params, Mapping) and any(k in names for k in params):
             buffers = {**(buffers or {}), **{k: v for k, v in params.items() if k in names}}
             params = {k: v for k, v in params.items() if k not in names}
         return params, buffers
