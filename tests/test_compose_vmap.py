@@ -378,6 +378,11 @@ def test_buffers_outside_vmap_and_shared_buffers():
     mixed = curvature(ens[1], nn.CrossEntropyLoss(), [BatchGrad(), DiagGGNExact()])
     ref = mixed(X, y, params=q, buffers=dict(ens[0].named_buffers()))
     assert_member(member(shared, 1), ref, "vmapped params, shared buffers")
+    # a block product evaluated after f returned swaps the call's buffers in again
+    hmp = curvature(ens[0], nn.CrossEntropyLoss(), [HMP()])(X, y, params=q, buffers=dict(ens[1].named_buffers()))
+    vec = directions(ens[1], 1)
+    assert_member(evaluated({"hmp": hmp["hmp"]}, vec),
+                  evaluated({"hmp": curvature(ens[1], nn.CrossEntropyLoss(), [HMP()])(X, y)["hmp"]}, vec), "HMP later")
     over_buffers = vmap(lambda b: f(X, y, buffers=b))(buffers)
     assert_member(member(over_buffers, 1), f(X, y, buffers=member(buffers, 1)), "vmap over buffers alone")
     Xs = torch.stack([X, X.flip(0)])

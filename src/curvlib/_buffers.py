@@ -61,7 +61,9 @@ def split(model: nn.Module, params: object, buffers: object) -> Tuple[object, Op
     with LOCK:  # another call may have swapped the slots
         own = {n: b for n, b in model.named_buffers() if isinstance(b, Tensor)}
     if buffers is not None and not isinstance(buffers, Mapping):
-        raise CurvatureTypeError(f"buffers must be a dict mapping buffer names to tensors, got {type(buffers).__name__}.")
+        raise CurvatureTypeError(
+            f"buffers must be a dict mapping buffer names to tensors, got {type(buffers).__name__}."
+        )
     given = dict(buffers) if buffers is not None else {}
     if isinstance(params, Mapping) and any(name in own for name in params):
         twice = [name for name in params if name in own and name in given]

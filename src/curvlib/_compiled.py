@@ -92,7 +92,7 @@ def _dispatch_mode_active() -> bool:
 
 
 class CompiledCall:
-    """``f(X, y, params=None, generator=None)`` running compiled programs (module doc)."""
+    """``f(X, y, params=None, generator=None, buffers=None)`` running compiled programs (module doc)."""
 
     def __init__(self, call, options: dict):
         self.call, self.options = call, options
@@ -189,7 +189,8 @@ class CompiledCall:
             y_ = flat[n_in - 1]
             # buffers (BatchNorm statistics) are inputs, not constants baked into the graph; other
             # threads' calls wait while they are swapped in (curvlib._buffers._Swaps)
-            with SWAPS.write(), LOCK, _reparametrize_module(self.call.setup.model, {k[6:]: t for k, t in b.items() if k[0] == "m"}), \
+            with SWAPS.write(), LOCK, \
+                    _reparametrize_module(self.call.setup.model, {k[6:]: t for k, t in b.items() if k[0] == "m"}), \
                     _reparametrize_module(loss_module, {k[6:]: t for k, t in b.items() if k[0] == "l"}), \
                     _draws.recording(_draws.Tape(list(flat[n_in:]) or None)) as tape, \
                     _dropout.masks(None, leaves[0].device), torch.enable_grad():

@@ -232,7 +232,7 @@ class _Setup:
 
 
 class _Call:
-    """``f(X, y, params=None, generator=None)`` of one :func:`curvature` (module doc, stages 1-6)."""
+    """``f(X, y, params=None, generator=None, buffers=None)`` of one :func:`curvature` (module doc, stages 1-6)."""
 
     def __init__(self, setup: _Setup):
         self.setup = setup
