@@ -98,6 +98,17 @@ class Residual(nn.Module):
         return self.head(torch.flatten(self.block(x), 1))
 
 
+class FunctionalNorm(nn.Module):
+    """``F.layer_norm`` with a weight called in the forward (not a module): a graph node."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.gain, self.head = nn.Linear(4, 5), nn.Parameter(torch.ones(5)), nn.Linear(5, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(torch.nn.functional.layer_norm(self.inner(x), (5,), self.gain)))
+
+
 class Zoo(NamedTuple):
     build: Callable[[], nn.Module]
     inputs: Callable[[torch.Generator, int], Tensor]  # (generator, N) -> X
@@ -119,6 +130,7 @@ ZOO: Dict[str, Zoo] = {
     "gru": Zoo(Recurrent, _floats(3, 3), ("kfra",)),
     "embedding": Zoo(Embedder, lambda gen, n: torch.randint(0, 7, (n, 3), generator=gen), ("kfra",)),
     "resnet": Zoo(Residual, _floats(2, 4, 4), ("kfra",)),
+    "functional_layernorm": Zoo(FunctionalNorm, _floats(4), ("kfra",)),
 }
 
 

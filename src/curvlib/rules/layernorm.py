@@ -149,6 +149,14 @@ def normalise(x: Tensor, shape: Tuple[int, ...], eps: float) -> Tensor:
     return centred * torch.rsqrt((centred * centred).mean(dims, keepdim=True) + eps)
 
 
+def layer_norm(input: Tensor, normalized_shape, weight=None, bias=None, eps: float = 1e-5, *_cudnn) -> Tensor:
+    """``F.layer_norm`` as :func:`normalise` and the affine map: what a graph's functional
+    ``F.layer_norm`` / ``torch.layer_norm`` node runs inside torch.func transforms (the same
+    values; torch's fused op fails under vmap at second order, see :func:`normalise`)."""
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    return _affine(normalise(input, shape, eps), weight, bias)
+
+
 def _inside_transform() -> bool:
     """Whether a torch.func transform (vmap, grad, vjp, jvp) is active."""
     return torch._C._functorch.maybe_current_level() is not None
