@@ -528,3 +528,30 @@ def test_chunking_and_process_group_under_vmap():
     mse = curvature(ens[0], nn.MSELoss(), exts, batch_chunk_size=2)
     got = vmap(lambda X_, y_: mse(X_, y_))(Xs, targets)
     assert_member(member(got, 1), curvature(ens[0], nn.MSELoss(), exts)(Xs[1], targets[1]), "chunked MSE, tasks")
+
+
+def test_dropout_under_vmap():
+    """Dropout in training mode: ``randomness="same"`` equals each member's own call with the
+    same generator state; ``"different"`` (one seed per member) is refused before any work,
+    ``"error"`` fails with torch's message."""
+    import warnings
+
+    ens = members("mlp", 8, 2)
+    for model in ens:
+        model.insert(1, nn.Dropout(0.5))
+        model.train()
+    params = {k: v.detach() for k, v in stack_module_state(ens)[0].items()}
+    gen = seeded(8)
+    X, y = torch.randn(5, 4, generator=gen, dtype=DT), torch.randint(0, 3, (5,), generator=gen)
+    exts = [BatchGrad(), DiagHessian()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # curvlib's "dropout makes results random"
+        f = curvature(ens[0], nn.CrossEntropyLoss(), exts)
+        got = vmap(lambda p: f(X, y, params=p, generator=seeded(3)), randomness="same")(params)
+        for i, model in enumerate(ens):
+            ref = curvature(model, nn.CrossEntropyLoss(), exts)(X, y, generator=seeded(3))
+            assert_member(member(got, i), ref, f"dropout, member {i}")
+        with pytest.raises(CurvatureError, match="randomness='different'"):
+            vmap(lambda p: f(X, y, params=p), randomness="different")(params)
+        with pytest.raises((RuntimeError, CurvatureError), match="randomness"):
+            vmap(lambda p: f(X, y, params=p))(params)
