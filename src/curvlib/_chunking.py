@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from . import _inputs, losses
+from ._buffers import vmapped
 from ._errors import CurvatureError
 from ._kronlayout import root_index
 from ._rootbuffers import RootBuffers
@@ -115,12 +116,14 @@ def over_samples(
     """
     dropped = {e.name for e in drop}
 
-    def g(X, y: Tensor, params: Optional[Mapping[str, Tensor]] = None, generator=None) -> Dict[str, object]:
+    def g(X, y: Tensor, params: Optional[Mapping[str, Tensor]] = None, generator=None,
+          buffers: Optional[Mapping[str, Tensor]] = None) -> Dict[str, object]:
         leaves = _inputs.tensors(X)
         n = int(leaves[0].shape[0]) if leaves and leaves[0].dim() > 0 else 0
         if n <= batch_chunk_size or not isinstance(y, Tensor) or y.dim() == 0 or y.shape[0] != n:
-            return f(X, y, params=params, generator=generator)  # (f itself reports bad input)
+            return f(X, y, params=params, generator=generator, buffers=buffers)  # (f reports bad input)
         _refuse_per_sample_weights(spec, y)
+        _refuse_vmapped_counts(spec, y)
         total = normaliser(spec, y)
         combined = _Combined(kinds, n)
         # square roots: every slice writes its samples into one [V, N, *p] per parameter
@@ -129,7 +132,8 @@ def over_samples(
             stop = min(n, start + batch_chunk_size)
             if combined.into is not None:
                 combined.into.start = start
-            part = f(_inputs.slice_batch(X, start, stop), y[start:stop], params=params, generator=generator, **into)
+            part = f(_inputs.slice_batch(X, start, stop), y[start:stop], params=params, generator=generator,
+                     buffers=buffers, **into)
             # r = M_k / M: this slice's share of the "mean" normaliser (0 for a slice with
             # nothing counted, whose own results are NaN: 0/0). Nothing counted in the whole
             # batch: every slice's results as they are (NaN loss and curvature, autograd's zero
@@ -154,6 +158,17 @@ def _refuse_per_sample_weights(spec: LossSpec, y: Tensor) -> None:
                 "one entry per sample cannot be cut into slices of the batch. Use a weight that "
                 "broadcasts over samples, or call without batch_chunk_size (chunk_size= bounds memory too)."
             )
+
+
+def _refuse_vmapped_counts(spec: LossSpec, y: Tensor) -> None:
+    """Slices are weighted by their share ``M_k / M`` of the ``"mean"`` normaliser, a host
+    read of a cross-entropy's counted targets, which ``vmap`` over ``y`` cannot do."""
+    if spec.kind == "ce" and spec.reduction == "mean" and not y.is_floating_point() and vmapped(y):
+        raise CurvatureError(
+            f"batch_chunk_size with {spec.name}(reduction='mean') under torch.func.vmap over y: each "
+            "slice is weighted by its count of counted targets, read on the host, which vmap cannot "
+            "do. Call f without batch_chunk_size under vmap (chunk_size= bounds memory too), or loop."
+        )
 
 
 class _Combined:
@@ -225,7 +240,7 @@ class _Combined:
         if "variance" in self.kinds:
             sgs, grad, n = out["sum_grad_squared"], out["grad"], self.n
             # (1/N) Σ g² − ((1/N) Σ g)² ≥ 0 exactly; clamp the rounding below zero
-            out["variance"] = {name: (sgs[name] / n - (grad[name] / n) ** 2).clamp_(min=0) for name in grad}
+            out["variance"] = {name: (sgs[name] / n - (grad[name] / n) ** 2).clamp(min=0) for name in grad}
         return {k: out[k] for k in self.order}
 
 

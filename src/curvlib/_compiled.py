@@ -25,6 +25,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from . import _arguments, _draws, _dropout, _inputs, losses
+from ._buffers import SWAPS, split as split_buffers
 from ._errors import CurvatureError, CurvatureTypeError
 from ._sync import LOCK
 
@@ -91,21 +92,26 @@ def _dispatch_mode_active() -> bool:
 
 
 class CompiledCall:
-    """``f(X, y, params=None, generator=None)`` running compiled programs (module doc)."""
+    """``f(X, y, params=None, generator=None, buffers=None)`` running compiled programs (module doc)."""
 
     def __init__(self, call, options: dict):
         self.call, self.options = call, options
         self.programs: Dict[tuple, _Program] = {}
+        self.buffer_names = frozenset(n for n, _ in call.setup.model.named_buffers())
 
-    def __call__(self, X, y: Tensor, params: Optional[Mapping[str, Tensor]] = None, generator=None):
+    def __call__(self, X, y: Tensor, params: Optional[Mapping[str, Tensor]] = None, generator=None,
+                 buffers: Optional[Mapping[str, Tensor]] = None):
         if torch.compiler.is_compiling():  # inside a user's compiled function: no checks, no builds
+            params, buffers = self._split_unchecked(params, buffers)
             values, trainable = self._values(params)
             program = self.programs.get(self._signature(X, y, values, trainable))
             if program is None:
                 program = _build_outside(self, X, y, params)
-            return self._run(program, X, y, values)
+            return self._run(program, X, y, values, buffers)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise CurvatureError(f"generator must be a torch.Generator or None, got {type(generator).__name__}.")
+        # the caller's buffers are inputs of the program like the model's (same shapes, checked)
+        params, buffers = split_buffers(self.call.setup.model, params, buffers)
         values, trainable = _arguments.parameter_values(self.call.setup.model, params)
         key = self._signature(X, y, values, trainable)
         program = self.programs.get(key)
@@ -113,7 +119,16 @@ class CompiledCall:
             program = self.programs[key] = self._build(X, y, params)
         else:  # the per-call checks (cheap once planned: the plan is cached)
             self._checked(X, y, params)
-        return self._run(program, X, y, values)
+        return self._run(program, X, y, values, buffers)
+
+    def _split_unchecked(self, params, buffers):
+        """:func:`curvlib._buffers.split` without its checks (inside a compiled step: they ran
+        eagerly at the signature's first call)."""
+        names = self.buffer_names
+        if names and isinstance(params, Mapping) and any(k in names for k in params):
+            buffers = {**(buffers or {}), **{k: v for k, v in params.items() if k in names}}
+            params = {k: v for k, v in params.items() if k not in names}
+        return params, buffers
 
     def _values(self, params):
         model = self.call.setup.model
@@ -172,8 +187,10 @@ class CompiledCall:
             loss_module = self.call.setup.spec.module
             X_ = pytree.tree_unflatten(list(flat[len(names) + len(buffers):n_in - 1]), x_spec)
             y_ = flat[n_in - 1]
-            # buffers (BatchNorm statistics) are inputs, not constants baked into the graph
-            with LOCK, _reparametrize_module(self.call.setup.model, {k[6:]: t for k, t in b.items() if k[0] == "m"}), \
+            # buffers (BatchNorm statistics) are inputs, not constants baked into the graph; other
+            # threads' calls wait while they are swapped in (curvlib._buffers._Swaps)
+            with SWAPS.write(), LOCK, \
+                    _reparametrize_module(self.call.setup.model, {k[6:]: t for k, t in b.items() if k[0] == "m"}), \
                     _reparametrize_module(loss_module, {k[6:]: t for k, t in b.items() if k[0] == "l"}), \
                     _draws.recording(_draws.Tape(list(flat[n_in:]) or None)) as tape, \
                     _dropout.masks(None, leaves[0].device), torch.enable_grad():
@@ -195,9 +212,10 @@ class CompiledCall:
         compiled = torch.compile(graph, fullgraph=True, **device_options(self.options, leaves[0].device))
         return _Program(compiled, out_spec[-1], recipes[-1], graph)
 
-    def _run(self, program: _Program, X, y, values):
+    def _run(self, program: _Program, X, y, values, given: Optional[Mapping[str, Tensor]] = None):
         draws = _replay(program.recipes) if program.recipes else []
-        buffers = list(_buffers(self.call.setup).values())
+        buffers = _buffers(self.call.setup)
+        buffers = list({**buffers, **{"model." + k: v for k, v in (given or {}).items()}}.values())
         flat = list(values.values()) + buffers + pytree.tree_leaves(X) + [y] + draws
         return pytree.tree_unflatten(program(*flat), program.spec)
 

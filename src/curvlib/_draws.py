@@ -76,8 +76,11 @@ def rand(shape, generator, dtype, device) -> Tensor:
 
 
 def bernoulli(p: Tensor, generator) -> Tensor:
-    """``torch.bernoulli(p)``; traced: ``rand < p`` (module doc)."""
+    """``torch.bernoulli(p)``; traced, or ``p`` a torch.func tensor: ``rand < p`` (module doc;
+    vmap has no rule for ``bernoulli`` of a batched ``p`` with ``randomness="same"``; on CPU
+    the two are the same draws)."""
     tape = _tape()
-    if tape is None:
+    if tape is None and not torch._C._functorch.is_functorch_wrapped_tensor(p):
         return torch.bernoulli(p, generator=generator)
-    return (tape.draw("rand", p.shape, generator, p.dtype, p.device) < p).to(p.dtype)
+    u = rand(p.shape, generator, p.dtype, p.device)
+    return (u < p).to(p.dtype)

@@ -148,8 +148,20 @@ def warning(found: List[str]) -> str:
 
 
 def draw_seed(generator: Optional[torch.Generator]) -> int:
+    """One seed for the call's masks (a host read). Under ``vmap(randomness="different")``
+    the draw is batched, one per member, which a host int cannot hold: refused."""
     device = generator.device if generator is not None else "cpu"
-    return int(torch.randint(0, 2**62, (1,), generator=generator, device=device).item())
+    seed = torch.randint(0, 2**62, (1,), generator=generator, device=device)
+    if torch._C._functorch.is_functorch_wrapped_tensor(seed):
+        from ._errors import CurvatureError
+
+        raise CurvatureError(
+            "Dropout in training mode under torch.func.vmap(randomness='different'): curvlib draws "
+            "one seed per call for the masks of all its passes, not one per member. Use "
+            "randomness='same' (every member the same masks, each equal to its own call with the "
+            "same random state), loop over members, or call model.eval()."
+        )
+    return int(seed.item())
 
 
 @contextlib.contextmanager

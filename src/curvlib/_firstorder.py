@@ -113,7 +113,7 @@ def _variance(results, names, batch_size: int) -> None:
     for name in names:
         g_sum, sgs = results["grad"][name], results["sum_grad_squared"][name]
         results["variance"][name] = torch.addcmul(
-            sgs / batch_size, g_sum, g_sum, value=-1.0 / batch_size**2).clamp_(min=0)
+            sgs / batch_size, g_sum, g_sum, value=-1.0 / batch_size**2).clamp(min=0)
 
 
 def _store(results, name, batch: Optional[Tensor], given: Dict[str, Optional[Tensor]]):

@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 from . import _dropout, _inputs, _residuals
 from ._errors import CurvatureError, output_not_a_tensor
 from ._program import Program
-from .rules import call_without_hooks, functional
+from .rules import call_without_hooks, functional, layernorm
 from .rules._site import Recorder
 
 __all__ = ["NodeFailure", "run_graph"]
@@ -109,7 +109,7 @@ def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, pres
         elif node.op == "call_module":
             env[node] = _call_module(program, node, load(node.args), load(node.kwargs), params, trainable, rec)
         elif node.op == "call_function":
-            env[node] = node.target(*load(node.args), **load(node.kwargs))
+            env[node] = _function(node.target)(*load(node.args), **load(node.kwargs))
         elif node.op == "call_method":
             self_obj, *rest = load(node.args)
             env[node] = getattr(self_obj, node.target)(*rest, **load(node.kwargs))
@@ -147,6 +147,17 @@ def _record_functional(program, use, value, env, params, trainable, rec):
             [env[a] for a in use.inputs], value, rec, {a: env[a] for a in use.fixed},
         )
     return value
+
+
+def _function(target: Callable) -> Callable:
+    """A call_function node's function: a functional layer norm from primitives inside
+    torch.func transforms (:func:`curvlib.rules.layernorm.normalise`), else ``target``."""
+    if target in _LAYER_NORMS and torch._C._functorch.maybe_current_level() is not None:
+        return layernorm.layer_norm
+    return target
+
+
+_LAYER_NORMS = (torch.nn.functional.layer_norm, torch.layer_norm)
 
 
 def _placeholder(node: fx.Node, X, seen: int):

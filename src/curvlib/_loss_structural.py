@@ -233,7 +233,7 @@ def _ce_sampled(out: Tensor, m: int, generator) -> Tensor:
     # for the small class counts of a loss (rounding in P only shifts mass ~1e-7).
     u = _draws.rand((m, p_rows.shape[0], 1), generator, out.dtype, out.device)
     cdf = p_rows.detach().cumsum(-1)  # [N·R, K]
-    draws = (cdf.unsqueeze(0) <= u).sum(-1).clamp_(max=k - 1)  # [M, N·R]
+    draws = (cdf.unsqueeze(0) <= u).sum(-1).clamp(max=k - 1)  # [M, N·R]
     onehot = one_hot(draws, k, out.dtype)  # [M, N·R, K]
     grads = p_rows.unsqueeze(0) - onehot
     moved = tuple(out.movedim(1, -1).shape)

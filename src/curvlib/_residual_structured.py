@@ -105,8 +105,10 @@ def row_columns(layout, R: Tensor):
         def make(start, stop, w=w):
             c = torch.arange(start, stop, device=w.device)
             r, j = c // s, c % s
-            out = w.new_zeros(stop - start, n, rows, s)
-            out[torch.arange(stop - start, device=w.device), :, r, :] = w.permute(1, 3, 0, 2)[r, j]  # [C, N, S]
+            # column c is w[:, r, :, j] placed in row r: a one-hot product, not an
+            # index_put (whose vmap batching rule misplaces the batch dim of the values)
+            rows_of = (r.unsqueeze(1) == torch.arange(rows, device=w.device)).to(w.dtype)  # [C, rows]
+            out = w.permute(1, 3, 0, 2)[r, j].unsqueeze(2) * rows_of[:, None, :, None]  # [C, N, rows, S]
             return layout.back(out, 1)
 
         sets.append((sign, {0: LazyColumns(rows * s, make)}, {}))
@@ -169,11 +171,12 @@ def matmul_columns(res, g: Tensor):
     def make(start, stop, sign):
         c = torch.arange(start, stop, device=X.device)
         b, j, kk = c // (r * k), (c // k) % r, c % k
-        ar = torch.arange(stop - start, device=X.device)
-        cx = X.new_zeros(stop - start, n, nb, t, k)
-        cx[ar, :, b, :, kk] = ux.permute(1, 3, 0, 2)[b, j]  # [C, N, T]
-        cy = Y.new_zeros(stop - start, n, nb, k, s)
-        cy[ar, :, b, kk, :] = sign * vy.permute(1, 2, 0, 3)[b, j]  # [C, N, S]
+        # column c is u_j at (b, :, k) of X and ±v_j at (b, k, :) of Y: one-hot products,
+        # not index_puts (whose vmap batching rule misplaces the batch dim of the values)
+        at_b = (b.unsqueeze(1) == torch.arange(nb, device=X.device)).to(X.dtype)[:, None, :, None, None]
+        at_k = (kk.unsqueeze(1) == torch.arange(k, device=X.device)).to(X.dtype)  # [C, K]
+        cx = ux.permute(1, 3, 0, 2)[b, j][:, :, None, :, None] * at_b * at_k[:, None, None, None, :]
+        cy = (sign * vy.permute(1, 2, 0, 3)[b, j])[:, :, None, None, :] * at_b * at_k[:, None, None, :, None]
         return _back(cx.reshape((-1,) + shape_x), dx, 1), _back(cy.reshape((-1,) + shape_y), dy, 1)
 
     v = nb * r * k

@@ -2,9 +2,10 @@
 
 At ``curvature`` time: check the arguments and trace the model (:class:`_Setup`,
 :mod:`curvlib._tracing`).
-Per call of ``f(X, y, params=None, generator=None)`` (:class:`_Call`):
+Per call of ``f(X, y, params=None, generator=None, buffers=None)`` (:class:`_Call`):
 
-1. **inputs**: ``X``, ``y`` and ``params`` checked; every parameter's value;
+1. **inputs**: ``X``, ``y``, ``params`` and ``buffers`` checked (buffers:
+   :mod:`curvlib._buffers`); every parameter's value;
 2. **plan**: shapes and batch dimensions for this input signature (cached), and
    every refusal (targets, unsupported layers, memory) before any real work;
 3. **forward**: the linearised forward pass (:mod:`curvlib._engine`);
@@ -22,7 +23,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from . import _arguments, _budget, _compiled, _dropout, _inputs, _strategy, _wrappers, losses
+from . import _arguments, _budget, _buffers, _compiled, _dropout, _inputs, _strategy, _wrappers, losses
 from ._diagnose import forward_failure, forward_mode_failure
 from ._independence import refuse_mixing
 from ._engine import forward_with_probes
@@ -119,18 +120,28 @@ def curvature(
             Results are then not differentiable; KFRA and the block products are refused.
 
     Returns:
-        ``f(X, y, params=None, generator=None)`` returning a plain dict with
-        ``"loss"`` (0-dim), ``"grad"`` (name -> gradient) and, per extension,
+        ``f(X, y, params=None, generator=None, buffers=None)`` returning a plain dict
+        with ``"loss"`` (0-dim), ``"grad"`` (name -> gradient) and, per extension,
         ``ext.name`` (name -> quantity). ``X`` is a tensor, or a dict/tuple of
         tensors passed to the model as one argument, all with the batch in dim 0.
         ``params`` (name -> tensor) replaces the model's parameters; quantities are
         then returned for exactly its entries, otherwise for every parameter with
-        ``requires_grad=True`` (a frozen parameter gets no entry). Results are
+        ``requires_grad=True`` (a frozen parameter gets no entry). ``buffers``
+        (name -> tensor, as ``model.named_buffers()``; the second output of
+        ``torch.func.stack_module_state``) replaces the model's buffers, e.g.
+        BatchNorm's running statistics (default: the model's own); buffer entries
+        may also be put into ``params``; no result has a buffer entry. Results are
         differentiable w.r.t. ``params`` values and ``X`` that require grad; the
         model's own parameters are read detached. ``generator`` draws the dropout
         masks of a model in training mode (default: the global random state).
-        ``f`` is a pure function of ``(X, y, params)`` and composes with
-        ``torch.func.vmap``; it may be called from several threads.
+        ``f`` is a pure function of ``(X, y, params, buffers)`` and composes with
+        ``torch.func.vmap`` (over stacked ``params`` and ``buffers``, over a task
+        dimension of ``X`` and ``y``, or both: every extension equals the loop of
+        per-member calls; Monte-Carlo extensions need ``randomness="same"`` or
+        ``"different"``); vmapped ``params`` of a model with buffers its forward
+        reads are refused unless ``buffers`` are given. It may be called from several
+        threads (a call with ``buffers`` swaps them into the model's slots; calls
+        reading the model's own wait meanwhile).
 
     Raises:
         CurvatureTypeError: an argument has the wrong type.
@@ -222,16 +233,19 @@ class _Setup:
 
 
 class _Call:
-    """``f(X, y, params=None, generator=None)`` of one :func:`curvature` (module doc, stages 1-6)."""
+    """``f(X, y, params=None, generator=None, buffers=None)`` of one :func:`curvature` (module doc, stages 1-6)."""
 
     def __init__(self, setup: _Setup):
         self.setup = setup
 
     def __call__(self, X, y: Tensor, params: Optional[Mapping[str, Tensor]] = None,
-                 generator: Optional[torch.Generator] = None, _into=None) -> Dict[str, object]:
+                 generator: Optional[torch.Generator] = None, buffers: Optional[Mapping[str, Tensor]] = None,
+                 _into=None) -> Dict[str, object]:
         """``_into``: the batch's square-root buffers when this is a slice of it (:mod:`curvlib._chunking`)."""
         s = self.setup
         n = _inputs.check_input(X)
+        params, buffers = _buffers.split(s.model, params, buffers)
+        _buffers.refuse_unbuffered(s.model, params, buffers)
         values, trainable = _arguments.parameter_values(s.model, params)
         traced = s.traced(X)
         for check in traced.checks:  # (the eager runner checks modules as they are called)
@@ -243,10 +257,11 @@ class _Call:
         differentiable = torch.is_grad_enabled() and (
             any(t.requires_grad for t in _inputs.tensors(X)) or any(v.requires_grad for v in values.values())
         )
-        with _dropout.masks(seed, _inputs.first(X).device):
+        # planned with the model's buffers (same shapes); run with the caller's
+        with _dropout.masks(seed, _inputs.first(X).device), _buffers.using(s.model, buffers):
             try:
                 return self._evaluate(traced, plan, X, y, values, trainable, differentiable, seed, _into,
-                                      negative=read.get("negative"))
+                                      negative=read.get("negative"), buffers=buffers)
             except (NodeFailure, NotImplementedError) as exc:
                 forward_mode = forward_mode_failure(exc, ", ".join(type(e).__name__ for e in s.second))
                 if forward_mode is not None:
@@ -319,8 +334,9 @@ class _Call:
         return _dropout.draw_seed(generator)
 
     def _evaluate(self, traced, plan, X, y, values, trainable, differentiable, seed, into=None,
-                  negative: Optional[bool] = None) -> Dict[str, object]:
-        """Stages 3-6."""
+                  negative: Optional[bool] = None, buffers=None) -> Dict[str, object]:
+        """Stages 3-6 (``buffers``: the caller's, in the model's slots for this call; the block
+        products put them there again whenever they are evaluated)."""
         s = self.setup
         frozen_trainable = frozenset(trainable)
         rng = rng_state(_inputs.first(X).device)
@@ -337,6 +353,7 @@ class _Call:
             curv = losses.curvature_at(s.spec, lin.out, y, negative=negative)
             product = products(traced.program, s.spec, y, curv, X, values, traced.residual_nodes, lin,
                                residual_grads, rng, frozen_trainable, seed)
+            product = _buffers.bind_products(product, s.model, buffers)
             kfra_factors = _kfra_factors(s, traced, lin, curv, X, y, trainable, values)
             chunk = _budget.auto_chunk_size(plan, s.second, _inputs.first(X).device) if s.chunk_size == "auto" else s.chunk_size
             result.update(second_order(

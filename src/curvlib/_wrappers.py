@@ -10,18 +10,41 @@ import torch
 from torch import Tensor, nn
 
 from . import _arguments, _inputs
+from ._errors import CurvatureError
 
 __all__ = ["public", "renamed"]
 
 
 def renamed(f: Callable, prefix: str, model: nn.Module) -> Callable:
-    """Results and ``params`` keyed like a ``torch.compile``d module's parameters."""
+    """Results, ``params`` and ``buffers`` keyed like a ``torch.compile``d module's
+    parameters and buffers."""
 
-    def g(X, y, params=None, generator=None):
-        result = f(X, y, params=_arguments.without_prefix(params, prefix, model), generator=generator)
+    def g(X, y, params=None, generator=None, buffers=None):
+        params, buffers = _unprefixed_buffers(params, buffers, prefix, model)
+        result = f(X, y, params=_arguments.without_prefix(params, prefix, model), generator=generator,
+                   buffers=buffers)
         return _arguments.with_prefix(result, prefix)
 
     return g
+
+
+def _unprefixed_buffers(params, buffers, prefix: str, model: nn.Module):
+    """``(params without buffer entries, buffers keyed like the original module's)``: buffer
+    entries of ``params`` (``prefix + name``) move into the buffers."""
+    names = {prefix + n for n, _ in model.named_buffers()}
+    if isinstance(params, Mapping) and any(k in names for k in params):
+        buffers = {**{k: v for k, v in params.items() if k in names}, **(buffers or {})}
+        params = {k: v for k, v in params.items() if k not in names}
+    if not isinstance(buffers, Mapping):
+        return params, buffers  # None, or a wrong type that f reports
+    for key in buffers:
+        if key not in names:
+            raise CurvatureError(
+                f"buffers has an entry {key!r}, which is not a buffer of the model; the model is "
+                f"torch.compile'd, so its buffers are named '{prefix}<name>' (as in "
+                f"compiled.named_buffers()), e.g. {sorted(names)[:3]}."
+            )
+    return params, {k[len(prefix):]: v for k, v in buffers.items()}
 
 
 def public(f: Callable, doc: Optional[str]) -> Callable:
@@ -37,7 +60,7 @@ def public(f: Callable, doc: Optional[str]) -> Callable:
     # (donated buffers). The disabled function is an inner one: torch.compile unwraps a
     # disabled function it is given directly.
     @torch.compiler.disable(recursive=True)
-    def eager(X, y, params, generator):
+    def eager(X, y, params, generator, buffers):
         # Under no_grad / inference mode results are detached, as any op's would be (no
         # graph back to X or params is built or kept alive).
         free = _arguments.inference_free if torch.is_grad_enabled() else _arguments.detached
@@ -47,10 +70,13 @@ def public(f: Callable, doc: Optional[str]) -> Callable:
             y = free(y)
             if isinstance(params, Mapping) and any(free(v) is not v for v in params.values()):
                 params = {k: free(v) for k, v in params.items()}
-            return f(X, y, params=params, generator=generator)
+            if isinstance(buffers, Mapping) and any(free(v) is not v for v in buffers.values()):
+                buffers = {k: free(v) for k, v in buffers.items()}
+            return f(X, y, params=params, generator=generator, buffers=buffers)
 
-    def call(X, y, params: Optional[Mapping[str, Tensor]] = None, generator: Optional[torch.Generator] = None):
-        return eager(X, y, params, generator)
+    def call(X, y, params: Optional[Mapping[str, Tensor]] = None, generator: Optional[torch.Generator] = None,
+             buffers: Optional[Mapping[str, Tensor]] = None):
+        return eager(X, y, params, generator, buffers)
 
     call.__doc__ = doc
     return call

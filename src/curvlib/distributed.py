@@ -80,6 +80,7 @@ import torch
 from torch import Tensor
 
 from . import _inputs, losses
+from ._buffers import vmapped
 from ._errors import CurvatureError, CurvatureTypeError
 from .extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from .extensions.secondorder import SecondOrder
@@ -118,6 +119,17 @@ _PRODUCT_HINT = (
     "yourself, with r = M_local / M_global for reduction='mean' (1 for 'sum')."
 )
 _MASK64 = (1 << 64) - 1
+
+
+def _refuse_vmapped(X, y, params, buffers) -> None:
+    """Collectives have no vmap rule ("Batching rule not implemented for c10d::allreduce_"):
+    refuse a call whose inputs ``vmap`` batches, before any work."""
+    given = [t for d in (params, buffers) if isinstance(d, Mapping) for t in d.values()]
+    if any(isinstance(t, Tensor) and vmapped(t) for t in _inputs.tensors(X) + [y] + given):
+        raise CurvatureError(
+            "curvature(..., process_group=...) under torch.func.vmap: the all_reduce over ranks "
+            "cannot be vmapped. Call f per member or task (a loop), or without process_group."
+        )
 
 
 def aggregated(
@@ -186,7 +198,9 @@ def aggregated(
 
     mean = spec.reduction == "mean"
 
-    def g(X, y: Tensor, params: Optional[Mapping[str, Tensor]] = None, generator=None) -> Dict[str, object]:
+    def g(X, y: Tensor, params: Optional[Mapping[str, Tensor]] = None, generator=None,
+          buffers: Optional[Mapping[str, Tensor]] = None) -> Dict[str, object]:
+        _refuse_vmapped(X, y, params, buffers)
         rank = dist.get_rank(process_group)
         if rank < 0:
             raise CurvatureError(
@@ -195,7 +209,7 @@ def aggregated(
             )
         device = _inputs.first(X).device
         with _rank_streams(generators, rank, device):
-            local = f(X, y, params=params, generator=generator)
+            local = f(X, y, params=params, generator=generator, buffers=buffers)
         n_local = _inputs.batch_size(X)
         m_local = normaliser(spec, losses.prepare_targets(spec, y)) if mean else 1.0
         return aggregate(local, kinds, n_local, m_local, mean, process_group)

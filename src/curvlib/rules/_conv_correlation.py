@@ -174,8 +174,11 @@ def per_sample_by_kernel(c: Correlation) -> Tensor:
 
 
 def square_fresh(r: Tensor) -> Tensor:
-    """``r²``, in place (``r`` is a fresh result: no copy of ``[N, *W]``) unless autograd records it."""
-    return r.square() if r.requires_grad else r.square_()
+    """``r²``, in place (``r`` is a fresh result: no copy of ``[N, *W]``) unless autograd records
+    it or it is a torch.func tensor (vmap has no in-place batching rule for ``square_``)."""
+    if r.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(r):
+        return r.square()
+    return r.square_()
 
 
 def sum_outer_squares(c: Correlation, g_squared: bool, x_squared: bool) -> Tensor:

@@ -211,10 +211,13 @@ def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> Rol
     pad = site.meta["padding_idx"]
     if pad is not None:
         mc = mc * (idx != pad).reshape(1, -1, 1).to(mc.dtype)
-    keys = (torch.arange(n, device=idx.device).unsqueeze(1) * v + idx).reshape(-1)
-    pairs, which = torch.unique(keys, return_inverse=True)
-    rows = mc.new_zeros(c, pairs.shape[0], mc.shape[-1]).index_add(1, which, mc)
-    out = mc.new_zeros(v, mc.shape[-1]).index_add(0, pairs % v, (rows**2).sum(0))
+    # runs of equal sorted keys n·V + v (module doc; fixed shapes, so it runs under vmap)
+    keys, order = (torch.arange(n, device=idx.device).unsqueeze(1) * v + idx).reshape(-1).sort()
+    starts = torch.cat([keys.new_ones(1, dtype=torch.bool), keys[1:] != keys[:-1]])
+    run = starts.cumsum(0) - 1
+    rows = mc.new_zeros(c, keys.shape[0], mc.shape[-1]).index_add(1, run, mc[:, order])  # [C, N·P, D]
+    squares = (rows**2).sum(0)[run] * starts.to(mc.dtype).unsqueeze(1)  # once per run, at its start
+    out = mc.new_zeros(v, mc.shape[-1]).index_add(0, keys % v, squares)
     return {"weight": out.unsqueeze(0)}
 
 

@@ -22,6 +22,7 @@ second derivative as a dense per-sample residual of the node (see
 :mod:`curvlib._residuals`).
 
 The forward normalises with ``F.layer_norm`` on the ``[N, G, C/G · S]`` view
+(:func:`curvlib.rules.layernorm.normalise`: from primitives inside torch.func transforms)
 (no affine map; the same statistics, population variance and ``ε`` as
 ``group_norm``), then ``y = β + x̂ γ`` per channel. This gives the saved ``x̂``
 and the output from one fused normalisation, agrees with the module to rounding,
@@ -37,11 +38,11 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._errors import CurvatureError
 from ._site import Recorder, RoleTensors, Rule, Site
+from .layernorm import normalise
 
 
 def _canon(t: Tensor) -> Tensor:
@@ -108,7 +109,7 @@ def forward(module: nn.GroupNorm, where: str, names: dict, tensors: dict, args, 
             "whose groups hold a single value each, which torch refuses to normalise "
             "(\"Expected more than 1 value per channel\")."
         )
-    xhat = F.layer_norm(x.reshape(n, groups, per_group), (per_group,), None, None, module.eps).reshape(x.shape)
+    xhat = normalise(x.reshape(n, groups, per_group), (per_group,), module.eps).reshape(x.shape)
     shape = (1, c) + (1,) * (x.dim() - 2)
     weight, bias = tensors.get("weight"), tensors.get("bias")
     if weight is None:

@@ -134,6 +134,34 @@ LAYERNORM = Rule(
 )
 
 
+def normalise(x: Tensor, shape: Tuple[int, ...], eps: float) -> Tensor:
+    """``x̂ = (x - mean_D(x)) / √(var_D(x) + ε)`` over the trailing axes ``shape``, ``x [*L, *D]``.
+
+    ``F.layer_norm`` (one fused kernel) outside torch.func transforms; inside one, the
+    same formula from primitives: torch 2.13's double backward of ``layer_norm`` adds a
+    vmapped tensor into an unbatched one in place, so a Hessian product under ``vmap``
+    over an ensemble's parameters or over tasks fails ("vmap: inplace arithmetic ...").
+    """
+    if not _inside_transform():
+        return F.layer_norm(x, shape, None, None, eps)
+    dims = tuple(range(x.dim() - len(shape), x.dim()))
+    centred = x - x.mean(dims, keepdim=True)
+    return centred * torch.rsqrt((centred * centred).mean(dims, keepdim=True) + eps)
+
+
+def layer_norm(input: Tensor, normalized_shape, weight=None, bias=None, eps: float = 1e-5, *_cudnn) -> Tensor:
+    """``F.layer_norm`` as :func:`normalise` and the affine map: what a graph's functional
+    ``F.layer_norm`` / ``torch.layer_norm`` node runs inside torch.func transforms (the same
+    values; torch's fused op fails under vmap at second order, see :func:`normalise`)."""
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    return _affine(normalise(input, shape, eps), weight, bias)
+
+
+def _inside_transform() -> bool:
+    """Whether a torch.func transform (vmap, grad, vjp, jvp) is active."""
+    return torch._C._functorch.maybe_current_level() is not None
+
+
 def _affine(xhat: Tensor, weight, bias) -> Tensor:
     """``x̂ ⊙ w + b`` with ``w``/``b`` broadcast over the leading dims (either may be ``None``)."""
     if weight is None:
@@ -152,7 +180,7 @@ def forward(module: nn.LayerNorm, where: str, names: dict, tensors: dict, args, 
             f"{list(x.shape)}; it needs [*leading, {', '.join(map(str, shape))}] with the "
             "batch among the leading dims."
         )
-    xhat = F.layer_norm(x, shape, None, None, module.eps)
+    xhat = normalise(x, shape, module.eps)
     out = _affine(xhat, tensors.get("weight"), tensors.get("bias"))
     saved = {"xhat": xhat} if "weight" in names else {}
     numel = 1
