@@ -141,6 +141,27 @@ def _affine(xhat: Tensor, weight, bias) -> Tensor:
     return xhat * weight if bias is None else torch.addcmul(bias, xhat, weight)
 
 
+def derivatives_may_flow(x: Tensor) -> bool:
+    """Whether derivatives of order > 2 may be taken through this forward: under a torch.func
+    transform (curvlib's own torch.func route, taken when results must be differentiable,
+    and the block products' ``grad``/``jvp`` run inside one) or ``x`` requiring grad outside
+    curvlib's plain route. Cheap: no value is read."""
+    return torch._C._functorch.maybe_current_level() is not None
+
+
+def normalise(x: Tensor, k: int, eps: float) -> Tensor:
+    """``(x − mean) / √(var + ε)`` over the last ``k`` axes, from primitives.
+
+    torch 2.13's third derivative of ``F.layer_norm`` (the derivative of its double
+    backward) is wrong (``tests/test_compose_derivatives.py``: ``grad`` of a Hessian-vector
+    product through it is 0.2-0.5 off finite differences; these primitives are exact), and
+    derivatives of second-order results need exactly that order.
+    """
+    dims = tuple(range(x.dim() - k, x.dim()))
+    c = x - x.mean(dims, keepdim=True)
+    return c * torch.rsqrt((c * c).mean(dims, keepdim=True) + eps)
+
+
 def forward(module: nn.LayerNorm, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
     """Run ``nn.LayerNorm`` functionally and record its site."""
     x = args[0] if args else kwargs["input"]
@@ -152,7 +173,7 @@ def forward(module: nn.LayerNorm, where: str, names: dict, tensors: dict, args, 
             f"{list(x.shape)}; it needs [*leading, {', '.join(map(str, shape))}] with the "
             "batch among the leading dims."
         )
-    xhat = F.layer_norm(x, shape, None, None, module.eps)
+    xhat = normalise(x, k, module.eps) if derivatives_may_flow(x) else F.layer_norm(x, shape, None, None, module.eps)
     out = _affine(xhat, tensors.get("weight"), tensors.get("bias"))
     saved = {"xhat": xhat} if "weight" in names else {}
     numel = 1
