@@ -29,6 +29,8 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
+from ._errors import CurvatureError
+
 
 def transform_levels() -> Tuple[bool, bool]:
     """``(any torch.func transform active, a differentiating one: grad/jvp/jacrev/hessian)``."""
@@ -88,3 +90,34 @@ def polarised(R: Tensor) -> Tuple[Tensor, Tensor]:
     alpha = torch.where(top > 0, top, torch.ones_like(top)).sqrt() / 2
     eye = torch.eye(R.shape[-1], dtype=R.dtype, device=R.device)
     return alpha * eye + R / (4 * alpha), alpha * eye - R / (4 * alpha)
+
+
+def refuse_nonsmooth(extensions, X, values) -> None:
+    """Refuse, before any work, derivatives through results that have none.
+
+    ``PCHMP`` modifies eigenvalues (``max(λ, 0)`` or ``|λ|``): not differentiable where an
+    eigenvalue is 0, and its eigenvectors' derivatives divide by eigenvalue gaps, which
+    vanish structurally (a LayerNorm row's residual has ``d − 3`` equal eigenvalues; torch's
+    ``eigh`` derivative is then ``inf``/wrong). Rather than a derivative defined almost
+    everywhere on some models and wrong on others, curvlib refuses derivatives through
+    ``PCHMP`` altogether: when ``X`` or ``params`` require grad (plain autograd) or a
+    differentiating torch.func transform (``grad``, ``jvp``, ``jacrev``, ``hessian``) is
+    active. ``vmap`` alone is not refused.
+    """
+    bad = [e for e in extensions if getattr(e, "quantity", None) == "pchmp"]
+    if not bad:
+        return
+    from . import _inputs
+
+    tracked = torch.is_grad_enabled() and (
+        any(t.requires_grad for t in _inputs.tensors(X)) or any(v.requires_grad for v in values.values())
+    )
+    if tracked or transform_levels()[1]:
+        how = "X or params that require grad" if tracked else "a torch.func grad/jvp transform"
+        raise CurvatureError(
+            f"{type(bad[0]).__name__}(modify={bad[0].modify!r}) under {how}: its eigenvalue modification "
+            "(clip/abs) is not differentiable (kinks at zero eigenvalues, eigenvector derivatives that "
+            "divide by vanishing eigenvalue gaps), so curvlib does not return derivatives through it. "
+            "Call a curvature without PCHMP for the differentiated part, or pass detached X/params "
+            "(HMP and GGNMP are differentiable)."
+        )
