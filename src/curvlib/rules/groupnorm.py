@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from .._errors import CurvatureError
 from ._site import Recorder, RoleTensors, Rule, Site
+from .layernorm import derivatives_may_flow, normalise
 
 
 def _canon(t: Tensor) -> Tensor:
@@ -108,7 +109,10 @@ def forward(module: nn.GroupNorm, where: str, names: dict, tensors: dict, args, 
             "whose groups hold a single value each, which torch refuses to normalise "
             "(\"Expected more than 1 value per channel\")."
         )
-    xhat = F.layer_norm(x.reshape(n, groups, per_group), (per_group,), None, None, module.eps).reshape(x.shape)
+    rows = x.reshape(n, groups, per_group)
+    # (from primitives when derivatives may flow: torch's third derivative of F.layer_norm is wrong)
+    xhat = (normalise(rows, 1, module.eps) if derivatives_may_flow(x)
+            else F.layer_norm(rows, (per_group,), None, None, module.eps)).reshape(x.shape)
     shape = (1, c) + (1,) * (x.dim() - 2)
     weight, bias = tensors.get("weight"), tensors.get("bias")
     if weight is None:
