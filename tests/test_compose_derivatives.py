@@ -369,11 +369,14 @@ def test_first_derivatives_match_finite_differences(kind, key, seed, n):
     """grad, jvp, autograd.grad (params) and grad w.r.t. X of a scalar of the result agree with
     central differences of curvlib's own values, or the call is refused (CurvatureError) both
     without and with derivatives."""
-    case = Case(kind, key, seed, n)
+    try:
+        case = Case(kind, key, seed, n)
+    except CurvatureError:  # refused at curvature(...) (KFRA on a branching graph): nothing to differentiate
+        return
     try:
         with torch.no_grad():
             case.obj(case.P)
-    except CurvatureError:  # unsupported combination (e.g. KFRA on a branching graph): refused alike
+    except CurvatureError:  # refused at the call (KFRA on a LayerNorm): refused alike with derivatives
         with pytest.raises(CurvatureError):
             grad(case.obj)(case.P)
         return
