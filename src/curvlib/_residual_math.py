@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.func import hessian
 
 from . import _residual_norm, _residual_structured
+from ._residual_smooth import diag_pair, flows, polarised, product_pair, row_scale
 from ._sync import LOCK
 from .rules.elementwise import second_derivative
 from .rules.generic import map_samples
@@ -56,14 +57,20 @@ def factor(res, g: Tensor) -> Columns:
         if res.kind == "diag":  # R = diag(φ''(a) g): columns e_k √r±
             r = _front(second_derivative(res.phi, res.inputs[0]) * g, d)
             eye = _eye_columns(r)
-            return [(1.0, {0: _back(eye * r.clamp(min=0).sqrt(), d, 1)}, {}),
-                    (-1.0, {0: _back(eye * (-r).clamp(min=0).sqrt(), d, 1)}, {})]
-        # R = [[0, D], [D, 0]], D = diag(g): columns (e_k, ±sign(g_k) e_k) √(|g_k|/2)
+            # √r± has no derivative where r± = 0: smooth pair c₊² − c₋² = r when derivatives flow
+            plus, minus = diag_pair(r) if flows(r) else (r.clamp(min=0).sqrt(), (-r).clamp(min=0).sqrt())
+            return [(1.0, {0: _back(eye * plus, d, 1)}, {}), (-1.0, {0: _back(eye * minus, d, 1)}, {})]
+        # R = [[0, D], [D, 0]], D = diag(g): columns (e_k a_k, ±e_k b_k), 2 a_k b_k = g_k
+        # (a = √(|g|/2), b = sign(g) a; smooth in g when derivatives flow)
         gc = _front(g, d)
         eye = _eye_columns(gc)
-        m, s = (gc.abs() / 2).sqrt(), torch.sign(gc)
-        pos = {0: _back(eye * m, d, 1), 1: _back(eye * (m * s), d, 1)}
-        neg = {0: _back(eye * m, d, 1), 1: _back(eye * (-m * s), d, 1)}
+        if flows(gc):
+            m, ms = product_pair(gc)
+        else:
+            m = (gc.abs() / 2).sqrt()
+            ms = m * torch.sign(gc)
+        pos = {0: _back(eye * m, d, 1), 1: _back(eye * ms, d, 1)}
+        neg = {0: _back(eye * m, d, 1), 1: _back(eye * (-ms), d, 1)}
         return [(1.0, pos, {}), (-1.0, neg, {})]
     if res.kind == "bilinear":
         return _bilinear_columns(res, g)
@@ -90,14 +97,18 @@ def _bilinear_columns(res, g: Tensor) -> Columns:
     difference of outer products is ``(g_s ⊗ e_i) e_{s,i}ᵀ`` + transpose, summing to ``R``."""
     xs, gs = _bilinear_layout(res, g)
     n, s, i = xs.shape
+    smooth = flows(gs)
     norm = gs.norm(dim=2)  # [N, S]
-    m = (norm / 2).sqrt()
+    m = row_scale(gs) if smooth else (norm / 2).sqrt()  # (‖g‖ and √ have no derivative at 0)
     eye_s = torch.eye(s, dtype=xs.dtype, device=xs.device)
     eye_i = torch.eye(i, dtype=xs.dtype, device=xs.device)
     x_c = _front(res.inputs[0], res.in_dims[0])
     x_part = torch.einsum("ab,cd,nb->acnbd", eye_s, eye_i, m).reshape((s * i,) + tuple(x_c.shape))
     x_part = _back(x_part, res.in_dims[0], 1)
-    w_scale = gs / (2 * norm.clamp_min(torch.finfo(xs.dtype).tiny)).sqrt().unsqueeze(-1)  # [N, S, O]
+    if smooth:  # x-part m, W-part g/(2m): the pair's products are g whatever m
+        w_scale = gs / (2 * m).unsqueeze(-1)
+    else:
+        w_scale = gs / (2 * norm.clamp_min(torch.finfo(xs.dtype).tiny)).sqrt().unsqueeze(-1)  # [N, S, O]
     w_part = torch.einsum("nao,cd->acnod", w_scale, eye_i).reshape(s * i, n, gs.shape[2], i)
     name = res.site.params["weight"]
     return [(1.0, {0: x_part}, {name: w_part}), (-1.0, {0: -x_part}, {name: w_part})]
@@ -127,10 +138,15 @@ def _dense_columns(res, g: Tensor) -> Columns:
     (direct) and the inputs' parts."""
     names, shapes_p, sizes_p, _, sizes_in = _layout(res)
     n = _front(g, res.out_dim).shape[0]
-    evals, evecs = torch.linalg.eigh(_dense_matrix(res, g))  # R [N, D, D]
+    R = _dense_matrix(res, g)  # [N, D, D]
+    if flows(R):  # eigh's and √'s derivatives are not finite everywhere: αI ± R/(4α)
+        scaled = polarised(R)
+    else:
+        evals, evecs = torch.linalg.eigh(R)
+        scaled = [evecs * lam.sqrt().unsqueeze(1) for lam in (evals.clamp(min=0), (-evals).clamp(min=0))]
     sets = []
-    for sign, lam in ((1.0, evals.clamp(min=0)), (-1.0, (-evals).clamp(min=0))):
-        cols = (evecs * lam.sqrt().unsqueeze(1)).permute(2, 0, 1)  # [V=D, N, D]
+    for sign, w in zip((1.0, -1.0), scaled):
+        cols = w.permute(2, 0, 1)  # [V=D, N, D]
         parts = torch.split(cols, sizes_p + sizes_in, dim=2)
         direct = {k: p.reshape((cols.shape[0], n) + sh) for k, p, sh in zip(names, parts[: len(names)], shapes_p)}
         taps = dict(enumerate(_split_taps(res, parts[len(names):], (cols.shape[0],))))

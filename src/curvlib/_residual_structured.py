@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from ._errors import CurvatureError
+from ._residual_smooth import flows, polarised, row_scale
 
 
 def _front(t: Tensor, dim: int, lead: int = 0) -> Tensor:
@@ -96,11 +97,14 @@ def row_columns(layout, R: Tensor):
     """Signed columns ``q √λ±`` of block-diagonal residuals ``R [N, rows, S, S]`` (one block per
     row of ``layout``, which maps ``[*lead, N, rows, S]`` back to the input's layout), one per
     (row, eigenvector), built per chunk."""
-    evals, evecs = torch.linalg.eigh(R)  # [N, rows, S], [N, rows, S, S]
-    n, rows, s = evals.shape
+    n, rows, s = R.shape[:3]
+    if flows(R):  # eigh's and √'s derivatives are not finite everywhere: αI ± R/(4α)
+        scaled = polarised(R)
+    else:
+        evals, evecs = torch.linalg.eigh(R)  # [N, rows, S], [N, rows, S, S]
+        scaled = [evecs * lam.sqrt().unsqueeze(-2) for lam in (evals.clamp(min=0), (-evals).clamp(min=0))]
     sets = []
-    for sign, lam in ((1.0, evals.clamp(min=0)), (-1.0, (-evals).clamp(min=0))):
-        w = evecs * lam.sqrt().unsqueeze(-2)  # column j of row r: w[:, r, :, j]
+    for sign, w in zip((1.0, -1.0), scaled):  # column j of row r: w[:, r, :, j]
 
         def make(start, stop, w=w):
             c = torch.arange(start, stop, device=w.device)
@@ -159,6 +163,8 @@ def _blocks(res, g: Tensor):
 
 def matmul_columns(res, g: Tensor):
     """Signed columns ``(u_j e_kᵀ, ±e_k v_jᵀ) √(σ_j/2)`` per leading index ``b`` (module doc)."""
+    if flows(g, *res.inputs):
+        return _matmul_columns_smooth(res, g)
     X, Y, G, shape_x, shape_y = _blocks(res, g)
     n, nb, t, k = X.shape
     s = Y.shape[-1]
@@ -179,14 +185,43 @@ def matmul_columns(res, g: Tensor):
         cy = (sign * vy.permute(1, 2, 0, 3)[b, j])[:, :, None, None, :] * at_b * at_k[:, None, None, :, None]
         return _back(cx.reshape((-1,) + shape_x), dx, 1), _back(cy.reshape((-1,) + shape_y), dy, 1)
 
-    v = nb * r * k
+    return _matmul_sets(make, nb * r * k)
+
+
+def _matmul_columns_smooth(res, g: Tensor):
+    """Signed columns whose derivatives are finite (the SVD's are not at repeated or zero σ):
+    ``R = Σ_{b,t,k} u wᵀ + w uᵀ`` with ``u = e_{t,k}`` in ``X`` and ``w`` the ``Y`` tangent whose
+    row ``k`` is ``G[t, :]``; one pair ``(a u ± w/(2a))`` per ``(b, t, k)``, ``a = √(‖G[t]‖/2)``
+    (:mod:`curvlib._residual_smooth`: the pair's difference of outer products is ``u wᵀ + w uᵀ``)."""
+    X, Y, G, shape_x, shape_y = _blocks(res, g)
+    n, nb, t, k = X.shape
+    s = Y.shape[-1]
+    a = row_scale(G)  # [N, B, T]
+    wy = G / (2 * a).unsqueeze(-1)  # [N, B, T, S]
+    dx, dy = res.in_dims
+
+    def make(start, stop, sign):
+        c = torch.arange(start, stop, device=X.device)
+        b, tt, kk = c // (t * k), (c // k) % t, c % k
+        ar = torch.arange(stop - start, device=X.device)
+        cx = X.new_zeros(stop - start, n, nb, t, k)
+        cx[ar, :, b, tt, kk] = a.permute(1, 2, 0)[b, tt]  # [C, N]
+        cy = Y.new_zeros(stop - start, n, nb, k, s)
+        cy[ar, :, b, kk, :] = sign * wy.permute(1, 2, 0, 3)[b, tt]  # [C, N, S]
+        return _back(cx.reshape((-1,) + shape_x), dx, 1), _back(cy.reshape((-1,) + shape_y), dy, 1)
+
+    return _matmul_sets(make, nb * t * k)
+
+
+def _matmul_sets(make, v: int):
+    """The two signed sets of lazily built ``(X, Y)`` column parts (a chunk built once for both)."""
     sets = []
     for sign in (1.0, -1.0):
         cache = {}
 
         def part(i, sign=sign, cache=cache):
             def build(start, stop):
-                if cache.get("key") != (start, stop):  # X and Y parts of one chunk: built once
+                if cache.get("key") != (start, stop):
                     cache["key"], cache["val"] = (start, stop), make(start, stop, sign)
                 return cache["val"][i]
             return build

@@ -317,7 +317,8 @@ def _record_norm(program: Program, node: fx.Node, env, params: Dict[str, Tensor]
     module = layer.module
     x = fx.node.map_arg(node.args, lambda n: env[n])[0] if node.args else env[node.kwargs["input"]]
     weight = params[layer.names["weight"]] if "weight" in layer.names else None
-    meta = {"eps": module.eps, "weight": weight.detach() if weight is not None else None}
+    # the weight stays attached: derivatives of the Hessian diagonal w.r.t. it flow through R
+    meta = {"eps": module.eps, "weight": weight}
     if layer.kind == "layernorm":
         meta.update(groups=None, norm_dims=len(module.normalized_shape))
     else:

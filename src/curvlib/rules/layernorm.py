@@ -137,10 +137,14 @@ LAYERNORM = Rule(
 def normalise(x: Tensor, shape: Tuple[int, ...], eps: float) -> Tensor:
     """``x̂ = (x - mean_D(x)) / √(var_D(x) + ε)`` over the trailing axes ``shape``, ``x [*L, *D]``.
 
-    ``F.layer_norm`` (one fused kernel) outside torch.func transforms; inside one, the
-    same formula from primitives: torch 2.13's double backward of ``layer_norm`` adds a
-    vmapped tensor into an unbatched one in place, so a Hessian product under ``vmap``
-    over an ensemble's parameters or over tasks fails ("vmap: inplace arithmetic ...").
+    ``F.layer_norm`` (one fused kernel) outside torch.func transforms; inside one (also
+    curvlib's own route when results must be differentiable), the same formula from
+    primitives, for two torch 2.13 bugs: the double backward of ``layer_norm`` adds a
+    vmapped tensor into an unbatched one in place, so a Hessian product under ``vmap`` over
+    an ensemble's parameters or over tasks fails ("vmap: inplace arithmetic ..."); and its
+    third derivative (the derivative of the double backward) is wrong: ``grad`` of a
+    Hessian-vector product through it is 0.2-0.5 off finite differences
+    (``tests/test_compose_derivatives.py``), the primitives are exact.
     """
     if not _inside_transform():
         return F.layer_norm(x, shape, None, None, eps)
