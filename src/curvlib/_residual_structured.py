@@ -203,11 +203,14 @@ def _matmul_columns_smooth(res, g: Tensor):
     def make(start, stop, sign):
         c = torch.arange(start, stop, device=X.device)
         b, tt, kk = c // (t * k), (c // k) % t, c % k
-        ar = torch.arange(stop - start, device=X.device)
-        cx = X.new_zeros(stop - start, n, nb, t, k)
-        cx[ar, :, b, tt, kk] = a.permute(1, 2, 0)[b, tt]  # [C, N]
-        cy = Y.new_zeros(stop - start, n, nb, k, s)
-        cy[ar, :, b, kk, :] = sign * wy.permute(1, 2, 0, 3)[b, tt]  # [C, N, S]
+        # column c is a at (b, t, k) of X and ±w at (b, k, :) of Y: one-hot products, not
+        # index_puts (whose vmap batching rule misplaces the batch dim of the values)
+        at_b = (b.unsqueeze(1) == torch.arange(nb, device=X.device)).to(X.dtype)[:, None, :, None, None]
+        at_t = (tt.unsqueeze(1) == torch.arange(t, device=X.device)).to(X.dtype)  # [C, T]
+        at_k = (kk.unsqueeze(1) == torch.arange(k, device=X.device)).to(X.dtype)  # [C, K]
+        cx = a.permute(1, 2, 0)[b, tt][:, :, None, None, None] * at_b * at_t[:, None, None, :, None] \
+            * at_k[:, None, None, None, :]  # [C, N, B, T, K]
+        cy = (sign * wy.permute(1, 2, 0, 3)[b, tt])[:, :, None, None, :] * at_b * at_k[:, None, None, :, None]
         return _back(cx.reshape((-1,) + shape_x), dx, 1), _back(cy.reshape((-1,) + shape_y), dy, 1)
 
     return _matmul_sets(make, nb * t * k)
