@@ -12,8 +12,11 @@ Three ways to vmap ``f`` (``M`` members or tasks):
 * ``task``: over a leading task dimension of ``X``/``y``, ``vmap(lambda X, y: f(X, y))``;
 * ``both``: over both at once.
 
-Every member is its own model (its own parameters and, for the BatchNorm models, its
-own running statistics), so a member that silently used the base model's buffers fails.
+Models: an MLP, an MLP with LayerNorm, one with a functional ``F.layer_norm``, a CNN, a
+GroupNorm CNN, a BatchNorm CNN (eval), ``nn.TransformerEncoderLayer`` (eval), a GRU, an
+Embedding model and a ResNet block (BatchNorm, eval). Every member is its own model (its
+own parameters and, for the BatchNorm models, its own running statistics), so a member
+that silently used the base model's buffers fails.
 Monte-Carlo extensions run with ``randomness="same"`` and the same seed as each loop
 call (the default ``"error"`` refuses with torch's message, checked below). Block
 products are applied to fixed vectors inside the vmapped function.
@@ -131,6 +134,8 @@ ZOO: Dict[str, Zoo] = {
     "embedding": Zoo(Embedder, lambda gen, n: torch.randint(0, 7, (n, 3), generator=gen), ("kfra",)),
     "resnet": Zoo(Residual, _floats(2, 4, 4), ("kfra",)),
     "functional_layernorm": Zoo(FunctionalNorm, _floats(4), ("kfra",)),
+    "groupnorm": Zoo(lambda: nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.Tanh(), nn.Flatten(),
+                                           nn.Linear(16, 3)), _floats(2, 4, 4), ("kfra",)),
 }
 
 

@@ -1,13 +1,12 @@
 """Monte-Carlo draws that a ``curvature(..., compile=True)`` program takes as inputs.
 
-Eagerly these are ``torch.randn`` / ``torch.rand`` / ``torch.bernoulli`` with the
+Eagerly these are ``torch.randn`` / ``torch.rand`` (Bernoulli draws: ``rand < p``) with the
 extension's generator. While a program is traced (:mod:`curvlib._compiled`) a
 :class:`Tape` records each draw's recipe (kind, shape, generator, dtype, device) and
 hands out a tensor given to the program instead; every call then draws those tensors
 eagerly, before the compiled program runs, in the same order and from the same
 generators as the eager call does — so ``randn``/``rand`` draws are identical to
-eager's. (``bernoulli``, binary cross-entropy's draws, becomes ``rand < p`` when
-traced: same distribution, different draws.)
+eager's. (Binary cross-entropy's Bernoulli draws are ``rand < p`` in both.)
 """
 
 from __future__ import annotations
@@ -76,11 +75,7 @@ def rand(shape, generator, dtype, device) -> Tensor:
 
 
 def bernoulli(p: Tensor, generator) -> Tensor:
-    """``torch.bernoulli(p)``; traced, or ``p`` a torch.func tensor: ``rand < p`` (module doc;
-    vmap has no rule for ``bernoulli`` of a batched ``p`` with ``randomness="same"``; on CPU
-    the two are the same draws)."""
-    tape = _tape()
-    if tape is None and not torch._C._functorch.is_functorch_wrapped_tensor(p):
-        return torch.bernoulli(p, generator=generator)
-    u = rand(p.shape, generator, p.dtype, p.device)
-    return (u < p).to(p.dtype)
+    """Bernoulli draws with probabilities ``p``, as ``rand < p`` (eager, traced and under
+    ``vmap`` alike: ``vmap`` has no rule for ``torch.bernoulli`` of a batched ``p`` with
+    ``randomness="same"``; on CPU ``torch.bernoulli`` draws exactly these)."""
+    return (rand(p.shape, generator, p.dtype, p.device) < p).to(p.dtype)
