@@ -122,8 +122,7 @@ class _Products:
         stay out of it (``L`` as a function of ``p`` alone)."""
         ops = []
         for k, (res, g_z) in enumerate(zip(self.lin.residuals, self.residual_grads)):
-            own = name in res.params or (res.kind == "bilinear" and res.site.params.get("weight") == name)
-            view = name if own else None
+            view = name if _owns(res, name) else None
             if (modify, k, view) not in self.operators:
                 memo = self.memos.setdefault(k, {})
                 self.operators[(modify, k, view)] = _residual_math.positive_curvature(res, g_z, modify, view, memo)
@@ -168,8 +167,7 @@ class _Products:
             for res, apply in zip(lin.residuals, operators):
                 if apply is None:  # mod(R|u_p) = 0 (a shared Linear, for the others' blocks)
                     continue
-                own = name in res.params or (res.kind == "bilinear" and res.site.params.get("weight") == name)
-                tap_c, theta_c = apply([jtaps[k] for k in res.taps], {name: v} if own else {})
+                tap_c, theta_c = apply([jtaps[k] for k in res.taps], {name: v} if _owns(res, name) else {})
                 for k, c in zip(res.taps, tap_c):
                     cot_taps[k] = cot_taps[k] + c
                 if name in theta_c:
@@ -178,6 +176,14 @@ class _Products:
             return torch.func.vjp(f, p0)[1]((hjv, cot_taps))[0] + direct
 
         return lambda V: torch.func.vmap(one, randomness="same")(V)
+
+
+def _owns(res, name: str) -> bool:
+    """Whether ``name`` is in the residual's ``u`` as a parameter of the node: a dense
+    node's own, a shared Linear's weight, or one that a tap stands for alone (a GRU's
+    first ``r ⊙ b_hn``)."""
+    return (name in res.params or (res.kind == "bilinear" and res.site.params.get("weight") == name)
+            or any(name in names for names in res.meta.get("param_taps", {}).values()))
 
 
 def _check_directions(ext, name: str, p0: Tensor, V) -> None:

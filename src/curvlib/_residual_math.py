@@ -205,6 +205,8 @@ def positive_curvature(res, g: Tensor, modify: str, view: Optional[str] = None,
         return _bilinear_operator(res, g, clip) if view == res.site.params["weight"] else None
     if res.kind == "dense":
         return _dense_operator(res, g, clip, view, {} if memo is None else memo)
+    if res.kind == "product" and res.meta.get("param_taps") and view is None:
+        return None  # y a function of other parameters alone, a constant of L(p): R|x = 0
     return _structured_operator(res, g, clip)
 
 
