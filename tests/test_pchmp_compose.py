@@ -25,7 +25,9 @@ Consequences checked here:
   Integer inputs (token ids) are sample ``n``'s rows in ``f_n``
   (:func:`explicit_opaque_blocks`; and the graph oracle with the layer as a leaf).
 
-Every case also checks ``2·PCH(clip) − PCH(abs) = H`` (autograd's Hessian blocks).
+Every case also checks ``2·PCH(clip) − PCH(abs) = H`` (autograd's Hessian blocks);
+the opaque layers' Hessian diagonals (DiagHessian, BatchDiagHessian: the same
+residuals, as signed columns) are checked against autograd too.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from hypothesis import given, settings, strategies as st
 from torch import Tensor, nn
 from torch.autograd.functional import hessian, jacobian
 
+from curvlib import curvature
+from curvlib.extensions import BatchDiagHessian, DiagHessian
 from oracles import functional_call
 from oracles_pchmp import hessian_blocks_autograd, mod, pchmp_blocks
 from oracles_second import loss_hessian_blocks
@@ -361,3 +365,23 @@ def test_opaque_layer_on_ids_explicit(head, n, t, seed):
     for modify in ("clip", "abs"):
         assert_blocks_close(_quiet_blocks(model, lossfn, X, y, modify),
                             explicit_opaque_blocks(model, lossfn, X, y, modify), f"explicit ({modify})")
+
+
+@settings(max_examples=4)
+@given(kind=st.sampled_from(["ids", "float", "both"]), head=st.booleans(), n=st.integers(1, 3),
+       t=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_opaque_layer_hessian_diagonals(kind, head, n, t, seed):
+    """The same residuals' signed columns: DiagHessian and BatchDiagHessian against autograd's
+    Hessians (of the batch, and of each sample alone: ``mean`` divides by ``N``), also
+    where the opaque layer has no float input at all (direct columns only)."""
+    model, lossfn, X, y = _opaque_case(kind, head, n, t, seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qs = curvature(model, lossfn, [DiagHessian(), BatchDiagHessian()])(X, y)
+    H = hessian_blocks_autograd(model, lossfn, X, y)
+    diag = {k: qs["diag_h"][k].flatten() for k in H}
+    assert_blocks_close(diag, {k: h.diagonal() for k, h in H.items()}, f"{kind}: diag_h")
+    alone = [hessian_blocks_autograd(model, lossfn, X[i:i + 1], y[i:i + 1]) for i in range(n)]
+    batch = {k: qs["diag_h_batch"][k].flatten(1) for k in H}
+    assert_blocks_close(batch, {k: torch.stack([a[k].diagonal() / n for a in alone]) for k in H},
+                        f"{kind}: diag_h_batch")

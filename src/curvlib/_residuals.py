@@ -16,7 +16,14 @@ convolutions, normalisations, ...) the parameter leaves ``u`` altogether
 (Chen et al.'s modular definition: a Linear layer of an MLP, or a LayerNorm
 used once, has only its input's residual); for other layers it keeps its own
 block (``Residual.free``). The block products (GGNMP, HMP) and the Hessian
-diagonal are exact either way; PCHMP modifies the eigenvalues of this ``R``.
+diagonal are exact either way; PCHMP modifies the eigenvalues of this ``R``
+restricted, for the block of ``p``, to what moves with ``p`` (the inputs, and
+``p`` where it is the node's own): a shared Linear's ``R|x = 0`` leaves the
+blocks of the parameters before it as without sharing
+(:func:`curvlib._residual_math.positive_curvature`). Integer inputs of a
+dense node (token ids, masks) are not in ``u``; they travel with the residual
+(``meta["fixed"]``, batch dims ``meta["fixed_dims"]``) so that ``R_n`` uses
+sample ``n``'s.
 Kinds, by structure:
 
 * ``"diag"``: element-wise ``z = φ(a)``: ``R = diag(φ''(a) ⊙ g)``;
