@@ -25,12 +25,18 @@ residual (Chen et al.'s modular definition), a LayerNorm used once only its
 input's, and the first use of a module applied twice only its input's; at
 its second use, whose input depends on the module's parameters, ``u``
 contains them and couples them with that input. The block of parameter
-``p`` is
+``p`` is the chain recursion of ``L`` as a function of ``p`` alone: per node,
+``u_p`` holds what moves with ``p``, the node's inputs and, where ``p`` is one
+of the node's own parameters, ``p`` (the node's other parameters are
+constants of ``L(p)``: their rows and columns of ``R_n`` are dropped, so a
+later use of a shared Linear, whose ``R|x = 0``, adds nothing to the block of
+a parameter before it), and
 
-    PCH_p = Σ_n J_{out,n}ᵀ mod(H_loss,n) J_{out,n} + Σ_nodes Σ_n J_uᵀ mod(R_n) J_u,
+    PCH_p = Σ_n J_{out,n}ᵀ mod(H_loss,n) J_{out,n} + Σ_nodes Σ_n J_{u_p}ᵀ mod(R_n|u_p) J_{u_p},
 
-``J_u = ∂u/∂p`` (the identity on ``θ``'s entry ``p``, zero on the node's other
-parameters, ``∂x/∂p`` by autograd on the input part), ``mod`` acting on the
+``J_{u_p} = ∂u_p/∂p`` (the identity on ``p``'s entry, ``∂x/∂p`` by autograd on
+the input part). For a shared parameter this sums the terms of all its uses,
+their cross terms included (through ``∂x/∂p`` of a later use's input). ``mod`` acting on the
 eigenvalues (``"clip"``: ``max(λ, 0)``, ``"abs"``: ``|λ|``; ``None``: none,
 and then the sum is the exact Hessian block, which the tests check against
 :func:`hessian_blocks_autograd`). A node reading parameters in the forward
@@ -272,22 +278,27 @@ def pchmp_blocks(model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor, modi
     graph.tensor_nodes = [n for n in graph.nodes if isinstance(env[n], Tensor) and env[n].is_floating_point()]
     H_loss = mod(loss_hessian_blocks(lossfn, out, y), modify)  # [N, C, C]
     grads, bdims = _node_grads(graph, lossfn, X, y, params), _batch_dims(graph, X, params)
-    nodes = []  # (own parameters, inputs, mod(R) [N, D, D])
+    nodes = []  # (own parameters, inputs, R [N, D, D])
     for node in graph.tensor_nodes:
         own, free = _own(graph, node, trainable)
         R = _residuals(graph, node, own, free, params, env, grads[node], bdims[node])
-        nodes.append((own, _inputs(graph, node), mod(R, modify)))
+        nodes.append((own, _inputs(graph, node), R))
     blocks = {}
     for name in trainable:
         P = params[name].numel()
         J, jac_in = _jacobians(graph, X, params, name)
         total = torch.einsum("ncp,ncd,ndq->pq", J, H_loss, J)
-        for own, inputs, M in nodes:
-            if M.shape[1] == 0:
+        for own, inputs, R in nodes:
+            if R.shape[1] == 0:
                 continue
             p0 = params[name]
+            # u_p: the node's inputs, and p where it is the node's own parameter; the
+            # node's other parameters are constants of L(p) (rows and columns dropped)
+            keep = torch.cat([torch.full((params[c].numel(),), c == name) for c in own]
+                             + [torch.ones(jac_in[a].shape[0], dtype=torch.bool) for a in inputs])
             Ju = torch.cat([torch.eye(P, dtype=p0.dtype) if c == name else p0.new_zeros(params[c].numel(), P) for c in own]
-                           + [jac_in[a] for a in inputs])  # [D, P]: ∂u/∂p
+                           + [jac_in[a] for a in inputs])[keep]  # [D_p, P]: ∂u_p/∂p
+            M = mod(R[:, keep][:, :, keep], modify)
             total = total + torch.einsum("dp,nde,eq->pq", Ju, M, Ju)
         blocks[name] = total
     return blocks

@@ -184,7 +184,10 @@ def _finish(rec: Recorder, plan: Plan, saved, taps) -> None:
         site.meta["batch_dim"] = plan.batch_dims[site.key]
     for r, (in_dims, out_dim) in zip(rec.residuals, plan.residual_dims):
         r.inputs = [taps[k] for k in r.taps]
-        r.in_dims, r.out_dim = in_dims, out_dim
+        k = len(r.inputs)  # after the inputs' batch dims: those of the integer inputs (dense kind)
+        r.in_dims, r.out_dim = in_dims[:k], out_dim
+        if "fixed" in r.meta:
+            r.meta["fixed_dims"] = in_dims[k:]
 
 
 def _forward_functorch(program, plan, X, params, trainable, residual_nodes, runner) -> Linearization:

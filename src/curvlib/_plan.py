@@ -232,8 +232,21 @@ def residual_batch_dims(rec_a: Recorder, rec_b: Recorder) -> Tuple[Tuple[Tuple[i
         changed = [k for k, (p, q) in enumerate(zip(a, b)) if p != q]
         return changed[0] if len(changed) == 1 else 0
 
+    def fixed_dim(ra, x, y) -> Optional[int]:
+        changed = [k for k, (p, q) in enumerate(zip(x.shape, y.shape)) if p != q]
+        if len(changed) > 1:
+            raise CurvatureError(
+                f"The Hessian extensions need the second derivative of graph node '{ra.where}', per "
+                f"sample; its integer input of shape {list(x.shape)} changes with the batch size in "
+                "several dimensions, so it cannot be split per sample. Keep the batch in one dimension.")
+        return changed[0] if changed else None
+
+    # the in_dims of a dense residual go on with those of its integer inputs
+    # (``meta["fixed"]``; ``None``: the same for every sample): see engine._finish
     return tuple(
-        (tuple(dim(x.shape, y.shape) for x, y in zip(ra.inputs, rb.inputs)), dim(za, zb))
+        (tuple(dim(x.shape, y.shape) for x, y in zip(ra.inputs, rb.inputs))
+         + tuple(fixed_dim(ra, x, y) for x, y in zip(ra.meta.get("fixed", ()), rb.meta.get("fixed", ()))),
+         dim(za, zb))
         for ra, rb, za, zb in zip(rec_a.residuals, rec_b.residuals, rec_a.residual_shapes, rec_b.residual_shapes)
     )
 

@@ -72,7 +72,9 @@ class _Products:
         self.values, self.residual_nodes, self.lin, self.residual_grads = values, residual_nodes, lin, residual_grads
         self.rng, self.trainable, self.seed = rng, trainable, seed
         self.device = _inputs.first(X).device
-        self.operators: Dict[str, List[Callable]] = {}
+        # (modify, residual index, view) -> mod(R|u_p) (None: zero); per residual, its dense R
+        self.operators: Dict[tuple, Optional[Callable]] = {}
+        self.memos: Dict[int, dict] = {}
         # the modules' training flags of the call: the graph re-run by a product calls the
         # modules (dropout, batch norm), which read their flag when the product is evaluated
         self.modes = [(path, module, module.training) for path, module in program.root.named_modules()]
@@ -110,15 +112,22 @@ class _Products:
             out = run_graph(self.program, self.X, vals, self.trainable if with_taps else frozenset(), rec)
         return out, [a for r in rec.residuals for a in r.inputs]
 
-    def _operators(self, modify: str) -> List[Callable]:
-        """Every residual's ``mod(R)`` operator, built once per call and shared by all
-        parameters' products (eigendecompositions are the expensive part)."""
-        if modify not in self.operators:
-            self.operators[modify] = [
-                _residual_math.positive_curvature(res, g_z, modify)
-                for res, g_z in zip(self.lin.residuals, self.residual_grads)
-            ]
-        return self.operators[modify]
+    def _operators(self, modify: str, name: str) -> List[Optional[Callable]]:
+        """Every residual's ``mod(R|u_p)`` operator for the block of parameter ``name``
+        (``None``: zero), built once per call and shared by the parameters that see the
+        same ``u_p`` (eigendecompositions are the expensive part).
+
+        ``u_p``: the node's inputs, plus ``p`` where it is the node's own parameter
+        (:func:`curvlib._residual_math.positive_curvature`); the node's other parameters
+        stay out of it (``L`` as a function of ``p`` alone)."""
+        ops = []
+        for k, (res, g_z) in enumerate(zip(self.lin.residuals, self.residual_grads)):
+            view = name if _owns(res, name) else None
+            if (modify, k, view) not in self.operators:
+                memo = self.memos.setdefault(k, {})
+                self.operators[(modify, k, view)] = _residual_math.positive_curvature(res, g_z, modify, view, memo)
+            ops.append(self.operators[(modify, k, view)])
+        return ops
 
     def _hmp(self, ext, name: str, p0: Tensor):
         def loss_of(p):
@@ -146,7 +155,7 @@ class _Products:
         """``Jᵀ H₊ J v`` plus every residual's positive part, pulled back through the taps
         (:mod:`curvlib._residual_math`)."""
         lin = self.lin
-        operators = self._operators(ext.modify)
+        operators = self._operators(ext.modify, name)
         n_taps = sum(len(res.inputs) for res in lin.residuals)
 
         def one(v):
@@ -156,8 +165,9 @@ class _Products:
             cot_taps = [torch.zeros_like(t) for t in jtaps]
             direct = torch.zeros_like(v)
             for res, apply in zip(lin.residuals, operators):
-                own = name in res.params or (res.kind == "bilinear" and res.site.params.get("weight") == name)
-                tap_c, theta_c = apply([jtaps[k] for k in res.taps], {name: v} if own else {})
+                if apply is None:  # mod(R|u_p) = 0 (a shared Linear, for the others' blocks)
+                    continue
+                tap_c, theta_c = apply([jtaps[k] for k in res.taps], {name: v} if _owns(res, name) else {})
                 for k, c in zip(res.taps, tap_c):
                     cot_taps[k] = cot_taps[k] + c
                 if name in theta_c:
@@ -166,6 +176,14 @@ class _Products:
             return torch.func.vjp(f, p0)[1]((hjv, cot_taps))[0] + direct
 
         return lambda V: torch.func.vmap(one, randomness="same")(V)
+
+
+def _owns(res, name: str) -> bool:
+    """Whether ``name`` is in the residual's ``u`` as a parameter of the node: a dense
+    node's own, a shared Linear's weight, or one that a tap stands for alone (a GRU's
+    first ``r ⊙ b_hn``)."""
+    return (name in res.params or (res.kind == "bilinear" and res.site.params.get("weight") == name)
+            or any(name in names for names in res.meta.get("param_taps", {}).values()))
 
 
 def _check_directions(ext, name: str, p0: Tensor, V) -> None:

@@ -15,7 +15,7 @@ and moves it back for what it returns, so that "one sample" is one slice.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -164,15 +164,21 @@ def _dense_matrix(res, g: Tensor) -> Tensor:
     inputs = [_front(a, d).reshape(n, -1) for a, d in zip(res.inputs, res.in_dims)]
     u = torch.cat(theta_flat + inputs, dim=1)
 
-    def contracted(u_n: Tensor, g_n: Tensor) -> Tensor:
+    # integer inputs (token ids, masks): sample n's rows where they carry the batch
+    fixed, fixed_dims = list(res.meta.get("fixed", ())), tuple(res.meta.get("fixed_dims", ()))
+    fixed_dims = fixed_dims + (None,) * (len(fixed) - len(fixed_dims))
+
+    def contracted(u_n: Tensor, g_n: Tensor, fixed_n) -> Tensor:
         parts = list(torch.split(u_n, sizes_p + sizes_in))
         theta = {k: p.reshape(sh) for k, p, sh in zip(names, parts[: len(names)], shapes_p)}
         # one sample, batch of one in the input's own batch dimension
         xs = [_back(p.reshape((1,) + sh), d) for p, sh, d in zip(parts[len(names):], shapes_in, res.in_dims)]
-        return (_front(res.phi(theta, *xs), res.out_dim).squeeze(0) * g_n).sum()
+        ids = [f if d is None else f.unsqueeze(d) for f, d in zip(fixed_n, fixed_dims)]
+        return (_front(res.phi(theta, *xs, fixed=ids), res.out_dim).squeeze(0) * g_n).sum()
 
     with LOCK:  # hessian is forward-over-reverse: forward-mode AD state is process-wide
-        R = map_samples(hessian(contracted), 0)(u, gc)  # (a loop for value-dependent branches)
+        # (a loop for value-dependent branches)
+        R = map_samples(hessian(contracted), (0, 0, list(fixed_dims)))(u, gc, fixed)
     R = (R + R.transpose(1, 2)) / 2
     if res.free:
         # block id per coordinate: 1 + k for the k-th free parameter, 0 for the rest of u
@@ -189,17 +195,39 @@ def _modified(R: Tensor, clip: bool) -> Tensor:
     return (evecs * evals.unsqueeze(1)) @ evecs.transpose(1, 2)
 
 
-def positive_curvature(res, g: Tensor, modify: str) -> Callable:
-    """The residual with its negative curvature clipped (``"clip"``) or flipped (``"abs"``).
+def positive_curvature(res, g: Tensor, modify: str, view: Optional[str] = None,
+                       memo: Optional[dict] = None) -> Optional[Callable]:
+    """The residual with its negative curvature clipped (``"clip"``) or flipped (``"abs"``),
+    as the block of one parameter ``p`` sees it.
 
     Returns ``apply(tap_tangents, theta_tangents) -> (tap_cotangents, theta_cotangents)``:
-    ``mod(R)`` applied per sample to the tangent of ``u = (θ, inputs)``, with
-    ``mod`` acting on the eigenvalues of ``R``. ``theta_*`` are dicts (parameter
-    name -> ``[*p]``, the same direction for every sample; the cotangent is
-    summed over samples). For an element-wise node this is Chen et al.'s
-    ``mod(φ''(a) g)``.
+    ``mod(R|u_p)`` applied per sample to the tangent of ``u_p``, with ``mod``
+    acting on the eigenvalues, or ``None`` when ``mod(R|u_p) = 0``. ``theta_*``
+    are dicts (parameter name -> ``[*p]``, the same direction for every sample;
+    the cotangent is summed over samples). For an element-wise node this is
+    Chen et al.'s ``mod(φ''(a) g)``.
+
+    ``view``: ``p`` when it is one of the node's own parameters, else ``None``.
+    ``u_p`` holds what moves with ``p``: the node's inputs, and ``p`` itself
+    when it is the node's own; never the node's other parameters, which are
+    constants of ``L(p)`` (a later use of a shared module cannot change the
+    block of a parameter before it: for a Linear, ``R|x = 0``). This is the
+    Hessian's chain recursion of ``L`` as a function of ``p`` alone, with every
+    node's residual modified (``docs/conventions.md``). ``memo``: a dict kept
+    per residual across views (the dense ``R`` is computed once).
     """
     clip = modify == "clip"
+    if res.kind == "bilinear":  # R = [[0, G], [G, 0]] over (W, x): R|x = 0
+        return _bilinear_operator(res, g, clip) if view == res.site.params["weight"] else None
+    if res.kind == "dense":
+        return _dense_operator(res, g, clip, view, {} if memo is None else memo)
+    if res.kind == "product" and res.meta.get("param_taps") and view is None:
+        return None  # y a function of other parameters alone, a constant of L(p): R|x = 0
+    return _structured_operator(res, g, clip)
+
+
+def _structured_operator(res, g: Tensor, clip: bool) -> Callable:
+    """``mod(R)`` of a residual over its inputs alone (no parameter in ``u``)."""
     if res.kind == "diag":  # element-wise: per entry, in any layout
         r = second_derivative(res.phi, res.inputs[0]) * g
         m = r.clamp(min=0) if clip else r.abs()
@@ -210,15 +238,13 @@ def positive_curvature(res, g: Tensor, modify: str) -> Callable:
         if clip:
             return lambda taps, theta: ([a / 2 * (taps[0] + s * taps[1]), a / 2 * (s * taps[0] + taps[1])], {})
         return lambda taps, theta: ([a * taps[0], a * taps[1]], {})
-    if res.kind == "bilinear":
-        return _bilinear_operator(res, g, clip)
     if res.kind == "softmax":
         return _residual_structured.softmax_operator(res, g, clip)
     if res.kind == "matmul":
         return _residual_structured.matmul_operator(res, g, clip)
     if res.kind == "norm":
         return _residual_norm.norm_operator(res, g, clip)
-    return _dense_operator(res, g, clip)
+    raise AssertionError(f"curvlib internal error: residual kind {res.kind!r}")  # pragma: no cover
 
 
 def _bilinear_operator(res, g: Tensor, clip: bool) -> Callable:
@@ -249,10 +275,24 @@ def _bilinear_operator(res, g: Tensor, clip: bool) -> Callable:
     return apply
 
 
-def _dense_operator(res, g: Tensor, clip: bool) -> Callable:
-    """``mod(R)`` of a dense residual, applied per sample to ``(θ, inputs)`` tangents."""
-    M = _modified(_dense_matrix(res, g), clip)  # [N, D, D]
+def _dense_operator(res, g: Tensor, clip: bool, view: Optional[str], memo: dict) -> Callable:
+    """``mod(R|u_p)`` of a dense residual, applied per sample to ``(θ, inputs)`` tangents
+    (zero outside ``u_p``; see :func:`positive_curvature`)."""
     names, _, sizes_p, _, sizes_in = _layout(res)
+    coupled = [k for k in names if k not in res.free]
+    # Without coupled parameters R is block-diagonal over (each free θ, inputs) (their
+    # couplings are left out): mod(R) restricted to u_p is mod(R|u_p), one operator for all.
+    key = (clip, view if coupled else None)
+    if key not in memo:
+        if "R" not in memo:
+            memo["R"] = _dense_matrix(res, g)
+        R = memo["R"]
+        if coupled:  # R|u_p: zero rows and columns (zero eigenvalues) outside u_p
+            keep = torch.cat([torch.full((s,), k == view, device=R.device) for k, s in zip(names, sizes_p)]
+                             + [torch.ones(sum(sizes_in), dtype=torch.bool, device=R.device)])
+            R = R * (keep[:, None] & keep[None, :])
+        memo[key] = _modified(R, clip)
+    M = memo[key]  # [N, D, D]
     n = M.shape[0]
 
     def apply(taps, theta):

@@ -16,7 +16,14 @@ convolutions, normalisations, ...) the parameter leaves ``u`` altogether
 (Chen et al.'s modular definition: a Linear layer of an MLP, or a LayerNorm
 used once, has only its input's residual); for other layers it keeps its own
 block (``Residual.free``). The block products (GGNMP, HMP) and the Hessian
-diagonal are exact either way; PCHMP modifies the eigenvalues of this ``R``.
+diagonal are exact either way; PCHMP modifies the eigenvalues of this ``R``
+restricted, for the block of ``p``, to what moves with ``p`` (the inputs, and
+``p`` where it is the node's own): a shared Linear's ``R|x = 0`` leaves the
+blocks of the parameters before it as without sharing
+(:func:`curvlib._residual_math.positive_curvature`). Integer inputs of a
+dense node (token ids, masks) are not in ``u``; they travel with the residual
+(``meta["fixed"]``, batch dims ``meta["fixed_dims"]``) so that ``R_n`` uses
+sample ``n``'s.
 Kinds, by structure:
 
 * ``"diag"``: element-wise ``z = φ(a)``: ``R = diag(φ''(a) ⊙ g)``;
@@ -44,7 +51,7 @@ operators for PCHMP) is in :mod:`curvlib._residual_math`.
 from __future__ import annotations
 
 import operator
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -296,18 +303,22 @@ def _record_dense(program: Program, node: fx.Node, env, env_out, params: Dict[st
     """Record the node's dense residual."""
     # the node as a function of its graph inputs (and its trainable parameters);
     # integer and boolean inputs (sizes, masks) are constants of it
-    inputs_nodes = [a for a in node.all_input_nodes if a in dependent and isinstance(env[a], Tensor)
-                    and (env[a].is_floating_point() or env[a].is_complex())]
+    batched = [a for a in node.all_input_nodes if a in dependent and isinstance(env[a], Tensor)]
+    inputs_nodes = [a for a in batched if env[a].is_floating_point() or env[a].is_complex()]
+    # integer/boolean inputs that depend on the model input (token ids, masks): per sample
+    # they are sample n's rows (``R_n = ∇²_u (g_n · f(θ, x_n; ids_n))``), never the batch's
+    fixed_nodes = [a for a in batched if a not in inputs_nodes]
     inputs = [env[a] for a in inputs_nodes]
     own = _own_parameters(program, node, trainable, coupled)
     if not inputs and not own:
         return
-    phi = _node_function(program, node, env, inputs_nodes, params)
+    phi = _node_function(program, node, env, inputs_nodes, params, fixed_nodes)
     if inplace:
         phi_inplace = phi
-        phi = lambda theta, *xs: phi_inplace(theta, *(x.clone() for x in xs))  # noqa: E731
+        phi = lambda theta, *xs, fixed=(): phi_inplace(theta, *(x.clone() for x in xs), fixed=fixed)  # noqa: E731
     env_out[node] = rec.residual(node.name, "dense", phi, inputs, z, params={n: params[n] for n in own},
-                                 free=[n for n in own if n not in coupled])
+                                 free=[n for n in own if n not in coupled],
+                                 meta={"fixed": [env[a] for a in fixed_nodes]})
 
 
 def _record_norm(program: Program, node: fx.Node, env, params: Dict[str, Tensor], rec: Recorder, z: Tensor):
@@ -346,11 +357,12 @@ def _own_parameters(program: Program, node: fx.Node, trainable: frozenset, coupl
     return [n for n in names if n in trainable and (n in coupled or not affine)]
 
 
-def _node_function(program: Program, node: fx.Node, env, inputs_nodes, params) -> Callable:
-    """``phi(theta, *inputs)``: the node's value with its graph inputs and parameters replaced."""
+def _node_function(program: Program, node: fx.Node, env, inputs_nodes, params, fixed_nodes=()) -> Callable:
+    """``phi(theta, *inputs, fixed=())``: the node's value with its graph inputs and
+    parameters replaced (and, when given, its integer inputs ``fixed_nodes``: one sample's)."""
 
-    def phi(theta: Dict[str, Tensor], *inputs: Tensor):
-        local = dict(zip(inputs_nodes, inputs))
+    def phi(theta: Dict[str, Tensor], *inputs: Tensor, fixed: Sequence[Tensor] = ()):
+        local = {**dict(zip(fixed_nodes, fixed)), **dict(zip(inputs_nodes, inputs))}
         load = lambda a: fx.node.map_arg(a, lambda n: local[n] if n in local else env[n])  # noqa: E731
         args, kwargs = load(node.args), load(node.kwargs)
         if node.op == "call_module":
@@ -362,7 +374,7 @@ def _node_function(program: Program, node: fx.Node, env, inputs_nodes, params) -
         use = program.functional.get(node)
         if use is not None:
             return functional.evaluate(use, program.root, program.param_names, {**params, **theta}, list(inputs),
-                                       {a: env[a] for a in use.fixed})
+                                       {a: local[a] if a in local else env[a] for a in use.fixed})
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
         return node.target(*args, **kwargs)

@@ -382,16 +382,21 @@ def _hessian_diag(lin, uses, ggn, names, params, n, residual_grads, batch: bool,
     total = dict(ggn)
     for res, g_z in zip(lin.residuals, residual_grads):
         for sign, tap_cols, direct in factor(res, g_z):
-            v = next(iter(tap_cols.values())).shape[0]
+            # a node without float inputs (an opaque layer on token ids): direct columns only
+            v = next(iter(tap_cols.values() if tap_cols else direct.values())).shape[0]
             step = max(1, v if chunk_size is None else chunk_size)
             for start in range(0, v, step):
                 sl = slice(start, start + step)
-                m = lin.pull_batched(None, {res.taps[j]: cols[sl] for j, cols in tap_cols.items()})
+                m = lin.pull_batched(None, {res.taps[j]: cols[sl] for j, cols in tap_cols.items()}) if tap_cols \
+                    else None
                 cache: Dict[tuple, object] = {}
                 for name in names:
                     if name in direct:
-                        sq = direct[name][sl] + (_sqrt(uses, m, name) if uses.get(name) else 0.0)
+                        pulled = _sqrt(uses, m, name) if m is not None and uses.get(name) else 0.0
+                        sq = direct[name][sl] + pulled
                         part = (sq**2).sum(0) if batch else (sq**2).sum((0, 1))
+                    elif m is None:
+                        continue  # no tap: nothing reaches the other parameters
                     else:
                         part = read(m, name, cache)
                     total[name] = total[name] + sign * part

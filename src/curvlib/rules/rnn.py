@@ -278,7 +278,10 @@ def _cell_step(nodes: StepNodes, mode: str, hh: _Recurrent, hr: Optional[_Recurr
             h = _linear_step(nodes, "hr", hr.site, hr.weight, None, hr.probe, h, t, coupled)
         return h, c
     bn_varies = not first or state_varies or "bias" in hh.site.params  # GRU
-    return gru_step(nodes, a, b, h, not first or state_varies, bn_varies), c
+    # the first step from the zero state: b_n = b_hn, a function of b_hh alone
+    bn_params = frozenset([hh.site.params["bias"]]) if first and not state_varies and "bias" in hh.site.params \
+        else frozenset()
+    return gru_step(nodes, a, b, h, not first or state_varies, bn_varies, bn_params), c
 
 
 def forward(module: nn.RNNBase, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):

@@ -88,12 +88,16 @@ class StepNodes:
             return z
         return self.rec.residual(self._name(node), "diag", phi, [a], z)
 
-    def product(self, node: str, x: Tensor, y: Tensor, varies: bool = True) -> Tensor:
-        """``x ⊙ y``; ``varies=False``: ``y`` is a constant (the product is linear)."""
+    def product(self, node: str, x: Tensor, y: Tensor, varies: bool = True, y_params: frozenset = frozenset()) -> Tensor:
+        """``x ⊙ y``; ``varies=False``: ``y`` is a constant (the product is linear);
+        ``y_params``: ``y`` depends on these parameters alone (not on the input), as a
+        coordinate selection: ``y`` stands for them in ``u`` (PCHMP's views,
+        :func:`curvlib._residual_math.positive_curvature`)."""
         z = x * y
         if self.coupling is None or not varies:
             return z
-        return self.rec.residual(self._name(node), "product", None, [x, y], z)
+        meta = {"param_taps": {1: frozenset(y_params)}} if y_params else None
+        return self.rec.residual(self._name(node), "product", None, [x, y], z, meta=meta)
 
     def bilinear(self, node: str, site: Site, x: Tensor, z: Tensor, coupled: bool) -> Tensor:
         """``z = W x (+ b)`` of ``site``; ``coupled``: ``x`` depends on the site's weight."""
@@ -116,13 +120,15 @@ def lstm_step(nodes: StepNodes, pre: Tensor, c: Tensor, c_varies: bool) -> Tuple
     return nodes.product("o*tanh(c)", o, nodes.diag("tanh(c)", torch.tanh, c)), c
 
 
-def gru_step(nodes: StepNodes, a: Tensor, b: Tensor, h: Tensor, h_varies: bool, bn_varies: bool) -> Tensor:
+def gru_step(nodes: StepNodes, a: Tensor, b: Tensor, h: Tensor, h_varies: bool, bn_varies: bool,
+             bn_params: frozenset = frozenset()) -> Tensor:
     """``h_new`` from ``a = W_ih x + b_ih``, ``b = W_hh h + b_hh`` ``[N, 3H]`` and ``h [N, H]``.
 
-    ``bn_varies``: ``b_n`` depends on a trainable parameter or on the input.
+    ``bn_varies``: ``b_n`` depends on a trainable parameter or on the input;
+    ``bn_params``: the first step without initial state, ``b_n = b_hn``: ``b_hh``'s name.
     """
     a_rz, a_n = a.split([2 * h.shape[-1], h.shape[-1]], -1)
     b_rz, b_n = b.split([2 * h.shape[-1], h.shape[-1]], -1)
     r, z = nodes.diag("sigmoid(r,z)", torch.sigmoid, a_rz + b_rz).chunk(2, -1)
-    n = nodes.diag("tanh(n)", torch.tanh, a_n + nodes.product("r*b_n", r, b_n, bn_varies))
+    n = nodes.diag("tanh(n)", torch.tanh, a_n + nodes.product("r*b_n", r, b_n, bn_varies, bn_params))
     return nodes.product("(1-z)*n", 1 - z, n) + nodes.product("z*h", z, h, h_varies)
