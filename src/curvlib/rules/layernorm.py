@@ -29,7 +29,9 @@ used twice).
 The forward is ``x̂ = F.layer_norm(x)`` *without* the affine map, then
 ``y = b + x̂ ⊙ w`` (``torch.addcmul``): one fused normalisation gives both the
 output and the saved ``x̂``, and it agrees with the module to rounding (float64:
-~1e-16). It also keeps every transform exact: in torch 2.13, ``torch.func``'s
+~1e-16). Under a torch.func transform (derivatives through results) ``x̂`` is
+written from primitives instead (:func:`normalise`): torch 2.13's *third*
+derivative of ``F.layer_norm`` is wrong. It also keeps every transform exact: in torch 2.13, ``torch.func``'s
 second derivative of ``F.layer_norm`` *with* a weight is wrong in its
 weight-input coupling (``torch.func.hessian`` of ``(w, x) ↦ ⟨c, LN(x; w)⟩``
 differs from autograd's and from finite differences; see
@@ -142,10 +144,11 @@ def _affine(xhat: Tensor, weight, bias) -> Tensor:
 
 
 def derivatives_may_flow(x: Tensor) -> bool:
-    """Whether derivatives of order > 2 may be taken through this forward: under a torch.func
-    transform (curvlib's own torch.func route, taken when results must be differentiable,
-    and the block products' ``grad``/``jvp`` run inside one) or ``x`` requiring grad outside
-    curvlib's plain route. Cheap: no value is read."""
+    """Whether derivatives of order > 2 may be taken through this forward: a torch.func
+    transform is active. That covers every such case: curvlib takes its torch.func route
+    whenever results must be differentiable (``X``/``params`` that require grad, or a
+    user's transform), and the block products and dense residuals differentiate inside
+    ``vjp``/``jvp``/``hessian``. Cheap: no value is read."""
     return torch._C._functorch.maybe_current_level() is not None
 
 
