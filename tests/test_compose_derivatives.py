@@ -74,16 +74,11 @@ class Pool(nn.Module):
         return self.head(self.body(x).mean(1))
 
 
-class PrimEncoder(nn.Module):
-    """The post-norm, batch-first, GELU ``TransformerEncoderLayer`` from primitives."""
-
-    def __init__(self, layer: nn.TransformerEncoderLayer):
-        super().__init__()
-        self.layer = layer
+class PrimEncoder(nn.TransformerEncoderLayer):
+    """The post-norm, batch-first, GELU ``TransformerEncoderLayer`` from primitives (same parameters)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        L = self.layer
-        att = L.self_attn
+        att = self.self_attn
         n, t, e = x.shape
         h = att.num_heads
         q, k, v = F.linear(x, att.in_proj_weight, att.in_proj_bias).chunk(3, -1)
@@ -91,8 +86,8 @@ class PrimEncoder(nn.Module):
         q, k, v = split(q), split(k), split(v)
         a = torch.softmax(q @ k.transpose(-1, -2) / (e // h) ** 0.5, -1) @ v
         a = att.out_proj(a.transpose(1, 2).reshape(n, t, e))
-        x = _layer_norm(x + a, L.norm1)
-        return _layer_norm(x + L.linear2(F.gelu(L.linear1(x))), L.norm2)
+        x = _layer_norm(x + a, self.norm1)
+        return _layer_norm(x + self.linear2(F.gelu(self.linear1(x))), self.norm2)
 
 
 class LastStep(nn.Module):
@@ -106,20 +101,15 @@ class LastStep(nn.Module):
         return self.head(self.rnn(x)[0][:, -1])
 
 
-class PrimGRU(nn.Module):
+class PrimGRU(nn.GRU):
     """A one-layer batch-first ``nn.GRU`` unrolled from primitives (PyTorch's gate order)."""
 
-    def __init__(self, gru: nn.GRU):
-        super().__init__()
-        self.gru = gru
-
     def forward(self, x: Tensor):
-        g = self.gru
-        h = x.new_zeros(x.shape[0], g.hidden_size)
+        h = x.new_zeros(x.shape[0], self.hidden_size)
         outs = []
         for t in range(x.shape[1]):
-            ar, az, an = F.linear(x[:, t], g.weight_ih_l0, g.bias_ih_l0).chunk(3, -1)
-            br, bz, bn = F.linear(h, g.weight_hh_l0, g.bias_hh_l0).chunk(3, -1)
+            ar, az, an = F.linear(x[:, t], self.weight_ih_l0, self.bias_ih_l0).chunk(3, -1)
+            br, bz, bn = F.linear(h, self.weight_hh_l0, self.bias_hh_l0).chunk(3, -1)
             r, z = torch.sigmoid(ar + br), torch.sigmoid(az + bz)
             h = (1 - z) * torch.tanh(an + r * bn) + z * h
             outs.append(h)
@@ -143,13 +133,10 @@ class ResBlock(nn.Module):
 def _prim_copy(model: nn.Module) -> nn.Module:
     """A deep copy whose LayerNorms, encoder layers and GRUs compute from primitives."""
     ref = copy.deepcopy(model)
+    swap = {nn.LayerNorm: PrimLayerNorm, nn.TransformerEncoderLayer: PrimEncoder, nn.GRU: PrimGRU}
     for m in ref.modules():
-        if type(m) is nn.LayerNorm:
-            m.__class__ = PrimLayerNorm
-    if isinstance(ref, Pool) and isinstance(ref.body, nn.TransformerEncoderLayer):
-        ref.body = PrimEncoder(ref.body)
-    if isinstance(ref, LastStep):
-        ref.rnn = PrimGRU(ref.rnn)
+        if type(m) in swap:  # same parameters and names, forward from primitives
+            m.__class__ = swap[type(m)]
     return ref
 
 

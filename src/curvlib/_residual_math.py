@@ -3,7 +3,9 @@
 A residual ``R_n`` (sample ``n``) lives on ``u = (θ, inputs)``. Two views:
 
 * :func:`factor`: signed columns, ``R = Σ_c s_c c cᵀ`` exactly (the Hessian
-  diagonal pulls them back through the graph);
+  diagonal pulls them back through the graph); ``q √λ±`` by default, smooth
+  polarised columns when derivatives flow through the result
+  (:mod:`curvlib._residual_smooth`);
 * :func:`positive_curvature`: ``mod(R)`` as an operator on tangents of ``u``,
   ``mod`` acting on the eigenvalues (PCHMP).
 

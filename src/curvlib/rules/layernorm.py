@@ -29,7 +29,9 @@ used twice).
 The forward is ``x̂ = F.layer_norm(x)`` *without* the affine map, then
 ``y = b + x̂ ⊙ w`` (``torch.addcmul``): one fused normalisation gives both the
 output and the saved ``x̂``, and it agrees with the module to rounding (float64:
-~1e-16). It also keeps every transform exact: in torch 2.13, ``torch.func``'s
+~1e-16). Under a torch.func transform (derivatives through results) ``x̂`` is
+written from primitives instead (:func:`normalise`): torch 2.13's *third*
+derivative of ``F.layer_norm`` is wrong. It also keeps every transform exact: in torch 2.13, ``torch.func``'s
 second derivative of ``F.layer_norm`` *with* a weight is wrong in its
 weight-input coupling (``torch.func.hessian`` of ``(w, x) ↦ ⟨c, LN(x; w)⟩``
 differs from autograd's and from finite differences; see
