@@ -132,6 +132,7 @@ def _module(name: str) -> Tuple[nn.Module, Callable, bool, bool]:
 
 
 MODELS = ("mlp", "mlp_ln", "cnn", "transformer", "gru", "embedding", "resnet", "bn_cnn")
+INTEGER_INPUT = ("embedding",)  # no gradient w.r.t. X
 
 
 def build(name: str, seed: int = 0) -> Problem:

@@ -1,0 +1,180 @@
+"""Composes exactly (issue 20): every extension x every model x every torch.func transform.
+
+Each cell (:mod:`compose_cells`) transforms curvlib's ``f(X, y, params=p)`` and the
+oracle in the same way and compares them in float64, the tolerance scaled by the
+largest entry of the expected result: the pure brute force of
+:mod:`oracles_compose` where one exists, else curvlib's own plain values
+(per-member calls for ``vmap``, central differences for derivatives).
+
+The extension list is read from ``curvlib.extensions`` itself: a new extension
+is a new row of every test, and fails :func:`test_every_extension_is_classified`
+until :data:`KIND` says how it composes. :data:`REFUSED` lists the cells that
+must raise a ``CurvatureError`` (under every transform); :data:`XFAIL` the cells
+that fail today (strict: a fix makes them XPASS, which fails; delete the entry).
+``python tests/compose_table.py`` prints the failing cells as a table.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from hypothesis import Phase, given, settings, strategies as st
+from torch.func import vmap
+
+from curvlib import CurvatureError, curvature
+
+from compose_cells import MC, TRANSFORMS, Cell, _call, _members, _stack, extension_classes, run_cell
+from oracles_compose import brute, canonical
+from oracles_compose_models import INTEGER_INPUT, MODELS, build
+from on_device import seeded
+
+# How each exported extension composes: "exact" (every transform, against the brute
+# force where :mod:`oracles_compose` has one) or "mc" (Monte-Carlo: vmap equal to
+# per-member calls with the same generator; derivatives with the draws held fixed).
+KIND = {
+    "BatchGrad": "exact", "BatchL2Grad": "exact", "SumGradSquared": "exact", "Variance": "exact",
+    "DiagGGNExact": "exact", "BatchDiagGGNExact": "exact", "SqrtGGNExact": "exact", "GGNMP": "exact",
+    "DiagHessian": "exact", "BatchDiagHessian": "exact", "HMP": "exact", "PCHMP": "exact",
+    "KFLR": "exact", "KFACEmpirical": "exact", "KFRA": "exact",
+    "DiagGGNMC": "mc", "BatchDiagGGNMC": "mc", "KFAC": "mc", "SqrtGGNMC": "mc",
+}
+
+# (model, extension) -> the refusal every transform must raise (the plain call refuses too).
+REFUSED = {
+    ("mlp_ln", "KFRA"): r"KFRA is not supported for module '1' \(layer family 'layernorm'",
+    ("bn_cnn", "KFRA"): r"KFRA is not supported for module '1' \(layer family 'batchnorm'",
+    ("embedding", "KFRA"): r"KFRA is not supported for module 'emb'",
+    ("transformer", "KFRA"): r"KFRA needs a chain of operations",
+    ("resnet", "KFRA"): r"KFRA needs a chain of operations",
+    ("gru", "KFRA"): r"KFRA is not defined for the recurrent module",
+}
+
+# Monte-Carlo extensions under torch.func.hessian (jacfwd's vmap, randomness="error", no
+# option to change it): torch's own refusal of a random operation inside vmap.
+MC_HESSIAN = (RuntimeError, r"randomness error mode")
+
+
+def expected_refusal(model: str, cls_name: str, transform: str):
+    """``(exception type, message pattern)`` the cell must raise, or None."""
+    if (model, cls_name) in REFUSED:
+        return CurvatureError, REFUSED[(model, cls_name)]
+    if cls_name in MC and transform == "hessian":
+        return MC_HESSIAN
+    return None
+
+
+# (model, extension, transform) -> what is wrong today (compose_table.py, seed 0, N = 2).
+XFAIL: dict = {}
+
+# The default run: every transform on these models; the others are marked slow.
+FAST_MODELS = ("mlp", "mlp_ln")
+SETTINGS = settings(max_examples=1, derandomize=True, phases=(Phase.explicit, Phase.generate), deadline=None)
+
+
+def _cells(transforms):
+    for model in MODELS:
+        for cls_name in sorted(extension_classes()):
+            for transform in transforms:
+                if transform == "grad_X" and model in INTEGER_INPUT:
+                    continue
+                marks = [] if model in FAST_MODELS else [pytest.mark.slow]
+                reason = XFAIL.get((model, cls_name, transform))
+                if reason:
+                    marks.append(pytest.mark.xfail(strict=True, reason=reason))
+                yield pytest.param(model, cls_name, transform, marks=marks, id=f"{model}-{cls_name}-{transform}")
+
+
+def test_every_extension_is_classified():
+    """Every extension ``curvlib.extensions`` exports is in :data:`KIND` (so in the matrix)."""
+    unknown = sorted(set(extension_classes()) - set(KIND))
+    assert not unknown, f"extensions without a composition entry in test_compose.KIND: {unknown}"
+    assert sorted(c for c in KIND if KIND[c] == "mc") == sorted(MC)
+
+
+def test_tables_name_real_cells():
+    for model, cls_name in REFUSED:
+        assert model in MODELS and cls_name in KIND
+    for model, cls_name, transform in XFAIL:
+        assert model in MODELS and cls_name in KIND and transform in TRANSFORMS
+
+
+@pytest.mark.parametrize("model,cls_name,transform", list(_cells(TRANSFORMS)))
+@SETTINGS
+@given(seed=st.integers(0, 2**16), n=st.integers(2, 3))
+def test_cell(model, cls_name, transform, seed, n):
+    """The transform of curvlib's result equals the same transform of the oracle, or the
+    cell is refused with :data:`REFUSED`'s message."""
+    KIND[cls_name]  # an unknown extension fails here too
+    refused = expected_refusal(model, cls_name, transform)
+    if refused:
+        with pytest.raises(refused[0], match=refused[1]):
+            run_cell(model, cls_name, transform, seed, n)
+        return
+    run_cell(model, cls_name, transform, seed, n)
+
+
+@pytest.mark.parametrize("model", ["mlp", pytest.param("mlp_ln", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("cls_name", MC)
+def test_mc_vmap_randomness(model, cls_name):
+    """``randomness="error"`` refuses with torch's message; ``"different"`` gives members with
+    the same parameters different draws, reproducibly from the same generator seed."""
+    c = Cell(model, cls_name, 0, 2)
+    stacked = _stack([c.params, c.params])
+
+    def members(randomness):
+        return vmap(lambda p: c.curv(p, c.X, c.y), randomness=randomness)(stacked)
+
+    with pytest.raises(RuntimeError, match="randomness"):
+        members("error")
+    a, b = members("different"), members("different")
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{cls_name}[{k}]: not reproducible from the same generator"
+    assert any(not torch.equal(v[0], v[1]) for v in a.values()), f"{cls_name}: members drew the same labels"
+
+
+def test_vmap_over_members_without_their_buffers_is_refused():
+    """BatchNorm (eval) ensemble: vmapped parameters without the members' buffers must not
+    silently use the base model's running statistics."""
+    c = Cell("bn_cnn", "BatchGrad", 0, 2)
+    ps, _ = _members(c, 3)
+    with pytest.raises(CurvatureError, match="buffer"):
+        vmap(lambda p: c.curv(p, c.X, c.y))(_stack(ps))
+
+
+ORACLE_NAMES = ("grad_batch", "diag_ggn_exact", "diag_h", "hmp", "pchmp", "kflr", "kfac_empirical")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_oracle_derivatives_match_finite_differences(model):
+    """The brute force itself: its ``torch.func.grad`` agrees with central differences of its
+    values (it must not inherit torch's higher-order derivative bugs, e.g. ``F.layer_norm``'s)."""
+    problem = build(model, 0)
+    gen = seeded(5)
+    X, y = problem.data(gen, 2)
+    params = {k: v.detach() for k, v in problem.model.named_parameters()}
+    vec = {k: torch.randn((1,) + v.shape, generator=gen, dtype=v.dtype) for k, v in params.items()}
+    names = [n for n in ORACLE_NAMES if n != "pchmp" or problem.tanh_only]
+    for name in names:
+        def s(p, name=name):
+            out = canonical(name, brute(name, problem.model, problem.lossfn, p, X, y), vec, True)
+            return sum((torch.cos(torch.arange(t.numel(), dtype=t.dtype)) * t.flatten()).sum() for t in out.values())
+
+        g = torch.func.grad(s)(params)
+        d = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in params.items()}
+        got = sum((g[k] * d[k]).sum() for k in g)
+        eps = 1e-5
+        want = (s({k: v + eps * d[k] for k, v in params.items()}) - s({k: v - eps * d[k] for k, v in params.items()})) / (2 * eps)
+        assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), f"{model} {name}: grad·d {got:.8g} vs FD {want:.8g}"
+
+
+def test_a_wrong_transform_fails():
+    """The comparison can fail: a result scaled by 1 + 1e-6 under vmap is caught."""
+    c = Cell("mlp", "DiagGGNExact", 0, 2)
+    got = vmap(lambda p: c.curv(p, c.X, c.y))(_stack([c.params, c.params]))
+    want = _stack([c.oracle(c.params, c.X, c.y)] * 2)
+    from compose_cells import assert_close
+
+    with pytest.raises(AssertionError, match="max error"):
+        assert_close({k: v * (1 + 1e-6) for k, v in got.items()}, want, "scaled", 1e-7)
