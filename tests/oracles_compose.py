@@ -57,7 +57,8 @@ _TWINS: Dict[int, tuple] = {}
 
 
 def twin(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose LayerNorms are :class:`PrimitiveLayerNorm` (same names and values)."""
+    """A copy of ``model`` whose LayerNorms are :class:`PrimitiveLayerNorm` (same names and values).
+    Call it once outside any ``torch.func`` transform (a copy made inside one holds its tensors)."""
     if isinstance(model, _Twin) or not any(isinstance(m, nn.LayerNorm) for m in model.modules()):
         return model
     if id(model) not in _TWINS or _TWINS[id(model)][0] is not model:
@@ -92,8 +93,15 @@ def output(model, params: Params, x: Tensor) -> Tensor:
     """The model output at ``params`` (buffers included) on a batch ``x``."""
     full = full_params(model)
     full.update(params)
-    with sdpa_kernel(SDPBackend.MATH):  # the fused CPU kernels have no double backward
-        return functional_call(model, full, (x,))
+    fast = torch.backends.mha.get_fastpath_enabled()
+    # The math of attention only: the fused kernels (SDPA's, the encoder layer's fast path
+    # taken when nothing requires grad) have no forward AD or double backward.
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            return functional_call(model, full, (x,))
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast)
 
 
 def _scale(lossfn: nn.Module, n: int) -> float:

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from on_device import seeded
+from oracles_compose import twin
 
 DT = torch.float64
 CLASSES = 2
@@ -145,4 +146,5 @@ def build(name: str, seed: int = 0) -> Problem:
         for p in model.parameters():
             p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=DT))
     _randomise_bn(model, gen)
+    twin(model.eval())  # the oracle's copy, made here: a deepcopy inside a torch.func transform leaks its tensors
     return Problem(name, model.eval(), nn.CrossEntropyLoss(), data, float_input, tanh_only)
