@@ -25,7 +25,7 @@ from torch.func import vmap
 
 from curvlib import CurvatureError, curvature
 
-from compose_cells import MC, TRANSFORMS, Cell, _call, _members, _stack, extension_classes, run_cell
+from compose_cells import HESSIAN_PARAM, MC, TRANSFORMS, Cell, _call, _members, _stack, extension_classes, run_cell
 from oracles_compose import brute, canonical
 from oracles_compose_models import INTEGER_INPUT, MODELS, build
 from on_device import seeded
@@ -121,7 +121,7 @@ def test_mc_vmap_randomness(model, cls_name):
     """``randomness="error"`` refuses with torch's message; ``"different"`` gives members with
     the same parameters different draws, reproducibly from the same generator seed."""
     c = Cell(model, cls_name, 0, 2)
-    stacked = _stack([c.params, c.params])
+    stacked = _stack([c.params] * 8)  # 8 identical members: all draws equal by chance ~never
 
     def members(randomness):
         return vmap(lambda p: c.curv(p, c.X, c.y), randomness=randomness)(stacked)
@@ -131,9 +131,11 @@ def test_mc_vmap_randomness(model, cls_name):
     a, b = members("different"), members("different")
     for k in a:
         assert torch.equal(a[k], b[k]), f"{cls_name}[{k}]: not reproducible from the same generator"
-    assert any(not torch.equal(v[0], v[1]) for v in a.values()), f"{cls_name}: members drew the same labels"
+    assert any(not torch.equal(v[0], v[i]) for v in a.values() for i in range(1, 8)), \
+        f"{cls_name}: every member drew the same under randomness='different'"
 
 
+@pytest.mark.xfail(strict=True, reason="issue 20: the base model's BatchNorm buffers are used for every member, silently")
 def test_vmap_over_members_without_their_buffers_is_refused():
     """BatchNorm (eval) ensemble: vmapped parameters without the members' buffers must not
     silently use the base model's running statistics."""
@@ -143,10 +145,15 @@ def test_vmap_over_members_without_their_buffers_is_refused():
         vmap(lambda p: c.curv(p, c.X, c.y))(_stack(ps))
 
 
-ORACLE_NAMES = ("grad_batch", "diag_ggn_exact", "diag_h", "hmp", "pchmp", "kflr", "kfac_empirical")
+ORACLE_NAMES = ("grad_batch", "diag_ggn_exact", "sqrt_ggn_exact", "ggnmp", "diag_h", "hmp", "pchmp", "kflr",
+                "kfac_empirical")
 
 
-@pytest.mark.parametrize("model", MODELS)
+def _slow_unless(fast):
+    return [m if m in fast else pytest.param(m, marks=pytest.mark.slow) for m in MODELS]
+
+
+@pytest.mark.parametrize("model", _slow_unless(("mlp", "mlp_ln", "cnn", "embedding", "resnet", "bn_cnn")))
 def test_oracle_derivatives_match_finite_differences(model):
     """The brute force itself: its ``torch.func.grad`` agrees with central differences of its
     values (it must not inherit torch's higher-order derivative bugs, e.g. ``F.layer_norm``'s)."""
@@ -178,3 +185,26 @@ def test_a_wrong_transform_fails():
 
     with pytest.raises(AssertionError, match="max error"):
         assert_close({k: v * (1 + 1e-6) for k, v in got.items()}, want, "scaled", 1e-7)
+
+
+@pytest.mark.parametrize("model", _slow_unless(("mlp_ln",)))
+def test_oracle_hessians_match_finite_differences(model):
+    """The brute force under ``torch.func.hessian`` (w.r.t. :data:`HESSIAN_PARAM`): ``uᵀHu``
+    agrees with Richardson-extrapolated second differences of its values."""
+    problem = build(model, 0)
+    gen = seeded(6)
+    X, y = problem.data(gen, 2)
+    params = {k: v.detach() for k, v in problem.model.named_parameters()}
+    k = HESSIAN_PARAM[model]
+    u = torch.randn(params[k].shape, generator=gen, dtype=params[k].dtype)
+    for name in ("grad_batch", "batch_l2", "diag_ggn_exact", "diag_h"):
+        def s(t, name=name):
+            out = brute(name, problem.model, problem.lossfn, {**params, k: t}, X, y)
+            return sum((torch.cos(torch.arange(v.numel(), dtype=v.dtype)) * v.flatten()).sum() for v in out.values())
+
+        p = params[k]
+        H = torch.func.hessian(s)(p).reshape(p.numel(), p.numel())
+        got = (u.flatten() @ H @ u.flatten()).item()
+        second = [(s(p + h * u) - 2 * s(p) + s(p - h * u)) / h**2 for h in (1e-3, 5e-4)]
+        want = ((4 * second[1] - second[0]) / 3).item()
+        assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), f"{model} {name}: uᵀHu {got:.8g} vs FD {want:.8g}"
