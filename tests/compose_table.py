@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from compose_cells import TRANSFORMS, extension_classes, run_cell
-from oracles_compose_models import INTEGER_INPUT, MODELS, build
+from oracles_compose_models import INTEGER_INPUT, MODELS
 
 torch.set_num_threads(1)
 warnings.simplefilter("ignore")

@@ -28,7 +28,7 @@ second order (issue 20), and a loop keeps the oracle off that path.
 from __future__ import annotations
 
 from copy import deepcopy
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 import torch
 from torch import Tensor, nn
@@ -303,8 +303,3 @@ def weighted_sum(tensors: Dict[str, Tensor], weights: Dict[str, Tensor]) -> Tens
 
 def random_like(tensors: Dict[str, Tensor], gen: torch.Generator) -> Dict[str, Tensor]:
     return {k: torch.randn(t.shape, generator=gen, dtype=t.dtype) for k, t in tensors.items()}
-
-
-def scalar_fn(name: str, fn: Callable, vectors: Params, weights: Dict[str, Tensor], brute_side: bool):
-    """``params -> Σ <w, canonical(result)>`` for a result function ``fn(params)``."""
-    return lambda *a: weighted_sum(canonical(name, fn(*a), vectors, brute_side), weights)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import grad, hessian, jacrev
 
+from oracles import functional_call
 from oracles_compose import _scale, ggn_per_sample, individual_gradients, output, split
 from oracles_second import unfold_conv_input
 
@@ -161,7 +162,5 @@ def kron_brute(name: str, model: nn.Module, lossfn, params, X: Tensor, y: Tensor
 
 def output_hidden(gru: nn.GRU, full, pre: str, x: Tensor) -> Tensor:
     """``[N, T, H]``: the GRU's hidden states at ``full``'s values (one layer, batch first)."""
-    from torch.func import functional_call
-
     mine = {k[len(pre):]: v for k, v in full.items() if k.startswith(pre)}
     return functional_call(gru, mine, (x,))[0]
