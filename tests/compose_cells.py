@@ -51,6 +51,15 @@ def extension_classes() -> Dict[str, type]:
     return {k: c for k, c in vars(E).items() if isinstance(c, type) and issubclass(c, Extension) and c.name}
 
 
+# A row without extension: the result's own ``grad`` (every call returns it).
+NO_EXTENSION = "NoExtension"
+
+
+def rows() -> list:
+    """The matrix's rows: every exported extension, and the plain gradient."""
+    return sorted(extension_classes()) + [NO_EXTENSION]
+
+
 def make_extension(cls_name: str, generator=None) -> Extension:
     """An instance with default options (Monte-Carlo: drawing from ``generator``)."""
     cls = extension_classes()[cls_name]
@@ -60,6 +69,8 @@ def make_extension(cls_name: str, generator=None) -> Extension:
 
 
 def oracle_kind(cls_name: str, problem) -> str:
+    if cls_name == NO_EXTENSION:
+        return "brute"
     name = extension_classes()[cls_name].name
     if cls_name in MC or name not in BRUTE_NAMES or (name == "pchmp" and not problem.tanh_only):
         return "self"
@@ -81,10 +92,10 @@ class Cell:
         self.problem = build(model_name, seed)
         self.model_name, self.cls_name, self.seed = model_name, cls_name, seed
         self.mc_generator = seeded(seed + 7)  # reset to this seed before every call of f
-        self.ext = make_extension(cls_name, self.mc_generator)
-        self.name = self.ext.name
+        self.ext = None if cls_name == NO_EXTENSION else make_extension(cls_name, self.mc_generator)
+        self.name = "grad" if self.ext is None else self.ext.name
         self.kind = oracle_kind(cls_name, self.problem)
-        self.f = curvature(self.problem.model, self.problem.lossfn, [self.ext])
+        self.f = curvature(self.problem.model, self.problem.lossfn, [self.ext] if self.ext else [])
         gen = seeded(seed + 1)
         self.X, self.y = self.problem.data(gen, n)
         self.params, self.buffers = split(self.problem.model, full_params(self.problem.model))

@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from compose_cells import TRANSFORMS, extension_classes, run_cell
+from compose_cells import TRANSFORMS, rows, run_cell
 from oracles_compose_models import INTEGER_INPUT, MODELS
 
 torch.set_num_threads(1)
@@ -45,7 +45,7 @@ def outcome(model: str, cls_name: str, transform: str) -> str:
 def main(models) -> None:
     rows, total, xfail = [], 0, []
     for model in models:
-        for cls_name in sorted(extension_classes()):
+        for cls_name in rows():
             for transform in TRANSFORMS:
                 if transform == "grad_X" and model in INTEGER_INPUT:
                     continue
