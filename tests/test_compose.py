@@ -1,0 +1,363 @@
+"""Composes exactly (issue 20): every extension x every model x every torch.func transform.
+
+Each cell (:mod:`compose_cells`) transforms curvlib's ``f(X, y, params=p)`` and the
+oracle in the same way and compares them in float64, the tolerance scaled by the
+largest entry of the expected result: the pure brute force of
+:mod:`oracles_compose` where one exists, else curvlib's own plain values
+(per-member calls for ``vmap``, central differences for derivatives).
+
+The extension list is read from ``curvlib.extensions`` itself: a new extension
+is a new row of every test, and fails :func:`test_every_extension_is_classified`
+until :data:`KIND` says how it composes. :data:`REFUSED` lists the cells that
+must raise a ``CurvatureError`` (under every transform); :data:`XFAIL` the cells
+that fail today (strict: a fix makes them XPASS, which fails; delete the entry).
+``python tests/compose_table.py`` prints the failing cells as a table.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import Phase, example, given, settings, strategies as st
+from torch.func import vmap
+
+from curvlib import CurvatureError
+
+from compose_cells import (
+    HESSIAN_PARAM, MC, NO_EXTENSION, TRANSFORMS, Cell, _members, _stack, assert_close, rows, run_cell,
+)
+from oracles_compose import brute, canonical
+from oracles_compose_models import INTEGER_INPUT, MODELS, build
+from on_device import seeded
+
+# How each exported extension composes: "exact" (every transform, against the brute
+# force where :mod:`oracles_compose` has one) or "mc" (Monte-Carlo: vmap equal to
+# per-member calls with the same generator; derivatives with the draws held fixed).
+KIND = {
+    "BatchGrad": "exact", "BatchL2Grad": "exact", "SumGradSquared": "exact", "Variance": "exact",
+    "DiagGGNExact": "exact", "BatchDiagGGNExact": "exact", "SqrtGGNExact": "exact", "GGNMP": "exact",
+    "DiagHessian": "exact", "BatchDiagHessian": "exact", "HMP": "exact", "PCHMP": "exact",
+    "KFLR": "exact", "KFACEmpirical": "exact", "KFRA": "exact",
+    "DiagGGNMC": "mc", "BatchDiagGGNMC": "mc", "KFAC": "mc", "SqrtGGNMC": "mc",
+    NO_EXTENSION: "exact",  # the gradient every call returns
+}
+
+# (model, extension) -> the refusal every transform must raise (the plain call refuses too).
+REFUSED = {
+    ("mlp_ln", "KFRA"): r"KFRA is not supported for module '1' \(layer family 'layernorm'",
+    ("bn_cnn", "KFRA"): r"KFRA is not supported for module '1' \(layer family 'batchnorm'",
+    ("embedding", "KFRA"): r"KFRA is not supported for module 'emb'",
+    ("transformer", "KFRA"): r"KFRA needs a chain of operations",
+    ("resnet", "KFRA"): r"KFRA needs a chain of operations",
+    ("gru", "KFRA"): r"KFRA is not defined for the recurrent module",
+}
+
+# Monte-Carlo extensions under torch.func.hessian (jacfwd's vmap, randomness="error", no
+# option to change it): torch's own refusal of a random operation inside vmap.
+MC_HESSIAN = (RuntimeError, r"randomness error mode")
+
+
+def expected_refusal(model: str, cls_name: str, transform: str):
+    """``(exception type, message pattern)`` the cell must raise, or None."""
+    if (model, cls_name) in REFUSED:
+        return CurvatureError, REFUSED[(model, cls_name)]
+    if cls_name in MC and transform == "hessian":
+        return MC_HESSIAN
+    return None
+
+
+# (model, extension, transform) -> what is wrong today (compose_table.py, seed 0, N = 2).
+XFAIL = {
+    ('mlp', 'BatchDiagHessian', 'jvp'): 'NaN/inf',
+    ('mlp', 'BatchDiagHessian', 'hessian'): 'NaN/inf',
+    ('mlp', 'DiagHessian', 'jvp'): 'NaN/inf',
+    ('mlp', 'DiagHessian', 'hessian'): 'NaN/inf',
+    ('mlp_ln', 'BatchDiagHessian', 'vmap_params'): 'crash: shape mismatch: value tensor of shape [2, 3, 2, 3] cannot be broadcast',
+    ('mlp_ln', 'BatchDiagHessian', 'vmap_task'): 'crash: shape mismatch: value tensor of shape [2, 3, 2, 3] cannot be broadcast',
+    ('mlp_ln', 'BatchDiagHessian', 'vmap_both'): 'crash: shape mismatch: value tensor of shape [2, 3, 2, 3] cannot be broadcast',
+    ('mlp_ln', 'BatchDiagHessian', 'grad'): 'wrong: rel 0.0109 (err 165, scale 1.52e+04)',
+    ('mlp_ln', 'BatchDiagHessian', 'jvp'): 'NaN/inf',
+    ('mlp_ln', 'BatchDiagHessian', 'jacrev'): 'wrong: rel 0.0109 (err 165, scale 1.52e+04)',
+    ('mlp_ln', 'BatchDiagHessian', 'hessian'): 'NaN/inf',
+    ('mlp_ln', 'BatchDiagHessian', 'autograd'): 'wrong: rel 0.0109 (err 165, scale 1.52e+04)',
+    ('mlp_ln', 'DiagHessian', 'vmap_params'): 'crash: shape mismatch: value tensor of shape [2, 3, 2, 3] cannot be broadcast',
+    ('mlp_ln', 'DiagHessian', 'vmap_task'): 'crash: shape mismatch: value tensor of shape [2, 3, 2, 3] cannot be broadcast',
+    ('mlp_ln', 'DiagHessian', 'vmap_both'): 'crash: shape mismatch: value tensor of shape [2, 3, 2, 3] cannot be broadcast',
+    ('mlp_ln', 'DiagHessian', 'grad'): 'wrong: rel 0.00149 (err 23.4, scale 1.57e+04)',
+    ('mlp_ln', 'DiagHessian', 'jvp'): 'NaN/inf',
+    ('mlp_ln', 'DiagHessian', 'jacrev'): 'wrong: rel 0.00516 (err 113, scale 2.19e+04)',
+    ('mlp_ln', 'DiagHessian', 'hessian'): 'NaN/inf',
+    ('mlp_ln', 'DiagHessian', 'autograd'): 'wrong: rel 0.00149 (err 23.4, scale 1.57e+04)',
+    ('mlp_ln', 'GGNMP', 'grad'): 'wrong: rel 0.193 (err 278, scale 1.43e+03)',
+    ('mlp_ln', 'GGNMP', 'jvp'): 'wrong: rel 1.09 (err 777, scale 711)',
+    ('mlp_ln', 'GGNMP', 'jacrev'): 'wrong: rel 0.654 (err 939, scale 1.43e+03)',
+    ('mlp_ln', 'GGNMP', 'autograd'): 'wrong: rel 0.193 (err 278, scale 1.43e+03)',
+    ('mlp_ln', 'GGNMP', 'grad_X'): 'wrong: rel 0.388 (err 318, scale 820)',
+    ('mlp_ln', 'HMP', 'vmap_params'): 'crash RuntimeError: vmap: inplace arithmetic(self, *extra_args) is not possible because th',
+    ('mlp_ln', 'HMP', 'vmap_task'): 'crash RuntimeError: vmap: inplace arithmetic(self, *extra_args) is not possible because th',
+    ('mlp_ln', 'HMP', 'vmap_both'): 'crash RuntimeError: vmap: inplace arithmetic(self, *extra_args) is not possible because th',
+    ('mlp_ln', 'HMP', 'grad'): 'wrong: rel 0.496 (err 8.76e+03, scale 1.77e+04)',
+    ('mlp_ln', 'HMP', 'jvp'): 'wrong: rel 1.35 (err 1.74e+04, scale 1.29e+04)',
+    ('mlp_ln', 'HMP', 'jacrev'): 'wrong: rel 0.496 (err 8.76e+03, scale 1.77e+04)',
+    ('mlp_ln', 'HMP', 'autograd'): 'wrong: rel 0.496 (err 8.76e+03, scale 1.77e+04)',
+    ('mlp_ln', 'HMP', 'grad_X'): 'wrong: rel 0.965 (err 1.05e+04, scale 1.09e+04)',
+    ('mlp_ln', 'PCHMP', 'grad'): 'wrong: rel 0.55 (err 1.12e+03, scale 2.03e+03)',
+    ('mlp_ln', 'PCHMP', 'jvp'): 'wrong: rel 0.436 (err 892, scale 2.04e+03)',
+    ('mlp_ln', 'PCHMP', 'jacrev'): 'wrong: rel 1.5 (err 3.04e+03, scale 2.03e+03)',
+    ('mlp_ln', 'PCHMP', 'hessian'): 'wrong: rel 0.581 (err 66.6, scale 115)',
+    ('mlp_ln', 'PCHMP', 'autograd'): 'wrong: rel 0.55 (err 1.12e+03, scale 2.03e+03)',
+    ('mlp_ln', 'PCHMP', 'grad_X'): 'wrong: rel 0.368 (err 442, scale 1.2e+03)',
+    ('cnn', 'BatchDiagHessian', 'jvp'): 'NaN/inf',
+    ('cnn', 'BatchDiagHessian', 'hessian'): 'NaN/inf',
+    ('cnn', 'DiagHessian', 'jvp'): 'NaN/inf',
+    ('cnn', 'DiagHessian', 'hessian'): 'NaN/inf',
+    ('transformer', 'BatchDiagGGNExact', 'hessian'): 'wrong: rel 0.121 (err 0.171, scale 1.42)',
+    ('transformer', 'BatchDiagHessian', 'vmap_params'): 'crash: shape mismatch: value tensor of shape [2, 8, 2, 2] cannot be broadcast',
+    ('transformer', 'BatchDiagHessian', 'vmap_task'): 'crash: shape mismatch: value tensor of shape [2, 8, 2, 2] cannot be broadcast',
+    ('transformer', 'BatchDiagHessian', 'vmap_both'): 'crash: shape mismatch: value tensor of shape [2, 8, 2, 2] cannot be broadcast',
+    ('transformer', 'BatchDiagHessian', 'grad'): 'NaN/inf',
+    ('transformer', 'BatchDiagHessian', 'jvp'): 'NaN/inf',
+    ('transformer', 'BatchDiagHessian', 'jacrev'): 'NaN/inf',
+    ('transformer', 'BatchDiagHessian', 'hessian'): 'NaN/inf',
+    ('transformer', 'BatchDiagHessian', 'autograd'): 'NaN/inf',
+    ('transformer', 'BatchDiagHessian', 'grad_X'): 'NaN/inf',
+    ('transformer', 'BatchGrad', 'hessian'): 'wrong: rel 2.01 (err 3.47, scale 1.73)',
+    ('transformer', 'BatchL2Grad', 'hessian'): 'wrong: rel 0.906 (err 1.47, scale 1.62)',
+    ('transformer', 'DiagGGNExact', 'hessian'): 'wrong: rel 0.497 (err 0.947, scale 1.91)',
+    ('transformer', 'DiagHessian', 'vmap_params'): 'crash: shape mismatch: value tensor of shape [2, 8, 2, 2] cannot be broadcast',
+    ('transformer', 'DiagHessian', 'vmap_task'): 'crash: shape mismatch: value tensor of shape [2, 8, 2, 2] cannot be broadcast',
+    ('transformer', 'DiagHessian', 'vmap_both'): 'crash: shape mismatch: value tensor of shape [2, 8, 2, 2] cannot be broadcast',
+    ('transformer', 'DiagHessian', 'grad'): 'NaN/inf',
+    ('transformer', 'DiagHessian', 'jvp'): 'NaN/inf',
+    ('transformer', 'DiagHessian', 'jacrev'): 'NaN/inf',
+    ('transformer', 'DiagHessian', 'hessian'): 'NaN/inf',
+    ('transformer', 'DiagHessian', 'autograd'): 'NaN/inf',
+    ('transformer', 'DiagHessian', 'grad_X'): 'NaN/inf',
+    ('transformer', 'GGNMP', 'grad'): 'wrong: rel 0.187 (err 0.761, scale 4.07)',
+    ('transformer', 'GGNMP', 'jvp'): 'wrong: rel 0.231 (err 1.26, scale 5.43)',
+    ('transformer', 'GGNMP', 'jacrev'): 'wrong: rel 0.122 (err 0.761, scale 6.24)',
+    ('transformer', 'GGNMP', 'hessian'): 'wrong: rel 1.4 (err 5.74, scale 4.1)',
+    ('transformer', 'GGNMP', 'autograd'): 'wrong: rel 0.187 (err 0.761, scale 4.07)',
+    ('transformer', 'GGNMP', 'grad_X'): 'wrong: rel 0.151 (err 0.292, scale 1.94)',
+    ('transformer', 'HMP', 'vmap_params'): 'crash RuntimeError: vmap: inplace arithmetic(self, *extra_args) is not possible because th',
+    ('transformer', 'HMP', 'vmap_task'): 'crash RuntimeError: vmap: inplace arithmetic(self, *extra_args) is not possible because th',
+    ('transformer', 'HMP', 'vmap_both'): 'crash RuntimeError: vmap: inplace arithmetic(self, *extra_args) is not possible because th',
+    ('transformer', 'HMP', 'grad'): 'wrong: rel 0.553 (err 3.69, scale 6.66)',
+    ('transformer', 'HMP', 'jvp'): 'wrong: rel 0.611 (err 3.32, scale 5.43)',
+    ('transformer', 'HMP', 'jacrev'): 'wrong: rel 0.368 (err 3.69, scale 10)',
+    ('transformer', 'HMP', 'hessian'): 'wrong: rel 2.97 (err 14.8, scale 4.99)',
+    ('transformer', 'HMP', 'autograd'): 'wrong: rel 0.553 (err 3.69, scale 6.66)',
+    ('transformer', 'HMP', 'grad_X'): 'wrong: rel 0.896 (err 4.1, scale 4.57)',
+    ('transformer', 'KFACEmpirical', 'hessian'): 'wrong: rel 0.0924 (err 0.62, scale 6.72)',
+    ('transformer', 'KFLR', 'hessian'): 'wrong: rel 0.18 (err 1.18, scale 6.54)',
+    ('transformer', 'PCHMP', 'grad'): 'wrong: rel 0.169 (err 1.63, scale 9.64)',
+    ('transformer', 'PCHMP', 'jvp'): 'wrong: rel 0.337 (err 1.83, scale 5.43)',
+    ('transformer', 'PCHMP', 'jacrev'): 'wrong: rel 0.169 (err 1.63, scale 9.64)',
+    ('transformer', 'PCHMP', 'hessian'): 'wrong: rel 0.0703 (err 0.0994, scale 1.41)',
+    ('transformer', 'PCHMP', 'autograd'): 'wrong: rel 0.169 (err 1.63, scale 9.64)',
+    ('transformer', 'PCHMP', 'grad_X'): 'wrong: rel 0.00799 (err 0.115, scale 14.4)',
+    ('transformer', 'SqrtGGNExact', 'hessian'): 'wrong: rel 3.38 (err 5.69, scale 1.68)',
+    ('transformer', 'SumGradSquared', 'hessian'): 'wrong: rel 0.54 (err 0.682, scale 1.26)',
+    ('transformer', 'Variance', 'hessian'): 'wrong: rel 0.689 (err 0.272, scale 0.395)',
+    ('gru', 'BatchDiagHessian', 'jvp'): 'NaN/inf',
+    ('gru', 'BatchDiagHessian', 'hessian'): 'NaN/inf',
+    ('gru', 'DiagHessian', 'jvp'): 'NaN/inf',
+    ('gru', 'DiagHessian', 'hessian'): 'NaN/inf',
+    ('embedding', 'BatchDiagHessian', 'jvp'): 'NaN/inf',
+    ('embedding', 'BatchDiagHessian', 'hessian'): 'NaN/inf',
+    ('embedding', 'DiagGGNExact', 'vmap_task'): 'crash RuntimeError: vmap: We do not support batching operators that can output dynamic sha',
+    ('embedding', 'DiagGGNExact', 'vmap_both'): 'crash RuntimeError: vmap: We do not support batching operators that can output dynamic sha',
+    ('embedding', 'DiagGGNMC', 'vmap_task'): 'crash RuntimeError: vmap: We do not support batching operators that can output dynamic sha',
+    ('embedding', 'DiagGGNMC', 'vmap_both'): 'crash RuntimeError: vmap: We do not support batching operators that can output dynamic sha',
+    ('embedding', 'DiagHessian', 'vmap_task'): 'crash RuntimeError: vmap: We do not support batching operators that can output dynamic sha',
+    ('embedding', 'DiagHessian', 'vmap_both'): 'crash RuntimeError: vmap: We do not support batching operators that can output dynamic sha',
+    ('embedding', 'DiagHessian', 'jvp'): 'NaN/inf',
+    ('embedding', 'DiagHessian', 'hessian'): 'NaN/inf',
+    ('resnet', 'BatchDiagHessian', 'jvp'): 'NaN/inf',
+    ('resnet', 'BatchDiagHessian', 'hessian'): 'NaN/inf',
+    ('resnet', 'DiagHessian', 'jvp'): 'NaN/inf',
+    ('resnet', 'DiagHessian', 'hessian'): 'NaN/inf',
+    ('bn_cnn', 'BatchDiagGGNExact', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'BatchDiagGGNExact', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'BatchDiagGGNMC', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'BatchDiagGGNMC', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'BatchDiagHessian', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'BatchDiagHessian', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'BatchDiagHessian', 'jvp'): 'NaN/inf',
+    ('bn_cnn', 'BatchDiagHessian', 'hessian'): 'NaN/inf',
+    ('bn_cnn', 'BatchGrad', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'BatchGrad', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'BatchL2Grad', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'BatchL2Grad', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'DiagGGNExact', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'DiagGGNExact', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'DiagGGNMC', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'DiagGGNMC', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'DiagHessian', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'DiagHessian', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'DiagHessian', 'jvp'): 'NaN/inf',
+    ('bn_cnn', 'DiagHessian', 'hessian'): 'NaN/inf',
+    ('bn_cnn', 'GGNMP', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'GGNMP', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'HMP', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'HMP', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'KFAC', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'KFAC', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'KFACEmpirical', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'KFACEmpirical', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'KFLR', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'KFLR', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'PCHMP', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'PCHMP', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'SqrtGGNExact', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'SqrtGGNExact', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'SqrtGGNMC', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'SqrtGGNMC', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'SumGradSquared', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'SumGradSquared', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'Variance', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'Variance', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('transformer', 'NoExtension', 'hessian'): 'wrong: rel 2.06 (err 6.69, scale 3.25)',
+    ('bn_cnn', 'NoExtension', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+    ('bn_cnn', 'NoExtension', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
+}
+
+# The default run: every transform on these models; the others are marked slow.
+FAST_MODELS = ("mlp", "mlp_ln")
+SETTINGS = settings(max_examples=1, derandomize=True, phases=(Phase.explicit, Phase.generate), deadline=None)
+
+
+def _cells(transforms):
+    for model in MODELS:
+        for cls_name in rows():
+            for transform in transforms:
+                if transform == "grad_X" and model in INTEGER_INPUT:
+                    continue
+                marks = [] if model in FAST_MODELS else [pytest.mark.slow]
+                reason = XFAIL.get((model, cls_name, transform))
+                if reason:
+                    marks.append(pytest.mark.xfail(strict=True, reason=reason))
+                yield pytest.param(model, cls_name, transform, marks=marks, id=f"{model}-{cls_name}-{transform}")
+
+
+def test_every_extension_is_classified():
+    """Every extension ``curvlib.extensions`` exports is in :data:`KIND` (so in the matrix)."""
+    unknown = sorted(set(rows()) - set(KIND))
+    assert not unknown, f"extensions without a composition entry in test_compose.KIND: {unknown}"
+    assert sorted(c for c in KIND if KIND[c] == "mc") == sorted(MC)
+
+
+def test_tables_name_real_cells():
+    for model, cls_name in REFUSED:
+        assert model in MODELS and cls_name in KIND
+    for model, cls_name, transform in XFAIL:
+        assert model in MODELS and cls_name in KIND and transform in TRANSFORMS
+
+
+@pytest.mark.parametrize("model,cls_name,transform", list(_cells(TRANSFORMS)))
+@SETTINGS
+@given(seed=st.integers(0, 2**16), n=st.integers(2, 3))
+@example(seed=0, n=2)  # the configuration of compose_table.py (and of XFAIL's entries)
+def test_cell(model, cls_name, transform, seed, n):
+    """The transform of curvlib's result equals the same transform of the oracle, or the
+    cell is refused with :data:`REFUSED`'s message."""
+    KIND[cls_name]  # an unknown extension fails here too
+    refused = expected_refusal(model, cls_name, transform)
+    if refused:
+        with pytest.raises(refused[0], match=refused[1]):
+            run_cell(model, cls_name, transform, seed, n)
+        return
+    run_cell(model, cls_name, transform, seed, n)
+
+
+@pytest.mark.parametrize("model", ["mlp", pytest.param("mlp_ln", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("cls_name", MC)
+def test_mc_vmap_randomness(model, cls_name):
+    """``randomness="error"`` refuses with torch's message; ``"different"`` gives members with
+    the same parameters different draws, reproducibly from the same generator seed."""
+    c = Cell(model, cls_name, 0, 2)
+    stacked = _stack([c.params] * 8)  # 8 identical members: all draws equal by chance ~never
+
+    def members(randomness):
+        return vmap(lambda p: c.curv(p, c.X, c.y), randomness=randomness)(stacked)
+
+    with pytest.raises(RuntimeError, match="randomness"):
+        members("error")
+    a, b = members("different"), members("different")
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{cls_name}[{k}]: not reproducible from the same generator"
+    assert any(not torch.equal(v[0], v[i]) for v in a.values() for i in range(1, 8)), \
+        f"{cls_name}: every member drew the same under randomness='different'"
+
+
+@pytest.mark.xfail(strict=True, reason="issue 20: the base model's BatchNorm buffers are used for every member, silently")
+def test_vmap_over_members_without_their_buffers_is_refused():
+    """BatchNorm (eval) ensemble: vmapped parameters without the members' buffers must not
+    silently use the base model's running statistics."""
+    c = Cell("bn_cnn", "BatchGrad", 0, 2)
+    ps, _ = _members(c, 3)
+    with pytest.raises(CurvatureError, match="buffer"):
+        vmap(lambda p: c.curv(p, c.X, c.y))(_stack(ps))
+
+
+ORACLE_NAMES = ("grad_batch", "diag_ggn_exact", "sqrt_ggn_exact", "ggnmp", "diag_h", "hmp", "pchmp", "kflr",
+                "kfac_empirical")
+
+
+def _slow_unless(fast):
+    return [m if m in fast else pytest.param(m, marks=pytest.mark.slow) for m in MODELS]
+
+
+@pytest.mark.parametrize("model", _slow_unless(("mlp", "mlp_ln", "cnn", "embedding", "resnet", "bn_cnn")))
+def test_oracle_derivatives_match_finite_differences(model):
+    """The brute force itself: its ``torch.func.grad`` agrees with central differences of its
+    values (it must not inherit torch's higher-order derivative bugs, e.g. ``F.layer_norm``'s)."""
+    problem = build(model, 0)
+    gen = seeded(5)
+    X, y = problem.data(gen, 2)
+    params = {k: v.detach() for k, v in problem.model.named_parameters()}
+    vec = {k: torch.randn((1,) + v.shape, generator=gen, dtype=v.dtype) for k, v in params.items()}
+    names = [n for n in ORACLE_NAMES if n != "pchmp" or problem.tanh_only]
+    for name in names:
+        def s(p, name=name):
+            out = canonical(name, brute(name, problem.model, problem.lossfn, p, X, y), vec, True)
+            return sum((torch.cos(torch.arange(t.numel(), dtype=t.dtype)) * t.flatten()).sum() for t in out.values())
+
+        g = torch.func.grad(s)(params)
+        d = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in params.items()}
+        got = sum((g[k] * d[k]).sum() for k in g)
+        eps = 1e-5
+        want = (s({k: v + eps * d[k] for k, v in params.items()}) - s({k: v - eps * d[k] for k, v in params.items()})) / (2 * eps)
+        assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), f"{model} {name}: grad·d {got:.8g} vs FD {want:.8g}"
+
+
+def test_a_wrong_transform_fails():
+    """The comparison can fail: a result scaled by 1 + 1e-6 under vmap is caught."""
+    c = Cell("mlp", "DiagGGNExact", 0, 2)
+    got = vmap(lambda p: c.curv(p, c.X, c.y))(_stack([c.params, c.params]))
+    want = _stack([c.oracle(c.params, c.X, c.y)] * 2)
+    with pytest.raises(AssertionError, match="max error"):
+        assert_close({k: v * (1 + 1e-6) for k, v in got.items()}, want, "scaled", 1e-7)
+
+
+@pytest.mark.parametrize("model", _slow_unless(("mlp_ln",)))
+def test_oracle_hessians_match_finite_differences(model):
+    """The brute force under ``torch.func.hessian`` (w.r.t. :data:`HESSIAN_PARAM`): ``uᵀHu``
+    agrees with Richardson-extrapolated second differences of its values."""
+    problem = build(model, 0)
+    gen = seeded(6)
+    X, y = problem.data(gen, 2)
+    params = {k: v.detach() for k, v in problem.model.named_parameters()}
+    k = HESSIAN_PARAM[model]
+    u = torch.randn(params[k].shape, generator=gen, dtype=params[k].dtype)
+    for name in ("grad_batch", "batch_l2", "diag_ggn_exact", "diag_h"):
+        def s(t, name=name):
+            out = brute(name, problem.model, problem.lossfn, {**params, k: t}, X, y)
+            return sum((torch.cos(torch.arange(v.numel(), dtype=v.dtype)) * v.flatten()).sum() for v in out.values())
+
+        p = params[k]
+        H = torch.func.hessian(s)(p).reshape(p.numel(), p.numel())
+        got = (u.flatten() @ H @ u.flatten()).item()
+        second = [(s(p + h * u) - 2 * s(p) + s(p - h * u)) / h**2 for h in (1e-3, 5e-4)]
+        want = ((4 * second[1] - second[0]) / 3).item()
+        assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), f"{model} {name}: uᵀHu {got:.8g} vs FD {want:.8g}"
