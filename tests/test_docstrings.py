@@ -91,3 +91,13 @@ def test_doctest_runner_catches_a_wrong_example():
     runner = doctest.DocTestRunner()
     runner.run(test, out=lambda text: None)
     assert runner.failures == 1
+
+
+def test_help_of_curvature_names_no_private_module():
+    """``help(curvature)`` is read by newcomers: it points to public names only (issue 24, item 7)."""
+    import re
+
+    import curvlib
+
+    text = pydoc.render_doc(curvlib.curvature, renderer=pydoc.plaintext)
+    assert not re.findall(r"curvlib\._\w+", text), re.findall(r".*curvlib\._\w+.*", text)

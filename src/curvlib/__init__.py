@@ -12,6 +12,9 @@ and docs/migrating-from-backpack.md.
 from ._errors import CurvatureError, CurvatureTypeError
 from ._strategy import strategy
 from ._transform import curvature
+
+# help(curvlib.curvature) names the public module, not the private one it is written in
+curvature.__module__ = __name__
 from . import optim, precondition  # submodules: `curvlib.precondition` works after `import curvlib`
 
 __all__ = ["curvature", "strategy", "CurvatureError", "CurvatureTypeError", "optim", "precondition"]

@@ -109,11 +109,12 @@ def curvature(
             of pulled-back site outputs under the "batched" strategy (the CUDA
             default; there up to 1/8 of the free device memory when that is more),
             32 MiB under "looped" (the CPU default) unless a batch diagonal is
-            requested (``curvlib._budget.AUTO_CHUNK_*``, ``curvlib.strategy``).
+            requested (``curvlib.strategy`` picks the strategy).
             ``None``: all at once.
         batch_chunk_size: at most this many samples are processed at once; the
-            slices' results are combined into the whole batch's (see
-            ``curvlib._chunking``). Not for KFRA and the block products.
+            slices' results are combined into the whole batch's (sums add,
+            per-sample rows are concatenated, ``"mean"`` factors are those of the whole
+            batch). Not for KFRA and the block products.
         compile: ``True`` (or a dict of ``torch.compile`` options, e.g. ``{"mode":
             "max-autotune"}``): each input signature's call is traced once into one
             graph and compiled with ``torch.compile(fullgraph=True)`` (first order, the
