@@ -340,8 +340,10 @@ def _dot(a: Dict[str, Tensor], b: Dict[str, Tensor]) -> Tensor:
 
 
 def _close(actual: Tensor, expected: Tensor, scale: float, what: str, rtol: float) -> None:
-    err = (actual - expected).abs().max().item() if isinstance(actual, Tensor) else abs(actual - expected)
-    assert err <= rtol * scale, f"{what}: {float(actual):.10g} vs {float(expected):.10g} (err {err:.2e}, scale {scale:.2e})"
+    diff = torch.as_tensor(actual - expected)
+    err = diff.abs().max().item()
+    show = lambda t: f"{float(t):.10g}" if torch.as_tensor(t).numel() == 1 else "tensor"  # noqa: E731
+    assert err <= rtol * scale, f"{what}: {show(actual)} vs {show(expected)} (err {err:.2e}, scale {scale:.2e})"
 
 
 def _param(kind):
