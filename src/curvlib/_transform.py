@@ -32,7 +32,6 @@ from ._plan import Plan, make_plan
 from ._errors import CurvatureError, CurvatureTypeError
 from ._kfra import kfra
 from ._products import products, rng_state
-from ._residual_smooth import refuse_nonsmooth
 from ._secondorder import second_order
 from ._support import check_second_order
 from ._tracing import Traced, trace, warn_hooks, warn_opaque
@@ -233,7 +232,6 @@ class _Call:
         s = self.setup
         n = _inputs.check_input(X)
         values, trainable = _arguments.parameter_values(s.model, params)
-        refuse_nonsmooth(s.second, X, values)  # (PCHMP has no derivatives)
         traced = s.traced(X)
         for check in traced.checks:  # (the eager runner checks modules as they are called)
             check()
