@@ -340,8 +340,10 @@ def _dot(a: Dict[str, Tensor], b: Dict[str, Tensor]) -> Tensor:
 
 
 def _close(actual: Tensor, expected: Tensor, scale: float, what: str, rtol: float) -> None:
-    err = (actual - expected).abs().max().item() if isinstance(actual, Tensor) else abs(actual - expected)
-    assert err <= rtol * scale, f"{what}: {float(actual):.10g} vs {float(expected):.10g} (err {err:.2e}, scale {scale:.2e})"
+    diff = torch.as_tensor(actual - expected)
+    err = diff.abs().max().item()
+    show = lambda t: f"{float(t):.10g}" if torch.as_tensor(t).numel() == 1 else "tensor"  # noqa: E731
+    assert err <= rtol * scale, f"{what}: {show(actual)} vs {show(expected)} (err {err:.2e}, scale {scale:.2e})"
 
 
 def _param(kind):
@@ -443,8 +445,10 @@ def test_torch_hessian_through_diag_h_on_layernorm():
 
 @pytest.mark.parametrize("modify", ["clip", "abs"])
 def test_pchmp_refuses_derivatives(modify):
-    """PCHMP's eigenvalue clip/abs has no derivative: grad, jvp, params or X that require
-    grad are refused before any work, naming PCHMP; vmap and plain calls still run."""
+    """PCHMP's eigenvalue clip/abs has no derivative: its product, from a call under grad or
+    jvp or with params or X that require grad, is refused when applied (before its work),
+    naming PCHMP; vmap and plain calls still run, and the call's other results stay
+    differentiable."""
     model, X, y = _build("layernorm", 0, 3)
     f = curvature(model, nn.CrossEntropyLoss(), [PCHMP(modify=modify)])
     P = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -457,5 +461,10 @@ def test_pchmp_refuses_derivatives(modify):
             attempt()
     plain = scalar(P)
     assert torch.isfinite(plain)
+    assert torch.allclose(vmap(lambda p: scalar(p), randomness="same")({k: v[None] for k, v in P.items()})[0], plain)
+    # the call's other results stay differentiable: only applying the PCHMP product is refused
+    both = curvature(model, nn.CrossEntropyLoss(), [PCHMP(modify=modify), DiagHessian()])
+    g = grad(lambda p: sum(v.sum() for v in both(X, y, params=p)["diag_h"].values()))(P)
+    assert all(torch.isfinite(v).all() for v in g.values())
     with torch.no_grad():  # under no_grad leaves that require grad are read as values
         assert torch.allclose(scalar({k: v.clone().requires_grad_(True) for k, v in P.items()}), plain)

@@ -24,6 +24,7 @@ from ._sync import LOCK
 from ._diagnose import forward_mode_failure
 from ._graph import NodeFailure, run_graph
 from ._errors import CurvatureError
+from ._residual_smooth import derivatives_requested, refuse_pchmp
 from .rules._site import Recorder
 
 __all__ = ["products", "rng_state", "replay_rng"]
@@ -78,6 +79,7 @@ class _Products:
         # the modules' training flags of the call: the graph re-run by a product calls the
         # modules (dropout, batch norm), which read their flag when the product is evaluated
         self.modes = [(path, module, module.training) for path, module in program.root.named_modules()]
+        self.derivatives = derivatives_requested(X, values)  # (PCHMP has none: refused when applied)
 
     def check_modes(self, label: str) -> None:
         """Refuse a product evaluated after a module's ``train()``/``eval()`` changed."""
@@ -97,6 +99,8 @@ class _Products:
 
         def checked(V: Tensor) -> Tensor:
             self.check_modes(label)
+            if ext.quantity == "pchmp":
+                refuse_pchmp(ext, self.derivatives)
             _check_directions(ext, name, self.values[name], V)
             return V.new_zeros(V.shape) if V.shape[0] == 0 else product(V)
 

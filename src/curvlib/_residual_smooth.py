@@ -24,7 +24,7 @@ element-wise residual with ``α = √|r|/2`` the columns *equal* ``√r±``.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -92,32 +92,37 @@ def polarised(R: Tensor) -> Tuple[Tensor, Tensor]:
     return alpha * eye + R / (4 * alpha), alpha * eye - R / (4 * alpha)
 
 
-def refuse_nonsmooth(extensions, X, values) -> None:
-    """Refuse, before any work, derivatives through results that have none.
+def derivatives_requested(X, values) -> Optional[str]:
+    """How derivatives may be taken through a call's results (``None``: they cannot):
+    ``X``/``params`` that require grad with grad mode on (plain autograd), or a
+    differentiating torch.func transform (``grad``, ``jvp``, ``jacrev``, ``hessian``)."""
+    from . import _inputs
+
+    if torch.is_grad_enabled() and (
+        any(t.requires_grad for t in _inputs.tensors(X)) or any(v.requires_grad for v in values.values())
+    ):
+        return "X or params that require grad"
+    return "a torch.func grad/jvp transform" if transform_levels()[1] else None
+
+
+def refuse_pchmp(ext, how: Optional[str]) -> None:
+    """Refuse, before the product's work, a ``PCHMP`` product whose call was differentiable.
 
     ``PCHMP`` modifies eigenvalues (``max(λ, 0)`` or ``|λ|``): not differentiable where an
     eigenvalue is 0, and its eigenvectors' derivatives divide by eigenvalue gaps, which
-    vanish structurally (a LayerNorm row's residual has ``d − 3`` equal eigenvalues; torch's
-    ``eigh`` derivative is then ``inf``/wrong). Rather than a derivative defined almost
+    vanish structurally (a LayerNorm row's residual has ``d − 3`` equal eigenvalues: torch's
+    ``eigh`` derivative is then wrong or NaN). Rather than a derivative defined almost
     everywhere on some models and wrong on others, curvlib refuses derivatives through
-    ``PCHMP`` altogether: when ``X`` or ``params`` require grad (plain autograd) or a
-    differentiating torch.func transform (``grad``, ``jvp``, ``jacrev``, ``hessian``) is
-    active. ``vmap`` alone is not refused.
+    ``PCHMP`` altogether. The refusal comes when the product is applied (the other results
+    of the same call stay differentiable; nothing of the product has been computed yet):
+    when the call's ``X``/``params`` required grad and grad mode is on, or it ran under a
+    differentiating torch.func transform. ``vmap`` alone is not refused.
     """
-    bad = [e for e in extensions if getattr(e, "quantity", None) == "pchmp"]
-    if not bad:
+    if how is None or (how.startswith("X") and not torch.is_grad_enabled()):
         return
-    from . import _inputs
-
-    tracked = torch.is_grad_enabled() and (
-        any(t.requires_grad for t in _inputs.tensors(X)) or any(v.requires_grad for v in values.values())
+    raise CurvatureError(
+        f"PCHMP(modify={ext.modify!r}) with {how}: its eigenvalue modification (clip/abs) is not "
+        "differentiable (kinks at zero eigenvalues, eigenvector derivatives that divide by vanishing "
+        "eigenvalue gaps), so curvlib returns no derivatives through it. Apply the product under "
+        "torch.no_grad(), or call f with detached X/params for PCHMP (HMP and GGNMP are differentiable)."
     )
-    if tracked or transform_levels()[1]:
-        how = "X or params that require grad" if tracked else "a torch.func grad/jvp transform"
-        raise CurvatureError(
-            f"{type(bad[0]).__name__}(modify={bad[0].modify!r}) under {how}: its eigenvalue modification "
-            "(clip/abs) is not differentiable (kinks at zero eigenvalues, eigenvector derivatives that "
-            "divide by vanishing eigenvalue gaps), so curvlib does not return derivatives through it. "
-            "Call a curvature without PCHMP for the differentiated part, or pass detached X/params "
-            "(HMP and GGNMP are differentiable)."
-        )

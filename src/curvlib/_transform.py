@@ -33,7 +33,6 @@ from ._plan import Plan, make_plan
 from ._errors import CurvatureError, CurvatureTypeError
 from ._kfra import kfra
 from ._products import products, rng_state
-from ._residual_smooth import refuse_nonsmooth
 from ._secondorder import second_order
 from ._support import check_second_order
 from ._tracing import Traced, trace, warn_hooks, warn_opaque
@@ -249,7 +248,6 @@ class _Call:
         params, buffers = _buffers.split(s.model, params, buffers)
         _buffers.refuse_unbuffered(s.model, params, buffers)
         values, trainable = _arguments.parameter_values(s.model, params)
-        refuse_nonsmooth(s.second, X, values)  # (PCHMP has no derivatives)
         traced = s.traced(X)
         for check in traced.checks:  # (the eager runner checks modules as they are called)
             check()
