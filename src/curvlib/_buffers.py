@@ -27,6 +27,7 @@ from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.stateless import _reparametrize_module
 
 from ._errors import CurvatureError, CurvatureTypeError
 from ._sync import LOCK
@@ -181,7 +182,6 @@ def using(model: nn.Module, buffers: Optional[Mapping[str, Tensor]]):
         with SWAPS.read():
             yield
         return
-    from torch.nn.utils.stateless import _reparametrize_module
 
     # the swap waits for readers first, then takes LOCK (readers may take LOCK: no cycle)
     with SWAPS.write(), LOCK, _reparametrize_module(model, dict(buffers)):

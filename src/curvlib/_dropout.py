@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.overrides import TorchFunctionMode
 
+from ._errors import CurvatureError
+
 __all__ = ["active", "masks", "draw_seed", "warning", "run_node", "use_noise", "DropoutMode", "generic_dropout", "NOISES"]
 
 # function -> (kind, default of `training`)
@@ -128,8 +130,6 @@ def refuse_in_generic(program, sites) -> None:
     found = dict(generic_dropout(program))
     for site in sites:
         if site.where in found:
-            from ._errors import CurvatureError
-
             raise CurvatureError(
                 f"Layer '{site.where}' has no hand-written curvlib rule and holds dropout in training "
                 f"mode ({found[site.where]}): curvlib's generic rule recomputes such a layer per sample, "

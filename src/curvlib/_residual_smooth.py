@@ -29,6 +29,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import _inputs
 from ._errors import CurvatureError
 
 
@@ -96,8 +97,6 @@ def derivatives_requested(X, values) -> Optional[str]:
     """How derivatives may be taken through a call's results (``None``: they cannot):
     ``X``/``params`` that require grad with grad mode on (plain autograd), or a
     differentiating torch.func transform (``grad``, ``jvp``, ``jacrev``, ``hessian``)."""
-    from . import _inputs
-
     if torch.is_grad_enabled() and (
         any(t.requires_grad for t in _inputs.tensors(X)) or any(v.requires_grad for v in values.values())
     ):
