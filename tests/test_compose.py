@@ -56,6 +56,12 @@ REFUSED = {
 # option to change it): torch's own refusal of a random operation inside vmap.
 MC_HESSIAN = (RuntimeError, r"randomness error mode")
 
+# PCHMP's clip/abs of eigenvalues has no derivative (kinks at zero eigenvalues): curvlib
+# refuses derivatives through it when the product is applied, under every transform that
+# differentiates (vmap alone is exact).
+DIFFERENTIATING = ("grad", "jvp", "jacrev", "hessian", "autograd", "grad_X")
+PCHMP_DERIVATIVES = (CurvatureError, r"PCHMP\(modify='clip'\) with .*is not differentiable")
+
 
 def expected_refusal(model: str, cls_name: str, transform: str):
     """``(exception type, message pattern)`` the cell must raise, or None."""
@@ -63,164 +69,14 @@ def expected_refusal(model: str, cls_name: str, transform: str):
         return CurvatureError, REFUSED[(model, cls_name)]
     if cls_name in MC and transform == "hessian":
         return MC_HESSIAN
+    if cls_name == "PCHMP" and transform in DIFFERENTIATING:
+        return PCHMP_DERIVATIVES
     return None
 
 
 # (model, extension, transform) -> what is wrong today (compose_table.py, seed 0, N = 2).
-XFAIL = {
-    ('mlp', 'BatchDiagHessian', 'jvp'): 'NaN/inf',
-    ('mlp', 'BatchDiagHessian', 'hessian'): 'NaN/inf',
-    ('mlp', 'DiagHessian', 'jvp'): 'NaN/inf',
-    ('mlp', 'DiagHessian', 'hessian'): 'NaN/inf',
-    ('mlp_ln', 'BatchDiagHessian', 'vmap_params'): 'crash: shape mismatch: value tensor of shape [2, 3, 2, 3] cannot be broadcast',
-    ('mlp_ln', 'BatchDiagHessian', 'vmap_task'): 'crash: shape mismatch: value tensor of shape [2, 3, 2, 3] cannot be broadcast',
-    ('mlp_ln', 'BatchDiagHessian', 'vmap_both'): 'crash: shape mismatch: value tensor of shape [2, 3, 2, 3] cannot be broadcast',
-    ('mlp_ln', 'BatchDiagHessian', 'grad'): 'wrong: rel 0.0109 (err 165, scale 1.52e+04)',
-    ('mlp_ln', 'BatchDiagHessian', 'jvp'): 'NaN/inf',
-    ('mlp_ln', 'BatchDiagHessian', 'jacrev'): 'wrong: rel 0.0109 (err 165, scale 1.52e+04)',
-    ('mlp_ln', 'BatchDiagHessian', 'hessian'): 'NaN/inf',
-    ('mlp_ln', 'BatchDiagHessian', 'autograd'): 'wrong: rel 0.0109 (err 165, scale 1.52e+04)',
-    ('mlp_ln', 'DiagHessian', 'vmap_params'): 'crash: shape mismatch: value tensor of shape [2, 3, 2, 3] cannot be broadcast',
-    ('mlp_ln', 'DiagHessian', 'vmap_task'): 'crash: shape mismatch: value tensor of shape [2, 3, 2, 3] cannot be broadcast',
-    ('mlp_ln', 'DiagHessian', 'vmap_both'): 'crash: shape mismatch: value tensor of shape [2, 3, 2, 3] cannot be broadcast',
-    ('mlp_ln', 'DiagHessian', 'grad'): 'wrong: rel 0.00149 (err 23.4, scale 1.57e+04)',
-    ('mlp_ln', 'DiagHessian', 'jvp'): 'NaN/inf',
-    ('mlp_ln', 'DiagHessian', 'jacrev'): 'wrong: rel 0.00516 (err 113, scale 2.19e+04)',
-    ('mlp_ln', 'DiagHessian', 'hessian'): 'NaN/inf',
-    ('mlp_ln', 'DiagHessian', 'autograd'): 'wrong: rel 0.00149 (err 23.4, scale 1.57e+04)',
-    ('mlp_ln', 'GGNMP', 'grad'): 'wrong: rel 0.193 (err 278, scale 1.43e+03)',
-    ('mlp_ln', 'GGNMP', 'jvp'): 'wrong: rel 1.09 (err 777, scale 711)',
-    ('mlp_ln', 'GGNMP', 'jacrev'): 'wrong: rel 0.654 (err 939, scale 1.43e+03)',
-    ('mlp_ln', 'GGNMP', 'autograd'): 'wrong: rel 0.193 (err 278, scale 1.43e+03)',
-    ('mlp_ln', 'GGNMP', 'grad_X'): 'wrong: rel 0.388 (err 318, scale 820)',
-    ('mlp_ln', 'HMP', 'vmap_params'): 'crash RuntimeError: vmap: inplace arithmetic(self, *extra_args) is not possible because th',
-    ('mlp_ln', 'HMP', 'vmap_task'): 'crash RuntimeError: vmap: inplace arithmetic(self, *extra_args) is not possible because th',
-    ('mlp_ln', 'HMP', 'vmap_both'): 'crash RuntimeError: vmap: inplace arithmetic(self, *extra_args) is not possible because th',
-    ('mlp_ln', 'HMP', 'grad'): 'wrong: rel 0.496 (err 8.76e+03, scale 1.77e+04)',
-    ('mlp_ln', 'HMP', 'jvp'): 'wrong: rel 1.35 (err 1.74e+04, scale 1.29e+04)',
-    ('mlp_ln', 'HMP', 'jacrev'): 'wrong: rel 0.496 (err 8.76e+03, scale 1.77e+04)',
-    ('mlp_ln', 'HMP', 'autograd'): 'wrong: rel 0.496 (err 8.76e+03, scale 1.77e+04)',
-    ('mlp_ln', 'HMP', 'grad_X'): 'wrong: rel 0.965 (err 1.05e+04, scale 1.09e+04)',
-    ('mlp_ln', 'PCHMP', 'grad'): 'wrong: rel 0.55 (err 1.12e+03, scale 2.03e+03)',
-    ('mlp_ln', 'PCHMP', 'jvp'): 'wrong: rel 0.436 (err 892, scale 2.04e+03)',
-    ('mlp_ln', 'PCHMP', 'jacrev'): 'wrong: rel 1.5 (err 3.04e+03, scale 2.03e+03)',
-    ('mlp_ln', 'PCHMP', 'hessian'): 'wrong: rel 0.581 (err 66.6, scale 115)',
-    ('mlp_ln', 'PCHMP', 'autograd'): 'wrong: rel 0.55 (err 1.12e+03, scale 2.03e+03)',
-    ('mlp_ln', 'PCHMP', 'grad_X'): 'wrong: rel 0.368 (err 442, scale 1.2e+03)',
-    ('cnn', 'BatchDiagHessian', 'jvp'): 'NaN/inf',
-    ('cnn', 'BatchDiagHessian', 'hessian'): 'NaN/inf',
-    ('cnn', 'DiagHessian', 'jvp'): 'NaN/inf',
-    ('cnn', 'DiagHessian', 'hessian'): 'NaN/inf',
-    ('transformer', 'BatchDiagGGNExact', 'hessian'): 'wrong: rel 0.121 (err 0.171, scale 1.42)',
-    ('transformer', 'BatchDiagHessian', 'vmap_params'): 'crash: shape mismatch: value tensor of shape [2, 8, 2, 2] cannot be broadcast',
-    ('transformer', 'BatchDiagHessian', 'vmap_task'): 'crash: shape mismatch: value tensor of shape [2, 8, 2, 2] cannot be broadcast',
-    ('transformer', 'BatchDiagHessian', 'vmap_both'): 'crash: shape mismatch: value tensor of shape [2, 8, 2, 2] cannot be broadcast',
-    ('transformer', 'BatchDiagHessian', 'grad'): 'NaN/inf',
-    ('transformer', 'BatchDiagHessian', 'jvp'): 'NaN/inf',
-    ('transformer', 'BatchDiagHessian', 'jacrev'): 'NaN/inf',
-    ('transformer', 'BatchDiagHessian', 'hessian'): 'NaN/inf',
-    ('transformer', 'BatchDiagHessian', 'autograd'): 'NaN/inf',
-    ('transformer', 'BatchDiagHessian', 'grad_X'): 'NaN/inf',
-    ('transformer', 'BatchGrad', 'hessian'): 'wrong: rel 2.01 (err 3.47, scale 1.73)',
-    ('transformer', 'BatchL2Grad', 'hessian'): 'wrong: rel 0.906 (err 1.47, scale 1.62)',
-    ('transformer', 'DiagGGNExact', 'hessian'): 'wrong: rel 0.497 (err 0.947, scale 1.91)',
-    ('transformer', 'DiagHessian', 'vmap_params'): 'crash: shape mismatch: value tensor of shape [2, 8, 2, 2] cannot be broadcast',
-    ('transformer', 'DiagHessian', 'vmap_task'): 'crash: shape mismatch: value tensor of shape [2, 8, 2, 2] cannot be broadcast',
-    ('transformer', 'DiagHessian', 'vmap_both'): 'crash: shape mismatch: value tensor of shape [2, 8, 2, 2] cannot be broadcast',
-    ('transformer', 'DiagHessian', 'grad'): 'NaN/inf',
-    ('transformer', 'DiagHessian', 'jvp'): 'NaN/inf',
-    ('transformer', 'DiagHessian', 'jacrev'): 'NaN/inf',
-    ('transformer', 'DiagHessian', 'hessian'): 'NaN/inf',
-    ('transformer', 'DiagHessian', 'autograd'): 'NaN/inf',
-    ('transformer', 'DiagHessian', 'grad_X'): 'NaN/inf',
-    ('transformer', 'GGNMP', 'grad'): 'wrong: rel 0.187 (err 0.761, scale 4.07)',
-    ('transformer', 'GGNMP', 'jvp'): 'wrong: rel 0.231 (err 1.26, scale 5.43)',
-    ('transformer', 'GGNMP', 'jacrev'): 'wrong: rel 0.122 (err 0.761, scale 6.24)',
-    ('transformer', 'GGNMP', 'hessian'): 'wrong: rel 1.4 (err 5.74, scale 4.1)',
-    ('transformer', 'GGNMP', 'autograd'): 'wrong: rel 0.187 (err 0.761, scale 4.07)',
-    ('transformer', 'GGNMP', 'grad_X'): 'wrong: rel 0.151 (err 0.292, scale 1.94)',
-    ('transformer', 'HMP', 'vmap_params'): 'crash RuntimeError: vmap: inplace arithmetic(self, *extra_args) is not possible because th',
-    ('transformer', 'HMP', 'vmap_task'): 'crash RuntimeError: vmap: inplace arithmetic(self, *extra_args) is not possible because th',
-    ('transformer', 'HMP', 'vmap_both'): 'crash RuntimeError: vmap: inplace arithmetic(self, *extra_args) is not possible because th',
-    ('transformer', 'HMP', 'grad'): 'wrong: rel 0.553 (err 3.69, scale 6.66)',
-    ('transformer', 'HMP', 'jvp'): 'wrong: rel 0.611 (err 3.32, scale 5.43)',
-    ('transformer', 'HMP', 'jacrev'): 'wrong: rel 0.368 (err 3.69, scale 10)',
-    ('transformer', 'HMP', 'hessian'): 'wrong: rel 2.97 (err 14.8, scale 4.99)',
-    ('transformer', 'HMP', 'autograd'): 'wrong: rel 0.553 (err 3.69, scale 6.66)',
-    ('transformer', 'HMP', 'grad_X'): 'wrong: rel 0.896 (err 4.1, scale 4.57)',
-    ('transformer', 'KFACEmpirical', 'hessian'): 'wrong: rel 0.0924 (err 0.62, scale 6.72)',
-    ('transformer', 'KFLR', 'hessian'): 'wrong: rel 0.18 (err 1.18, scale 6.54)',
-    ('transformer', 'PCHMP', 'grad'): 'wrong: rel 0.169 (err 1.63, scale 9.64)',
-    ('transformer', 'PCHMP', 'jvp'): 'wrong: rel 0.337 (err 1.83, scale 5.43)',
-    ('transformer', 'PCHMP', 'jacrev'): 'wrong: rel 0.169 (err 1.63, scale 9.64)',
-    ('transformer', 'PCHMP', 'hessian'): 'wrong: rel 0.0703 (err 0.0994, scale 1.41)',
-    ('transformer', 'PCHMP', 'autograd'): 'wrong: rel 0.169 (err 1.63, scale 9.64)',
-    ('transformer', 'PCHMP', 'grad_X'): 'wrong: rel 0.00799 (err 0.115, scale 14.4)',
-    ('transformer', 'SqrtGGNExact', 'hessian'): 'wrong: rel 3.38 (err 5.69, scale 1.68)',
-    ('transformer', 'SumGradSquared', 'hessian'): 'wrong: rel 0.54 (err 0.682, scale 1.26)',
-    ('transformer', 'Variance', 'hessian'): 'wrong: rel 0.689 (err 0.272, scale 0.395)',
-    ('gru', 'BatchDiagHessian', 'jvp'): 'NaN/inf',
-    ('gru', 'BatchDiagHessian', 'hessian'): 'NaN/inf',
-    ('gru', 'DiagHessian', 'jvp'): 'NaN/inf',
-    ('gru', 'DiagHessian', 'hessian'): 'NaN/inf',
-    ('embedding', 'BatchDiagHessian', 'jvp'): 'NaN/inf',
-    ('embedding', 'BatchDiagHessian', 'hessian'): 'NaN/inf',
-    ('embedding', 'DiagGGNExact', 'vmap_task'): 'crash RuntimeError: vmap: We do not support batching operators that can output dynamic sha',
-    ('embedding', 'DiagGGNExact', 'vmap_both'): 'crash RuntimeError: vmap: We do not support batching operators that can output dynamic sha',
-    ('embedding', 'DiagGGNMC', 'vmap_task'): 'crash RuntimeError: vmap: We do not support batching operators that can output dynamic sha',
-    ('embedding', 'DiagGGNMC', 'vmap_both'): 'crash RuntimeError: vmap: We do not support batching operators that can output dynamic sha',
-    ('embedding', 'DiagHessian', 'vmap_task'): 'crash RuntimeError: vmap: We do not support batching operators that can output dynamic sha',
-    ('embedding', 'DiagHessian', 'vmap_both'): 'crash RuntimeError: vmap: We do not support batching operators that can output dynamic sha',
-    ('embedding', 'DiagHessian', 'jvp'): 'NaN/inf',
-    ('embedding', 'DiagHessian', 'hessian'): 'NaN/inf',
-    ('resnet', 'BatchDiagHessian', 'jvp'): 'NaN/inf',
-    ('resnet', 'BatchDiagHessian', 'hessian'): 'NaN/inf',
-    ('resnet', 'DiagHessian', 'jvp'): 'NaN/inf',
-    ('resnet', 'DiagHessian', 'hessian'): 'NaN/inf',
-    ('bn_cnn', 'BatchDiagGGNExact', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'BatchDiagGGNExact', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'BatchDiagGGNMC', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'BatchDiagGGNMC', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'BatchDiagHessian', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'BatchDiagHessian', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'BatchDiagHessian', 'jvp'): 'NaN/inf',
-    ('bn_cnn', 'BatchDiagHessian', 'hessian'): 'NaN/inf',
-    ('bn_cnn', 'BatchGrad', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'BatchGrad', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'BatchL2Grad', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'BatchL2Grad', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'DiagGGNExact', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'DiagGGNExact', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'DiagGGNMC', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'DiagGGNMC', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'DiagHessian', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'DiagHessian', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'DiagHessian', 'jvp'): 'NaN/inf',
-    ('bn_cnn', 'DiagHessian', 'hessian'): 'NaN/inf',
-    ('bn_cnn', 'GGNMP', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'GGNMP', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'HMP', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'HMP', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'KFAC', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'KFAC', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'KFACEmpirical', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'KFACEmpirical', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'KFLR', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'KFLR', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'PCHMP', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'PCHMP', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'SqrtGGNExact', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'SqrtGGNExact', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'SqrtGGNMC', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'SqrtGGNMC', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'SumGradSquared', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'SumGradSquared', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'Variance', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'Variance', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('transformer', 'NoExtension', 'hessian'): 'wrong: rel 2.06 (err 6.69, scale 3.25)',
-    ('bn_cnn', 'NoExtension', 'vmap_params'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-    ('bn_cnn', 'NoExtension', 'vmap_both'): "members' buffers refused: params entry '1.running_mean' is not a parameter",
-}
+# Empty since issue 20's fixes: every cell is exact or refused (149 cells failed before).
+XFAIL: dict = {}
 
 # The default run: every transform on these models; the others are marked slow.
 FAST_MODELS = ("mlp", "mlp_ln")
@@ -317,7 +173,6 @@ def test_mc_vmap_randomness(model, cls_name):
         f"{cls_name}: every member drew the same under randomness='different'"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20: the base model's BatchNorm buffers are used for every member, silently")
 def test_vmap_over_members_without_their_buffers_is_refused():
     """BatchNorm (eval) ensemble: vmapped parameters without the members' buffers must not
     silently use the base model's running statistics."""
