@@ -176,13 +176,8 @@ def matmul_columns(res, g: Tensor):
 
     def make(start, stop, sign):
         c = torch.arange(start, stop, device=X.device)
-        b, j, kk = c // (r * k), (c // k) % r, c % k
-        # column c is u_j at (b, :, k) of X and ±v_j at (b, k, :) of Y: one-hot products,
-        # not index_puts (whose vmap batching rule misplaces the batch dim of the values)
-        at_b = (b.unsqueeze(1) == torch.arange(nb, device=X.device)).to(X.dtype)[:, None, :, None, None]
-        at_k = (kk.unsqueeze(1) == torch.arange(k, device=X.device)).to(X.dtype)  # [C, K]
-        cx = ux.permute(1, 3, 0, 2)[b, j][:, :, None, :, None] * at_b * at_k[:, None, None, None, :]
-        cy = (sign * vy.permute(1, 2, 0, 3)[b, j])[:, :, None, None, :] * at_b * at_k[:, None, None, :, None]
+        b, j, kk = c // (r * k), (c // k) % r, c % k  # column c: u_j at (b, :, k), ±v_j at (b, k, :)
+        cx, cy = _placed(ux.permute(1, 3, 0, 2)[b, j], sign * vy.permute(1, 2, 0, 3)[b, j], b, kk, nb, k)
         return _back(cx.reshape((-1,) + shape_x), dx, 1), _back(cy.reshape((-1,) + shape_y), dy, 1)
 
     return _matmul_sets(make, nb * r * k)
@@ -202,18 +197,26 @@ def _matmul_columns_smooth(res, g: Tensor):
 
     def make(start, stop, sign):
         c = torch.arange(start, stop, device=X.device)
-        b, tt, kk = c // (t * k), (c // k) % t, c % k
-        # column c is a at (b, t, k) of X and ±w at (b, k, :) of Y: one-hot products, not
-        # index_puts (whose vmap batching rule misplaces the batch dim of the values)
-        at_b = (b.unsqueeze(1) == torch.arange(nb, device=X.device)).to(X.dtype)[:, None, :, None, None]
+        b, tt, kk = c // (t * k), (c // k) % t, c % k  # column c: a at (b, t, k), ±w at (b, k, :)
         at_t = (tt.unsqueeze(1) == torch.arange(t, device=X.device)).to(X.dtype)  # [C, T]
-        at_k = (kk.unsqueeze(1) == torch.arange(k, device=X.device)).to(X.dtype)  # [C, K]
-        cx = a.permute(1, 2, 0)[b, tt][:, :, None, None, None] * at_b * at_t[:, None, None, :, None] \
-            * at_k[:, None, None, None, :]  # [C, N, B, T, K]
-        cy = (sign * wy.permute(1, 2, 0, 3)[b, tt])[:, :, None, None, :] * at_b * at_k[:, None, None, :, None]
+        x_col = a.permute(1, 2, 0)[b, tt].unsqueeze(-1) * at_t.unsqueeze(1)  # [C, N, T]
+        cx, cy = _placed(x_col, sign * wy.permute(1, 2, 0, 3)[b, tt], b, kk, nb, k)
         return _back(cx.reshape((-1,) + shape_x), dx, 1), _back(cy.reshape((-1,) + shape_y), dy, 1)
 
     return _matmul_sets(make, nb * t * k)
+
+
+def _placed(x_col: Tensor, y_row: Tensor, b: Tensor, kk: Tensor, nb: int, k: int):
+    """Columns of a matrix product's residual placed in ``X [C, N, B, T, K]`` (``x_col [C, N, T]``
+    at ``(b, :, k)``) and ``Y [C, N, B, K, S]`` (``y_row [C, N, S]`` at ``(b, k, :)``).
+
+    One-hot products, not index_puts: torch's vmap batching rule of an index_put that mixes
+    advanced indices with a slice misplaces the batch dim of the values."""
+    at_b = (b.unsqueeze(1) == torch.arange(nb, device=b.device)).to(x_col.dtype)[:, None, :, None, None]
+    at_k = (kk.unsqueeze(1) == torch.arange(k, device=b.device)).to(x_col.dtype)  # [C, K]
+    cx = x_col[:, :, None, :, None] * at_b * at_k[:, None, None, None, :]
+    cy = y_row[:, :, None, None, :] * at_b * at_k[:, None, None, :, None]
+    return cx, cy
 
 
 def _matmul_sets(make, v: int):
