@@ -131,18 +131,16 @@ def curvature(
         (name -> tensor, as ``model.named_buffers()``; the second output of
         ``torch.func.stack_module_state``) replaces the model's buffers, e.g.
         BatchNorm's running statistics (default: the model's own); buffer entries
-        may also be put into ``params``; no result has a buffer entry. Results are
-        differentiable w.r.t. ``params`` values and ``X`` that require grad; the
-        model's own parameters are read detached. ``generator`` draws the dropout
-        masks of a model in training mode (default: the global random state).
-        ``f`` is a pure function of ``(X, y, params, buffers)`` and composes with
-        ``torch.func.vmap`` (over stacked ``params`` and ``buffers``, over a task
-        dimension of ``X`` and ``y``, or both: every extension equals the loop of
-        per-member calls; Monte-Carlo extensions need ``randomness="same"`` or
-        ``"different"``); vmapped ``params`` of a model with buffers its forward
-        reads are refused unless ``buffers`` are given. It may be called from several
-        threads (a call with ``buffers`` swaps them into the model's slots; calls
-        reading the model's own wait meanwhile).
+        may also be put into ``params``; no result has a buffer entry. ``generator``
+        draws the dropout masks of a model in training mode (default: the global
+        random state). ``f`` is a pure function of ``(X, y, params, buffers)``:
+        ``torch.func.vmap`` (over stacked ``params`` and ``buffers``, a task dim of
+        ``X``/``y``, or both; vmapped ``params`` without the buffers the forward reads
+        are refused) and derivatives of results (``grad``, ``jvp``, ``jacrev``,
+        ``hessian``, or ``params``/``X`` that require grad) are exact, PCHMP's
+        derivatives refused: see the README section "Composing with torch.func".
+        The model's own parameters are read detached. ``f`` may be called from
+        several threads.
 
     Raises:
         CurvatureTypeError: an argument has the wrong type.
