@@ -152,7 +152,7 @@ def _record_functional(program, use, value, env, params, trainable, rec):
 def _function(target: Callable) -> Callable:
     """A call_function node's function: a functional layer norm from primitives inside
     torch.func transforms (:func:`curvlib.rules.layernorm.normalise`), else ``target``."""
-    if target in _LAYER_NORMS and torch._C._functorch.maybe_current_level() is not None:
+    if target in _LAYER_NORMS and layernorm.inside_transform():
         return layernorm.layer_norm
     return target
 

@@ -148,7 +148,7 @@ def normalise(x: Tensor, shape: Tuple[int, ...], eps: float) -> Tensor:
     Hessian-vector product through it is 0.2-0.5 off finite differences
     (``tests/test_compose_derivatives.py``), the primitives are exact.
     """
-    if not _inside_transform():
+    if not inside_transform():
         return F.layer_norm(x, shape, None, None, eps)
     dims = tuple(range(x.dim() - len(shape), x.dim()))
     centred = x - x.mean(dims, keepdim=True)
@@ -163,7 +163,7 @@ def layer_norm(input: Tensor, normalized_shape, weight=None, bias=None, eps: flo
     return _affine(normalise(input, shape, eps), weight, bias)
 
 
-def _inside_transform() -> bool:
+def inside_transform() -> bool:
     """Whether a torch.func transform (vmap, grad, vjp, jvp) is active."""
     return torch._C._functorch.maybe_current_level() is not None
 
