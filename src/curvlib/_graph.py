@@ -14,8 +14,8 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
 
-from . import _dropout, _inputs, _residuals
-from ._errors import CurvatureError, output_not_a_tensor
+from . import _dropout, _inputs, _outputs, _residuals
+from ._errors import CurvatureError
 from ._program import Program
 from .rules import call_without_hooks, functional, layernorm
 from .rules._site import Recorder
@@ -128,7 +128,7 @@ def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, pres
             if program.out_spec is not None:
                 result = pytree.tree_unflatten(list(result), program.out_spec)
     if not isinstance(result, Tensor):
-        raise output_not_a_tensor(result)
+        result = _outputs.select(result, program.selector)[0]  # (a ModelOutput, tuple, dict: curvlib._outputs)
     return result
 
 

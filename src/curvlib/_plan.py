@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, fx
 
 from . import _independence, _inputs
 from ._errors import CurvatureError
@@ -181,7 +181,10 @@ def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=Non
     n = _inputs.batch_size(X)
     env_a, env_b = {}, {}  # every node's value in both passes (for _independence)
     rec_a, out_a = _checked_shape_pass(program, X, params, trainable, n, residual_nodes, runner, env_a)
-    rec_b, out_b = _checked_shape_pass(program, X, params, trainable, n + 1, residual_nodes, runner, env_b)
+    program_b = program.sibling or program  # (an ATen-level trace has the batch size baked in)
+    rec_b, out_b = _checked_shape_pass(program_b, X, params, trainable, n + 1, _same_nodes(program, program_b, residual_nodes),
+                                       runner, env_b)
+    env_b = _same_nodes(program_b, program, env_b)
     calls_a, calls_b = [s.where for s in rec_a.sites], [s.where for s in rec_b.sites]
     if calls_a != calls_b:  # only possible without a graph (control flow in forward)
         raise CurvatureError(
@@ -221,6 +224,20 @@ def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=Non
         independence=_independence.analyse(program, env_a, env_b, n, trainable),  # samples mixed?
         sites=tuple(Site(s.rule, dict(s.params), s.where, meta=dict(s.meta), key=s.key) for s in rec_a.sites),
     )
+
+
+def _same_nodes(program, other, table):
+    """``table`` (keyed by ``program``'s nodes, and other keys) keyed by ``other``'s nodes: the ATen-level traces
+    of N and N + 1 samples hold the same nodes, by name, with other sizes baked in."""
+    if other is program or table is None:
+        return table
+    nodes = {n.name: n for n in other.graph.nodes}
+    if [(n.name, n.op) for n in program.graph.nodes] != [(n.name, n.op) for n in other.graph.nodes]:
+        raise CurvatureError(
+            "The model's forward runs other operations for a batch of N + 1 samples than for N (traced at "
+            "the ATen level): its code depends on the batch size beyond shapes, so per-sample quantities "
+            "are not defined for it. Make the forward treat each sample alike.")
+    return {nodes[k.name] if isinstance(k, fx.Node) else k: v for k, v in table.items()}
 
 
 def residual_batch_dims(rec_a: Recorder, rec_b: Recorder) -> Tuple[Tuple[Tuple[int, ...], int], ...]:

@@ -37,12 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from . import rules
+from . import _aten, rules
 from ._sync import LOCK
 from .rules import attention
 from .rules.functional import FunctionalUse, is_affine, linear_roles
 
-__all__ = ["Program", "Layer", "trace_program"]
+__all__ = ["Program", "Layer", "trace_program", "trace_aten_program"]
 
 
 @dataclass
@@ -94,6 +94,11 @@ class Program:
     out_spec: object = None  # traced with a container input: the output's pytree spec
     leaf_inputs: bool = False  # traced with a container input: one placeholder per leaf
     opaque: Dict[str, str] = field(default_factory=dict)  # untraceable submodule target -> fx's error
+    aten: bool = False  # traced at the ATen level on one input signature (curvlib._aten)
+    output_choice: str = ""  # where the loss's tensor was found in a container output
+    aten_error: str = ""  # why the ATen-level trace failed, when it was tried and failed
+    selector: object = None  # curvature(..., output=): which tensor of a container output the loss takes
+    sibling: Optional["Program"] = None  # an ATen-level trace: the same model traced on a batch of N + 1
 
 
 def _owns_parameters(module: nn.Module) -> bool:
@@ -257,7 +262,23 @@ def trace_program(model: nn.Module, example=None) -> Program:
         first = next(iter(inspect.signature(root.forward).parameters))
         concrete = {first: trace_structure(example)}
     graph, error, opaque = _trace_with_opaque_leaves(root, concrete)
+    return _assemble(root, prefix, graph, error, opaque, param_names, leaf_inputs=concrete is not None)
 
+
+def trace_aten_program(model: nn.Module, X, output=None) -> Program:
+    """Trace ``model`` at the ATen level on the input ``X`` (:mod:`curvlib._aten`): the program
+    serves inputs of ``X``'s signature only. Runs the model once on ``X``; never changes it."""
+    param_names: Dict[int, str] = {}
+    for name, p in model.named_parameters():
+        param_names.setdefault(id(p), name)
+    root, graph, chosen = _aten.trace_graph(model, X, output, _Tracer)
+    program = _assemble(root, "model.", graph, None, {}, param_names, leaf_inputs=not isinstance(X, torch.Tensor))
+    program.aten, program.output_choice = True, chosen
+    return program
+
+
+def _assemble(root, prefix, graph, error, opaque, param_names, leaf_inputs: bool) -> Program:
+    """The :class:`Program` of a graph (or of no graph): its layers and functional uses."""
     layers: Dict[str, Layer] = {}
     modules = dict(root.named_modules(remove_duplicate=False))
     targets = (
@@ -283,9 +304,9 @@ def trace_program(model: nn.Module, example=None) -> Program:
     return Program(
         root=root, graph=graph, trace_error=error, layers=layers,
         param_names=param_names, prefix=prefix, functional=functional,
-        dependent=frozenset(_input_dependent(graph, leaves=concrete is not None)) if graph is not None else frozenset(),
+        dependent=frozenset(_input_dependent(graph, leaves=leaf_inputs)) if graph is not None else frozenset(),
         out_spec=getattr(getattr(graph._codegen, "pytree_info", None), "out_spec", None) if graph is not None else None,
-        leaf_inputs=concrete is not None, opaque=opaque,
+        leaf_inputs=leaf_inputs, opaque=opaque,
     )
 
 

@@ -19,7 +19,9 @@ from ._engine import has_inplace
 from ._errors import CurvatureError
 from ._kfra import chain_nodes
 from ._plan import Plan, module_checks
-from ._program import Program, trace_program
+from ._aten import keyword_inputs
+from ._inputs import batch_size, with_batch
+from ._program import Program, trace_aten_program, trace_program
 from ._untraced import run_eager
 from .extensions.secondorder import SecondOrder
 
@@ -38,6 +40,7 @@ class Traced:
     dropout: List[str]
     plans: Dict[tuple, Plan] = field(default_factory=dict)
     checked: Dict[int, Tensor] = field(default_factory=dict)  # id(plan) -> meta output, once its checks passed
+    pending: bool = False  # torch.fx could not follow the model: traced at the ATen level on each input signature
 
 
 def warn_hooks(model: nn.Module) -> None:
@@ -83,13 +86,37 @@ def _library_hook(hook) -> bool:
     return module.split(".")[0] in ("backpack", "laplace", "curvlinops", "opacus")
 
 
-def trace(model: nn.Module, second: Sequence[SecondOrder], X=None) -> Traced:
-    program = trace_program(model, X)
+def needs_aten(program: Program, model: nn.Module, X) -> bool:
+    """Whether the model needs the ATen-level front end (:mod:`curvlib._aten`): torch.fx could
+    not trace its ``forward``, left a submodule opaque, or ``X`` holds keyword inputs."""
+    return program.graph is None or bool(program.opaque) or (X is not None and keyword_inputs(model, X))
+
+
+def trace(model: nn.Module, second: Sequence[SecondOrder], X=None, output=None, real_input: bool = False) -> Traced:
+    """The model's trace. ``real_input``: ``X`` is a real input (not only its structure), so that a
+    model torch.fx cannot follow is traced at the ATen level on it; otherwise such a model's
+    trace is marked ``pending`` (traced again on the first call's input)."""
+    program = trace_program(model, X if not real_input else _structure_only(X))
+    pending = needs_aten(program, model, X)
+    if pending and real_input:
+        try:
+            program = trace_aten_program(model, X, output)
+            # planning compares a batch of N and of N + 1 samples (curvlib._plan); shapes are baked in
+            program.sibling = trace_aten_program(model, with_batch(X, batch_size(X) + 1, real=True), output)
+            pending = False
+        except CurvatureError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the model's forward or make_fx failed: keep fx's trace
+            program.aten_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    if pending and not real_input:
+        return Traced(program=program, runner=None, checks=[], direct=True, residual_nodes={}, dropout=[],
+                      pending=True)
     if second and program.graph is None:
         raise CurvatureError(
             f"{type(second[0]).__name__} needs the model's computation graph, but model "
             f"{type(model).__name__} could not be traced with torch.fx:\n  {program.trace_error}\n"
-            "First-order extensions do not need the graph."
+            + (f"nor at the ATen level: {program.aten_error}\n" if program.aten_error else "")
+            + "First-order extensions do not need the graph."
         )
     if any(e.quantity == "kfra" for e in second):
         chain_nodes(program)  # refuse branching graphs before any work
@@ -97,6 +124,7 @@ def trace(model: nn.Module, second: Sequence[SecondOrder], X=None) -> Traced:
     traced = program.graph is not None
     if traced:
         _refuse_unsupported_functions(program, second)
+    program.selector = output
     return Traced(
         program=program,
         runner=None if traced else run_eager,
@@ -105,6 +133,11 @@ def trace(model: nn.Module, second: Sequence[SecondOrder], X=None) -> Traced:
         residual_nodes=_residuals.residual_plan(program) if hessian else {},
         dropout=_dropout.active(program),
     )
+
+
+def _structure_only(X):
+    """``X`` for torch.fx's symbolic trace: ``None`` for a tensor (its structure is that of one argument)."""
+    return None if isinstance(X, torch.Tensor) else X
 
 
 # What torch.func needs of a custom autograd.Function for each extension that runs it

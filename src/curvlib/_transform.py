@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from . import _arguments, _budget, _buffers, _compiled, _dropout, _inputs, _strategy, _wrappers, losses
+from . import _arguments, _budget, _buffers, _compiled, _dropout, _inputs, _outputs, _strategy, _wrappers, losses
 from ._diagnose import forward_failure, forward_mode_failure
 from ._independence import refuse_mixing
 from ._engine import forward_with_probes
@@ -52,6 +52,7 @@ def curvature(
     chunk_size: Union[int, str, None] = "auto",
     batch_chunk_size: Optional[int] = None,
     compile: Union[bool, Mapping[str, object]] = False,
+    output: Union[None, str, int, Callable] = None,
 ) -> Callable[..., Dict[str, object]]:
     """Turn a model and a loss into a function returning gradients and curvature.
 
@@ -119,6 +120,9 @@ def curvature(
             graph and compiled with ``torch.compile(fullgraph=True)`` (first order, the
             GGN family and the Hessian diagonals; see the README section "Compiled calls").
             Results are then not differentiable; KFRA and the block products are refused.
+        output: which tensor of a container output (``ModelOutput``, dataclass, tuple,
+            dict) the loss takes: a name, a position or a callable ``out -> Tensor``;
+            default: the entry named ``logits``, else the first tensor (said once).
 
     Returns:
         ``f(X, y, params=None, generator=None, buffers=None)`` returning a plain dict
@@ -146,7 +150,7 @@ def curvature(
         CurvatureTypeError: an argument has the wrong type.
         CurvatureError: anything else curvlib cannot handle, named in the message.
     """
-    setup = _Setup(model, lossfn, extensions, process_group, chunk_size, batch_chunk_size)
+    setup = _Setup(model, lossfn, extensions, process_group, chunk_size, batch_chunk_size, output)
     options = _compiled.check(compile, setup)
     prepare_forward_ad()  # torch's own one-time jvp set-up warns; not inside the user's call
     f: Callable[..., Dict[str, object]] = _Call(setup)
@@ -172,7 +176,7 @@ def curvature(
 class _Setup:
     """``curvature``'s arguments, checked, and the model's traces."""
 
-    def __init__(self, model, lossfn, extensions, process_group, chunk_size, batch_chunk_size):
+    def __init__(self, model, lossfn, extensions, process_group, chunk_size, batch_chunk_size, output=None):
         if not isinstance(model, nn.Module):
             raise CurvatureTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
         self.model, self.prefix = _arguments.unwrap_compiled(model)
@@ -200,6 +204,8 @@ class _Setup:
             )
         self.process_group = process_group
         self._traces: Dict[tuple, Traced] = {}
+        self._aten_traces: Dict[tuple, Traced] = {}  # per input signature (curvlib._aten bakes shapes in)
+        self.output, self.output_said = _outputs.check_selector(output), False
         self.dropout_warned = self.opaque_warned = False
         warn_hooks(self.model)
         self.traced()  # trace now: untraceable models and unsupported graphs fail at once
@@ -216,16 +222,33 @@ class _Setup:
 
     def traced(self, X=None) -> Traced:
         """The trace for the model's current ``training`` flags (fx bakes ``self.training`` in)
-        and the input's structure (a container is traced as one, see :func:`trace_program`)."""
+        and the input's structure (a container is traced as one, see :func:`trace_program`);
+        for a model torch.fx cannot follow, the ATen-level trace of the input's signature."""
         key = (tuple(m.training for m in self.model.modules()), _inputs.structure_key(X))
         traced = self._traces.get(key)
         if traced is None:
             with LOCK:  # reads the module tree, whose slots another thread's call may have swapped
-                traced = self._traces[key] = trace(self.model, self.second, X)
-            if traced.program.opaque and not self.opaque_warned:
-                self.opaque_warned = True
-                warn_opaque(traced.program)
+                traced = self._traces[key] = trace(self.model, self.second, X, self.output)
+        if traced.pending and X is not None:
+            key = key + (tuple((tuple(t.shape), t.dtype, t.device.type) for t in _inputs.tensors(X)),)
+            traced = self._aten_traces.get(key)
+            if traced is None:
+                with LOCK:
+                    traced = self._aten_traces[key] = trace(self.model, self.second, X, self.output, real_input=True)
+                self._say_output(traced.program)
+        if traced.program.opaque and not self.opaque_warned and not traced.pending:
+            self.opaque_warned = True
+            warn_opaque(traced.program)
         return traced
+
+    def _say_output(self, program) -> None:
+        """Say once which tensor of a container output the loss takes, when the default rule chose it."""
+        if program.output_choice and self.output is None and not self.output_said:
+            self.output_said = True
+            warnings.warn(
+                f"The model returns a container; curvlib passes {program.output_choice} to the loss "
+                "(the entry named 'logits', else the first tensor). Choose another with "
+                "curvature(..., output=NAME | POSITION | callable).", UserWarning, stacklevel=4)
 
 
 # ----------------------------------------------------------------------------- one call

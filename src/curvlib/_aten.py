@@ -1,0 +1,372 @@
+"""The front end for real model code: an ATen-level trace when torch.fx cannot follow it.
+
+torch.fx traces *symbolically*: Python that reads values (``if mask is None``,
+``ModelOutput`` dataclasses, ``x.shape[0]`` passed to ``expand``, tuple-returning
+submodules) breaks it. When the fx trace fails, leaves a submodule opaque, or the model's
+keyword inputs need it, curvlib instead runs the model once on the call's input under
+:func:`torch.fx.experimental.proxy_tensor.make_fx` (pre-dispatch ATen ops, real
+tensors): all of the model's Python has run and every branch is taken as it is for
+inputs of this signature. The ATen graph is then *replayed* through curvlib's own fx
+tracer (:class:`curvlib._program.Tracer`), so that the rest of the pipeline sees the
+vocabulary of a symbolically traced model:
+
+* a parameter use whose op *is* its owner module's forward (``aten.linear`` on an
+  ``nn.Linear``'s weight and bias, ``aten.conv2d`` with the module's stride, padding,
+  dilation and groups, ``aten.embedding``, ``aten.layer_norm``, ``aten.group_norm``,
+  ``aten.batch_norm``) becomes a ``call_module`` node, run by the module's hand-written
+  rule (individual gradients by einsum, Kronecker factors, ...);
+* GPT-2's ``Conv1D`` (``addmm(b, x.view(-1, k), W)``) becomes ``F.linear(x, Wᵀ, b)`` on the
+  unflattened input (per-sample rows stay per sample): a transposed Linear site;
+* every other op maps to its torch-level function (``F.gelu``, ``torch.softmax``,
+  ``Tensor.view``, ...) where one takes the same arguments, so curvature rules classify it,
+  else it stays the ATen op; ``scaled_dot_product_attention`` becomes its math
+  (:mod:`curvlib.rules.attention`: forward-mode AD and batching rules exist);
+* ops on constants only (a causal mask from ``arange``) are evaluated once: constants.
+
+Parameter uses left (a ``weight * x`` RMSNorm, a layer-scale ``gamma``, a class token
+concatenated) are functional sites (:mod:`curvlib.rules.functional`), exact per sample.
+Shapes are baked into the graph (``view(x, [N, T, H, D])``), so a trace serves one input
+signature (shapes, dtypes, devices): :mod:`curvlib._transform` keys it so.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from collections.abc import Mapping
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+from torch.utils import _pytree as pytree
+
+from . import _outputs
+from ._errors import CurvatureError
+from ._inputs import _as_pytree, trace_structure
+
+__all__ = ["trace_graph", "call_model"]
+
+aten = torch.ops.aten
+
+
+def keyword_inputs(model: nn.Module, X) -> bool:
+    """A mapping ``X`` whose keys all name parameters of ``model.forward`` is passed as keyword
+    arguments (``model(**X)``: ``input_ids``, ``attention_mask``, ``pixel_values``); any other
+    ``X`` as the single argument."""
+    if not isinstance(X, Mapping) or not X:
+        return False
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    named = {k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return all(isinstance(k, str) for k in X) and set(X) <= named
+
+
+def call_model(model: nn.Module, X):
+    """``model(X)``, or ``model(**X)`` for keyword inputs (:func:`keyword_inputs`)."""
+    return model(**X) if keyword_inputs(model, X) else model(X)
+
+
+def _aten_graph(model: nn.Module, X, output) -> Tuple[fx.GraphModule, List[str], List[str], List[int], str]:
+    """Run the model once under ``make_fx``; returns the ATen graph, the parameter and buffer
+    names of its leading placeholders, the positions of the tensor leaves of ``X`` and where
+    the loss's tensor was found in the output."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    # (clones: a BatchNorm in train mode updates running statistics in place; the model's stay as they are)
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    leaves, spec = pytree.tree_flatten(_as_pytree(X))
+    tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+    keywords = keyword_inputs(model, X)
+    chosen: List[str] = []
+
+    def run(p, b, *tensors):
+        full = list(leaves)
+        for i, t in zip(tensor_at, tensors):
+            full[i] = t
+        x = pytree.tree_unflatten(full, spec)
+        args, kwargs = ((), dict(x)) if keywords else ((x,), {})
+        out = torch.func.functional_call(model, (p, b), args, kwargs, strict=False)
+        tensor, where = _outputs.select(out, output)
+        chosen.append(_outputs.describe_choice(out, where) if where else "")
+        return tensor
+
+    gm = make_fx(run, pre_dispatch=True)(params, buffers, *[leaves[i] for i in tensor_at])
+    return gm, list(params), list(buffers), tensor_at, chosen[0]
+
+
+class _Replay(nn.Module):
+    """Holds the user's model (``model.``) and an ATen graph; its ``forward`` replays the
+    graph on fx proxies (see the module doc). Never run on data."""
+
+    def __init__(self, model: nn.Module, gm: fx.GraphModule, params: List[str], buffers: List[str],
+                 tensor_at: List[int], container: bool):
+        super().__init__()
+        self.model = model
+        object.__setattr__(self, "_gm", gm)  # (not a submodule: its graph is read, not traced)
+        self._param_order, self._buffer_order, self._tensor_at, self._container = params, buffers, tensor_at, container
+        self._owners = _owners(model)
+
+    def forward(self, X):
+        leaves = pytree.tree_leaves(_as_pytree(X)) if self._container else [X]
+        values = [_attribute(self.model, n) for n in self._param_order]  # (fx's tracer: get_attr proxies)
+        values += [_attribute(self.model, n) for n in self._buffer_order]
+        values += [leaves[i] for i in self._tensor_at]
+        env: Dict[fx.Node, object] = {}
+        placeholders = iter(values)
+        names = {}  # placeholder node -> parameter name
+        for node in self._gm.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(placeholders)
+                if len(names) < len(self._param_order):
+                    names[node] = self._param_order[len(names)]
+            elif node.op == "get_attr":
+                env[node] = getattr(self._gm, node.target)
+            elif node.op == "call_function":
+                load = lambda a: fx.node.map_arg(a, lambda n: env[n])  # noqa: E731
+                env[node] = self._replay(node, load(node.args), load(node.kwargs), names, env)
+            elif node.op == "output":
+                out = fx.node.map_arg(node.args[0], lambda n: env[n])
+                return out[0] if isinstance(out, (list, tuple)) else out
+            else:  # pragma: no cover - make_fx graphs hold no other ops
+                raise CurvatureError(f"unexpected node {node.op} in the ATen graph")
+
+    def _replay(self, node: fx.Node, args, kwargs, names, env):
+        target = node.target
+        if not _has_proxy((args, kwargs)):
+            return target(*args, **kwargs)  # constants only (a causal mask): evaluated once
+        module = _owner_call(node, names, self._owners, self.model)
+        if module is not None:
+            return module(args[_INPUT_ARG[target]])
+        conv1d = _conv1d_linear(node, names, env)
+        if conv1d is not None:
+            return conv1d
+        return _torch_level(target, args, kwargs)
+
+
+def _attribute(model: nn.Module, dotted: str):
+    obj = model
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _has_proxy(value) -> bool:
+    found = []
+    fx.node.map_aggregate(value, lambda a: found.append(a) if isinstance(a, fx.Proxy) else None)
+    return bool(found)
+
+
+# ----------------------------------------------------------------------------- owner modules
+
+
+def _owners(model: nn.Module) -> Dict[str, List[Tuple[str, nn.Module]]]:
+    """Canonical parameter name -> ``(role, module)`` for every module holding it directly."""
+    canonical: Dict[int, str] = {}
+    for name, p in model.named_parameters():
+        canonical.setdefault(id(p), name)
+    owners: Dict[str, List[Tuple[str, nn.Module]]] = {}
+    for _, m in model.named_modules(remove_duplicate=False):
+        for role, p in m.named_parameters(recurse=False):
+            if id(p) in canonical:
+                owners.setdefault(canonical[id(p)], []).append((role, m))
+    return owners
+
+
+# op -> position of the module's input among its arguments
+_INPUT_ARG = {aten.linear.default: 0, aten.conv1d.default: 0, aten.conv2d.default: 0, aten.conv3d.default: 0,
+              aten.embedding.default: 1, aten.layer_norm.default: 0, aten.group_norm.default: 0,
+              aten.batch_norm.default: 0}
+
+
+def _param(arg, names) -> Optional[str]:
+    return names.get(arg) if isinstance(arg, fx.Node) else None
+
+
+def _arg(node: fx.Node, i: int, name: str, default=None):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _matches(node: fx.Node, m: nn.Module, names) -> bool:
+    """Whether ``node`` computes exactly ``m``'s forward on its own parameters."""
+    t = node.target
+    weight = lambda i: _param(_arg(node, i, "weight"), names)  # noqa: E731
+    own = lambda role: getattr(m, role, None)  # noqa: E731
+    if t is aten.linear.default and type(m) is nn.Linear:
+        return _same(_arg(node, 2, "bias"), own("bias"), names)
+    if t in (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default) and type(m) in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
+        hyper = [_arg(node, i, k) for i, k in ((3, "stride"), (4, "padding"), (5, "dilation"), (6, "groups"))]
+        mine = [list(m.stride), m.padding if isinstance(m.padding, str) else list(m.padding), list(m.dilation), m.groups]
+        norm = lambda v: list(v) if isinstance(v, (list, tuple)) else v  # noqa: E731
+        return (m.padding_mode == "zeros" and [norm(h) for h in hyper] == mine
+                and _same(_arg(node, 2, "bias"), own("bias"), names) and t.__name__[4] == str(m.weight.dim() - 2))
+    if t is aten.embedding.default and type(m) is nn.Embedding:
+        pad = _arg(node, 2, "padding_idx", -1)
+        return (m.max_norm is None and not m.sparse and (m.padding_idx if m.padding_idx is not None else -1) == pad
+                and bool(_arg(node, 3, "scale_grad_by_freq", False)) == m.scale_grad_by_freq and weight(0))
+    if t is aten.layer_norm.default and type(m) is nn.LayerNorm:
+        return (list(_arg(node, 1, "normalized_shape")) == list(m.normalized_shape) and _arg(node, 4, "eps", 1e-5) == m.eps
+                and _same(_arg(node, 3, "bias"), own("bias"), names))
+    if t is aten.group_norm.default and type(m) is nn.GroupNorm:
+        return (_arg(node, 1, "num_groups") == m.num_groups and _arg(node, 4, "eps", 1e-5) == m.eps
+                and _same(_arg(node, 3, "bias"), own("bias"), names))
+    if t is aten.batch_norm.default and type(m) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
+        return (_arg(node, 7, "eps") == m.eps and bool(_arg(node, 5, "training")) == (m.training or m.running_mean is None)
+                and _same(_arg(node, 2, "bias"), own("bias"), names))
+    return False
+
+
+def _same(arg, p: Optional[Tensor], names) -> bool:
+    """An optional parameter argument is the module's own (both absent, or the same parameter)."""
+    if p is None:
+        return arg is None
+    return isinstance(arg, fx.Node) and arg in names
+
+
+_WEIGHT_ARG = {aten.linear.default: 1, aten.conv1d.default: 1, aten.conv2d.default: 1, aten.conv3d.default: 1,
+               aten.embedding.default: 0, aten.layer_norm.default: 2, aten.group_norm.default: 2,
+               aten.batch_norm.default: 1}
+
+
+def _owner_call(node: fx.Node, names, owners, model: nn.Module) -> Optional[nn.Module]:
+    """The module whose forward ``node`` is, called on its own parameters (else ``None``)."""
+    if node.target not in _WEIGHT_ARG:
+        return None
+    weight = _param(_arg(node, _WEIGHT_ARG[node.target], "weight"), names)
+    if weight is None:
+        return None
+    for role, m in owners.get(weight, []):
+        if role == "weight" and _matches(node, m, names) and _bias_is_own(node, m, names):
+            return m
+    return None
+
+
+_BIAS_ARG = {aten.linear.default: 2, aten.conv1d.default: 2, aten.conv2d.default: 2, aten.conv3d.default: 2,
+             aten.layer_norm.default: 3, aten.group_norm.default: 3, aten.batch_norm.default: 2}
+
+
+def _bias_is_own(node: fx.Node, m: nn.Module, names) -> bool:
+    if node.target not in _BIAS_ARG or getattr(m, "bias", None) is None:
+        return True
+    bias = _param(_arg(node, _BIAS_ARG[node.target], "bias"), names)
+    own = [n for n, p in m.named_parameters(recurse=False) if n == "bias"]
+    return bias is not None and bool(own)
+
+
+def _conv1d_linear(node: fx.Node, names, env) -> Optional[fx.Proxy]:
+    """``addmm(b, x.view(-1, k), W)`` on parameters ``b [m]``, ``W [k, m]`` whose only use is a view
+    (GPT-2's ``Conv1D``): ``F.linear(x, Wᵀ, b)`` on ``x`` itself, rows per sample."""
+    if node.target is not aten.addmm.default or len(node.args) != 3 or node.kwargs:
+        return None
+    bias, flat, weight = node.args
+    if _param(bias, names) is None or _param(weight, names) is None or not isinstance(flat, fx.Node):
+        return None
+    if flat.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        return None
+    if not all(u.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default) for u in node.users):
+        return None
+    x = env[flat.args[0]]
+    return F.linear(x, env[weight].t(), env[bias])
+
+
+# ----------------------------------------------------------------------------- torch-level ops
+
+
+def _getitem_slice(x, dim=0, start=None, end=None, step=1):
+    return x[(slice(None),) * (dim % max(x.dim(), 1) if isinstance(x, Tensor) else dim) + (slice(start, end, step),)]
+
+
+_SAME_ARGS: Dict[str, Callable] = {
+    **{n: getattr(torch, n) for n in (
+        "add", "sub", "mul", "div", "neg", "cat", "stack", "sum", "mean", "softmax", "log_softmax", "split",
+        "chunk", "unbind", "transpose", "permute", "squeeze", "unsqueeze", "flatten", "narrow", "select",
+        "matmul", "bmm", "mm", "addmm", "baddbmm", "pow", "rsqrt", "sqrt", "where", "clamp", "relu", "tanh",
+        "sigmoid", "exp", "log", "sin", "cos", "erf", "abs", "flip", "roll", "movedim", "var", "cumsum",
+        "masked_fill", "repeat_interleave", "einsum", "amax", "maximum", "minimum", "log1p", "reciprocal")},
+    **{n: getattr(F, n) for n in ("linear", "conv1d", "conv2d", "conv3d", "gelu", "silu", "mish", "hardswish",
+                                  "hardsigmoid", "hardtanh", "softplus", "leaky_relu", "dropout", "max_pool1d",
+                                  "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
+                                  "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
+                                  "scaled_dot_product_attention", "pad")},
+}
+_METHODS = {"view", "reshape", "expand", "contiguous", "t", "clone", "repeat", "unflatten", "expand_as",
+            "view_as", "type_as", "detach", "to", "_unsafe_view"}
+_IDENTITY = {"alias", "lift_fresh_copy", "detach_"}
+_SKIPPED = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
+
+
+def _torch_level(target, args, kwargs):
+    """Record ``target(*args, **kwargs)`` on proxies as its torch-level function where one takes
+    the same arguments (see :data:`_SAME_ARGS`), else as the ATen op itself."""
+    if target is operator.getitem:
+        return args[0][args[1]]
+    name = target.__name__.split(".")[0] if isinstance(target, torch._ops.OpOverload) else ""
+    special = _SPECIAL.get(name)
+    if special is not None:
+        return special(*args, **kwargs)
+    if name in _SAME_ARGS:
+        return _SAME_ARGS[name](*args, **kwargs)
+    if name in _METHODS:
+        method = "view" if name == "_unsafe_view" else name
+        return getattr(args[0], method)(*args[1:], **kwargs)
+    if name in _IDENTITY:
+        return args[0]
+    if name in _SKIPPED:
+        return None
+    return target(*args, **kwargs)
+
+
+def _layer_norm(x, shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+    return F.layer_norm(x, shape, weight, bias, eps)
+
+
+def _group_norm(x, groups, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+    return F.group_norm(x, groups, weight, bias, eps)
+
+
+def _batch_norm(x, weight, bias, mean, var, training, momentum, eps, cudnn_enabled=True):
+    return F.batch_norm(x, mean, var, weight, bias, training, momentum, eps)
+
+
+def _embedding(weight, ids, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    return F.embedding(ids, weight, None if padding_idx == -1 else padding_idx, None, 2.0, scale_grad_by_freq, sparse)
+
+
+def _index(x, indices):
+    return x[tuple(slice(None) if i is None else i for i in indices)]
+
+
+def _constant_pad(x, pad, value=0.0):
+    return F.pad(x, pad, "constant", value)
+
+
+def _to(x, *args, **kwargs):
+    kwargs.pop("layout", None)
+    kwargs.pop("pin_memory", None)
+    return x.to(*args, **kwargs)
+
+
+_SPECIAL: Dict[str, Callable] = {
+    "layer_norm": _layer_norm, "group_norm": _group_norm, "batch_norm": _batch_norm, "embedding": _embedding,
+    "slice": _getitem_slice, "index": _index, "constant_pad_nd": _constant_pad, "to": _to,
+}
+
+
+# ----------------------------------------------------------------------------- entry
+
+
+def trace_graph(model: nn.Module, X, output, tracer_type) -> Tuple[nn.Module, fx.Graph, str]:
+    """``(root, graph, where the loss's tensor was found)``: the model traced on ``X`` at the
+    ATen level and replayed by ``tracer_type`` (curvlib's fx tracer) over a root holding the
+    model at ``model.``."""
+    gm, params, buffers, tensor_at, chosen = _aten_graph(model, X, output)
+    container = not isinstance(X, Tensor)
+    root = _Replay(model, gm, params, buffers, tensor_at, container)
+    concrete = {"X": trace_structure(X)} if container else None
+    graph = tracer_type().trace(root, concrete_args=concrete)
+    return root, graph, chosen
