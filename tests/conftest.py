@@ -18,6 +18,9 @@ import torch
 from hypothesis import HealthCheck, settings
 
 from on_device import DEVICE, SWITCH
+import torchvision_shim
+
+torchvision_shim.install()  # before anything imports torchvision (transformers, timm, laplace do)
 
 # Tiny float64 convolutions are ~200x slower with 2 threads than with 1.
 torch.set_num_threads(1)
