@@ -45,7 +45,7 @@ from . import _outputs
 from ._errors import CurvatureError
 from ._inputs import _as_pytree, trace_structure
 
-__all__ = ["trace_graph", "call_model"]
+__all__ = ["trace_graph", "call_model", "BranchChanged", "input_branch"]
 
 aten = torch.ops.aten
 
@@ -94,8 +94,59 @@ def _aten_graph(model: nn.Module, X, output) -> Tuple[fx.GraphModule, List[str],
         chosen.append(_outputs.describe_choice(out, where) if where else "")
         return tensor
 
-    gm = make_fx(run, pre_dispatch=True)(params, buffers, *[leaves[i] for i in tensor_at])
+    inputs = (params, buffers, *[leaves[i] for i in tensor_at])
+    # (a value the Python reads from a tensor, ``if mask.all()``, is taken as it is for this input
+    # and becomes a guard of the graph: see :func:`input_branch`)
+    gm = make_fx(run, pre_dispatch=True, _error_on_data_dependent_ops=False)(*inputs)
+    gm.curvlib_reads = _read_values(gm, pytree.tree_leaves(inputs))
     return gm, list(params), list(buffers), tensor_at, chosen[0]
+
+
+_READS = (aten.item.default, aten._local_scalar_dense.default, aten.is_nonzero.default)
+
+
+def _read_values(gm: fx.GraphModule, inputs) -> Dict[str, object]:
+    """Node name -> the value the model's Python read from a tensor (``.item()``, ``bool(t)``)."""
+    reads = {n for n in gm.graph.nodes if n.target in _READS}
+    values: Dict[str, object] = {}
+    if not reads:
+        return values
+
+    class _Reader(fx.Interpreter):
+        def run_node(self, n):
+            value = super().run_node(n)
+            if n in reads:
+                values[n.name] = value
+            return value
+
+    with torch.no_grad():
+        _Reader(gm).run(*inputs)
+    return values
+
+
+class BranchChanged(CurvatureError):
+    """The model's Python read another value from the input than when it was traced."""
+
+
+def input_branch(value: Tensor, expected, where: str):
+    """A guard: the model read ``expected`` from ``value`` (``if mask.all()``) when traced; an input
+    that reads otherwise takes another branch of the model's code, and the graph does not hold it."""
+    if isinstance(value, torch._subclasses.FakeTensor):
+        return expected  # (shape passes: no values)
+    try:
+        actual = value.item()
+    except RuntimeError as exc:  # a batched tensor (vmap over the input): no single value
+        raise CurvatureError(
+            f"The model's forward reads a value from its input ({where}) to choose a branch; under "
+            "torch.func.vmap over the input that value differs per member and cannot be checked. "
+            "Call curvature's function per member, or vmap over parameters only.") from exc
+    if actual != expected:
+        raise BranchChanged(f"the model read {actual!r} at {where}, traced with {expected!r}")
+    return expected
+
+
+input_branch.curvlib_linear = True  # a constant for the derivatives (curvlib.rules.elementwise)
+torch.fx.wrap("input_branch")
 
 
 class _Replay(nn.Module):
@@ -138,6 +189,8 @@ class _Replay(nn.Module):
         target = node.target
         if not _has_proxy((args, kwargs)):
             return target(*args, **kwargs)  # constants only (a causal mask): evaluated once
+        if target in _READS:
+            return input_branch(args[0], self._gm.curvlib_reads[node.name], node.name)
         module = _owner_call(node, names, self._owners, self.model)
         if module is not None:
             return module(args[_INPUT_ARG[target]])

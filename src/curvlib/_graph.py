@@ -145,6 +145,7 @@ def _record_functional(program, use, value, env, params, trainable, rec):
             {n: n for n in use.params if n in trainable},
             {n: params[n] for n in use.params},
             [env[a] for a in use.inputs], value, rec, {a: env[a] for a in use.fixed},
+            batch_sized_chain=value.dim() > 0 and functional.batch_sized(use, env, value.shape[0]),
         )
     return value
 

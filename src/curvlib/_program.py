@@ -40,7 +40,7 @@ from torch import fx, nn
 from . import _aten, rules
 from ._sync import LOCK
 from .rules import attention
-from .rules.functional import FunctionalUse, is_affine, linear_roles
+from .rules.functional import FunctionalUse, is_affine, linear_roles, linear_transposed
 
 __all__ = ["Program", "Layer", "trace_program", "trace_aten_program"]
 
@@ -399,7 +399,8 @@ def functional_uses(graph: fx.Graph, root: nn.Module, param_names: Dict[int, str
         chain = tuple(n for n in graph.nodes if n in chain_set)
         inputs = tuple(a for a in node.all_input_nodes if a in dependent)
         fixed = tuple(n for n in chain if not reads.get(n))  # (index computations, the input's shape)
+        linear = linear_roles(node, root, param_names, dependent)
         uses[node] = FunctionalUse(node=node, chain=chain, params=tuple(sorted(params)), inputs=inputs, fixed=fixed,
-                                   linear=linear_roles(node, root, param_names, dependent),
-                                   affine=is_affine(node, chain, fixed, root))
+                                   linear=linear, affine=is_affine(node, chain, fixed, root),
+                                   transposed=linear is not None and linear_transposed(node))
     return uses

@@ -157,7 +157,19 @@ def _batch_diag(uses, m_by_site, name, params, n, cache=None) -> Tensor:
 
 
 def _kron(uses, m_by_site, name, cache=None, approx=None) -> List[Tensor]:
-    """Kronecker factors; a Linear weight used by several sites treats the uses like
+    """Kronecker factors, one per dim of the parameter: ``[B, A]`` for a Linear weight
+    ``[out, in]``, ``[A, B]`` for one stored transposed (GPT-2's ``Conv1D``, see
+    ``rules.linear.LINEAR_TRANSPOSED``); see :func:`_kron_stored`."""
+    u = uses[name]
+    flipped = [site.meta.get("transposed", False) and role == "weight" for site, role in u]
+    if any(flipped) and (len(u) > 1):  # a transposed weight also used elsewhere: its exact block (or diagonal)
+        return fixed_rows.generic_block(u, m_by_site, lambda: _sqrt(uses, m_by_site, name), approx)
+    factors = _kron_stored(uses, m_by_site, name, cache, approx)
+    return factors[::-1] if any(flipped) else factors
+
+
+def _kron_stored(uses, m_by_site, name, cache=None, approx=None) -> List[Tensor]:
+    """Kronecker factors in the sites' own layout; a Linear weight used by several sites treats the uses like
     positions sharing the weight (roots summed in ``B``, inputs' outer products in ``A``).
 
     With a ``cache``, a site's output factor ``B`` (the same for its weight and bias)

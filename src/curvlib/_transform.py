@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _arguments, _budget, _buffers, _compiled, _dropout, _inputs, _outputs, _strategy, _wrappers, losses
+from ._aten import BranchChanged
 from ._diagnose import forward_failure, forward_mode_failure
 from ._independence import refuse_mixing
 from ._engine import forward_with_probes
@@ -241,6 +242,11 @@ class _Setup:
             warn_opaque(traced.program)
         return traced
 
+    def forget_aten(self, X) -> None:
+        """Drop the ATen-level traces of ``X``'s signature (its values took another branch)."""
+        with LOCK:
+            self._aten_traces.clear()
+
     def _say_output(self, program) -> None:
         """Say once which tensor of a container output the loss takes, when the default rule chose it."""
         if program.output_choice and self.output is None and not self.output_said:
@@ -264,6 +270,15 @@ class _Call:
                  generator: Optional[torch.Generator] = None, buffers: Optional[Mapping[str, Tensor]] = None,
                  _into=None) -> Dict[str, object]:
         """``_into``: the batch's square-root buffers when this is a slice of it (:mod:`curvlib._chunking`)."""
+        try:
+            return self._run(X, y, params, generator, buffers, _into)
+        except BranchChanged:
+            # the model's code took another branch on this input's values than on the traced
+            # one's (curvlib._aten.input_branch): trace it again on this input
+            self.setup.forget_aten(X)
+            return self._run(X, y, params, generator, buffers, _into)
+
+    def _run(self, X, y, params, generator, buffers, _into) -> Dict[str, object]:
         s = self.setup
         n = _inputs.check_input(X)
         params, buffers = _buffers.split(s.model, params, buffers)

@@ -28,7 +28,7 @@ from torch import Tensor, fx, nn
 from torch.func import vjp, vmap
 
 from ._site import Recorder, RoleTensors, Rule, Site
-from .linear import LINEAR
+from .linear import LINEAR, LINEAR_TRANSPOSED
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class FunctionalUse:
     linear: Optional[Dict[str, str]] = None  # F.linear on parameters: role -> canonical name
     affine: bool = False  # affine in the parameters and the inputs together (see :func:`is_affine`)
     fixed: Tuple[fx.Node, ...] = ()  # chain nodes reading no parameter: their values are taken as they are
+    transposed: bool = False  # ``F.linear(x, W.t(), b)``: the weight parameter is stored ``[in, out]``
 
 
 def _lookup(root: nn.Module, target: str):
@@ -93,6 +94,8 @@ def evaluate(use: FunctionalUse, root: nn.Module, param_names: Dict[int, str],
 
 
 def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
+    if site.meta.get("batch_sized_chain"):
+        return _grad_batch_masked(site, g, roles)
     use, root, param_names = site.meta["use"], site.meta["root"], site.meta["param_names"]
     n = g.shape[0]
     params = {k[6:]: v for k, v in site.saved.items() if k.startswith("param:")}
@@ -113,17 +116,45 @@ def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
     return vmap(one_sample, in_dims=(in_dims, 0))(inputs, g)
 
 
+def _grad_batch_masked(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """Individual gradients when the parameter-only chain itself has the batch size (a class token
+    ``cls.expand(N, -1, -1)``, token-type ids expanded to ``[N, T]``): the node cannot run on one
+    sample, so each sample's gradient is the full node's vector-Jacobian product with the output
+    gradient of that sample alone, ``g_n = vjp(op)(g · e_n)`` (N products of the whole node)."""
+    use, root, param_names = site.meta["use"], site.meta["root"], site.meta["param_names"]
+    n = g.shape[0]
+    params = {k[6:]: v for k, v in site.saved.items() if k.startswith("param:")}
+    inputs = [site.saved[f"in{i}"] for i in range(len(use.inputs))]
+    free = {r: p for r, p in params.items() if r in set(roles)}
+    fixed = {r: p for r, p in params.items() if r not in free}
+
+    def f(free_params):
+        return evaluate(use, root, param_names, {**fixed, **free_params}, inputs, site.meta.get("constants"))
+
+    pull = vjp(f, free)[1]
+    rows = torch.eye(n, dtype=g.dtype, device=g.device).reshape((n, n) + (1,) * (g.dim() - 1))
+    return vmap(lambda row: pull(g * row)[0])(rows)
+
+
+def batch_sized(use: FunctionalUse, env: Dict, n: int) -> bool:
+    """Whether a value of the use's parameter-only chain has the batch size in dim 0 (see
+    :func:`_grad_batch_masked`); a parameter whose dim 0 happens to equal ``N`` only costs time."""
+    return any(isinstance(env.get(c), Tensor) and env[c].dim() > 0 and env[c].shape[0] == n and n > 1
+               for c in use.chain if c.op != "get_attr")
+
+
 FUNCTIONAL = Rule(kind="generic", grad_batch=grad_batch)
 
 
 def record(use: FunctionalUse, root: nn.Module, param_names: Dict[int, str], names: Dict[str, str],
            tensors: Dict[str, Tensor], inputs: Sequence[Tensor], out: Tensor, rec: Recorder,
-           constants: Optional[Dict] = None) -> Tensor:
+           constants: Optional[Dict] = None, batch_sized_chain: bool = False) -> Tensor:
     """Record the node as a site (``out`` is its value, computed by the interpreter; ``constants``:
     the values of the chain's nodes that read no parameter)."""
     saved = {f"param:{k}": v for k, v in tensors.items()}
     saved.update({f"in{i}": x for i, x in enumerate(inputs)})
-    meta = {"use": use, "root": root, "param_names": param_names, "batch_dim": 0, "constants": constants or {}}
+    meta = {"use": use, "root": root, "param_names": param_names, "batch_dim": 0, "constants": constants or {},
+            "batch_sized_chain": batch_sized_chain}
     where = f"{use.node.name} (op in forward using {', '.join(use.params)})"
     return rec.add(Site(FUNCTIONAL, names, where, meta=meta, saved=saved), out)
 
@@ -145,10 +176,25 @@ def linear_roles(node: fx.Node, root: nn.Module, param_names: Dict[int, str], de
     x, w, b = (args + [None] * 3)[:3]
     if not (isinstance(x, fx.Node) and x in dependent):
         return None
-    roles = {"weight": _parameter_name(w, root, param_names)}
+    roles = {"weight": _parameter_name(_untransposed(w), root, param_names)}
     if b is not None:
         roles["bias"] = _parameter_name(b, root, param_names)
     return roles if all(roles.values()) else None
+
+
+def _untransposed(w):
+    """``W`` of ``W.t()`` / ``W.T`` / ``torch.t(W)`` (a weight stored ``[in, out]``), else ``w``."""
+    if not isinstance(w, fx.Node):
+        return w
+    if (w.op == "call_method" and w.target == "t") or (w.op == "call_function" and w.target is torch.t):
+        return w.args[0]
+    return w
+
+
+def linear_transposed(node: fx.Node) -> bool:
+    """Whether ``F.linear(x, W, b)``'s weight argument is a transposed parameter."""
+    args = list(node.args) + [node.kwargs.get("weight")]
+    return _untransposed(args[1]) is not args[1]
 
 
 # Operations affine in all their tensor arguments jointly, and the reshaping ops a parameter
@@ -178,6 +224,7 @@ def _lookup_embedding(node: fx.Node, root: Optional[nn.Module]) -> bool:
 
 def record_linear(use: FunctionalUse, names: Dict[str, str], x: Tensor, out: Tensor, rec: Recorder) -> Tensor:
     """Record ``F.linear(x, W, b)`` on parameters as a Linear site (``names``: trainable roles)."""
-    where = f"{use.node.name} (F.linear on {use.linear['weight']})"
-    return rec.add(Site(LINEAR, names, where, saved={"x": x}, meta={"batch_dim": 0, "family": "linear",
-                                                                    "node": use.node.name}), out)
+    where = f"{use.node.name} (F.linear on {use.linear['weight']}{'ᵀ' if use.transposed else ''})"
+    rule = LINEAR_TRANSPOSED if use.transposed else LINEAR
+    return rec.add(Site(rule, names, where, saved={"x": x}, meta={"batch_dim": 0, "family": "linear",
+                                                                   "node": use.node.name, "transposed": use.transposed}), out)

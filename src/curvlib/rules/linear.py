@@ -209,6 +209,34 @@ LINEAR = Rule(
 )
 
 
+def _weight_transposed(fn):
+    """``fn``'s weight entry for a weight stored transposed (``[in, out]``, GPT-2's ``Conv1D``:
+    ``y = x W + b = F.linear(x, Wᵀ, b)``): the last two dims swapped (``[N]`` norms stay)."""
+
+    def transposed(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
+        out = dict(fn(site, g, roles))
+        if "weight" in out and out["weight"].dim() >= 2:
+            out["weight"] = out["weight"].transpose(-1, -2)
+        return out
+
+    return transposed
+
+
+#: A Linear site whose weight parameter is ``Wᵀ`` (``[in, out]``); its Kronecker factors are
+#: ``[A, B]`` (one per dim of the parameter, as BackPACK orders them), see ``_secondorder._kron``.
+LINEAR_TRANSPOSED = Rule(
+    kind="linear",
+    grad_batch=_weight_transposed(grad_batch),
+    grad=_weight_transposed(grad),
+    grad_from_batch=grad_from_batch,
+    batch_l2=batch_l2,
+    sum_grad_squared=_weight_transposed(sum_grad_squared),
+    any_batch_dim=True,
+    sum_squares_over_columns=_weight_transposed(sum_squares_over_columns),
+    batch_sum_squares_over_columns=_weight_transposed(batch_sum_squares_over_columns),
+)
+
+
 def forward(module: nn.Linear, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
     """Run ``nn.Linear`` functionally and record its site."""
     (x,) = _bind_input(args, kwargs, "input")
