@@ -110,6 +110,11 @@ def _holds_attention(module: nn.Module) -> bool:
     return any(attention.traced_forward(m) is not None for m in module.modules())
 
 
+def _holds_layers(module: nn.Module) -> bool:
+    """Whether a submodule below ``module`` owns parameters."""
+    return any(_owns_parameters(m) for m in module.modules() if m is not module)
+
+
 def _outermost_owners(root: nn.Module) -> List[str]:
     """Layers of a model without a graph: the modules that own parameters directly
     (or through ``torch.nn.utils.parametrize``), except those inside another
@@ -150,10 +155,11 @@ class _Tracer(fx.Tracer):
         if id(m) in self.opaque:
             return True
         if _owns_parameters(m):
-            # A user module that owns parameters and holds attention inside: traced through
-            # (its direct parameter uses become functional sites, as the root's), since as a
-            # generic leaf its attention would run PyTorch's fused kernels.
-            return rules.has_family(m) or not _holds_attention(m)
+            # A user module that owns parameters and holds parametrized submodules or attention
+            # (a ConvNeXt block's layer-scale gamma around its Linear layers): traced through, its
+            # direct parameter uses become functional sites (as the root's) and the layers inside
+            # keep their rules (Kronecker factors); as one generic leaf they would lose them.
+            return rules.has_family(m) or not (_holds_attention(m) or _holds_layers(m))
         return super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward, args, kwargs):
