@@ -1,5 +1,7 @@
 """Bad input is refused with a clear ValueError/TypeError naming the culprit."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -167,27 +169,27 @@ class _TupleOut(_DictOut):
         return self.lin(x), x
 
 
-@pytest.mark.parametrize("model, match", [
-    (_DictOut(), r"returns a dict \('logits': tensor \[4, 2\], 'hidden': tensor \[4, 3\]\)"),
-    (_TupleOut(), r"returns a tuple \(tensor \[4, 2\], tensor \[4, 3\]\)"),
-])
-def test_non_tensor_output_names_the_users_type_and_the_fix(model, match):
-    """Not fx's ``immutable_dict``: the type the user wrote, its entries and how to pick the logits
-    (issue 24, item 6); the advised wrapper then works for a traceable model (an untraceable
-    one inside a wrapper becomes an opaque leaf that must return one tensor: issue 21)."""
+@pytest.mark.parametrize("model, entry", [(_DictOut(), "['logits']"), (_TupleOut(), "[0]")])
+def test_container_output_takes_the_logits_and_says_so(model, entry):
+    """A dict, tuple, dataclass or ModelOutput: the loss takes the entry named ``logits``, else the
+    first tensor (issue 21, ``curvature(..., output=)``), and curvlib says which, once."""
     X, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
-    with pytest.raises(curvlib.CurvatureError, match=match + r".*return self\.model\(x\)\[\"logits\"\]"):
-        curvature(model, nn.CrossEntropyLoss(), [BatchGrad()])(X, y)
-    if isinstance(model, _TupleOut):
-        return
+    with pytest.warns(UserWarning, match=re.escape(entry)):
+        qs = curvature(model, nn.CrossEntropyLoss(), [BatchGrad()])(X, y)
+    assert qs["grad_batch"]["lin.weight"].shape == (4, 2, 3)
+    torch.testing.assert_close(qs["loss"], nn.CrossEntropyLoss()(model.lin(X), y))
 
-    class Logits(nn.Module):
-        def __init__(self, inner):
+
+def test_output_without_a_tensor_names_the_users_type_and_the_fix():
+    class Named(nn.Module):
+        def __init__(self):
             super().__init__()
-            self.model = inner
+            self.lin = nn.Linear(3, 2)
 
         def forward(self, x):
-            return self.model(x)["logits"]
+            return {"logits": self.lin(x), "hidden": x}
 
-    qs = curvature(Logits(model), nn.CrossEntropyLoss(), [BatchGrad()])(X, y)
-    assert qs["grad_batch"]["model.lin.weight"].shape == (4, 2, 3)
+    X, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    with pytest.raises(curvlib.CurvatureError, match=r"returned dict \(entries: logits, hidden\): no tensor entry "
+                                                     r"named 'scores'.*output=NAME"):
+        curvature(Named(), nn.CrossEntropyLoss(), [BatchGrad()], output="scores")(X, y)

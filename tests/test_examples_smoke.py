@@ -38,8 +38,12 @@ def test_example_runs_quick_and_writes_png(script, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", MPLBACKEND="Agg",
                PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src")] + ([os.environ["PYTHONPATH"]]
                                                                          if os.environ.get("PYTHONPATH") else [])))
-    proc = subprocess.run([sys.executable, script, "--quick", "--out", str(out)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=240)
+    # (through tests/torchvision_shim.py: laplace-torch imports torchvision, whose registry wheel is a
+    # CUDA build that does not import on the CPU torch without it)
+    runner = ("import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); import torchvision_shim; "
+              "torchvision_shim.install(); sys.argv.pop(0); runpy.run_path(sys.argv[0], run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", runner, os.path.dirname(__file__), script, "--quick", "--out", str(out)],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert list(out.glob("*.png")), f"no PNG in --out; output:\n{proc.stdout[-2000:]}"
     assert not list(cwd.iterdir()), f"wrote into the working directory: {list(cwd.iterdir())}"

@@ -1,5 +1,10 @@
 """Submodules torch.fx cannot trace stay opaque graph nodes, not a refusal of the model.
 
+Since issue 21 such models are traced at the ATen level instead (``curvlib._aten``,
+``tests/test_aten.py``); the opaque leaves remain the fallback where that front end cannot
+run (a custom ``autograd.Function`` in the model's code). This file tests the fallback: the
+ATen front end is switched off for every test here (``_opaque_fallback``).
+
 A model whose submodule's ``forward`` fails under fx (assertions or ``isinstance``
 checks on proxies, branches on tensor values, BackPACK's ``SumModule``) is traced
 with that submodule as one leaf: a layer run by the generic rule when it owns
@@ -32,6 +37,16 @@ from oracles_all import assert_matches, exact_extensions, kflr_map, product_matr
 from oracles_pchmp import pchmp_blocks
 from oracles_second import ggn_per_sample, kron_input_factor
 from on_device import seeded
+
+@pytest.fixture(autouse=True, scope="module")
+def _opaque_fallback():
+    """The ATen front end off: torch.fx's trace with opaque leaves is used, as before issue 21."""
+    import curvlib._tracing
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(curvlib._tracing, "needs_aten", lambda *a: False)
+        yield
+
 
 # --------------------------------------------------------------------------- models
 

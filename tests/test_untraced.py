@@ -1,4 +1,5 @@
-"""Models torch.fx cannot trace: first order through the eager runner, second order refused.
+"""Models torch.fx cannot trace: the ATen front end (issue 21), and, without it, first order
+through the eager runner with second order refused.
 
 The eager runner (:func:`curvlib._untraced.run_eager`) is tested through the
 engine functions directly (``_first_order`` below replays what
@@ -27,6 +28,7 @@ from curvlib._plan import make_plan
 from curvlib._program import trace_program
 from curvlib._untraced import run_eager
 from curvlib.extensions import BatchGrad, BatchL2Grad, DiagGGNExact, KFAC, SumGradSquared, Variance
+from oracles_all import assert_matches, exact_extensions, reference
 
 from helpers import _assert_same_state, check_first_order, state_snapshot
 from oracles import assert_close_dicts, first_order_reference
@@ -467,8 +469,25 @@ def test_stale_plan_with_other_shapes_refused():
         forward_with_probes(program, plan, -Xp, values, frozenset(values), runner=run_eager)
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_second_order_through_the_aten_front_end(sign):
+    """torch.fx cannot trace the model's own forward; the ATen front end (issue 21) takes the
+    branch the input takes: every exact extension matches brute force on either side."""
+    torch.manual_seed(3)
+    model = BranchOnValue().double()
+    X = sign * (torch.rand(3, 3, dtype=torch.float64) + 0.1)
+    y = torch.randint(0, 3, (3,))
+    qs = curvature(model, nn.CrossEntropyLoss(), exact_extensions(hessian=True))(X, y)
+    assert_matches(qs, reference(model, nn.CrossEntropyLoss(), X, y, hessian=True, pchmp=False), f"sign {sign}")
+
+
 @pytest.mark.parametrize("ext", [DiagGGNExact(), KFAC()])
-def test_second_order_refused_with_model_line(ext):
+def test_second_order_refused_with_model_line_when_no_front_end_can_trace(ext, monkeypatch):
+    """Without the ATen front end (here switched off, as when make_fx cannot run the model),
+    second order is refused, naming the model line torch.fx failed at."""
+    import curvlib._tracing
+
+    monkeypatch.setattr(curvlib._tracing, "needs_aten", lambda *a: False)
     model = BranchOnValue()
     with pytest.raises(CurvatureError) as info:
         curvature(model, nn.MSELoss(), [BatchGrad(), ext])(torch.rand(2, 3), torch.rand(2, 3))

@@ -31,6 +31,7 @@ signature (shapes, dtypes, devices): :mod:`curvlib._transform` keys it so.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 from collections.abc import Mapping
@@ -44,8 +45,10 @@ from torch.utils import _pytree as pytree
 from . import _outputs
 from ._errors import CurvatureError
 from ._inputs import _as_pytree, trace_structure
+from ._sync import LOCK
+from .rules.generic import restored
 
-__all__ = ["trace_graph", "call_model", "BranchChanged", "input_branch"]
+__all__ = ["trace_graph", "call_model", "BranchChanged", "input_branch", "check_branches_per_sample"]
 
 aten = torch.ops.aten
 
@@ -97,9 +100,55 @@ def _aten_graph(model: nn.Module, X, output) -> Tuple[fx.GraphModule, List[str],
     inputs = (params, buffers, *[leaves[i] for i in tensor_at])
     # (a value the Python reads from a tensor, ``if mask.all()``, is taken as it is for this input
     # and becomes a guard of the graph: see :func:`input_branch`)
-    gm = make_fx(run, pre_dispatch=True, _error_on_data_dependent_ops=False)(*inputs)
+    with _no_custom_functions(), LOCK, restored(model), _without_hooks(model):
+        gm = make_fx(run, pre_dispatch=True, _error_on_data_dependent_ops=False)(*inputs)
     gm.curvlib_reads = _read_values(gm, pytree.tree_leaves(inputs))
     return gm, list(params), list(buffers), tensor_at, chosen[0]
+
+
+@contextlib.contextmanager
+def _without_hooks(model: nn.Module):
+    """The model's forward hooks set aside while it is traced (hooks are not part of curvlib's
+    math, :func:`curvlib._tracing.warn_hooks`), except those computing a parameter (old-style
+    ``weight_norm``); put back afterwards. Call under :data:`curvlib._sync.LOCK`."""
+    from .rules import math_hooks
+
+    saved = []
+    for m in model.modules():
+        keep = {id(h) for h in math_hooks(m)}
+        for store in ("_forward_hooks", "_forward_pre_hooks"):
+            hooks = getattr(m, store)
+            saved.append((hooks, dict(hooks)))
+            for key in [k for k, h in hooks.items() if id(h) not in keep]:
+                del hooks[key]
+    try:
+        yield
+    finally:
+        for hooks, before in saved:
+            hooks.clear()
+            hooks.update(before)
+
+
+class CustomFunction(Exception):
+    """The model applies a custom ``autograd.Function``: make_fx would record its ``forward``'s ops
+    and the graph would differentiate those instead of its ``backward`` (a straight-through
+    estimator would be silently wrong). The symbolic front end keeps it; this one refuses."""
+
+
+@contextlib.contextmanager
+def _no_custom_functions():
+    """Raise :class:`CustomFunction` when the traced code applies a custom ``autograd.Function``."""
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        raise CustomFunction(f"the model applies the custom autograd.Function {cls.__name__}")
+
+    with LOCK:
+        torch.autograd.Function.apply = classmethod(apply)
+        try:
+            yield
+        finally:
+            torch.autograd.Function.apply = original
 
 
 _READS = (aten.item.default, aten._local_scalar_dense.default, aten.is_nonzero.default)
@@ -143,6 +192,41 @@ def input_branch(value: Tensor, expected, where: str):
     if actual != expected:
         raise BranchChanged(f"the model read {actual!r} at {where}, traced with {expected!r}")
     return expected
+
+
+def check_branches_per_sample(model: nn.Module, X, output) -> None:
+    """Refuse a batch whose samples, each alone, take other branches than the batch took.
+
+    A guarded graph (:func:`input_branch`) holds the branch the *batch's* values chose (``if
+    x.sum() > 0``). curvlib's per-sample quantities are those of each sample run alone; where a
+    sample alone computes something else than its row of the batch, they are not defined. Run
+    once per call of a guarded graph: ``N + 1`` forwards without autograd. Branches that agree in
+    value (Hugging Face's ``if attention_mask.all()`` shortcut) pass."""
+    from ._inputs import batch_size, slice_batch
+
+    own = {k: v.detach() for k, v in model.named_parameters()}
+
+    def out(x):
+        return _outputs.select(torch.func.functional_call(model, own, (), dict(x)) if keyword_inputs(model, x)
+                               else torch.func.functional_call(model, own, (x,)), output)[0]
+
+    try:
+        with torch.no_grad(), LOCK, restored(model), _without_hooks(model):
+            batch = out(X)
+            for n in range(batch_size(X)):
+                alone, row = out(slice_batch(X, n, n + 1)), batch[n:n + 1]
+                scale = row.abs().max()
+                if alone.shape != row.shape or not bool(((alone - row).abs() <= 1e-5 * scale + 1e-6).all()):
+                    raise CurvatureError(
+                        f"The model's forward ({type(model).__name__}) reads tensor values to choose a branch "
+                        f"and computes something else for sample {n} alone than for it in the batch: the "
+                        "branch is chosen by the whole batch's values, so the samples are not independent and "
+                        "per-sample quantities are not defined. Make the branch depend on each sample alone "
+                        "(e.g. torch.where on per-sample conditions).")
+    except RuntimeError as exc:  # a batched input (vmap over X): no single value to read
+        raise CurvatureError(
+            "The model's forward reads values of its input to choose a branch; under torch.func.vmap over "
+            "the input they differ per member. Call curvature's function per member.") from exc
 
 
 input_branch.curvlib_linear = True  # a constant for the derivatives (curvlib.rules.elementwise)
@@ -422,4 +506,5 @@ def trace_graph(model: nn.Module, X, output, tracer_type) -> Tuple[nn.Module, fx
     root = _Replay(model, gm, params, buffers, tensor_at, container)
     concrete = {"X": trace_structure(X)} if container else None
     graph = tracer_type().trace(root, concrete_args=concrete)
+    graph.curvlib_guarded = bool(gm.curvlib_reads)
     return root, graph, chosen

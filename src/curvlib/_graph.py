@@ -95,7 +95,8 @@ def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, pres
         if preserve_inputs and node.op != "placeholder" and _residuals.is_inplace(program, node):
             load = lambda a: fx.node.map_arg(a, lambda n: env[n].clone() if isinstance(env[n], Tensor) else env[n])  # noqa: E731
         if node.op == "placeholder":
-            env[node] = leaves[placeholders_seen] if leaves is not None else _placeholder(node, X, placeholders_seen)
+            env[node] = (leaves[placeholders_seen] if leaves is not None and placeholders_seen < len(leaves)
+                         else _placeholder(node, X, placeholders_seen))
             placeholders_seen += 1
         elif node.op == "get_attr":
             value = _lookup(program.root, node.target)
@@ -127,8 +128,12 @@ def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, pres
             result = load(node.args[0])
             if program.out_spec is not None:
                 result = pytree.tree_unflatten(list(result), program.out_spec)
-    if not isinstance(result, Tensor):
-        result = _outputs.select(result, program.selector)[0]  # (a ModelOutput, tuple, dict: curvlib._outputs)
+    if not isinstance(result, Tensor):  # a ModelOutput, tuple, dict: curvlib._outputs
+        chosen, where = _outputs.select(result, program.selector)
+        if program.selector is None and not program.output_choice:
+            program.output_choice = _outputs.describe_choice(result, where)
+            _outputs.say_choice(program.output_choice)
+        result = chosen
     return result
 
 

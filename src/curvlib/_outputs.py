@@ -15,6 +15,7 @@ takes one tensor, chosen by ``curvature(..., output=...)``:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import Callable, Optional, Tuple, Union
 
@@ -22,7 +23,7 @@ from torch import Tensor
 
 from ._errors import CurvatureError, CurvatureTypeError
 
-__all__ = ["Selector", "check_selector", "select", "describe_choice"]
+__all__ = ["Selector", "check_selector", "select", "describe_choice", "say_choice"]
 
 Selector = Union[None, str, int, Callable]
 
@@ -89,14 +90,30 @@ def select(out, output: Selector = None) -> Tuple[Tensor, str]:
     return values[output], f"[{output}]"
 
 
+def _type_name(out) -> str:
+    """The type the user wrote (torch.fx hands a traced dict or list back as its ``immutable_*``)."""
+    kind = type(out)
+    if kind.__module__.startswith("torch.fx"):
+        kind = dict if isinstance(out, dict) else list if isinstance(out, list) else kind
+    return kind.__name__
+
+
 def describe_choice(out, where: str) -> str:
-    return f"{type(out).__name__}{where}"
+    return f"{_type_name(out)}{where}"
+
+
+def say_choice(choice: str) -> None:
+    """Say which tensor of a container output the loss takes (the default rule chose it)."""
+    warnings.warn(
+        f"The model returns a container; curvlib passes {choice} to the loss (the entry named "
+        "'logits', else the first tensor). Choose another with curvature(..., output=NAME | POSITION "
+        "| callable).", UserWarning, stacklevel=2)
 
 
 def _missing(out, why: str) -> CurvatureError:
     names = [k if k is not None else f"[{i}]" for i, (k, _) in enumerate(_entries(out))]
     listing = f" (entries: {', '.join(map(str, names))})" if names else ""
     return CurvatureError(
-        f"The model returned {type(out).__name__}{listing}: {why}. Choose the tensor the loss takes "
+        f"The model returned {_type_name(out)}{listing}: {why}. Choose the tensor the loss takes "
         "with curvature(..., output=NAME), output=POSITION or output=callable."
     )

@@ -267,7 +267,7 @@ def trace_program(model: nn.Module, example=None) -> Program:
 
         first = next(iter(inspect.signature(root.forward).parameters))
         concrete = {first: trace_structure(example)}
-    graph, error, opaque = _trace_with_opaque_leaves(root, concrete)
+    graph, error, opaque = _trace_with_opaque_leaves(root, _with_defaults(root, concrete))
     return _assemble(root, prefix, graph, error, opaque, param_names, leaf_inputs=concrete is not None)
 
 
@@ -316,6 +316,21 @@ def _assemble(root, prefix, graph, error, opaque, param_names, leaf_inputs: bool
     )
 
 
+def _with_defaults(root: nn.Module, concrete: Optional[dict]) -> Optional[dict]:
+    """``concrete`` plus the constant defaults of ``forward``'s further arguments (timm's
+    ``forward(x, attn_mask=None)``): curvlib calls ``model(X)``, so they keep their defaults, and
+    traced as inputs they would send the trace down a masked branch with no mask."""
+    params = list(inspect.signature(root.forward).parameters.values())
+    defaults = {p.name: p.default for p in params[1:]
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                and (p.default is None or isinstance(p.default, (bool, int, float, str)))}
+    if not defaults:
+        return concrete
+    if concrete is None:
+        concrete = {}
+    return {**defaults, **concrete}
+
+
 def _why(exc: BaseException) -> str:
     """fx's error, first line, with the model line that raised it."""
     line = _model_line(exc)
@@ -351,7 +366,8 @@ def _input_dependent(graph: fx.Graph, leaves: bool = False) -> set:
     """Nodes whose value depends on the model input (the first placeholder; every
     placeholder when the input's leaves are the placeholders)."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    dependent = set(placeholders if leaves else placeholders[:1])
+    # (a placeholder with a default is a further argument specialised to it: a constant)
+    dependent = set([p for p in placeholders if not p.args] if leaves else placeholders[:1])
     for node in graph.nodes:
         if any(a in dependent for a in node.all_input_nodes) and not _shape_query(node):
             dependent.add(node)

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _arguments, _budget, _buffers, _compiled, _dropout, _inputs, _outputs, _strategy, _wrappers, losses
-from ._aten import BranchChanged
+from ._aten import BranchChanged, check_branches_per_sample
 from ._diagnose import forward_failure, forward_mode_failure
 from ._independence import refuse_mixing
 from ._engine import forward_with_probes
@@ -251,10 +251,7 @@ class _Setup:
         """Say once which tensor of a container output the loss takes, when the default rule chose it."""
         if program.output_choice and self.output is None and not self.output_said:
             self.output_said = True
-            warnings.warn(
-                f"The model returns a container; curvlib passes {program.output_choice} to the loss "
-                "(the entry named 'logits', else the first tensor). Choose another with "
-                "curvature(..., output=NAME | POSITION | callable).", UserWarning, stacklevel=4)
+            _outputs.say_choice(program.output_choice)
 
 
 # ----------------------------------------------------------------------------- one call
@@ -287,6 +284,8 @@ class _Call:
         traced = s.traced(X)
         for check in traced.checks:  # (the eager runner checks modules as they are called)
             check()
+        if getattr(traced.program.graph, "curvlib_guarded", False):
+            check_branches_per_sample(s.model, X, s.output)
         read: Dict[str, object] = {}
         plan = self._plan(traced, X, values, trainable, y, n, read)
         y = losses.prepare_targets(s.spec, y)

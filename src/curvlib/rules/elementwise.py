@@ -54,7 +54,7 @@ _LINEAR_FUNCTIONS = {
     operator.add, operator.sub, operator.neg, operator.pos, operator.getitem,
     torch.add, torch.sub, torch.neg, torch.flatten, torch.reshape, torch.cat, torch.stack,
     torch.transpose, torch.permute, torch.squeeze, torch.unsqueeze, torch.sum, torch.mean,
-    torch.movedim, torch.swapaxes, torch.narrow, torch.select, torch.chunk, torch.split,
+    torch.movedim, torch.swapaxes, torch.narrow, torch.select, torch.chunk, torch.split, torch.unbind,
     torch.relu, torch.flip, torch.roll,
     F.relu, F.leaky_relu, F.relu6, F.hardtanh, F.pad, F.dropout, F.dropout1d, F.dropout2d,
     F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d,
@@ -64,7 +64,7 @@ _LINEAR_FUNCTIONS = {
 _LINEAR_METHODS = {
     "view", "reshape", "flatten", "permute", "transpose", "squeeze", "unsqueeze",
     "contiguous", "mean", "sum", "size", "dim", "expand", "expand_as", "repeat", "chunk",
-    "split", "__getitem__", "t", "neg", "relu", "narrow", "select", "to", "type_as",
+    "split", "unbind", "__getitem__", "t", "neg", "relu", "narrow", "select", "to", "type_as",
     "float", "double", "flip", "roll", "movedim", "view_as", "reshape_as", "clone",
     "add", "sub", "unflatten",
 }
