@@ -25,12 +25,20 @@ the reference every ratio is taken against.
 | ``gpt`` | GPT from ``nn.TransformerEncoderLayer``: vocab 256, learned positions, 4 pre-LN blocks d 128, 4 heads, causal, T 64 | 32 | ``[N, 64]`` tokens | ``CrossEntropyLoss()``, every position |
 | ``gpt-v16`` | the same with vocab 16 (C = 16·64 = 1024 output columns, for the exact quantities) | 32 | ``[N, 64]`` tokens | ``CrossEntropyLoss()``, every position |
 | ``lstm`` | ``nn.LSTM`` 32 -> 128, 2 layers, last step -> Linear 10; T 50 | 64 | ``[N, 50, 32]`` | ``CrossEntropyLoss()`` |
+| ``gpt2-hf`` | Hugging Face ``GPT2LMHeadModel`` (random weights): 2 layers, n_embd 128, 4 heads, vocab 256, T 64, eval; logits transposed to ``[N, V, T]`` | 32 | ``[N, 64]`` tokens | ``CrossEntropyLoss()``, every position |
+| ``gpt2-hf-v16`` | the same with vocab 16 (C = 1024, for the exact quantities) | 32 | ``[N, 64]`` tokens | ``CrossEntropyLoss()``, every position |
+| ``vit-timm`` | timm ``vit_tiny_patch16_224`` (random weights) at img_size 32, patch_size 4, depth 2, 10 classes, eval | 32 | ``[N, 3, 32, 32]`` | ``CrossEntropyLoss()`` |
+| ``vit-timm-fwd`` | the same inside a module whose ``forward(x)`` has one argument (timm's has ``attn_mask=None, is_causal=False`` too) | 32 | ``[N, 3, 32, 32]`` | ``CrossEntropyLoss()`` |
 
 On request (:data:`GPU_PROBLEMS`, not in the CPU default): ``mlp-1024``, ``3c3d-256``,
 ``resnet-128`` (the same models with N = 1024, 256, 128) and ``allcnnc-96``
 (All-CNN-C at DeepOBS's full width 96/192, N = 128): the sizes issue 12 measured on a GPU.
 
 The sequence models and their Opacus copies are in ``sequence_models.py``.
+``gpt2-hf``, ``gpt2-hf-v16`` and ``vit-timm`` need the optional packages ``transformers`` and
+``timm`` (imported inside their builders; models from configs, nothing downloaded). They
+run through curvlib's ATen front end (``make_fx``), not torch.fx. They are on request,
+not in the CPU default.
 """
 
 from __future__ import annotations
@@ -274,6 +282,89 @@ def lstm(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0)
     return _place(Problem(model, nn.CrossEntropyLoss(), X, y), device, dtype)
 
 
+def _zoo_imports() -> None:
+    """Before transformers/timm import torchvision: the tests' shim for a CUDA-built
+    torchvision wheel on CPU torch (``tests/torchvision_shim.py``; a no-op elsewhere)."""
+    import os
+    import sys
+
+    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import torchvision_shim
+
+    torchvision_shim.install()
+
+
+class HFLogits(nn.Module):
+    """``model(input_ids=ids).logits.transpose(1, 2)``: a Hugging Face causal LM's logits
+    ``[N, T, V]`` as ``[N, V, T]``, the layout ``CrossEntropyLoss`` takes with targets ``[N, T]``
+    (every method in ``run.py`` calls ``model(X)`` and needs a tensor)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.model(input_ids=ids).logits.transpose(1, 2)
+
+
+def gpt2_hf(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, vocab: int = 256) -> Problem:
+    """Hugging Face ``transformers.GPT2LMHeadModel`` from a ``GPT2Config`` with random weights
+    (nothing downloaded): 2 layers, n_embd 128, 4 heads, vocab ``vocab`` (256), n_positions 64,
+    dropout 0, eval mode, wrapped in :class:`HFLogits`. N=32 sequences of T=64 tokens;
+    ``CrossEntropyLoss(mean)`` over every position (logits ``[N, V, T]``, targets ``[N, T]``)."""
+    _zoo_imports()
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    n, length = 32, 64
+    config = GPT2Config(vocab_size=vocab, n_positions=length, n_embd=128, n_layer=2, n_head=4,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = HFLogits(GPT2LMHeadModel(config)).eval()
+    X = torch.randint(0, vocab, (n, length), generator=gen)
+    y = torch.randint(0, vocab, (n, length), generator=gen)
+    return Problem(model.to(device=device, dtype=dtype), nn.CrossEntropyLoss(), X.to(device), y.to(device))
+
+
+def gpt2_hf_v16(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> Problem:
+    """:func:`gpt2_hf` with a 16-token vocabulary: C = V·T = 1024 output columns per sample."""
+    return gpt2_hf(device, dtype, seed, vocab=16)
+
+
+class Forward1(nn.Module):
+    """``model(x)``: a forward with one argument around a model whose ``forward`` has more
+    (timm's ``forward(x, attn_mask=None, is_causal=False)``), so that tracing sees only ``x``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)
+
+
+def vit_timm(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, wrap: bool = False) -> Problem:
+    """timm ``vit_tiny_patch16_224`` built with random weights (``pretrained=False``) at
+    img_size 32, patch_size 4 (8x8 = 64 patches + class token), depth 2, 10 classes
+    (d 192, 3 heads, MLP 768), eval mode. N=32 images ``[N, 3, 32, 32]``,
+    ``CrossEntropyLoss(mean)``. ``wrap``: in :class:`Forward1` (``vit-timm-fwd``)."""
+    _zoo_imports()
+    import timm
+
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    n, classes = 32, 10
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=4, depth=2,
+                              num_classes=classes).eval()
+    if wrap:
+        model = Forward1(model).eval()
+    X = torch.rand(n, 3, 32, 32, generator=gen)
+    y = torch.randint(0, classes, (n,), generator=gen)
+    return _place(Problem(model, nn.CrossEntropyLoss(), X, y), device, dtype)
+
+
 def _place(problem: Problem, device: str, dtype: torch.dtype) -> Problem:
     model, lossfn, X, y = problem
     return Problem(model.to(device=device, dtype=dtype), lossfn, X.to(device=device, dtype=dtype), y.to(device))
@@ -292,6 +383,15 @@ PROBLEMS: dict[str, Callable[..., Problem]] = {
 
 #: What ``run.py`` times by default (the CPU benchmark); ``GPU_PROBLEMS`` on request.
 DEFAULT_PROBLEMS: tuple[str, ...] = tuple(PROBLEMS)
+
+#: The model zoo (Hugging Face / timm through the ATen front end), on request: optional packages.
+ZOO_PROBLEMS: dict[str, Callable[..., Problem]] = {
+    "gpt2-hf": gpt2_hf,
+    "gpt2-hf-v16": gpt2_hf_v16,
+    "vit-timm": vit_timm,
+    "vit-timm-fwd": functools.partial(vit_timm, wrap=True),
+}
+PROBLEMS.update(ZOO_PROBLEMS)
 
 #: The sizes issue 12 measured on an H100 (``--problems mlp-1024 3c3d-256 allcnnc-96 resnet-128``):
 #: more samples, and All-CNN-C at DeepOBS's full width (96/192). Too large for the CPU default.

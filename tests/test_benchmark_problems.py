@@ -113,3 +113,19 @@ def test_gpu_sizes_on_request_only():
         assert tuple(X.shape) == shape and y.shape[0] == shape[0]
     wide = P.PROBLEMS["allcnnc-96"](device=str(DEVICE)).model
     assert max(m.out_channels for m in wide.modules() if isinstance(m, torch.nn.Conv2d)) == 192
+
+
+@pytest.mark.parametrize("name, package, out_shape", [
+    ("gpt2-hf", "transformers", (32, 256, 64)), ("gpt2-hf-v16", "transformers", (32, 16, 64)),
+    ("vit-timm", "timm", (32, 10)), ("vit-timm-fwd", "timm", (32, 10)),
+])
+def test_zoo_problems_build_on_request(name, package, out_shape):
+    """The Hugging Face / timm problems build from configs (nothing downloaded), a backward
+    runs, and they stay out of the CPU default (optional packages)."""
+    pytest.importorskip(package)
+    assert name in P.ZOO_PROBLEMS and name not in P.DEFAULT_PROBLEMS
+    problem = _build(name)
+    with torch.no_grad():
+        assert tuple(problem.model(problem.X).shape) == out_shape
+    P.METHODS["backward"](_few(problem, 2))()
+    assert all(p.grad is not None for p in problem.model.parameters() if p.requires_grad)
