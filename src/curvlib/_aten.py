@@ -243,7 +243,7 @@ class _Replay(nn.Module):
         self.model = model
         object.__setattr__(self, "_gm", gm)  # (not a submodule: its graph is read, not traced)
         self._param_order, self._buffer_order, self._tensor_at, self._container = params, buffers, tensor_at, container
-        self._owners = _owners(model)
+        self._owners, self._canonical = _owners(model)
 
     def forward(self, X):
         leaves = pytree.tree_leaves(_as_pytree(X)) if self._container else [X]
@@ -275,7 +275,7 @@ class _Replay(nn.Module):
             return target(*args, **kwargs)  # constants only (a causal mask): evaluated once
         if target in _READS:
             return input_branch(args[0], self._gm.curvlib_reads[node.name], node.name)
-        module = _owner_call(node, names, self._owners, self.model)
+        module = _owner_call(node, names, self._owners, self._canonical)
         if module is not None:
             return module(args[_INPUT_ARG[target]])
         conv1d = _conv1d_linear(node, names, env)
@@ -300,8 +300,9 @@ def _has_proxy(value) -> bool:
 # ----------------------------------------------------------------------------- owner modules
 
 
-def _owners(model: nn.Module) -> Dict[str, List[Tuple[str, nn.Module]]]:
-    """Canonical parameter name -> ``(role, module)`` for every module holding it directly."""
+def _owners(model: nn.Module) -> Tuple[Dict[str, List[Tuple[str, nn.Module]]], Dict[int, str]]:
+    """Canonical parameter name -> ``(role, module)`` for every module holding it directly; and
+    ``id(parameter)`` -> canonical name."""
     canonical: Dict[int, str] = {}
     for name, p in model.named_parameters():
         canonical.setdefault(id(p), name)
@@ -310,7 +311,7 @@ def _owners(model: nn.Module) -> Dict[str, List[Tuple[str, nn.Module]]]:
         for role, p in m.named_parameters(recurse=False):
             if id(p) in canonical:
                 owners.setdefault(canonical[id(p)], []).append((role, m))
-    return owners
+    return owners, canonical
 
 
 # op -> position of the module's input among its arguments
@@ -324,45 +325,55 @@ def _param(arg, names) -> Optional[str]:
 
 
 def _arg(node: fx.Node, i: int, name: str, default=None):
+    """Argument ``i`` (``name``) of an ATen call, with the schema's default where it was left out
+    (``aten.conv2d(x, w, b, [4, 4])``: padding, dilation, groups)."""
     if len(node.args) > i:
         return node.args[i]
-    return node.kwargs.get(name, default)
+    if name in node.kwargs:
+        return node.kwargs[name]
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and i < len(schema.arguments) and schema.arguments[i].has_default_value():
+        return schema.arguments[i].default_value
+    return default
 
 
-def _matches(node: fx.Node, m: nn.Module, names) -> bool:
+_CONV = {aten.conv1d.default: nn.Conv1d, aten.conv2d.default: nn.Conv2d, aten.conv3d.default: nn.Conv3d}
+
+
+def _matches(node: fx.Node, m: nn.Module, names, canonical) -> bool:
     """Whether ``node`` computes exactly ``m``'s forward on its own parameters."""
     t = node.target
     weight = lambda i: _param(_arg(node, i, "weight"), names)  # noqa: E731
-    own = lambda role: getattr(m, role, None)  # noqa: E731
+    own = lambda role: m._parameters.get(role)  # noqa: E731  (not getattr: fx's tracer would record it)
     if t is aten.linear.default and type(m) is nn.Linear:
-        return _same(_arg(node, 2, "bias"), own("bias"), names)
-    if t in (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default) and type(m) in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
+        return _same(_arg(node, 2, "bias"), own("bias"), names, canonical)
+    if _CONV.get(t) is type(m):
         hyper = [_arg(node, i, k) for i, k in ((3, "stride"), (4, "padding"), (5, "dilation"), (6, "groups"))]
         mine = [list(m.stride), m.padding if isinstance(m.padding, str) else list(m.padding), list(m.dilation), m.groups]
         norm = lambda v: list(v) if isinstance(v, (list, tuple)) else v  # noqa: E731
         return (m.padding_mode == "zeros" and [norm(h) for h in hyper] == mine
-                and _same(_arg(node, 2, "bias"), own("bias"), names) and t.__name__[4] == str(m.weight.dim() - 2))
+                and _same(_arg(node, 2, "bias"), own("bias"), names, canonical))
     if t is aten.embedding.default and type(m) is nn.Embedding:
         pad = _arg(node, 2, "padding_idx", -1)
         return (m.max_norm is None and not m.sparse and (m.padding_idx if m.padding_idx is not None else -1) == pad
                 and bool(_arg(node, 3, "scale_grad_by_freq", False)) == m.scale_grad_by_freq and weight(0))
     if t is aten.layer_norm.default and type(m) is nn.LayerNorm:
         return (list(_arg(node, 1, "normalized_shape")) == list(m.normalized_shape) and _arg(node, 4, "eps", 1e-5) == m.eps
-                and _same(_arg(node, 3, "bias"), own("bias"), names))
+                and _same(_arg(node, 3, "bias"), own("bias"), names, canonical))
     if t is aten.group_norm.default and type(m) is nn.GroupNorm:
         return (_arg(node, 1, "num_groups") == m.num_groups and _arg(node, 4, "eps", 1e-5) == m.eps
-                and _same(_arg(node, 3, "bias"), own("bias"), names))
+                and _same(_arg(node, 3, "bias"), own("bias"), names, canonical))
     if t is aten.batch_norm.default and type(m) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
-        return (_arg(node, 7, "eps") == m.eps and bool(_arg(node, 5, "training")) == (m.training or m.running_mean is None)
-                and _same(_arg(node, 2, "bias"), own("bias"), names))
+        return (_arg(node, 7, "eps") == m.eps and bool(_arg(node, 5, "training")) == (m.training or m._buffers.get("running_mean") is None)
+                and _same(_arg(node, 2, "bias"), own("bias"), names, canonical))
     return False
 
 
-def _same(arg, p: Optional[Tensor], names) -> bool:
+def _same(arg, p: Optional[Tensor], names, canonical) -> bool:
     """An optional parameter argument is the module's own (both absent, or the same parameter)."""
     if p is None:
         return arg is None
-    return isinstance(arg, fx.Node) and arg in names
+    return isinstance(arg, fx.Node) and names.get(arg) == canonical.get(id(p))
 
 
 _WEIGHT_ARG = {aten.linear.default: 1, aten.conv1d.default: 1, aten.conv2d.default: 1, aten.conv3d.default: 1,
@@ -370,7 +381,7 @@ _WEIGHT_ARG = {aten.linear.default: 1, aten.conv1d.default: 1, aten.conv2d.defau
                aten.batch_norm.default: 1}
 
 
-def _owner_call(node: fx.Node, names, owners, model: nn.Module) -> Optional[nn.Module]:
+def _owner_call(node: fx.Node, names, owners, canonical) -> Optional[nn.Module]:
     """The module whose forward ``node`` is, called on its own parameters (else ``None``)."""
     if node.target not in _WEIGHT_ARG:
         return None
@@ -378,21 +389,9 @@ def _owner_call(node: fx.Node, names, owners, model: nn.Module) -> Optional[nn.M
     if weight is None:
         return None
     for role, m in owners.get(weight, []):
-        if role == "weight" and _matches(node, m, names) and _bias_is_own(node, m, names):
+        if role == "weight" and _matches(node, m, names, canonical):
             return m
     return None
-
-
-_BIAS_ARG = {aten.linear.default: 2, aten.conv1d.default: 2, aten.conv2d.default: 2, aten.conv3d.default: 2,
-             aten.layer_norm.default: 3, aten.group_norm.default: 3, aten.batch_norm.default: 2}
-
-
-def _bias_is_own(node: fx.Node, m: nn.Module, names) -> bool:
-    if node.target not in _BIAS_ARG or getattr(m, "bias", None) is None:
-        return True
-    bias = _param(_arg(node, _BIAS_ARG[node.target], "bias"), names)
-    own = [n for n, p in m.named_parameters(recurse=False) if n == "bias"]
-    return bias is not None and bool(own)
 
 
 def _conv1d_linear(node: fx.Node, names, env) -> Optional[fx.Proxy]:

@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 from . import _dropout, _inputs, _outputs, _residuals
 from ._errors import CurvatureError
 from ._program import Program
-from .rules import call_without_hooks, functional, layernorm
+from .rules import call_without_hooks, elementwise, functional, layernorm
 from .rules._site import Recorder
 
 __all__ = ["NodeFailure", "run_graph"]
@@ -156,10 +156,13 @@ def _record_functional(program, use, value, env, params, trainable, rec):
 
 
 def _function(target: Callable) -> Callable:
-    """A call_function node's function: a functional layer norm from primitives inside
-    torch.func transforms (:func:`curvlib.rules.layernorm.normalise`), else ``target``."""
+    """A call_function node's function: a functional layer norm or hardsigmoid from primitives
+    inside torch.func transforms (:func:`curvlib.rules.layernorm.normalise`,
+    :func:`curvlib.rules.elementwise.hardsigmoid`), else ``target``."""
     if target in _LAYER_NORMS and layernorm.inside_transform():
         return layernorm.layer_norm
+    if target is torch.nn.functional.hardsigmoid and layernorm.inside_transform():
+        return elementwise.hardsigmoid
     return target
 
 
@@ -182,7 +185,10 @@ def _call_module(program, node: fx.Node, args, kwargs, params, trainable, rec):
     by its own ``forward`` (hooks are not part of the math and are not run)."""
     layer = program.layers.get(node.target)
     if layer is None:
-        return call_without_hooks(_lookup(program.root, node.target), args, kwargs)
+        module = _lookup(program.root, node.target)
+        if type(module) is nn.Hardsigmoid and layernorm.inside_transform():
+            return elementwise.hardsigmoid(*args)  # (see _function)
+        return call_without_hooks(module, args, kwargs)
     if program.dependent and node not in program.dependent:
         # a layer on constants (nanoGPT's wpe(torch.arange(T))): part of the parameter-only
         # chain of the op that uses its output, which records the site (rules.functional)

@@ -40,14 +40,14 @@ LINEAR_MODULES: Tuple[type, ...] = (
     nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
     nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d,
     nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
-    nn.ReLU, nn.LeakyReLU, nn.ReLU6, nn.Hardtanh, nn.Threshold,
+    nn.ReLU, nn.LeakyReLU, nn.ReLU6, nn.Hardtanh, nn.Threshold, nn.Hardsigmoid,
     nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
     nn.PixelShuffle, nn.PixelUnshuffle, nn.ChannelShuffle,
 )
 
 ELEMENTWISE_MODULES: Tuple[type, ...] = (
     nn.Sigmoid, nn.Tanh, nn.LogSigmoid, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
-    nn.Softplus, nn.Mish, nn.Softsign, nn.Tanhshrink, nn.Hardswish, nn.Hardsigmoid,
+    nn.Softplus, nn.Mish, nn.Softsign, nn.Tanhshrink, nn.Hardswish,
 )
 
 _LINEAR_FUNCTIONS = {
@@ -56,7 +56,7 @@ _LINEAR_FUNCTIONS = {
     torch.transpose, torch.permute, torch.squeeze, torch.unsqueeze, torch.sum, torch.mean,
     torch.movedim, torch.swapaxes, torch.narrow, torch.select, torch.chunk, torch.split, torch.unbind,
     torch.relu, torch.flip, torch.roll,
-    F.relu, F.leaky_relu, F.relu6, F.hardtanh, F.pad, F.dropout, F.dropout1d, F.dropout2d,
+    F.relu, F.leaky_relu, F.relu6, F.hardtanh, F.hardsigmoid, F.pad, F.dropout, F.dropout1d, F.dropout2d,
     F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d,
     F.avg_pool3d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d,
     F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d, getattr,
@@ -71,8 +71,15 @@ _LINEAR_METHODS = {
 _ELEMENTWISE_FUNCTIONS = {
     torch.sigmoid, torch.tanh, torch.exp, torch.sin, torch.cos, torch.log1p,
     F.sigmoid, F.tanh, F.gelu, F.silu, F.softplus, F.elu, F.selu, F.celu, F.logsigmoid,
-    F.mish, F.softsign, F.tanhshrink, F.hardswish, F.hardsigmoid,
+    F.mish, F.softsign, F.tanhshrink, F.hardswish,
 }
+
+
+def hardsigmoid(x: Tensor, inplace: bool = False) -> Tensor:
+    """``F.hardsigmoid`` as ``relu6(x + 3) / 6`` (the same values, bit for bit): piecewise linear
+    (no second derivative; classified ``"linear"``), and torch has no forward-mode derivative of
+    ``hardsigmoid_backward``, which the block products and Hessian diagonals take through it."""
+    return F.relu6(x + 3.0) / 6.0
 _ELEMENTWISE_METHODS = {"sigmoid", "tanh", "exp", "sin", "cos", "log1p"}
 _SCALAR_ARITHMETIC = {operator.mul, operator.truediv, torch.mul, torch.div, "mul", "div"}
 
