@@ -12,7 +12,11 @@ What it shows, on models built only from PyTorch's own modules:
   targets); once with a separate head and once with the head tied to the
   token embedding (``head.weight = emb.weight``);
 * ``LSTMClassifier``: ``nn.Embedding`` -> ``nn.LSTM`` -> the last hidden state
-  -> ``nn.Linear``, with ``nn.CrossEntropyLoss``.
+  -> ``nn.Linear``, with ``nn.CrossEntropyLoss``;
+* Hugging Face's ``GPT2LMHeadModel`` (when ``transformers`` imports), built from a
+  ``GPT2Config`` with random weights: its ``Conv1D`` layers (weights stored
+  ``[in, out]``), the tied ``lm_head``, its own attention code and ``ModelOutput``,
+  traced by curvlib's ATen front end (torch.fx cannot follow it).
 
 For each model it runs every extension, one ``curvature(model, lossfn,
 [ext])(X, y)`` each, in float64, and compares with a brute-force reference
@@ -115,7 +119,36 @@ def problems() -> List[Tuple[str, nn.Module, nn.Module, Tensor, Tensor]]:
         out.append((f"GPT ({'tied' if tied else 'separate'} head)", model, nn.CrossEntropyLoss(), X, y))
     lstm = LSTMClassifier(V, d=3, hidden=4, classes=3).to(DT).eval()
     out.append(("LSTMClassifier", lstm, nn.CrossEntropyLoss(), X, torch.randint(0, 3, (N,))))
+    gpt2 = hugging_face_gpt2(V, T)
+    if gpt2 is not None:
+        out.append(("GPT2LMHeadModel (Hugging Face)", gpt2, nn.CrossEntropyLoss(), X, y))
     return out
+
+
+class LogitsOf(nn.Module):
+    """A Hugging Face language model's logits as ``[N, V, T]`` (the brute force below calls
+    ``model(X)``; curvlib itself would take ``curvature(..., output=...)`` as well)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(input_ids=idx).logits.transpose(1, 2)
+
+
+def hugging_face_gpt2(vocab: int, T: int):
+    """A one-block GPT-2 from a config (random weights, nothing downloaded), or ``None`` when
+    ``transformers`` is missing or does not import here."""
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel, logging
+
+        logging.set_verbosity_error()
+    except Exception as exc:  # noqa: BLE001 - optional dependency (or a broken torchvision it imports)
+        print(f"Hugging Face GPT-2 skipped: transformers does not import ({type(exc).__name__})")
+        return None
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=vocab, n_positions=T, attn_implementation="eager")
+    return LogitsOf(GPT2LMHeadModel(config)).to(DT).eval()
 
 
 # ----------------------------------------------------------------------------- brute force
