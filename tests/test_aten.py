@@ -22,7 +22,7 @@ from curvlib.extensions import KFLR, BatchGrad, DiagGGNExact, DiagHessian
 from oracles import individual_gradients
 from oracles_all import assert_close, assert_matches, exact_extensions, reference
 
-torch.set_default_dtype(torch.float64)
+DT = torch.float64
 
 
 class AssertsShape(nn.Module):
@@ -100,13 +100,13 @@ class KeywordModel(nn.Module):
 
 def _data(shape, c=3, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g), torch.randint(0, c, (shape[0],), generator=g)
+    return torch.randn(shape, generator=g, dtype=DT), torch.randint(0, c, (shape[0],), generator=g)
 
 
 @pytest.mark.parametrize("build, shape", [(AssertsShape, (4, 3)), (ClassToken, (3, 3, 2)), (Conv1DNet, (3, 2, 3))])
 def test_every_exact_extension_matches_brute_force(build, shape):
     torch.manual_seed(0)
-    model = build()
+    model = build().to(DT)
     X, y = _data(shape)
     lossfn = nn.CrossEntropyLoss()
     qs = curvature(model, lossfn, exact_extensions(hessian=True))(X, y)
@@ -117,7 +117,7 @@ def test_transposed_linear_has_kronecker_factors_of_the_linear_it_is():
     """``addmm(b, x.view(-1, k), W)`` is a Linear site whose weight is ``Wᵀ``: factors ``[A, B]``,
     those of the same model with ``nn.Linear(weight=Wᵀ)`` in the parameter's own order."""
     torch.manual_seed(0)
-    model = Conv1DNet()
+    model = Conv1DNet().to(DT)
     twin = nn.ModuleDict({"c1": nn.Linear(3, 4), "c2": nn.Linear(4, 3)})
     with torch.no_grad():
         for k in ("c1", "c2"):
@@ -127,7 +127,7 @@ def test_transposed_linear_has_kronecker_factors_of_the_linear_it_is():
     class Twin(nn.Module):
         def __init__(self):
             super().__init__()
-            self.m = twin
+            self.m = twin.to(DT)
 
         def forward(self, x):
             return self.m["c2"](torch.tanh(self.m["c1"](x))).sum(1)
@@ -145,9 +145,9 @@ def test_transposed_linear_has_kronecker_factors_of_the_linear_it_is():
 
 def test_keyword_inputs_and_dataclass_output():
     torch.manual_seed(0)
-    model = KeywordModel()
+    model = KeywordModel().to(DT)
     ids = torch.randint(0, 5, (4, 3))
-    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=DT)
     y = torch.randint(0, 3, (4,))
     with pytest.warns(UserWarning, match=r"Output\['logits'\]|Output\.logits"):
         qs = curvature(model, nn.CrossEntropyLoss(), [BatchGrad()])({"input_ids": ids, "attention_mask": mask}, y)
@@ -158,9 +158,9 @@ def test_keyword_inputs_and_dataclass_output():
             self.m = model
 
         def forward(self, x):
-            return self.m(x[:, 0], x[:, 1]).logits
+            return self.m(x[:, 0].long(), x[:, 1]).logits
 
-    ref = individual_gradients(Plain(), nn.CrossEntropyLoss(), torch.stack([ids, mask], 1), y)
+    ref = individual_gradients(Plain(), nn.CrossEntropyLoss(), torch.stack([ids.to(DT), mask], 1), y)
     for name, g in qs["grad_batch"].items():
         assert_close(g, ref[f"m.{name}"], name)
 
@@ -169,9 +169,9 @@ def test_keyword_inputs_and_dataclass_output():
                                              ("nope", "no tensor entry named 'nope'"), (7, "no tensor at position 7")])
 def test_output_selector(output, expect):
     torch.manual_seed(0)
-    model = KeywordModel()
+    model = KeywordModel().to(DT)
     X = {"input_ids": torch.randint(0, 5, (4, 3))}
-    y = torch.randn(4, 3, 4) if output == "hidden" else torch.randn(4, 3)
+    y = torch.randn(4, 3, 4, dtype=DT) if output == "hidden" else torch.randn(4, 3, dtype=DT)
     f = curvature(model, nn.MSELoss(), [BatchGrad()], output=output)
     if expect is not None:
         with pytest.raises(CurvatureError, match=expect):
@@ -204,7 +204,7 @@ def test_an_input_that_takes_another_branch_is_traced_again(first, seed):
     """One call per branch with the same function (the sign of column 0 is the same for all
     samples of a batch, so that each sample alone takes the batch's branch: the oracle's view)."""
     torch.manual_seed(0)
-    model = Branches()
+    model = Branches().to(DT)
     f = curvature(model, nn.CrossEntropyLoss(), [BatchGrad(), DiagGGNExact()])
     y = torch.tensor([0, 1, 2])
     for positive in (first, not first, first):
@@ -218,7 +218,7 @@ def test_an_input_that_takes_another_branch_is_traced_again(first, seed):
 
 def test_a_new_batch_size_is_traced_again():
     torch.manual_seed(0)
-    model = ClassToken()
+    model = ClassToken().to(DT)
     f = curvature(model, nn.CrossEntropyLoss(), [DiagHessian()])
     for n in (2, 5):
         X, y = _data((n, 3, 2), seed=n)

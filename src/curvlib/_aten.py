@@ -33,22 +33,24 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import operator
 from collections.abc import Mapping
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, fx, nn
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from . import _outputs
 from ._errors import CurvatureError
-from ._inputs import _as_pytree, trace_structure
+from ._aten_ops import INPUT_ARG, conv1d_linear, owner_call, owners, torch_level
+from ._inputs import as_pytree, batch_size, slice_batch, trace_structure
+from ._program import Program, Tracer, assemble
 from ._sync import LOCK
+from .rules import math_hooks
 from .rules.generic import restored
 
-__all__ = ["trace_graph", "call_model", "BranchChanged", "input_branch", "check_branches_per_sample"]
+__all__ = ["trace_aten_program", "trace_graph", "call_model", "keyword_inputs", "BranchChanged", "input_branch", "check_branches_per_sample"]
 
 aten = torch.ops.aten
 
@@ -76,12 +78,10 @@ def _aten_graph(model: nn.Module, X, output) -> Tuple[fx.GraphModule, List[str],
     """Run the model once under ``make_fx``; returns the ATen graph, the parameter and buffer
     names of its leading placeholders, the positions of the tensor leaves of ``X`` and where
     the loss's tensor was found in the output."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     params = {n: p.detach() for n, p in model.named_parameters()}
     # (clones: a BatchNorm in train mode updates running statistics in place; the model's stay as they are)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    leaves, spec = pytree.tree_flatten(_as_pytree(X))
+    leaves, spec = pytree.tree_flatten(as_pytree(X))
     tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
     keywords = keyword_inputs(model, X)
     chosen: List[str] = []
@@ -111,8 +111,6 @@ def _without_hooks(model: nn.Module):
     """The model's forward hooks set aside while it is traced (hooks are not part of curvlib's
     math, :func:`curvlib._tracing.warn_hooks`), except those computing a parameter (old-style
     ``weight_norm``); put back afterwards. Call under :data:`curvlib._sync.LOCK`."""
-    from .rules import math_hooks
-
     saved = []
     for m in model.modules():
         keep = {id(h) for h in math_hooks(m)}
@@ -202,8 +200,6 @@ def check_branches_per_sample(model: nn.Module, X, output) -> None:
     sample alone computes something else than its row of the batch, they are not defined. Run
     once per call of a guarded graph: ``N + 1`` forwards without autograd. Branches that agree in
     value (Hugging Face's ``if attention_mask.all()`` shortcut) pass."""
-    from ._inputs import batch_size, slice_batch
-
     own = {k: v.detach() for k, v in model.named_parameters()}
 
     def out(x):
@@ -243,10 +239,10 @@ class _Replay(nn.Module):
         self.model = model
         object.__setattr__(self, "_gm", gm)  # (not a submodule: its graph is read, not traced)
         self._param_order, self._buffer_order, self._tensor_at, self._container = params, buffers, tensor_at, container
-        self._owners, self._canonical = _owners(model)
+        self._owners, self._canonical = owners(model)
 
     def forward(self, X):
-        leaves = pytree.tree_leaves(_as_pytree(X)) if self._container else [X]
+        leaves = pytree.tree_leaves(as_pytree(X)) if self._container else [X]
         values = [_attribute(self.model, n) for n in self._param_order]  # (fx's tracer: get_attr proxies)
         values += [_attribute(self.model, n) for n in self._buffer_order]
         values += [leaves[i] for i in self._tensor_at]
@@ -275,13 +271,13 @@ class _Replay(nn.Module):
             return target(*args, **kwargs)  # constants only (a causal mask): evaluated once
         if target in _READS:
             return input_branch(args[0], self._gm.curvlib_reads[node.name], node.name)
-        module = _owner_call(node, names, self._owners, self._canonical)
+        module = owner_call(node, names, self._owners, self._canonical)
         if module is not None:
-            return module(args[_INPUT_ARG[target]])
-        conv1d = _conv1d_linear(node, names, env)
+            return module(args[INPUT_ARG[target]])
+        conv1d = conv1d_linear(node, names, env)
         if conv1d is not None:
             return conv1d
-        return _torch_level(target, args, kwargs)
+        return torch_level(target, args, kwargs)
 
 
 def _attribute(model: nn.Module, dotted: str):
@@ -297,213 +293,29 @@ def _has_proxy(value) -> bool:
     return bool(found)
 
 
-# ----------------------------------------------------------------------------- owner modules
-
-
-def _owners(model: nn.Module) -> Tuple[Dict[str, List[Tuple[str, nn.Module]]], Dict[int, str]]:
-    """Canonical parameter name -> ``(role, module)`` for every module holding it directly; and
-    ``id(parameter)`` -> canonical name."""
-    canonical: Dict[int, str] = {}
-    for name, p in model.named_parameters():
-        canonical.setdefault(id(p), name)
-    owners: Dict[str, List[Tuple[str, nn.Module]]] = {}
-    for _, m in model.named_modules(remove_duplicate=False):
-        for role, p in m.named_parameters(recurse=False):
-            if id(p) in canonical:
-                owners.setdefault(canonical[id(p)], []).append((role, m))
-    return owners, canonical
-
-
-# op -> position of the module's input among its arguments
-_INPUT_ARG = {aten.linear.default: 0, aten.conv1d.default: 0, aten.conv2d.default: 0, aten.conv3d.default: 0,
-              aten.embedding.default: 1, aten.layer_norm.default: 0, aten.group_norm.default: 0,
-              aten.batch_norm.default: 0}
-
-
-def _param(arg, names) -> Optional[str]:
-    return names.get(arg) if isinstance(arg, fx.Node) else None
-
-
-def _arg(node: fx.Node, i: int, name: str, default=None):
-    """Argument ``i`` (``name``) of an ATen call, with the schema's default where it was left out
-    (``aten.conv2d(x, w, b, [4, 4])``: padding, dilation, groups)."""
-    if len(node.args) > i:
-        return node.args[i]
-    if name in node.kwargs:
-        return node.kwargs[name]
-    schema = getattr(node.target, "_schema", None)
-    if schema is not None and i < len(schema.arguments) and schema.arguments[i].has_default_value():
-        return schema.arguments[i].default_value
-    return default
-
-
-_CONV = {aten.conv1d.default: nn.Conv1d, aten.conv2d.default: nn.Conv2d, aten.conv3d.default: nn.Conv3d}
-
-
-def _matches(node: fx.Node, m: nn.Module, names, canonical) -> bool:
-    """Whether ``node`` computes exactly ``m``'s forward on its own parameters."""
-    t = node.target
-    weight = lambda i: _param(_arg(node, i, "weight"), names)  # noqa: E731
-    own = lambda role: m._parameters.get(role)  # noqa: E731  (not getattr: fx's tracer would record it)
-    if t is aten.linear.default and type(m) is nn.Linear:
-        return _same(_arg(node, 2, "bias"), own("bias"), names, canonical)
-    if _CONV.get(t) is type(m):
-        hyper = [_arg(node, i, k) for i, k in ((3, "stride"), (4, "padding"), (5, "dilation"), (6, "groups"))]
-        mine = [list(m.stride), m.padding if isinstance(m.padding, str) else list(m.padding), list(m.dilation), m.groups]
-        norm = lambda v: list(v) if isinstance(v, (list, tuple)) else v  # noqa: E731
-        return (m.padding_mode == "zeros" and [norm(h) for h in hyper] == mine
-                and _same(_arg(node, 2, "bias"), own("bias"), names, canonical))
-    if t is aten.embedding.default and type(m) is nn.Embedding:
-        pad = _arg(node, 2, "padding_idx", -1)
-        return (m.max_norm is None and not m.sparse and (m.padding_idx if m.padding_idx is not None else -1) == pad
-                and bool(_arg(node, 3, "scale_grad_by_freq", False)) == m.scale_grad_by_freq and weight(0))
-    if t is aten.layer_norm.default and type(m) is nn.LayerNorm:
-        return (list(_arg(node, 1, "normalized_shape")) == list(m.normalized_shape) and _arg(node, 4, "eps", 1e-5) == m.eps
-                and _same(_arg(node, 3, "bias"), own("bias"), names, canonical))
-    if t is aten.group_norm.default and type(m) is nn.GroupNorm:
-        return (_arg(node, 1, "num_groups") == m.num_groups and _arg(node, 4, "eps", 1e-5) == m.eps
-                and _same(_arg(node, 3, "bias"), own("bias"), names, canonical))
-    if t is aten.batch_norm.default and type(m) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
-        return (_arg(node, 7, "eps") == m.eps and bool(_arg(node, 5, "training")) == (m.training or m._buffers.get("running_mean") is None)
-                and _same(_arg(node, 2, "bias"), own("bias"), names, canonical))
-    return False
-
-
-def _same(arg, p: Optional[Tensor], names, canonical) -> bool:
-    """An optional parameter argument is the module's own (both absent, or the same parameter)."""
-    if p is None:
-        return arg is None
-    return isinstance(arg, fx.Node) and names.get(arg) == canonical.get(id(p))
-
-
-_WEIGHT_ARG = {aten.linear.default: 1, aten.conv1d.default: 1, aten.conv2d.default: 1, aten.conv3d.default: 1,
-               aten.embedding.default: 0, aten.layer_norm.default: 2, aten.group_norm.default: 2,
-               aten.batch_norm.default: 1}
-
-
-def _owner_call(node: fx.Node, names, owners, canonical) -> Optional[nn.Module]:
-    """The module whose forward ``node`` is, called on its own parameters (else ``None``)."""
-    if node.target not in _WEIGHT_ARG:
-        return None
-    weight = _param(_arg(node, _WEIGHT_ARG[node.target], "weight"), names)
-    if weight is None:
-        return None
-    for role, m in owners.get(weight, []):
-        if role == "weight" and _matches(node, m, names, canonical):
-            return m
-    return None
-
-
-def _conv1d_linear(node: fx.Node, names, env) -> Optional[fx.Proxy]:
-    """``addmm(b, x.view(-1, k), W)`` on parameters ``b [m]``, ``W [k, m]`` whose only use is a view
-    (GPT-2's ``Conv1D``): ``F.linear(x, Wᵀ, b)`` on ``x`` itself, rows per sample."""
-    if node.target is not aten.addmm.default or len(node.args) != 3 or node.kwargs:
-        return None
-    bias, flat, weight = node.args
-    if _param(bias, names) is None or _param(weight, names) is None or not isinstance(flat, fx.Node):
-        return None
-    if flat.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
-        return None
-    if not all(u.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default) for u in node.users):
-        return None
-    x = env[flat.args[0]]
-    return F.linear(x, env[weight].t(), env[bias])
-
-
-# ----------------------------------------------------------------------------- torch-level ops
-
-
-def _getitem_slice(x, dim=0, start=None, end=None, step=1):
-    return x[(slice(None),) * (dim % max(x.dim(), 1) if isinstance(x, Tensor) else dim) + (slice(start, end, step),)]
-
-
-_SAME_ARGS: Dict[str, Callable] = {
-    **{n: getattr(torch, n) for n in (
-        "add", "sub", "mul", "div", "neg", "cat", "stack", "sum", "mean", "softmax", "log_softmax", "split",
-        "chunk", "unbind", "transpose", "permute", "squeeze", "unsqueeze", "flatten", "narrow", "select",
-        "matmul", "bmm", "mm", "addmm", "baddbmm", "pow", "rsqrt", "sqrt", "where", "clamp", "relu", "tanh",
-        "sigmoid", "exp", "log", "sin", "cos", "erf", "abs", "flip", "roll", "movedim", "var", "cumsum",
-        "masked_fill", "repeat_interleave", "einsum", "amax", "maximum", "minimum", "log1p", "reciprocal")},
-    **{n: getattr(F, n) for n in ("linear", "conv1d", "conv2d", "conv3d", "gelu", "silu", "mish", "hardswish",
-                                  "hardsigmoid", "hardtanh", "softplus", "leaky_relu", "dropout", "max_pool1d",
-                                  "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
-                                  "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
-                                  "scaled_dot_product_attention", "pad")},
-}
-_METHODS = {"view", "reshape", "expand", "contiguous", "t", "clone", "repeat", "unflatten", "expand_as",
-            "view_as", "type_as", "detach", "to", "_unsafe_view"}
-_IDENTITY = {"alias", "lift_fresh_copy", "detach_"}
-_SKIPPED = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
-
-
-def _torch_level(target, args, kwargs):
-    """Record ``target(*args, **kwargs)`` on proxies as its torch-level function where one takes
-    the same arguments (see :data:`_SAME_ARGS`), else as the ATen op itself."""
-    if target is operator.getitem:
-        return args[0][args[1]]
-    name = target.__name__.split(".")[0] if isinstance(target, torch._ops.OpOverload) else ""
-    special = _SPECIAL.get(name)
-    if special is not None:
-        return special(*args, **kwargs)
-    if name in _SAME_ARGS:
-        return _SAME_ARGS[name](*args, **kwargs)
-    if name in _METHODS:
-        method = "view" if name == "_unsafe_view" else name
-        return getattr(args[0], method)(*args[1:], **kwargs)
-    if name in _IDENTITY:
-        return args[0]
-    if name in _SKIPPED:
-        return None
-    return target(*args, **kwargs)
-
-
-def _layer_norm(x, shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
-    return F.layer_norm(x, shape, weight, bias, eps)
-
-
-def _group_norm(x, groups, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
-    return F.group_norm(x, groups, weight, bias, eps)
-
-
-def _batch_norm(x, weight, bias, mean, var, training, momentum, eps, cudnn_enabled=True):
-    return F.batch_norm(x, mean, var, weight, bias, training, momentum, eps)
-
-
-def _embedding(weight, ids, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
-    return F.embedding(ids, weight, None if padding_idx == -1 else padding_idx, None, 2.0, scale_grad_by_freq, sparse)
-
-
-def _index(x, indices):
-    return x[tuple(slice(None) if i is None else i for i in indices)]
-
-
-def _constant_pad(x, pad, value=0.0):
-    return F.pad(x, pad, "constant", value)
-
-
-def _to(x, *args, **kwargs):
-    kwargs.pop("layout", None)
-    kwargs.pop("pin_memory", None)
-    return x.to(*args, **kwargs)
-
-
-_SPECIAL: Dict[str, Callable] = {
-    "layer_norm": _layer_norm, "group_norm": _group_norm, "batch_norm": _batch_norm, "embedding": _embedding,
-    "slice": _getitem_slice, "index": _index, "constant_pad_nd": _constant_pad, "to": _to,
-}
-
-
 # ----------------------------------------------------------------------------- entry
 
 
-def trace_graph(model: nn.Module, X, output, tracer_type) -> Tuple[nn.Module, fx.Graph, str]:
+def trace_aten_program(model: nn.Module, X, output=None) -> Program:
+    """Trace ``model`` at the ATen level on the input ``X`` (:mod:`curvlib._aten`): the program
+    serves inputs of ``X``'s signature only. Runs the model once on ``X``; never changes it."""
+    param_names: Dict[int, str] = {}
+    for name, p in model.named_parameters():
+        param_names.setdefault(id(p), name)
+    root, graph, chosen = trace_graph(model, X, output)
+    program = assemble(root, "model.", graph, None, {}, param_names, leaf_inputs=not isinstance(X, torch.Tensor))
+    program.aten, program.output_choice = True, chosen
+    return program
+
+
+def trace_graph(model: nn.Module, X, output) -> Tuple[nn.Module, fx.Graph, str]:
     """``(root, graph, where the loss's tensor was found)``: the model traced on ``X`` at the
-    ATen level and replayed by ``tracer_type`` (curvlib's fx tracer) over a root holding the
+    ATen level and replayed by curvlib's fx tracer over a root holding the
     model at ``model.``."""
     gm, params, buffers, tensor_at, chosen = _aten_graph(model, X, output)
     container = not isinstance(X, Tensor)
     root = _Replay(model, gm, params, buffers, tensor_at, container)
     concrete = {"X": trace_structure(X)} if container else None
-    graph = tracer_type().trace(root, concrete_args=concrete)
+    graph = Tracer().trace(root, concrete_args=concrete)
     graph.curvlib_guarded = bool(gm.curvlib_reads)
     return root, graph, chosen

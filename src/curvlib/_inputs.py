@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ._errors import CurvatureError, CurvatureTypeError
 
-__all__ = ["tensors", "batch_size", "map_tensors", "check_input", "describe"]
+__all__ = ["tensors", "batch_size", "map_tensors", "check_input", "describe", "as_pytree"]
 
 
 def tensors(X) -> List[Tensor]:
@@ -121,14 +121,14 @@ def with_batch(X, n: int, real: bool):
     return map_tensors(one, X)
 
 
-def _as_pytree(X):
+def as_pytree(X):
     """``X`` with every mapping as a plain ``dict`` (torch's pytree knows those)."""
     if isinstance(X, Mapping):
-        return {k: _as_pytree(v) for k, v in X.items()}
+        return {k: as_pytree(v) for k, v in X.items()}
     if isinstance(X, tuple) and hasattr(X, "_fields"):
-        return type(X)(*(_as_pytree(v) for v in X))
+        return type(X)(*(as_pytree(v) for v in X))
     if isinstance(X, (tuple, list)):
-        return type(X)(_as_pytree(v) for v in X)
+        return type(X)(as_pytree(v) for v in X)
     return X
 
 
@@ -136,18 +136,18 @@ def trace_structure(X):
     """The container to trace a model with: tensors replaced by ``torch.fx.PH``."""
     from torch import fx
 
-    return map_tensors(lambda t: fx.PH, _as_pytree(X))
+    return map_tensors(lambda t: fx.PH, as_pytree(X))
 
 
 def trace_leaves(X) -> list:
     """Every leaf of ``X`` in the order of the placeholders of :func:`trace_structure`'s trace."""
     from torch.utils import _pytree
 
-    return _pytree.tree_leaves(_as_pytree(X))
+    return _pytree.tree_leaves(as_pytree(X))
 
 
 def structure_key(X):
     """Hashable: ``None`` for a tensor, else the container's layout and non-tensor leaves."""
     if isinstance(X, Tensor):
         return None
-    return repr(map_tensors(lambda t: "<tensor>", _as_pytree(X)))
+    return repr(map_tensors(lambda t: "<tensor>", as_pytree(X)))

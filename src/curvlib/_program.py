@@ -37,12 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from . import _aten, rules
+from . import rules
 from ._sync import LOCK
 from .rules import attention
 from .rules.functional import FunctionalUse, is_affine, linear_roles, linear_transposed
 
-__all__ = ["Program", "Layer", "trace_program", "trace_aten_program"]
+__all__ = ["Program", "Layer", "Tracer", "trace_program", "assemble"]
 
 
 @dataclass
@@ -132,7 +132,7 @@ def _outermost_owners(root: nn.Module) -> List[str]:
     ]
 
 
-class _Tracer(fx.Tracer):
+class Tracer(fx.Tracer):
     """fx tracer whose leaves are parametrized modules, torch.nn built-ins and custom
     ``autograd.Function`` calls.
 
@@ -268,22 +268,10 @@ def trace_program(model: nn.Module, example=None) -> Program:
         first = next(iter(inspect.signature(root.forward).parameters))
         concrete = {first: trace_structure(example)}
     graph, error, opaque = _trace_with_opaque_leaves(root, _with_defaults(root, concrete))
-    return _assemble(root, prefix, graph, error, opaque, param_names, leaf_inputs=concrete is not None)
+    return assemble(root, prefix, graph, error, opaque, param_names, leaf_inputs=concrete is not None)
 
 
-def trace_aten_program(model: nn.Module, X, output=None) -> Program:
-    """Trace ``model`` at the ATen level on the input ``X`` (:mod:`curvlib._aten`): the program
-    serves inputs of ``X``'s signature only. Runs the model once on ``X``; never changes it."""
-    param_names: Dict[int, str] = {}
-    for name, p in model.named_parameters():
-        param_names.setdefault(id(p), name)
-    root, graph, chosen = _aten.trace_graph(model, X, output, _Tracer)
-    program = _assemble(root, "model.", graph, None, {}, param_names, leaf_inputs=not isinstance(X, torch.Tensor))
-    program.aten, program.output_choice = True, chosen
-    return program
-
-
-def _assemble(root, prefix, graph, error, opaque, param_names, leaf_inputs: bool) -> Program:
+def assemble(root, prefix, graph, error, opaque, param_names, leaf_inputs: bool) -> Program:
     """The :class:`Program` of a graph (or of no graph): its layers and functional uses."""
     layers: Dict[str, Layer] = {}
     modules = dict(root.named_modules(remove_duplicate=False))
@@ -347,7 +335,7 @@ def _trace_with_opaque_leaves(root: nn.Module, concrete) -> "tuple[Optional[fx.G
     one retry per submodule."""
     opaque: Dict[int, str] = {}
     for _ in range(sum(1 for _ in root.modules()) + 1):
-        tracer = _Tracer(opaque)
+        tracer = Tracer(opaque)
         try:
             graph = tracer.trace(root, concrete_args=concrete)
         except Exception as exc:  # noqa: BLE001 - any tracing failure means "untraceable"

@@ -19,13 +19,15 @@ from ._engine import has_inplace
 from ._errors import CurvatureError
 from ._kfra import chain_nodes
 from ._plan import Plan, module_checks
-from ._aten import keyword_inputs
-from ._inputs import batch_size, with_batch
-from ._program import Program, trace_aten_program, trace_program
+from ._aten import keyword_inputs, trace_aten_program
+from ._inputs import batch_size, structure_key, tensors, with_batch
+from ._outputs import say_choice
+from ._sync import LOCK
+from ._program import Program, trace_program
 from ._untraced import run_eager
 from .extensions.secondorder import SecondOrder
 
-__all__ = ["Traced", "trace", "warn_hooks", "warn_opaque"]
+__all__ = ["Traced", "Traces", "trace", "warn_hooks", "warn_opaque"]
 
 
 @dataclass
@@ -41,6 +43,44 @@ class Traced:
     plans: Dict[tuple, Plan] = field(default_factory=dict)
     checked: Dict[int, Tensor] = field(default_factory=dict)  # id(plan) -> meta output, once its checks passed
     pending: bool = False  # torch.fx could not follow the model: traced at the ATen level on each input signature
+
+
+class Traces:
+    """A model's traces: one per ``training`` flags and input structure (torch.fx bakes
+    ``self.training`` in), and, for a model torch.fx cannot follow, one ATen-level trace per
+    input signature (:mod:`curvlib._aten` bakes shapes in)."""
+
+    def __init__(self, model: nn.Module, second: Sequence[SecondOrder], output):
+        self.model, self.second, self.output = model, second, output
+        self._symbolic: Dict[tuple, Traced] = {}
+        self._aten: Dict[tuple, Traced] = {}
+        self.opaque_warned = self.output_said = False
+
+    def get(self, X=None) -> Traced:
+        """The trace for ``X`` (``None``: its structure is one tensor; traced once at setup)."""
+        key = (tuple(m.training for m in self.model.modules()), structure_key(X))
+        traced = self._symbolic.get(key)
+        if traced is None:
+            with LOCK:  # reads the module tree, whose slots another thread's call may have swapped
+                traced = self._symbolic[key] = trace(self.model, self.second, X, self.output)
+        if traced.pending and X is not None:
+            key = key + (tuple((tuple(t.shape), t.dtype, t.device.type) for t in tensors(X)),)
+            traced = self._aten.get(key)
+            if traced is None:
+                with LOCK:
+                    traced = self._aten[key] = trace(self.model, self.second, X, self.output, real_input=True)
+                if traced.program.output_choice and self.output is None and not self.output_said:
+                    self.output_said = True  # say once which tensor of a container output the loss takes
+                    say_choice(traced.program.output_choice)
+        if traced.program.opaque and not self.opaque_warned and not traced.pending:
+            self.opaque_warned = True
+            warn_opaque(traced.program)
+        return traced
+
+    def forget_aten(self) -> None:
+        """Drop the ATen-level traces (an input's values took another branch than the traced one's)."""
+        with LOCK:
+            self._aten.clear()
 
 
 def warn_hooks(model: nn.Module) -> None:
@@ -76,7 +116,7 @@ def warn_opaque(program: Program) -> None:
         "torch.fx could not trace the forward of these submodules; curvlib treats each as one opaque "
         "graph node, run as it is (exact results for the branch each call takes; KFAC/KFLR/KFRA are "
         "refused for parameters inside them):\n" + "\n".join(lines),
-        UserWarning, stacklevel=5,  # warn_opaque, traced, _Setup, curvature, the user's line
+        UserWarning, stacklevel=6,  # warn_opaque, Traces.get, _Setup.traced, _Setup, curvature, the user's line
     )
 
 

@@ -36,8 +36,8 @@ from ._kfra import kfra
 from ._products import products, rng_state
 from ._secondorder import second_order
 from ._support import check_second_order
-from ._tracing import Traced, trace, warn_hooks, warn_opaque
-from ._sync import LOCK, prepare_forward_ad
+from ._tracing import Traced, Traces, warn_hooks
+from ._sync import prepare_forward_ad
 from .extensions._base import Extension
 from .rules.generic import refuse_buffer_updates
 from .extensions.secondorder import SecondOrder
@@ -204,10 +204,9 @@ class _Setup:
                 "know for another loss. Use one of those, or compute per rank and sum yourself."
             )
         self.process_group = process_group
-        self._traces: Dict[tuple, Traced] = {}
-        self._aten_traces: Dict[tuple, Traced] = {}  # per input signature (curvlib._aten bakes shapes in)
-        self.output, self.output_said = _outputs.check_selector(output), False
-        self.dropout_warned = self.opaque_warned = False
+        self.output = _outputs.check_selector(output)
+        self.traces = Traces(self.model, self.second, self.output)
+        self.dropout_warned = False
         warn_hooks(self.model)
         self.traced()  # trace now: untraceable models and unsupported graphs fail at once
 
@@ -222,36 +221,8 @@ class _Setup:
         return tuple(exts)
 
     def traced(self, X=None) -> Traced:
-        """The trace for the model's current ``training`` flags (fx bakes ``self.training`` in)
-        and the input's structure (a container is traced as one, see :func:`trace_program`);
-        for a model torch.fx cannot follow, the ATen-level trace of the input's signature."""
-        key = (tuple(m.training for m in self.model.modules()), _inputs.structure_key(X))
-        traced = self._traces.get(key)
-        if traced is None:
-            with LOCK:  # reads the module tree, whose slots another thread's call may have swapped
-                traced = self._traces[key] = trace(self.model, self.second, X, self.output)
-        if traced.pending and X is not None:
-            key = key + (tuple((tuple(t.shape), t.dtype, t.device.type) for t in _inputs.tensors(X)),)
-            traced = self._aten_traces.get(key)
-            if traced is None:
-                with LOCK:
-                    traced = self._aten_traces[key] = trace(self.model, self.second, X, self.output, real_input=True)
-                self._say_output(traced.program)
-        if traced.program.opaque and not self.opaque_warned and not traced.pending:
-            self.opaque_warned = True
-            warn_opaque(traced.program)
-        return traced
-
-    def forget_aten(self, X) -> None:
-        """Drop the ATen-level traces of ``X``'s signature (its values took another branch)."""
-        with LOCK:
-            self._aten_traces.clear()
-
-    def _say_output(self, program) -> None:
-        """Say once which tensor of a container output the loss takes, when the default rule chose it."""
-        if program.output_choice and self.output is None and not self.output_said:
-            self.output_said = True
-            _outputs.say_choice(program.output_choice)
+        """The model's trace for ``X`` (see :class:`curvlib._tracing.Traces`)."""
+        return self.traces.get(X)
 
 
 # ----------------------------------------------------------------------------- one call
@@ -272,7 +243,7 @@ class _Call:
         except BranchChanged:
             # the model's code took another branch on this input's values than on the traced
             # one's (curvlib._aten.input_branch): trace it again on this input
-            self.setup.forget_aten(X)
+            self.setup.traces.forget_aten()
             return self._run(X, y, params, generator, buffers, _into)
 
     def _run(self, X, y, params, generator, buffers, _into) -> Dict[str, object]:
