@@ -271,6 +271,8 @@ class _Replay(nn.Module):
             return target(*args, **kwargs)  # constants only (a causal mask): evaluated once
         if target in _READS:
             return input_branch(args[0], self._gm.curvlib_reads[node.name], node.name)
+        if _same_dtype_copy(node):
+            return args[0]  # (``x.to(x.dtype)``: no node, so ``x + wpe(arange(T))`` stays affine)
         module = owner_call(node, names, self._owners, self._canonical)
         if module is not None:
             return module(args[INPUT_ARG[target]])
@@ -278,6 +280,16 @@ class _Replay(nn.Module):
         if conv1d is not None:
             return conv1d
         return torch_level(target, args, kwargs)
+
+
+def _same_dtype_copy(node: fx.Node) -> bool:
+    """An ``aten.to`` / ``_to_copy`` whose output has its input's dtype and device (make_fx's
+    ``val`` metadata): the identity for every derivative."""
+    if getattr(node.target, "__name__", "").split(".")[0] not in ("to", "_to_copy") or not node.args:
+        return False
+    out, x = node.meta.get("val"), getattr(node.args[0], "meta", {}).get("val")
+    return (isinstance(out, Tensor) and isinstance(x, Tensor) and out.dtype == x.dtype
+            and out.device == x.device and out.shape == x.shape)
 
 
 def _attribute(model: nn.Module, dotted: str):
