@@ -43,7 +43,7 @@ from torch.utils import _pytree as pytree
 
 from . import _outputs
 from ._errors import CurvatureError
-from ._aten_ops import INPUT_ARG, conv1d_linear, owner_call, owners, torch_level
+from ._aten_ops import INPUT_ARG, conv1d_linear, owner_call, owners, torch_level, view_of
 from ._inputs import as_pytree, batch_size, slice_batch, trace_structure
 from ._program import Program, Tracer, assemble
 from ._sync import LOCK
@@ -240,6 +240,17 @@ class _Replay(nn.Module):
         object.__setattr__(self, "_gm", gm)  # (not a submodule: its graph is read, not traced)
         self._param_order, self._buffer_order, self._tensor_at, self._container = params, buffers, tensor_at, container
         self._owners, self._canonical = owners(model)
+        # views of subclassed family modules (curvlib._aten_ops.view_of), registered before the
+        # trace (fx's tracer knows the submodules it starts with): id(owner) -> view
+        self._views: Dict[int, nn.Module] = {}
+        self.view_paths: Dict[str, str] = {}  # view target -> the owner's path in the model
+        paths = {id(m): p for p, m in model.named_modules()}
+        for m in {id(m): m for ms in self._owners.values() for _, m in ms}.values():
+            view = view_of(m)
+            if view is not None:
+                name = "view__" + paths[id(m)].replace(".", "__")
+                self.add_module(name, view)
+                self._views[id(m)], self.view_paths[name] = view, paths[id(m)]
 
     def forward(self, X):
         leaves = pytree.tree_leaves(as_pytree(X)) if self._container else [X]
@@ -274,6 +285,7 @@ class _Replay(nn.Module):
         if _same_dtype_copy(node):
             return args[0]  # (``x.to(x.dtype)``: no node, so ``x + wpe(arange(T))`` stays affine)
         module = owner_call(node, names, self._owners, self._canonical)
+        module = self._views.get(id(module), module)
         if module is not None:
             return module(args[INPUT_ARG[target]])
         conv1d = conv1d_linear(node, names, env)
@@ -317,6 +329,9 @@ def trace_aten_program(model: nn.Module, X, output=None) -> Program:
     root, graph, chosen = trace_graph(model, X, output)
     program = assemble(root, "model.", graph, None, {}, param_names, leaf_inputs=not isinstance(X, torch.Tensor))
     program.aten, program.output_choice = True, chosen
+    for target, path in root.view_paths.items():  # (a view's layer is named as its owner)
+        if target in program.layers:
+            program.layers[target].path = path
     return program
 
 

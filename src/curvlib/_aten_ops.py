@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import copy
 import operator
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-__all__ = ["owners", "owner_call", "INPUT_ARG", "conv1d_linear", "torch_level"]
+__all__ = ["owners", "owner_call", "view_of", "INPUT_ARG", "conv1d_linear", "torch_level"]
 
 aten = torch.ops.aten
 
@@ -70,25 +71,25 @@ def _matches(node: fx.Node, m: nn.Module, names, canonical) -> bool:
     t = node.target
     weight = lambda i: _param(_arg(node, i, "weight"), names)  # noqa: E731
     own = lambda role: m._parameters.get(role)  # noqa: E731  (not getattr: fx's tracer would record it)
-    if t is aten.linear.default and type(m) is nn.Linear:
+    if t is aten.linear.default and _family_type(m) is nn.Linear:
         return _same(_arg(node, 2, "bias"), own("bias"), names, canonical)
-    if _CONV.get(t) is type(m):
+    if _CONV.get(t) is _family_type(m):
         hyper = [_arg(node, i, k) for i, k in ((3, "stride"), (4, "padding"), (5, "dilation"), (6, "groups"))]
         mine = [list(m.stride), m.padding if isinstance(m.padding, str) else list(m.padding), list(m.dilation), m.groups]
         norm = lambda v: list(v) if isinstance(v, (list, tuple)) else v  # noqa: E731
         return (m.padding_mode == "zeros" and [norm(h) for h in hyper] == mine
                 and _same(_arg(node, 2, "bias"), own("bias"), names, canonical))
-    if t is aten.embedding.default and type(m) is nn.Embedding:
+    if t is aten.embedding.default and _family_type(m) is nn.Embedding:
         pad = _arg(node, 2, "padding_idx", -1)
         return (m.max_norm is None and not m.sparse and (m.padding_idx if m.padding_idx is not None else -1) == pad
                 and bool(_arg(node, 3, "scale_grad_by_freq", False)) == m.scale_grad_by_freq and weight(0))
-    if t is aten.layer_norm.default and type(m) is nn.LayerNorm:
+    if t is aten.layer_norm.default and _family_type(m) is nn.LayerNorm:
         return (list(_arg(node, 1, "normalized_shape")) == list(m.normalized_shape) and _arg(node, 4, "eps", 1e-5) == m.eps
                 and _same(_arg(node, 3, "bias"), own("bias"), names, canonical))
-    if t is aten.group_norm.default and type(m) is nn.GroupNorm:
+    if t is aten.group_norm.default and _family_type(m) is nn.GroupNorm:
         return (_arg(node, 1, "num_groups") == m.num_groups and _arg(node, 4, "eps", 1e-5) == m.eps
                 and _same(_arg(node, 3, "bias"), own("bias"), names, canonical))
-    if t is aten.batch_norm.default and type(m) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
+    if t is aten.batch_norm.default and _family_type(m) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
         return (_arg(node, 7, "eps") == m.eps and bool(_arg(node, 5, "training")) == (m.training or m._buffers.get("running_mean") is None)
                 and _same(_arg(node, 2, "bias"), own("bias"), names, canonical))
     return False
@@ -106,8 +107,33 @@ _WEIGHT_ARG = {aten.linear.default: 1, aten.conv1d.default: 1, aten.conv2d.defau
                aten.batch_norm.default: 1}
 
 
+_FAMILY_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.LayerNorm, nn.GroupNorm,
+                 nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def _family_type(m: nn.Module) -> Optional[type]:
+    """The torch.nn class among :data:`_FAMILY_TYPES` that ``m`` is an instance of (the class
+    itself, or a subclass with its own ``forward``: timm's ``LayerNorm2d``), else ``None``."""
+    return next((t for t in type(m).__mro__ if t in _FAMILY_TYPES), None)
+
+
+def view_of(m: nn.Module) -> Optional[nn.Module]:
+    """For a subclass of a family's class with its own ``forward`` (timm's ``LayerNorm2d``:
+    ``permute``, ``layer_norm``, ``permute``; ``BatchNormAct2d``), whose ops the ATen graph
+    spells out: a module *of the family's class* sharing ``m``'s parameter and buffer slots (a
+    shallow copy, its class set to the family's: ``m`` is not changed), run by the family's rule
+    where an op is exactly that class's forward. ``None`` for the class itself."""
+    base = _family_type(m)
+    if base is None or type(m) is base:
+        return None
+    view = copy.copy(m)  # (shares m's _parameters and _buffers dicts: buffers swapped in are seen)
+    view.__class__ = base
+    return view
+
+
 def owner_call(node: fx.Node, names, owners, canonical) -> Optional[nn.Module]:
-    """The module whose forward ``node`` is, called on its own parameters (else ``None``)."""
+    """The module whose forward ``node`` is, called on its own parameters (else ``None``); for a
+    subclass with its own forward, its :func:`view_of` (see ``views`` in :mod:`curvlib._aten`)."""
     if node.target not in _WEIGHT_ARG:
         return None
     weight = _param(_arg(node, _WEIGHT_ARG[node.target], "weight"), names)

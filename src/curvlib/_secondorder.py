@@ -55,7 +55,7 @@ def _sqrt(uses, m_by_site, name) -> Tensor:
     total = None
     for site, role in uses[name]:
         m = m_by_site[site.key]
-        if LOOP_SQRT_COLUMNS and losses._is_concrete(m) and not _one_outer_product(site):
+        if LOOP_SQRT_COLUMNS and losses._is_concrete(m) and not _one_outer_product(site) and not site.rule.vmap_columns:
             # column by column into one buffer: the rules' own batched kernels (e.g. the
             # grouped convolution of a convolution's per-sample gradients) instead of
             # their vmapped versions (a Linear without shared positions stays vmapped:
@@ -148,6 +148,8 @@ def _batch_diag(uses, m_by_site, name, params, n, cache=None) -> Tensor:
         if fast is not None:
             m = m_by_site[site.key]
             return _per_site(cache, site, uses, "batch_diag", lambda roles: fast(site, m, roles))[role]
+    if all(site.rule.vmap_columns for site, _ in u):
+        return (_sqrt(uses, m_by_site, name) ** 2).sum(0)
     v = m_by_site[u[0][0].key].shape[0]
     total = None
     for k in range(v):  # one column at a time: memory [N, *p]

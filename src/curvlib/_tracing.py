@@ -19,6 +19,7 @@ from ._engine import has_inplace
 from ._errors import CurvatureError
 from ._kfra import chain_nodes
 from ._plan import Plan, module_checks
+from .rules import subclassed
 from ._aten import keyword_inputs, trace_aten_program
 from ._inputs import batch_size, structure_key, tensors, with_batch
 from ._outputs import say_choice
@@ -128,8 +129,11 @@ def _library_hook(hook) -> bool:
 
 def needs_aten(program: Program, model: nn.Module, X) -> bool:
     """Whether the model needs the ATen-level front end (:mod:`curvlib._aten`): torch.fx could
-    not trace its ``forward``, left a submodule opaque, or ``X`` holds keyword inputs."""
-    return program.graph is None or bool(program.opaque) or (X is not None and keyword_inputs(model, X))
+    not trace its ``forward``, left a submodule opaque, ``X`` holds keyword inputs, or a layer is a
+    subclass of a family's class with its own ``forward`` (timm's ``LayerNorm2d``), which only
+    the generic rule could run whole."""
+    return (program.graph is None or bool(program.opaque) or (X is not None and keyword_inputs(model, X))
+            or any(layer.kind == "generic" and subclassed(layer.module) for layer in program.layers.values()))
 
 
 def trace(model: nn.Module, second: Sequence[SecondOrder], X=None, output=None, real_input: bool = False) -> Traced:

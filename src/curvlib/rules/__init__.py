@@ -80,6 +80,13 @@ def call_without_hooks(module: nn.Module, args, kwargs):
     return module.forward(*args, **kwargs)
 
 
+def subclassed(module: nn.Module) -> bool:
+    """A subclass of a Linear, Conv, Embedding, norm or BatchNorm class with its own ``forward``
+    (timm's ``LayerNorm2d``): no hand-written rule here; the ATen front end matches its ops."""
+    return _family(module, FAMILIES) is None and any(
+        isinstance(module, t) for types, family in FAMILIES if family not in ("rnn", "conv_transpose") for t in types)
+
+
 def has_family(module: nn.Module) -> bool:
     """Whether the module has a hand-written rule family."""
     return _family(module, FAMILIES) is not None

@@ -143,7 +143,7 @@ def batch_sized(use: FunctionalUse, env: Dict, n: int) -> bool:
                for c in use.chain if c.op != "get_attr")
 
 
-FUNCTIONAL = Rule(kind="generic", grad_batch=grad_batch)
+FUNCTIONAL = Rule(kind="generic", grad_batch=grad_batch, vmap_columns=True)
 
 
 def record(use: FunctionalUse, root: nn.Module, param_names: Dict[int, str], names: Dict[str, str],
