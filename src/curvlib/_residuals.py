@@ -120,8 +120,8 @@ def residual_plan(program: Program) -> Dict[fx.Node, Planned]:
         if use is not None:
             coupled = frozenset(use.params) & reach
             if use.linear is not None:  # F.linear on parameters: a Linear site
-                if use.linear["weight"] in coupled:
-                    plan[node] = ("bilinear", None, coupled)
+                if use.linear["weight"] in coupled:  # (a transposed weight: its dense block, same math)
+                    plan[node] = ("dense" if use.transposed else "bilinear", None, coupled)
             elif not (use.affine and not coupled):  # (affine, uncoupled: no residual)
                 plan[node] = ("dense", None, coupled)
             continue

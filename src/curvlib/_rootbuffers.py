@@ -99,7 +99,8 @@ def sqrt_into(uses, m_by_site, name: str, dest: Callable[[Tuple[int, ...], torch
 
 
 def _outer_factors(site, role: str, m: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
-    """``(g [V, N, O, 1], x [1, N, 1, I])`` whose product is a Linear weight's per-sample
+    """``(g [V, N, O, 1], x [1, N, 1, I])`` (transposed weight: ``(x [1, N, I, 1], g [V, N, 1, O])``)
+    whose product is a Linear weight's per-sample
     gradients ``g_vn x_nᵀ`` for the columns ``m [V, *site_out]`` (one position per
     sample), or ``None`` for any other site or role."""
     if role != "weight" or site.rule.kind != "linear":
@@ -111,4 +112,6 @@ def _outer_factors(site, role: str, m: Tensor) -> Optional[Tuple[Tensor, Tensor]
         return None
     g = m.movedim(site.meta.get("batch_dim", 0) + 1, 1)
     g = g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])
+    if site.meta.get("transposed"):  # a weight stored [in, out] (rules.linear.LINEAR_TRANSPOSED): x_n g_vnᵀ
+        return x[None, :, 0, :, None], g[:, :, 0, None, :]
     return g[:, :, 0, :, None], x[None, :, 0, None, :]
