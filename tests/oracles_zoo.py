@@ -116,8 +116,36 @@ def ggn_block(parts, name: str) -> Tensor:
     return sum(J[name].flatten(1).T @ H @ J[name].flatten(1) for J, H in parts)
 
 
+class _Hardsigmoid(nn.Module):
+    def forward(self, x):
+        return torch.clamp(x / 6 + 0.5, 0.0, 1.0)
+
+
+class _Hardswish(nn.Module):
+    def forward(self, x):
+        return x * torch.clamp(x / 6 + 0.5, 0.0, 1.0)
+
+
+def twice_differentiable(prob):
+    """``prob`` with a copy of its model whose ``nn.Hardsigmoid``/``nn.Hardswish`` are written
+    with ``clamp`` (torch has no derivative of ``hardsigmoid_backward``); same values and,
+    away from the kinks, the same derivatives of every order."""
+    import copy
+
+    swaps = {nn.Hardsigmoid: _Hardsigmoid, nn.Hardswish: _Hardswish}
+    if not any(type(m) in swaps for m in prob.model.modules()):
+        return prob
+    model = copy.deepcopy(prob.model)
+    for name, m in list(model.named_modules()):
+        for child_name, child in list(m.named_children()):
+            if type(child) in swaps:
+                setattr(m, child_name, swaps[type(child)]())
+    return prob._replace(model=model)
+
+
 def hessian_diagonals(prob, names=None) -> Dict[str, Tensor]:
     """``{p: [N, *p]}``: per-sample Hessian diagonals of ``ℓ_i``."""
+    prob = twice_differentiable(prob)
     params = trainable(prob.model)
     names = list(params) if names is None else names
     plist = list(params.values())
@@ -145,6 +173,7 @@ def hessian_diagonals(prob, names=None) -> Dict[str, Tensor]:
 
 def hessian_block(prob, name: str) -> Tensor:
     """``[P, P]``: the batch loss's Hessian block of parameter ``name``."""
+    prob = twice_differentiable(prob)
     p = trainable(prob.model)[name]
     loss = prob.lossfn(forward(prob.model, prob.X, prob.output), prob.y)
     (g,) = torch.autograd.grad(loss, [p], create_graph=True)

@@ -92,7 +92,7 @@ def _hf(name: str, g):
         model = transformers.GPT2LMHeadModel(cfg)
         return model, _ids(g), _ids(g), nn.CrossEntropyLoss(), _lm_output, \
             f"GPT-2 (Conv1D, tied lm_head), attn={impl}; causal LM loss over all positions", 1e-8
-    if name.startswith("llama"):
+    if name in ("llama_eager", "llama_sdpa"):
         impl = name.split("_")[1]
         cfg = transformers.LlamaConfig(**causal, attn_implementation=impl)
         model = transformers.LlamaForCausalLM(cfg)

@@ -168,7 +168,7 @@ def check(name: str, group: str) -> Dict[str, float]:
 
 
 def _alarm(signum, frame):
-    raise TimeoutError(f"still running after the time limit, in {PHASE[0]}")
+    raise TimeoutError("still running after the time limit")
 
 
 def outcome(name: str, group: str, limit: int = 0) -> str:
@@ -185,7 +185,7 @@ def outcome(name: str, group: str, limit: int = 0) -> str:
         return f"wrong: {e}"
     except Exception as e:  # noqa: BLE001 - the report lists it
         first = (str(e).strip().splitlines() or [""])[0]
-        return f"error: {type(e).__name__}: {first[:300]}"
+        return f"error in {PHASE[0]}: {type(e).__name__}: {first[:300]}"
     finally:
         if limit:
             signal.alarm(0)
