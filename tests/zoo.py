@@ -96,19 +96,21 @@ def _hf(name: str, g):
         impl = name.split("_")[1]
         cfg = transformers.LlamaConfig(**causal, attn_implementation=impl)
         model = transformers.LlamaForCausalLM(cfg)
-        # LlamaRMSNorm computes in float32 inside a float64 model: 1e-6, not 1e-8.
+        # LlamaRMSNorm (and eager attention's softmax) compute in float32 inside a float64
+        # model: 1e-6, not 1e-8.
         return model, _ids(g), _ids(g), nn.CrossEntropyLoss(), _lm_output, \
             f"Llama (RMSNorm, RoPE, GQA 2q/1kv, SwiGLU), attn={impl}; RMSNorm casts to float32", 1e-6
     if name == "llama_f64norm":
-        # diagnostic twin of llama_eager: RMSNorm computed in float64 (the float32 cast
-        # removed), so the whole model is float64 and compared at 1e-8
-        cfg = transformers.LlamaConfig(**causal, attn_implementation="eager")
+        # diagnostic twin of llama_sdpa: RMSNorm computed in float64 (the float32 cast
+        # removed) and SDPA attention (eager attention's softmax runs in float32), so the
+        # whole model is float64 and compared at 1e-8
+        cfg = transformers.LlamaConfig(**causal, attn_implementation="sdpa")
         model = transformers.LlamaForCausalLM(cfg)
         for m in model.modules():
             if type(m).__name__.endswith("RMSNorm"):
                 m.__class__ = _float64_norm(type(m))
         return model, _ids(g), _ids(g), nn.CrossEntropyLoss(), _lm_output, \
-            "llama_eager with RMSNorm in float64 (no float32 cast): separates float32 noise from errors", 1e-8
+            "llama_sdpa with RMSNorm in float64 (no float32 cast): separates float32 noise from errors", 1e-8
     if name == "qwen2":
         cfg = transformers.Qwen2Config(**causal, attn_implementation="eager")
         model = transformers.Qwen2ForCausalLM(cfg)
