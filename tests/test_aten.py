@@ -19,6 +19,7 @@ from torch import nn
 
 from curvlib import CurvatureError, curvature
 from curvlib.extensions import KFLR, BatchGrad, DiagGGNExact, DiagHessian
+from on_device import seeded
 from oracles import individual_gradients
 from oracles_all import assert_close, assert_matches, exact_extensions, reference
 
@@ -99,7 +100,7 @@ class KeywordModel(nn.Module):
 
 
 def _data(shape, c=3, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     return torch.randn(shape, generator=g, dtype=DT), torch.randint(0, c, (shape[0],), generator=g)
 
 

@@ -20,6 +20,8 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import torch
 from torch import nn
 
+from on_device import seeded
+
 N, T, VOCAB, CLASSES = 3, 5, 32, 3
 
 
@@ -39,7 +41,7 @@ def _lm_output(o):
 
 
 def _finish(model: nn.Module, seed: int) -> nn.Module:
-    g = torch.Generator().manual_seed(seed + 1000)
+    g = seeded(seed + 1000)
     model = model.to(torch.float64).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -268,7 +270,7 @@ NAMES = HF + TIMM + TV
 def build(name: str, seed: int = 0) -> Problem:
     """The problem ``name`` (one of :data:`NAMES`), weights and data drawn from ``seed``."""
     torch.manual_seed(seed)
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     if name in HF:
         model, X, y, lossfn, output, notes, rtol = _hf(name, g)
     elif name in TIMM or name in TV:

@@ -15,6 +15,7 @@ from typing import Dict
 import torch
 
 import oracles_zoo as oz
+from on_device import seeded
 import zoo
 from curvlib import curvature
 from curvlib.extensions import (HMP, KFAC, KFLR, BatchDiagGGNExact, BatchDiagGGNMC, BatchDiagHessian, BatchGrad,
@@ -139,7 +140,7 @@ def check(name: str, group: str) -> Dict[str, float]:
         p = product_param(prob.model)
         qs = run(prob, [GGNMP(), HMP()])
         shape = oz.trainable(prob.model)[p].shape
-        V = torch.randn(4, *shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        V = torch.randn(4, *shape, generator=seeded(3), dtype=torch.float64)
         _phase("oracle")
         G = oz.ggn_block(oz.ggn_parts(prob), p)
         H = oz.hessian_block(prob, p)
@@ -152,7 +153,7 @@ def check(name: str, group: str) -> Dict[str, float]:
         mean, bmean = None, None
         for s in range(MC_DRAWS):
             qs = run(prob, [DiagGGNMC(mc_samples=MC_SAMPLES), BatchDiagGGNMC(mc_samples=MC_SAMPLES)],
-                     generator=torch.Generator().manual_seed(100 + s))
+                     generator=seeded(100 + s))
             mean = {k: v / MC_DRAWS + (0 if mean is None else mean[k]) for k, v in qs["diag_ggn_mc"].items()}
             bmean = {k: v / MC_DRAWS + (0 if bmean is None else bmean[k]) for k, v in qs["diag_ggn_mc_batch"].items()}
         compare("diag_ggn_mc", mean, {k: v.sum(0) for k, v in d.items()}, MC_RTOL, errors)
@@ -162,7 +163,7 @@ def check(name: str, group: str) -> Dict[str, float]:
         mean = None
         for s in range(MC_DRAWS):
             qs = run(prob, [KFAC(mc_samples=MC_SAMPLES, kfac_approx="expand")],
-                     generator=torch.Generator().manual_seed(200 + s))
+                     generator=seeded(200 + s))
             k_ = {k: oz.kron(v) / MC_DRAWS for k, v in qs["kfac"].items()}
             mean = k_ if mean is None else {k: mean[k] + v for k, v in k_.items()}
         # against curvlib's own KFLR (checked against the oracle by the "kflr" group)

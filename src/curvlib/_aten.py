@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _outputs
 from ._errors import CurvatureError
@@ -196,33 +197,54 @@ def check_branches_per_sample(model: nn.Module, X, output) -> None:
     """Refuse a batch whose samples, each alone, take other branches than the batch took.
 
     A guarded graph (:func:`input_branch`) holds the branch the *batch's* values chose (``if
-    x.sum() > 0``). curvlib's per-sample quantities are those of each sample run alone; where a
-    sample alone computes something else than its row of the batch, they are not defined. Run
-    once per call of a guarded graph: ``N + 1`` forwards without autograd. Branches that agree in
-    value (Hugging Face's ``if attention_mask.all()`` shortcut) pass."""
+    x.sum() > 0``). curvlib's per-sample quantities are those of each sample run alone. Each
+    sample is run alone (no autograd) and the values its Python reads (``.item()``, ``bool``)
+    compared with the batch's: where they differ and the sample's output differs from its row
+    of the batch's, per-sample quantities are not defined (branches that agree in value, as
+    Hugging Face's ``if attention_mask.all()`` shortcut, pass). Run once per call of a guarded
+    graph: ``N + 1`` forwards."""
     own = {k: v.detach() for k, v in model.named_parameters()}
 
-    def out(x):
-        return _outputs.select(torch.func.functional_call(model, own, (), dict(x)) if keyword_inputs(model, x)
-                               else torch.func.functional_call(model, own, (x,)), output)[0]
+    def run(x):
+        with _Reads() as reads:
+            out = (torch.func.functional_call(model, own, (), dict(x)) if keyword_inputs(model, x)
+                   else torch.func.functional_call(model, own, (x,)))
+        return _outputs.select(out, output)[0], reads.values
 
     try:
         with torch.no_grad(), LOCK, restored(model), _without_hooks(model):
-            batch = out(X)
+            batch, read = run(X)
             for n in range(batch_size(X)):
-                alone, row = out(slice_batch(X, n, n + 1)), batch[n:n + 1]
-                scale = row.abs().max()
-                if alone.shape != row.shape or not bool(((alone - row).abs() <= 1e-5 * scale + 1e-6).all()):
-                    raise CurvatureError(
-                        f"The model's forward ({type(model).__name__}) reads tensor values to choose a branch "
-                        f"and computes something else for sample {n} alone than for it in the batch: the "
-                        "branch is chosen by the whole batch's values, so the samples are not independent and "
-                        "per-sample quantities are not defined. Make the branch depend on each sample alone "
-                        "(e.g. torch.where on per-sample conditions).")
+                alone, read_alone = run(slice_batch(X, n, n + 1))
+                row = batch[n:n + 1]
+                if read_alone == read or (alone.shape == row.shape and bool(
+                        ((alone - row).abs() <= 1e-5 * row.abs().max() + 1e-6).all())):
+                    continue
+                raise CurvatureError(
+                    f"The model's forward ({type(model).__name__}) reads tensor values to choose a branch "
+                    f"(read {read!r} from the batch, {read_alone!r} from sample {n} alone) and computes "
+                    f"something else for sample {n} alone than for it in the batch: the branch is chosen by "
+                    "the whole batch's values, so the samples are not independent and per-sample quantities "
+                    "are not defined. Make the branch depend on each sample alone (e.g. torch.where on "
+                    "per-sample conditions).")
     except RuntimeError as exc:  # a batched input (vmap over X): no single value to read
         raise CurvatureError(
             "The model's forward reads values of its input to choose a branch; under torch.func.vmap over "
             "the input they differ per member. Call curvature's function per member.") from exc
+
+
+class _Reads(TorchDispatchMode):
+    """Records the values Python reads from tensors (``.item()``, ``bool(t)``) while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.values: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is aten._local_scalar_dense.default:
+            self.values.append(out)
+        return out
 
 
 input_branch.curvlib_linear = True  # a constant for the derivatives (curvlib.rules.elementwise)

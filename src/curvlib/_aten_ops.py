@@ -205,6 +205,10 @@ def torch_level(target, args, kwargs):
         return args[0]
     if name in _SKIPPED:
         return None
+    if name.endswith("_") and not name.startswith("_") and hasattr(Tensor, name):
+        # an in-place op (timm's act(x, inplace=True)): the tensor method, which curvlib's graph
+        # passes know as in-place (probes, the value kept for residuals)
+        return getattr(args[0], name)(*args[1:], **kwargs)
     return target(*args, **kwargs)
 
 

@@ -101,11 +101,26 @@ def analyse(program, env_a: Dict, env_b: Dict, n: int, trainable) -> Independenc
     if program.graph is None:
         return Independence(untraced=True)
     walk = _Walk(program, env_a, env_b, n, frozenset(trainable))
+    guards = _guard_only(program.graph)
     for node in program.graph.nodes:
+        if node in guards:
+            continue
         problem = walk.visit(node)
         if problem:
             return Independence(problem=problem)
     return Independence(pending=tuple(walk.pending), layouts=walk.layouts)
+
+
+def _guard_only(graph) -> set:
+    """Nodes whose values only reach guards (``curvlib._aten.input_branch``: a branch the model's
+    Python took on a value, ``if x.sum() > 0``): they shape no output, so they mix nothing into it.
+    A batch-level branch is checked per sample instead (``curvlib._aten.check_branches_per_sample``)."""
+    only: set = set()
+    for node in reversed(list(graph.nodes)):
+        users = list(node.users)
+        if users and all(getattr(u.target, "__name__", "") == "input_branch" or u in only for u in users):
+            only.add(node)
+    return only
 
 
 def _lookup(root: nn.Module, target: str):
