@@ -47,11 +47,9 @@ KNOWN = {
 # (model, group) -> why it is skipped: curvlib took longer than the report's time limit
 # (90 s on the loaded 2-core machine) while the brute force takes seconds
 TOO_SLOW = {
-    ("timm_convnext_atto", "hessian"): "curvlib's DiagHessian call takes > 90 s (brute force: seconds)",
-    ("timm_efficientnet", "hessian"): "curvlib's DiagHessian call takes > 90 s (brute force: seconds)",
-    ("timm_nfnet", "hessian"): "curvlib's DiagHessian call takes > 90 s (brute force: seconds)",
+    ("timm_nfnet", "hessian"): "curvlib's DiagHessian call takes > 90 s (brute force: seconds): every "
+                               "ScaledStdConv2d is a functional site whose weight is standardised (dense residual)",
     ("timm_nfnet", "mc_ggn"): "curvlib's 4 DiagGGNMC calls (256 samples) take > 90 s",
-    ("tv_swin_t", "hessian"): "curvlib's DiagHessian call takes > 90 s (brute force: seconds)",
 }
 
 
