@@ -396,6 +396,8 @@ def _hessian_diag(lin, uses, ggn, names, params, n, residual_grads, batch: bool,
     total = dict(ggn)
     for res, g_z in zip(lin.residuals, residual_grads):
         for sign, tap_cols, direct in factor(res, g_z):
+            if not tap_cols and not direct:
+                continue  # nothing trainable reached: no columns
             # a node without float inputs (an opaque layer on token ids): direct columns only
             v = next(iter(tap_cols.values() if tap_cols else direct.values())).shape[0]
             step = max(1, v if chunk_size is None else chunk_size)
