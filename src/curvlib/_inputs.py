@@ -9,14 +9,15 @@ batch in dim 0; other leaves (ints, strings, ``None``) are passed unchanged.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Callable, List
+import inspect
+from typing import Callable, List, Optional
 
 import torch
 from torch import Tensor
 
 from ._errors import CurvatureError, CurvatureTypeError
 
-__all__ = ["tensors", "batch_size", "map_tensors", "check_input", "describe", "as_pytree"]
+__all__ = ["tensors", "batch_size", "map_tensors", "check_input", "describe", "as_pytree", "with_defaults"]
 
 
 def tensors(X) -> List[Tensor]:
@@ -151,3 +152,18 @@ def structure_key(X):
     if isinstance(X, Tensor):
         return None
     return repr(map_tensors(lambda t: "<tensor>", as_pytree(X)))
+
+
+def with_defaults(forward: Callable, concrete: Optional[dict]) -> Optional[dict]:
+    """``concrete`` plus the constant defaults of ``forward``'s further arguments (timm's
+    ``forward(x, attn_mask=None)``): curvlib calls ``model(X)``, so they keep their defaults, and
+    traced as inputs they would send the trace down a masked branch with no mask."""
+    params = list(inspect.signature(forward).parameters.values())
+    defaults = {p.name: p.default for p in params[1:]
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                and (p.default is None or isinstance(p.default, (bool, int, float, str)))}
+    if not defaults:
+        return concrete
+    if concrete is None:
+        concrete = {}
+    return {**defaults, **concrete}

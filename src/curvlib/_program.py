@@ -40,6 +40,7 @@ from torch import fx, nn
 from . import rules
 from ._sync import LOCK
 from .rules import attention
+from ._inputs import with_defaults
 from .rules.functional import FunctionalUse, is_affine, linear_roles, linear_transposed
 
 __all__ = ["Program", "Layer", "Tracer", "trace_program", "assemble"]
@@ -267,7 +268,7 @@ def trace_program(model: nn.Module, example=None) -> Program:
 
         first = next(iter(inspect.signature(root.forward).parameters))
         concrete = {first: trace_structure(example)}
-    graph, error, opaque = _trace_with_opaque_leaves(root, _with_defaults(root, concrete))
+    graph, error, opaque = _trace_with_opaque_leaves(root, with_defaults(root.forward, concrete))
     return assemble(root, prefix, graph, error, opaque, param_names, leaf_inputs=concrete is not None)
 
 
@@ -302,21 +303,6 @@ def assemble(root, prefix, graph, error, opaque, param_names, leaf_inputs: bool)
         out_spec=getattr(getattr(graph._codegen, "pytree_info", None), "out_spec", None) if graph is not None else None,
         leaf_inputs=leaf_inputs, opaque=opaque,
     )
-
-
-def _with_defaults(root: nn.Module, concrete: Optional[dict]) -> Optional[dict]:
-    """``concrete`` plus the constant defaults of ``forward``'s further arguments (timm's
-    ``forward(x, attn_mask=None)``): curvlib calls ``model(X)``, so they keep their defaults, and
-    traced as inputs they would send the trace down a masked branch with no mask."""
-    params = list(inspect.signature(root.forward).parameters.values())
-    defaults = {p.name: p.default for p in params[1:]
-                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                and (p.default is None or isinstance(p.default, (bool, int, float, str)))}
-    if not defaults:
-        return concrete
-    if concrete is None:
-        concrete = {}
-    return {**defaults, **concrete}
 
 
 def _why(exc: BaseException) -> str:
