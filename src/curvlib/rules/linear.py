@@ -16,6 +16,8 @@ The norms and squares avoid ``[N, O, I]`` where they can:
 
 from __future__ import annotations
 
+import functools
+
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -51,11 +53,13 @@ def _flat_input(site: Site) -> Tensor:
     return x.reshape(x.shape[0], -1, x.shape[-1])
 
 
-def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
+def grad_batch(site: Site, g: Tensor, roles: Sequence[str], transposed: bool = False) -> RoleTensors:
+    """Weight ``[N, O, I]`` (``transposed``: ``[N, I, O]``, formed in that layout: a transposed
+    view would make every later sum over the batch a strided, ~20x slower one), bias ``[N, O]``."""
     x, g = _flat(site, g)
     out = {}
     if "weight" in roles:
-        out["weight"] = _per_sample_outer(g, x)
+        out["weight"] = _per_sample_outer(x, g) if transposed else _per_sample_outer(g, x)
     if "bias" in roles:
         out["bias"] = g.sum(1)
     return out
@@ -222,23 +226,11 @@ def _weight_transposed(fn):
     return transposed
 
 
-def _grad_batch_transposed(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
-    """``Σ_s x[n, s] g[n, s]ᵀ`` ``[N, I, O]``, formed in that layout (a transposed view of
-    ``[N, O, I]`` would make every later sum over the batch a strided, ~20x slower one)."""
-    x, g = _flat(site, g)
-    out = {}
-    if "weight" in roles:
-        out["weight"] = _per_sample_outer(x, g)
-    if "bias" in roles:
-        out["bias"] = g.sum(1)
-    return out
-
-
 #: A Linear site whose weight parameter is ``Wᵀ`` (``[in, out]``); its Kronecker factors are
 #: ``[A, B]`` (one per dim of the parameter, as BackPACK orders them), see ``_secondorder._kron``.
 LINEAR_TRANSPOSED = Rule(
     kind="linear",
-    grad_batch=_grad_batch_transposed,
+    grad_batch=functools.partial(grad_batch, transposed=True),
     grad=_weight_transposed(grad),
     grad_from_batch=grad_from_batch,
     batch_l2=batch_l2,
