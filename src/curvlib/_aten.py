@@ -45,13 +45,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import _outputs
 from ._errors import CurvatureError
 from ._aten_ops import INPUT_ARG, conv1d_linear, owner_call, owners, torch_level, view_of
-from ._inputs import as_pytree, batch_size, slice_batch, trace_structure
+from ._inputs import as_pytree, batch_size, slice_batch, trace_leaves, trace_structure
 from ._program import Program, Tracer, assemble
 from ._sync import LOCK
 from .rules import math_hooks
 from .rules.generic import restored
 
-__all__ = ["trace_aten_program", "trace_graph", "call_model", "keyword_inputs", "BranchChanged", "input_branch", "check_branches_per_sample"]
+__all__ = ["guards_agree_per_sample", "trace_aten_program", "trace_graph", "call_model", "keyword_inputs", "BranchChanged", "input_branch", "check_branches_per_sample"]
 
 aten = torch.ops.aten
 
@@ -191,6 +191,44 @@ def input_branch(value: Tensor, expected, where: str):
     if actual != expected:
         raise BranchChanged(f"the model read {actual!r} at {where}, traced with {expected!r}")
     return expected
+
+
+def guards_agree_per_sample(program: Program, X) -> bool:
+    """Whether every guard of the graph reads, for each sample alone, the value the batch read,
+    decided cheaply on the guards' own ancestry (``mask -> eq -> all``: no parameter, no layer)
+    evaluated on each sample's slice of ``X``. ``False`` when that cannot be decided so (a
+    guard reads through parameters, or a shape baked in for the batch): see
+    :func:`check_branches_per_sample`."""
+    guards = [g for g in program.graph.nodes if g.op == "call_function" and g.target is input_branch]
+    needed, stack = set(), [g.args[0] for g in guards if isinstance(g.args[0], fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    if any(a.op == "call_module" or (a.op == "get_attr" and isinstance(_attribute(program.root, a.target), nn.Parameter))
+           for a in needed):
+        return False
+    leaves = trace_leaves(X) if program.leaf_inputs else [X]
+    n = batch_size(X)
+    try:
+        for i in range(n):
+            env, seen = {}, 0
+            for node in program.graph.nodes:
+                if node.op == "placeholder":
+                    leaf = leaves[seen] if seen < len(leaves) else node.args[0]
+                    seen += 1
+                    env[node] = leaf[i:i + 1] if isinstance(leaf, Tensor) and leaf.dim() and leaf.shape[0] == n else leaf
+                elif node in needed:
+                    load = lambda a: fx.node.map_arg(a, lambda m: env[m])  # noqa: E731
+                    env[node] = (_attribute(program.root, node.target) if node.op == "get_attr"
+                                 else getattr(load(node.args[0]), node.target)(*load(node.args[1:]), **load(node.kwargs))
+                                 if node.op == "call_method" else node.target(*load(node.args), **load(node.kwargs)))
+            if any(env[g.args[0]].item() != g.args[1] for g in guards):
+                return False
+    except Exception:  # noqa: BLE001 - a shape baked in for the batch: decide on the model itself
+        return False
+    return True
 
 
 def check_branches_per_sample(model: nn.Module, X, output) -> None:
