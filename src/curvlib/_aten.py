@@ -51,7 +51,7 @@ from ._sync import LOCK
 from .rules import math_hooks
 from .rules.generic import restored
 
-__all__ = ["guards_agree_per_sample", "trace_aten_program", "trace_graph", "call_model", "keyword_inputs", "BranchChanged", "input_branch", "check_branches_per_sample"]
+__all__ = ["guards_agree_per_sample", "trace_aten_program", "trace_graph", "keyword_inputs", "BranchChanged", "input_branch", "check_branches_per_sample"]
 
 aten = torch.ops.aten
 
@@ -68,11 +68,6 @@ def keyword_inputs(model: nn.Module, X) -> bool:
         return False
     named = {k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     return all(isinstance(k, str) for k in X) and set(X) <= named
-
-
-def call_model(model: nn.Module, X):
-    """``model(X)``, or ``model(**X)`` for keyword inputs (:func:`keyword_inputs`)."""
-    return model(**X) if keyword_inputs(model, X) else model(X)
 
 
 def _aten_graph(model: nn.Module, X, output) -> Tuple[fx.GraphModule, List[str], List[str], List[int], str]:

@@ -53,7 +53,8 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from . import _dropout
-from ._errors import CurvatureError, output_not_a_tensor
+from ._errors import CurvatureError
+from ._outputs import select
 from ._program import Layer, Program
 from ._sync import LOCK
 from .rules import check_module
@@ -322,6 +323,6 @@ def _run_eager(program: Program, X: Tensor, params: Mapping[str, Tensor], traina
                 slots["forward"] = old
     if rec.probes is not None and [tuple(p.shape) for p in rec.probes] != list(rec.out_shapes):
         raise CurvatureError(_path_changed(rec))
-    if not isinstance(out, Tensor):
-        raise output_not_a_tensor(out)
+    if not isinstance(out, Tensor):  # a ModelOutput, tuple, dict: the tensor curvature(..., output=) names
+        out = select(out, program.selector)[0]
     return out

@@ -205,8 +205,10 @@ def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwa
     if not isinstance(out, Tensor):
         raise CurvatureError(
             f"Module '{where}' ({type(module).__name__}) has no hand-written curvlib "
-            f"rule and returns {type(out).__name__}, not a tensor; the generic rule "
-            "needs a single output tensor. Wrap it so that forward returns one tensor."
+            f"rule and returns {type(out).__name__}, not a tensor; the generic rule, which runs "
+            "it whole, needs a single output tensor. It is run whole because neither torch.fx "
+            "nor curvlib's ATen front end could trace through it (e.g. the model applies a custom "
+            "autograd.Function); make its forward return one tensor."
         )
     saved, pos_static, kw_static = _split_args(args, kwargs)
     saved.update({f"param:{r}": t for r, t in tensors.items()})
