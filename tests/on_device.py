@@ -15,6 +15,11 @@ import os
 
 import torch
 
+#: The environment as the test session found it, before any library imported later sets its own
+#: variables (torch.compile's inductor stores a pointer in ``_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR``,
+#: scikit-learn the ``KMP_*`` OpenMP switches): what a subprocess a test starts should inherit.
+CLEAN_ENVIRON = dict(os.environ)
+
 SWITCH = "CURVLIB_TEST_DEVICE"
 DEVICE = torch.device(os.environ.get(SWITCH) or "cpu")
 ON_CPU = DEVICE.type == "cpu"

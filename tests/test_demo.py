@@ -1,11 +1,12 @@
 """The demo ``python -m curvlib`` passes its own checks and names every extension."""
 
 import importlib.util
-import os
 import subprocess
 import sys
 
 import pytest
+
+from on_device import CLEAN_ENVIRON
 import torch
 
 from curvlib import _demo
@@ -43,7 +44,7 @@ def test_demo_fails_on_a_wrong_result(monkeypatch, capsys):
 def test_module_entry_point_exits_zero(tmp_path):
     """``python -m curvlib`` in a fresh process: every extension, progress on stderr, the PNG
     where ``--out`` says, and no warning from torch (e.g. "Failed to initialize NumPy")."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(CLEAN_ENVIRON, OMP_NUM_THREADS="1")
     out = tmp_path / "sub" / "demo.png"
     proc = subprocess.run(
         [sys.executable, "-m", "curvlib", "--device", "cpu", "--out", str(out), "--rounds", "3"],

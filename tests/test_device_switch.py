@@ -8,14 +8,13 @@ refuses for tensors on CUDA ("Expected a 'cuda' device type for generator").
 from __future__ import annotations
 
 import ast
-import os
 import pathlib
 import subprocess
 import sys
 
 import torch
 
-from on_device import DEVICE, ON_CPU, SWITCH, seeded
+from on_device import CLEAN_ENVIRON, DEVICE, ON_CPU, SWITCH, seeded
 
 TESTS = pathlib.Path(__file__).resolve().parent
 
@@ -57,7 +56,7 @@ def test_seeded_follows_the_test_device():
 def test_switch_sets_the_default_device_in_a_fresh_process():
     """Set-up path for a non-CPU device, run here with ``meta`` (no accelerator needed)."""
     script = "import conftest, torch; print(torch.empty(0).device, torch.nn.Linear(2, 2).weight.device)"
-    env = dict(os.environ, **{SWITCH: "meta"})
+    env = dict(CLEAN_ENVIRON, **{SWITCH: "meta"})
     out = subprocess.run([sys.executable, "-c", script], cwd=TESTS, env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr

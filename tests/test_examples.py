@@ -5,6 +5,8 @@ import subprocess
 import sys
 
 import pytest
+
+from on_device import CLEAN_ENVIRON
 import torch
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
@@ -59,7 +61,7 @@ def test_brute_force_is_consistent():
 
 @pytest.mark.slow
 def test_script_exits_zero():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(CLEAN_ENVIRON, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "architectures.py")],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from on_device import CLEAN_ENVIRON
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 EXAMPLES = sorted(p for p in glob.glob(os.path.join(ROOT, "examples", "*.py"))
                   if "--quick" in open(p, encoding="utf-8").read())
@@ -35,7 +37,7 @@ def test_example_runs_quick_and_writes_png(script, tmp_path):
         pytest.importorskip(module)
     cwd, out = tmp_path / "cwd", tmp_path / "out"
     cwd.mkdir()
-    env = dict(os.environ, OMP_NUM_THREADS="1", MPLBACKEND="Agg",
+    env = dict(CLEAN_ENVIRON, OMP_NUM_THREADS="1", MPLBACKEND="Agg",
                PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src")] + ([os.environ["PYTHONPATH"]]
                                                                          if os.environ.get("PYTHONPATH") else [])))
     # (through tests/torchvision_shim.py: laplace-torch imports torchvision, whose registry wheel is a

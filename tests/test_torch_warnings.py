@@ -2,9 +2,10 @@
 which scripts jvp decompositions and warns that ``torch.jit.script`` is deprecated).
 Run in a fresh process: the set-up happens once per process."""
 
-import os
 import subprocess
 import sys
+
+from on_device import CLEAN_ENVIRON
 
 SCRIPT = r"""
 import os
@@ -29,6 +30,6 @@ print("\n".join(f"{w.category.__name__}: {w.message}" for w in caught))
 
 
 def test_no_torch_warnings_in_a_forward_mode_call():
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, env=os.environ)
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, env=CLEAN_ENVIRON)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", out.stdout
