@@ -1,6 +1,6 @@
 """Every curvlib extension on a GPT-style transformer and an LSTM, checked by brute force.
 
-    python examples/architectures.py                  # ~20 s on one CPU core
+    python examples/architectures.py                  # ~20 s on one CPU core (HF GPT-2 with transformers)
     python examples/architectures.py --quick --out DIR  # the LSTM only; PNG into DIR
 
 What it shows, on models built only from PyTorch's own modules:
@@ -370,6 +370,15 @@ def _parse(cell: str) -> Tuple[str, float, float]:
 
 
 def plot(rows: List[Tuple[str, str, str]], path: str) -> None:
+    """Save :func:`figure` of ``rows`` to ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(rows)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def figure(rows: List[Tuple[str, str, str]]):
     """One panel per model: relative error per extension (log), coloured by status; the call's time."""
     import matplotlib
 
@@ -377,7 +386,8 @@ def plot(rows: List[Tuple[str, str, str]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     titles = list(dict.fromkeys(r[0] for r in rows))
-    fig, axes = plt.subplots(1, len(titles), figsize=(5.2 * len(titles), 6), sharey=True, squeeze=False)
+    # (at least 7.5 in wide: one panel (--quick) must hold the title and the axis label)
+    fig, axes = plt.subplots(1, len(titles), figsize=(max(5.2 * len(titles), 7.5), 6), sharey=True, squeeze=False)
     colours = {"ok": "tab:green", "ran": "tab:gray", "refused": "tab:red"}
     for ax, title in zip(axes[0], titles):
         mine = [r for r in rows if r[0] == title]
@@ -394,13 +404,12 @@ def plot(rows: List[Tuple[str, str, str]], path: str) -> None:
         ax.set_xscale("log")
         ax.set_xlim(1e-17, 1e3)
         ax.axvline(TOLERANCE, color="k", ls=":", lw=1)
-        ax.set_xlabel("rel. error vs brute force (green: checked, grey: approximation)")
+        ax.set_xlabel("rel. error vs brute force\n(green: checked, grey: approximation)")
         ax.set_title(title)
     axes[0][0].invert_yaxis()
-    fig.suptitle(f"every extension vs torch.func brute force (float64; dotted: tolerance {TOLERANCE:g}; x: refused)")
+    fig.suptitle(f"every extension vs torch.func brute force\n(float64; dotted: tolerance {TOLERANCE:g}; x: refused)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def main(argv=None) -> int:

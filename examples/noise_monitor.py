@@ -26,7 +26,7 @@ instruments below, per layer ``L`` (a module owning parameters):
 Run (needs scikit-learn and matplotlib)::
 
     python examples/noise_monitor.py               # ~10 s
-    python examples/noise_monitor.py --quick       # a few seconds
+    python examples/noise_monitor.py --quick       # about 10 s on one CPU core
     python examples/noise_monitor.py --out DIR     # default figures/
 
 The figure ``noise_monitor.png`` has four panels over training steps: loss

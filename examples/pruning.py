@@ -28,7 +28,7 @@ iterative OBD keeps far more accuracy (e.g. ~0.8 vs ~0.5 at 90%).
 Run (needs scikit-learn and matplotlib)::
 
     python examples/pruning.py             # ~15 s
-    python examples/pruning.py --quick     # a few seconds
+    python examples/pruning.py --quick     # about 10 s on one CPU core
     python examples/pruning.py --out DIR   # default figures/
 
 The figure ``pruning.png`` plots test accuracy against the fraction of
