@@ -16,7 +16,7 @@ import math
 import os
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["save_summary"]
+__all__ = ["save_summary", "summary_figure"]
 
 
 def save_summary(
@@ -40,6 +40,18 @@ def save_summary(
     Raises:
         ImportError: matplotlib is not installed.
     """
+    import matplotlib.pyplot as plt
+
+    fig = summary_figure(ratios, deviations, parameters, tolerance, title)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def summary_figure(ratios, deviations, parameters: Sequence[str], tolerance: float, title: str):
+    """The two-panel figure of :func:`save_summary` (not saved)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -51,14 +63,12 @@ def save_summary(
     )
     _timing_panel(left, ratios)
     image = _deviation_panel(right, deviations, rows, parameters, tolerance)
-    fig.colorbar(image, ax=right, label="log10 max |curvlib − brute force|")
+    bar = fig.colorbar(image, ax=right, label="log10 max |curvlib − brute force|  (red line: tolerance)")
+    # the tolerance on the colour scale: cells above the line are outlined in red
+    bar.ax.axhline(math.log10(tolerance), color="red", linewidth=2)
     fig.suptitle(title)
     fig.tight_layout()
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def _timing_panel(ax, ratios: Dict[str, float]) -> None:
@@ -67,6 +77,17 @@ def _timing_panel(ax, ratios: Dict[str, float]) -> None:
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xscale("log")
+    # plain labels at 1-2-5 steps (matplotlib's own minor labels, "3×10⁰ 4×10⁰", collide)
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    top = max(max(ratios.values(), default=1.0), 1.0) * 1.5
+    low = min(min(ratios.values(), default=1.0), 1.0) / 1.5
+    ticks = [m * 10.0**e for e in range(math.floor(math.log10(low)), math.ceil(math.log10(top)) + 1)
+             for m in (1, 2, 5) if low <= m * 10.0**e <= top]
+    ax.set_xlim(low, top)
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
     ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
     ax.set_xlabel("time per call / loss.backward() (median)")
     ax.set_title("cost of each extension alone")
