@@ -46,9 +46,10 @@ from . import _outputs
 from ._errors import CurvatureError
 from ._aten_ops import INPUT_ARG, conv1d_linear, owner_call, owners, torch_level, view_of
 from ._inputs import as_pytree, batch_size, slice_batch, trace_leaves, trace_structure
-from ._program import Program, Tracer, assemble
+from ._program import Program, Tracer, assemble, function_apply
 from ._sync import LOCK
 from .rules import math_hooks
+from .rules.functional import run_nodes
 from .rules.generic import restored
 
 __all__ = ["guards_agree_per_sample", "trace_aten_program", "trace_graph", "keyword_inputs", "BranchChanged", "input_branch", "check_branches_per_sample"]
@@ -129,20 +130,13 @@ class CustomFunction(Exception):
     estimator would be silently wrong). The symbolic front end keeps it; this one refuses."""
 
 
-@contextlib.contextmanager
 def _no_custom_functions():
     """Raise :class:`CustomFunction` when the traced code applies a custom ``autograd.Function``."""
-    original = torch.autograd.Function.__dict__["apply"]
 
     def apply(cls, *args, **kwargs):
         raise CustomFunction(f"the model applies the custom autograd.Function {cls.__name__}")
 
-    with LOCK:
-        torch.autograd.Function.apply = classmethod(apply)
-        try:
-            yield
-        finally:
-            torch.autograd.Function.apply = original
+    return function_apply(apply)
 
 
 _READS = (aten.item.default, aten._local_scalar_dense.default, aten.is_nonzero.default)
@@ -208,17 +202,11 @@ def guards_agree_per_sample(program: Program, X) -> bool:
     n = batch_size(X)
     try:
         for i in range(n):
-            env, seen = {}, 0
-            for node in program.graph.nodes:
-                if node.op == "placeholder":
-                    leaf = leaves[seen] if seen < len(leaves) else node.args[0]
-                    seen += 1
-                    env[node] = leaf[i:i + 1] if isinstance(leaf, Tensor) and leaf.dim() and leaf.shape[0] == n else leaf
-                elif node in needed:
-                    load = lambda a: fx.node.map_arg(a, lambda m: env[m])  # noqa: E731
-                    env[node] = (_attribute(program.root, node.target) if node.op == "get_attr"
-                                 else getattr(load(node.args[0]), node.target)(*load(node.args[1:]), **load(node.kwargs))
-                                 if node.op == "call_method" else node.target(*load(node.args), **load(node.kwargs)))
+            env = {}
+            for k, node in enumerate(n for n in program.graph.nodes if n.op == "placeholder"):
+                leaf = leaves[k] if k < len(leaves) else node.args[0]
+                env[node] = leaf[i:i + 1] if isinstance(leaf, Tensor) and leaf.dim() and leaf.shape[0] == n else leaf
+            run_nodes([m for m in program.graph.nodes if m in needed and m.op != "placeholder"], env, program.root)
             if any(env[g.args[0]].item() != g.args[1] for g in guards):
                 return False
     except Exception:  # noqa: BLE001 - a shape baked in for the batch: decide on the model itself

@@ -28,6 +28,7 @@ modules) are one entry.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import traceback
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from .rules import attention
 from ._inputs import with_defaults
 from .rules.functional import FunctionalUse, is_affine, linear_roles, linear_transposed
 
-__all__ = ["Program", "Layer", "Tracer", "trace_program", "assemble"]
+__all__ = ["Program", "Layer", "Tracer", "trace_program", "assemble", "function_apply"]
 
 
 @dataclass
@@ -186,12 +187,21 @@ class Tracer(fx.Tracer):
                 return tracer.create_proxy("call_function", function_call(cls), args, kwargs)
             return original.__func__(cls, *args, **kwargs)
 
-        with LOCK:
-            torch.autograd.Function.apply = classmethod(apply)
-            try:
-                return super().trace(root, concrete_args)
-            finally:
-                torch.autograd.Function.apply = original
+        with function_apply(apply):
+            return super().trace(root, concrete_args)
+
+
+@contextlib.contextmanager
+def function_apply(apply: Callable):
+    """``torch.autograd.Function.apply`` replaced by ``apply(cls, *args, **kwargs)`` for the block,
+    under :data:`curvlib._sync.LOCK` (other threads must not see it), and put back."""
+    original = torch.autograd.Function.__dict__["apply"]
+    with LOCK:
+        torch.autograd.Function.apply = classmethod(apply)
+        try:
+            yield
+        finally:
+            torch.autograd.Function.apply = original
 
 
 def _has_proxy(value) -> bool:

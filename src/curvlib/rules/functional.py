@@ -71,13 +71,22 @@ def evaluate(use: FunctionalUse, root: nn.Module, param_names: Dict[int, str],
     ``constants``: values of chain nodes that read the model input's shape only."""
     env: Dict[fx.Node, object] = dict(constants or {})
     env.update(zip(use.inputs, inputs))
+    run_nodes(use.chain + (use.node,), env, root, param_names, tensors)
+    return env[use.node]
+
+
+def run_nodes(nodes: Sequence[fx.Node], env: Dict, root: nn.Module, param_names: Optional[Dict[int, str]] = None,
+              tensors: Optional[Dict[str, Tensor]] = None) -> Dict:
+    """Run ``nodes`` (in graph order) into ``env``, skipping those it holds; parameters read by
+    ``get_attr`` or a ``call_module`` are taken from ``tensors`` (canonical name -> tensor) when
+    given, as they are otherwise."""
     load = lambda a: fx.node.map_arg(a, lambda n: env[n])  # noqa: E731
-    for node in use.chain + (use.node,):
+    for node in nodes:
         if node in env:
             continue
         if node.op == "get_attr":
             value = _lookup(root, node.target)
-            if isinstance(value, nn.Parameter):
+            if tensors is not None and isinstance(value, nn.Parameter):
                 value = tensors[param_names[id(value)]]
             env[node] = value
         elif node.op == "call_function":
@@ -88,29 +97,34 @@ def evaluate(use: FunctionalUse, root: nn.Module, param_names: Dict[int, str],
         else:  # call_module on parameters or constants (wpe(arange(T))), with the given parameters
             module = _lookup(root, node.target)
             own = {k: tensors[param_names[id(p)]] for k, p in module.named_parameters()
-                   if param_names.get(id(p)) in tensors}
+                   if tensors is not None and param_names.get(id(p)) in tensors}
             env[node] = torch.func.functional_call(module, own, tuple(load(node.args)), load(node.kwargs))
-    return env[use.node]
+    return env
+
+
+def _of_free_parameters(site: Site, roles: Sequence[str], inputs: Sequence[Tensor]):
+    """``(f, free)``: the node as a function ``f(free)`` of the parameters in ``roles`` (the others
+    fixed at their values), on ``inputs``."""
+    use, root, param_names = site.meta["use"], site.meta["root"], site.meta["param_names"]
+    params = {k[6:]: v for k, v in site.saved.items() if k.startswith("param:")}
+    free = {r: p for r, p in params.items() if r in set(roles)}
+    fixed = {r: p for r, p in params.items() if r not in free}
+
+    def f(free_params):
+        return evaluate(use, root, param_names, {**fixed, **free_params}, inputs, site.meta.get("constants"))
+
+    return f, free
 
 
 def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
     if site.meta.get("batch_sized_chain"):
         return _grad_batch_masked(site, g, roles)
-    use, root, param_names = site.meta["use"], site.meta["root"], site.meta["param_names"]
     n = g.shape[0]
-    params = {k[6:]: v for k, v in site.saved.items() if k.startswith("param:")}
-    inputs = [site.saved[f"in{i}"] for i in range(len(use.inputs))]
+    inputs = [site.saved[f"in{i}"] for i in range(len(site.meta["use"].inputs))]
     in_dims = [0 if (x.dim() > 0 and x.shape[0] == n) else None for x in inputs]
-    wanted = set(roles)
 
     def one_sample(inputs_n: List[Tensor], g_n: Tensor) -> Dict[str, Tensor]:
-        inputs_n = [x.unsqueeze(0) if d == 0 else x for x, d in zip(inputs_n, in_dims)]
-        free = {r: p for r, p in params.items() if r in wanted}
-        fixed = {r: p for r, p in params.items() if r not in wanted}
-
-        def f(free_params):
-            return evaluate(use, root, param_names, {**fixed, **free_params}, inputs_n, site.meta.get("constants"))
-
+        f, free = _of_free_parameters(site, roles, [x.unsqueeze(0) if d == 0 else x for x, d in zip(inputs_n, in_dims)])
         return vjp(f, free)[1](g_n.unsqueeze(0))[0]
 
     return vmap(one_sample, in_dims=(in_dims, 0))(inputs, g)
@@ -121,16 +135,8 @@ def _grad_batch_masked(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTenso
     ``cls.expand(N, -1, -1)``, token-type ids expanded to ``[N, T]``): the node cannot run on one
     sample, so each sample's gradient is the full node's vector-Jacobian product with the output
     gradient of that sample alone, ``g_n = vjp(op)(g · e_n)`` (N products of the whole node)."""
-    use, root, param_names = site.meta["use"], site.meta["root"], site.meta["param_names"]
     n = g.shape[0]
-    params = {k[6:]: v for k, v in site.saved.items() if k.startswith("param:")}
-    inputs = [site.saved[f"in{i}"] for i in range(len(use.inputs))]
-    free = {r: p for r, p in params.items() if r in set(roles)}
-    fixed = {r: p for r, p in params.items() if r not in free}
-
-    def f(free_params):
-        return evaluate(use, root, param_names, {**fixed, **free_params}, inputs, site.meta.get("constants"))
-
+    f, free = _of_free_parameters(site, roles, [site.saved[f"in{i}"] for i in range(len(site.meta["use"].inputs))])
     pull = vjp(f, free)[1]
     rows = torch.eye(n, dtype=g.dtype, device=g.device).reshape((n, n) + (1,) * (g.dim() - 1))
     return vmap(lambda row: pull(g * row)[0])(rows)
