@@ -91,7 +91,7 @@ def curvature(
         model: any ``nn.Module`` whose forward treats samples independently
             (the batch in dim 0 of its input and output). It is traced once per
             combination of its modules' ``training`` flags and never changed; a
-            ``torch.compile``d module is differentiated through its original module.
+            module compiled by ``torch.compile`` is differentiated through its original module.
             Hooks registered on its modules are not run (they are not part of the math).
         lossfn: a per-sample loss: ``nn.MSELoss``, ``nn.CrossEntropyLoss``
             (``weight``, ``ignore_index``, ``label_smoothing``, class indices or
