@@ -48,7 +48,7 @@ def _blocks(path: Path):
 
 
 def not_run_without_visible_note(text: str) -> list:
-    """Line numbers of not-run blocks with no visible note in the 4 lines above the comment."""
+    """Lines of the ``not run`` comments with no visible note in the 4 lines above them."""
     bad = []
     for m in FENCE.finditer(text):
         if m.group(1) is None:
@@ -174,7 +174,7 @@ def test_not_run_blocks_say_so_visibly(path):
 
 def test_not_run_check_can_fail():
     hidden = "text\n\n<!-- not run: needs a group -->\n```python\nddp\n```\n"
-    assert not_run_without_visible_note(hidden) == [4]
+    assert not_run_without_visible_note(hidden) == [3]  # the comment's line
     shown = f"{VISIBLE_NOTE}: `ddp` comes from your script.*\n\n" + hidden
     assert not_run_without_visible_note(shown) == []
 
