@@ -36,8 +36,7 @@ def figure_path(name):
 
 def _page(name):
     """The Markdown of one example's page."""
-    source = open(os.path.join(EXAMPLES, f"{name}.py"), encoding="utf-8").read()
-    doc = ast.get_docstring(ast.parse(source)) or ""
+    doc = _docstring(name)
     title = doc.splitlines()[0] if doc else name
     rest = "\n".join(doc.splitlines()[1:]).strip("\n")
     # The docstrings are plain text for `help()` and terminals (formulas aligned by spaces):
@@ -59,8 +58,22 @@ def _index(names):
              "`--quick` (under a minute on a 2-core CPU; CI runs each so) and `--out DIR` (default",
              "`figures/`). They need `pip install -e \".[examples]\"` (matplotlib, scikit-learn;",
              "the data sets ship with scikit-learn), `laplace_digits.py` also laplace-torch",
-             "(see [Laplace](../laplace.md)).", "", "```{toctree}", ":maxdepth: 1", ""]
+             "(see [Laplace](../laplace.md)).", ""]
+    lines += [f"* [`{name}.py`]({name}.md): {_title(name)}" for name in names]
+    # hidden: the list above is the index; the toctree only puts the pages in the sidebar
+    lines += ["", "```{toctree}", ":hidden:", ":maxdepth: 1", ""]
     return "\n".join(lines + names + ["```", ""])
+
+
+def _docstring(name):
+    source = open(os.path.join(EXAMPLES, f"{name}.py"), encoding="utf-8").read()
+    return ast.get_docstring(ast.parse(source)) or ""
+
+
+def _title(name):
+    """The first line of an example's docstring."""
+    doc = _docstring(name)
+    return doc.splitlines()[0] if doc else ""
 
 
 def _write(path, text):

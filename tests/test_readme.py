@@ -59,3 +59,12 @@ def test_readme_is_a_front_page():
     assert text.count("\n") <= 200
     for page in ("docs/transform.md", "docs/large-models.md", "docs/model-zoos.md", "docs/install.md"):
         assert f"]({page}" in text, f"the README links no {page}"
+
+
+def test_ci_runs_the_readme_test_command():
+    """.ci/run runs the README's test command verbatim (so CI installs what the README says)."""
+    text = open(README, encoding="utf-8").read()
+    (command,) = [line for line in text.splitlines() if line.startswith("pip install") and "pytest" in line]
+    ci = open(os.path.join(os.path.dirname(README), ".ci", "run"), encoding="utf-8").read()
+    assert command in ci.splitlines(), f".ci/run does not run the README's test command:\n{command}"
+    assert '".[test,examples,docs]"' in command, "the test command must install the docs extra (tests/test_docs_site.py)"
