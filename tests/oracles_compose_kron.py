@@ -1,6 +1,6 @@
 """Pure brute-force Kronecker factors (KFLR, KFACEmpirical) for the composition matrix.
 
-From their definitions (README, "Kronecker factors per layer"), pure in
+From their definitions (docs/supported-models.md, "Kronecker factors per layer"), pure in
 ``params`` and ``X`` like :mod:`oracles_compose`:
 
 * a weight ``W [O, I, *k]`` of a Linear/Conv site (positions ``s`` sharing it):

@@ -353,7 +353,7 @@ def _bn_ensemble(m: int = 3, seed: int = 4):
 
 
 def test_vmapped_params_without_buffers_are_refused():
-    """The README's ensemble pattern over BatchNorm models without buffers used the base
+    """The ensemble pattern of docs/transform.md over BatchNorm models without buffers used the base
     model's running statistics for every member (1.4 and 1.7 off); now refused before any
     work, naming the buffers and the fix."""
     ens, params, _, X, y = _bn_ensemble()

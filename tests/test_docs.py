@@ -14,6 +14,15 @@ Protocol (the first line of a block says its role):
   side's names that start with ``backpack_`` (when BackPACK is installed).
 * any other block: run in the file's running namespace (after its setups), in
   order, like a notebook; it asserts its own claims.
+* a block right after an ``<!-- not run ... -->`` comment is not run (it needs a
+  process group or data loaders; the comment names what runs that path instead).
+  The comment is invisible once rendered, so the block must also follow a visible
+  line saying so (``*Fragment, not runnable alone: ...*``): checked below, for the
+  docs pages and the README alike.
+
+Every page of the documentation site is a ``docs/*.md`` file, so every code block
+of the site is covered here (the example pages include the example scripts, which
+tests/test_examples_smoke.py runs).
 
 A wrong doc fails: a renamed key raises, a changed layout or scaling makes the
 ``result`` values differ, a wrong claim fails the block's own ``assert``.
@@ -29,11 +38,26 @@ import pytest
 import torch
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+FENCE = re.compile(r"^(<!-- not run[^>]*-->\n)?```python\n(.*?)^```", re.S | re.M)
+VISIBLE_NOTE = "*Fragment, not runnable alone"
 
 
 def _blocks(path: Path):
-    return [m.group(1) for m in FENCE.finditer(path.read_text())]
+    """The python blocks that run, in order (not-run fragments left out)."""
+    return [m.group(2) for m in FENCE.finditer(path.read_text()) if m.group(1) is None]
+
+
+def not_run_without_visible_note(text: str) -> list:
+    """Lines of the ``not run`` comments with no visible note in the 4 lines above them."""
+    bad = []
+    for m in FENCE.finditer(text):
+        if m.group(1) is None:
+            continue
+        line = text[: m.start()].count("\n")
+        above = text.split("\n")[max(0, line - 4): line]
+        if not any(VISIBLE_NOTE in a for a in above):
+            bad.append(line + 1)
+    return bad
 
 
 def _role(block: str) -> str:
@@ -140,6 +164,19 @@ def test_doc_block(doc, kind, setup, theirs, ours):
     other = _run(setup, theirs, doc)
     assert "result" in other, f"{doc}: the BackPACK side binds no `result`"
     assert_agree(mine["result"], other["result"], _tolerance(ours))
+
+
+@pytest.mark.parametrize("path", sorted(DOCS.glob("*.md")) + [DOCS.parent / "README.md"], ids=lambda p: p.name)
+def test_not_run_blocks_say_so_visibly(path):
+    assert not_run_without_visible_note(path.read_text()) == [], (
+        f"{path.name}: a block marked <!-- not run --> needs a visible '{VISIBLE_NOTE} ...' line above it")
+
+
+def test_not_run_check_can_fail():
+    hidden = "text\n\n<!-- not run: needs a group -->\n```python\nddp\n```\n"
+    assert not_run_without_visible_note(hidden) == [3]  # the comment's line
+    shown = f"{VISIBLE_NOTE}: `ddp` comes from your script.*\n\n" + hidden
+    assert not_run_without_visible_note(shown) == []
 
 
 # ------------------------------------------------------------------ coverage of the migration guide

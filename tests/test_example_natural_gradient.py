@@ -1,5 +1,5 @@
 """``examples/natural_gradient.py --quick`` runs, saves its figure, and KFAC beats SGD;
-the README's "Preconditioning and natural gradient" code block runs as written."""
+the code block of docs/preconditioning.md ("Preconditioning and natural gradient") runs as written."""
 
 import math
 import os
@@ -38,10 +38,9 @@ def test_quick_run_writes_the_figure_and_kfac_beats_sgd(tmp_path):
     assert len(logs["KFAC"]["loss"]) == 60 and len(logs["KFAC"]["time"]) == 60
 
 
-def test_readme_block_runs():
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    section = text.split("## Preconditioning and natural gradient", 1)[1].split("\n## ", 1)[0]
-    (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+def test_docs_block_runs():
+    text = open(os.path.join(ROOT, "docs", "preconditioning.md"), encoding="utf-8").read()
+    (block,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     namespace = {}
-    exec(compile(block, "README.md", "exec"), namespace)
+    exec(compile(block, "docs/preconditioning.md", "exec"), namespace)
     assert namespace["losses"][-1] < namespace["losses"][0]

@@ -91,7 +91,7 @@ def curvature(
         model: any ``nn.Module`` whose forward treats samples independently
             (the batch in dim 0 of its input and output). It is traced once per
             combination of its modules' ``training`` flags and never changed; a
-            ``torch.compile``d module is differentiated through its original module.
+            module compiled by ``torch.compile`` is differentiated through its original module.
             Hooks registered on its modules are not run (they are not part of the math).
         lossfn: a per-sample loss: ``nn.MSELoss``, ``nn.CrossEntropyLoss``
             (``weight``, ``ignore_index``, ``label_smoothing``, class indices or
@@ -119,7 +119,7 @@ def curvature(
         compile: ``True`` (or a dict of ``torch.compile`` options, e.g. ``{"mode":
             "max-autotune"}``): each input signature's call is traced once into one
             graph and compiled with ``torch.compile(fullgraph=True)`` (first order, the
-            GGN family and the Hessian diagonals; see the README section "Compiled calls").
+            GGN family and the Hessian diagonals; see docs/large-models.md, "Compiled calls").
             Results are then not differentiable; KFRA and the block products are refused.
         output: which tensor of a container output (``ModelOutput``, dataclass, tuple,
             dict) the loss takes: a name, a position or a callable ``out -> Tensor``;
@@ -143,7 +143,7 @@ def curvature(
         ``X``/``y``, or both; vmapped ``params`` without the buffers the forward reads
         are refused) and derivatives of results (``grad``, ``jvp``, ``jacrev``,
         ``hessian``, or ``params``/``X`` that require grad) are exact, PCHMP's
-        derivatives refused: see the README section "Composing with torch.func".
+        derivatives refused: see docs/composing.md.
         The model's own parameters are read detached. ``f`` may be called from
         several threads.
 

@@ -79,7 +79,7 @@ def _check_mc(cls_name: str, mc_samples: object, generator: object) -> None:
 class SecondOrder(Extension):
     """Base of the curvature extensions.
 
-    Class attributes:
+    Attributes:
         root: ``"exact"`` or ``"mc"``: which factor of the loss Hessian is
             backpropagated; ``"grad"``: the per-sample loss gradients (empirical
             Fisher); ``None`` for extensions that need none.

@@ -24,7 +24,9 @@ _MSE_SUM = nn.MSELoss(reduction="sum")  # loss-Hessian factor √2 I: its square
 class CurvlibInterface(CurvatureInterface):
     """Shared part of the curvlib backends: inputs, Jacobians, individual gradients, Kron.
 
-    Args (as laplace-torch passes them):
+    The arguments are those laplace-torch passes to a backend.
+
+    Args:
         model: the network (for last-layer Laplace, laplace's ``FeatureExtractor``;
             curvature is then taken of its last layer on the detached features).
         likelihood: ``"classification"`` or ``"regression"``.
