@@ -355,7 +355,38 @@ def functional(seed: int = 0, n: int = 3, smooth: bool = True) -> Case:
     return _case(FunctionalOps(smooth=smooth).to(DT), nn.CrossEntropyLoss(reduction="sum"), X, gen)
 
 
+class StandardisedConvNet(nn.Module):
+    """Weight-standardised convolutions (timm's ``ScaledStdConv2d``, NFNets): each output
+    channel's weight is centred and scaled, ``Ŵ_o = γ_o (W_o - mean W_o) / std W_o``, before
+    ``F.conv2d``; the convolution is a functional site whose weight chain is nonlinear in
+    ``W`` (a dense per-sample residual over ``(W, γ, x)`` whose ``x`` block is zero)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.g1 = nn.Parameter(torch.randn(4, 2, 3, 3)), nn.Parameter(1 + 0.1 * torch.randn(4, 1, 1, 1))
+        self.b1 = nn.Parameter(0.1 * torch.randn(4))
+        self.w2, self.g2 = nn.Parameter(torch.randn(3, 4, 2, 2)), nn.Parameter(1 + 0.1 * torch.randn(3, 1, 1, 1))
+        self.head = nn.Linear(3 * 2 * 2, 3)
+
+    @staticmethod
+    def _standardised(w: Tensor, gain: Tensor) -> Tensor:
+        mean = w.mean(dim=(1, 2, 3), keepdim=True)
+        var = w.var(dim=(1, 2, 3), keepdim=True, unbiased=False)
+        return gain * (w - mean) / torch.sqrt(var + 1e-5)
+
+    def forward(self, x):
+        h = torch.tanh(F.conv2d(x, self._standardised(self.w1, self.g1), self.b1))
+        h = F.softplus(F.conv2d(h, self._standardised(self.w2, self.g2), stride=2))
+        return self.head(h.flatten(1))
+
+
+def standardised_conv(seed: int = 0, n: int = 3) -> Case:
+    gen, X = _float(seed, n, 2, 7, 7)
+    return _case(StandardisedConvNet().to(DT), nn.CrossEntropyLoss(), X, gen)
+
+
 ZOO: Dict[str, Callable[..., Case]] = {
+    "standardised_conv": standardised_conv,
     "resnet": resnet,
     "transformer": transformer,
     "transformer_per_token": lambda seed=0, n=2: transformer(seed, n, pool="none"),

@@ -126,6 +126,7 @@ HESSIAN = {
     "resnet": (None, True),
     "branch_cat": (None, True),
     "functional": (None, False),  # F.gelu: functional smooth nonlinearity
+    "standardised_conv": ("weight standardisation (a dense residual per functional convolution)", False),
     # relu_ after a Linear: RuntimeError "Output 0 of View is a view and is being modified inplace"
     "inplace": ("in-place tensor methods (relu_)", True),
     # nn.ELU(inplace=True): also the bug of test_inplace_smooth_activation_hessian

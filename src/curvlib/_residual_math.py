@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.func import hessian
 
-from . import _residual_norm, _residual_structured
+from . import _residual_norm, _residual_structured, losses
 from ._residual_smooth import diag_pair, flows, polarised, product_pair, row_scale
 from ._sync import LOCK
 from .rules.elementwise import second_derivative
@@ -137,21 +137,89 @@ def _split_taps(res, parts: Sequence[Tensor], lead: Tuple[int, ...]) -> List[Ten
 
 def _dense_columns(res, g: Tensor) -> Columns:
     """``R = Q Λ Qᵀ`` per sample: columns ``q_j √λ_j±``, split into the parameters'
-    (direct) and the inputs' parts."""
-    names, shapes_p, sizes_p, _, sizes_in = _layout(res)
+    (direct) and the inputs' parts.
+
+    ``R`` is block diagonal (:func:`_dense_matrix`: each ``free`` parameter couples with
+    nothing else), so each block is decomposed on its own, and a free parameter's
+    columns have no input part: nothing to pull back through the graph (a standardised
+    convolution weight, ``conv(x, std(W))``, gives ``D = |W| + |x|`` but only the
+    ``|W| x |W|`` block is not zero). Columns whose eigenvalue is negligible in every
+    sample, ``|λ_j| ≤ 10 ε max|λ|`` (below eigh's own error), are dropped: each entry
+    of a diagonal ``Σ_j λ_j (J q_j)_p²`` moves by at most that bound times ``‖J_p‖²``.
+    """
+    layout = _layout(res)
     n = _front(g, res.out_dim).shape[0]
     R = _dense_matrix(res, g)  # [N, D, D]
+    everything = (slice(0, R.shape[1]), set(layout[0]), True)
     if flows(R):  # eigh's and √'s derivatives are not finite everywhere: αI ± R/(4α)
-        scaled = polarised(R)
-    else:
-        evals, evecs = torch.linalg.eigh(R)
-        scaled = [evecs * lam.sqrt().unsqueeze(1) for lam in (evals.clamp(min=0), (-evals).clamp(min=0))]
-    sets = []
+        return _column_sets(res, layout, polarised(R), everything)
+    sets: Columns = []
+    for block in _blocks(res, layout, R.device):
+        idx = block[0]
+        if isinstance(idx, slice):  # one run of coordinates (a free parameter): a view
+            sub = R[:, idx, idx]
+        else:
+            sub = R.index_select(1, idx).index_select(2, idx)
+        if losses._is_concrete(sub) and not sub.any():
+            continue  # exactly zero (an input the node is linear in): no columns, no eigh
+        evals, evecs = torch.linalg.eigh(sub)
+        scaled = []
+        for lam in (evals, -evals):
+            keep = _needed(lam, evals)
+            w = evecs[:, :, keep] * lam[:, keep].clamp(min=0).sqrt().unsqueeze(1)  # [N, d, V]
+            full = R.new_zeros((n, R.shape[1], w.shape[2]))
+            if isinstance(idx, slice):
+                full[:, idx] = w
+            else:
+                full.index_copy_(1, idx, w)
+            scaled.append(full)
+        sets += _column_sets(res, layout, scaled, block)
+    return sets
+
+
+def _blocks(res, layout, device) -> List[Tuple[object, set, bool]]:
+    """``R``'s diagonal blocks: ``(coordinates of u, parameters in it, whether the inputs
+    are)``; one per free parameter (a ``slice``), one for the rest (inputs and coupled
+    parameters; an index tensor)."""
+    names, _, sizes_p, _, sizes_in = layout
+    starts = [0]
+    for size in sizes_p + sizes_in:
+        starts.append(starts[-1] + size)
+    blocks = []
+    rest = [k for k, name in enumerate(names) if name not in res.free] + list(range(len(names), len(starts) - 1))
+    if rest:
+        idx = torch.cat([torch.arange(starts[k], starts[k + 1]) for k in rest]).to(device)
+        blocks.append((idx, {names[k] for k in rest if k < len(names)}, bool(sizes_in)))
+    for k, name in enumerate(names):
+        if name in res.free:
+            blocks.append((slice(starts[k], starts[k + 1]), {name}, False))
+    return blocks
+
+
+def _needed(lam: Tensor, evals: Tensor) -> Tensor:
+    """Which eigen-columns ``[d]`` (bool) some sample needs: ``λ > 10 ε max|λ|`` (all of them
+    for traced values, which cannot be read)."""
+    if not losses._is_concrete(evals):
+        return torch.ones(lam.shape[1], dtype=torch.bool, device=lam.device)
+    tol = 10 * torch.finfo(evals.dtype).eps * evals.abs().amax(dim=1, keepdim=True)
+    return (lam > tol).any(0)
+
+
+def _column_sets(res, layout, scaled: Sequence[Tensor], block: Tuple[Tensor, set, bool]) -> Columns:
+    """``(+1, taps, direct), (-1, ...)`` from per-sample columns ``[N, D, V]`` of one block of
+    ``R``: the parts of the block's parameters (direct) and of the inputs (taps), if in it."""
+    names, shapes_p, sizes_p, _, sizes_in = layout
+    _, members, has_inputs = block
+    sets: Columns = []
     for sign, w in zip((1.0, -1.0), scaled):
-        cols = w.permute(2, 0, 1)  # [V=D, N, D]
+        cols = w.permute(2, 0, 1)  # [V, N, D]
+        if cols.shape[0] == 0:
+            continue
+        n = cols.shape[1]
         parts = torch.split(cols, sizes_p + sizes_in, dim=2)
-        direct = {k: p.reshape((cols.shape[0], n) + sh) for k, p, sh in zip(names, parts[: len(names)], shapes_p)}
-        taps = dict(enumerate(_split_taps(res, parts[len(names):], (cols.shape[0],))))
+        direct = {k: p.reshape((cols.shape[0], n) + sh)
+                  for k, p, sh in zip(names, parts[: len(names)], shapes_p) if k in members}
+        taps = dict(enumerate(_split_taps(res, parts[len(names):], (cols.shape[0],)))) if has_inputs else {}
         sets.append((sign, taps, direct))
     return sets
 

@@ -111,7 +111,16 @@ def _diag(uses, m_by_site, name, params, cache=None) -> Tensor:
         if rule.sum_grad_squared is not None:
             # one column at a time: a rule may form [N, *p] per column (convolutions)
             return sum(rule.sum_grad_squared(site, m[k], [role])[role] for k in range(m.shape[0]))
+        if rule.vmap_columns:
+            return (_site_columns(cache, site, uses, m)[role] ** 2).sum((0, 1))
     return (_sqrt(uses, m_by_site, name) ** 2).sum((0, 1))
+
+
+def _site_columns(cache, site, uses, m: Tensor) -> Dict[str, Tensor]:
+    """``{role: [V, N, *p]}``, ``J_pᵀ m_v`` per sample for all single-use roles of a site whose
+    rule is vmapped over columns (a functional site: one vector-Jacobian product of the
+    node gives every parameter it reads, instead of one per parameter)."""
+    return _per_site(cache, site, uses, "columns", lambda roles: vmap(lambda mv: site.rule.grad_batch(site, mv, roles))(m))
 
 
 def _column_sum(t: Tensor) -> Tensor:
@@ -148,6 +157,8 @@ def _batch_diag(uses, m_by_site, name, params, n, cache=None) -> Tensor:
         if fast is not None:
             m = m_by_site[site.key]
             return _per_site(cache, site, uses, "batch_diag", lambda roles: fast(site, m, roles))[role]
+        if site.rule.vmap_columns:
+            return (_site_columns(cache, site, uses, m_by_site[site.key])[role] ** 2).sum(0)
     if all(site.rule.vmap_columns for site, _ in u):
         return (_sqrt(uses, m_by_site, name) ** 2).sum(0)
     v = m_by_site[u[0][0].key].shape[0]
