@@ -9,6 +9,7 @@ from torch import nn
 import curvlib
 from curvlib import curvature
 from curvlib.extensions import BatchGrad, BatchL2Grad, Variance
+from helpers import check_first_order
 
 DT = torch.float64
 
@@ -139,7 +140,10 @@ def test_refused_before_any_work():
     assert calls == []
 
 
-def test_layer_that_merges_batch_is_refused():
+def test_layer_on_merged_batch_is_exact():
+    """``[N, 4] -> [2N, 2]`` before a Linear (the batch merged with features, batch-major):
+    the planner splits it off around the layer (was refused; tests/test_merged_batch.py)."""
+
     class Merge(nn.Module):
         def __init__(self):
             super().__init__()
@@ -148,9 +152,7 @@ def test_layer_that_merges_batch_is_refused():
         def forward(self, x):  # [N, 4] -> [2N, 2]: batch merged with features
             return self.fc(x.reshape(-1, 2)).reshape(x.shape[0], -1)
 
-    f = curvature(Merge().to(DT), nn.MSELoss(), [BatchGrad()])
-    with pytest.raises(ValueError, match=r"Layer 'fc'.*batch"):
-        f(X, torch.randn(5, 6, dtype=DT))
+    check_first_order(Merge().to(DT), nn.MSELoss(), X, torch.randn(5, 6, dtype=DT))
 
 
 class _DictOut(nn.Module):

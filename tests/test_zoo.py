@@ -33,16 +33,7 @@ import zoo_checks
 FAST = {("gpt2_eager", "first_order"), ("bert", "ggn"), ("tv_resnet18", "kflr")}
 
 # (model, group) -> what goes wrong today (strict: a fix makes the case XPASS -> remove it here)
-KNOWN = {
-    ("timm_nfnet", "kflr"):
-        "wrong: kflr: 22 of 31 Linear/Conv weights lack two matrix factors (every ScaledStdConv2d: 1-D factor), "
-        "e.g. {'stem.conv.weight': [(216,)], 'stages.0.0.downsample.conv.weight': [(64,)], "
-        "'stages.0.0.conv1.weight': [(64,)]}",
-    ("tv_swin_t", "kflr"):
-        "wrong: kflr: 4 of 11 Linear/Conv weights lack two matrix factors (shifted_window_attention's "
-        "F.linear on qkv/proj weights), e.g. {'features.1.0.attn.qkv.weight': [(192,)], "
-        "'features.1.0.attn.proj.weight': [(64,)], 'features.3.0.attn.qkv.weight': [(768,)]}",
-}
+KNOWN: dict = {}
 
 # (model, group) -> why it is skipped (none today: NFNet's Hessian diagonals and Monte-Carlo GGN
 # diagonals, once over 90 s, take about 30 s and 5 s since the dense residuals are split per block)

@@ -192,6 +192,14 @@ def _timm(name: str, g):
                     num_features=16, attn_layer="se", attn_kwargs=dict(rd_ratio=0.5), extra_conv=True, act_layer="gelu")
         model = NormFreeNet(cfg, num_classes=CLASSES)
         return model, _images(g, 32), "NormFreeNet (dm_nfnet_f0-like: ScaledStdConv2d, SE, skipinit gain), channels 8"
+    if name == "timm_swin":
+        from timm.models.swin_transformer import SwinTransformer
+
+        # swin_tiny_patch4_window7_224's class, shrunk: windows of 4x4 tokens merged into the batch
+        # ([N·W, 16, C]) before qkv, a relative-position bias, shifted windows with a mask
+        model = SwinTransformer(img_size=16, patch_size=2, window_size=4, embed_dim=8, depths=(2, 1),
+                                num_heads=(2, 2), num_classes=CLASSES)
+        return model, _images(g, 16), "timm SwinTransformer (swin_tiny's class): img 16, patch 2, window 4, dim 8, depths 2,1"
     if name == "timm_mixer":
         from timm.models.mlp_mixer import MlpMixer
 
@@ -262,7 +270,7 @@ def _tv(name: str, g):
 
 
 HF = ["gpt2_eager", "gpt2_sdpa", "llama_eager", "llama_sdpa", "llama_f64norm", "qwen2", "bert", "distilbert", "vit_hf", "t5_encoder"]
-TIMM = ["timm_vit_tiny", "timm_convnext_atto", "timm_resnet10t", "timm_efficientnet", "timm_nfnet", "timm_mixer"]
+TIMM = ["timm_vit_tiny", "timm_convnext_atto", "timm_resnet10t", "timm_efficientnet", "timm_nfnet", "timm_mixer", "timm_swin"]
 TV = ["tv_resnet18", "tv_mobilenet_v3_small", "tv_efficientnet_b0", "tv_convnext_tiny", "tv_vit", "tv_swin_t"]
 NAMES = HF + TIMM + TV
 

@@ -122,8 +122,11 @@ def check(name: str, group: str) -> Dict[str, float]:
         weights = [w for w in weights if w in params]
         # groups > 1 convolutions: one [B, A] pair per group, stacked ([G, O/G, O/G], [G, I/G·K, I/G·K])
         ndim = {f"{k}.weight" if k else "weight": 3 if getattr(m, "groups", 1) > 1 else 2 for k, m in sites.items()}
-        not_two = {w: [tuple(f.shape) for f in qs["kflr"][w]] for w in weights
-                   if w in qs["kflr"] and (len(qs["kflr"][w]) != 2 or any(f.dim() != ndim[w] for f in qs["kflr"][w]))}
+        # weight-standardised convolutions (timm's StdConv2d family) convolve a function of the weight,
+        # not the weight: docs/supported-models.md's fallback, the diagonal of the exact block
+        standardised = [f"{k}.weight" for k, m in sites.items() if "StdConv" in type(m).__name__]
+        not_two = {w: [tuple(f.shape) for f in qs["kflr"][w]] for w in weights if w not in standardised
+                   and w in qs["kflr"] and (len(qs["kflr"][w]) != 2 or any(f.dim() != ndim[w] for f in qs["kflr"][w]))}
         missing = [w for w in weights if w not in qs["kflr"]]
         if missing:
             raise Wrong(f"kflr: no entry for {missing[:3]}")
@@ -132,6 +135,11 @@ def check(name: str, group: str) -> Dict[str, float]:
             raise Wrong(f"kflr: {len(not_two)} of {len(weights)} Linear/Conv weights lack two matrix factors, "
                         f"e.g. {some}")
         _phase("oracle")
+        if standardised:
+            diag = {k: v.sum(0) for k, v in oz.ggn_diagonals(oz.ggn_parts(prob)).items()}
+            compare("kflr (diagonal of a standardised weight)",
+                    {w: qs["kflr"][w][0].reshape(diag[w].shape) for w in standardised if len(qs["kflr"][w]) == 1},
+                    {w: diag[w] for w in standardised}, rtol, errors)
         ref = oz.kflr_factors(prob, "expand")
         compare("kflr", {k: oz.kron(qs["kflr"][k]) for k in ref}, {k: oz.kron(v) for k, v in ref.items()},
                 rtol, errors)

@@ -182,7 +182,9 @@ def _finish(rec: Recorder, plan: Plan, saved, taps) -> None:
     for site, s in zip(rec.sites, saved):
         site.saved = s
         site.meta["batch_dim"] = plan.batch_dims[site.key]
-    for r, (in_dims, out_dim) in zip(rec.residuals, plan.residual_dims):
+    merges = plan.residual_merges or (None,) * len(rec.residuals)
+    for r, (in_dims, out_dim), merge in zip(rec.residuals, plan.residual_dims, merges):
+        r.meta["merge"] = merge
         r.inputs = [taps[k] for k in r.taps]
         k = len(r.inputs)  # after the inputs' batch dims: those of the integer inputs (dense kind)
         r.in_dims, r.out_dim = in_dims[:k], out_dim

@@ -47,7 +47,7 @@ from .rules import OWN_KRON_KINDS, SPLIT_KRON_KINDS, kron_factors, kron_input_fa
 from .rules import fixed_rows
 from .rules.fixed_rows import tied_across_layers
 from .rules._site import uses_of
-from ._residual_math import factor
+from ._residual_math import factor, per_sample
 from ._rootbuffers import RootBuffers, write_sqrt
 
 def _sqrt(uses, m_by_site, name) -> Tensor:
@@ -406,7 +406,7 @@ def _hessian_diag(lin, uses, ggn, names, params, n, residual_grads, batch: bool,
         lambda m, name, cache: _diag(uses, m, name, params, cache))
     total = dict(ggn)
     for res, g_z in zip(lin.residuals, residual_grads):
-        for sign, tap_cols, direct in factor(res, g_z):
+        for sign, tap_cols, direct in per_sample(res, factor(res, g_z), n):
             if not tap_cols and not direct:
                 continue  # nothing trainable reached: no columns
             # a node without float inputs (an opaque layer on token ids): direct columns only

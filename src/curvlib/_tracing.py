@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 
 from . import _dropout, _residuals
 from ._engine import has_inplace
@@ -133,7 +133,22 @@ def needs_aten(program: Program, model: nn.Module, X) -> bool:
     subclass of a family's class with its own ``forward`` (timm's ``LayerNorm2d``), which only
     the generic rule could run whole."""
     return (program.graph is None or bool(program.opaque) or (X is not None and keyword_inputs(model, X))
-            or any(layer.kind == "generic" and subclassed(layer.module) for layer in program.layers.values()))
+            or any(layer.kind == "generic" and subclassed(layer.module) for layer in program.layers.values())
+            or any(_kept_whole(use.node) for use in program.functional.values()))
+
+
+#: Modules whose functions torch.fx records as they are (ops, not user code kept whole).
+_LIBRARY_ROOTS = frozenset({"torch", "_operator", "operator", "builtins", "math", "curvlib"})
+
+
+def _kept_whole(node: fx.Node) -> bool:
+    """A Python function torch.fx kept whole (``torch.fx.wrap``: torchvision's
+    ``shifted_window_attention``) that reads parameters: one generic site, whose ``F.linear``
+    calls inside get no Kronecker factors; at the ATen level they are Linear sites. A custom
+    ``autograd.Function`` (``.function``) stays on the fx trace."""
+    target = node.target
+    root = (getattr(target, "__module__", None) or "").split(".")[0]
+    return node.op == "call_function" and not hasattr(target, "function") and root not in _LIBRARY_ROOTS
 
 
 def trace(model: nn.Module, second: Sequence[SecondOrder], X=None, output=None, real_input: bool = False) -> Traced:
