@@ -85,37 +85,6 @@ def factor(res, g: Tensor) -> Columns:
     return _dense_columns(res, g)
 
 
-def per_sample(res, sets: Columns, n: int):
-    """The column sets of :func:`factor` for a node whose batch dim merges ``c`` rows per sample
-    (``res.meta["merge"] = (c, s)``: row ``i`` belongs to sample ``(i // s) % N``), split per
-    row of a sample: ``factor`` treats each row as a sample of its own, so one of its columns
-    spans all ``c`` rows of a sample, and where those rows later share a weight its pulled-back
-    square would hold cross terms between rows. Column ``(v, w)`` keeps, in every sample, only
-    its row ``w``; the direct parts ``[V, N·c, *p]`` become ``[V, N, *p]``. Exact: the node
-    acts on each row alone (the planner allows no other merged node), so a sample's residual
-    is block diagonal over its rows. Other nodes' sets pass unchanged."""
-    merge = res.meta.get("merge")
-    if merge is None:
-        yield from sets
-        return
-    c, s = merge
-    for sign, taps, direct in sets:
-        for w in range(c):
-            # row of window w in sample m: i = (w // s)·N·s + m·s + w % s
-            rows = (w // s) * n * s + torch.arange(n) * s + w % s
-            kept = {j: _keep_rows(t, res.in_dims[j] + 1, rows) for j, t in taps.items()}
-            yield sign, kept, {k: d.index_select(1, rows.to(d.device)) for k, d in direct.items()}
-
-
-def _keep_rows(t, dim: int, rows: Tensor):
-    """``t`` (a tensor, or lazy columns built slice by slice) with every entry of ``dim``
-    outside ``rows`` zeroed."""
-    if isinstance(t, _residual_structured.LazyColumns):
-        return _residual_structured.LazyColumns(t.shape[0], lambda a, b: _keep_rows(t[a:b], dim, rows))
-    mask = torch.zeros(t.shape[dim], dtype=t.dtype, device=t.device).index_fill_(0, rows.to(t.device), 1)
-    return t * mask.reshape((-1,) + (1,) * (t.dim() - dim - 1))
-
-
 def _bilinear_layout(res, g: Tensor) -> Tuple[Tensor, Tensor]:
     """``x [N, S, I]`` and ``G [N, S, O]`` (positions sharing the weight flattened into ``S``)."""
     x = _front(res.inputs[0], res.in_dims[0])

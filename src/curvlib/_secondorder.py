@@ -47,7 +47,8 @@ from .rules import OWN_KRON_KINDS, SPLIT_KRON_KINDS, kron_factors, kron_input_fa
 from .rules import fixed_rows
 from .rules.fixed_rows import tied_across_layers
 from .rules._site import uses_of
-from ._residual_math import factor, per_sample
+from ._batch_merges import per_sample
+from ._residual_math import factor
 from ._rootbuffers import RootBuffers, write_sqrt
 
 def _sqrt(uses, m_by_site, name) -> Tensor:
