@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from curvlib import CurvatureError, curvature
@@ -226,3 +226,51 @@ def test_a_new_batch_size_is_traced_again():
         ref = reference(model, nn.CrossEntropyLoss(), X, y, hessian=True, pchmp=False)
         for name, d in f(X, y)["diag_h"].items():
             assert_close(d, ref["diag_h"][name], f"N={n} {name}")
+
+
+class MaskShortcut(nn.Module):
+    """Hugging Face's padding-mask shortcut: ``if mask.all()`` skips the mask, which changes
+    nothing in value (a mask of ones), so a padded batch with unpadded samples is exact; the
+    forwards are counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.calls = 0
+
+    def forward(self, x, mask):
+        self.calls += 1
+        if bool(mask.all()):
+            return self.fc(x).sum(1)
+        return (self.fc(x) * mask.unsqueeze(-1)).sum(1)
+
+
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(2, 9), seed=st.integers(0, 100))
+def test_padded_batch_with_mask_shortcut_is_exact_in_few_forwards(n, seed):
+    """Samples whose guard values differ from the batch's are checked as one group (the
+    unpadded ones: one forward, and one of them alone), not one forward each."""
+    torch.manual_seed(0)
+    model = MaskShortcut().to(DT)
+    x, _ = _data((n, 4, 3), seed=seed)
+    mask = torch.ones(n, 4, dtype=torch.long)
+    mask[::2, -1] = 0  # every other sample padded: the batch is not all ones
+    y = torch.arange(n) % 3
+    f = curvature(model, nn.CrossEntropyLoss(), [BatchGrad()])
+    f({"x": x, "mask": mask}, y)
+    model.calls = 0
+    qs = f({"x": x, "mask": mask}, y)
+    assert model.calls <= 3  # the batch, the unpadded group, one unpadded sample alone
+    for i in range(n):  # each sample alone, as the oracle sees it
+        model.zero_grad()
+        nn.CrossEntropyLoss(reduction="sum")(model(x[i:i + 1], mask[i:i + 1]), y[i:i + 1]).backward()
+        assert_close(qs["grad_batch"]["fc.weight"][i] * n, model.fc.weight.grad, f"sample {i}")
+
+
+def test_a_branch_that_changes_a_sample_in_a_mixed_batch_is_refused():
+    torch.manual_seed(0)
+    X, _ = _data((4, 3), seed=0)
+    X[:2, 0], X[2:, 0] = X[:2, 0].abs() + 0.1, -X[2:, 0].abs() - 0.1  # two samples alone take the other branch
+    f = curvature(Branches().to(DT), nn.CrossEntropyLoss(), [BatchGrad()])
+    with pytest.raises(CurvatureError, match="reads tensor values to choose a branch"):
+        f(X, torch.tensor([0, 1, 2, 0]))

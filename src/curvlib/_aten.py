@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Mapping
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, fx, nn
@@ -45,14 +45,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import _outputs
 from ._errors import CurvatureError
 from ._aten_ops import INPUT_ARG, conv1d_linear, owner_call, owners, torch_level, view_of
-from ._inputs import as_pytree, batch_size, slice_batch, trace_leaves, trace_structure
+from ._inputs import as_pytree, batch_size, select_batch, slice_batch, trace_leaves, trace_structure
 from ._program import Program, Tracer, assemble, function_apply
 from ._sync import LOCK
 from .rules import math_hooks
 from .rules.functional import run_nodes
 from .rules.generic import restored
 
-__all__ = ["guards_agree_per_sample", "trace_aten_program", "trace_graph", "keyword_inputs", "BranchChanged", "input_branch", "check_branches_per_sample"]
+__all__ = ["guard_values_per_sample", "batch_guard_values", "trace_aten_program", "trace_graph", "keyword_inputs", "BranchChanged", "input_branch", "check_branches_per_sample"]
 
 aten = torch.ops.aten
 
@@ -182,13 +182,12 @@ def input_branch(value: Tensor, expected, where: str):
     return expected
 
 
-def guards_agree_per_sample(program: Program, X) -> bool:
-    """Whether every guard of the graph reads, for each sample alone, the value the batch read,
-    decided cheaply on the guards' own ancestry (``mask -> eq -> all``: no parameter, no layer)
-    evaluated on each sample's slice of ``X``. ``False`` when that cannot be decided so (a
-    guard reads through parameters, or a shape baked in for the batch): see
-    :func:`check_branches_per_sample`."""
-    guards = [g for g in program.graph.nodes if g.op == "call_function" and g.target is input_branch]
+def guard_values_per_sample(program: Program, X) -> Optional[List[tuple]]:
+    """Per sample, the values the graph's guards read for that sample alone, decided cheaply on
+    the guards' own ancestry (``mask -> eq -> all``: no parameter, no layer) evaluated on each
+    sample's slice of ``X``; ``None`` when that cannot be decided so (a guard reads through
+    parameters, or a shape baked in for the batch): see :func:`check_branches_per_sample`."""
+    guards = _guards(program)
     needed, stack = set(), [g.args[0] for g in guards if isinstance(g.args[0], fx.Node)]
     while stack:
         node = stack.pop()
@@ -197,9 +196,10 @@ def guards_agree_per_sample(program: Program, X) -> bool:
             stack.extend(node.all_input_nodes)
     if any(a.op == "call_module" or (a.op == "get_attr" and isinstance(_attribute(program.root, a.target), nn.Parameter))
            for a in needed):
-        return False
+        return None
     leaves = trace_leaves(X) if program.leaf_inputs else [X]
     n = batch_size(X)
+    values = []
     try:
         for i in range(n):
             env = {}
@@ -207,23 +207,34 @@ def guards_agree_per_sample(program: Program, X) -> bool:
                 leaf = leaves[k] if k < len(leaves) else node.args[0]
                 env[node] = leaf[i:i + 1] if isinstance(leaf, Tensor) and leaf.dim() and leaf.shape[0] == n else leaf
             run_nodes([m for m in program.graph.nodes if m in needed and m.op != "placeholder"], env, program.root)
-            if any(env[g.args[0]].item() != g.args[1] for g in guards):
-                return False
+            values.append(tuple(env[g.args[0]].item() for g in guards))
     except Exception:  # noqa: BLE001 - a shape baked in for the batch: decide on the model itself
-        return False
-    return True
+        return None
+    return values
 
 
-def check_branches_per_sample(model: nn.Module, X, output) -> None:
+def batch_guard_values(program: Program) -> tuple:
+    """The values the guards hold: those the traced batch read."""
+    return tuple(g.args[1] for g in _guards(program))
+
+
+def _guards(program: Program) -> list:
+    return [g for g in program.graph.nodes if g.op == "call_function" and g.target is input_branch]
+
+
+def check_branches_per_sample(model: nn.Module, X, output, per_sample: Optional[List[tuple]] = None,
+                              batch_values: tuple = ()) -> None:
     """Refuse a batch whose samples, each alone, take other branches than the batch took.
 
     A guarded graph (:func:`input_branch`) holds the branch the *batch's* values chose (``if
-    x.sum() > 0``). curvlib's per-sample quantities are those of each sample run alone. Each
-    sample is run alone (no autograd) and the values its Python reads (``.item()``, ``bool``)
-    compared with the batch's: where they differ and the sample's output differs from its row
-    of the batch's, per-sample quantities are not defined (branches that agree in value, as
-    Hugging Face's ``if attention_mask.all()`` shortcut, pass). Run once per call of a guarded
-    graph: ``N + 1`` forwards."""
+    x.sum() > 0``). curvlib's per-sample quantities are those of each sample run alone. Where
+    the samples' guard values (``per_sample``, :func:`guard_values_per_sample`) are known, only
+    those differing from the batch's are checked, a group of samples reading the same values at
+    a time (Hugging Face's padding-mask shortcut: the unpadded samples, one forward, and one of
+    them alone to confirm the group reads as it does); otherwise each sample is run alone
+    (``N + 1`` forwards). The values the Python reads (``.item()``, ``bool``) are compared with
+    the batch's: where they differ and a sample's output differs from its row of the batch's,
+    per-sample quantities are not defined (branches that agree in value pass)."""
     own = {k: v.detach() for k, v in model.named_parameters()}
 
     def run(x):
@@ -235,23 +246,42 @@ def check_branches_per_sample(model: nn.Module, X, output) -> None:
     try:
         with torch.no_grad(), LOCK, restored(model), _without_hooks(model):
             batch, read = run(X)
-            for n in range(batch_size(X)):
-                alone, read_alone = run(slice_batch(X, n, n + 1))
-                row = batch[n:n + 1]
-                if read_alone == read or (alone.shape == row.shape and bool(
-                        ((alone - row).abs() <= 1e-5 * row.abs().max() + 1e-6).all())):
-                    continue
-                raise CurvatureError(
-                    f"The model's forward ({type(model).__name__}) reads tensor values to choose a branch "
-                    f"(read {read!r} from the batch, {read_alone!r} from sample {n} alone) and computes "
-                    f"something else for sample {n} alone than for it in the batch: the branch is chosen by "
-                    "the whole batch's values, so the samples are not independent and per-sample quantities "
-                    "are not defined. Make the branch depend on each sample alone (e.g. torch.where on "
-                    "per-sample conditions).")
+            for rows in _groups(per_sample, batch_values, batch_size(X)):
+                got, read_got = run(select_batch(X, rows))
+                if len(rows) > 1 and run(select_batch(X, rows[:1]))[1] != read_got:
+                    got, read_got = None, None  # the group reads otherwise than its members: one by one
+                for k, n in enumerate(rows):
+                    alone, read_alone = (got[k:k + 1], read_got) if got is not None else run(slice_batch(X, n, n + 1))
+                    _same_branch_or_value(batch[n:n + 1], alone, read, read_alone, n, model)
     except RuntimeError as exc:  # a batched input (vmap over X): no single value to read
         raise CurvatureError(
             "The model's forward reads values of its input to choose a branch; under torch.func.vmap over "
             "the input they differ per member. Call curvature's function per member.") from exc
+
+
+def _groups(per_sample: Optional[List[tuple]], batch_values: tuple, n: int) -> List[List[int]]:
+    """Samples to run without the batch: each alone when their guard values are not known, else
+    those reading other values than the batch, grouped by the values they read."""
+    if per_sample is None:
+        return [[i] for i in range(n)]
+    groups: Dict[tuple, List[int]] = {}
+    for i, values in enumerate(per_sample):
+        if values != batch_values:
+            groups.setdefault(values, []).append(i)
+    return list(groups.values())
+
+
+def _same_branch_or_value(row: Tensor, alone: Tensor, read, read_alone, n: int, model: nn.Module) -> None:
+    if read_alone == read or (alone.shape == row.shape and bool(
+            ((alone - row).abs() <= 1e-5 * row.abs().max() + 1e-6).all())):
+        return
+    raise CurvatureError(
+        f"The model's forward ({type(model).__name__}) reads tensor values to choose a branch "
+        f"(read {read!r} from the batch, {read_alone!r} from sample {n} alone) and computes "
+        f"something else for sample {n} alone than for it in the batch: the branch is chosen by "
+        "the whole batch's values, so the samples are not independent and per-sample quantities "
+        "are not defined. Make the branch depend on each sample alone (e.g. torch.where on "
+        "per-sample conditions).")
 
 
 class _Reads(TorchDispatchMode):

@@ -106,6 +106,11 @@ def slice_batch(X, start: int, stop: int):
     return map_tensors(lambda t: t[start:stop], X)
 
 
+def select_batch(X, rows):
+    """The samples ``rows`` (a list of indices) of every tensor leaf."""
+    return map_tensors(lambda t: t[list(rows)], X)
+
+
 def with_batch(X, n: int, real: bool):
     """A batch of ``n`` samples shaped like ``X``: ``real``: ``X`` with its first sample
     appended as needed; otherwise uninitialised tensors (for fake-tensor passes)."""

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _arguments, _budget, _buffers, _compiled, _dropout, _inputs, _outputs, _strategy, _wrappers, losses
-from ._aten import BranchChanged, check_branches_per_sample, guards_agree_per_sample
+from ._aten import BranchChanged, batch_guard_values, check_branches_per_sample, guard_values_per_sample
 from ._diagnose import forward_failure, forward_mode_failure
 from ._independence import refuse_mixing
 from ._engine import forward_with_probes
@@ -256,8 +256,10 @@ class _Call:
         for check in traced.checks:  # (the eager runner checks modules as they are called)
             check()
         if getattr(traced.program.graph, "curvlib_guarded", False):
-            if not guards_agree_per_sample(traced.program, X):  # (else N + 1 forwards of the model)
-                check_branches_per_sample(s.model, X, s.output)
+            per_sample = guard_values_per_sample(traced.program, X)
+            batch_values = batch_guard_values(traced.program)
+            if per_sample is None or any(v != batch_values for v in per_sample):  # (forwards of the model)
+                check_branches_per_sample(s.model, X, s.output, per_sample, batch_values)
         read: Dict[str, object] = {}
         plan = self._plan(traced, X, values, trainable, y, n, read)
         y = losses.prepare_targets(s.spec, y)
