@@ -26,6 +26,7 @@ from opt_einsum import contract
 from torch import Tensor, nn
 from torch.func import vmap
 
+from ._gram import gram
 from ._site import Recorder, RoleTensors, Rule, Site
 
 
@@ -141,7 +142,7 @@ def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> Rol
     return out
 
 
-def kron(site: Site, role: str, m: Tensor, approx: Optional[str] = None) -> list:
+def kron(site: Site, role: str, m: Tensor, approx: Optional[str] = None, max_dim: Optional[int] = None) -> list:
     """Kronecker factors from the pulled-back root ``m [V, N, *S, O]``.
 
     ``approx=None`` (BackPACK's): ``B = Σ_{v,n} (Σ_s m)(Σ_s m)ᵀ [O, O]`` and
@@ -151,25 +152,23 @@ def kron(site: Site, role: str, m: Tensor, approx: Optional[str] = None) -> list
     ``"expand"``/``"reduce"``: Eschenhagen et al. (2023), as curvlinops computes
     them: ``B = Σ_{v,n,s} m mᵀ``, ``A = (1/(N·S)) Σ_{n,s} x xᵀ`` (expand) and
     ``B`` as above, ``A = (1/N) Σ_n x̄ x̄ᵀ`` with ``x̄`` the mean over positions
-    (reduce). Without positions all three agree.
+    (reduce). Without positions all three agree. ``max_dim``: a side larger than it
+    gets its diagonal, ``B [O]`` / ``A [I]`` (:func:`curvlib.rules._gram.gram`).
     """
     s = m if approx == "expand" else kron_output_sum(site, m)  # expand: every position a row
-    s = s.reshape(-1, s.shape[-1])
-    B = s.t() @ s
-    return [B] if role == "bias" else [B, kron_input(site, approx)]
+    B = gram(s.reshape(-1, s.shape[-1]), max_dim)
+    return [B] if role == "bias" else [B, kron_input(site, approx, max_dim)]
 
 
-def kron_input(site: Site, approx: Optional[str] = None) -> Tensor:
-    """Input-side Kronecker factor ``A [I, I]`` (see :func:`kron` for ``approx``)."""
+def kron_input(site: Site, approx: Optional[str] = None, max_dim: Optional[int] = None) -> Tensor:
+    """Input-side Kronecker factor ``A [I, I]`` (``[I]`` when ``I > max_dim``; see :func:`kron`)."""
     x = _flat_input(site)
     n, positions = x.shape[0], x.shape[1]
     if approx == "reduce":
         x = x.mean(1)
     else:
         x = x.reshape(-1, x.shape[-1])
-    scale = 1.0 / (n * positions) if approx == "expand" else 1.0 / n
-    # α xᵀx in one BLAS call (no separate division pass over the [I, I] result)
-    return torch.addmm(x.new_zeros(()), x.t(), x, beta=0, alpha=scale)
+    return gram(x, max_dim, 1.0 / (n * positions) if approx == "expand" else 1.0 / n)
 
 
 def kron_from_output_matrix(site: Site, role: str, G: Tensor) -> list:
