@@ -91,13 +91,32 @@ def check_roots(exts: Sequence, out_shape: Tuple[int, ...], dtype: torch.dtype, 
             what = "Monte-Carlo columns" if root == "mc" else "exact loss-Hessian root (one column per output entry)"
             fix = (
                 f"use fewer mc_samples (at most {max(1, free // max(bytes_of(out_shape, dtype), 1))} fit)"
-                if root == "mc" else "use the Monte-Carlo version of the extension"
+                if root == "mc" else _monte_carlo_fix(type(ext).__name__)
             )
+            # (fewer samples at once help only where one sample's root fits)
+            slices = ", or pass batch_chunk_size= to process fewer samples at once" \
+                if need // max(int(out_shape[0]), 1) <= free else ""
             raise CurvatureError(
                 f"{type(ext).__name__}: its {what} [{v}, {', '.join(map(str, out_shape))}] would take "
-                f"{_gib(need)} ({dtype}), more than the {_gib(free)} free on {device}. {fix.capitalize()}, "
-                "or pass batch_chunk_size= to process fewer samples at once."
+                f"{_gib(need)} ({dtype}), more than the {_gib(free)} free on {device}. "
+                f"{fix[0].upper() + fix[1:]}{slices}."
             )
+
+
+#: The Monte-Carlo extension of each exact one (the same quantity from ``M`` sampled columns
+#: instead of one per output entry: a language model's ``V·T`` per sequence).
+MONTE_CARLO_OF = {"DiagGGNExact": "DiagGGNMC", "BatchDiagGGNExact": "BatchDiagGGNMC", "KFLR": "KFAC",
+                  "SqrtGGNExact": "SqrtGGNMC", "DiagHessian": "DiagGGNMC", "BatchDiagHessian": "BatchDiagGGNMC"}
+
+
+def _monte_carlo_fix(name: str) -> str:
+    mc = MONTE_CARLO_OF.get(name)
+    if mc is None:
+        return "use a Monte-Carlo extension (DiagGGNMC, KFAC, SqrtGGNMC)"
+    if "Hessian" in name:
+        return (f"{name} has no Monte-Carlo version; use {mc}(mc_samples=1) for the GGN's "
+                "(HMP gives exact Hessian products)")
+    return f"use {mc}(mc_samples=1), its Monte-Carlo version (one sampled column per sample)"
 
 
 #: ``chunk_size="auto"``: the pulled-back site outputs of one chunk of columns
