@@ -217,3 +217,30 @@ def test_refused_with_batch_chunks():
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     with pytest.raises(CurvatureError, match="max_factor_dim=2.*batch_chunk_size"):
         curvature(model, nn.CrossEntropyLoss(), [KFAC(max_factor_dim=2)], batch_chunk_size=2)
+
+
+class _Transposed(nn.Module):
+    """A weight stored ``[in, out]`` (GPT-2's ``Conv1D``): factors ``[A, B]``, root last."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 5) / 2)
+        self.b = nn.Parameter(torch.zeros(5))
+        self.out = nn.Linear(5, 4)
+
+    def forward(self, x):
+        return self.out(torch.tanh(nn.functional.linear(x, self.w.t(), self.b)))
+
+
+@pytest.mark.parametrize("max_dim", [None, 4])
+def test_transposed_weight_chunked_columns_sum_its_root_factor(max_dim):
+    """Column chunks add ``B``, the last factor of ``[A, B]`` (they added ``A`` before)."""
+    torch.manual_seed(0)
+    model = _Transposed().to(DT)
+    X, y = torch.randn(6, 3, dtype=DT), torch.randint(0, 4, (6,))
+    whole = curvature(model, nn.CrossEntropyLoss(), [KFLR(max_factor_dim=max_dim)])(X, y)["kflr"]
+    chunked = curvature(model, nn.CrossEntropyLoss(), [KFLR(max_factor_dim=max_dim)], chunk_size=1)(X, y)["kflr"]
+    for name in whole:
+        for a, b in zip(whole[name], chunked[name]):
+            torch.testing.assert_close(a, b)
+    assert [t.dim() for t in whole["w"]] == ([2, 2] if max_dim is None else [2, 1])
