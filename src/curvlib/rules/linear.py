@@ -26,6 +26,7 @@ from opt_einsum import contract
 from torch import Tensor, nn
 from torch.func import vmap
 
+from ._conv_correlation import square_fresh
 from ._gram import gram
 from ._site import Recorder, RoleTensors, Rule, Site
 
@@ -107,12 +108,37 @@ def sum_grad_squared(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors
         if x.shape[1] == 1:  # (g²)ᵀ (x²): one matrix product
             out["weight"] = (g**2).reshape(-1, g.shape[-1]).t() @ (x**2).reshape(-1, x.shape[-1])
         else:
-            out["weight"] = (_per_sample_outer(g, x) ** 2).sum(0)
+            out["weight"] = _sum_squared_outer(g, x)
     if "bias" in roles:
         out["bias"] = (g.sum(1) ** 2).sum(0)
     return out
 
 
+
+
+#: Entries of individual gradients ``[n', O, I]`` formed at once by :func:`_sum_squared_outer`
+#: (64 MiB in float32): a language model's head ``[50257, 768]`` goes one sample at a time.
+SQUARES_ENTRIES = 2**24
+
+
+def _sum_squared_outer(g: Tensor, x: Tensor) -> Tensor:
+    """``Σ_n (Σ_s g[n, s] x[n, s]ᵀ)²`` ``[O, I]`` for ``g [N, S, O]``, ``x [N, S, I]``, the
+    individual gradients formed a block of samples at a time (:data:`SQUARES_ENTRIES`) and
+    squared in place: at most ``[n', O, I]`` beside the sum, never ``[N, O, I]`` and its square
+    (GPT-2's head: 154 MB a sample instead of 1.2 GB for N = 4)."""
+    n, o, i = g.shape[0], g.shape[2], x.shape[2]
+    step = max(1, SQUARES_ENTRIES // max(o * i, 1))
+    total = None
+    for start in range(0, n, step):
+        part = square_fresh(_per_sample_outer(g[start:start + step], x[start:start + step]))
+        part = part[0] if part.shape[0] == 1 else part.sum(0)
+        if total is None:
+            total = part
+        elif total.requires_grad or part.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(total):
+            total = total + part
+        else:  # (total is a fresh result of the first block)
+            total.add_(part)
+    return total if total is not None else g.new_zeros(o, i)
 
 
 def kron_output_sum(site: Site, m: Tensor) -> Tensor:
