@@ -100,8 +100,10 @@ def grad(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
         return {}
     idx, g = _flat(site, g)
     d = g.shape[-1]
-    out = g.new_zeros(site.meta["num_embeddings"], d).index_add(0, idx.reshape(-1), g.reshape(-1, d))
-    return {"weight": out}
+    out = g.new_zeros(site.meta["num_embeddings"], d)
+    if torch._C._functorch.is_functorch_wrapped_tensor(g):  # (vmap: new_zeros is unbatched, g batched)
+        return {"weight": out.index_add(0, idx.reshape(-1), g.reshape(-1, d))}
+    return {"weight": out.index_add_(0, idx.reshape(-1), g.reshape(-1, d))}  # no second [V, D]
 
 
 def _runs(site: Site, g: Tensor):
