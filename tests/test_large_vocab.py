@@ -88,3 +88,22 @@ def test_monte_carlo_runs_at_full_vocabulary():
     assert diag["head.weight"].shape == (50257, 8)
     assert [f.shape for f in kfac["head.weight"]] == [(50257,), (8, 8)]
     torch.testing.assert_close(kfac["head.bias"][0], diag["head.bias"])
+
+
+@pytest.mark.parametrize("entries", [1, 40])
+def test_large_linear_layers_by_blocks_of_samples_and_columns(entries, monkeypatch):
+    """Linear layers on sequences too large for ``rules.linear.SQUARES_ENTRIES``: the squared
+    individual gradients a block of samples at a time, the GGN's columns one at a time."""
+    import curvlib.rules.linear as linear
+    from curvlib.extensions import SumGradSquared, Variance
+
+    torch.manual_seed(0)
+    model = LM(vocab=11, d=4).double()
+    X, y = torch.randint(0, 11, (5, 3)), torch.randint(0, 11, (5, 3))
+    exts = [SumGradSquared(), Variance(), DiagGGNExact()]
+    want = curvature(model, nn.CrossEntropyLoss(), exts)(X, y)
+    monkeypatch.setattr(linear, "SQUARES_ENTRIES", entries)
+    got = curvature(model, nn.CrossEntropyLoss(), exts)(X, y)
+    for ext in exts:
+        for name in want[ext.name]:
+            torch.testing.assert_close(got[ext.name][name], want[ext.name][name])

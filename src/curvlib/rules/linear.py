@@ -155,8 +155,14 @@ def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> Rol
     so ``Σ_v`` moves inside: one matrix product ``(Σ_v m²)ᵀ (x²)``.
     """
     x = _flat_input(site)
-    if x.shape[1] != 1:
+    if x.shape[1] != 1 and m.shape[0] * x.shape[0] * x.shape[2] * m.shape[-1] <= SQUARES_ENTRIES:
         return vmap(lambda mv: sum_grad_squared(site, mv, roles))(m)  # summed by the caller
+    if x.shape[1] != 1:  # a large layer (a language model's head): one column at a time, summed here
+        total: RoleTensors = {}
+        for v in range(m.shape[0]):
+            part = sum_grad_squared(site, m[v], roles)
+            total = {r: part[r] + total[r] if r in total else part[r] for r in part}
+        return {r: t.unsqueeze(0) for r, t in total.items()}
     bdim = site.meta.get("batch_dim", 0)
     m = m.movedim(bdim + 1, 1) if bdim != 0 else m
     m2 = (m**2).sum(0).reshape(x.shape[0], -1)  # [N, O]
