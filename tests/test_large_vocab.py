@@ -107,3 +107,11 @@ def test_large_linear_layers_by_blocks_of_samples_and_columns(entries, monkeypat
     for ext in exts:
         for name in want[ext.name]:
             torch.testing.assert_close(got[ext.name][name], want[ext.name][name])
+
+
+def test_kflr_without_the_option_is_told_to_sample_first():
+    """An exact root too large for the device is refused before the dense-factor budget:
+    ``max_factor_dim`` would not make KFLR fit, KFAC does."""
+    X, y = torch.randint(0, 50257, (4, 128)), torch.randint(0, 50257, (4, 128))
+    with pytest.raises(CurvatureError, match=r"KFAC\(mc_samples=1\)"):
+        curvature(LM(), nn.CrossEntropyLoss(), [KFLR()])(X, y)

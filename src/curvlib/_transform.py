@@ -306,8 +306,9 @@ class _Call:
                 kinds = {layer.path: layer.kind for layer in traced.program.layers.values()}
                 check_second_order(s.second, plan.sites, trainable, [], kinds,
                                    {name: values[name].dim() for name in trainable})
-                check_factor_sizes(s.second, plan.sites, trainable, values)
             _budget.check_roots(s.second, plan.out_shape, plan.out_dtype, _inputs.first(X).device)
+            if first:  # (after the roots: an exact root too large for the device is the first fix)
+                check_factor_sizes(s.second, plan.sites, trainable, values)
         if first:
             # Samples mixed inside the model: refuse what needs them independent (curvlib._independence).
             refuse_mixing(plan, s.computed, traced.program, X, values, frozenset(trainable), traced.runner,
