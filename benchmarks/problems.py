@@ -25,6 +25,7 @@ the reference every ratio is taken against.
 | ``gpt`` | GPT from ``nn.TransformerEncoderLayer``: vocab 256, learned positions, 4 pre-LN blocks d 128, 4 heads, causal, T 64 | 32 | ``[N, 64]`` tokens | ``CrossEntropyLoss()``, every position |
 | ``gpt-v16`` | the same with vocab 16 (C = 16·64 = 1024 output columns, for the exact quantities) | 32 | ``[N, 64]`` tokens | ``CrossEntropyLoss()``, every position |
 | ``lstm`` | ``nn.LSTM`` 32 -> 128, 2 layers, last step -> Linear 10; T 50 | 64 | ``[N, 50, 32]`` | ``CrossEntropyLoss()`` |
+| ``gpt2-small`` | ``gpt`` at GPT-2-small size (issue 23): vocab 50257, T 128, 12 pre-LN blocks d 768, 12 heads, MLP 3072, untied head; 163 M parameters | 4 | ``[N, 128]`` tokens | ``CrossEntropyLoss()``, every position |
 | ``gpt2-hf`` | Hugging Face ``GPT2LMHeadModel`` (random weights): 2 layers, n_embd 128, 4 heads, vocab 256, T 64, eval; logits transposed to ``[N, V, T]`` | 32 | ``[N, 64]`` tokens | ``CrossEntropyLoss()``, every position |
 | ``gpt2-hf-v16`` | the same with vocab 16 (C = 1024, for the exact quantities) | 32 | ``[N, 64]`` tokens | ``CrossEntropyLoss()``, every position |
 | ``vit-timm`` | timm ``vit_tiny_patch16_224`` (random weights) at img_size 32, patch_size 4, depth 2, 10 classes, eval | 32 | ``[N, 3, 32, 32]`` | ``CrossEntropyLoss()`` |
@@ -34,7 +35,8 @@ On request (:data:`GPU_PROBLEMS`, not in the CPU default): ``mlp-1024``, ``3c3d-
 ``resnet-128`` (the same models with N = 1024, 256, 128) and ``allcnnc-96``
 (All-CNN-C at DeepOBS's full width 96/192, N = 128): the sizes issue 12 measured on a GPU.
 
-The sequence models and their Opacus copies are in ``sequence_models.py``.
+On request too (:data:`LLM_PROBLEMS`): ``gpt2-small`` (``benchmarks/llm_memory.py`` measures it,
+one method per fresh process). The sequence models and their Opacus copies are in ``sequence_models.py``.
 ``gpt2-hf``, ``gpt2-hf-v16`` and ``vit-timm`` need the optional packages ``transformers`` and
 ``timm`` (imported inside their builders; models from configs, nothing downloaded). They
 run through curvlib's ATen front end (``make_fx``), not torch.fx. They are on request,
@@ -248,19 +250,28 @@ def transformer(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: i
     return Problem(model.to(device=device, dtype=dtype), nn.CrossEntropyLoss(), X.to(device), y.to(device))
 
 
-def gpt(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, vocab: int = 256) -> Problem:
+def gpt(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, vocab: int = 256,
+        n: int = 32, length: int = 64, **size) -> Problem:
     """GPT-style language model (``sequence_models.GPT``): token embedding (``vocab``, default
     256) + learned positions ``nn.Parameter [64, 128]``, 4 pre-LN ``nn.TransformerEncoderLayer``
     (d 128, 4 heads, MLP 512, GELU, dropout 0) with the causal mask, final LayerNorm, Linear
     head; eval mode. N=32 sequences of T=64 tokens; the loss is ``CrossEntropyLoss(mean)`` of
-    the next-token logits ``[N, V, T]`` at every position against targets ``[N, T]``."""
+    the next-token logits ``[N, V, T]`` at every position against targets ``[N, T]``. ``size``:
+    ``GPT``'s ``d``, ``heads``, ``hidden``, ``layers`` (:func:`gpt2_small`)."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    n, length = 32, 64
-    model = GPT(vocab=vocab, length=length).eval()
+    model = GPT(vocab=vocab, length=length, **size).eval()
     X = torch.randint(0, vocab, (n, length), generator=gen)
     y = torch.randint(0, vocab, (n, length), generator=gen)
     return Problem(model.to(device=device, dtype=dtype), nn.CrossEntropyLoss(), X.to(device), y.to(device))
+
+
+def gpt2_small(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> Problem:
+    """:func:`gpt` at GPT-2-small size (issue 23): vocab 50257, 12 pre-LN blocks of d 768 with
+    12 heads and MLP 3072, learned positions ``[128, 768]``, untied head ``Linear(768, 50257)``
+    (163 M parameters, 650 MB in float32); N=4 sequences of T=128 tokens, ``CrossEntropyLoss``
+    over every position (logits ``[4, 50257, 128]``, 103 MB)."""
+    return gpt(device, dtype, seed, vocab=50257, n=4, length=128, d=768, heads=12, hidden=3072, layers=12)
 
 
 def gpt_v16(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> Problem:
@@ -402,6 +413,10 @@ GPU_PROBLEMS: dict[str, Callable[..., Problem]] = {
     "resnet-128": functools.partial(resnet, n=128),
 }
 PROBLEMS.update(GPU_PROBLEMS)
+
+#: Language models at full size (issue 23), on request: ``benchmarks/llm_memory.py``.
+LLM_PROBLEMS: dict[str, Callable[..., Problem]] = {"gpt2-small": gpt2_small}
+PROBLEMS.update(LLM_PROBLEMS)
 
 
 # --------------------------------------------------------------------------- methods

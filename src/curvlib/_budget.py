@@ -5,20 +5,40 @@ Monte-Carlo extensions one of ``[M, N, *out]``; the columns are pulled in
 chunks (``chunk_size``), but the root itself is formed whole. A root larger
 than the device's free memory is refused with its size instead of failing
 (or swapping) half-way through.
+
+Dense Kronecker factors likewise (:func:`check_factor_sizes`): a factor is dense on
+each side of its parameter (:mod:`curvlib._kronlayout`), so one huge side makes one
+huge factor: a language-model head at ``V = 50257`` has ``B`` of ``V² · 4 = 10.1 GB``
+(float32), more than the whole model. Unless the extension was given
+``max_factor_dim`` (sides larger than it get a 1-D, diagonal factor,
+:mod:`curvlib.rules._gram`), a dense factor over :data:`DENSE_FACTOR_BYTES` is refused
+when the plan is built, naming the parameter, the factor's bytes and the option.
+Dense sides per parameter ``p`` (the sites' rule kinds, :func:`dense_sides`):
+
+| sites | dense sides |
+|---|---|
+| Linear (also recurrent, transposed), Conv weight | ``p.shape[0]`` and ``p.numel() / p.shape[0]`` |
+| ConvTranspose weight ``[C_in, C_out/G, *k]`` | ``C_out`` and ``C_in/G · K`` |
+| a bias, any 1-D parameter (exact block ``[P, P]``) | ``P`` |
+| Embedding ``[V, D]``, a bias-like generic ``[*L, D]`` | ``D`` (the rows' factor is diagonal) |
+| other generic ``≥ 2``-dim parameters, weights tied across layer kinds | none (diagonal blocks) |
 """
 
 from __future__ import annotations
 
+import math
 import os
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ._arguments import bytes_of
 from . import _strategy
 from ._errors import CurvatureError
+from .rules._site import uses_of
 
-__all__ = ["AUTO_CHUNK_BYTES", "AUTO_CHUNK_BYTES_CPU", "AUTO_CHUNK_FREE_SHARE", "auto_chunk_size", "available_bytes", "check_roots"]
+__all__ = ["AUTO_CHUNK_BYTES", "AUTO_CHUNK_BYTES_CPU", "AUTO_CHUNK_FREE_SHARE", "DENSE_FACTOR_BYTES", "auto_chunk_size",
+           "available_bytes", "check_factor_sizes", "check_roots", "dense_sides", "refuse_combined"]
 
 #: A root of at most ``1/HEADROOM`` of the free memory last read on its device is not re-checked.
 HEADROOM = 8
@@ -71,13 +91,32 @@ def check_roots(exts: Sequence, out_shape: Tuple[int, ...], dtype: torch.dtype, 
             what = "Monte-Carlo columns" if root == "mc" else "exact loss-Hessian root (one column per output entry)"
             fix = (
                 f"use fewer mc_samples (at most {max(1, free // max(bytes_of(out_shape, dtype), 1))} fit)"
-                if root == "mc" else "use the Monte-Carlo version of the extension"
+                if root == "mc" else _monte_carlo_fix(type(ext).__name__)
             )
+            # (fewer samples at once help only where one sample's root fits)
+            slices = ", or pass batch_chunk_size= to process fewer samples at once" \
+                if need // max(int(out_shape[0]), 1) <= free else ""
             raise CurvatureError(
                 f"{type(ext).__name__}: its {what} [{v}, {', '.join(map(str, out_shape))}] would take "
-                f"{_gib(need)} ({dtype}), more than the {_gib(free)} free on {device}. {fix.capitalize()}, "
-                "or pass batch_chunk_size= to process fewer samples at once."
+                f"{_gib(need)} ({dtype}), more than the {_gib(free)} free on {device}. "
+                f"{fix[0].upper() + fix[1:]}{slices}."
             )
+
+
+#: The Monte-Carlo extension of each exact one (the same quantity from ``M`` sampled columns
+#: instead of one per output entry: a language model's ``V·T`` per sequence).
+MONTE_CARLO_OF = {"DiagGGNExact": "DiagGGNMC", "BatchDiagGGNExact": "BatchDiagGGNMC", "KFLR": "KFAC",
+                  "SqrtGGNExact": "SqrtGGNMC", "DiagHessian": "DiagGGNMC", "BatchDiagHessian": "BatchDiagGGNMC"}
+
+
+def _monte_carlo_fix(name: str) -> str:
+    mc = MONTE_CARLO_OF.get(name)
+    if mc is None:
+        return "use a Monte-Carlo extension (DiagGGNMC, KFAC, SqrtGGNMC)"
+    if "Hessian" in name:
+        return (f"{name} has no Monte-Carlo version; use {mc}(mc_samples=1) for the GGN's "
+                "(HMP gives exact Hessian products)")
+    return f"use {mc}(mc_samples=1), its Monte-Carlo version (one sampled column per sample)"
 
 
 #: ``chunk_size="auto"``: the pulled-back site outputs of one chunk of columns
@@ -113,3 +152,75 @@ def auto_chunk_size(plan, exts: Sequence = (), device: Union[str, torch.device] 
         budget = max(budget, int((free or 0) * AUTO_CHUNK_FREE_SHARE))
     per_column = sum(bytes_of(shape, dtype) for shape, dtype in zip(plan.site_shapes, plan.site_dtypes))
     return max(1, budget // max(per_column, 1))
+
+
+#: A dense Kronecker factor above this many bytes is refused without ``max_factor_dim``
+#: (1 GiB: a side of 16384 in float32, 11585 in float64).
+DENSE_FACTOR_BYTES = 2**30
+
+_SPLIT = ("linear", "conv", "conv_transpose")
+
+
+def dense_sides(u, shape: Sequence[int]) -> List[int]:
+    """The dims of the dense factors of a parameter of ``shape`` used by the sites ``u``
+    (``[(site, role)]``), per the module doc's table."""
+    kinds = {site.rule.kind for site, _ in u}
+    numel = math.prod(shape)
+    if not u or len(kinds) > 1:
+        return []  # unused (refused elsewhere) or tied across kinds: a diagonal block
+    kind, (site, role) = kinds.pop(), u[0]
+    if len(shape) == 1:
+        return [numel]
+    if kind == "conv_transpose" and role == "weight":
+        groups = site.meta.get("groups", 1)
+        return [shape[1] * groups, numel // (shape[1] * groups)]
+    if kind in _SPLIT and role == "weight":
+        return [shape[0], numel // shape[0]]
+    if kind == "embedding" or len(u) == 1:
+        return [shape[-1]]  # rows diagonal; a generic ≥ 2-dim one at most this (else diagonal)
+    return []
+
+
+def check_factor_sizes(exts: Sequence, sites: Sequence, names: Sequence[str],
+                       values: Mapping[str, torch.Tensor]) -> None:
+    """Refuse a Kronecker extension without ``max_factor_dim`` whose dense factor of some
+    parameter would take more than :data:`DENSE_FACTOR_BYTES` (before any work)."""
+    exts = [e for e in exts if e.kron and e.quantity != "kfra" and getattr(e, "max_factor_dim", 1) is None]
+    if not exts:
+        return
+    uses = uses_of(sites)
+    for name in names:
+        p = values[name]
+        sides = dense_sides(uses.get(name, []), tuple(p.shape))
+        side = max(sides, default=0)
+        size = side * side * p.dtype.itemsize
+        if size > DENSE_FACTOR_BYTES:
+            label = type(exts[0]).__name__
+            where = ", ".join(sorted({s.where for s, _ in uses[name]}))
+            fits = math.isqrt(DENSE_FACTOR_BYTES // p.dtype.itemsize)
+            raise CurvatureError(
+                f"{label}: parameter '{name}' (module '{where}', shape {list(p.shape)}) would get a dense "
+                f"Kronecker factor [{side}, {side}] of {size} bytes ({size / 2**30:.3g} GiB, {p.dtype}), "
+                f"over the {DENSE_FACTOR_BYTES} bytes (1 GiB) allowed without an explicit choice "
+                f"(curvlib._budget.DENSE_FACTOR_BYTES). Pass {label}(max_factor_dim=...) so that a "
+                f"side larger than it gets a diagonal (1-D) factor, e.g. max_factor_dim={min(4096, fits)} "
+                f"(dense sides up to {fits} fit the budget; max_factor_dim={side} keeps this one dense), "
+                "or set requires_grad=False on the parameter."
+            )
+
+
+def refuse_combined(exts: Sequence, batch_chunk_size: object, process_group: object) -> None:
+    """``max_factor_dim`` with ``batch_chunk_size`` or ``process_group``: slices and ranks are
+    combined per factor by its role (``B`` summed like the loss, ``A`` averaged), read off
+    the factors' shapes (:func:`curvlib._kronlayout.root_index`), which a diagonal ``B``
+    (``[B [O], A]``, shaped like Embedding's ``[A [V], B]``) makes ambiguous."""
+    with_option = [e for e in exts if getattr(e, "max_factor_dim", None) is not None]
+    if not with_option or (batch_chunk_size is None and process_group is None):
+        return
+    what = "batch_chunk_size" if batch_chunk_size is not None else "process_group"
+    ext = with_option[0]
+    raise CurvatureError(
+        f"{type(ext).__name__}(max_factor_dim={ext.max_factor_dim}) cannot be combined with {what}: "
+        "slices and ranks are combined per factor by its role, which a diagonal output factor "
+        "makes ambiguous. Call without it (chunk_size= still bounds the columns pulled back at once)."
+    )

@@ -13,6 +13,8 @@ factor, ``I`` the input-side factor. Per layout (``p`` the parameter):
 | ``[A [R], B [D, D]]`` (Embedding, fixed rows) | ``p.reshape(R, D)ᵀ`` as ``[1, D, R]`` | ``B`` | ``diag(A)`` |
 | ``[F [P, P]]`` (bias, norms, 1-D generic) | ``p.reshape(1, P, 1)`` | ``F`` | ``[1]`` |
 | ``[F [P]]`` (generic diagonal) | ``p.reshape(1, P, 1)`` | ``diag(F)`` | ``[1]`` |
+| ``[B [O], A [a, a]]`` (``max_factor_dim``, diagonal output side) | as Embedding's | ``A`` | ``diag(B)`` |
+| ``[B, A]`` with ``A`` or both 1-D (``max_factor_dim``) | as ``[B, A]`` | ``B`` or ``diag(B)`` | ``diag(A)`` |
 
 Each factor is stored as its eigendecomposition ``Q diag(λ) Qᵀ`` (``Q = None`` for a
 diagonal factor), eigenvalues clamped at zero: the factors are positive semi-definite
@@ -28,7 +30,6 @@ import torch
 from torch import Tensor
 
 from ._errors import CurvatureError
-from ._kronlayout import root_index
 
 
 @dataclass(frozen=True)
@@ -81,13 +82,13 @@ def layout_of(name: str, factors, shape: Tuple[int, ...], transposed: Optional[b
         return Layout("block", 1, numel, 1, shape)
     if len(f) == 1 and dims == [1] and f[0].numel() == numel:
         return Layout("diag", 1, numel, 1, shape)
-    if len(f) == 2 and root_index(f) == 1 and dims[1] == 2:
+    if len(f) == 2 and dims == [1, 2]:  # diag(f0) ⊗ f1: Embedding's, or a Linear's with a diagonal B
         rows, d = f[0].numel(), f[1].shape[0]
         if rows * d == numel and shape[-1] == d:
             return Layout("rows", 1, d, rows, shape)
-    if len(f) == 2 and dims in ([2, 2], [3, 3]):
-        g = f[0].shape[0] if dims[0] == 3 else 1
-        o, a = f[0].shape[-1], f[1].shape[-1]
+    if len(f) == 2 and set(dims) <= {1, 2, 3} and set(dims) != {2, 3}:  # a 1-D side: diagonal (max_factor_dim)
+        g = next((t.shape[0] for t in f if t.dim() == 3), 1)
+        o, a = (t.shape[-1] if t.dim() > 1 else t.numel() // g for t in f)
         if g * o * a == numel and len(shape) >= 2:
             return _pair(name, g, o, a, shape, transposed)
     raise CurvatureError(
@@ -176,7 +177,7 @@ def eigen_of(factors, layout: Layout, name: str = "") -> Eigen:
     if layout.single:
         q, lam = _eig(f[0], 1, name)
         return Eigen(q, lam, None, torch.ones(1, 1, dtype=lam.dtype, device=lam.device))
-    r = root_index(f)
+    r = 1 if layout.kind == "rows" else 0  # the factor acting on the core's o side
     q_out, lam_out = _eig(f[r], g, name)
     q_in, lam_in = _eig(f[1 - r], g, name)
     return Eigen(q_out, lam_out, q_in, lam_in)

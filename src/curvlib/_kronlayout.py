@@ -23,26 +23,34 @@ inputs (averaged with the samples' shares). :func:`root_index` says which it is.
 
 from __future__ import annotations
 
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from torch import Tensor
 
 __all__ = ["root_index", "add_root_factor"]
 
 
-def root_index(factors: Sequence[Tensor]) -> int:
+def root_index(factors: Sequence[Tensor], root_last: Optional[bool] = None) -> int:
     """Index of the factor that depends on the root (see the module doc).
 
-    ``0`` for every layout but Embedding's ``[A [V], B [D, D]]``, the only one with two
-    factors whose first is a 1-D (diagonal) input factor.
+    ``0`` for every layout but Embedding's ``[A [V], B [D, D]]`` (also at fixed rows).
+    ``root_last``: whether the parameter has that layout, from its sites; ``None``: read
+    off the shapes (Embedding's is the only one with two factors whose first is 1-D),
+    which holds without ``max_factor_dim``: with it a Linear weight's ``B`` may be
+    diagonal too (``[B [O], A]``), which only the sites tell apart.
     """
-    if len(factors) == 2 and factors[0] is not None and factors[0].dim() == 1:
+    if len(factors) != 2:
+        return 0
+    if root_last is not None:
+        return int(root_last)
+    if factors[0] is not None and factors[0].dim() == 1:
         return 1
     return 0
 
 
-def add_root_factor(acc: Sequence[Tensor], part: Sequence[Tensor], add: Callable) -> List[Tensor]:
+def add_root_factor(acc: Sequence[Tensor], part: Sequence[Tensor], add: Callable,
+                    root_last: Optional[bool] = None) -> List[Tensor]:
     """``acc`` with its root factor replaced by ``add(acc's, part's)`` (column chunks, signs
     of the loss Hessian); the input factors, independent of the root, are kept."""
-    i = root_index(acc)
+    i = root_index(acc, root_last)
     return list(acc[:i]) + [add(acc[i], part[i])] + list(acc[i + 1:])

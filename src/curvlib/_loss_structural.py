@@ -64,8 +64,10 @@ class StructuralCurvature:
     def sampled_roots(self, mc_samples: int, generator: Optional[torch.Generator]) -> List[Tuple[float, Tensor]]:
         """``[(sign, S [M, N, *out[1:]])]`` with ``E[Σ sign · S Sᵀ] = c∇²ℓ``: sampled labels' gradients."""
         base = self._sampled_base(mc_samples, generator)  # [M, N, *out[1:]], E[b bᵀ] = K
-        if isinstance(self.scale, float) and not self.signed:  # one scale for all: one product
-            return [(1.0, base * (self.scale / mc_samples) ** 0.5)]
+        if not self.signed:  # one root: scaled in place where nothing differentiates through it
+            scale = (self.scale / mc_samples) ** 0.5 if isinstance(self.scale, float) else \
+                _broadcast_scale(self, self.scale, 1).sqrt() / mc_samples**0.5
+            return [(1.0, base.mul_(scale) if _writable(base) else base * scale)]
         return [(sign, base * _broadcast_scale(self, part, 1).sqrt() / mc_samples**0.5)
                 for sign, part in self._signed_scales()]
 
@@ -156,6 +158,11 @@ def _concrete(t) -> bool:
     return _is_concrete(t)
 
 
+def _writable(t: Tensor) -> bool:
+    """A result of ours that may be overwritten: concrete, nothing differentiates through it."""
+    return not t.requires_grad and _concrete(t)
+
+
 def _broadcast_scale(curv: StructuralCurvature, scale, lead: int):
     """``scale`` shaped to multiply ``[*lead, N, *out[1:]]`` tensors."""
     if isinstance(scale, float):
@@ -224,26 +231,47 @@ def _ce_root(out: Tensor, scale) -> Tensor:
 
 
 def _ce_sampled(out: Tensor, m: int, generator) -> Tensor:
-    """``p − onehot(ŷ)``, ``ŷ ~ Categorical(softmax(f))`` per sample and position: ``[M, N, K, *D]``."""
-    p = torch.softmax(out, dim=1)
+    """``p − onehot(ŷ)``, ``ŷ ~ Categorical(softmax(f))`` per sample and position: ``[M, N, K, *D]``.
+
+    At a language model's ``K = V = 50257`` every ``[N, K, *D]`` tensor is the size of the
+    logits, so the draw forms no other: the probabilities ``p`` (a view of ``[N·R, K]``
+    rows when the classes are the innermost dim in memory, as for ``logits.transpose(1,
+    2)``), their cumulative sums :data:`DRAW_ENTRIES` entries at a time, and the
+    result written over ``p`` when nothing differentiates through it (else one new tensor):
+    ``−1`` added at the drawn class by a scatter, no one-hot.
+    """
     k = out.shape[1]
-    p_rows = p.movedim(1, -1).reshape(-1, k)  # [N·R, K]
+    # softmax over the last dim of the moved view: a view (no copy) when the classes are
+    # innermost in memory, and a contiguous [N, *D, K] result whose rows are views
+    p_rows = torch.softmax(out.movedim(1, -1), dim=-1).reshape(-1, k)  # [N·R, K]
     # Inverse-CDF sampling, ŷ = #{j : P_j ≤ u} with P the cumulative probabilities and
-    # u ~ U[0, 1): a few vectorised ops, several times cheaper than torch.multinomial
-    # for the small class counts of a loss (rounding in P only shifts mass ~1e-7).
+    # u ~ U[0, 1): a binary search per draw, several times cheaper than torch.multinomial
+    # (rounding in P only shifts mass ~1e-7).
     u = _draws.rand((m, p_rows.shape[0], 1), generator, out.dtype, out.device)
-    cdf = p_rows.detach().cumsum(-1)  # [N·R, K]
-    draws = (cdf.unsqueeze(0) <= u).sum(-1).clamp(max=k - 1)  # [M, N·R]
-    onehot = one_hot(draws, k, out.dtype)  # [M, N·R, K]
-    grads = p_rows.unsqueeze(0) - onehot
+    draws = _inverse_cdf(p_rows.detach(), u[..., 0])  # [M, N·R]
+    minus = torch.full((1, 1, 1), -1.0, dtype=out.dtype, device=out.device).expand(m, p_rows.shape[0], 1)
+    if m == 1 and _writable(p_rows):
+        grads = p_rows.unsqueeze(0).scatter_add_(-1, draws.unsqueeze(-1), minus)  # over p: no copy
+    else:
+        grads = torch.scatter_add(p_rows.unsqueeze(0).expand(m, -1, -1), -1, draws.unsqueeze(-1), minus)
     moved = tuple(out.movedim(1, -1).shape)
     return grads.reshape((m,) + moved).movedim(-1, 2)
 
 
-def one_hot(index: Tensor, k: int, dtype: torch.dtype) -> Tensor:
-    """``F.one_hot(index, k).to(dtype)`` without its range check: ``[*index.shape, k]``.
+#: Entries of cumulative probabilities formed at once by :func:`_inverse_cdf` (whole rows,
+#: at least one: 20 rows of ``V = 50257``, 4 MB in float32; all rows of a classifier's batch).
+DRAW_ENTRIES = 2**20
 
-    ``F.one_hot`` reads the indices' minimum and maximum (two host syncs, each a
-    stall of a GPU's launch queue); the indices here are in ``[0, k)`` by construction.
-    """
-    return (index.unsqueeze(-1) == torch.arange(k, device=index.device)).to(dtype)
+
+def _inverse_cdf(p_rows: Tensor, u: Tensor) -> Tensor:
+    """``#{j : Σ_{i≤j} p[r, i] ≤ u[m, r]}`` ``[M, R]`` (clamped to ``K − 1``) for ``p_rows [R, K]``,
+    ``u [M, R]``: a binary search of each row's cumulative sums, :data:`DRAW_ENTRIES` at a time."""
+    k, rows = p_rows.shape[-1], p_rows.shape[0]
+    block = max(1, DRAW_ENTRIES // max(k, 1))
+    parts = []
+    for start in range(0, max(rows, 1), block):
+        cdf = p_rows[start:start + block].cumsum(-1)  # [rows', K]
+        values = u[:, start:start + block].t().contiguous()  # [rows', M]
+        parts.append(torch.searchsorted(cdf, values, right=True).t())
+    draws = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+    return draws.clamp(max=k - 1)

@@ -46,6 +46,7 @@ from ._kronlayout import add_root_factor
 from .rules import OWN_KRON_KINDS, SPLIT_KRON_KINDS, kron_factors, kron_input_factor, kron_weight_output
 from .rules import fixed_rows
 from .rules.fixed_rows import tied_across_layers
+from .rules._gram import gram
 from .rules._site import uses_of
 from ._batch_merges import per_sample
 from ._residual_math import factor
@@ -170,19 +171,20 @@ def _batch_diag(uses, m_by_site, name, params, n, cache=None) -> Tensor:
     return total
 
 
-def _kron(uses, m_by_site, name, cache=None, approx=None) -> List[Tensor]:
+def _kron(uses, m_by_site, name, cache=None, approx=None, max_dim=None) -> List[Tensor]:
     """Kronecker factors, one per dim of the parameter: ``[B, A]`` for a Linear weight
     ``[out, in]``, ``[A, B]`` for one stored transposed (GPT-2's ``Conv1D``, see
-    ``rules.linear.LINEAR_TRANSPOSED``); see :func:`_kron_stored`."""
+    ``rules.linear.LINEAR_TRANSPOSED``); see :func:`_kron_stored`. ``max_dim``: the
+    extension's ``max_factor_dim`` (a larger side gets a 1-D, diagonal, factor)."""
     u = uses[name]
     flipped = [site.meta.get("transposed", False) and role == "weight" for site, role in u]
     if any(flipped) and (len(u) > 1):  # a transposed weight also used elsewhere: its exact block (or diagonal)
-        return fixed_rows.generic_block(u, m_by_site, lambda: _sqrt(uses, m_by_site, name), approx)
-    factors = _kron_stored(uses, m_by_site, name, cache, approx)
+        return fixed_rows.generic_block(u, m_by_site, lambda: _sqrt(uses, m_by_site, name), approx, max_dim)
+    factors = _kron_stored(uses, m_by_site, name, cache, approx, max_dim)
     return factors[::-1] if any(flipped) else factors
 
 
-def _kron_stored(uses, m_by_site, name, cache=None, approx=None) -> List[Tensor]:
+def _kron_stored(uses, m_by_site, name, cache=None, approx=None, max_dim=None) -> List[Tensor]:
     """Kronecker factors in the sites' own layout; a Linear weight used by several sites treats the uses like
     positions sharing the weight (roots summed in ``B``, inputs' outer products in ``A``).
 
@@ -196,26 +198,35 @@ def _kron_stored(uses, m_by_site, name, cache=None, approx=None) -> List[Tensor]
     if not kinds <= set(SPLIT_KRON_KINDS) | set(OWN_KRON_KINDS) or (len(u) > 1 and tied_across_layers(u)):
         # normalisations, generic parameters, tied weights: the exact block, its diagonal, or
         # Embedding's layout at fixed rows for bias-like ones (curvlib.rules.fixed_rows)
-        return fixed_rows.generic_block(u, m_by_site, lambda: _sqrt(uses, m_by_site, name), approx)
+        return fixed_rows.generic_block(u, m_by_site, lambda: _sqrt(uses, m_by_site, name), approx, max_dim)
     if len(u) == 1:
         ((site, role),) = u
         if cache is None or site.rule.kind in OWN_KRON_KINDS:
-            return kron_factors(site, role, m_by_site[site.key], approx)
-        B = _cached(cache, ("kron_B", site.key, approx),
-                    lambda: kron_factors(site, "bias", m_by_site[site.key], approx)[0])
+            return kron_factors(site, role, m_by_site[site.key], approx, max_dim)
+        B = _cached(cache, ("kron_B", site.key, approx, max_dim),
+                    lambda: kron_factors(site, "bias", m_by_site[site.key], approx, max_dim)[0])
         if role == "bias":
             return [B]
         static = cache.setdefault("static", {})
-        return [kron_weight_output(site, B),
-                _cached(static, ("kron_A", site.key, approx), lambda: kron_input_factor(site, approx))]
+        return [kron_weight_output(site, B), _cached(static, ("kron_A", site.key, approx, max_dim),
+                                                     lambda: kron_input_factor(site, approx, max_dim))]
     from .rules import linear
 
     s = sum(linear.kron_output_sum(site, m_by_site[site.key]) for site, _ in u)
-    s = s.reshape(-1, s.shape[-1])
-    B = s.t() @ s
+    B = gram(s.reshape(-1, s.shape[-1]), max_dim)
     if u[0][1] == "bias":
         return [B]
-    return [B, sum(linear.kron_input(site) for site, _ in u)]
+    return [B, sum(linear.kron_input(site, None, max_dim) for site, _ in u)]
+
+
+def _root_last(uses, name: str) -> bool:
+    """Whether ``name``'s root factor comes last: Embedding's ``[A [V], B]`` (also at fixed
+    rows) and a weight stored transposed (``[A, B]``, :func:`_kron`). Shapes alone cannot
+    tell: a Linear weight's ``B`` may be diagonal (``[B [O], A]``), a transposed one's ``A``."""
+    u = uses.get(name, ())
+    if len(u) == 1 and u[0][0].meta.get("transposed", False) and u[0][1] == "weight":
+        return True
+    return any(site.rule.kind in ("embedding", "generic") for site, _ in u)
 
 
 def _cached(cache: dict, key, compute):
@@ -259,7 +270,7 @@ def second_order(
         total = None
         for sign, S in roots:
             part = _accumulate(lin, uses, S, group, names, params, batch_size, chunk_size, into)
-            total = part if total is None else _signed_sum(total, part, sign, group)
+            total = part if total is None else _signed_sum(total, part, sign, group, uses)
         return total
 
     exact = [e for e in exts if e.root == "exact"]
@@ -272,7 +283,7 @@ def second_order(
         elif ext.root == "grad":  # one column per sample: its own loss gradient, already at every site
             m = [g.unsqueeze(0) for g in site_grads]
             cache: Dict[object, object] = {"static": {}}
-            results[ext.name] = {n: _kron(uses, m, n, cache, ext.kfac_approx) for n in names}
+            results[ext.name] = {n: _kron(uses, m, n, cache, ext.kfac_approx, ext.max_factor_dim) for n in names}
         elif q in ("hessian_diag", "hessian_batch_diag"):
             results[ext.name] = _hessian_diag(
                 lin, uses, results[ext.name], names, params, batch_size, residual_grads,
@@ -313,12 +324,13 @@ def _accumulate(lin, uses, S: Tensor, group, names, params, batch_size, chunk_si
                 cols = into.at(ext.name, total, start, S_chunk.shape[0])
                 acc[ext.name] = {n: write_sqrt(uses, m, n, params[n], batch_size, cols) for n in names}
                 continue
-            approx = getattr(ext, "kfac_approx", None)
-            part = {n: _read(q, uses, m, n, params, batch_size, S_chunk.shape[0], cache, approx) for n in names}
+            kron = (getattr(ext, "kfac_approx", None), getattr(ext, "max_factor_dim", None))
+            part = {n: _read(q, uses, m, n, params, batch_size, S_chunk.shape[0], cache, kron) for n in names}
             if ext.name not in acc:
                 acc[ext.name] = part
             else:
-                acc[ext.name] = {n: _combine(q, acc[ext.name][n], part[n], owned) for n in names}
+                acc[ext.name] = {n: _combine(q, acc[ext.name][n], part[n], owned, _root_last(uses, n))
+                                 for n in names}
     return acc
 
 
@@ -342,14 +354,15 @@ def _refuse_indefinite_sqrt(curv, roots, group) -> None:
         )
 
 
-def _signed_sum(total, part, sign: float, group):
+def _signed_sum(total, part, sign: float, group, uses):
     """``total + sign · part`` for quantities linear in the GGN (``A`` of Kronecker factors is shared)."""
     out = {}
     for ext in group:
         q = _READ_AS.get(ext.quantity, ext.quantity)
         a, b = total[ext.name], part[ext.name]
         if q == "kron":
-            out[ext.name] = {n: add_root_factor(a[n], b[n], lambda x, y: x + sign * y) for n in a}
+            out[ext.name] = {n: add_root_factor(a[n], b[n], lambda x, y: x + sign * y, _root_last(uses, n))
+                             for n in a}
         else:
             out[ext.name] = {n: a[n] + sign * b[n] for n in a}
     return out
@@ -364,8 +377,9 @@ def _chunks(S: Tensor, chunk_size: Optional[int]):
         yield start, S[start:start + chunk_size]
 
 
-def _read(q: str, uses, m, name: str, params, n: int, v: int, cache=None, approx=None):
-    """One chunk's contribution to quantity ``q`` of parameter ``name`` (``approx``: KFAC's)."""
+def _read(q: str, uses, m, name: str, params, n: int, v: int, cache=None, kron=(None, None)):
+    """One chunk's contribution to quantity ``q`` of parameter ``name`` (``kron``: the Kronecker
+    extension's ``(kfac_approx, max_factor_dim)``)."""
     if q == "diag":
         return _diag(uses, m, name, params, cache)
     if q == "batch_diag":
@@ -374,15 +388,16 @@ def _read(q: str, uses, m, name: str, params, n: int, v: int, cache=None, approx
         if uses.get(name):
             return _sqrt(uses, m, name)
         return params[name].new_zeros((v, n) + tuple(params[name].shape))
-    return _kron(uses, m, name, cache, approx)  # "kron"
+    return _kron(uses, m, name, cache, *kron)  # "kron"
 
 
-def _combine(q: str, acc, part, owned: Optional[set] = None):
-    """Sum of chunk contributions; square roots are concatenated; ``A`` is chunk-independent."""
+def _combine(q: str, acc, part, owned: Optional[set] = None, root_last: Optional[bool] = None):
+    """Sum of chunk contributions; square roots are concatenated; ``A`` is chunk-independent
+    (``root_last``: see :func:`curvlib._kronlayout.root_index`)."""
     if q == "sqrt":  # (only under autograd or torch.func: otherwise written into RootBuffers)
         return torch.cat([acc, part])
     if q == "kron":
-        return add_root_factor(acc, part, lambda x, y: _sum_into(x, y, owned))
+        return add_root_factor(acc, part, lambda x, y: _sum_into(x, y, owned), root_last)
     return _sum_into(acc, part, owned)
 
 

@@ -36,6 +36,7 @@ from ._kfra import kfra
 from ._products import products, rng_state
 from ._secondorder import second_order
 from ._support import check_second_order
+from ._budget import check_factor_sizes, refuse_combined
 from ._tracing import Traced, Traces, warn_hooks
 from ._sync import prepare_forward_ad
 from .extensions._base import Extension
@@ -204,6 +205,7 @@ class _Setup:
                 "know for another loss. Use one of those, or compute per rank and sum yourself."
             )
         self.process_group = process_group
+        refuse_combined(self.exts, batch_chunk_size, process_group)
         self.output = _outputs.check_selector(output)
         self.traces = Traces(self.model, self.second, self.output)
         self.dropout_warned = False
@@ -307,6 +309,8 @@ class _Call:
                 check_second_order(s.second, plan.sites, trainable, [], kinds,
                                    {name: values[name].dim() for name in trainable})
             _budget.check_roots(s.second, plan.out_shape, plan.out_dtype, _inputs.first(X).device)
+            if first:  # (after the roots: an exact root too large for the device is the first fix)
+                check_factor_sizes(s.second, plan.sites, trainable, values)
         if first:
             # Samples mixed inside the model: refuse what needs them independent (curvlib._independence).
             refuse_mixing(plan, s.computed, traced.program, X, values, frozenset(trainable), traced.runner,

@@ -64,6 +64,8 @@ class KFACOptimizer(torch.optim.Optimizer):
             unstable without it.
         mc_samples, generator: of ``KFAC`` (``"kfac"``, ``"ekfac"``).
         kfac_approx: ``None``, ``"expand"`` or ``"reduce"`` (:class:`curvlib.extensions.KFAC`).
+        max_factor_dim: factor sides larger than it are diagonal (:class:`curvlib.extensions.KFAC`;
+            a language model's head).
 
     ``step(X, y)`` returns the loss at the parameters before the update (detached).
     ``state_dict()``/``load_state_dict()`` hold the averaged factors, EKFAC's eigenvalues,
@@ -80,7 +82,8 @@ class KFACOptimizer(torch.optim.Optimizer):
                  curvature: str = "kfac", method: str = "pi", factor_interval: int = 1,
                  inverse_interval: int = 1, ema_decay: float = 0.95, momentum: float = 0.0,
                  weight_decay: float = 0.0, mc_samples: int = 1, generator: Optional[torch.Generator] = None,
-                 kfac_approx: Optional[str] = None, kl_clip: Optional[float] = 1e-2):
+                 kfac_approx: Optional[str] = None, kl_clip: Optional[float] = 1e-2,
+                 max_factor_dim: Optional[int] = None):
         if not isinstance(model, nn.Module):
             raise CurvatureTypeError(f"KFACOptimizer(model=...) must be an nn.Module, got {type(model).__name__}.")
         _check_options(curvature, method, factor_interval, inverse_interval, ema_decay, lr)
@@ -94,8 +97,8 @@ class KFACOptimizer(torch.optim.Optimizer):
         super().__init__(list(self._names.values()), defaults)
         self.model, self.lossfn, self.curvature_type, self.method = model, lossfn, curvature, method
         self.factor_interval, self.inverse_interval, self.ema_decay = factor_interval, inverse_interval, ema_decay
-        kron = KFLR(kfac_approx=kfac_approx) if curvature == "kflr" else \
-            KFAC(mc_samples=mc_samples, generator=generator, kfac_approx=kfac_approx)
+        kron = KFLR(kfac_approx=kfac_approx, max_factor_dim=max_factor_dim) if curvature == "kflr" else \
+            KFAC(mc_samples=mc_samples, generator=generator, kfac_approx=kfac_approx, max_factor_dim=max_factor_dim)
         self._key = kron.name
         extensions = [kron, BatchGrad()] if curvature == "ekfac" else [kron]
         self._with_factors = _curvature(model, lossfn, extensions)

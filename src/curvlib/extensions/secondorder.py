@@ -63,6 +63,15 @@ def _check_kfac_approx(cls_name: str, kfac_approx: object) -> None:
         )
 
 
+def _check_max_factor_dim(cls_name: str, max_factor_dim: object) -> None:
+    if max_factor_dim is not None and (isinstance(max_factor_dim, bool) or not isinstance(max_factor_dim, int)
+                                       or max_factor_dim < 1):
+        raise CurvatureError(
+            f"{cls_name}(max_factor_dim={max_factor_dim!r}): must be a positive int (a factor side "
+            "larger than it is diagonal) or None (dense factors, refused above curvlib._budget's budget)."
+        )
+
+
 def _check_mc(cls_name: str, mc_samples: object, generator: object) -> None:
     if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
         raise CurvatureError(
@@ -336,6 +345,12 @@ class KFAC(_MC):
     ``"expand"`` ``B = Σ_{v,n,s} m mᵀ``, ``A = (1/(N·S)) Σ_{n,s} x xᵀ``;
     ``"reduce"`` ``B`` as None, ``A = (1/N) Σ_n x̄ x̄ᵀ`` (``x̄`` the mean over the
     ``S`` positions). Without shared positions all three coincide.
+    ``max_factor_dim`` (int ≥ 1 or None): a factor side larger than it gets a 1-D,
+    diagonal factor (kfac-jax's choice), computed as ``Σ_rows m²`` (or ``x²``) without
+    forming the dense one: the language-model head ``[V, D]`` gets ``[B [V], A [D, D]]``;
+    a 1-D parameter's exact block ``[F [P, P]]`` becomes ``[F [P]]``. With None, a dense
+    factor over ``curvlib._budget.DENSE_FACTOR_BYTES`` (1 GiB) is refused before any
+    work. Refused with ``batch_chunk_size`` and ``process_group``.
 
     Examples::
 
@@ -351,9 +366,13 @@ class KFAC(_MC):
         (torch.Size([4, 4]), torch.Size([3, 3]))
         >>> [f.shape for f in qs["kfac"]["0.bias"]]
         [torch.Size([4, 4])]
+        >>> qs = curvature(model, nn.CrossEntropyLoss(), [KFAC(max_factor_dim=3)])(X, y)
+        >>> [f.shape for f in qs["kfac"]["0.weight"]]  # the output side (4 > 3) diagonal
+        [torch.Size([4]), torch.Size([3, 3])]
     """
 
     kfac_approx: Optional[str] = None
+    max_factor_dim: Optional[int] = None
     name: ClassVar[str] = "kfac"
     quantity: ClassVar[str] = "kron"
     kron: ClassVar[bool] = True
@@ -361,6 +380,7 @@ class KFAC(_MC):
     def __post_init__(self):
         super().__post_init__()
         _check_kfac_approx(type(self).__name__, self.kfac_approx)
+        _check_max_factor_dim(type(self).__name__, self.max_factor_dim)
 
 
 @dataclass(frozen=True)
@@ -388,6 +408,12 @@ class KFLR(SecondOrder):
     ``"expand"`` ``B = Σ_{v,n,s} m mᵀ``, ``A = (1/(N·S)) Σ_{n,s} x xᵀ``;
     ``"reduce"`` ``B`` as None, ``A = (1/N) Σ_n x̄ x̄ᵀ`` (``x̄`` the mean over the
     ``S`` positions). Without shared positions all three coincide.
+    ``max_factor_dim`` (int ≥ 1 or None): a factor side larger than it gets a 1-D,
+    diagonal factor (kfac-jax's choice), computed as ``Σ_rows m²`` (or ``x²``) without
+    forming the dense one: the language-model head ``[V, D]`` gets ``[B [V], A [D, D]]``;
+    a 1-D parameter's exact block ``[F [P, P]]`` becomes ``[F [P]]``. With None, a dense
+    factor over ``curvlib._budget.DENSE_FACTOR_BYTES`` (1 GiB) is refused before any
+    work. Refused with ``batch_chunk_size`` and ``process_group``.
 
     Examples::
 
@@ -407,6 +433,7 @@ class KFLR(SecondOrder):
     """
 
     kfac_approx: Optional[str] = None
+    max_factor_dim: Optional[int] = None
     name: ClassVar[str] = "kflr"
     root: ClassVar[Optional[str]] = "exact"
     quantity: ClassVar[str] = "kron"
@@ -414,6 +441,7 @@ class KFLR(SecondOrder):
 
     def __post_init__(self):
         _check_kfac_approx(type(self).__name__, self.kfac_approx)
+        _check_max_factor_dim(type(self).__name__, self.max_factor_dim)
 
 
 @dataclass(frozen=True)
@@ -441,6 +469,12 @@ class KFACEmpirical(SecondOrder):
     ``"expand"`` ``B = Σ_{v,n,s} m mᵀ``, ``A = (1/(N·S)) Σ_{n,s} x xᵀ``;
     ``"reduce"`` ``B`` as None, ``A = (1/N) Σ_n x̄ x̄ᵀ`` (``x̄`` the mean over the
     ``S`` positions). Without shared positions all three coincide.
+    ``max_factor_dim`` (int ≥ 1 or None): a factor side larger than it gets a 1-D,
+    diagonal factor (kfac-jax's choice), computed as ``Σ_rows m²`` (or ``x²``) without
+    forming the dense one: the language-model head ``[V, D]`` gets ``[B [V], A [D, D]]``;
+    a 1-D parameter's exact block ``[F [P, P]]`` becomes ``[F [P]]``. With None, a dense
+    factor over ``curvlib._budget.DENSE_FACTOR_BYTES`` (1 GiB) is refused before any
+    work. Refused with ``batch_chunk_size`` and ``process_group``.
 
     Examples::
 
@@ -457,6 +491,7 @@ class KFACEmpirical(SecondOrder):
     """
 
     kfac_approx: Optional[str] = None
+    max_factor_dim: Optional[int] = None
     name: ClassVar[str] = "kfac_empirical"
     root: ClassVar[Optional[str]] = "grad"
     quantity: ClassVar[str] = "kron"
@@ -464,6 +499,7 @@ class KFACEmpirical(SecondOrder):
 
     def __post_init__(self):
         _check_kfac_approx(type(self).__name__, self.kfac_approx)
+        _check_max_factor_dim(type(self).__name__, self.max_factor_dim)
 
 
 @dataclass(frozen=True)

@@ -104,11 +104,12 @@ def forward_for(module: nn.Module) -> Tuple[Callable, str]:
     return importlib.import_module(f"{__name__}.{family}").forward, family
 
 
-def kron_factors(site, role: str, m, approx=None):
+def kron_factors(site, role: str, m, approx=None, max_dim=None):
     """Kronecker factors (BackPACK's order) of ``role`` at ``site`` from the pulled-back root ``m``;
-    ``approx``: ``None`` (BackPACK's), ``"expand"`` or ``"reduce"`` (see ``rules.linear.kron``)."""
+    ``approx``: ``None`` (BackPACK's), ``"expand"`` or ``"reduce"`` (see ``rules.linear.kron``);
+    ``max_dim``: a side larger than it gets a diagonal factor (:mod:`curvlib.rules._gram`)."""
     family = importlib.import_module(f"{__name__}.{site.rule.kind}")
-    return family.kron(site, role, m, approx)
+    return family.kron(site, role, m, approx, max_dim)
 
 
 #: Rule kinds with Kronecker factors ``[B, A]`` of their own (``kron``, ``kron_input``).
@@ -124,10 +125,10 @@ def kron_weight_output(site, B):
     return B if weight_output is None else weight_output(site, B)
 
 
-def kron_input_factor(site, approx=None):
+def kron_input_factor(site, approx=None, max_dim=None):
     """The input-side Kronecker factor ``A`` of ``site``'s weight (independent of the root)."""
     family = importlib.import_module(f"{__name__}.{site.rule.kind}")
-    return family.kron_input(site, approx)
+    return family.kron_input(site, approx, max_dim)
 
 
 def kron_from_matrix(site, role: str, G):

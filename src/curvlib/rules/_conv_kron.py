@@ -17,10 +17,12 @@ from typing import List, Optional
 from torch import Tensor
 
 from ._conv_unfold import padded_input, patches, prod
+from ._gram import gram
 from ._site import Site
 
 
-def kron(site: Site, role: str, m: Tensor, approx: Optional[str] = None) -> List[Tensor]:
+def kron(site: Site, role: str, m: Tensor, approx: Optional[str] = None,
+         max_dim: Optional[int] = None) -> List[Tensor]:
     """Kronecker factors from the pulled-back root ``m [V, N, C_out, *L]``.
 
     BackPACK's (``approx=None``): ``B = Σ_{v,n} s sᵀ [C_out, C_out]`` with
@@ -32,28 +34,29 @@ def kron(site: Site, role: str, m: Tensor, approx: Optional[str] = None) -> List
     :func:`kron_input`): ``[B [G, C_out/G, C_out/G], A [G, C_in/G·K, C_in/G·K]]``,
     the GGN block of group ``g``'s weights ``W[g·C_out/G:(g+1)·C_out/G]``
     (row-major) approximated by ``B[g] ⊗ A[g]``, groups uncoupled; the bias keeps
-    the full ``[B]``.
+    the full ``[B]``. ``max_dim``: a side larger than it gets its diagonal
+    (:func:`curvlib.rules._gram.gram`; grouped: the blocks' diagonals in group order).
     """
     if approx == "expand":
         s = m.flatten(3).transpose(2, 3).reshape(-1, m.shape[2])  # [V·N·L, C_out]
     else:
         s = m.flatten(3).sum(3).flatten(0, 1)  # [V·N, C_out]
-    B = s.t() @ s
-    return [B] if role == "bias" else [weight_output_factor(site, B), kron_input(site, approx)]
+    B = gram(s, max_dim)
+    return [B] if role == "bias" else [weight_output_factor(site, B), kron_input(site, approx, max_dim)]
 
 
 def weight_output_factor(site: Site, B: Tensor) -> Tensor:
     """The weight's output factor from the full ``B [C_out, C_out]``: ``B`` itself for
     ``groups = 1``, else its ``G`` diagonal blocks ``[G, C_out/G, C_out/G]`` (a group's
-    weights see only their own output channels)."""
+    weights see only their own output channels; a diagonal ``B [C_out]`` is its own blocks)."""
     groups = site.meta["groups"]
-    if groups == 1:
+    if groups == 1 or B.dim() == 1:
         return B
     o = B.shape[0] // groups
     return B.reshape(groups, o, groups, o).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
 
 
-def kron_input(site: Site, approx: Optional[str] = None) -> Tensor:
+def kron_input(site: Site, approx: Optional[str] = None, max_dim: Optional[int] = None) -> Tensor:
     """``A = (1/N) Σ_{n,l} U[n, :, l] U[n, :, l]ᵀ [C_in·K, C_in·K]`` (BackPACK's).
 
     ``U`` is the unfold of the padded input, with ``padding_mode`` applied
@@ -70,17 +73,17 @@ def kron_input(site: Site, approx: Optional[str] = None) -> Tensor:
     groups = m["groups"]
     if groups != 1:  # rows (g, c, k): one factor per group, [G, C_in/G·K, N·L]
         cols = cols.reshape(groups, cols.shape[0] // groups, cols.shape[1])
-    return input_factor(cols, x.shape[0], approx)
+    return input_factor(cols, x.shape[0], approx, max_dim)
 
 
-def input_factor(cols: Tensor, n: int, approx: Optional[str]) -> Tensor:
+def input_factor(cols: Tensor, n: int, approx: Optional[str], max_dim: Optional[int] = None) -> Tensor:
     """``A`` from the unfolded inputs ``cols [*G, C·K, N·L]`` (columns ordered ``(n, l)``;
-    optional leading group dims give one factor per group)."""
+    optional leading group dims give one factor per group; ``C·K > max_dim``: its diagonal)."""
     if approx == "reduce":
         cols = cols.reshape(cols.shape[:-1] + (n, -1)).mean(-1)
-        return cols @ cols.transpose(-1, -2) / n
+        return gram(cols.transpose(-1, -2), max_dim, 1.0 / n)
     scale = n * (cols.shape[-1] // n) if approx == "expand" else n
-    return cols @ cols.transpose(-1, -2) / scale
+    return gram(cols.transpose(-1, -2), max_dim, 1.0 / scale)
 
 
 def kron_from_output_matrix(site: Site, role: str, G: Tensor) -> List[Tensor]:

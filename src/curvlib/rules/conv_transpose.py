@@ -81,7 +81,7 @@ def check(module: nn.Module, where: str) -> None:
         )
 
 
-def kron_input(site: Site, approx: Optional[str] = None) -> Tensor:
+def kron_input(site: Site, approx: Optional[str] = None, max_dim: Optional[int] = None) -> Tensor:
     """``A = (1/N) Σ_{n,l} U[n, :, l] U[n, :, l]ᵀ [C_in·K, C_in·K]`` (BackPACK's convention;
     ``"expand"``/``"reduce"`` as for :func:`curvlib.rules.conv.kron_input`).
 
@@ -102,18 +102,20 @@ def kron_input(site: Site, approx: Optional[str] = None) -> Tensor:
     groups = m["groups"]
     if groups != 1:  # rows (g, c, k): group g's weights W[g·C_in/G:(g+1)·C_in/G] read only its rows
         cols = cols.reshape(groups, cols.shape[0] // groups, cols.shape[1])
-    return input_factor(cols, x.shape[0], approx)
+    return input_factor(cols, x.shape[0], approx, max_dim)
 
 
-def kron(site: Site, role: str, m: Tensor, approx: Optional[str] = None) -> List[Tensor]:
+def kron(site: Site, role: str, m: Tensor, approx: Optional[str] = None,
+         max_dim: Optional[int] = None) -> List[Tensor]:
     """Factors from the pulled-back root ``m [V, N, C_out, *L]`` as for convolutions:
     BackPACK's ``B = Σ_{v,n} s sᵀ`` with ``s = Σ_l m[v, n, :, l]`` (``"expand"``:
     ``Σ_{v,n,l} m mᵀ``); weight ``[B, A]``, bias ``[B]``. With ``groups = G > 1``, as grouped
     convolutions: weight ``[B [G, C_out/G, C_out/G], A [G, C_in/G·K, C_in/G·K]]``, group ``g``'s
     weights ``W[g·C_in/G:(g+1)·C_in/G]`` (BackPACK's layout per group) ≈ ``B[g] ⊗ A[g]``, the
-    diagonal blocks of the ungrouped ``B`` and ``A``; the bias keeps the full ``[B]``."""
-    (B,) = _conv_kron(site, "bias", m, approx)  # the output side is a convolution's
-    return [B] if role == "bias" else [weight_output_factor(site, B), kron_input(site, approx)]
+    diagonal blocks of the ungrouped ``B`` and ``A``; the bias keeps the full ``[B]``. ``max_dim``:
+    a side larger than it gets its diagonal (:func:`curvlib.rules._gram.gram`)."""
+    (B,) = _conv_kron(site, "bias", m, approx, max_dim)  # the output side is a convolution's
+    return [B] if role == "bias" else [weight_output_factor(site, B), kron_input(site, approx, max_dim)]
 
 
 def kron_from_output_matrix(site: Site, role: str, G: Tensor) -> List[Tensor]:

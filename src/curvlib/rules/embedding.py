@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._errors import CurvatureError
+from ._gram import gram
 from ._site import Recorder, RoleTensors, Rule, Site
 
 
@@ -99,8 +100,10 @@ def grad(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
         return {}
     idx, g = _flat(site, g)
     d = g.shape[-1]
-    out = g.new_zeros(site.meta["num_embeddings"], d).index_add(0, idx.reshape(-1), g.reshape(-1, d))
-    return {"weight": out}
+    out = g.new_zeros(site.meta["num_embeddings"], d)
+    if torch._C._functorch.is_functorch_wrapped_tensor(g):  # (vmap: new_zeros is unbatched, g batched)
+        return {"weight": out.index_add(0, idx.reshape(-1), g.reshape(-1, d))}
+    return {"weight": out.index_add_(0, idx.reshape(-1), g.reshape(-1, d))}  # no second [V, D]
 
 
 def _runs(site: Site, g: Tensor):
@@ -139,7 +142,8 @@ def sum_grad_squared(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors
     return {"weight": out.index_add(0, index, rows**2 * first.unsqueeze(1))}
 
 
-def kron(site: Site, role: str, m: Tensor, approx: Optional[str] = None) -> List[Tensor]:
+def kron(site: Site, role: str, m: Tensor, approx: Optional[str] = None,
+         max_dim: Optional[int] = None) -> List[Tensor]:
     """Kronecker factors ``[A, B]`` of the weight ``W [V, D]`` from the root ``m [V', N, *S, D]``.
 
     The look-up is a Linear map of the one-hot input ``x = e_idx`` (``0`` at padding
@@ -154,13 +158,14 @@ def kron(site: Site, role: str, m: Tensor, approx: Optional[str] = None) -> List
       ``m̃`` the root with padding positions zeroed.
 
     ``"reduce"`` equals ``None`` for ``idx [N]`` (one position); on sequences its input
-    factor is dense, which :func:`curvlib._support.check_second_order` refuses.
+    factor is dense, which :func:`curvlib._support.check_second_order` refuses. ``max_dim``:
+    ``B [D]``, its diagonal, when ``D > max_dim`` (:func:`curvlib.rules._gram.gram`).
     """
     idx, rows = _root_rows(site, m)  # [N, P], [V', N, P, D]
     if approx == "reduce" and idx.shape[1] > 1:  # (refused before any work; a backstop)
         raise CurvatureError(f"KFAC-reduce of Embedding '{site.where}' on sequences needs a dense V x V factor.")
     s = rows.reshape(-1, rows.shape[-1]) if approx == "expand" else rows.sum(2).reshape(-1, rows.shape[-1])
-    return [kron_input(site, approx), s.t() @ s]
+    return [kron_input(site, approx), gram(s, max_dim)]
 
 
 def _root_rows(site: Site, m: Tensor) -> Tuple[Tensor, Tensor]:

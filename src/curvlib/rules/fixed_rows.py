@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from . import embedding, functional
+from ._gram import gram
 from ._site import Site
 
 __all__ = ["BIAS_OPS", "bias_like", "row_map", "kron", "squares_per_sample", "diagonal_block", "tied_across_layers", "generic_block"]
@@ -95,8 +96,9 @@ def _run(site: Site, value: Tensor, zero: Tensor) -> Optional[Tensor]:
     return out if isinstance(out, Tensor) and out.dtype == torch.float64 and out.dim() >= 1 else None
 
 
-def kron(site: Site, rows: Tensor, m: Tensor, approx: Optional[str]) -> List[Tensor]:
-    """``[A [R], B [D, D]]`` from the root ``m [V, N, *S, D]`` at the op's output (see module doc)."""
+def kron(site: Site, rows: Tensor, m: Tensor, approx: Optional[str], max_dim: Optional[int] = None) -> List[Tensor]:
+    """``[A [R], B [D, D]]`` from the root ``m [V, N, *S, D]`` at the op's output (see module doc;
+    ``B [D]`` when ``D > max_dim``)."""
     n = m.shape[1]
     name = site.meta["use"].params[0]
     p = site.saved[f"param:{name}"]
@@ -104,7 +106,7 @@ def kron(site: Site, rows: Tensor, m: Tensor, approx: Optional[str]) -> List[Ten
                   meta={"batch_dim": 0, "padding_idx": None, "num_embeddings": p.shape[:-1].numel(),
                         "dtype": m.dtype})
     m = m.reshape(m.shape[0], n, rows.shape[0], m.shape[-1])
-    return embedding.kron(lookup, "weight", m, approx)
+    return embedding.kron(lookup, "weight", m, approx, max_dim)
 
 
 def squares_per_sample(site: Site, rows: Tensor, m: Tensor) -> Tensor:
@@ -145,18 +147,19 @@ def tied_across_layers(u, family_of=None) -> bool:
     return kinds != {"linear"} or not one_family or len({r for _, r in u}) > 1
 
 
-def generic_block(u, m_by_site, sqrt: Callable[[], Tensor], approx: Optional[str]) -> List[Tensor]:
+def generic_block(u, m_by_site, sqrt: Callable[[], Tensor], approx: Optional[str],
+                  max_dim: Optional[int] = None) -> List[Tensor]:
     """Factors of a parameter without Kronecker factors of its rule's own, used by the sites
     ``u`` (``sqrt()``: its ``[V, N, *p]`` root, uses summed): a bias-like ``≥ 2``-dim one
     (``h + self.pos``) gets Embedding's layout at its fixed rows (:func:`kron`); a ``≥ 2``-dim
     generic one or one tied across layers the diagonal of its exact block ``[F [P]]``; the
     others (scale and shift of normalisations, 1-D parameters) the exact block
-    ``F = Σ_{v,n} (J_pᵀ m_v)(J_pᵀ m_v)ᵀ [P, P]`` (:mod:`curvlib._kronlayout`)."""
+    ``F = Σ_{v,n} (J_pᵀ m_v)(J_pᵀ m_v)ᵀ [P, P]`` (:mod:`curvlib._kronlayout`), or its diagonal
+    ``[F [P]]`` when ``P > max_dim``."""
     rows = row_map(u[0][0]) if len(u) == 1 else None
     if rows is not None:
-        return kron(u[0][0], rows, m_by_site[u[0][0].key], approx)
+        return kron(u[0][0], rows, m_by_site[u[0][0].key], approx, max_dim)
     S = sqrt()
     if S.dim() > 3 and (all(site.rule.kind == "generic" for site, _ in u) or tied_across_layers(u)):
         return diagonal_block(S)
-    S = S.reshape(-1, S[0, 0].numel())
-    return [S.t() @ S]
+    return [gram(S.reshape(-1, S[0, 0].numel()), max_dim)]
