@@ -408,3 +408,35 @@ def test_in_place_change_hidden_from_the_trace():
     y = torch.randint(0, 3, (6,))
     check_first_order(model, nn.CrossEntropyLoss(), X, y)
     check_second_order(model, nn.CrossEntropyLoss(), X, y, hessian=False)
+
+
+class _ComputedWeightConv(nn.Module):
+    """``F.conv{1,2}d(x, h(W), b, stride, padding, dilation, groups)`` with ``h`` a scale and shift
+    of the weight per output channel (a weight computed from parameters: the functional
+    convolution's fast per-sample path, :func:`curvlib.rules.functional._conv_grad_batch`)."""
+
+    def __init__(self, dims, groups, stride, padding, dilation, bias):
+        super().__init__()
+        self.conv = (F.conv1d, F.conv2d)[dims - 1]
+        self.options = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+        self.weight = nn.Parameter(torch.randn((4, 4 // groups) + (3,) * dims))
+        self.gain = nn.Parameter(1 + 0.1 * torch.randn((4,) + (1,) * (dims + 1)))
+        self.bias = nn.Parameter(torch.randn(4)) if bias else None
+        self.head = nn.LazyLinear(3)
+
+    def forward(self, x):
+        w = self.gain * (self.weight - self.weight.mean(dim=tuple(range(1, self.weight.dim())), keepdim=True))
+        return self.head(torch.tanh(self.conv(x, w, self.bias, **self.options)).flatten(1))
+
+
+@settings(max_examples=12, deadline=None)
+@given(dims=st.sampled_from([1, 2]), groups=st.sampled_from([1, 2]), stride=st.integers(1, 2),
+       padding=st.integers(0, 1), dilation=st.integers(1, 2), bias=st.booleans(), n=st.integers(1, 3),
+       seed=st.integers(0, 2**16))
+def test_convolution_with_a_computed_weight_first_order(dims, groups, stride, padding, dilation, bias, n, seed):
+    torch.manual_seed(seed)
+    model = _ComputedWeightConv(dims, groups, stride, padding, dilation, bias)
+    X = torch.randn((n, 4) + (7,) * dims, generator=seeded(seed), dtype=torch.float32)
+    model(X)  # (materialise the lazy head)
+    model = model.to(DT)
+    check_first_order(model, nn.CrossEntropyLoss(), X.to(DT), torch.randint(0, 3, (n,), generator=seeded(seed + 1)))

@@ -28,6 +28,9 @@ from torch import Tensor, fx, nn
 from torch.func import vjp, vmap
 
 from ._site import Recorder, RoleTensors, Rule, Site
+from ._conv_correlation import Correlation
+from ._conv_unfold import unfold
+from .conv import per_sample_weight_grad
 from .linear import LINEAR, LINEAR_TRANSPOSED
 
 
@@ -119,6 +122,9 @@ def _of_free_parameters(site: Site, roles: Sequence[str], inputs: Sequence[Tenso
 def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
     if site.meta.get("batch_sized_chain"):
         return _grad_batch_masked(site, g, roles)
+    conv = _conv_grad_batch(site, g, roles)
+    if conv is not None:
+        return conv
     n = g.shape[0]
     inputs = [site.saved[f"in{i}"] for i in range(len(site.meta["use"].inputs))]
     in_dims = [0 if (x.dim() > 0 and x.shape[0] == n) else None for x in inputs]
@@ -128,6 +134,56 @@ def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
         return vjp(f, free)[1](g_n.unsqueeze(0))[0]
 
     return vmap(one_sample, in_dims=(in_dims, 0))(inputs, g)
+
+
+_CONV_DIMS = {torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3, F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
+_CONV_ARGS = (("input", None), ("weight", None), ("bias", None), ("stride", 1), ("padding", 0), ("dilation", 1),
+              ("groups", 1))
+
+
+def _conv_grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> Optional[RoleTensors]:
+    """A convolution of the input with a weight computed from parameters (timm's weight-
+    standardised ``ScaledStdConv2d``: ``conv(x, h(W, γ), b)``): every sample's gradient of the
+    computed weight ``Ŵ`` from the convolution rule's kernels (``R_n = g_n ⋆ x_n``, one call
+    for the batch), then pulled back through the parameter chain, ``∂ℓ_n/∂θ = h'(θ)ᵀ R_n``
+    (vmapped over samples), instead of a vector-Jacobian product of the whole convolution per
+    sample. ``None`` where this does not apply (then the generic way runs)."""
+    use, dims = site.meta["use"], _CONV_DIMS.get(site.meta["use"].node.target)
+    if dims is None or len(use.inputs) != 1 or torch._C._functorch.is_functorch_wrapped_tensor(g):
+        return None
+    args = {name: (use.node.args[k] if k < len(use.node.args) else use.node.kwargs.get(name, default))
+            for k, (name, default) in enumerate(_CONV_ARGS)}
+    computed = [a for a in (args["weight"], args["bias"]) if a is not None]
+    x = site.saved["in0"]
+    if (args["input"] is not use.inputs[0] or isinstance(args["padding"], str) or x.shape[0] != g.shape[0]
+            or not all(isinstance(a, fx.Node) and a in use.chain for a in computed)):
+        return None
+    per_dim = lambda v: (v,) * dims if isinstance(v, int) else tuple(v)  # noqa: E731
+    stride, padding, dilation = per_dim(args["stride"]), per_dim(args["padding"]), per_dim(args["dilation"])
+    f, free = _chain_of_free_parameters(site, roles, computed)
+    weight_and_bias, pull = vjp(f, free)
+    kernel = tuple(weight_and_bias[0].shape[2:])
+    pad = [p for q in reversed(padding) for p in (q, q)]
+    corr = Correlation(x, g, kernel, stride, dilation, args["groups"], padding if any(padding) else (),
+                       lambda: unfold(F.pad(x, pad), kernel, stride, dilation), columns="g")
+    grads = (per_sample_weight_grad(corr),) + ((g.flatten(2).sum(2),) if len(computed) == 2 else ())
+    return vmap(lambda *per_sample: pull(per_sample)[0])(*grads)
+
+
+def _chain_of_free_parameters(site: Site, roles: Sequence[str], nodes: Sequence[fx.Node]):
+    """``(f, free)``: the values of the parameter-only chain's ``nodes`` as a function ``f(free)`` of
+    the parameters in ``roles`` (the others fixed at their values)."""
+    use, root, param_names = site.meta["use"], site.meta["root"], site.meta["param_names"]
+    params = {k[6:]: v for k, v in site.saved.items() if k.startswith("param:")}
+    free = {r: p for r, p in params.items() if r in set(roles)}
+    fixed = {r: p for r, p in params.items() if r not in free}
+
+    def f(free_params):
+        env: Dict[fx.Node, object] = dict(site.meta.get("constants") or {})
+        run_nodes(use.chain, env, root, param_names, {**fixed, **free_params})
+        return tuple(env[n] for n in nodes)
+
+    return f, free
 
 
 def _grad_batch_masked(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
