@@ -112,9 +112,9 @@ def analyse(program, env_a: Dict, env_b: Dict, n: int, trainable) -> Independenc
 
 
 def _guard_only(graph) -> set:
-    """Nodes whose values only reach guards (``curvlib._aten.input_branch``: a branch the model's
+    """Nodes whose values only reach guards (``curvlib._branches.input_branch``: a branch the model's
     Python took on a value, ``if x.sum() > 0``): they shape no output, so they mix nothing into it.
-    A batch-level branch is checked per sample instead (``curvlib._aten.check_branches_per_sample``)."""
+    A batch-level branch is checked per sample instead (``curvlib._branches.check_branches_per_sample``)."""
     only: set = set()
     for node in reversed(list(graph.nodes)):
         users = list(node.users)

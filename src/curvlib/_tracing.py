@@ -20,7 +20,8 @@ from ._errors import CurvatureError
 from ._kfra import chain_nodes
 from ._plan import Plan, module_checks
 from .rules import subclassed
-from ._aten import keyword_inputs, trace_aten_program
+from ._aten import trace_aten_program
+from ._branches import keyword_inputs
 from ._inputs import batch_size, structure_key, tensors, with_batch
 from ._outputs import say_choice
 from ._sync import LOCK

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _arguments, _budget, _buffers, _compiled, _dropout, _inputs, _outputs, _strategy, _wrappers, losses
-from ._aten import BranchChanged, batch_guard_values, check_branches_per_sample, guard_values_per_sample
+from ._branches import BranchChanged, batch_guard_values, check_branches_per_sample, guard_values_per_sample
 from ._diagnose import forward_failure, forward_mode_failure
 from ._independence import refuse_mixing
 from ._engine import forward_with_probes
@@ -244,7 +244,7 @@ class _Call:
             return self._run(X, y, params, generator, buffers, _into)
         except BranchChanged:
             # the model's code took another branch on this input's values than on the traced
-            # one's (curvlib._aten.input_branch): trace it again on this input
+            # one's (curvlib._branches.input_branch): trace it again on this input
             self.setup.traces.forget_aten()
             return self._run(X, y, params, generator, buffers, _into)
 
