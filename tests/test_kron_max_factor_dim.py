@@ -17,6 +17,7 @@ from unittest import mock
 
 import pytest
 import torch
+from on_device import seeded
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
@@ -112,8 +113,8 @@ def test_other_layouts_keep_the_dense_factors_diagonal(case, max_dim, approx):
         # chunk_size=1: the column chunks' root factors are summed, the input factors kept
         diag = curvature(model, lossfn, [cls(kfac_approx=approx, max_factor_dim=max_dim)], chunk_size=1)(X, y)
         _compare(dense, diag[cls.name], max_dim)
-    dense = curvature(model, lossfn, [KFAC(generator=torch.Generator().manual_seed(1))])(X, y)["kfac"]
-    diag = curvature(model, lossfn, [KFAC(generator=torch.Generator().manual_seed(1), max_factor_dim=max_dim)])(X, y)
+    dense = curvature(model, lossfn, [KFAC(generator=seeded(1))])(X, y)["kfac"]
+    diag = curvature(model, lossfn, [KFAC(generator=seeded(1), max_factor_dim=max_dim)])(X, y)
     _compare(dense, diag["kfac"], max_dim)
 
 

@@ -13,6 +13,7 @@ from unittest import mock
 
 import pytest
 import torch
+from on_device import seeded
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -47,7 +48,7 @@ def test_sampled_root_holds_one_logits_sized_tensor(reduction):
     y = torch.randint(0, v, (n, t))
     spec = losses.loss_spec(nn.CrossEntropyLoss(reduction=reduction))
     with BigAllocations(n * v * t) as big, mock.patch.object(structural, "DRAW_ENTRIES", 2 * v):
-        ((_, S),) = losses.curvature_at(spec, logits, y).sampled_roots(1, torch.Generator().manual_seed(0))
+        ((_, S),) = losses.curvature_at(spec, logits, y).sampled_roots(1, seeded(0))
     assert S.shape == (1, n, v, t)
     assert big.ops == ["aten._softmax.default"], big.ops  # the root is written over p
     torch.testing.assert_close(S.sum(2), torch.zeros(1, n, t), atol=1e-6, rtol=0)  # p − e_ŷ sums to 0
@@ -83,8 +84,8 @@ def test_monte_carlo_runs_at_full_vocabulary():
     model = LM(d=8)
     X, y = torch.randint(0, 50257, (2, 8)), torch.randint(0, 50257, (2, 8))
     f = lambda ext: curvature(model, nn.CrossEntropyLoss(), [ext])(X, y)[ext.name]  # noqa: E731
-    diag = f(DiagGGNMC(generator=torch.Generator().manual_seed(0)))
-    kfac = f(KFAC(generator=torch.Generator().manual_seed(0), max_factor_dim=4096))
+    diag = f(DiagGGNMC(generator=seeded(0)))
+    kfac = f(KFAC(generator=seeded(0), max_factor_dim=4096))
     assert diag["head.weight"].shape == (50257, 8)
     assert [f.shape for f in kfac["head.weight"]] == [(50257,), (8, 8)]
     torch.testing.assert_close(kfac["head.bias"][0], diag["head.bias"])
