@@ -21,18 +21,23 @@ of one batch at a time, never an ``[N, P]`` for the whole set. The vocabulary si
 head (128 byte values) is kept diagonal with ``KFAC(max_factor_dim=127)``, the choice that
 makes a 50k vocabulary fit. ``λ = 0.1 · mean(s)`` (kronfluence's heuristic).
 
-The model: a 2-block causal transformer from PyTorch's own layers (pre-LN
-``nn.TransformerEncoderLayer``, d = 32), trained with Adam for a few hundred steps on
-32-character windows of the standard library's own docstrings (``inspect.getdoc``; nothing
-downloaded). The queries are windows of ``difflib``'s docstrings, which are held out, except
-that each query is *planted* in the training set twice: once verbatim and once with 3 of
-its characters changed. Two checks make the scores meaningful:
+The model: a causal transformer from PyTorch's own layers (pre-LN
+``nn.TransformerEncoderLayer``; 2 blocks of d = 32 with ``--quick``, 3 of d = 40 otherwise),
+trained with Adam for a few hundred steps on 32-character windows of the standard
+library's own docstrings (``inspect.getdoc``; nothing downloaded). The queries are windows
+of ``difflib``'s docstrings, which are held out, except that each query is *planted* in
+the training set twice: once verbatim and once with 3 of its characters changed. Two
+checks make the scores meaningful:
 
 * **planted duplicates rank top**: for every query, its two planted copies get the two
   highest scores of all training sequences (printed with the top sequences' text);
-* **EK-FAC vs exact**: the same scores with the exact damped GGN ``(G + λ I)⁻¹``
-  (conjugate gradients on GGN-vector products from ``torch.func``, the full matrix, not
-  block-diagonal), compared by Spearman rank correlation.
+* **EK-FAC vs exact**, on a tiny configuration (1 block of d = 16, 200 sequences of 16
+  characters, 6.7 k parameters): the same scores with the exact damped GGN
+  ``(G + λ I)⁻¹`` of the whole model (not block-diagonal; conjugate gradients on
+  GGN-vector products from ``torch.func``, preconditioned by EK-FAC, float64), compared
+  by Spearman rank correlation over all training sequences, per query. Measured: 0.37 to
+  0.53, against 0.06 to 0.39 for plain gradient dot products (``λ``-free, ``G = I``):
+  EK-FAC orders the bulk of small scores better than no curvature, far from exactly.
 
 Run (needs matplotlib)::
 
@@ -75,7 +80,8 @@ QUERY_MODULE = "difflib"  # held out: queries come from here, planted in trainin
 
 @dataclass
 class Config:
-    """Sizes of one run (``QUICK`` for ``--quick``, ``FULL`` otherwise)."""
+    """Sizes of one run: ``QUICK`` (``--quick``) or ``FULL`` for the planted-copies run,
+    ``TINY`` for the comparison with exact influence (``cg_iters``: its CG iterations)."""
     d: int = 32
     layers: int = 2
     hidden: int = 64
@@ -89,7 +95,7 @@ class Config:
 
 
 QUICK = Config()
-FULL = Config(d=40, layers=3, hidden=120, n_train=1200, n_queries=8, steps=800, cg_iters=300)
+FULL = Config(d=40, layers=3, hidden=120, n_train=1200, n_queries=8, steps=800)
 
 
 # ----------------------------------------------------------------------------- data
@@ -364,6 +370,9 @@ def planted_run(cfg: Config) -> dict:
     model = train(cfg, train_seqs)
     scores, _, _, damping = ekfac_influence(model, train_seqs, queries, seed=cfg.seed)
     ranks = planted_ranks(scores, planted)
+    top = sum(sorted(r) == [1, 2] for r in ranks.tolist())
+    print(f"{sum(p.numel() for p in model.parameters())} parameters, {len(train_seqs)} training sequences, "
+          f"λ = {damping:.3g}: planted copies are the top two for {top} of {len(queries)} queries")
     for q in range(len(queries)):
         print(f"query {q}: {text_of(queries[q])!r}  planted copies rank {ranks[q].tolist()}")
         for i in scores[q].argsort(descending=True)[:3].tolist():
