@@ -37,12 +37,15 @@ def _on_cpu():
 
 @pytest.fixture(scope="module")
 def tiny():
-    """The tiny configuration trained once: data, model, EK-FAC pieces."""
+    """The tiny configuration trained once: data, model, EK-FAC pieces (on the CPU: a
+    module fixture runs before the function-scoped ``_on_cpu``)."""
     cfg = influence.TINY
-    seqs, queries, planted = influence.make_data(cfg)
-    model = influence.train(cfg, seqs)
-    factors = influence.kfac_factors(model, seqs, 64, influence.VOCAB - 1, torch.Generator().manual_seed(0))
-    eigenvalues = influence.fit_eigenvalues(model, factors, seqs, 64, torch.Generator().manual_seed(1))
+    with torch.device("cpu"):
+        seqs, queries, planted = influence.make_data(cfg)
+        model = influence.train(cfg, seqs)
+        factors = influence.kfac_factors(model, seqs, 64, influence.VOCAB - 1,
+                                         torch.Generator(device="cpu").manual_seed(0))
+        eigenvalues = influence.fit_eigenvalues(model, factors, seqs, 64, torch.Generator(device="cpu").manual_seed(1))
     return dict(cfg=cfg, seqs=seqs, queries=queries, planted=planted, model=model, factors=factors,
                 eigenvalues=eigenvalues)
 
@@ -81,7 +84,7 @@ def in_parameter_order(values, factors):
 
 def sampled_rows(tiny):
     """The rows ``ĝ_i`` the example fits with: same generator, same batches, same draws."""
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator(device="cpu").manual_seed(1)
     model, seqs = tiny["model"], tiny["seqs"]
     rows = []
     for start in range(0, len(seqs), 64):
