@@ -20,7 +20,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 EXAMPLES = sorted(p for p in glob.glob(os.path.join(ROOT, "examples", "*.py"))
                   if "--quick" in open(p, encoding="utf-8").read())
 # What an example needs beyond curvlib and torch; every example draws a figure with matplotlib.
-NEEDS = {"laplace_digits.py": ["laplace", "sklearn"], "architectures.py": [], "ddp_curvature.py": []}
+NEEDS = {"laplace_digits.py": ["laplace", "sklearn"], "architectures.py": [], "ddp_curvature.py": [],
+         "influence.py": []}
 DEFAULT_NEEDS = ["sklearn"]  # the digits examples
 
 
