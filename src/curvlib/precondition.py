@@ -208,7 +208,10 @@ def ekfac_eigenvalues(factors: Mapping[str, Sequence[Tensor]], rows: Vectors, *,
 
     Returns:
         name -> ``s``, shaped ``[G, o, a]`` (the core of the layout; ``[1, o, a]`` for an
-        ungrouped weight, ``[1, P, 1]`` for a single factor).
+        ungrouped weight, ``[1, P, 1]`` for a single factor; where the first factor is 1-D,
+        as for an Embedding ``[V, D]`` with factors ``[A [V], B [D, D]]``, the core is the
+        parameter transposed, ``[1, D, V]``). :func:`ekfac_preconditioner` reads it so; index
+        it by parameter entry only through that layout.
 
     Example: ``s = ekfac_eigenvalues(qs["kfac"], qs["grad_batch"], scale=len(X))``.
     """
