@@ -21,7 +21,7 @@ def free(monkeypatch):
         state["asked"] += 1
         return state["bytes"]
 
-    monkeypatch.setattr(budget, "available_bytes", available)
+    monkeypatch.setattr("curvlib._core.available_bytes", available)
     monkeypatch.setattr(budget, "_last_free", {})
     return state
 

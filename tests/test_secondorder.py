@@ -1267,23 +1267,23 @@ def test_auto_chunk_size_follows_the_byte_budget(monkeypatch):
     monkeypatch.setenv("CURVLIB_STRATEGY", "auto")  # (the strategy by device; forced ones below)
     monkeypatch.setattr(budget, "AUTO_CHUNK_BYTES", 3 * per_column + 1)
     monkeypatch.setattr(budget, "AUTO_CHUNK_BYTES_CPU", 2 * per_column)
-    monkeypatch.setattr(budget, "available_bytes", lambda device: None)  # (no GPU here)
+    monkeypatch.setattr("curvlib._core.available_bytes", lambda device: None)  # (no GPU here)
     assert budget.auto_chunk_size(plan) == 3
     assert budget.auto_chunk_size(plan, [DiagGGNExact()], "cpu") == 2
     assert budget.auto_chunk_size(plan, [DiagGGNExact(), BatchDiagGGNExact()], "cpu") == 3
     monkeypatch.setattr(budget, "AUTO_CHUNK_BYTES", 1)
     assert budget.auto_chunk_size(plan) == 1
     # CUDA: up to a share of the free device memory (read per call), never below the budget
-    monkeypatch.setattr(budget, "available_bytes", lambda device: 80 * per_column)
+    monkeypatch.setattr("curvlib._core.available_bytes", lambda device: 80 * per_column)
     assert budget.auto_chunk_size(plan, [DiagGGNExact()], "cuda") == 10
     assert budget.auto_chunk_size(plan, [DiagGGNExact()], torch.device("cuda", 0)) == 10
     monkeypatch.setattr(budget, "AUTO_CHUNK_BYTES", 3 * per_column + 1)
-    monkeypatch.setattr(budget, "available_bytes", lambda device: None)
+    monkeypatch.setattr("curvlib._core.available_bytes", lambda device: None)
     assert budget.auto_chunk_size(plan, [DiagGGNExact()], "cuda") == 3
     assert budget.auto_chunk_size(plan, [DiagGGNExact()], "cpu") == 2  # the CPU never reads it
     # forced strategies: "batched" on a CPU takes the large budget (no free memory read),
     # "looped" on CUDA the small one
-    monkeypatch.setattr(budget, "available_bytes", lambda device: 80 * per_column)
+    monkeypatch.setattr("curvlib._core.available_bytes", lambda device: 80 * per_column)
     with curvlib.strategy("batched"):
         assert budget.auto_chunk_size(plan, [DiagGGNExact()], "cpu") == 3
         assert budget.auto_chunk_size(plan, [DiagGGNExact()], "cuda") == 10

@@ -82,7 +82,7 @@ def test_batched_conv_blocks_take_the_large_budget(monkeypatch):
     assert _strategy.column_block_bytes("cpu", 123) == 123
     with curvlib.strategy("batched"):
         assert _strategy.column_block_bytes("cpu", 123) == _strategy.BATCHED_MIN_BYTES
-        monkeypatch.setattr("curvlib._budget.available_bytes", lambda device: 2**40)
+        monkeypatch.setattr("curvlib._core.available_bytes", lambda device: 2**40)
         assert _strategy.column_block_bytes("cuda", 123) == 2**40 // 8
 
 

@@ -8,7 +8,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from . import losses
+from . import _targets, losses
 from ._errors import CurvatureError, CurvatureTypeError
 from .extensions._base import Extension
 
@@ -63,7 +63,7 @@ def check_targets_batch(spec: losses.LossSpec, y: object, n: int) -> Tensor:
         raise CurvatureError(
             f"y has shape {tuple(y.shape)} but X has batch size {n}; y needs the same batch size in dim 0."
         )
-    return losses.prepare_targets(spec, y)
+    return _targets.prepare_targets(spec, y)
 
 
 def parameter_values(model: nn.Module, params: object) -> Tuple[Dict[str, Tensor], List[str]]:

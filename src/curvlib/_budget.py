@@ -27,41 +27,21 @@ Dense sides per parameter ``p`` (the sites' rule kinds, :func:`dense_sides`):
 from __future__ import annotations
 
 import math
-import os
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Mapping, Sequence, Tuple, Union
 
 import torch
 
 from ._arguments import bytes_of
-from . import _strategy
+from . import _core, _strategy
 from ._errors import CurvatureError
 from .rules._site import uses_of
 
 __all__ = ["AUTO_CHUNK_BYTES", "AUTO_CHUNK_BYTES_CPU", "AUTO_CHUNK_FREE_SHARE", "DENSE_FACTOR_BYTES", "auto_chunk_size",
-           "available_bytes", "check_factor_sizes", "check_roots", "dense_sides", "refuse_combined"]
+           "check_factor_sizes", "check_roots", "dense_sides", "refuse_combined"]
 
 #: A root of at most ``1/HEADROOM`` of the free memory last read on its device is not re-checked.
 HEADROOM = 8
 _last_free: Dict[str, int] = {}  # device -> free bytes at the last reading
-
-
-def available_bytes(device: torch.device) -> Optional[int]:
-    """Free memory on ``device`` (``MemAvailable`` on a Linux CPU), or ``None`` if unknown."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    if device.type != "cpu":
-        return None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return None
 
 
 def _gib(b: int) -> str:
@@ -84,7 +64,7 @@ def check_roots(exts: Sequence, out_shape: Tuple[int, ...], dtype: torch.dtype, 
         if free is None and last is not None and need * HEADROOM <= last:
             continue  # fitted many times over at the last reading
         if free is None:
-            free = available_bytes(device)
+            free = _core.available_bytes(device)
             if free is not None:
                 _last_free[str(device)] = free
         if free is not None and need > free:
@@ -148,7 +128,7 @@ def auto_chunk_size(plan, exts: Sequence = (), device: Union[str, torch.device] 
     if looped and not batch_diagonal:
         budget = min(budget, AUTO_CHUNK_BYTES_CPU)
     if device.type == "cuda" and not looped:
-        free = available_bytes(device)
+        free = _core.available_bytes(device)
         budget = max(budget, int((free or 0) * AUTO_CHUNK_FREE_SHARE))
     per_column = sum(bytes_of(shape, dtype) for shape, dtype in zip(plan.site_shapes, plan.site_dtypes))
     return max(1, budget // max(per_column, 1))

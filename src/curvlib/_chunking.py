@@ -45,7 +45,8 @@ from typing import Callable, Dict, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _inputs, losses
+from . import _inputs
+from ._core import is_concrete
 from ._buffers import vmapped
 from ._errors import CurvatureError
 from ._kronlayout import root_index
@@ -215,7 +216,7 @@ class _Combined:
             per_name[name] = self.into.buffers[(key, name)]
             _scale_written(t, r, scale)
             return
-        if name not in per_name and losses._is_concrete(t) and not t.requires_grad:
+        if name not in per_name and is_concrete(t) and not t.requires_grad:
             shape = list(t.shape)
             shape[dim] = self.n
             per_name[name] = t.new_empty(shape)

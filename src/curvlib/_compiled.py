@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
-from . import _arguments, _draws, _dropout, _inputs, losses
+from . import _arguments, _draws, _dropout, _inputs, _targets
 from ._buffers import SWAPS, split as split_buffers
 from ._errors import CurvatureError, CurvatureTypeError
 from ._sync import LOCK
@@ -194,7 +194,7 @@ class CompiledCall:
                     _reparametrize_module(loss_module, {k[6:]: t for k, t in b.items() if k[0] == "l"}), \
                     _draws.recording(_draws.Tape(list(flat[n_in:]) or None)) as tape, \
                     _dropout.masks(None, leaves[0].device), torch.enable_grad():
-                result = self.call._evaluate(traced, plan, X_, losses.prepare_targets(self.call.setup.spec, y_),
+                result = self.call._evaluate(traced, plan, X_, _targets.prepare_targets(self.call.setup.spec, y_),
                                              v, trainable, False, None)
             recipes.append(tape.recipes)
             out, spec = pytree.tree_flatten(result)

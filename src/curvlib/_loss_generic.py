@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.func import grad, vjp, vmap
 
 from . import _draws
+from ._core import is_concrete
 from ._errors import CurvatureError
 
 __all__ = ["GenericCurvature", "check_per_sample"]
@@ -85,9 +86,8 @@ class GenericCurvature:
     def signed(self) -> bool:
         """Whether some block has a negative eigenvalue (an indefinite loss Hessian)."""
         evals, _ = self._eigh()
-        from .losses import _is_concrete
 
-        return not _is_concrete(evals) or bool((evals < 0).any())
+        return not is_concrete(evals) or bool((evals < 0).any())
 
     def most_negative(self) -> Tuple[float, int]:
         evals, _ = self._eigh()

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from . import _draws
+from ._core import is_concrete
 from ._strategy import batched
 
 __all__ = ["StructuralCurvature", "negative_scale"]
@@ -51,7 +52,7 @@ class StructuralCurvature:
     def __init__(self, spec, out: Tensor, y: Tensor, c: float, negative: Optional[bool] = None):
         self.kind, self.out, self.y = spec.kind, out, y
         self.scale = _scale(spec, out, y, c)  # float (MSE; CE counting every target alike), [N, *out[1:]] (BCE), [N, *D] (CE)
-        self.signed = _may_be_negative(spec, y) and (
+        self.signed = may_be_negative(spec, y) and (
             # unknown values (traced): split by sign; else read here unless the target check did
             (not _concrete(self.scale) or bool((self.scale < 0).any())) if negative is None else negative
         )
@@ -128,7 +129,7 @@ class StructuralCurvature:
         return p * mat - p * (p * mat).sum(2, keepdim=True)
 
 
-def _may_be_negative(spec, y: Tensor) -> bool:
+def may_be_negative(spec, y: Tensor) -> bool:
     """Whether the options allow a negative scale (weights, ``pos_weight``, probability targets)."""
     m = spec.module
     if spec.kind == "bce":
@@ -141,7 +142,7 @@ def negative_scale(spec, out: Tensor, y: Tensor, c) -> Optional[Tensor]:
     (not read: the caller reads it with its other checks, one host sync), or ``None`` when
     the options allow no negative scale. ``out`` may be a meta tensor: only its shape and
     dtype are used; ``c`` is the reduction factor (a float or a 0-dim tensor)."""
-    if not _may_be_negative(spec, y):
+    if not may_be_negative(spec, y):
         return None
     module = spec.module
     if spec.kind == "ce":
@@ -153,9 +154,7 @@ def negative_scale(spec, out: Tensor, y: Tensor, c) -> Optional[Tensor]:
 def _concrete(t) -> bool:
     if isinstance(t, float):
         return True
-    from .losses import _is_concrete
-
-    return _is_concrete(t)
+    return is_concrete(t)
 
 
 def _writable(t: Tensor) -> bool:

@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 from torch.func import hessian
 
-from . import _residual_norm, _residual_structured, losses
+from . import _residual_norm, _residual_structured
+from ._core import is_concrete
 from ._residual_smooth import diag_pair, flows, polarised, product_pair, row_scale
 from ._sync import LOCK
 from .rules.elementwise import second_derivative
@@ -160,7 +161,7 @@ def _dense_columns(res, g: Tensor) -> Columns:
             sub = R[:, idx, idx]
         else:
             sub = R.index_select(1, idx).index_select(2, idx)
-        if losses._is_concrete(sub) and not sub.any():
+        if is_concrete(sub) and not sub.any():
             continue  # exactly zero (an input the node is linear in): no columns, no eigh
         evals, evecs = torch.linalg.eigh(sub)
         scaled = []
@@ -199,7 +200,7 @@ def _blocks(res, layout, device) -> List[Tuple[object, set, bool]]:
 def _needed(lam: Tensor, evals: Tensor) -> Tensor:
     """Which eigen-columns ``[d]`` (bool) some sample needs: ``λ > 10 ε max|λ|`` (all of them
     for traced values, which cannot be read)."""
-    if not losses._is_concrete(evals):
+    if not is_concrete(evals):
         return torch.ones(lam.shape[1], dtype=torch.bool, device=lam.device)
     tol = 10 * torch.finfo(evals.dtype).eps * evals.abs().amax(dim=1, keepdim=True)
     return (lam > tol).any(0)

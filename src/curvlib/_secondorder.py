@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 from torch.func import vmap
 
-from . import losses
+from ._core import is_concrete
 from ._engine import Linearization
 from ._errors import CurvatureError
 from .extensions.secondorder import SecondOrder
@@ -57,7 +57,7 @@ def _sqrt(uses, m_by_site, name) -> Tensor:
     total = None
     for site, role in uses[name]:
         m = m_by_site[site.key]
-        if LOOP_SQRT_COLUMNS and losses._is_concrete(m) and not _one_outer_product(site) and not site.rule.vmap_columns:
+        if LOOP_SQRT_COLUMNS and is_concrete(m) and not _one_outer_product(site) and not site.rule.vmap_columns:
             # column by column into one buffer: the rules' own batched kernels (e.g. the
             # grouped convolution of a convolution's per-sample gradients) instead of
             # their vmapped versions (a Linear without shared positions stays vmapped:
@@ -310,7 +310,7 @@ def _accumulate(lin, uses, S: Tensor, group, names, params, batch_size, chunk_si
     static: Dict[tuple, object] = {}  # column-independent results (KFAC's A), once per call
     owned: set = set()  # ids of running sums made here (safe to add into in place)
     total = S.shape[0]
-    if not LOOP_SQRT_COLUMNS or lin.batched_pullback is None or not losses._is_concrete(S) or S.requires_grad:
+    if not LOOP_SQRT_COLUMNS or lin.batched_pullback is None or not is_concrete(S) or S.requires_grad:
         into = None
     elif into is None:
         into = RootBuffers()
@@ -337,7 +337,7 @@ def _accumulate(lin, uses, S: Tensor, group, names, params, batch_size, chunk_si
 def _refuse_indefinite_sqrt(curv, roots, group) -> None:
     sqrt = [e for e in group if e.quantity == "sqrt"]
     if sqrt and len(roots) > 1:
-        if not losses._is_concrete(roots[0][1]):  # under vmap/grad: the signs cannot be read
+        if not is_concrete(roots[0][1]):  # under vmap/grad: the signs cannot be read
             raise CurvatureError(
                 f"{type(sqrt[0]).__name__} under a torch.func transform (vmap, grad) with this loss: "
                 "whether its Hessian w.r.t. the model output is positive semi-definite (so that the "
@@ -408,7 +408,7 @@ def _sum_into(acc: Tensor, part: Tensor, owned: Optional[set]) -> Tensor:
     the first chunk's results may be shared between extensions), and never under
     autograd or torch.func."""
     if (owned is None or id(acc) not in owned or acc.requires_grad or part.requires_grad
-            or not losses._is_concrete(acc) or acc.shape != part.shape):
+            or not is_concrete(acc) or acc.shape != part.shape):
         total = acc + part
         if owned is not None:
             owned.add(id(total))

@@ -30,6 +30,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
+from . import _core
 from ._errors import CurvatureError
 
 __all__ = ["STRATEGIES", "strategy", "resolve", "batched", "column_block_bytes"]
@@ -97,14 +98,12 @@ def column_block_bytes(device: Union[str, torch.device], looped_bytes: int) -> i
 
     ``looped_bytes`` under ``"looped"``; under ``"batched"`` at least
     :data:`BATCHED_MIN_BYTES`, on CUDA up to :data:`BATCHED_FREE_SHARE` of the
-    free memory (read by :func:`curvlib._budget.available_bytes`).
+    free memory (read by :func:`curvlib._core.available_bytes`).
     """
     if not batched(device):
         return looped_bytes
     device = torch.device(device)
     if device.type != "cuda":
         return BATCHED_MIN_BYTES
-    from ._budget import available_bytes
-
-    free = available_bytes(device) or 0
+    free = _core.available_bytes(device) or 0
     return max(BATCHED_MIN_BYTES, int(free * BATCHED_FREE_SHARE))

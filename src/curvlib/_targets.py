@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ._errors import CurvatureError, CurvatureTypeError
+from ._core import is_concrete
+from ._loss_structural import may_be_negative, negative_scale
 from ._strategy import batched
 
 
@@ -62,9 +64,7 @@ def _check_probabilities(name: str, out: Tensor, y: Tensor) -> None:
 
 
 def _check_class_range(module, name: str, num_classes: int, y: Tensor, negative: Optional[Tensor]) -> Optional[bool]:
-    from .losses import _is_concrete
-
-    if not _is_concrete(y) or y.numel() == 0:
+    if not is_concrete(y) or y.numel() == 0:
         return None
     ignore = module.ignore_index
     values = y.long() if y.dtype == torch.uint8 else y
@@ -94,15 +94,14 @@ def _check_class_range(module, name: str, num_classes: int, y: Tensor, negative:
     return None if negative is None else bool(negative)
 
 
-def scale_sign(spec, out: Tensor, y: Tensor) -> Optional[Tensor]:
+def scale_sign(spec, out: Tensor, y: Tensor, reduction_factor: Callable) -> Optional[Tensor]:
     """Whether the loss Hessian's scale has a negative entry (``negative_scale`` of
     :mod:`curvlib._loss_structural`), a 0-dim bool tensor not yet read, for targets not yet
-    checked; ``None`` where unknown (values hidden) or impossible (no option allows it)."""
-    from ._loss_structural import _may_be_negative, negative_scale
-    from .losses import _is_concrete, prepare_targets, reduction_factor
-
-    unreadable = not isinstance(y, Tensor) or not _is_concrete(y) or y.numel() == 0
-    if unreadable or not _may_be_negative(spec, y):
+    checked; ``None`` where unknown (values hidden) or impossible (no option allows it).
+    ``reduction_factor``: :func:`curvlib.losses.reduction_factor` (passed in: the losses import
+    this module)."""
+    unreadable = not isinstance(y, Tensor) or not is_concrete(y) or y.numel() == 0
+    if unreadable or not may_be_negative(spec, y):
         return None
     if spec.kind == "ce" and (y.is_complex() or y.dtype == torch.bool):  # refused by the check itself
         return None
@@ -115,3 +114,14 @@ def scale_sign(spec, out: Tensor, y: Tensor) -> Optional[Tensor]:
     elif spec.kind == "ce" and tuple(y.shape) != tuple(out.shape):
         return None
     return negative_scale(spec, out, y, reduction_factor(spec, y))
+
+
+def prepare_targets(spec, y: Tensor) -> Tensor:
+    """Integer class indices of any integer dtype as ``int64`` (what PyTorch's losses take)."""
+    m = spec.module
+    if isinstance(m, (nn.CrossEntropyLoss, nn.NLLLoss)) and isinstance(y, Tensor) and y.dtype in _SMALL_INTS:
+        return y.long()
+    return y
+
+
+_SMALL_INTS = (torch.int32, torch.int16, torch.int8, torch.uint8)

@@ -23,7 +23,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from . import _arguments, _budget, _buffers, _compiled, _dropout, _inputs, _outputs, _strategy, _wrappers, losses
+from . import _arguments, _budget, _buffers, _compiled, _dropout, _inputs, _outputs, _strategy, _targets, _wrappers, losses
+from ._core import is_concrete
 from ._branches import BranchChanged, batch_guard_values, check_branches_per_sample, guard_values_per_sample
 from ._diagnose import forward_failure, forward_mode_failure
 from ._independence import refuse_mixing
@@ -264,7 +265,7 @@ class _Call:
                 check_branches_per_sample(s.model, X, s.output, per_sample, batch_values)
         read: Dict[str, object] = {}
         plan = self._plan(traced, X, values, trainable, y, n, read)
-        y = losses.prepare_targets(s.spec, y)
+        y = _targets.prepare_targets(s.spec, y)
         seed = self._dropout_seed(traced, generator)
         differentiable = torch.is_grad_enabled() and (
             any(t.requires_grad for t in _inputs.tensors(X)) or any(v.requires_grad for v in values.values())
@@ -384,7 +385,7 @@ def _loss_and_site_gradients(spec, lin, y: Tensor, keep_graph: bool):
     else:
         loss, pullback = torch.func.vjp(lambda o: _scalar_loss(spec, o, y), lin.out)
         gs, residual_grads = lin.pull(pullback(torch.ones_like(loss))[0])
-    if spec.kind == "generic" and not keep_graph and losses._is_concrete(lin.out):
+    if spec.kind == "generic" and not keep_graph and is_concrete(lin.out):
         from ._loss_generic import check_per_sample
 
         check_per_sample(lambda o: losses.loss_value(spec, o, y), lin.out.detach(), spec.name)

@@ -79,7 +79,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _inputs, losses
+from . import _inputs, _targets
 from ._buffers import vmapped
 from ._errors import CurvatureError, CurvatureTypeError
 from .extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
@@ -211,7 +211,7 @@ def aggregated(
         with _rank_streams(generators, rank, device):
             local = f(X, y, params=params, generator=generator, buffers=buffers)
         n_local = _inputs.batch_size(X)
-        m_local = normaliser(spec, losses.prepare_targets(spec, y)) if mean else 1.0
+        m_local = normaliser(spec, _targets.prepare_targets(spec, y)) if mean else 1.0
         return aggregate(local, kinds, n_local, m_local, mean, process_group)
 
     return g

@@ -42,6 +42,7 @@ from typing import Callable, Literal, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from ._core import is_concrete
 from ._errors import CurvatureError, CurvatureTypeError
 from ._loss_generic import GenericCurvature, check_per_sample
 from . import _targets
@@ -145,27 +146,6 @@ def _check_arity(lossfn, name: str) -> None:
         )
 
 
-def _is_concrete(t: Tensor) -> bool:
-    """True if ``t`` holds plain values (not a vmap/grad wrapper or a traced fake we cannot read)."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    if is_fake(t):  # traced once per input signature (curvature(..., compile=True))
-        return False
-    try:
-        return not torch._C._functorch.is_functorch_wrapped_tensor(t)
-    except AttributeError:  # pragma: no cover - older torch
-        return True
-
-
-def prepare_targets(spec: LossSpec, y: Tensor) -> Tensor:
-    """Integer class indices of any integer dtype as ``int64`` (what PyTorch's losses take)."""
-    m = spec.module
-    if isinstance(m, (nn.CrossEntropyLoss, nn.NLLLoss)) and isinstance(y, Tensor) and y.dtype in _SMALL_INTS:
-        return y.long()
-    return y
-
-
-_SMALL_INTS = (torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def check_targets(spec: LossSpec, out: Tensor, y: object, signs: bool = False) -> Optional[bool]:
@@ -205,7 +185,7 @@ def check_targets(spec: LossSpec, out: Tensor, y: object, signs: bool = False) -
     if spec.kind == "generic":
         return None  # the function itself decides what it accepts
     if spec.kind == "ce":
-        return _targets.check_cross_entropy_targets(spec.module, out, y, _targets.scale_sign(spec, out, y) if signs else None)
+        return _targets.check_cross_entropy_targets(spec.module, out, y, _targets.scale_sign(spec, out, y, reduction_factor) if signs else None)
     name = spec.name
     if not y.is_floating_point():
         raise CurvatureTypeError(f"{name} needs floating-point targets y, got dtype {y.dtype}.")
@@ -218,7 +198,7 @@ def check_targets(spec: LossSpec, out: Tensor, y: object, signs: bool = False) -
         raise CurvatureTypeError(
             f"{name}: y has dtype {y.dtype} but the model output has dtype {out.dtype}; they must be equal."
         )
-    negative = _targets.scale_sign(spec, out, y) if signs else None
+    negative = _targets.scale_sign(spec, out, y, reduction_factor) if signs else None
     return None if negative is None else bool(negative)
 
 
@@ -289,7 +269,7 @@ def reduction_factor(spec: LossSpec, y: Tensor):
         1.0
     """
     if spec.kind == "ce" and spec.reduction == "mean" and not y.is_floating_point() \
-            and (not _is_concrete(y) or batched(y.device)):
+            and (not is_concrete(y) or batched(y.device)):
         m = spec.module
         counted = y != m.ignore_index
         if m.weight is None:
@@ -321,7 +301,7 @@ def curvature_at(spec: LossSpec, out: Tensor, y: Tensor, check: bool = True, neg
     """
     if spec.kind == "generic":
         loss_of = lambda o: loss_value(spec, o, y)  # noqa: E731
-        if check and _is_concrete(out):
+        if check and is_concrete(out):
             check_per_sample(loss_of, out, spec.name)
         return GenericCurvature(loss_of, out, spec.name)
     return StructuralCurvature(spec, out, y, reduction_factor(spec, y), negative)

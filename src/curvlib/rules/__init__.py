@@ -21,6 +21,8 @@ from typing import Callable, Tuple
 from torch import nn
 
 from . import generic
+from .._sync import LOCK
+from .generic import math_hooks, restored
 
 # (module types, family module name). Order matters only for subclasses.
 FAMILIES: Tuple[Tuple[Tuple[type, ...], str], ...] = (
@@ -59,22 +61,11 @@ def _plain(module: nn.Module) -> bool:
     return not (parametrize.is_parametrized(module) or math_hooks(module))
 
 
-def math_hooks(module: nn.Module) -> list:
-    """The module's hooks that compute its parameters (old-style weight or spectral norm)."""
-    from torch.nn.utils.spectral_norm import SpectralNorm
-    from torch.nn.utils.weight_norm import WeightNorm
-
-    return [h for h in module._forward_pre_hooks.values() if isinstance(h, (WeightNorm, SpectralNorm))]
-
-
 def call_without_hooks(module: nn.Module, args, kwargs):
     """``module(*args, **kwargs)`` without its hooks (user hooks are not part of the math;
     a full backward hook cannot even run under torch.func), unless a hook computes its
     parameters (:func:`math_hooks`), in which case the module is called as usual."""
     if math_hooks(module):
-        from .._sync import LOCK
-        from .generic import restored
-
         with LOCK, restored(module):  # (the hook sets module.weight: not left behind)
             return module(*args, **kwargs)
     return module.forward(*args, **kwargs)

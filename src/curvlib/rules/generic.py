@@ -35,6 +35,14 @@ from .._sync import LOCK
 from ._site import Recorder, RoleTensors, Rule, Site
 
 
+def math_hooks(module: nn.Module) -> list:
+    """The module's hooks that compute its parameters (old-style weight or spectral norm)."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    return [h for h in module._forward_pre_hooks.values() if isinstance(h, (WeightNorm, SpectralNorm))]
+
+
 def stateless_call(module: nn.Module, tensors: Dict[str, Tensor], args, kwargs) -> Any:
     """``module`` run with the parameter ``tensors``, provably leaving it as it found it.
 
@@ -52,8 +60,6 @@ def stateless_call(module: nn.Module, tensors: Dict[str, Tensor], args, kwargs) 
       left behind, they would be torch.func wrappers (the model could then not
       even be deep-copied).
     """
-    from . import math_hooks
-
     if type(module) is nn.Bilinear and not kwargs:  # exactly the class: no parametrization
         return _bilinear(tensors.get("weight", module.weight), tensors.get("bias", module.bias), *args)
     if any(m.training for m in module.modules()):
