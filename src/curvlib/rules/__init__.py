@@ -15,12 +15,11 @@ family's rule; any other parametrized module gets :mod:`~curvlib.rules.generic`.
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable, Tuple
 
 from torch import nn
 
-from . import generic
+from . import batchnorm, conv, conv_transpose, embedding, generic, groupnorm, layernorm, linear, rnn
 from .._sync import LOCK
 from .generic import math_hooks, restored
 
@@ -41,6 +40,11 @@ FAMILIES: Tuple[Tuple[Tuple[type, ...], str], ...] = (
 CHECKED: Tuple[Tuple[Tuple[type, ...], str], ...] = (
     ((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), "batchnorm"),
 )
+
+
+#: Family name (a rule's ``kind``) -> its module: forward, checks, Kronecker pieces.
+FAMILY_MODULES = {"linear": linear, "conv": conv, "conv_transpose": conv_transpose, "batchnorm": batchnorm,
+                  "embedding": embedding, "rnn": rnn, "layernorm": layernorm, "groupnorm": groupnorm}
 
 
 def _family(module: nn.Module, table) -> "str | None":
@@ -92,14 +96,14 @@ def forward_for(module: nn.Module) -> Tuple[Callable, str]:
     family = _family(module, FAMILIES)
     if family is None or not _plain(module):
         return generic.forward, "generic"
-    return importlib.import_module(f"{__name__}.{family}").forward, family
+    return FAMILY_MODULES[family].forward, family
 
 
 def kron_factors(site, role: str, m, approx=None, max_dim=None):
     """Kronecker factors (BackPACK's order) of ``role`` at ``site`` from the pulled-back root ``m``;
     ``approx``: ``None`` (BackPACK's), ``"expand"`` or ``"reduce"`` (see ``rules.linear.kron``);
     ``max_dim``: a side larger than it gets a diagonal factor (:mod:`curvlib.rules._gram`)."""
-    family = importlib.import_module(f"{__name__}.{site.rule.kind}")
+    family = FAMILY_MODULES[site.rule.kind]
     return family.kron(site, role, m, approx, max_dim)
 
 
@@ -111,20 +115,20 @@ OWN_KRON_KINDS = ("embedding",)
 
 def kron_weight_output(site, B):
     """The weight's output-side factor from the full ``B`` (per-group blocks of grouped convolutions)."""
-    family = importlib.import_module(f"{__name__}.{site.rule.kind}")
+    family = FAMILY_MODULES[site.rule.kind]
     weight_output = getattr(family, "weight_output_factor", None)
     return B if weight_output is None else weight_output(site, B)
 
 
 def kron_input_factor(site, approx=None, max_dim=None):
     """The input-side Kronecker factor ``A`` of ``site``'s weight (independent of the root)."""
-    family = importlib.import_module(f"{__name__}.{site.rule.kind}")
+    family = FAMILY_MODULES[site.rule.kind]
     return family.kron_input(site, approx, max_dim)
 
 
 def kron_from_matrix(site, role: str, G):
     """KFRA factors of ``role`` at ``site`` from the batch-averaged output matrix ``G``."""
-    family = importlib.import_module(f"{__name__}.{site.rule.kind}")
+    family = FAMILY_MODULES[site.rule.kind]
     return family.kron_from_output_matrix(site, role, G)
 
 
@@ -133,7 +137,7 @@ def checker_for(module: nn.Module) -> "Callable[[nn.Module, str], None] | None":
     family = _family(module, FAMILIES) or _family(module, CHECKED)
     if family is None:
         return None
-    return getattr(importlib.import_module(f"{__name__}.{family}"), "check", None)
+    return getattr(FAMILY_MODULES[family], "check", None)
 
 
 def check_module(module: nn.Module, where: str) -> None:
