@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from . import _targets, losses
 from ._errors import CurvatureError, CurvatureTypeError
+from ._sync import LOCK
 from .extensions._base import Extension
 
 __all__ = ["check_extensions", "check_chunk_size", "check_targets_batch", "parameter_values", "unwrap_compiled"]
@@ -73,8 +74,6 @@ def parameter_values(model: nn.Module, params: object) -> Tuple[Dict[str, Tensor
     ``requires_grad=True``. With it: its entries (checked against the model's
     parameters' names, shapes, dtypes and devices); quantities for exactly those.
     """
-    from ._sync import LOCK
-
     with LOCK:  # another thread's generic rule may have swapped a module's parameter slots
         all_params = dict(model.named_parameters())
     if params is None:
@@ -139,8 +138,6 @@ def without_prefix(params: Optional[Mapping[str, Tensor]], prefix: str, model: n
     """``params`` keyed like the compiled module's parameters, as the original module's."""
     if params is None or not isinstance(params, Mapping):
         return params
-    from ._sync import LOCK
-
     with LOCK:
         names = [n for n, _ in model.named_parameters()]
     out = {}

@@ -153,8 +153,6 @@ def draw_seed(generator: Optional[torch.Generator]) -> int:
     device = generator.device if generator is not None else "cpu"
     seed = torch.randint(0, 2**62, (1,), generator=generator, device=device)
     if torch._C._functorch.is_functorch_wrapped_tensor(seed):
-        from ._errors import CurvatureError
-
         raise CurvatureError(
             "Dropout in training mode under torch.func.vmap(randomness='different'): curvlib draws "
             "one seed per call for the masks of all its passes, not one per member. Use "

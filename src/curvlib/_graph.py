@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Mapping, Optional
 
+from operator import attrgetter
 import torch
 from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
@@ -22,12 +23,6 @@ from .rules._site import Recorder
 
 __all__ = ["NodeFailure", "run_graph"]
 
-
-def _lookup(root: nn.Module, target: str):
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def run_graph(
@@ -99,7 +94,7 @@ def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, pres
                          else _placeholder(node, X, placeholders_seen))
             placeholders_seen += 1
         elif node.op == "get_attr":
-            value = _lookup(program.root, node.target)
+            value = attrgetter(node.target)(program.root)
             if isinstance(value, nn.Parameter):
                 value = params[program.param_names[id(value)]]
             elif isinstance(value, Tensor) and fake_tensor is not None:
@@ -185,7 +180,7 @@ def _call_module(program, node: fx.Node, args, kwargs, params, trainable, rec):
     by its own ``forward`` (hooks are not part of the math and are not run)."""
     layer = program.layers.get(node.target)
     if layer is None:
-        module = _lookup(program.root, node.target)
+        module = attrgetter(node.target)(program.root)
         if type(module) is nn.Hardsigmoid and layernorm.inside_transform():
             return elementwise.hardsigmoid(*args)  # (see _function)
         return call_without_hooks(module, args, kwargs)

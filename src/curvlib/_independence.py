@@ -47,6 +47,7 @@ come from whole-batch autodiff and stay exact, like ``loss`` and ``grad``.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -123,12 +124,6 @@ def _guard_only(graph) -> set:
     return only
 
 
-def _lookup(root: nn.Module, target: str):
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
 
 class _Walk:
     """One pass over the graph: layouts, hot nodes, the first problem, pending nodes."""
@@ -153,7 +148,7 @@ class _Walk:
         """``(kind, name, detail)``: for modules ``detail`` is the module (and its kind's detail)."""
         if node.op != "call_module":
             return ops.kind_of(node, self.env_a) + (None,)
-        module = _lookup(self.program.root, node.target)
+        module = attrgetter(node.target)(self.program.root)
         layer = self.program.layers.get(node.target)
         name = type(module).__name__
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
@@ -165,7 +160,7 @@ class _Walk:
 
     def owns_trainable(self, node) -> bool:
         if node.op == "get_attr":
-            value = _lookup(self.program.root, node.target)
+            value = attrgetter(node.target)(self.program.root)
             return isinstance(value, nn.Parameter) and self.program.param_names.get(id(value)) in self.trainable
         layer = self.program.layers.get(node.target) if node.op == "call_module" else None
         return layer is not None and any(name in self.trainable for name in layer.names.values())
@@ -237,7 +232,7 @@ class _Walk:
         leaves[0] = Batch(leaves[0].dim, leaves[0].c, None)
         if src not in hot_in:
             return None
-        module = _lookup(self.program.root, node.target) if node.op == "call_module" else None
+        module = attrgetter(node.target)(self.program.root) if node.op == "call_module" else None
         what = (f"{checks.label(node, name, module)} of '{src.name}' from {list(shape_in)} to {list(shape_out)}")
         if self.batch(src).s is None:  # merged by an operation whose layout curvlib does not know
             return (f"graph node '{node.name}' ({what}: the batch of '{src.name}' is merged with another "

@@ -13,6 +13,8 @@ import inspect
 from typing import Callable, List, Optional
 
 import torch
+from torch import fx
+from torch.utils import _pytree
 from torch import Tensor
 
 from ._errors import CurvatureError, CurvatureTypeError
@@ -140,15 +142,11 @@ def as_pytree(X):
 
 def trace_structure(X):
     """The container to trace a model with: tensors replaced by ``torch.fx.PH``."""
-    from torch import fx
-
     return map_tensors(lambda t: fx.PH, as_pytree(X))
 
 
 def trace_leaves(X) -> list:
     """Every leaf of ``X`` in the order of the placeholders of :func:`trace_structure`'s trace."""
-    from torch.utils import _pytree
-
     return _pytree.tree_leaves(as_pytree(X))
 
 

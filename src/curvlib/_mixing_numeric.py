@@ -35,7 +35,7 @@ from ._mixing_ops import Batch, leaves_of
 from ._sync import LOCK
 from ._mixing_checks import label
 from .rules._site import Recorder
-from .rules.generic import _join_args, stateless_call
+from .rules.generic import join_args, stateless_call
 
 __all__ = ["pending_problem", "untraced_problem"]
 
@@ -261,7 +261,7 @@ def _site_problem(site, n: int, device) -> Optional[str]:
     layout = {k: Batch(0) if v.dim() > 0 and v.shape[0] == n else None for k, v in inputs.items()}
 
     def load(fn):
-        return _join_args({k: fn(v, layout[k]) for k, v in inputs.items()}, site.meta["pos_static"],
+        return join_args({k: fn(v, layout[k]) for k, v in inputs.items()}, site.meta["pos_static"],
                           site.meta["kw_static"])
 
     def call(args, kwargs):

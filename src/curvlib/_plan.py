@@ -12,6 +12,7 @@ import contextlib
 import logging
 import threading
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -23,7 +24,7 @@ from ._batch_merges import residual_merges, split_merged_batches
 from ._program import Program
 from .rules._site import Recorder, Site
 
-from ._graph import _lookup, run_graph
+from ._graph import run_graph
 
 __all__ = ["Plan", "make_plan", "module_checks"]
 
@@ -68,7 +69,7 @@ def module_checks(program: Program) -> List[Callable[[], None]]:
     for node in program.graph.nodes:
         if node.op == "call_module" and node.target not in seen:
             seen.add(node.target)
-            module = _lookup(program.root, node.target)
+            module = attrgetter(node.target)(program.root)
             path = node.target[len(program.prefix):] if node.target.startswith(program.prefix) else node.target
             check = checker_for(module)
             if check is not None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 import torch
+from torch.nn.utils import parametrize
 import torch.nn.functional as F
 from torch import fx, nn
 
@@ -122,8 +123,6 @@ def _outermost_owners(root: nn.Module) -> List[str]:
     (or through ``torch.nn.utils.parametrize``), except those inside another
     such module (a module's layer covers its whole subtree). Each module once,
     at its first path (that of ``named_modules()``)."""
-    from torch.nn.utils import parametrize
-
     owners = [
         path for path, m in root.named_modules()
         if _owns_parameters(m) or parametrize.is_parametrized(m)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
+from torch.autograd.function import _is_setup_context_defined
 from torch import Tensor, fx, nn
 
 from . import _dropout, _residuals
@@ -220,8 +221,6 @@ _LACKS = {
 
 
 def _function_lacks(fn: type) -> set:
-    from torch.autograd.function import _is_setup_context_defined
-
     lacks = set()
     if not _is_setup_context_defined(fn.setup_context):
         lacks.add("setup_context")

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Callable, Tuple
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from . import batchnorm, conv, conv_transpose, embedding, generic, groupnorm, layernorm, linear, rnn
 from .._sync import LOCK
@@ -55,13 +56,11 @@ def _family(module: nn.Module, table) -> "str | None":
     return None
 
 
-def _plain(module: nn.Module) -> bool:
+def plain(module: nn.Module) -> bool:
     """The family's functional forward is exact: no parametrization and no reparametrizing
     hook (the old-style ``weight_norm``/``spectral_norm`` compute the weight in a pre-hook).
     Any other hook (a user's, or one left by another library) is not part of the math:
     the module's own class decides."""
-    from torch.nn.utils import parametrize
-
     return not (parametrize.is_parametrized(module) or math_hooks(module))
 
 
@@ -94,7 +93,7 @@ def forward_for(module: nn.Module) -> Tuple[Callable, str]:
     the generic rule, which calls the module itself.
     """
     family = _family(module, FAMILIES)
-    if family is None or not _plain(module):
+    if family is None or not plain(module):
         return generic.forward, "generic"
     return FAMILY_MODULES[family].forward, family
 

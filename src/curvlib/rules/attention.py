@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._errors import CurvatureError
+from . import plain
 
 
 def _linear_marked(fn: Callable) -> Callable:
@@ -282,9 +283,8 @@ MATH = (
 def traced_forward(module: nn.Module) -> Optional[Callable]:
     """The math to trace in place of ``module.forward``, or ``None`` (a subclass with its own
     ``forward``, a parametrized module or one with a reparametrizing hook stays as it is)."""
-    from . import _plain
 
     for cls, fn in MATH:
-        if isinstance(module, cls) and type(module).forward is cls.forward and _plain(module):
+        if isinstance(module, cls) and type(module).forward is cls.forward and plain(module):
             return functools.partial(fn, module)
     return None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import operator
+from operator import attrgetter
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -61,12 +62,6 @@ class FunctionalUse:
     transposed: bool = False  # ``F.linear(x, W.t(), b)``: the weight parameter is stored ``[in, out]``
 
 
-def _lookup(root: nn.Module, target: str):
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
 
 def evaluate(use: FunctionalUse, root: nn.Module, param_names: Dict[int, str],
              tensors: Dict[str, Tensor], inputs: Sequence[Tensor], constants: Optional[Dict] = None):
@@ -88,7 +83,7 @@ def run_nodes(nodes: Sequence[fx.Node], env: Dict, root: nn.Module, param_names:
         if node in env:
             continue
         if node.op == "get_attr":
-            value = _lookup(root, node.target)
+            value = attrgetter(node.target)(root)
             if tensors is not None and isinstance(value, nn.Parameter):
                 value = tensors[param_names[id(value)]]
             env[node] = value
@@ -98,7 +93,7 @@ def run_nodes(nodes: Sequence[fx.Node], env: Dict, root: nn.Module, param_names:
             self_obj, *rest = load(node.args)
             env[node] = getattr(self_obj, node.target)(*rest, **load(node.kwargs))
         else:  # call_module on parameters or constants (wpe(arange(T))), with the given parameters
-            module = _lookup(root, node.target)
+            module = attrgetter(node.target)(root)
             own = {k: tensors[param_names[id(p)]] for k, p in module.named_parameters()
                    if tensors is not None and param_names.get(id(p)) in tensors}
             env[node] = torch.func.functional_call(module, own, tuple(load(node.args)), load(node.kwargs))
@@ -225,7 +220,7 @@ def _parameter_name(arg, root: nn.Module, param_names: Dict[int, str]) -> Option
     """The canonical name of a parameter read as it is by ``get_attr`` (else ``None``)."""
     if not isinstance(arg, fx.Node) or arg.op != "get_attr":
         return None
-    value = _lookup(root, arg.target)
+    value = attrgetter(arg.target)(root)
     return param_names.get(id(value)) if isinstance(value, nn.Parameter) else None
 
 

@@ -29,6 +29,9 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils import _pytree as pytree
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.nn.utils.parametrizations import _SpectralNorm
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from .._errors import CurvatureError
 from .._sync import LOCK
@@ -37,9 +40,6 @@ from ._site import Recorder, RoleTensors, Rule, Site
 
 def math_hooks(module: nn.Module) -> list:
     """The module's hooks that compute its parameters (old-style weight or spectral norm)."""
-    from torch.nn.utils.spectral_norm import SpectralNorm
-    from torch.nn.utils.weight_norm import WeightNorm
-
     return [h for h in module._forward_pre_hooks.values() if isinstance(h, (WeightNorm, SpectralNorm))]
 
 
@@ -117,7 +117,7 @@ def _split_args(args, kwargs):
     return saved, pos_static, kw_static
 
 
-def _join_args(saved: Dict[str, Tensor], pos_static: list, kw_static: dict):
+def join_args(saved: Dict[str, Tensor], pos_static: list, kw_static: dict):
     args = [saved[f"arg{i}"] if a is None else a for i, a in enumerate(pos_static)]
     kwargs = dict(kw_static)
     kwargs.update({k[3:]: v for k, v in saved.items() if k.startswith("kw:")})
@@ -171,7 +171,7 @@ def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
 
     def one_sample(inputs_n: Dict[str, Tensor], g_n: Tensor, out_n: Tensor) -> Dict[str, Tensor]:
         inputs_n = {k: v.unsqueeze(0) if in_dims[k] == 0 else v for k, v in inputs_n.items()}
-        args, kwargs = _join_args(inputs_n, site.meta["pos_static"], site.meta["kw_static"])
+        args, kwargs = join_args(inputs_n, site.meta["pos_static"], site.meta["kw_static"])
         free = {r: p for r, p in params.items() if r in wanted}
         fixed = {r: p for r, p in params.items() if r not in wanted}
 
@@ -232,9 +232,6 @@ _TRANSFORMED = {"ggnmp": "GGNMP", "hessian_diag": "DiagHessian", "hessian_batch_
 def buffer_updates(module: nn.Module) -> list:
     """Submodules whose forward writes buffers in place in training mode (spectral norm's
     power iteration, as a parametrization or as the older forward pre-hook)."""
-    from torch.nn.utils.parametrizations import _SpectralNorm
-    from torch.nn.utils.spectral_norm import SpectralNorm
-
     found = []
     for path, m in module.named_modules():
         if isinstance(m, _SpectralNorm) and m.training:
