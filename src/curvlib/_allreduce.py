@@ -85,7 +85,7 @@ def _summed_entries(local: Dict[str, object], kinds, n_local: int) -> List[Entry
 def _reduce(summed, groups, local, n_local: int, m_local: float, mean: bool, group):
     """One ``all_reduce`` per buffer (asynchronous, then waited for); returns the reduced
     buffers and ``(N_global, M_global, r, post-scale per power)``."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: only with a process group
 
     fused = all(dtype in _FUSED_DTYPES for dtype, _ in groups)
     if fused:

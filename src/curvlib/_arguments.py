@@ -120,7 +120,7 @@ def unwrap_compiled(model: nn.Module) -> Tuple[nn.Module, str]:
     the compiled module's ``named_parameters()``.
     """
     try:
-        from torch._dynamo.eval_frame import OptimizedModule
+        from torch._dynamo.eval_frame import OptimizedModule  # lazy: importing torch._dynamo costs seconds
     except ImportError:  # pragma: no cover - torch without dynamo
         return model, ""
     prefix = ""

@@ -173,7 +173,7 @@ class CompiledCall:
     def _build(self, X, y, params) -> _Program:
         """Trace stages 3-6 for this signature (twice with Monte-Carlo draws: to learn them, then
         with them as inputs) and compile the graph."""
-        from torch.fx.experimental.proxy_tensor import make_fx
+        from torch.fx.experimental.proxy_tensor import make_fx  # lazy: only for compile=True
 
         traced, plan, values, trainable = self._checked(X, y, params)
         names, buffers = list(values), _buffers(self.call.setup)

@@ -234,7 +234,7 @@ def _save_figure(path: str, ratios, outcome: "_Outcome", names: Sequence[str], X
     verdict = "all checks passed" if code == 0 else "FAILED"
     title = f"curvlib demo: tiny CNN, N={X.shape[0]}, float64, {X.device.type}: {verdict}"
     try:
-        from ._demo_plot import save_summary
+        from ._demo_plot import save_summary  # optional: matplotlib
 
         _progress(f"[4/4] figure: {save_summary(path, ratios, deviations, list(names), TOLERANCE, title)}")
     except ImportError as err:

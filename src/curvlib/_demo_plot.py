@@ -40,7 +40,7 @@ def save_summary(
     Raises:
         ImportError: matplotlib is not installed.
     """
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional dependency
 
     fig = summary_figure(ratios, deviations, parameters, tolerance, title)
     folder = os.path.dirname(os.path.abspath(path))
@@ -52,10 +52,10 @@ def save_summary(
 
 def summary_figure(ratios, deviations, parameters: Sequence[str], tolerance: float, title: str):
     """The two-panel figure of :func:`save_summary` (not saved)."""
-    import matplotlib
+    import matplotlib  # optional dependency
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional dependency
 
     rows = list(deviations)
     fig, (left, right) = plt.subplots(
@@ -78,7 +78,7 @@ def _timing_panel(ax, ratios: Dict[str, float]) -> None:
     ax.invert_yaxis()
     ax.set_xscale("log")
     # plain labels at 1-2-5 steps (matplotlib's own minor labels, "3×10⁰ 4×10⁰", collide)
-    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator  # optional dependency
 
     top = max(max(ratios.values(), default=1.0), 1.0) * 1.5
     low = min(min(ratios.values(), default=1.0), 1.0) / 1.5
@@ -94,7 +94,7 @@ def _timing_panel(ax, ratios: Dict[str, float]) -> None:
 
 
 def _deviation_panel(ax, deviations, rows: List[str], parameters: Sequence[str], tolerance: float):
-    import numpy as np
+    import numpy as np  # with matplotlib only
 
     grid = np.full((len(rows), len(parameters)), np.nan)
     for i, q in enumerate(rows):
@@ -117,7 +117,7 @@ def _deviation_panel(ax, deviations, rows: List[str], parameters: Sequence[str],
 
 def matplotlib_cmap():
     """``viridis`` with NaN (unchecked) drawn grey."""
-    import matplotlib
+    import matplotlib  # optional dependency
 
     cmap = matplotlib.colormaps["viridis"].copy()
     cmap.set_bad("lightgrey")
@@ -125,6 +125,6 @@ def matplotlib_cmap():
 
 
 def _outline(i: int, j: int):
-    from matplotlib.patches import Rectangle
+    from matplotlib.patches import Rectangle  # optional dependency
 
     return Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2)

@@ -16,14 +16,13 @@ from torch import Tensor, fx
 
 from . import _inputs
 from ._errors import CurvatureError
+from ._graph import NodeFailure
 
 __all__ = ["forward_failure", "forward_mode_failure"]
 
 
 def forward_failure(program, X, params: Dict[str, Tensor], exc: BaseException, batch: int) -> CurvatureError:
     """The error to raise for ``exc``, raised by the model on a batch of ``batch`` samples like ``X``."""
-    from ._graph import NodeFailure
-
     node = exc.node if isinstance(exc, NodeFailure) else None
     cause = exc.exc if isinstance(exc, NodeFailure) else exc
     n = _inputs.batch_size(X)
@@ -85,8 +84,6 @@ def forward_mode_failure(exc: BaseException, what: str) -> Optional[CurvatureErr
     """A clear error if ``exc`` is torch's "no forward-mode derivative" for an operation of
     the model (e.g. ``_weight_norm_interface``), raised where ``what`` (extension names)
     runs forward-mode AD; ``None`` for any other error."""
-    from ._graph import NodeFailure
-
     node = exc.node if isinstance(exc, NodeFailure) else None
     cause = exc.exc if isinstance(exc, NodeFailure) else exc
     if not (isinstance(cause, NotImplementedError) and "forward AD" in str(cause)):

@@ -56,6 +56,7 @@ from torch import Tensor, fx, nn
 from ._errors import CurvatureError
 from . import _mixing_checks as checks, _mixing_ops as ops
 from ._mixing_ops import Batch
+from . import _mixing_numeric
 
 __all__ = ["Independence", "analyse", "refuse_mixing", "needs_independent_samples"]
 
@@ -81,8 +82,6 @@ class Independence:
 
     def numeric(self, program, plan, X, params, trainable, runner) -> Optional[str]:
         """The numeric tests' verdict, computed on first use (for a graph, once per plan)."""
-        from . import _mixing_numeric
-
         if self.untraced:
             return _mixing_numeric.untraced_problem(program, plan, X, params, trainable, runner)
         if self.numeric_problem is _UNSET:

@@ -36,6 +36,7 @@ from ._sync import LOCK
 from ._mixing_checks import label
 from .rules._site import Recorder
 from .rules.generic import join_args, stateless_call
+from ._graph import run_graph
 
 __all__ = ["pending_problem", "untraced_problem"]
 
@@ -229,8 +230,6 @@ def _node_call(program, node: fx.Node, params) -> Callable:
 @outside_transforms
 def pending_problem(program, found, X: Tensor, params, trainable) -> Optional[str]:
     """The first pending node that fails its test, in words (``None``: all pass)."""
-    from ._graph import run_graph
-
     n = _inputs.batch_size(X)
     if n < 2 or not found.pending:
         return None

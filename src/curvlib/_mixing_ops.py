@@ -207,7 +207,7 @@ def _modules_of(namespace, skip=()) -> Tuple[type, ...]:
 @functools.lru_cache(maxsize=None)
 def _tables() -> Dict[str, Tuple[type, ...]]:
     """Parameter-free ``torch.nn`` module classes by what they do to a batch."""
-    from torch.nn.modules import activation, dropout, padding, pooling
+    from torch.nn.modules import activation, dropout, padding, pooling  # lazy: the tables are built on first use
 
     mixing = {"Softmax", "Softmin", "LogSoftmax", "Softmax2d", "GLU", "MultiheadAttention"}
     return {

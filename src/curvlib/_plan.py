@@ -16,6 +16,7 @@ from operator import attrgetter
 from typing import Callable, List, Optional, Tuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch import Tensor, fx
 
 from . import _independence, _inputs
@@ -25,6 +26,8 @@ from ._program import Program
 from .rules._site import Recorder, Site
 
 from ._graph import run_graph
+from .rules import checker_for
+from ._diagnose import forward_failure
 
 __all__ = ["Plan", "make_plan", "module_checks"]
 
@@ -63,8 +66,6 @@ def module_checks(program: Program) -> List[Callable[[], None]]:
     Found once per traced program: only families with a ``check`` contribute,
     so the per-call cost is one call per such module (none for an MLP).
     """
-    from .rules import checker_for
-
     checks, seen = [], set()
     for node in program.graph.nodes:
         if node.op == "call_module" and node.target not in seen:
@@ -79,8 +80,6 @@ def module_checks(program: Program) -> List[Callable[[], None]]:
 
 def _shape_pass(program, X, params, trainable, batch, residual_nodes=None, runner=None, env=None):
     """Sites and output of a forward on fake tensors with batch size ``batch``."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     with _quiet_fake_tensor_log(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake = lambda t: mode.from_tensor(t) if not isinstance(t, torch._subclasses.FakeTensor) else t  # noqa: E731
         Xf = _inputs.with_batch(X, batch, real=False)
@@ -116,8 +115,6 @@ def _checked_shape_pass(program, X, params, trainable, batch, residual_nodes, ru
     except CurvatureError:
         raise
     except Exception as exc:  # noqa: BLE001 - reported with the node, the input and a likely cause
-        from ._diagnose import forward_failure
-
         raise forward_failure(program, X, params, exc, batch) from exc
 
 

@@ -44,6 +44,7 @@ from ._sync import LOCK
 from .rules import attention
 from ._inputs import with_defaults
 from .rules.functional import FunctionalUse, is_affine, linear_roles, linear_transposed
+from ._inputs import trace_structure
 
 __all__ = ["Program", "Layer", "Tracer", "trace_program", "assemble", "function_apply"]
 
@@ -273,8 +274,6 @@ def trace_program(model: nn.Module, example=None) -> Program:
     error: Optional[str] = None
     concrete = None
     if example is not None and not isinstance(example, torch.Tensor):
-        from ._inputs import trace_structure
-
         first = next(iter(inspect.signature(root.forward).parameters))
         concrete = {first: trace_structure(example)}
     graph, error, opaque = _trace_with_opaque_leaves(root, with_defaults(root.forward, concrete))

@@ -21,6 +21,8 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .rules import linear
+
 __all__ = ["RootBuffers", "write_sqrt"]
 
 
@@ -105,8 +107,6 @@ def _outer_factors(site, role: str, m: Tensor) -> Optional[Tuple[Tensor, Tensor]
     sample), or ``None`` for any other site or role."""
     if role != "weight" or site.rule.kind != "linear":
         return None
-    from .rules import linear
-
     x = linear._flat_input(site)
     if x.shape[1] != 1:
         return None

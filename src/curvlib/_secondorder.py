@@ -51,6 +51,7 @@ from .rules._site import uses_of
 from ._batch_merges import per_sample
 from ._residual_math import factor
 from ._rootbuffers import RootBuffers, write_sqrt
+from .rules import linear
 
 def _sqrt(uses, m_by_site, name) -> Tensor:
     """``[V, N, *p]``: ``Σ_sites J_pᵀ m_v`` per sample."""
@@ -86,8 +87,6 @@ def _one_outer_product(site) -> bool:
     """A Linear site whose per-sample gradient is a single outer product ``g_n x_nᵀ``."""
     if site.rule.kind != "linear":
         return False
-    from .rules import linear
-
     return linear._flat_input(site).shape[1] == 1
 
 
@@ -210,8 +209,6 @@ def _kron_stored(uses, m_by_site, name, cache=None, approx=None, max_dim=None) -
         static = cache.setdefault("static", {})
         return [kron_weight_output(site, B), _cached(static, ("kron_A", site.key, approx, max_dim),
                                                      lambda: kron_input_factor(site, approx, max_dim))]
-    from .rules import linear
-
     s = sum(linear.kron_output_sum(site, m_by_site[site.key]) for site, _ in u)
     B = gram(s.reshape(-1, s.shape[-1]), max_dim)
     if u[0][1] == "bias":

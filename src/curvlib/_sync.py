@@ -36,7 +36,7 @@ def prepare_forward_ad() -> None:
         return
     with LOCK, warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        from torch.autograd import forward_ad
+        from torch.autograd import forward_ad  # lazy: its import scripts jvp decompositions (see above)
 
         forward_ad._maybe_load_decompositions()
         _FORWARD_AD_READY = True

@@ -29,6 +29,7 @@ from ._sync import LOCK
 from ._program import Program, trace_program
 from ._untraced import run_eager
 from .extensions.secondorder import SecondOrder
+from .rules import math_hooks
 
 __all__ = ["Traced", "Traces", "trace", "warn_hooks", "warn_opaque"]
 
@@ -88,8 +89,6 @@ class Traces:
 
 def warn_hooks(model: nn.Module) -> None:
     """Say once which user forward hooks curvlib does not run (they may change outputs)."""
-    from .rules import math_hooks
-
     hooked = []
     for path, m in model.named_modules():
         hooks = [h for h in list(m._forward_hooks.values()) + list(m._forward_pre_hooks.values())

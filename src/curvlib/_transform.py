@@ -43,6 +43,12 @@ from ._sync import prepare_forward_ad
 from .extensions._base import Extension
 from .rules.generic import refuse_buffer_updates
 from .extensions.secondorder import SecondOrder
+from ._chunking import over_samples
+from .distributed import aggregated
+from ._loss_generic import check_per_sample
+from .distributed import kfra_reducer
+from ._chunking import check_batch_chunk_size
+from .extensions import SumGradSquared
 
 __all__ = ["curvature"]
 
@@ -161,12 +167,8 @@ def curvature(
         f = _compiled.CompiledCall(f, options)
         return _wrappers.renamed(f, setup.prefix, setup.model) if setup.prefix else f
     if setup.chunk_kinds is not None:
-        from ._chunking import over_samples
-
         f = over_samples(f, setup.spec, setup.chunk_kinds, batch_chunk_size, drop=setup.computed[len(setup.exts):])
     if process_group is not None:
-        from .distributed import aggregated
-
         f = aggregated(f, setup.spec, setup.exts, process_group)
     if setup.prefix:
         f = _wrappers.renamed(f, setup.prefix, setup.model)
@@ -196,8 +198,6 @@ class _Setup:
             raise CurvatureError(f"Extension {unknown[0]!r} is not a curvlib extension this version computes.")
         self.chunk_kinds = None
         if batch_chunk_size is not None:
-            from ._chunking import check_batch_chunk_size
-
             self.chunk_kinds = check_batch_chunk_size(batch_chunk_size, self.computed, self.spec)
         if process_group is not None and self.spec.kind == "generic":
             raise CurvatureError(
@@ -218,8 +218,6 @@ class _Setup:
         names = {e.name for e in exts}
         if batch_chunk_size is not None and "variance" in names and "sum_grad_squared" not in names:
             # slices combine Σ g² exactly; the variance is formed once from the totals
-            from .extensions import SumGradSquared
-
             return tuple(exts) + (SumGradSquared(),)
         return tuple(exts)
 
@@ -386,8 +384,6 @@ def _loss_and_site_gradients(spec, lin, y: Tensor, keep_graph: bool):
         loss, pullback = torch.func.vjp(lambda o: _scalar_loss(spec, o, y), lin.out)
         gs, residual_grads = lin.pull(pullback(torch.ones_like(loss))[0])
     if spec.kind == "generic" and not keep_graph and is_concrete(lin.out):
-        from ._loss_generic import check_per_sample
-
         check_per_sample(lambda o: losses.loss_value(spec, o, y), lin.out.detach(), spec.name)
     return loss, gs, residual_grads
 
@@ -409,8 +405,6 @@ def _kfra_factors(s: _Setup, traced: Traced, lin, curv, X, y, trainable, values)
     def factors():
         reduce = None
         if s.process_group is not None:
-            from .distributed import kfra_reducer
-
             reduce = kfra_reducer(s.spec, s.process_group, _inputs.batch_size(X), losses.normaliser(s.spec, y))
         forward = (lin.out, lin.values) if lin.values is not None else None
         return kfra(traced.program, curv, X, trainable, values, lin.sites, reduce=reduce, forward=forward)

@@ -194,7 +194,7 @@ def aggregated(
             )
         kinds[ext.name] = kind
     _check_group(process_group)
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: only with a process group
 
     mean = spec.reduction == "mean"
 
@@ -227,7 +227,7 @@ def kfra_reducer(spec: LossSpec, process_group, n_local: int, m_local: int) -> C
     global one (``× N_local/N_global``, then summed). One collective for the
     sizes, one per reduced matrix.
     """
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: only with a process group
 
     sizes = torch.tensor([float(n_local), float(m_local)], dtype=torch.float64)
     dist.all_reduce(sizes, op=dist.ReduceOp.SUM, group=process_group)
@@ -244,7 +244,7 @@ def kfra_reducer(spec: LossSpec, process_group, n_local: int, m_local: int) -> C
 
 def _check_group(process_group: object) -> None:
     try:
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: only with a process group
     except ImportError:  # pragma: no cover
         dist = None
     if dist is None or not dist.is_available():
