@@ -107,53 +107,74 @@ def classify(node: fx.Node, root: nn.Module, layers: dict, dependent: set) -> Tu
     if node.op in ("placeholder", "output", "get_attr"):
         return "linear", None
     if node.op == "call_module":
-        if node.target in layers:
-            return "linear", None
-        module = root.get_submodule(node.target)
-        if isinstance(module, LINEAR_MODULES):
-            return "linear", None
-        if isinstance(module, ELEMENTWISE_MODULES):
-            return "elementwise", module.forward  # (its hooks are not part of the math)
-        return "other", None
-    target = node.target
-    if node.op == "call_function" and getattr(target, "curvlib_linear", False):
+        return _classify_module(node, root, layers)
+    if node.op == "call_function" and getattr(node.target, "curvlib_linear", False):
         return "linear", None  # curvlib's own affine helpers (masking in curvlib.rules.attention)
+    target = _out_of_place(node)
+    found = _classify_from_tables(node, target, dependent)
+    if found is not None:
+        return found
+    if target in _SCALAR_ARITHMETIC or target in ("mul", "div"):
+        return _classify_arithmetic(node, target, dependent)
+    return "other", None
+
+
+def _classify_module(node: fx.Node, root: nn.Module, layers: dict) -> Tuple[str, Optional[Callable]]:
+    if node.target in layers:
+        return "linear", None
+    module = root.get_submodule(node.target)
+    if isinstance(module, LINEAR_MODULES):
+        return "linear", None
+    if isinstance(module, ELEMENTWISE_MODULES):
+        return "elementwise", module.forward  # (its hooks are not part of the math)
+    return "other", None
+
+
+def _out_of_place(node: fx.Node):
+    """The node's target with in-place spellings dropped: ``x.relu_()`` has the curvature of
+    ``x.relu()``, ``torch.sigmoid_`` and ``F.relu_`` those of ``torch.sigmoid`` and ``F.relu``."""
+    target = node.target
     if node.op == "call_method" and target.endswith("_") and not target.endswith("__"):
-        target = target[:-1]  # x.relu_() has the curvature of x.relu()
-    if node.op == "call_function":
-        name = getattr(target, "__name__", "")
-        if name.endswith("_") and not name.endswith("__"):  # torch.sigmoid_, F.relu_
-            for namespace in (F, torch):
-                if hasattr(namespace, name[:-1]):
-                    target = getattr(namespace, name[:-1])
-                    break
+        return target[:-1]
+    name = getattr(target, "__name__", "") if node.op == "call_function" else ""
+    if name.endswith("_") and not name.endswith("__"):
+        for namespace in (F, torch):
+            if hasattr(namespace, name[:-1]):
+                return getattr(namespace, name[:-1])
+    return target
+
+
+def _classify_from_tables(node: fx.Node, target, dependent: set) -> Optional[Tuple[str, Optional[Callable]]]:
+    """The kind from the tables of linear and element-wise methods and functions (``None``: not
+    in them)."""
     if node.op == "call_method":
         if target in _LINEAR_METHODS:
             return "linear", None
         if target in _ELEMENTWISE_METHODS:
             rest, kwargs = node.args[1:], node.kwargs
             return "elementwise", (lambda a, t=target, r=rest, k=kwargs: getattr(a, t)(*r, **k))
-    if node.op == "call_function":
-        if target in _LINEAR_FUNCTIONS:
-            return "linear", None
-        if target in _ELEMENTWISE_FUNCTIONS and _depends_on_input(node.args[0], dependent) and not any(
-            _depends_on_input(a, dependent) for a in node.args[1:]
-        ):
-            rest, kwargs = node.args[1:], {k: v for k, v in node.kwargs.items() if k != "inplace"}
-            return "elementwise", (lambda a, t=target, r=rest, k=kwargs: t(a, *r, **k))
-        if target in (operator.pow, torch.pow) and _depends_on_input(node.args[0], dependent) and not _depends_on_input(node.args[1], dependent):
-            exponent = node.args[1]
-            return "elementwise", (lambda a, e=exponent: a**e)
-    if target in _SCALAR_ARITHMETIC or target in ("mul", "div"):
-        args = node.args
-        dep = [_depends_on_input(a, dependent) for a in args]
-        if target in (operator.truediv, torch.div, "div"):
-            if dep[0] and not any(dep[1:]):
-                return "linear", None
-        elif sum(dep) == 1:
-            return "linear", None
-        return "other", None
-    return "other", None
+    if node.op != "call_function":
+        return None
+    if target in _LINEAR_FUNCTIONS:
+        return "linear", None
+    first_only = _depends_on_input(node.args[0], dependent) and not any(
+        _depends_on_input(a, dependent) for a in node.args[1:])
+    if target in _ELEMENTWISE_FUNCTIONS and first_only:
+        rest, kwargs = node.args[1:], {k: v for k, v in node.kwargs.items() if k != "inplace"}
+        return "elementwise", (lambda a, t=target, r=rest, k=kwargs: t(a, *r, **k))
+    if target in (operator.pow, torch.pow) and first_only:
+        exponent = node.args[1]
+        return "elementwise", (lambda a, e=exponent: a**e)
+    return None
+
+
+def _classify_arithmetic(node: fx.Node, target, dependent: set) -> Tuple[str, Optional[Callable]]:
+    """``x * c``, ``c * x``, ``x / c``: linear; a product or quotient of two input-dependent
+    values: other."""
+    dep = [_depends_on_input(a, dependent) for a in node.args]
+    if target in (operator.truediv, torch.div, "div"):
+        return ("linear", None) if dep[0] and not any(dep[1:]) else ("other", None)
+    return ("linear", None) if sum(dep) == 1 else ("other", None)
 
 
 def second_derivative(phi: Callable[[Tensor], Tensor], a: Tensor) -> Tensor:
