@@ -173,26 +173,7 @@ def aggregated(
         True
         >>> dist.destroy_process_group()
     """
-    kinds: Dict[str, str] = {"loss": "sum1", "grad": "sum1"}
-    generators: List[Optional[torch.Generator]] = []
-    for ext in exts:
-        if isinstance(ext, SecondOrder):
-            if ext.quantity in _REFUSED:
-                why = _REFUSED[ext.quantity] or _PRODUCT_HINT
-                raise CurvatureError(
-                    f"{type(ext).__name__} cannot be aggregated over a process group: {why}"
-                )
-            kind = "kron2" if ext.root == "grad" else _SECOND_ORDER.get(ext.quantity)
-            if ext.root == "mc" and not any(g is ext.generator for g in generators):
-                generators.append(ext.generator)
-        else:
-            kind = _FIRST_ORDER.get(ext.name)
-        if kind is None:
-            raise CurvatureError(
-                f"{type(ext).__name__} (result {ext.name!r}) has no data-parallel aggregation "
-                "rule in curvlib.distributed; call curvature without process_group."
-            )
-        kinds[ext.name] = kind
+    kinds, generators = _aggregation_kinds(exts)
     _check_group(process_group)
     import torch.distributed as dist  # lazy: only with a process group
 
@@ -215,6 +196,32 @@ def aggregated(
         return aggregate(local, kinds, n_local, m_local, mean, process_group)
 
     return g
+
+
+def _aggregation_kinds(exts: Tuple) -> Tuple[Dict[str, str], List[Optional[torch.Generator]]]:
+    """How each result combines over ranks (result key -> kind of :func:`aggregate`), and the
+    Monte-Carlo generators whose streams differ per rank; refuses what cannot be combined."""
+    kinds: Dict[str, str] = {"loss": "sum1", "grad": "sum1"}
+    generators: List[Optional[torch.Generator]] = []
+    for ext in exts:
+        if isinstance(ext, SecondOrder):
+            if ext.quantity in _REFUSED:
+                why = _REFUSED[ext.quantity] or _PRODUCT_HINT
+                raise CurvatureError(
+                    f"{type(ext).__name__} cannot be aggregated over a process group: {why}"
+                )
+            kind = "kron2" if ext.root == "grad" else _SECOND_ORDER.get(ext.quantity)
+            if ext.root == "mc" and not any(g is ext.generator for g in generators):
+                generators.append(ext.generator)
+        else:
+            kind = _FIRST_ORDER.get(ext.name)
+        if kind is None:
+            raise CurvatureError(
+                f"{type(ext).__name__} (result {ext.name!r}) has no data-parallel aggregation "
+                "rule in curvlib.distributed; call curvature without process_group."
+            )
+        kinds[ext.name] = kind
+    return kinds, generators
 
 
 def kfra_reducer(spec: LossSpec, process_group, n_local: int, m_local: int) -> Callable[[Tensor, str], Tensor]:
