@@ -1,25 +1,38 @@
-"""Peak memory and time of curvlib's methods on a language model (issue 23): ``gpt2-small``.
+"""Peak memory and time of curvlib's methods and peers on language models (issue 23): ``gpt2-small``
+and the model-size sweep ``gpt-sweep-d{D}-l{L}`` (``problems.LLM_PROBLEMS``).
 
-    python benchmarks/llm_memory.py                                    # this tree, every method
+    python benchmarks/llm_memory.py                                    # gpt2-small, every method
     python benchmarks/llm_memory.py --methods DiagGGNMC KFAC[max_factor_dim=4096] --rounds 2
+    python benchmarks/llm_memory.py --problems sweep --rounds 2        # the diagonal, SWEEP_METHODS
+    python benchmarks/llm_memory.py --problems gpt-sweep-d128-l2 --methods backward opacus:ghost-norms \
+        curvlinops:KFAC[mlp] --rounds 2                                # peers (PEERS)
     git archive b0adc77 src | tar -x -C /tmp/before                    # another tree as well:
     python benchmarks/llm_memory.py --tree before=/tmp/before/src --tree after=src
 
 Each measurement runs in a fresh Python process (``memory_knobs.spawn``: ``PYTHONPATH`` is
-the tree's ``src``), one at a time:
+the tree's ``src``), one at a time, under an address-space limit (``--max-gib``, default 16:
+an allocation past it fails in that process instead of pressing the machine):
 
 * **peak memory**: the process builds the problem (``problems.PROBLEMS``, default
   ``gpt2-small``: 163 M parameters, N=4, T=128, vocab 50257), pays curvlib's lazy imports
-  (``run.prewarm``), calls the method once (tracing included) and reports ``ru_maxrss``;
-  shown is the difference to a process that only builds the problem: the peak above the
-  built model. ``backward`` is a plain ``lossfn(model(X), y).backward()``.
+  (``run.prewarm``), sets the method up (a peer's copy of the model: Opacus'), lets the
+  problem go (only what the method holds stays), resets the high-water mark
+  (``/proc/self/clear_refs``), calls the method once (tracing included) and reads ``VmHWM``:
+  ``call_above_mib`` is that peak above ``VmRSS`` just before the call, the call's own peak
+  with whatever model the method runs on already built. ``above_mib`` is the older measure,
+  the process's peak (``ru_maxrss``, setup included) above a process that only builds the
+  problem (once per tree and problem); the two agree for curvlib's methods, while a peer's
+  setup (Opacus copies the model) shows in the second only. ``backward`` is a plain
+  ``lossfn(model(X), y).backward()``.
 * **time**: another process sets the method and a backward up, calls each once untimed
   (tracing, allocator warm-up), then alternates ``--rounds`` timed calls of each; the
   ratio is the method's median over the backward's median in that process.
 
 A method refused by curvlib (``CurvatureError``, before any work) is reported with the
-first line of its message and the seconds until it was raised. Writes
-``llm-memory-<problem>.md`` and ``.json`` under ``--out``.
+first line of its message and the seconds until it was raised; a peer's exception with its
+first line. Writes ``llm-memory-<problem>.md`` (or ``--name``; ``llm-sweep`` for several
+problems) and ``.json`` under ``--out``; ``llm_sweep_table.py`` prints the sweep's tables
+(sizes as columns) from those JSON files.
 """
 
 from __future__ import annotations
