@@ -154,6 +154,7 @@ def _first_line(err: BaseException) -> str:
 
 
 def _child_memory(job: dict) -> dict:
+    import ctypes
     import gc
     import resource
 
@@ -171,6 +172,9 @@ def _child_memory(job: dict) -> dict:
             run = _runner(problem, job["method"])  # a peer's setup (Opacus' copy) outside the call
             del problem  # only what the runner holds stays: the model, or the peer's copy
             gc.collect()
+            # Hand freed heap pages back (the original model's small tensors after Opacus' copy):
+            # else the call could reuse them without raising VmHWM, below the RSS before it.
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
             out["build_peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
             out["rss_before_mib"] = _status_mib("VmRSS")
             with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS: the call's own peak next
