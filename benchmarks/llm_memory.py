@@ -264,7 +264,7 @@ def sweep_markdown(rows: dict) -> str:
         del model
         ref = by_method.get("backward", {}).get("call_above_mib")
         for m, r in by_method.items():
-            if "refused" in r or "error" in r:
+            if "refused" in r or ("error" in r and r.get("call_above_mib") is None):
                 why = r.get("refused") or r.get("error")
                 lines.append(f"| {problem} | {params} | `{m}` | {'refused' if 'refused' in r else 'failed'} "
                              f"in {r.get('seconds', 0):.1f} s: {why[:160]} | | | | |")
@@ -274,7 +274,7 @@ def sweep_markdown(rows: dict) -> str:
             lines.append(f"| {problem} | {params} | `{m}` | {'' if mib is None else f'{mib:.0f}'} | "
                          f"{'' if mib is None or not ref else f'{mib / ref:.2f}'} | "
                          f"{'' if r.get('above_mib') is None else format(r['above_mib'], '.0f')} | "
-                         f"{'' if r.get('ratio') is None else format(r['ratio'], '.2f')} | "
+                         f"{r['error'][:160] if 'error' in r else '' if r.get('ratio') is None else format(r['ratio'], '.2f')} | "
                          f"{'' if ms is None else format(ms, '.0f')} |")
     return "\n".join(lines)
 

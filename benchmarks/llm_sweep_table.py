@@ -52,7 +52,7 @@ def _memory(by_method: dict, m: str) -> str:
     r = by_method.get(m)
     if r is None:
         return ""
-    if _failed(r):
+    if _failed(r) and r.get("call_above_mib") is None:
         return _failed(r)
     ref = by_method.get("backward", {}).get("call_above_mib")
     mib = r.get("call_above_mib")
@@ -66,7 +66,7 @@ def _time(by_method: dict, m: str) -> str:
     if r is None:
         return ""
     if _failed(r):
-        return "" if "refused" in r else _failed(r)
+        return "" if "refused" in r else "time: " + _failed(r)
     if m == "backward":
         return f"1.00 ({r['ms']['backward']:.0f})" if "ms" in r else ""
     return "" if r.get("ratio") is None else f"{r['ratio']:.2f}"
