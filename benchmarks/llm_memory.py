@@ -1,25 +1,38 @@
-"""Peak memory and time of curvlib's methods on a language model (issue 23): ``gpt2-small``.
+"""Peak memory and time of curvlib's methods and peers on language models (issue 23): ``gpt2-small``
+and the model-size sweep ``gpt-sweep-d{D}-l{L}`` (``problems.LLM_PROBLEMS``).
 
-    python benchmarks/llm_memory.py                                    # this tree, every method
+    python benchmarks/llm_memory.py                                    # gpt2-small, every method
     python benchmarks/llm_memory.py --methods DiagGGNMC KFAC[max_factor_dim=4096] --rounds 2
+    python benchmarks/llm_memory.py --problems sweep --rounds 2        # the diagonal, SWEEP_METHODS
+    python benchmarks/llm_memory.py --problems gpt-sweep-d128-l2 --methods backward opacus:ghost-norms \
+        curvlinops:KFAC[mlp] --rounds 2                                # peers (PEERS)
     git archive b0adc77 src | tar -x -C /tmp/before                    # another tree as well:
     python benchmarks/llm_memory.py --tree before=/tmp/before/src --tree after=src
 
 Each measurement runs in a fresh Python process (``memory_knobs.spawn``: ``PYTHONPATH`` is
-the tree's ``src``), one at a time:
+the tree's ``src``), one at a time, under an address-space limit (``--max-gib``, default 16:
+an allocation past it fails in that process instead of pressing the machine):
 
 * **peak memory**: the process builds the problem (``problems.PROBLEMS``, default
   ``gpt2-small``: 163 M parameters, N=4, T=128, vocab 50257), pays curvlib's lazy imports
-  (``run.prewarm``), calls the method once (tracing included) and reports ``ru_maxrss``;
-  shown is the difference to a process that only builds the problem: the peak above the
-  built model. ``backward`` is a plain ``lossfn(model(X), y).backward()``.
+  (``run.prewarm``), sets the method up (a peer's copy of the model: Opacus'), lets the
+  problem go (only what the method holds stays), resets the high-water mark
+  (``/proc/self/clear_refs``), calls the method once (tracing included) and reads ``VmHWM``:
+  ``call_above_mib`` is that peak above ``VmRSS`` just before the call, the call's own peak
+  with whatever model the method runs on already built. ``above_mib`` is the older measure,
+  the process's peak (``ru_maxrss``, setup included) above a process that only builds the
+  problem (once per tree and problem); the two agree for curvlib's methods, while a peer's
+  setup (Opacus copies the model) shows in the second only. ``backward`` is a plain
+  ``lossfn(model(X), y).backward()``.
 * **time**: another process sets the method and a backward up, calls each once untimed
   (tracing, allocator warm-up), then alternates ``--rounds`` timed calls of each; the
   ratio is the method's median over the backward's median in that process.
 
 A method refused by curvlib (``CurvatureError``, before any work) is reported with the
-first line of its message and the seconds until it was raised. Writes
-``llm-memory-<problem>.md`` and ``.json`` under ``--out``.
+first line of its message and the seconds until it was raised; a peer's exception with its
+first line. Writes ``llm-memory-<problem>.md`` (or ``--name``; ``llm-sweep`` for several
+problems) and ``.json`` under ``--out``; ``llm_sweep_table.py`` prints the sweep's tables
+(sizes as columns) from those JSON files.
 """
 
 from __future__ import annotations
@@ -40,6 +53,72 @@ from memory_knobs import spawn  # noqa: E402
 #: Methods: ``backward`` or an extension, optionally with keyword options in brackets.
 METHODS = ("backward", "BatchL2Grad", "SumGradSquared", "Variance", "DiagGGNMC", "BatchGrad", "KFAC",
            "KFAC[max_factor_dim=4096]")
+#: The model-size sweep's methods (``--methods`` default with ``--problems sweep``).
+SWEEP_METHODS = ("backward", "BatchL2Grad", "SumGradSquared", "Variance", "DiagGGNMC", "BatchGrad",
+                 "KFAC[max_factor_dim=4096]", "KFAC[max_factor_dim=1024]")
+
+
+#: Peers (issue 23 item 5), on request: ``llm_memory.py --methods backward opacus:ghost-norms ...``.
+PEERS = ("opacus:backward", "opacus:ghost-norms", "curvlinops:KFAC[mlp]", "curvlinops:KFAC[mlp+head]")
+
+
+def _opacus(problem, norms: bool):
+    """Opacus 1.6 on ``sequence_models.opacus_copy`` of the GPT (same values; ``DPMultiheadAttention``
+    with q/k/v/out ``nn.Linear``, positions as an ``nn.Embedding``, sequence-first): with ``norms``,
+    ghost clipping's per-sample gradient norms, ``GradSampleModuleFastGradientClipping(
+    use_ghost_clipping=True)``: one backward of the per-sequence losses' mean (``CrossEntropyLoss``
+    with ``reduction="none"`` averaged over the T positions, as ``DPLossFastGradientClipping`` does
+    for generative models), then ``get_norm_sample()`` ``[N]`` (Linear and Embedding by ghost norms,
+    LayerNorm through its instantiated per-sample gradient ``[N, d]``). Without ``norms``: a plain
+    backward of the copy, for reference. The copy is built in setup, the original stays untouched."""
+    import warnings
+
+    import torch
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from sequence_models import opacus_copy
+
+    warnings.filterwarnings("ignore", module="opacus")
+    model, lossfn, X, y = problem
+    copied = opacus_copy(model)
+    if not norms:
+        def plain():
+            copied.zero_grad(set_to_none=True)
+            lossfn(copied(X), y).backward()
+
+        return plain
+    gsm = GradSampleModuleFastGradientClipping(copied, batch_first=copied.batch_first, loss_reduction="mean",
+                                               use_ghost_clipping=True)
+    per_position = torch.nn.CrossEntropyLoss(reduction="none")
+
+    def run():
+        gsm.zero_grad(set_to_none=True)
+        per_position(gsm(X), y).mean(dim=1).mean().backward()
+        return gsm.get_norm_sample()  # [N]: norms of the per-sequence losses' gradients
+
+    return run
+
+
+def _curvlinops(problem, head: bool):
+    """curvlinops' ``KFACLinearOperator`` (MC Fisher, one sample), factors computed once per call
+    (``compute_kronecker_factors()``) on the GPT itself (no copy). curvlinops refuses Embedding,
+    LayerNorm, MultiheadAttention's ``in_proj_weight`` and bare parameters, and computes no
+    factor for ``out_proj`` (used functionally by ``nn.MultiheadAttention``, its hooks never
+    fire), so its parameters are the blocks' MLP ``linear1``/``linear2`` and, with ``head``,
+    the LM head (whose output factor is ``[V, V]``: 10 GB at V = 50257)."""
+    import torch
+    from curvlinops import KFACLinearOperator
+
+    model, lossfn, X, y = problem
+    params = [p for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+              and (name.endswith(("linear1", "linear2")) or (head and name == "head")) for p in m.parameters()]
+    op = KFACLinearOperator(model, lossfn, params, [(X, y)], check_deterministic=False, fisher_type="mc",
+                            num_data=X.shape[0])
+
+    def run():
+        op.compute_kronecker_factors()
+        return op
+
+    return run
 
 
 def _runner(problem, method: str):
@@ -48,6 +127,10 @@ def _runner(problem, method: str):
 
     if method == "backward":
         return backward(problem)
+    if method.startswith("opacus:"):
+        return _opacus(problem, norms=method == "opacus:ghost-norms")
+    if method.startswith("curvlinops:"):
+        return _curvlinops(problem, head=method.endswith("+head]"))
     from curvlib import curvature, extensions
 
     name, _, options = re.fullmatch(r"(\w+)(\[(.*)\])?", method).group(1, 2, 3)
@@ -58,7 +141,21 @@ def _runner(problem, method: str):
     return lambda: f(X, y)[ext.name]
 
 
+def _status_mib(field: str) -> float:
+    """``VmRSS`` / ``VmHWM`` of this process (``/proc/self/status``), in MiB."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) / 2**10
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:400]
+
+
 def _child_memory(job: dict) -> dict:
+    import ctypes
+    import gc
     import resource
 
     import torch
@@ -72,12 +169,32 @@ def _child_memory(job: dict) -> dict:
         torch.manual_seed(job["seed"])
         start = time.perf_counter()
         try:
-            result = _runner(problem, job["method"])()
+            run = _runner(problem, job["method"])  # a peer's setup (Opacus' copy) outside the call
+            del problem  # only what the runner holds stays: the model, or the peer's copy
+            gc.collect()
+            # Hand freed heap pages back (the original model's small tensors after Opacus' copy):
+            # else the call could reuse them without raising VmHWM, below the RSS before it.
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            out["build_peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+            out["rss_before_mib"] = _status_mib("VmRSS")
+            with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS: the call's own peak next
+                f.write("5")
+            start = time.perf_counter()
+            result = run()
             del result
+            out["call_peak_mib"] = _status_mib("VmHWM")
+            out["call_above_mib"] = out["call_peak_mib"] - out["rss_before_mib"]
         except ValueError as err:  # CurvatureError: refused
-            out["refused"] = str(err).splitlines()[0][:400]
+            if job["method"].split(":")[0] in ("opacus", "curvlinops"):
+                out["error"] = _first_line(err)
+            else:
+                out["refused"] = str(err).splitlines()[0][:400]
+        except Exception as err:  # a peer's failure (or an allocation over --max-gib)
+            out["error"] = _first_line(err)
         out["seconds"] = time.perf_counter() - start
-    out["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    # The process's peak (ru_maxrss, or the setup's when the call's high-water mark was reset).
+    out["peak_mib"] = max(out.get("build_peak_mib", 0), out.get("call_peak_mib", 0),
+                          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10)
     return out
 
 
@@ -93,7 +210,10 @@ def _child_time(job: dict) -> dict:
     first = {}
     for label, run in runs.items():  # untimed: tracing and the allocator's first requests
         start = time.perf_counter()
-        run()
+        try:
+            run()
+        except Exception as err:
+            return {"error": _first_line(err)}
         first[label] = time.perf_counter() - start
     times: dict = {label: [] for label in runs}
     for _ in range(job["rounds"]):
@@ -106,21 +226,57 @@ def _child_time(job: dict) -> dict:
             "ratio": med[job["method"]] / med["backward"]}
 
 
+_BASES: dict = {}
+
+
 def measure(src: str, problem: str, method: str, args) -> dict:
-    """Memory above the built model (MiB) and time / backward of ``method`` with the tree ``src``."""
-    job = {"problem": problem, "seed": args.seed, "mode": "memory", "method": None}
-    base = spawn(src, job, args.threads, script=__file__)
+    """Memory (MiB) and time / backward of ``method`` on ``problem`` with the tree ``src``: the
+    call's peak above the memory just before it (``call_above_mib``), and the process's peak
+    above a process that only builds the problem (``above_mib``, once per tree and problem)."""
+    job = {"problem": problem, "seed": args.seed, "mode": "memory", "method": None, "max_gib": args.max_gib}
+    if (src, problem) not in _BASES:
+        _BASES[src, problem] = spawn(src, job, args.threads, script=__file__)
+    base = _BASES[src, problem]
     mem = spawn(src, {**job, "method": method}, args.threads, script=__file__)
-    print(f"{method}: {json.dumps(mem)[:300]}", file=sys.stderr, flush=True)
-    row = {"method": method, "base_mib": base.get("peak_mib"), **mem}
+    print(f"{problem} {method}: {json.dumps(mem)[:300]}", file=sys.stderr, flush=True)
+    row = {"problem": problem, "method": method, "base_mib": base.get("peak_mib"), **mem}
     if "peak_mib" in mem and "peak_mib" in base:
         row["above_mib"] = mem["peak_mib"] - base["peak_mib"]
     if "refused" not in mem and "error" not in mem and args.rounds > 0:
         tim = spawn(src, {**job, "mode": "time", "method": method, "rounds": args.rounds}, args.threads,
                     script=__file__)
-        print(f"{method} time: {json.dumps(tim)[:300]}", file=sys.stderr, flush=True)
+        print(f"{problem} {method} time: {json.dumps(tim)[:300]}", file=sys.stderr, flush=True)
         row.update({k: tim[k] for k in ("ratio", "ms", "first_ms", "error") if k in tim})
     return row
+
+
+def sweep_markdown(rows: dict) -> str:
+    """One table over problems and methods (one tree): the call's peak above the memory before it,
+    its ratio to the backward's, the process peak above the built model, time / backward."""
+    from problems import PROBLEMS
+
+    lines = ["| problem | parameters | method | call's peak above before (MiB) | / backward's "
+             "| process peak above the model (MiB) | time / backward | backward (ms) |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for problem, by_method in rows.items():
+        model = PROBLEMS[problem]().model
+        params = f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M"
+        del model
+        ref = by_method.get("backward", {}).get("call_above_mib")
+        for m, r in by_method.items():
+            if "refused" in r or ("error" in r and r.get("call_above_mib") is None):
+                why = r.get("refused") or r.get("error")
+                lines.append(f"| {problem} | {params} | `{m}` | {'refused' if 'refused' in r else 'failed'} "
+                             f"in {r.get('seconds', 0):.1f} s: {why[:160]} | | | | |")
+                continue
+            mib = r.get("call_above_mib")
+            ms = r.get("ms", {}).get("backward")
+            lines.append(f"| {problem} | {params} | `{m}` | {'' if mib is None else f'{mib:.0f}'} | "
+                         f"{'' if mib is None or not ref else f'{mib / ref:.2f}'} | "
+                         f"{'' if r.get('above_mib') is None else format(r['above_mib'], '.0f')} | "
+                         f"{r['error'][:160] if 'error' in r else '' if r.get('ratio') is None else format(r['ratio'], '.2f')} | "
+                         f"{'' if ms is None else format(ms, '.0f')} |")
+    return "\n".join(lines)
 
 
 def markdown(problem: str, rows: dict, trees: list) -> str:
@@ -147,13 +303,18 @@ def markdown(problem: str, rows: dict, trees: list) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--problem", default="gpt2-small")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--problems", "--problem", nargs="+", default=["gpt2-small"],
+                        help="problems, or 'sweep' for problems.SWEEP_DIAGONAL")
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="default: METHODS, or SWEEP_METHODS with --problems sweep; peers: PEERS")
     parser.add_argument("--tree", action="append", default=None, metavar="LABEL=SRC")
     parser.add_argument("--rounds", type=int, default=3, help="timed calls of each (0: memory only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "cpu"))
+    parser.add_argument("--name", default=None, help="output stem (default llm-memory-<problem>, or llm-sweep)")
+    parser.add_argument("--max-gib", type=float, default=16.0,
+                        help="address-space limit of each child (RLIMIT_AS): an allocation past it fails there")
     args = parser.parse_args(argv)
     if args.threads is not None:
         import torch
@@ -161,17 +322,33 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     if args.child is not None:
         job = json.loads(args.child)
+        if job.get("max_gib"):
+            import resource
+
+            limit = int(job["max_gib"] * 2**30)
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         print(json.dumps(_child_memory(job) if job["mode"] == "memory" else _child_time(job)))
         return 0
     trees = dict(t.split("=", 1) for t in (args.tree or [f"this={os.path.join(os.path.dirname(HERE), 'src')}"]))
-    rows = {t: {m: measure(src, args.problem, m, args) for m in args.methods} for t, src in trees.items()}
+    if args.problems == ["sweep"]:
+        from problems import SWEEP_DIAGONAL
+
+        args.problems = list(SWEEP_DIAGONAL)
+        args.methods = args.methods or list(SWEEP_METHODS)
+    args.methods = args.methods or list(METHODS)
+    rows = {t: {p: {m: measure(src, p, m, args) for m in args.methods} for p in args.problems}
+            for t, src in trees.items()}
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"llm-memory-{args.problem}")
+    name = args.name or (f"llm-memory-{args.problems[0]}" if len(args.problems) == 1 else "llm-sweep")
+    stem = os.path.join(args.out, name)
     with open(stem + ".json", "w") as f:
-        json.dump({"problem": args.problem, "trees": trees, "rows": rows}, f, indent=1)
+        json.dump({"problems": args.problems, "trees": trees, "rounds": args.rounds, "rows": rows}, f, indent=1)
+    text = "\n\n".join(markdown(p, {t: rows[t][p] for t in trees}, list(trees)) for p in args.problems)
+    if len(trees) == 1:
+        text = sweep_markdown(rows[next(iter(trees))]) + "\n\n" + text
     with open(stem + ".md", "w") as f:
-        f.write(markdown(args.problem, rows, list(trees)) + "\n")
-    print(markdown(args.problem, rows, list(trees)))
+        f.write(text + "\n")
+    print(text)
     return 0
 
 

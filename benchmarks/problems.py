@@ -26,6 +26,7 @@ the reference every ratio is taken against.
 | ``gpt-v16`` | the same with vocab 16 (C = 16·64 = 1024 output columns, for the exact quantities) | 32 | ``[N, 64]`` tokens | ``CrossEntropyLoss()``, every position |
 | ``lstm`` | ``nn.LSTM`` 32 -> 128, 2 layers, last step -> Linear 10; T 50 | 64 | ``[N, 50, 32]`` | ``CrossEntropyLoss()`` |
 | ``gpt2-small`` | ``gpt`` at GPT-2-small size (issue 23): vocab 50257, T 128, 12 pre-LN blocks d 768, 12 heads, MLP 3072, untied head; 163 M parameters | 4 | ``[N, 128]`` tokens | ``CrossEntropyLoss()``, every position |
+| ``gpt-sweep-d{D}-l{L}`` | ``gpt2-small`` with d D (128, 256, 512, 768), L blocks (2, 4, 8, 12), D/64 heads, MLP 4D; ``gpt-sweep-d768-l12`` is ``gpt2-small`` | 4 | ``[N, 128]`` tokens | ``CrossEntropyLoss()``, every position |
 | ``gpt2-hf`` | Hugging Face ``GPT2LMHeadModel`` (random weights): 2 layers, n_embd 128, 4 heads, vocab 256, T 64, eval; logits transposed to ``[N, V, T]`` | 32 | ``[N, 64]`` tokens | ``CrossEntropyLoss()``, every position |
 | ``gpt2-hf-v16`` | the same with vocab 16 (C = 1024, for the exact quantities) | 32 | ``[N, 64]`` tokens | ``CrossEntropyLoss()``, every position |
 | ``vit-timm`` | timm ``vit_tiny_patch16_224`` (random weights) at img_size 32, patch_size 4, depth 2, 10 classes, eval | 32 | ``[N, 3, 32, 32]`` | ``CrossEntropyLoss()`` |
@@ -35,8 +36,9 @@ On request (:data:`GPU_PROBLEMS`, not in the CPU default): ``mlp-1024``, ``3c3d-
 ``resnet-128`` (the same models with N = 1024, 256, 128) and ``allcnnc-96``
 (All-CNN-C at DeepOBS's full width 96/192, N = 128): the sizes issue 12 measured on a GPU.
 
-On request too (:data:`LLM_PROBLEMS`): ``gpt2-small`` (``benchmarks/llm_memory.py`` measures it,
-one method per fresh process). The sequence models and their Opacus copies are in ``sequence_models.py``.
+On request too (:data:`LLM_PROBLEMS`): ``gpt2-small`` and the model-size sweep
+``gpt-sweep-d{128,256,512,768}-l{2,4,8,12}`` (:data:`SWEEP_DIAGONAL`: the four sizes along
+the diagonal; ``benchmarks/llm_memory.py`` measures them, one method per fresh process). The sequence models and their Opacus copies are in ``sequence_models.py``.
 ``gpt2-hf``, ``gpt2-hf-v16`` and ``vit-timm`` need the optional packages ``transformers`` and
 ``timm`` (imported inside their builders; models from configs, nothing downloaded). They
 run through curvlib's ATen front end (``make_fx``), not torch.fx. They are on request,
@@ -274,6 +276,15 @@ def gpt2_small(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: in
     return gpt(device, dtype, seed, vocab=50257, n=4, length=128, d=768, heads=12, hidden=3072, layers=12)
 
 
+def gpt_sweep(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, d: int = 768,
+              layers: int = 12) -> Problem:
+    """The model-size sweep (issue 23): :func:`gpt2_small` with width ``d`` and ``layers`` pre-LN
+    blocks, ``d // 64`` heads (GPT-2's head width 64) and MLP ``4 d``; vocab 50257, N=4, T=128.
+    ``gpt_sweep(d=768, layers=12)`` is :func:`gpt2_small`."""
+    return gpt(device, dtype, seed, vocab=50257, n=4, length=128, d=d, heads=d // 64, hidden=4 * d,
+               layers=layers)
+
+
 def gpt_v16(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> Problem:
     """:func:`gpt` with a 16-token vocabulary: C = V·T = 1024 output columns per sample instead
     of 16384, so the exact GGN family (which backpropagates all of them) can be measured."""
@@ -416,6 +427,10 @@ PROBLEMS.update(GPU_PROBLEMS)
 
 #: Language models at full size (issue 23), on request: ``benchmarks/llm_memory.py``.
 LLM_PROBLEMS: dict[str, Callable[..., Problem]] = {"gpt2-small": gpt2_small}
+LLM_PROBLEMS.update({f"gpt-sweep-d{d}-l{n}": functools.partial(gpt_sweep, d=d, layers=n)
+                     for d in (128, 256, 512, 768) for n in (2, 4, 8, 12)})
+#: The sweep's diagonal (d 128 -> 768 with layers 2 -> 12), what ``llm_memory.py --problems sweep`` runs.
+SWEEP_DIAGONAL: tuple[str, ...] = ("gpt-sweep-d128-l2", "gpt-sweep-d256-l4", "gpt-sweep-d512-l8", "gpt-sweep-d768-l12")
 PROBLEMS.update(LLM_PROBLEMS)
 
 

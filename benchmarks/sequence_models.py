@@ -74,7 +74,10 @@ class _OpacusGPT(nn.Module):
 
     def forward(self, tokens: Tensor) -> Tensor:
         tokens = tokens.t()  # [T, N]: every module sees the batch in dim 1
-        h = self.embed(tokens) + self.pos(self.positions[:, None].expand(-1, tokens.shape[1]))
+        # The positions as the transpose of a contiguous [N, T] too: Opacus moves the batch dim
+        # first and its ghost-clipping norm sampler for Embedding then views the indices.
+        positions = self.positions[None].expand(tokens.shape[1], -1).contiguous().t()
+        h = self.embed(tokens) + self.pos(positions)
         h = self.blocks(h, mask=self.mask, is_causal=False)
         return self.head(self.ln_f(h)).permute(1, 2, 0)  # [T, N, V] -> [N, V, T]
 
