@@ -168,14 +168,23 @@ def _dense_columns(res, g: Tensor) -> Columns:
         for lam in (evals, -evals):
             keep = _needed(lam, evals)
             w = evecs[:, :, keep] * lam[:, keep].clamp(min=0).sqrt().unsqueeze(1)  # [N, d, V]
-            full = R.new_zeros((n, R.shape[1], w.shape[2]))
-            if isinstance(idx, slice):
-                full[:, idx] = w
+            if isinstance(idx, slice):  # a free parameter's own columns: no zeros around them
+                scaled.append(w)
             else:
-                full.index_copy_(1, idx, w)
-            scaled.append(full)
-        sets += _column_sets(res, layout, scaled, block)
+                scaled.append(R.new_zeros((n, R.shape[1], w.shape[2])).index_copy_(1, idx, w))
+        sets += _free_column_sets(layout, scaled, block) if isinstance(idx, slice) else \
+            _column_sets(res, layout, scaled, block)
     return sets
+
+
+def _free_column_sets(layout, scaled: Sequence[Tensor], block) -> Columns:
+    """``(±1, {}, {name: [V, N, *p]})`` from a free parameter's block columns ``[N, |p|, V]``
+    (its coordinates only: the other parts of ``u`` are zero by construction)."""
+    names, shapes_p = layout[0], layout[1]
+    (name,) = block[1]
+    shape = shapes_p[names.index(name)]
+    return [(sign, {}, {name: w.permute(2, 0, 1).reshape((w.shape[2], w.shape[0]) + shape)})
+            for sign, w in zip((1.0, -1.0), scaled) if w.shape[2]]
 
 
 def _blocks(res, layout, device) -> List[Tuple[object, set, bool]]:
