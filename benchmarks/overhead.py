@@ -81,11 +81,11 @@ def _child_time(job: dict) -> dict:
 
 
 #: (module, function) pairs timed by ``--stages`` (those missing in a tree are skipped).
-STAGES = [("curvlib._transform", f) for f in (
+STAGES = [("curvlib._transform.entry", f) for f in (
     "forward_with_probes", "_loss_and_site_gradients", "first_order", "second_order", "check_second_order",
     "refuse_mixing", "_auto_chunk_size")] + [
-    ("curvlib._budget", "check_roots"), ("curvlib.losses", "check_targets"),
-    ("curvlib.losses", "curvature_at"), ("curvlib._arguments", "parameter_values")]
+    ("curvlib._plan.budget", "check_roots"), ("curvlib.losses", "check_targets"),
+    ("curvlib.losses", "curvature_at"), ("curvlib._plan.arguments", "parameter_values")]
 
 
 def _child_stages(job: dict) -> dict:

@@ -31,7 +31,7 @@ torchvision_shim.install()
 
 import zoo  # noqa: E402
 from curvlib import curvature  # noqa: E402
-from curvlib._outputs import select  # noqa: E402
+from curvlib._core.outputs import select  # noqa: E402
 from curvlib.extensions import BatchGrad  # noqa: E402
 
 

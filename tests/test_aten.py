@@ -1,4 +1,4 @@
-"""The ATen-level front end (curvlib._aten) on models torch.fx cannot trace, against brute force.
+"""The ATen-level front end (curvlib._trace.aten) on models torch.fx cannot trace, against brute force.
 
 Each model here breaks torch.fx's symbolic trace the way real model code does (an assertion on
 a shape, a branch on a value, ``x.shape[0]`` passed to ``expand``, a container output, keyword

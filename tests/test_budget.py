@@ -1,4 +1,4 @@
-"""Roots larger than the device's free memory are refused before any work (:mod:`curvlib._budget`);
+"""Roots larger than the device's free memory are refused before any work (:mod:`curvlib._plan.budget`);
 the device is asked again only when a root is not far below the last reading."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-import curvlib._budget as budget
+import curvlib._plan.budget as budget
 from curvlib import CurvatureError, curvature
 from curvlib.extensions import DiagGGNExact, SqrtGGNMC
 
@@ -21,7 +21,7 @@ def free(monkeypatch):
         state["asked"] += 1
         return state["bytes"]
 
-    monkeypatch.setattr("curvlib._core.available_bytes", available)
+    monkeypatch.setattr("curvlib._core.tensors.available_bytes", available)
     monkeypatch.setattr(budget, "_last_free", {})
     return state
 

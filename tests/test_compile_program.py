@@ -190,7 +190,7 @@ def test_under_a_dispatch_mode(first_under_mode):
 
 def test_cpu_inductor_defaults():
     """Inductor on CPU gets CPU_INDUCTOR_DEFAULTS unless the caller says otherwise."""
-    from curvlib._compiled import device_options
+    from curvlib._transform.compiled import device_options
 
     cpu, meta = torch.device("cpu"), torch.device("meta")
     assert device_options({}, cpu) == {"options": {"layout_optimization": False, "max_fusion_size": 2}}

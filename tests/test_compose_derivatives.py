@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, hessian, jacrev, jvp, vmap
 
 from curvlib import curvature
-from curvlib._errors import CurvatureError
+from curvlib._core.errors import CurvatureError
 from curvlib.extensions import (
     GGNMP, HMP, KFAC, KFLR, KFRA, PCHMP, BatchDiagGGNExact, BatchDiagGGNMC, BatchDiagHessian, BatchGrad,
     BatchL2Grad, DiagGGNExact, DiagGGNMC, DiagHessian, SqrtGGNExact, SqrtGGNMC, SumGradSquared, Variance,

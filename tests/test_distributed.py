@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import curvlib._allreduce as cdist
+import curvlib.distributed._allreduce as cdist
 from curvlib import CurvatureError, CurvatureTypeError, curvature
 from curvlib.extensions import (
     GGNMP,
@@ -327,7 +327,7 @@ def _case_options(rank, world, sizes):
 
 
 def _case_kron_layouts(rank, world, sizes):
-    """The Kronecker layouts beyond [B, A] (curvlib._kronlayout): Embedding's [A (1-D), B],
+    """The Kronecker layouts beyond [B, A] (curvlib._core.kronlayout): Embedding's [A (1-D), B],
     a grouped convolution's per-group [B, A], the normalisations' exact blocks [F]; the root
     factor summed with r (r² for KFACEmpirical), the input factors averaged."""
     n, sl = sum(sizes), _slice(rank, sizes)

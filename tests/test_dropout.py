@@ -1,6 +1,6 @@
 """Dropout in training mode: a legitimate random GGN, reproducible and consistent.
 
-The oracle: curvlib documents its masks (:mod:`curvlib._dropout`): one seed per
+The oracle: curvlib documents its masks (:mod:`curvlib._core.dropout`): one seed per
 call, ``randint(0, 2**62)`` from ``f``'s ``generator`` or the global random
 state; every forward run starts a generator seeded with it, and each active
 dropout node, in graph order, draws ``bernoulli(1 − p)`` noise of its shape

@@ -76,7 +76,7 @@ def basis(factors):
 def in_parameter_order(values, factors):
     """EK-FAC eigenvalues (the core ``[G, o, a]``) flattened as the parameter is: a layout
     whose 1-D factor comes first (Embedding, ``pos``, a diagonal head side) keeps the
-    parameter transposed in its core (``curvlib._kronbasis``'s table)."""
+    parameter transposed in its core (``curvlib.precondition._kronbasis``'s table)."""
     if len(factors) == 2 and factors[0].dim() == 1 and factors[1].dim() == 2:
         return values.reshape(len(factors[1]), len(factors[0])).T.flatten()
     return values.flatten()

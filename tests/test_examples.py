@@ -28,7 +28,7 @@ def _lstm_problem():
 
 def test_lstm_table_names_every_extension(capsys):
     """Every extension curvlib exports gets a row: ok, ran (approximations) or refused; none fails."""
-    from curvlib._demo import exported_extensions
+    from curvlib._demo.main import exported_extensions
 
     assert {type(e) for e, _ in architectures.EXTENSIONS} == set(exported_extensions())
     assert architectures.check_problem(*_lstm_problem()) == 0

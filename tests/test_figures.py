@@ -44,7 +44,7 @@ def test_demo_figure_ticks_apart_and_tolerance_marked():
 
     import matplotlib.pyplot as plt
 
-    from curvlib._demo_plot import summary_figure
+    from curvlib._demo.plot import summary_figure
 
     ratios = {"loss.backward": 1.0, "BatchGrad": 2.3, "DiagGGNExact": 4.6, "KFRA": 7.1, "HMP": 2.8}
     deviations = {"grad": {"w": 1e-17}, "DiagGGNExact (diag_ggn_exact)": {"w": 1e-15}, "KFAC (kfac)": {"w": None}}

@@ -30,8 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import curvlib
 from curvlib import CurvatureError, curvature, extensions as E
-import curvlib._loss_structural as structural
-from curvlib._loss_structural import _ce_sampled
+import curvlib.losses._structural as structural
+from curvlib.losses._structural import _ce_sampled
 
 from loss_checks import F64, check_exact, close, model_and_input
 from on_device import seeded
@@ -219,8 +219,7 @@ def test_uint8_targets_with_a_real_ignore_index_under_batched():
 
 def _ce_sampled_with_torch_one_hot(out, m, generator):
     """The sampled cross-entropy gradients as before, with ``F.one_hot`` (a reference copy)."""
-    from curvlib import _draws
-
+    from curvlib._core import draws as _draws
     k = out.shape[1]
     p_rows = torch.softmax(out.movedim(1, -1), dim=-1).reshape(-1, k)
     u = _draws.rand((m, p_rows.shape[0], 1), generator, out.dtype, out.device)

@@ -1,4 +1,4 @@
-"""Samples mixed inside the model, found by numeric tests (``curvlib._mixing_numeric``):
+"""Samples mixed inside the model, found by numeric tests (``curvlib._plan.mixing_numeric``):
 generic layers (``nn.MultiheadAttention`` across the batch, with and without
 dropout; a layer that differs for a batch of one), unknown parameter-free
 modules, models without a graph, inside ``torch.func.vmap``; recurrence across
@@ -133,9 +133,9 @@ def test_untraced_models_are_tested_on_their_forward(monkeypatch):
     # torch.fx cannot trace it; the ATen front end (issue 21) does, and its graph names the node
     with pytest.raises(CurvatureError, match=r"graph node 'mean' \(torch.mean over the batch dim 0"):
         curvature(Untraced(True).to(DT), nn.MSELoss(), [E.BatchGrad()])(X, y)
-    import curvlib._tracing
+    import curvlib._plan.traces
 
-    monkeypatch.setattr(curvlib._tracing, "needs_aten", lambda *a: False)  # the eager runner, as before
+    monkeypatch.setattr(curvlib._plan.traces, "needs_aten", lambda *a: False)  # the eager runner, as before
     with pytest.raises(CurvatureError, match=r"own forward .*sample 0's rows of the output of layer 'a'"):
         curvature(Untraced(True).to(DT), nn.MSELoss(), [E.BatchGrad()])(X, y)
     assert curvature(Untraced(True).to(DT), nn.MSELoss())(X, y)["loss"].isfinite()
@@ -143,8 +143,8 @@ def test_untraced_models_are_tested_on_their_forward(monkeypatch):
 
 
 def test_checks_are_cached_with_the_plan_and_skipped_when_not_needed(monkeypatch):
-    from curvlib import _independence, _mixing_numeric
-
+    from curvlib._plan.plan import independence as _independence
+    from curvlib._plan.plan import mixing_numeric as _mixing_numeric
     calls = {"analyse": 0, "numeric": 0}
     analyse, numeric = _independence.analyse, _mixing_numeric.pending_problem
 

@@ -1,4 +1,4 @@
-"""Kronecker factors of the layers beyond Linear/Conv (layouts: ``curvlib._kronlayout``).
+"""Kronecker factors of the layers beyond Linear/Conv (layouts: ``curvlib._core.kronlayout``).
 
 Oracles, float64, from the definitions:
 

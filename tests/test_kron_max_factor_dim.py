@@ -1,6 +1,6 @@
 """``KFAC``/``KFLR``/``KFACEmpirical(max_factor_dim=d)``: a factor side larger than ``d`` is
 the diagonal of the dense factor (1-D), the other side is unchanged; without the option a
-dense factor over ``curvlib._budget.DENSE_FACTOR_BYTES`` is refused before any work.
+dense factor over ``curvlib._plan.budget.DENSE_FACTOR_BYTES`` is refused before any work.
 
 Oracles: BackPACK's factors by brute force in float64 (``oracles_second.kron_reference``:
 Jacobians of per-channel output offsets, the layer's inputs) for MLPs drawn by hypothesis;
@@ -21,8 +21,8 @@ from on_device import seeded
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
-import curvlib._budget as budget
-import curvlib._secondorder as secondorder
+import curvlib._plan.budget as budget
+import curvlib._evaluate.second_order as secondorder
 from curvlib import CurvatureError, curvature
 from curvlib import precondition as pre
 from curvlib.extensions import KFAC, KFLR, BatchGrad, KFACEmpirical

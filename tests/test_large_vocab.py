@@ -18,8 +18,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import curvlib._loss_structural as structural
-import curvlib._secondorder as secondorder
+import curvlib.losses._structural as structural
+import curvlib._evaluate.second_order as secondorder
 from curvlib import CurvatureError, curvature, losses
 from curvlib.extensions import BatchDiagGGNExact, DiagGGNExact, DiagGGNMC, DiagHessian, KFAC, KFLR, SqrtGGNExact
 

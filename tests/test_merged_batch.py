@@ -1,6 +1,6 @@
 """A batch merged into dim 0 with windows or heads before a layer (window attention:
 ``[N·W, S, C]`` into ``qkv``): the planner splits it off around the layer
-(:func:`curvlib._plan._split_merged_batches`), so every quantity equals the brute force, the
+(:func:`curvlib._plan.batch_merges.split_merged_batches`), so every quantity equals the brute force, the
 layer's windows counting as positions that share its weight. Both orders of the merge
 (batch-major ``n·W + w``, window-major ``w·N + n``) and an op on a parameter broadcast over
 merged scores (a relative-position bias) are drawn; a merge that regroups samples stays
@@ -106,7 +106,7 @@ def test_merge_that_regroups_samples_is_refused():
 class MergedActivation(nn.Module):
     """``tanh`` on rows merged into the batch dim (``[N, 4, 2] -> [2N, 2, 2]``), then split back
     and read by a Linear shared over positions. Before the column split of
-    :func:`curvlib._residual_math.per_sample`, its DiagHessian of ``a`` was 39 % off (the
+    :func:`curvlib._hessian.algebra.per_sample`, its DiagHessian of ``a`` was 39 % off (the
     tanh's columns spanned both rows of a sample, whose positions then share ``a``)."""
 
     def __init__(self):

@@ -1,6 +1,6 @@
 """Submodules torch.fx cannot trace stay opaque graph nodes, not a refusal of the model.
 
-Since issue 21 such models are traced at the ATen level instead (``curvlib._aten``,
+Since issue 21 such models are traced at the ATen level instead (``curvlib._trace.aten``,
 ``tests/test_aten.py``); the opaque leaves remain the fallback where that front end cannot
 run (a custom ``autograd.Function`` in the model's code). This file tests the fallback: the
 ATen front end is switched off for every test here (``_opaque_fallback``).
@@ -28,7 +28,7 @@ from hypothesis import given
 from torch import nn
 
 from curvlib import CurvatureError, curvature
-from curvlib._program import trace_program
+from curvlib._trace.program import trace_program
 from curvlib.extensions import KFAC, KFLR, KFRA, BatchGrad, DiagGGNExact, DiagGGNMC, DiagHessian, SqrtGGNMC
 
 from helpers import _assert_same_state, state_snapshot
@@ -41,10 +41,10 @@ from on_device import seeded
 @pytest.fixture(autouse=True, scope="module")
 def _opaque_fallback():
     """The ATen front end off: torch.fx's trace with opaque leaves is used, as before issue 21."""
-    import curvlib._tracing
+    import curvlib._plan.traces
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(curvlib._tracing, "needs_aten", lambda *a: False)
+        patch.setattr(curvlib._plan.traces, "needs_aten", lambda *a: False)
         yield
 
 

@@ -164,7 +164,7 @@ def test_ekfac_keeps_its_basis_and_reads_refitted_eigenvalues():
     factor step while the basis is kept: the direction is the EKFAC solve with the
     current eigenvalues, and the preconditioner eigendecomposes the basis once per refresh
     (not per step; each re-fit, ``ekfac_eigenvalues``, decomposes it once more)."""
-    import curvlib._kronbasis as kronbasis
+    import curvlib.precondition._kronbasis as kronbasis
     from curvlib import precondition as pre
 
     model, (X, y) = _model(), _data()

@@ -339,11 +339,11 @@ def explicit_opaque_blocks(model: OpaqueNet, lossfn, X, y, modify) -> Dict[str, 
 def _quiet_blocks(model, lossfn, X, y, modify):
     """PCHMP's blocks with the opaque layer as one graph node, as the oracle defines them (PCHMP
     depends on the graph's nodes): the ATen front end, which traces inside it, is switched off."""
-    import curvlib._tracing
+    import curvlib._plan.traces
 
     with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
         warnings.simplefilter("ignore")  # "torch.fx could not trace ..."
-        patch.setattr(curvlib._tracing, "needs_aten", lambda *a: False)
+        patch.setattr(curvlib._plan.traces, "needs_aten", lambda *a: False)
         return curvlib_blocks(model, lossfn, X, y, modify)
 
 

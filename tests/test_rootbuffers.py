@@ -1,4 +1,4 @@
-"""Square roots written into one preallocated result (:mod:`curvlib._rootbuffers`).
+"""Square roots written into one preallocated result (:mod:`curvlib._evaluate.root_buffers`).
 
 With ``chunk_size`` and ``batch_chunk_size`` every column of ``SqrtGGNExact`` /
 ``SqrtGGNMC`` is written where it belongs instead of joining chunks and slices by
@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-import curvlib._chunking as chunking
-import curvlib._secondorder as so
+import curvlib._transform.chunking as chunking
+import curvlib._evaluate.second_order as so
 from curvlib import curvature
 from curvlib.extensions import BatchDiagGGNExact, BatchGrad, SqrtGGNExact, SqrtGGNMC
 from on_device import seeded

@@ -1229,7 +1229,7 @@ def test_pchmp_on_products(modify):
 def test_chunk_size_gives_identical_results(chunk_size, auto_bytes, monkeypatch):
     """Pulling the columns back in chunks changes memory, not results (``"auto"``
     with a tiny byte budget: one column, or a few, per chunk)."""
-    import curvlib._budget as budget
+    import curvlib._plan.budget as budget
 
     if auto_bytes is not None:
         monkeypatch.setattr(budget, "AUTO_CHUNK_BYTES", auto_bytes)
@@ -1258,8 +1258,8 @@ def test_chunk_size_validated(bad):
 
 def test_auto_chunk_size_follows_the_byte_budget(monkeypatch):
     """``"auto"``: columns per chunk = budget // bytes of one column's site outputs."""
-    import curvlib._budget as budget
-    from curvlib._plan import Plan
+    import curvlib._plan.budget as budget
+    from curvlib._plan.plan import Plan
 
     plan = Plan(out_shape=(4, 3), out_dtype=torch.float32, site_shapes=((4, 5), (4, 3)),
                 site_dtypes=(torch.float32, torch.float64), batch_dims=(0, 0))
@@ -1267,23 +1267,23 @@ def test_auto_chunk_size_follows_the_byte_budget(monkeypatch):
     monkeypatch.setenv("CURVLIB_STRATEGY", "auto")  # (the strategy by device; forced ones below)
     monkeypatch.setattr(budget, "AUTO_CHUNK_BYTES", 3 * per_column + 1)
     monkeypatch.setattr(budget, "AUTO_CHUNK_BYTES_CPU", 2 * per_column)
-    monkeypatch.setattr("curvlib._core.available_bytes", lambda device: None)  # (no GPU here)
+    monkeypatch.setattr("curvlib._core.tensors.available_bytes", lambda device: None)  # (no GPU here)
     assert budget.auto_chunk_size(plan) == 3
     assert budget.auto_chunk_size(plan, [DiagGGNExact()], "cpu") == 2
     assert budget.auto_chunk_size(plan, [DiagGGNExact(), BatchDiagGGNExact()], "cpu") == 3
     monkeypatch.setattr(budget, "AUTO_CHUNK_BYTES", 1)
     assert budget.auto_chunk_size(plan) == 1
     # CUDA: up to a share of the free device memory (read per call), never below the budget
-    monkeypatch.setattr("curvlib._core.available_bytes", lambda device: 80 * per_column)
+    monkeypatch.setattr("curvlib._core.tensors.available_bytes", lambda device: 80 * per_column)
     assert budget.auto_chunk_size(plan, [DiagGGNExact()], "cuda") == 10
     assert budget.auto_chunk_size(plan, [DiagGGNExact()], torch.device("cuda", 0)) == 10
     monkeypatch.setattr(budget, "AUTO_CHUNK_BYTES", 3 * per_column + 1)
-    monkeypatch.setattr("curvlib._core.available_bytes", lambda device: None)
+    monkeypatch.setattr("curvlib._core.tensors.available_bytes", lambda device: None)
     assert budget.auto_chunk_size(plan, [DiagGGNExact()], "cuda") == 3
     assert budget.auto_chunk_size(plan, [DiagGGNExact()], "cpu") == 2  # the CPU never reads it
     # forced strategies: "batched" on a CPU takes the large budget (no free memory read),
     # "looped" on CUDA the small one
-    monkeypatch.setattr("curvlib._core.available_bytes", lambda device: 80 * per_column)
+    monkeypatch.setattr("curvlib._core.tensors.available_bytes", lambda device: 80 * per_column)
     with curvlib.strategy("batched"):
         assert budget.auto_chunk_size(plan, [DiagGGNExact()], "cpu") == 3
         assert budget.auto_chunk_size(plan, [DiagGGNExact()], "cuda") == 10
@@ -1295,7 +1295,7 @@ def test_auto_chunk_size_follows_the_byte_budget(monkeypatch):
 
 def test_sqrt_columns_loop_equals_vmap(monkeypatch):
     """SqrtGGNExact/MC column by column (default) and vmapped over columns agree."""
-    import curvlib._secondorder as so
+    import curvlib._evaluate.second_order as so
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv1d(2, 3, 3), nn.Tanh(), nn.Linear(4, 3), nn.Flatten(), nn.Linear(9, 3)).double()

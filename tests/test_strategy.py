@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import curvlib
 from curvlib import CurvatureError, curvature, extensions
-from curvlib import _strategy
+from curvlib._core import strategy as _strategy
 from on_device import seeded
 from oracles_all import assert_matches, exact_extensions, kflr_map, reference
 from rules.test_conv import conv_configs
@@ -82,7 +82,7 @@ def test_batched_conv_blocks_take_the_large_budget(monkeypatch):
     assert _strategy.column_block_bytes("cpu", 123) == 123
     with curvlib.strategy("batched"):
         assert _strategy.column_block_bytes("cpu", 123) == _strategy.BATCHED_MIN_BYTES
-        monkeypatch.setattr("curvlib._core.available_bytes", lambda device: 2**40)
+        monkeypatch.setattr("curvlib._core.tensors.available_bytes", lambda device: 2**40)
         assert _strategy.column_block_bytes("cuda", 123) == 2**40 // 8
 
 

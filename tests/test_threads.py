@@ -3,7 +3,7 @@
 Forward-mode AD (the Hessian diagonals' second derivatives, the dense residuals'
 Hessians, GGNMP and PCHMP), ``functional_call``'s slot swaps (the generic rule),
 the eager runner's redirects (untraced models) and the random state the products
-replay are process-wide in torch; curvlib serialises them (``curvlib._sync.LOCK``).
+replay are process-wide in torch; curvlib serialises them (``curvlib._core.sync.LOCK``).
 Here 4 threads start together (a barrier) and each calls ``f`` many times; every
 result must equal the single-threaded one, and the model must be unchanged.
 

@@ -1,7 +1,7 @@
 """Models torch.fx cannot trace: the ATen front end (issue 21), and, without it, first order
 through the eager runner with second order refused.
 
-The eager runner (:func:`curvlib._untraced.run_eager`) is tested through the
+The eager runner (:func:`curvlib._trace.untraced.run_eager`) is tested through the
 engine functions directly (``_first_order`` below replays what
 ``curvature(...)(X, y)`` does for first order), and end to end through
 ``curvature`` once the transform uses it for ``program.graph is None``.
@@ -22,11 +22,11 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from curvlib import CurvatureError, curvature, losses
-from curvlib._engine import forward_with_probes
-from curvlib._firstorder import first_order
-from curvlib._plan import make_plan
-from curvlib._program import trace_program
-from curvlib._untraced import run_eager
+from curvlib._evaluate.linearise import forward_with_probes
+from curvlib._evaluate.first_order import first_order
+from curvlib._plan.plan import make_plan
+from curvlib._trace.program import trace_program
+from curvlib._trace.untraced import run_eager
 from curvlib.extensions import BatchGrad, BatchL2Grad, DiagGGNExact, KFAC, SumGradSquared, Variance
 from oracles_all import assert_matches, exact_extensions, reference
 
@@ -485,9 +485,9 @@ def test_second_order_through_the_aten_front_end(sign):
 def test_second_order_refused_with_model_line_when_no_front_end_can_trace(ext, monkeypatch):
     """Without the ATen front end (here switched off, as when make_fx cannot run the model),
     second order is refused, naming the model line torch.fx failed at."""
-    import curvlib._tracing
+    import curvlib._plan.traces
 
-    monkeypatch.setattr(curvlib._tracing, "needs_aten", lambda *a: False)
+    monkeypatch.setattr(curvlib._plan.traces, "needs_aten", lambda *a: False)
     model = BranchOnValue()
     with pytest.raises(CurvatureError) as info:
         curvature(model, nn.MSELoss(), [BatchGrad(), ext])(torch.rand(2, 3), torch.rand(2, 3))

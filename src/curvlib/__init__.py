@@ -9,9 +9,9 @@ See ``help(curvlib.curvature)``, each extension's docstring, docs/conventions.md
 and docs/migrating-from-backpack.md.
 """
 
-from ._errors import CurvatureError, CurvatureTypeError
-from ._strategy import strategy
-from ._transform import curvature
+from ._core.errors import CurvatureError, CurvatureTypeError
+from ._core.strategy import strategy
+from ._transform.entry import curvature
 
 # help(curvlib.curvature) names the public module, not the private one it is written in
 curvature.__module__ = __name__

@@ -1,7 +1,7 @@
-"""``python -m curvlib``: the self-checking demo (see :mod:`curvlib._demo`)."""
+"""``python -m curvlib``: the self-checking demo (see :mod:`curvlib._demo.main`)."""
 
 import sys
 
-from ._demo import main
+from ._demo.main import main
 
 sys.exit(main(sys.argv[1:]))

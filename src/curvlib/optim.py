@@ -35,8 +35,8 @@ import torch
 from torch import Tensor, nn
 
 from . import precondition as pre
-from ._errors import CurvatureError, CurvatureTypeError
-from ._transform import curvature as _curvature
+from ._core.errors import CurvatureError, CurvatureTypeError
+from ._transform.entry import curvature as _curvature
 from .extensions import KFAC, KFLR, BatchGrad
 
 __all__ = ["KFACOptimizer"]

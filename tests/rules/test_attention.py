@@ -303,7 +303,7 @@ def test_packed_projection_is_one_linear_site_kflr():
 def test_no_fused_kernel_in_graph():
     """The traced graph of a transformer holds no fused attention kernel and no opaque
     attention module: projections are Linear sites, attention is matmul/softmax."""
-    from curvlib._program import trace_program
+    from curvlib._trace.program import trace_program
 
     layer = nn.TransformerEncoderLayer(4, 2, 8, batch_first=True)
     model = nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Flatten(), nn.Linear(8, 2))

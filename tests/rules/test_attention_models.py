@@ -101,7 +101,7 @@ class MaskedTwin(nn.Module):
 
 
 def _noise(shape, p, seed):
-    """curvlib's documented masks (:mod:`curvlib._dropout`, reproduced as in ``test_dropout``): one
+    """curvlib's documented masks (:mod:`curvlib._core.dropout`, reproduced as in ``test_dropout``): one
     seed ``randint(0, 2**62)`` from the call's generator, then ``bernoulli(1 − p)`` per dropout node."""
     call_seed = int(torch.randint(0, 2**62, (1,), generator=seeded(seed)).item())
     return torch.empty(shape, dtype=DT).bernoulli_(1 - p, generator=seeded(call_seed))
@@ -192,7 +192,7 @@ class Outer(nn.Module):
 def test_attention_inside_a_module_owning_parameters(sdpa):
     """Every exact extension through attention nested in a user module that owns a parameter;
     no torch fallback warning (``check_all`` turns warnings into errors); no generic leaf."""
-    from curvlib._program import trace_program
+    from curvlib._trace.program import trace_program
 
     torch.manual_seed(0)
     model = Outer(sdpa).to(DT).eval()

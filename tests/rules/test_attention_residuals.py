@@ -1,4 +1,4 @@
-"""Factored residuals of softmax rows and matrix products (:mod:`curvlib._residual_structured`)
+"""Factored residuals of softmax rows and matrix products (:mod:`curvlib._hessian.structured`)
 against the dense per-sample residual ``∇²_u (g · f(u))`` from ``torch.func.hessian``."""
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
-from curvlib._residual_math import factor, positive_curvature
-from curvlib.rules._site import Residual
+from curvlib._hessian.algebra import factor, positive_curvature
+from curvlib._core.site import Residual
 
 DT = torch.float64
 
@@ -88,8 +88,8 @@ def test_matmul(n, heads, t, k, s, bdim, seed):
 def test_attention_nodes_are_factored():
     """In a transformer layer, ``q kᵀ``, softmax and ``A v`` get factored residuals
     (no dense per-sample matrix), and so do the LayerNorms (per-row blocks): nothing is dense."""
-    from curvlib._program import trace_program
-    from curvlib._residuals import residual_plan
+    from curvlib._trace.program import trace_program
+    from curvlib._hessian.residuals import residual_plan
 
     layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, norm_first=True, activation="gelu")
     program = trace_program(nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval())

@@ -9,7 +9,7 @@ from hypothesis import given, strategies as st
 from torch import nn
 
 from curvlib import CurvatureError, curvature
-from curvlib._program import trace_program
+from curvlib._trace.program import trace_program
 from curvlib.extensions import (
     BatchDiagHessian,
     BatchGrad,

@@ -1,4 +1,4 @@
-"""Block-diagonal residuals of LayerNorm and GroupNorm (:mod:`curvlib._residual_norm`)
+"""Block-diagonal residuals of LayerNorm and GroupNorm (:mod:`curvlib._hessian.norm`)
 against the dense per-sample residual ``∇²_x (g · f(x))`` from ``torch.func.hessian``,
 and the Hessian family through them against brute force."""
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hypothesis import assume, given, settings, strategies as st
 from torch import nn
 
-from curvlib.rules._site import Residual
+from curvlib._core.site import Residual
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -110,8 +110,8 @@ class _Twice(nn.Module):
 
 def test_shared_layernorm_stays_dense():
     """A LayerNorm whose input depends on its own weight (its second use) keeps the dense residual."""
-    from curvlib._program import trace_program
-    from curvlib._residuals import residual_plan
+    from curvlib._trace.program import trace_program
+    from curvlib._hessian.residuals import residual_plan
 
     kinds = sorted(kind for kind, _, _ in residual_plan(trace_program(_Twice().to(DT))).values())
     assert kinds == ["dense", "diag", "diag", "norm"], kinds

@@ -9,7 +9,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 from curvlib import CurvatureError, curvature
 from curvlib.extensions import BatchGrad
 from curvlib.rules import rnn as rnn_rule
-from curvlib.rules._site import Recorder
+from curvlib._core.site import Recorder
 
 from helpers import check_first_order
 from on_device import seeded

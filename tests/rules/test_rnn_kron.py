@@ -318,7 +318,7 @@ def test_single_step_is_a_linear_layer(loss):
 @pytest.mark.parametrize("approx", APPROXES)
 def test_chunks_and_batch_slices(approx):
     """Column chunks and batch slices give the same factors (exactly one factor, ``B``,
-    depends on the root: curvlib._kronlayout)."""
+    depends on the root: curvlib._core.kronlayout)."""
     model, X, y = _case("lstm", 4, 3, 2, 2, 2, True, False, True, "buffer", "seq", "ce", 7)
     lossfn = nn.CrossEntropyLoss()
     exts = [KFLR(kfac_approx=approx), KFACEmpirical(kfac_approx=approx)]

@@ -38,7 +38,7 @@ shared positions all three coincide (for convolutions ``"expand"`` is the KFC
 convention of Grosse & Martens, 2016). Other layers (``Embedding``: ``[A [V], B]``;
 grouped convolutions: per-group factors; normalisations' scale and shift and 1-D
 parameters of other modules: their exact block ``[F]``) follow
-``curvlib._kronlayout`` and docs/conventions.md; ``KFRA`` has factors for Linear/Conv/ConvTranspose only.
+``curvlib._core.kronlayout`` and docs/conventions.md; ``KFRA`` has factors for Linear/Conv/ConvTranspose only.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from .._errors import CurvatureError, CurvatureTypeError
+from .._core.errors import CurvatureError, CurvatureTypeError
 from ._base import Extension
 
 
@@ -68,7 +68,7 @@ def _check_max_factor_dim(cls_name: str, max_factor_dim: object) -> None:
                                        or max_factor_dim < 1):
         raise CurvatureError(
             f"{cls_name}(max_factor_dim={max_factor_dim!r}): must be a positive int (a factor side "
-            "larger than it is diagonal) or None (dense factors, refused above curvlib._budget's budget)."
+            "larger than it is diagonal) or None (dense factors, refused above curvlib._plan.budget's budget)."
         )
 
 
@@ -95,7 +95,7 @@ class SecondOrder(Extension):
         quantity: what is read off per parameter: ``"diag"``, ``"batch_diag"``,
             ``"sqrt"``, ``"kron"``, ``"hessian_diag"``, ``"hessian_batch_diag"``,
             ``"kfra"``, or a product ``"ggnmp"``/``"hmp"``/``"pchmp"``.
-        kron: True for Kronecker-factored extensions (layouts: ``curvlib._kronlayout`` and docs/conventions.md).
+        kron: True for Kronecker-factored extensions (layouts: ``curvlib._core.kronlayout`` and docs/conventions.md).
     """
 
     order: ClassVar[int] = 2
@@ -349,7 +349,7 @@ class KFAC(_MC):
     diagonal factor (kfac-jax's choice), computed as ``Σ_rows m²`` (or ``x²``) without
     forming the dense one: the language-model head ``[V, D]`` gets ``[B [V], A [D, D]]``;
     a 1-D parameter's exact block ``[F [P, P]]`` becomes ``[F [P]]``. With None, a dense
-    factor over ``curvlib._budget.DENSE_FACTOR_BYTES`` (1 GiB) is refused before any
+    factor over ``curvlib._plan.budget.DENSE_FACTOR_BYTES`` (1 GiB) is refused before any
     work. Refused with ``batch_chunk_size`` and ``process_group``.
 
     Examples::
@@ -412,7 +412,7 @@ class KFLR(SecondOrder):
     diagonal factor (kfac-jax's choice), computed as ``Σ_rows m²`` (or ``x²``) without
     forming the dense one: the language-model head ``[V, D]`` gets ``[B [V], A [D, D]]``;
     a 1-D parameter's exact block ``[F [P, P]]`` becomes ``[F [P]]``. With None, a dense
-    factor over ``curvlib._budget.DENSE_FACTOR_BYTES`` (1 GiB) is refused before any
+    factor over ``curvlib._plan.budget.DENSE_FACTOR_BYTES`` (1 GiB) is refused before any
     work. Refused with ``batch_chunk_size`` and ``process_group``.
 
     Examples::
@@ -473,7 +473,7 @@ class KFACEmpirical(SecondOrder):
     diagonal factor (kfac-jax's choice), computed as ``Σ_rows m²`` (or ``x²``) without
     forming the dense one: the language-model head ``[V, D]`` gets ``[B [V], A [D, D]]``;
     a 1-D parameter's exact block ``[F [P, P]]`` becomes ``[F [P]]``. With None, a dense
-    factor over ``curvlib._budget.DENSE_FACTOR_BYTES`` (1 GiB) is refused before any
+    factor over ``curvlib._plan.budget.DENSE_FACTOR_BYTES`` (1 GiB) is refused before any
     work. Refused with ``batch_chunk_size`` and ``process_group``.
 
     Examples::

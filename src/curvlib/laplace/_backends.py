@@ -9,7 +9,7 @@ from laplace.curvature.curvature import EFInterface, GGNInterface
 from laplace.utils.matrix import Kron
 from torch import Tensor, nn
 
-from .._errors import CurvatureError
+from .._core.errors import CurvatureError
 from ..extensions import (
     KFAC,
     KFACEmpirical,

@@ -11,8 +11,8 @@ from laplace.curvature.curvature import CurvatureInterface
 from laplace.utils.matrix import Kron
 from torch import Tensor, nn
 
-from .._errors import CurvatureError, CurvatureTypeError
-from .._transform import curvature
+from .._core.errors import CurvatureError, CurvatureTypeError
+from .._transform.entry import curvature
 from ..extensions import BatchGrad, SqrtGGNExact
 
 # Layers whose weight curvlib factors as laplace's two-factor Kron expects:

@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
 import torch
 
-from .._errors import CurvatureError, CurvatureTypeError
+from .._core.errors import CurvatureError, CurvatureTypeError
 
 KFAC_APPROXES = ("expand", "reduce")
 

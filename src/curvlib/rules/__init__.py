@@ -6,7 +6,7 @@ Each family module exposes
   layer functionally with the given parameter tensors and record its sites;
 * optionally ``check(module, where)``: refuse unsupported configurations
   (called before any work, on every call);
-* one or more :class:`~curvlib.rules._site.Rule` tables with the math.
+* one or more :class:`~curvlib._core.site.Rule` tables with the math.
 
 A module whose type is in :data:`FAMILIES` (and whose ``forward`` is the
 family's own, so subclasses that change ``forward`` are not trusted) gets the
@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from . import batchnorm, conv, conv_transpose, embedding, generic, groupnorm, layernorm, linear, rnn
-from .._sync import LOCK
+from .._core.sync import LOCK
 from .generic import math_hooks, restored
 
 # (module types, family module name). Order matters only for subclasses.
@@ -108,7 +108,7 @@ def kron_factors(site, role: str, m, approx=None, max_dim=None):
 
 #: Rule kinds with Kronecker factors ``[B, A]`` of their own (``kron``, ``kron_input``).
 SPLIT_KRON_KINDS = ("linear", "conv", "conv_transpose")
-#: Rule kinds with their own factors in another layout (``kron`` only; see :mod:`curvlib._kronlayout`).
+#: Rule kinds with their own factors in another layout (``kron`` only; see :mod:`curvlib._core.kronlayout`).
 OWN_KRON_KINDS = ("embedding",)
 
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._conv_unfold import cached, fold_columns, padded_input, prod, unfold
-from ._site import Site
+from .._core.site import Site
 
 
 class Correlation(NamedTuple):

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ._conv_unfold import padded_input, patches, prod
 from ._gram import gram
-from ._site import Site
+from .._core.site import Site
 
 
 def kron(site: Site, role: str, m: Tensor, approx: Optional[str] = None,

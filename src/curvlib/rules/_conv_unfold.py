@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._site import Site
+from .._core.site import Site
 
 
 def prod(values: Sequence[int]) -> int:

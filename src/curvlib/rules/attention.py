@@ -3,7 +3,7 @@
 ``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer``/``DecoderLayer``,
 ``nn.TransformerEncoder``/``Decoder``, ``nn.Transformer`` and
 ``F.scaled_dot_product_attention`` are not leaves of curvlib's trace: the
-tracer (:mod:`curvlib._program`) runs the functions below on its proxies
+tracer (:mod:`curvlib._trace.program`) runs the functions below on its proxies
 instead of their ``forward``, so the graph holds their math. PyTorch's own
 forwards dispatch to fused kernels (``_native_multi_head_attention``,
 ``_transformer_encoder_layer_fwd``, the flash/efficient SDPA kernels) that
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._errors import CurvatureError
+from .._core.errors import CurvatureError
 from . import plain
 
 

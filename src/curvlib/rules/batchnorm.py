@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._errors import CurvatureError
-from ._site import Recorder, RoleTensors, Rule, Site
+from .._core.errors import CurvatureError
+from .._core.site import Recorder, RoleTensors, Rule, Site
 
 _EXPECTED_DIMS = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}
 

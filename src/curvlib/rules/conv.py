@@ -64,7 +64,7 @@ place and summed; blocks are sized so that this stays near
 :data:`COLUMN_BLOCK_BYTES` (at least one column: the block sizes hardly
 change the time on a CPU, the memory stays that of one individual gradient;
 under the ``"batched"`` strategy, the CUDA default, a block holds a whole chunk:
-:func:`curvlib._strategy.column_block_bytes`). For
+:func:`curvlib._core.strategy.column_block_bytes`). For
 ``L = 1`` the squares separate,
 ``Σ_{v,n} (a_vn b_nᵀ)² = Σ_n (Σ_v a_vn²)(b_n²)ᵀ``.
 
@@ -85,8 +85,8 @@ from typing import Optional, Sequence
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._errors import CurvatureError
-from .._strategy import column_block_bytes
+from .._core.errors import CurvatureError
+from .._core.strategy import column_block_bytes
 from ._conv_correlation import (
     Correlation, CorrelationOf, bias_grad_batch, conv_site_correlation, one_position_column_squares,
     per_sample_by_bmm, per_sample_by_kernel, square_fresh, sum_outer_squares, unfolded_x, weight_grad,
@@ -95,7 +95,7 @@ from ._conv_kron import input_factor, kron, kron_from_output_matrix, kron_input,
 from ._conv_unfold import (
     cached, explicit_padding, fold_columns, in_functorch_transform, padded_input, patches, prod, unfold,
 )
-from ._site import Recorder, RoleTensors, Rule, Site
+from .._core.site import Recorder, RoleTensors, Rule, Site
 
 __all__ = [
     "COLUMN_BLOCK_BYTES", "CONV", "METHOD", "PADDING_MODES",
@@ -163,7 +163,7 @@ def per_sample_weight_grad(c: Correlation) -> Tensor:
 
 def _column_block(c: Correlation, itemsize: int) -> int:
     """Columns per block: ``[N, B, *W]`` near :data:`COLUMN_BLOCK_BYTES`, ``B ≥ 1``
-    (under the ``"batched"`` strategy a far larger budget, :func:`~curvlib._strategy.column_block_bytes`:
+    (under the ``"batched"`` strategy a far larger budget, :func:`~curvlib._core.strategy.column_block_bytes`:
     all columns of a chunk in one weight-gradient kernel)."""
     per_column = c.x.shape[0] * c.g.shape[1] * (c.x.shape[1] // c.groups) * prod(c.kernel_size) * itemsize
     return max(1, column_block_bytes(c.x.device, COLUMN_BLOCK_BYTES) // max(1, per_column))

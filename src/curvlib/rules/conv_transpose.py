@@ -44,8 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._errors import CurvatureError
-from ._site import Recorder, Site
+from .._core.errors import CurvatureError
+from .._core.site import Recorder, Site
 from ._conv_correlation import Correlation
 from ._conv_kron import input_factor
 from ._conv_kron import kron as _conv_kron

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.func import jvp, vjp
 
-from .._sync import LOCK
+from .._core.sync import LOCK
 
 LINEAR_MODULES: Tuple[type, ...] = (
     nn.Identity, nn.Flatten, nn.Unflatten,
@@ -188,5 +188,5 @@ def second_derivative(phi: Callable[[Tensor], Tensor], a: Tensor) -> Tensor:
     def first_derivative(x: Tensor) -> Tensor:
         return vjp(phi, x)[1](ones)[0]
 
-    with LOCK:  # forward-mode AD state is process-wide (curvlib._sync)
+    with LOCK:  # forward-mode AD state is process-wide (curvlib._core.sync)
         return jvp(first_derivative, (a,), (ones,))[1]

@@ -42,9 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._errors import CurvatureError
+from .._core.errors import CurvatureError
 from ._gram import gram
-from ._site import Recorder, RoleTensors, Rule, Site
+from .._core.site import Recorder, RoleTensors, Rule, Site
 
 
 def check(module: nn.Embedding, where: str) -> None:
@@ -158,7 +158,7 @@ def kron(site: Site, role: str, m: Tensor, approx: Optional[str] = None,
       ``m̃`` the root with padding positions zeroed.
 
     ``"reduce"`` equals ``None`` for ``idx [N]`` (one position); on sequences its input
-    factor is dense, which :func:`curvlib._support.check_second_order` refuses. ``max_dim``:
+    factor is dense, which :func:`curvlib._plan.support.check_second_order` refuses. ``max_dim``:
     ``B [D]``, its diagonal, when ``D > max_dim`` (:func:`curvlib.rules._gram.gram`).
     """
     idx, rows = _root_rows(site, m)  # [N, P], [V', N, P, D]

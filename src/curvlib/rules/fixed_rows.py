@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from . import embedding, functional
 from ._gram import gram
-from ._site import Site
+from .._core.site import Site
 
 __all__ = ["BIAS_OPS", "bias_like", "row_map", "kron", "squares_per_sample", "diagonal_block", "tied_across_layers", "generic_block"]
 
@@ -154,7 +154,7 @@ def generic_block(u, m_by_site, sqrt: Callable[[], Tensor], approx: Optional[str
     (``h + self.pos``) gets Embedding's layout at its fixed rows (:func:`kron`); a ``≥ 2``-dim
     generic one or one tied across layers the diagonal of its exact block ``[F [P]]``; the
     others (scale and shift of normalisations, 1-D parameters) the exact block
-    ``F = Σ_{v,n} (J_pᵀ m_v)(J_pᵀ m_v)ᵀ [P, P]`` (:mod:`curvlib._kronlayout`), or its diagonal
+    ``F = Σ_{v,n} (J_pᵀ m_v)(J_pᵀ m_v)ᵀ [P, P]`` (:mod:`curvlib._core.kronlayout`), or its diagonal
     ``[F [P]]`` when ``P > max_dim``."""
     rows = row_map(u[0][0]) if len(u) == 1 else None
     if rows is not None:

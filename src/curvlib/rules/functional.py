@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.func import vjp, vmap
 
-from ._site import Recorder, RoleTensors, Rule, Site
+from .._core.site import Recorder, RoleTensors, Rule, Site
 from ._conv_correlation import Correlation
 from ._conv_unfold import unfold
 from .conv import per_sample_weight_grad

@@ -33,9 +33,9 @@ from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-from .._errors import CurvatureError
-from .._sync import LOCK
-from ._site import Recorder, RoleTensors, Rule, Site
+from .._core.errors import CurvatureError
+from .._core.sync import LOCK
+from .._core.site import Recorder, RoleTensors, Rule, Site
 
 
 def math_hooks(module: nn.Module) -> list:
@@ -54,7 +54,7 @@ def stateless_call(module: nn.Module, tensors: Dict[str, Tensor], args, kwargs) 
     * ``torch.func.functional_call`` can leave plain tensors in place of the
       parameters of a submodule that appears twice in the tree; every
       submodule's parameter and buffer slots are restored afterwards. The slots
-      are swapped under :data:`curvlib._sync.LOCK` (other threads must not see them).
+      are swapped under :data:`curvlib._core.sync.LOCK` (other threads must not see them).
     * Tensors a hook stores as plain attributes (the old-style ``weight_norm`` /
       ``spectral_norm`` set ``module.weight`` on every forward) are restored too:
       left behind, they would be torch.func wrappers (the model could then not
@@ -82,7 +82,7 @@ def _bilinear(weight: Tensor, bias: Optional[Tensor], x1: Tensor, x2: Tensor) ->
 @contextlib.contextmanager
 def restored(module: nn.Module):
     """Every submodule's parameter and buffer slots, and its plain tensor attributes, as
-    they were before the block (call under :data:`curvlib._sync.LOCK`)."""
+    they were before the block (call under :data:`curvlib._core.sync.LOCK`)."""
     slots = [(m, store, dict(getattr(m, store))) for m in module.modules() for store in ("_parameters", "_buffers")]
     attrs = [(m, {k: v for k, v in vars(m).items() if isinstance(v, Tensor)}) for m in module.modules()]
     try:

@@ -19,7 +19,7 @@ Given ``x̂`` the site is linear in ``(γ, β)``; the individual gradients
 are ``[N, C]`` (small), and every first-order quantity is read off them. The
 GGN family needs nothing more; the Hessian family takes the normalisation's
 second derivative as a dense per-sample residual of the node (see
-:mod:`curvlib._residuals`).
+:mod:`curvlib._hessian.residuals`).
 
 The forward normalises with ``F.layer_norm`` on the ``[N, G, C/G · S]`` view
 (:func:`curvlib.rules.layernorm.normalise`: from primitives inside torch.func transforms)
@@ -40,8 +40,8 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-from .._errors import CurvatureError
-from ._site import Recorder, RoleTensors, Rule, Site
+from .._core.errors import CurvatureError
+from .._core.site import Recorder, RoleTensors, Rule, Site
 from .layernorm import normalise
 
 

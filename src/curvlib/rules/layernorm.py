@@ -22,7 +22,7 @@ sample), from which every first-order quantity is read off. Because ``x̂`` is
 saved, the GGN family (which pulls ``V`` vectors back to the site's output and
 applies these functions per vector) needs nothing more. The Hessian family
 additionally needs the normalisation's second derivative: the engine takes it
-as a dense per-sample residual of the node (see :mod:`curvlib._residuals`;
+as a dense per-sample residual of the node (see :mod:`curvlib._hessian.residuals`;
 over ``x``, and over ``(w, b, x)`` where ``x`` depends on them, for a module
 used twice).
 
@@ -47,8 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._errors import CurvatureError
-from ._site import Recorder, RoleTensors, Rule, Site
+from .._core.errors import CurvatureError
+from .._core.site import Recorder, RoleTensors, Rule, Site
 
 
 def _canon(site: Site, t: Tensor) -> Tensor:

@@ -28,7 +28,7 @@ from torch.func import vmap
 
 from ._conv_correlation import square_fresh
 from ._gram import gram
-from ._site import Recorder, RoleTensors, Rule, Site
+from .._core.site import Recorder, RoleTensors, Rule, Site
 
 
 def _per_sample_outer(g: Tensor, x: Tensor) -> Tensor:

@@ -45,7 +45,7 @@ root at its own output. ``kfac_approx=None``: ``B = Σ_{v,n} (Σ_t m)(Σ_t m)ᵀ
 ``A = (1/N) Σ_{n,t} x xᵀ``; ``"expand"``: ``B = Σ_{v,n,t} m mᵀ``,
 ``A = (1/(N·T)) Σ_{n,t} x xᵀ``; ``"reduce"``: ``B`` as ``None``,
 ``A = (1/N) Σ_n x̄ x̄ᵀ`` (``x̄`` the mean over ``t``). KFRA is refused (a loop
-over time steps is not a chain of layers: :func:`curvlib._kfra.chain_nodes`).
+over time steps is not a chain of layers: :func:`curvlib._evaluate.kfra.chain_nodes`).
 
 The reverse direction runs ``t = T-1, …, 0``; its sites are indexed by the
 true time ``t`` as well. Layers feed the concatenated directions to the next
@@ -62,8 +62,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from .._errors import CurvatureError
-from ._site import Recorder, Site
+from .._core.errors import CurvatureError
+from .._core.site import Recorder, Site
 from .linear import LINEAR
 from .rnn_steps import Coupling, StepNodes, gru_step, lstm_step, rnn_step
 

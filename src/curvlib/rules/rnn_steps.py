@@ -2,7 +2,7 @@
 
 The Hessian family needs, for every node ``z = f(u)`` of the unrolled graph
 that is not linear, its residual ``R = ∇²_u (g_z · f(u))`` (see
-:mod:`curvlib._residuals`). A step is written here as those nodes, and each is
+:mod:`curvlib._hessian.residuals`). A step is written here as those nodes, and each is
 recorded with :meth:`Recorder.residual` when the Hessian is wanted
 (:class:`StepNodes` with a :class:`Coupling`); otherwise the same arithmetic
 runs with nothing recorded. Nodes of one step, with ``σ`` the sigmoid
@@ -37,7 +37,7 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._site import Recorder, Site
+from .._core.site import Recorder, Site
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class StepNodes:
         """``x ⊙ y``; ``varies=False``: ``y`` is a constant (the product is linear);
         ``y_params``: ``y`` depends on these parameters alone (not on the input), as a
         coordinate selection: ``y`` stands for them in ``u`` (PCHMP's views,
-        :func:`curvlib._residual_math.positive_curvature`)."""
+        :func:`curvlib._hessian.algebra.positive_curvature`)."""
         z = x * y
         if self.coupling is None or not varies:
             return z

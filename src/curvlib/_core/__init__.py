@@ -1,0 +1,11 @@
+"""Stage-free foundations every other folder may import (and which import nothing above them).
+
+- ``errors``: the exception family (``CurvatureError``, ``CurvatureTypeError``);
+- ``sync``: the one lock around process-wide state;
+- ``tensors``: facts about tensors and devices (is a value readable, free memory);
+- ``strategy``: how many root columns are pulled back at once, per device;
+- ``inputs``, ``outputs``, ``buffers``: the call's data as users pass it;
+- ``draws``, ``dropout``: random draws made explicit (Monte-Carlo vectors, masks);
+- ``site``: the records the trace is made of (``Site``, ``Rule``, ``Residual``);
+- ``kronlayout``: how Kronecker factors are laid out per parameter.
+"""

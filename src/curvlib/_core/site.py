@@ -1,0 +1,238 @@
+"""Sites: the parametrized primitives a forward pass is made of.
+
+A *site* is one application of a parametrized primitive (an affine map, a
+convolution, an embedding look-up, ...) inside the forward pass. A module
+used twice gives two sites; an RNN gives two or three sites per layer and
+direction (input-to-hidden, hidden-to-hidden, projection), each shared over
+the time steps.
+
+During the forward pass every site records the tensors its rule needs
+(``saved``) and gets a zero *probe* added to its output. Differentiating the
+loss with respect to the probes yields ``g``, the gradient of the loss with
+respect to the site's output, which holds every sample's own output gradient
+in its batch rows (samples never mix). A :class:`Rule` turns ``(saved, g)``
+into per-sample quantities of the site's parameters.
+
+Index letters used by the rules: ``n`` batch, ``s`` positions sharing the
+weight (sequence, spatial; flattened), ``i`` input features, ``o`` output
+features, ``v`` backpropagated vectors.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+# role -> tensor, e.g. {"weight": [N, *w.shape], "bias": [N, *b.shape]}
+RoleTensors = Dict[str, Tensor]
+RuleFn = Callable[["Site", Tensor, Sequence[str]], RoleTensors]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Per-sample math of one primitive kind, as a table of pure functions.
+
+    Every function takes ``(site, g, roles)``: the recorded site, the output
+    gradient ``g`` (same shape as the site's output) and the parameter roles
+    to compute (e.g. ``("weight", "bias")``), and returns a dict role ->
+    tensor.
+
+    Attributes:
+        kind: short name of the primitive (``"linear"``, ``"conv"``, ...).
+        grad_batch: role -> ``[N, *p.shape]``, individual gradients.
+        grad: role -> ``p.shape``, their sum (default: sum of ``grad_batch``).
+        batch_l2: role -> ``[N]``, squared norms (default: from ``grad_batch``).
+        sum_grad_squared: role -> ``p.shape`` (default: from ``grad_batch``).
+        sum_squares_over_columns: optional fast ``Σ_v sum_grad_squared(m_v)``.
+        any_batch_dim: the rule reads ``site.meta["batch_dim"]`` and so works
+            wherever the batch sits in its output (the planner fills it in);
+            otherwise the batch must be in dim 0 of the site's output.
+    """
+
+    kind: str
+    grad_batch: RuleFn
+    grad: Optional[RuleFn] = None
+    # (site, g) -> whether, when the individual gradients are computed anyway, their sum
+    # Σ_n grad_batch_n is cheaper than ``grad`` (e.g. a Linear over many positions).
+    grad_from_batch: Optional[Callable[[Site, Tensor], bool]] = None
+    batch_l2: Optional[RuleFn] = None
+    sum_grad_squared: Optional[RuleFn] = None
+    any_batch_dim: bool = False
+    # (site, m [V, *out], roles) -> role -> [K, *p] whose sum over K is
+    # Σ_v sum_grad_squared(m_v): a faster GGN diagonal where the layer allows.
+    sum_squares_over_columns: Optional[RuleFn] = None
+    # (site, m [V, *out], roles) -> role -> [N, *p]: Σ_v grad_batch(m_v)².
+    batch_sum_squares_over_columns: Optional[RuleFn] = None
+    # the columns of a square root go through one vmapped grad_batch, not a loop over them
+    # (a rule whose grad_batch is itself a vmapped VJP of one op: one batched call is cheaper)
+    vmap_columns: bool = False
+
+
+@dataclass
+class Site:
+    """One recorded application of a primitive.
+
+    Attributes:
+        rule: the primitive's math.
+        params: role -> canonical parameter name (``model.named_parameters()``),
+            only for parameters whose quantities are wanted.
+        where: path of the module in the model, for messages.
+        meta: hyperparameters (no tensors), e.g. stride and groups.
+        saved: tensors the rule needs, e.g. ``{"x": layer input}``.
+        key: index of the site's probe.
+    """
+
+    rule: Rule
+    params: Dict[str, str]
+    where: str
+    meta: Dict[str, Any] = field(default_factory=dict)
+    saved: Dict[str, Tensor] = field(default_factory=dict)
+    key: int = -1
+
+
+@dataclass
+class Residual:
+    """A graph node whose second derivative enters the Hessian (see :mod:`curvlib._hessian.residuals`).
+
+    Attributes:
+        where: the graph node's name, for messages.
+        kind: ``"diag"``, ``"product"``, ``"bilinear"``, ``"softmax"``, ``"matmul"`` or ``"dense"``.
+        phi: ``φ(a)`` (diag) or ``φ(theta, *inputs)`` (dense); ``None`` otherwise.
+        inputs: the node's graph inputs (*taps*: the forward returns them, so that
+            vectors can be pulled back from them).
+        params: dense kind: the node's own trainable parameters in ``u`` (canonical name -> tensor).
+        site: bilinear kind: the Linear site.
+        taps: indices of ``inputs`` in the forward's list of taps.
+        free: dense kind: those of ``params`` that none of the node's inputs
+            depends on (their couplings with the rest of ``u`` are left out).
+        in_dims: the batch dimension of every input (filled in from the plan).
+        out_dim: the batch dimension of the node's output.
+        meta: kind-specific facts (softmax: its ``axis``).
+    """
+
+    where: str
+    kind: str
+    phi: Optional[Callable]
+    inputs: List[Tensor]
+    params: Dict[str, Tensor] = field(default_factory=dict)
+    site: Optional["Site"] = None
+    taps: List[int] = field(default_factory=list)
+    free: Tuple[str, ...] = ()
+    in_dims: Tuple[int, ...] = ()
+    out_dim: int = 0
+    meta: Dict[str, Any] = field(default_factory=dict)
+
+
+class Recorder:
+    """Collects sites during one forward pass and adds their probes.
+
+    With ``probes=None`` (the planning pass) nothing is added and only the
+    output shapes are recorded; otherwise ``probes[k]`` is added to the
+    output of the ``k``-th site. ``targets[k]`` is the tensor whose gradient is
+    the ``k``-th site's output gradient: its probe, or, with ``direct=True``
+    (plain autograd, which differentiates with respect to intermediate tensors),
+    the site's output itself whenever that is already part of the autograd
+    graph: no zero tensor, no addition, no extra copy of the activation.
+
+    ``residual_nodes`` (graph node -> ``φ``) switches on the bookkeeping the
+    Hessian needs: those nodes' inputs are recorded as taps and their
+    outputs get probes from ``residual_probes``.
+    """
+
+    def __init__(
+        self,
+        probes: Optional[Sequence[Tensor]] = None,
+        residual_probes: Optional[Sequence[Tensor]] = None,
+        residual_nodes: Optional[Mapping[Any, Any]] = None,
+        direct: bool = False,
+    ):
+        self.probes = probes
+        self.direct = direct
+        self.targets: List[Tensor] = []
+        self.versions: List[Optional[int]] = []  # of direct targets, to detect in-place changes
+        self.residual_probes = residual_probes
+        self.residual_nodes = residual_nodes or {}
+        self.sites: List[Site] = []
+        self.out_shapes: List[Tuple[int, ...]] = []
+        self.out_dtypes: List[torch.dtype] = []
+        self.residuals: List[Residual] = []
+        self.residual_shapes: List[Tuple[int, ...]] = []
+        # Set while a layer whose rule records its own nonlinear nodes runs (a recurrent
+        # module: its rnn_steps.Coupling); None when no residuals are wanted from it.
+        self.layer_residuals: Any = None
+
+    def residual(self, where: str, kind: str, phi: Optional[Callable], inputs: List[Tensor], z: Tensor,
+                 params: Optional[Dict[str, Tensor]] = None, site: Optional["Site"] = None,
+                 free: Sequence[str] = (), meta: Optional[Dict[str, Any]] = None) -> Tensor:
+        """Record the residual of a node with output ``z``; return ``z`` + its probe."""
+        k = len(self.residuals)
+        first = sum(len(r.inputs) for r in self.residuals)
+        self.residuals.append(
+            Residual(where, kind, phi, list(inputs), dict(params or {}), site,
+                     list(range(first, first + len(inputs))), tuple(free), (0,) * len(inputs),
+                     meta=dict(meta or {}))
+        )
+        self.residual_shapes.append(tuple(z.shape))
+        if self.residual_probes is None:
+            return z
+        return z + self.residual_probes[k]
+
+    def add(self, site: Site, out: Tensor) -> Tensor:
+        """Record ``site`` whose primitive produced ``out``; return ``out`` + probe."""
+        if not site.params:  # nothing wanted from this site: no probe needed
+            return out
+        site.key = len(self.sites)
+        self.sites.append(site)
+        self.out_shapes.append(tuple(out.shape))
+        self.out_dtypes.append(out.dtype)
+        if self.probes is None:
+            return out
+        if self.direct and out.requires_grad and not out.is_leaf and all(out is not t for t in self.targets):
+            self.targets.append(out)
+            self.versions.append(out._version)
+            return out
+        probe = self.probes[site.key]
+        self.targets.append(probe)
+        self.versions.append(None)
+        return out + probe
+
+    def open(self, site: Site, out_shape: Tuple[int, ...], dtype: torch.dtype) -> Optional[Tensor]:
+        """Record a site whose output is built piecewise (RNN steps).
+
+        Returns the probe (to be added slice by slice), or ``None`` when there
+        is nothing to add (planning pass, or no wanted parameter).
+        """
+        if not site.params:
+            return None
+        site.key = len(self.sites)
+        self.sites.append(site)
+        self.out_shapes.append(tuple(out_shape))
+        self.out_dtypes.append(dtype)
+        if self.probes is None:
+            return None
+        self.targets.append(self.probes[site.key])
+        self.versions.append(None)
+        return self.probes[site.key]
+
+    def overwritten(self) -> bool:
+        """Whether an in-place operation changed a direct target after it was recorded
+        (its gradient would then be that of the changed tensor: redo with probes)."""
+        return any(v is not None and t._version != v for t, v in zip(self.targets, self.versions))
+
+
+def uses_of(sites: Sequence[Site]) -> Dict[str, List[Tuple[Site, str]]]:
+    """Parameter name -> every ``(site, role)`` that reads it (several for shared weights)."""
+    uses: Dict[str, List[Tuple[Site, str]]] = defaultdict(list)
+    for site in sites:
+        for role, name in site.params.items():
+            uses[name].append((site, role))
+    return uses
+
+
+def reduce_over_batch(values: Mapping[str, Tensor]) -> RoleTensors:
+    """Sum per-sample tensors ``[N, *p]`` over the batch."""
+    return {role: v.sum(0) for role, v in values.items()}

@@ -1,0 +1,1 @@
+"""``python -m curvlib``: the self-checking demo (``main``), its problem, command line and figure."""

@@ -1,0 +1,273 @@
+"""Run a traced :class:`~curvlib._trace.program.Program` functionally and differentiate it.
+
+One evaluation is
+
+1. *plan* (once per input signature, cached): run the graph on fake tensors
+   for batch sizes ``N`` and ``N + 1`` to learn every site's output shape and
+   which of its dimensions is the batch, and the model's output shape, so
+   that targets and layers are checked before any real work;
+2. *forward*: run the graph with real tensors under :func:`torch.func.vjp`,
+   adding a zero probe to every site's output;
+3. *backward*: ``g_k = ∂L/∂probe_k`` for all sites in one vector-Jacobian
+   product seeded with ``∂L/∂output``;
+4. *read off*: each site's rule turns ``(saved inputs, g_k)`` into per-sample
+   quantities; a parameter used by several sites sums its individual
+   gradients over the sites before any square or norm is taken.
+
+Everything here is a pure function of ``(params, X, y)``; it composes with
+:func:`torch.func.vmap` because it only uses torch.func transforms.
+"""
+
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor, fx
+from torch.func import vjp
+
+from .._core import inputs as _inputs, strategy as _strategy
+from .._trace.program import Program
+from .._interpret.graph import run_graph
+from .._plan.plan import Plan
+from .._core.site import Recorder, Site
+
+__all__ = ["Linearization", "forward_with_probes"]
+
+
+@dataclass
+class Linearization:
+    """The forward pass of one evaluation, ready to pull vectors back.
+
+    Attributes:
+        out: model output ``[N, *]``.
+        sites: recorded sites (saved tensors filled in).
+        residuals: recorded element-wise nonlinearities (Hessian only).
+        taps: their inputs ``a``, in the same order.
+        pullback: ``(cot_out, cot_taps) -> (site_grads, residual_grads)``.
+    """
+
+    out: Tensor
+    sites: List[Site]
+    residuals: list
+    taps: List[Tensor]
+    pullback: Callable
+    batched_pullback: Optional[Callable] = None
+    pull_loss: Optional[Callable] = None
+    values: Optional[Dict[fx.Node, object]] = None
+
+    def pull(self, cot_out: Tensor, cot_taps: Optional[Sequence[Tensor]] = None):
+        """Pull one cotangent back to every site output and residual output."""
+        if cot_taps is None:
+            cot_taps = [torch.zeros_like(t) for t in self.taps]
+        return self.pullback((cot_out, list(cot_taps)))
+
+    def pull_batched(self, cot_out: Optional[Tensor], cot_taps: Optional[Dict[int, Tensor]] = None):
+        """Pull ``V`` cotangents at once (``cot_out [V, *out]`` and/or taps ``{i: [V, *a_i]}``).
+
+        Returns the list of site gradients ``[V, *site_out]`` (residual
+        gradients are dropped).
+        """
+        cot_taps = cot_taps or {}
+        batched_out = cot_out is not None
+        if self.batched_pullback is not None:  # plain autograd: is_grads_batched
+            v = (cot_out if batched_out else next(iter(cot_taps.values()))).shape[0]
+            if v == 1:  # one column: a plain backward is cheaper than a batched one
+                c_out = cot_out[0] if batched_out else torch.zeros_like(self.out)
+                c_taps = [cot_taps[i][0] if i in cot_taps else torch.zeros_like(t) for i, t in enumerate(self.taps)]
+                return [g.unsqueeze(0) for g in self.pullback((c_out, c_taps))[0]]
+            c_out = cot_out if batched_out else self.out.new_zeros((v,) + tuple(self.out.shape))
+            c_taps = [cot_taps[i] if i in cot_taps else t.new_zeros((v,) + tuple(t.shape)) for i, t in enumerate(self.taps)]
+            return self.batched_pullback(c_out, c_taps)
+        out_arg = cot_out if batched_out else torch.zeros_like(self.out)
+        tap_args = [cot_taps.get(i, torch.zeros_like(t)) for i, t in enumerate(self.taps)]
+        tap_dims = [0 if i in cot_taps else None for i in range(len(self.taps))]
+
+        def one(c_out, c_taps):
+            return self.pullback((c_out, list(c_taps)))[0]
+
+        return torch.func.vmap(one, in_dims=(0 if batched_out else None, tap_dims))(out_arg, tap_args)
+
+
+def _inside_transform() -> bool:
+    """Whether we run under a torch.func transform (vmap over an ensemble, grad, ...)."""
+    try:
+        return torch._C._functorch.maybe_current_level() is not None
+    except AttributeError:  # pragma: no cover - older torch
+        return True
+
+
+def forward_with_probes(program: Program, plan: Plan, X: Tensor, params, trainable, residual_nodes=None, runner=None,
+                        direct: bool = False, keep_values: bool = False, functorch: bool = False) -> Linearization:
+    """Run the forward, differentiable with respect to the probes.
+
+    Outside any torch.func transform this uses plain autograd (less overhead,
+    the common case); inside one (``vmap`` over an ensemble of parameters) it
+    uses :func:`torch.func.vjp`, which composes. Both give the same pullback.
+    ``direct=True`` (plain autograd only; for graphs without in-place
+    operations, see :func:`~curvlib._trace.graph_facts.has_inplace`) differentiates with respect to the
+    sites' outputs themselves instead of zero probes added to them.
+    ``keep_values=True`` (plain autograd only) keeps every graph node's value in
+    ``Linearization.values`` (KFRA's recursion reuses them). ``functorch=True``
+    takes the torch.func route outside transforms too: its results stay
+    differentiable w.r.t. inputs and parameter values that require grad.
+    """
+    if functorch or _inside_transform():
+        return _forward_functorch(program, plan, X, params, trainable, residual_nodes, runner)
+    if direct:
+        lin = _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner, True, keep_values)
+        if lin is not None:
+            return lin
+    return _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner, False, keep_values)
+
+
+class _LazyProbes:
+    """Zero probes created on first use (direct mode needs few or none)."""
+
+    def __init__(self, plan: Plan, X: Tensor):
+        self._plan, self._X = plan, X
+        self._made: Dict[int, Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self._plan.site_shapes)
+
+    def __getitem__(self, k: int) -> Tensor:
+        if k not in self._made:
+            self._made[k] = torch.zeros(
+                self._plan.site_shapes[k], dtype=self._plan.site_dtypes[k], device=_inputs.first(self._X).device, requires_grad=True
+            )
+        return self._made[k]
+
+
+def _zero_probes(plan: Plan, X: Tensor, requires_grad: bool):
+    probes = [
+        torch.zeros(shape, dtype=dtype, device=_inputs.first(X).device, requires_grad=requires_grad)
+        for shape, dtype in zip(plan.site_shapes, plan.site_dtypes)
+    ]
+    rprobes = [
+        torch.zeros(shape, dtype=plan.out_dtype, device=_inputs.first(X).device, requires_grad=requires_grad)
+        for shape in plan.residual_shapes
+    ]
+    return probes, rprobes
+
+
+def _finish(rec: Recorder, plan: Plan, saved, taps) -> None:
+    if len(rec.sites) != len(plan.site_shapes):  # pragma: no cover - internal invariant
+        raise RuntimeError("curvlib internal error: the forward recorded a different set of sites")
+    for site, s in zip(rec.sites, saved):
+        site.saved = s
+        site.meta["batch_dim"] = plan.batch_dims[site.key]
+    merges = plan.residual_merges or (None,) * len(rec.residuals)
+    for r, (in_dims, out_dim), merge in zip(rec.residuals, plan.residual_dims, merges):
+        r.meta["merge"] = merge
+        r.inputs = [taps[k] for k in r.taps]
+        k = len(r.inputs)  # after the inputs' batch dims: those of the integer inputs (dense kind)
+        r.in_dims, r.out_dim = in_dims[:k], out_dim
+        if "fixed" in r.meta:
+            r.meta["fixed_dims"] = in_dims[k:]
+
+
+def _forward_functorch(program, plan, X, params, trainable, residual_nodes, runner) -> Linearization:
+    probes, rprobes = _zero_probes(plan, X, requires_grad=False)
+    recorded: List[Recorder] = []
+
+    def forward(probes_, rprobes_):
+        rec = Recorder(probes_, rprobes_ if residual_nodes else None, residual_nodes)
+        out = (runner or run_graph)(program, X, params, trainable, rec)
+        recorded.append(rec)
+        return (out, [a for r in rec.residuals for a in r.inputs]), [s.saved for s in rec.sites]
+
+    (out, taps), pullback, saved = vjp(forward, probes, rprobes, has_aux=True)
+    rec = recorded[-1]
+    _finish(rec, plan, saved, taps)
+    return Linearization(out=out, sites=rec.sites, residuals=rec.residuals, taps=list(taps), pullback=pullback)
+
+
+def _batched(pullback: Callable, device: torch.device) -> Callable:
+    """``(c_out [V, *out], c_taps) -> site gradients [V, *site_out]`` for ``pullback``.
+
+    ``"looped"`` (:mod:`curvlib._core.strategy`, the CPU default):
+    ``autograd.grad(is_grads_batched=True)``, whose legacy vmap runs most backward
+    kernels (convolution, pooling) once per column. ``"batched"`` (the CUDA default):
+    :func:`torch.func.vmap` over the same backward, whose batching rules fold the
+    ``V`` columns into each kernel's batch: one ``convolution_backward`` or
+    ``max_pool2d_with_indices_backward`` per site and chunk instead of ``V``.
+    """
+    def pull(c_out, c_taps):
+        if not _strategy.batched(device):
+            return pullback((c_out, c_taps), batched=True)[0]
+        return torch.func.vmap(lambda o, t: pullback((o, t))[0])(c_out, list(c_taps))
+
+    return pull
+
+
+def _autograd_probes(plan, X, direct: bool):
+    """``(probes, residual probes, X)`` for :func:`_forward_autograd`: zero probes added
+    to every site's output, or (``direct``) sites read as they are, lazily."""
+    if not direct:
+        return (*_zero_probes(plan, X, requires_grad=True), X)
+    probes = _LazyProbes(plan, X)
+    rprobes = [
+        torch.zeros(shape, dtype=plan.out_dtype, device=_inputs.first(X).device, requires_grad=True)
+        for shape in plan.residual_shapes
+    ]
+    # A floating input that requires grad puts the first layers' outputs into the
+    # autograd graph (the engine never computes the input's own gradient).
+    X = _inputs.map_tensors(lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t, X)
+    return probes, rprobes, X
+
+
+def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner, direct: bool = False,
+                      keep_values: bool = False):
+    """The forward under plain autograd (``None`` if ``direct`` and an in-place
+    operation overwrote a site's output: the caller then runs it with probes)."""
+    probes, rprobes, X = _autograd_probes(plan, X, direct)
+    rec = Recorder(probes, rprobes if residual_nodes else None, residual_nodes, direct=direct)
+    values: Optional[Dict[fx.Node, object]] = {} if keep_values and runner is None else None
+    with torch.enable_grad():
+        if values is not None:
+            out = run_graph(program, X, params, trainable, rec, env=values)
+        else:
+            out = (runner or run_graph)(program, X, params, trainable, rec)
+    if direct and rec.overwritten():
+        return None
+    taps = [a for r in rec.residuals for a in r.inputs]
+    inputs = list(rec.targets) + (rprobes if residual_nodes else [])
+    n_sites = len(rec.targets)
+
+    def pullback(cotangents, batched: bool = False):
+        cot_out, cot_taps = cotangents
+        pairs = [(o, c) for o, c in zip([out] + taps, [cot_out] + list(cot_taps)) if o.requires_grad]
+        if not inputs or not pairs:
+            grads = [None] * len(inputs)
+        else:
+            grads = torch.autograd.grad(
+                [o for o, _ in pairs], inputs, [c for _, c in pairs],
+                retain_graph=True, allow_unused=True, is_grads_batched=batched,
+            )
+        lead = (cot_out.shape[0],) if batched else ()
+        grads = [torch.zeros(lead + tuple(i.shape), dtype=i.dtype, device=i.device) if g is None else g
+                 for g, i in zip(grads, inputs)]
+        return grads[:n_sites], grads[n_sites:]
+
+    def pull_loss(loss_of: Callable[[Tensor], Tensor], retain: bool):
+        """The loss and its gradient at every site in *one* backward from the loss
+        (no separate backward for ``∂L/∂out``); ``retain=False`` frees the graph."""
+        with torch.enable_grad():
+            loss = loss_of(out)
+        if not inputs or not loss.requires_grad:
+            grads = [None] * len(inputs)
+        else:
+            grads = torch.autograd.grad(loss, inputs, retain_graph=retain, allow_unused=True)
+        grads = [torch.zeros_like(i) if g is None else g for g, i in zip(grads, inputs)]
+        return loss.detach(), (grads[:n_sites], grads[n_sites:])
+
+    saved = [{k: v.detach() for k, v in site.saved.items()} for site in rec.sites]
+    _finish(rec, plan, saved, [t.detach() for t in taps])
+    lin = Linearization(out=out.detach(), sites=rec.sites, residuals=rec.residuals, taps=[t.detach() for t in taps], pullback=pullback)
+    lin.batched_pullback = _batched(pullback, _inputs.first(X).device)
+    lin.pull_loss = pull_loss
+    lin.values = values
+    return lin

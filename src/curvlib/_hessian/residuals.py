@@ -1,0 +1,372 @@
+"""Second-derivative (residual) terms of the Hessian on general graphs: which
+nodes carry one, and how they are recorded during the forward.
+
+With ``g_z = ∂L/∂z`` the gradient at a node ``z = f(u)``, the Hessian is the
+GGN plus, for every node, ``J_uᵀ R J_u`` with the node's *residual*
+
+    R = ∇²_u (g_z · f(u))          (per sample; zero for piecewise-linear nodes).
+
+``u`` holds the node's input-dependent graph inputs and, for a layer (or a
+node reading parameters directly), those of its own trainable parameters on
+which one of its inputs depends (a module used twice, tied weights). A
+parameter none of its inputs depends on couples with them in ``R``, but that
+coupling enters no diagonal block of the Hessian (no parameter moves both),
+so it is left out: for the families affine in their parameters (Linear,
+convolutions, normalisations, ...) the parameter leaves ``u`` altogether
+(Chen et al.'s modular definition: a Linear layer of an MLP, or a LayerNorm
+used once, has only its input's residual); for other layers it keeps its own
+block (``Residual.free``). The block products (GGNMP, HMP) and the Hessian
+diagonal are exact either way; PCHMP modifies the eigenvalues of this ``R``
+restricted, for the block of ``p``, to what moves with ``p`` (the inputs, and
+``p`` where it is the node's own): a shared Linear's ``R|x = 0`` leaves the
+blocks of the parameters before it as without sharing
+(:func:`curvlib._hessian.algebra.positive_curvature`). Integer inputs of a
+dense node (token ids, masks) are not in ``u``; they travel with the residual
+(``meta["fixed"]``, batch dims ``meta["fixed_dims"]``) so that ``R_n`` uses
+sample ``n``'s.
+Kinds, by structure:
+
+* ``"diag"``: element-wise ``z = φ(a)``: ``R = diag(φ''(a) ⊙ g)``;
+* ``"product"``: ``z = x ⊙ y`` (same shapes): ``R = [[0, D], [D, 0]]``, ``D = diag(g)``;
+* ``"bilinear"``: a Linear layer ``y = W x`` whose input depends on its own
+  weight (shared modules, tied weights): ``R`` couples ``W_oi`` and ``x_si``
+  with ``g_so``;
+* ``"softmax"``: ``softmax`` along one axis: per row ``diag(b) − b sᵀ − s bᵀ``,
+  rows independent (:mod:`curvlib._hessian.structured`);
+* ``"matmul"``: ``z = X Y`` of two graph tensors with the same leading dims
+  (attention's ``q kᵀ`` and ``A v``): ``R`` couples ``X`` and ``Y`` through
+  ``G ⊗ I`` per leading index, factored by an SVD of ``G``
+  (:mod:`curvlib._hessian.structured`);
+* ``"norm"``: ``nn.LayerNorm``/``nn.GroupNorm`` whose input does not depend on
+  its own parameters: block-diagonal, one ``[d, d]`` block per normalised row
+  (closed form, :mod:`curvlib._hessian.norm`);
+* ``"dense"``: any other node (division, other normalisations, broadcasting matrix
+  products, layers nonlinear in their input): ``R`` per sample from
+  :func:`torch.func.hessian`. Its size is checked before any work.
+
+The per-sample algebra (signed columns for the diagonal, eigenvalue-modified
+operators for PCHMP) is in :mod:`curvlib._hessian.algebra`.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+
+from .._core.errors import CurvatureError
+from .._trace.program import Program
+from ..rules import call_without_hooks, functional
+from .._core.site import Recorder
+from ..rules.elementwise import classify
+from ..rules.rnn_steps import Coupling
+
+# Families whose layers are affine in their input: no residual of their own
+# unless the input depends on the weight ("bilinear"; only Linear supports that).
+AFFINE_FAMILIES = ("linear", "conv", "conv_transpose", "batchnorm", "embedding")
+# Families affine in their parameters (∂²f/∂θ² = 0): a parameter that no input
+# depends on has a zero residual block of its own and leaves ``u``.
+AFFINE_IN_PARAMETERS = AFFINE_FAMILIES + ("layernorm", "groupnorm")
+# Normalisations with a block-diagonal residual over their input (``"norm"`` kind).
+NORM_FAMILIES = ("layernorm", "groupnorm")
+
+
+
+def _describe(program: Program, node: fx.Node) -> str:
+    if node.op == "call_module":
+        return f"module '{node.target}' ({type(program.root.get_submodule(node.target)).__name__})"
+    what = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    return f"{what} (graph node '{node.name}')"
+
+
+Planned = Tuple[str, Optional[Callable], frozenset]
+
+
+def residual_plan(program: Program) -> Dict[fx.Node, Planned]:
+    """Which graph nodes carry a residual, and how to record it.
+
+    Returns:
+        node -> ``(kind, phi, coupled)``: ``phi`` is ``φ(a)`` for ``"diag"``, the
+        :class:`~curvlib.rules.rnn_steps.Coupling` for ``"layer"`` (a recurrent
+        module, whose rule records its unrolled nodes itself), ``None`` otherwise (a dense node's function is built from the node);
+        ``coupled`` the node's own parameters (canonical names) on which one of
+        its inputs depends (see the module doc).
+    """
+    graph = program.graph
+    dependent = program.dependent
+    upstream = _upstream_parameters(program)
+    plan: Dict[fx.Node, Planned] = {}
+    for node in graph.nodes:
+        if node not in dependent or node.op in ("placeholder", "output"):
+            continue
+        reach = frozenset().union(*(upstream[a] for a in node.all_input_nodes if a in dependent))
+        layer = program.layers.get(node.target) if node.op == "call_module" else None
+        if layer is not None:
+            coupled = frozenset(layer.names.values()) & reach
+            if layer.kind == "rnn":  # the rule records its unrolled nodes itself
+                plan[node] = ("layer", _recurrent_coupling(node, layer, upstream, dependent), coupled)
+                continue
+            if layer.kind in NORM_FAMILIES and not coupled:
+                plan[node] = ("norm", None, coupled)
+            elif layer.kind not in AFFINE_FAMILIES:
+                plan[node] = ("dense", None, coupled)
+            elif layer.kind == "linear" and layer.names.get("weight") in coupled:
+                plan[node] = ("bilinear", None, coupled)
+            continue
+        use = program.functional.get(node)
+        if use is not None:
+            coupled = frozenset(use.params) & reach
+            if use.linear is not None:  # F.linear on parameters: a Linear site
+                if use.linear["weight"] in coupled:  # (a transposed weight: its dense block, same math)
+                    plan[node] = ("dense" if use.transposed else "bilinear", None, coupled)
+            elif not (use.affine and not coupled):  # (affine, uncoupled: no residual)
+                plan[node] = ("dense", None, coupled)
+            continue
+        kind, phi = classify(node, program.root, program.layers, dependent)
+        if kind == "elementwise":
+            plan[node] = ("diag", phi, frozenset())
+        elif kind == "other":
+            plan[node] = (_structured_kind(node, program.root, dependent), None, frozenset())
+    return plan
+
+
+_MATMULS = (torch.matmul, operator.matmul, torch.bmm)
+
+
+def _structured_kind(node: fx.Node, root: nn.Module, dependent: set) -> str:
+    """``"product"``, ``"matmul"`` (both factors graph tensors), ``"softmax"`` or ``"dense"``
+    (shapes are checked again when the node is recorded)."""
+    if _is_product(node, dependent):
+        return "product"
+    args = node.args
+    if ((node.op == "call_function" and node.target in _MATMULS) or (node.op == "call_method" and node.target in ("matmul", "bmm"))) \
+            and len(args) == 2 and not node.kwargs and all(isinstance(a, fx.Node) and a in dependent for a in args):
+        return "matmul"
+    if softmax_axis(node, root) is not None:
+        return "softmax"
+    return "dense"
+
+
+def softmax_axis(node: fx.Node, root: nn.Module) -> Optional[int]:
+    """The axis of ``torch.softmax``/``F.softmax``/``x.softmax``/``nn.Softmax`` on one graph
+    tensor (no ``dtype``), else ``None``."""
+    if node.op == "call_module":
+        module = root.get_submodule(node.target)
+        ok = type(module) is nn.Softmax and len(node.args) == 1 and not node.kwargs
+        return module.dim if ok and module.dim is not None else None
+    if not ((node.op == "call_function" and node.target in (torch.softmax, F.softmax))
+            or (node.op == "call_method" and node.target == "softmax")):
+        return None
+    rest, kwargs = node.args[1:], dict(node.kwargs)
+    dim = rest[0] if rest else kwargs.pop("dim", None)
+    if len(rest) > 1 or kwargs.get("dtype") is not None or set(kwargs) - {"dtype", "_stacklevel"}:
+        return None
+    return dim if isinstance(dim, int) else None
+
+
+def _recurrent_coupling(node: fx.Node, layer, upstream, dependent: set) -> Coupling:
+    """Which of a recurrent module's own parameters its input and initial states depend
+    on, and whether the initial states depend on the model input (:mod:`curvlib.rules.rnn_steps`)."""
+    x_arg = node.args[0] if node.args else node.kwargs.get("input")
+    hx_arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("hx")
+    own = frozenset(layer.names.values())
+
+    def nodes_in(arg) -> List[fx.Node]:
+        found: List[fx.Node] = []
+        fx.node.map_arg(arg, found.append)
+        return found
+
+    def reach(arg) -> frozenset:
+        return own & frozenset().union(*(upstream[a] for a in nodes_in(arg)))
+
+    return Coupling(x=reach(x_arg), hx=reach(hx_arg), state_varies=any(a in dependent for a in nodes_in(hx_arg)))
+
+
+def _upstream_parameters(program: Program) -> Dict[fx.Node, frozenset]:
+    """Per node, the parameters (canonical names) its value depends on."""
+    upstream: Dict[fx.Node, frozenset] = {}
+    for node in program.graph.nodes:
+        names = frozenset().union(*(upstream[a] for a in node.all_input_nodes))
+        if node.op == "call_module" and node.target in program.layers:
+            names |= frozenset(program.layers[node.target].names.values())
+        elif node.op == "get_attr":
+            value = program.root
+            for part in node.target.split("."):
+                value = getattr(value, part)
+            if isinstance(value, nn.Parameter) and id(value) in program.param_names:
+                names |= {program.param_names[id(value)]}
+        upstream[node] = names
+    return upstream
+
+
+def _is_product(node: fx.Node, dependent: set) -> bool:
+    if node.op == "call_function" and node.target in (operator.mul, torch.mul):
+        pass
+    elif not (node.op == "call_method" and node.target == "mul"):
+        return False
+    args = node.args
+    return len(args) == 2 and all(isinstance(a, fx.Node) and a in dependent for a in args)
+
+
+def _out_of_place(fn: Callable) -> Callable:
+    """``fn`` applied to a copy of its tensor arguments (for in-place operations)."""
+    return lambda *xs, **kw: fn(*(x.clone() if isinstance(x, Tensor) else x for x in xs), **kw)
+
+
+def record(program: Program, node: fx.Node, planned: Planned, env: Dict[fx.Node, object],
+           params: Dict[str, Tensor], trainable: frozenset, rec: Recorder, dependent: set,
+           before: Optional[Dict[fx.Node, Tensor]] = None) -> None:
+    """Record the residual of ``node`` (already evaluated into ``env``) with ``rec``.
+
+    ``planned``: the node's entry of :func:`residual_plan`. ``before``: for an
+    in-place node, copies of its inputs taken before it ran (the residual is a
+    function of those values, and they carry the graph).
+    """
+    kind, phi, coupled = planned
+    if kind == "layer":
+        return  # recorded by the layer's rule while it ran (recurrent modules)
+    env_out = env
+    z = env[node]
+    inplace = before is not None
+    if inplace:
+        env = {**env, **before}
+        if phi is not None:
+            phi = _out_of_place(phi)
+    if not isinstance(z, Tensor):
+        raise CurvatureError(
+            f"The Hessian extensions need the second derivative of graph node '{node.name}' "
+            f"({_describe(program, node)}), which returns {type(z).__name__}, not a tensor; "
+            "curvlib handles nonlinear operations with one tensor output."
+        )
+    if not (z.is_floating_point() or z.is_complex()):
+        return  # integer or boolean values (indices, masks, comparisons): not differentiable
+    if _record_structured(program, node, kind, phi, env, env_out, params, rec, z):
+        return
+    _record_dense(program, node, env, env_out, params, trainable, coupled, rec, dependent, inplace, z)
+
+
+def _record_structured(program: Program, node: fx.Node, kind: str, phi, env, env_out,
+                       params: Dict[str, Tensor], rec: Recorder, z: Tensor) -> bool:
+    """Record a residual of a structured kind (element-wise, product, softmax rows,
+    normalisation rows, ``X @ Y``, a tied Linear's bilinear term); ``False`` when the
+    node's values do not have the structure after all (it is then recorded dense)."""
+    if kind == "diag":
+        a = env[node.all_input_nodes[0]] if node.op != "call_module" else fx.node.map_arg(node.args, lambda n: env[n])[0]
+        env_out[node] = rec.residual(node.name, kind, phi, [a], z)
+        return True
+    if kind == "product":
+        x, y = (env[a] for a in node.args)
+        if not (isinstance(x, Tensor) and isinstance(y, Tensor) and x.shape == y.shape == z.shape):
+            return False  # broadcasting product: no structure to exploit
+        env_out[node] = rec.residual(node.name, kind, None, [x, y], z)
+        return True
+    if kind == "softmax":
+        a = env[node.all_input_nodes[0]]
+        if isinstance(a, Tensor) and a.shape == z.shape and a.dtype == z.dtype:
+            env_out[node] = rec.residual(node.name, kind, None, [a], z,
+                                         meta={"axis": softmax_axis(node, program.root)})
+            return True
+        return False
+    if kind == "norm":
+        env_out[node] = _record_norm(program, node, env, params, rec, z)
+        return True
+    if kind == "matmul":
+        x, y = (env[a] for a in node.args)
+        if x.dim() >= 3 and x.dim() == y.dim() == z.dim() and x.shape[:-2] == y.shape[:-2] == z.shape[:-2]:
+            env_out[node] = rec.residual(node.name, kind, None, [x, y], z)
+            return True
+        return False  # vectors, broadcasting or no leading dims: no structure to exploit
+    if kind == "bilinear":
+        site = rec.sites[-1] if rec.sites and _site_of(rec.sites[-1], program, node) else None
+        if site is None or "weight" not in site.params:
+            return True
+        env_out[node] = rec.residual(node.name, kind, None, [site.saved["x"]], z, site=site)
+        return True
+    return False
+
+
+def _record_dense(program: Program, node: fx.Node, env, env_out, params: Dict[str, Tensor],
+                  trainable: frozenset, coupled, rec: Recorder, dependent: set, inplace: bool, z: Tensor) -> None:
+    """Record the node's dense residual."""
+    # the node as a function of its graph inputs (and its trainable parameters);
+    # integer and boolean inputs (sizes, masks) are constants of it
+    batched = [a for a in node.all_input_nodes if a in dependent and isinstance(env[a], Tensor)]
+    inputs_nodes = [a for a in batched if env[a].is_floating_point() or env[a].is_complex()]
+    # integer/boolean inputs that depend on the model input (token ids, masks): per sample
+    # they are sample n's rows (``R_n = ∇²_u (g_n · f(θ, x_n; ids_n))``), never the batch's
+    fixed_nodes = [a for a in batched if a not in inputs_nodes]
+    inputs = [env[a] for a in inputs_nodes]
+    own = _own_parameters(program, node, trainable, coupled)
+    if not inputs and not own:
+        return
+    phi = _node_function(program, node, env, inputs_nodes, params, fixed_nodes)
+    if inplace:
+        phi_inplace = phi
+        phi = lambda theta, *xs, fixed=(): phi_inplace(theta, *(x.clone() for x in xs), fixed=fixed)  # noqa: E731
+    env_out[node] = rec.residual(node.name, "dense", phi, inputs, z, params={n: params[n] for n in own},
+                                 free=[n for n in own if n not in coupled],
+                                 meta={"fixed": [env[a] for a in fixed_nodes]})
+
+
+def _record_norm(program: Program, node: fx.Node, env, params: Dict[str, Tensor], rec: Recorder, z: Tensor):
+    """Record a LayerNorm/GroupNorm residual: the input, and what its per-row blocks need
+    (``eps``, the weight ``w`` that scales ``g``, the normalised axes or the groups)."""
+    layer = program.layers[node.target]
+    module = layer.module
+    x = fx.node.map_arg(node.args, lambda n: env[n])[0] if node.args else env[node.kwargs["input"]]
+    weight = params[layer.names["weight"]] if "weight" in layer.names else None
+    # the weight stays attached: derivatives of the Hessian diagonal w.r.t. it flow through R
+    meta = {"eps": module.eps, "weight": weight}
+    if layer.kind == "layernorm":
+        meta.update(groups=None, norm_dims=len(module.normalized_shape))
+    else:
+        meta.update(groups=module.num_groups)
+    return rec.residual(node.name, "norm", None, [x], z, meta=meta)
+
+
+def _site_of(site, program: Program, node: fx.Node) -> bool:
+    """Whether ``site`` was recorded by ``node`` (a Linear layer, or ``F.linear`` on parameters)."""
+    if node.op == "call_module":
+        return site.where == program.layers[node.target].path
+    return site.meta.get("node") == node.name
+
+
+def _own_parameters(program: Program, node: fx.Node, trainable: frozenset, coupled: frozenset) -> List[str]:
+    """The node's trainable parameters in ``u``: those its inputs depend on, and, unless
+    the layer is affine in its parameters, the others too (as ``free`` ones)."""
+    if node.op == "call_module" and node.target in program.layers:
+        layer = program.layers[node.target]
+        names, affine = dict.fromkeys(layer.names.values()), layer.kind in AFFINE_IN_PARAMETERS
+    else:
+        use = program.functional.get(node)
+        names = use.params if use is not None else ()
+        affine = use is not None and (use.linear is not None or use.affine)
+    return [n for n in names if n in trainable and (n in coupled or not affine)]
+
+
+def _node_function(program: Program, node: fx.Node, env, inputs_nodes, params, fixed_nodes=()) -> Callable:
+    """``phi(theta, *inputs, fixed=())``: the node's value with its graph inputs and
+    parameters replaced (and, when given, its integer inputs ``fixed_nodes``: one sample's)."""
+
+    def phi(theta: Dict[str, Tensor], *inputs: Tensor, fixed: Sequence[Tensor] = ()):
+        local = {**dict(zip(fixed_nodes, fixed)), **dict(zip(inputs_nodes, inputs))}
+        load = lambda a: fx.node.map_arg(a, lambda n: local[n] if n in local else env[n])  # noqa: E731
+        args, kwargs = load(node.args), load(node.kwargs)
+        if node.op == "call_module":
+            layer = program.layers.get(node.target)
+            if layer is None:
+                return call_without_hooks(program.root.get_submodule(node.target), args, kwargs)
+            tensors = {r: theta.get(n, params[n]) for r, n in layer.names.items()}
+            return layer.forward(layer.module, layer.path, {}, tensors, args, kwargs, Recorder(None))
+        use = program.functional.get(node)
+        if use is not None:
+            return functional.evaluate(use, program.root, program.param_names, {**params, **theta}, list(inputs),
+                                       {a: local[a] if a in local else env[a] for a in use.fixed})
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        return node.target(*args, **kwargs)
+
+    return phi

@@ -1,0 +1,209 @@
+"""Interpret a traced :class:`~curvlib._trace.program.Program`'s graph node by node.
+
+Every ``call_module`` node of a layer with a rule runs through the rule, which
+records its sites (inputs saved, output probed); other modules run by their own
+``forward``. A failure is re-raised as :class:`NodeFailure`, naming the graph node,
+so that :mod:`curvlib._interpret.diagnose` can say which line of the model failed and why.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Mapping, Optional
+
+from operator import attrgetter
+import torch
+from torch import Tensor, fx, nn
+from torch.utils import _pytree as pytree
+
+from .._core import dropout as _dropout, inputs as _inputs, outputs as _outputs
+from .._hessian import residuals as _residuals
+from .._core.errors import CurvatureError
+from .._trace.program import Program
+from ..rules import call_without_hooks, elementwise, functional, layernorm
+from .._core.site import Recorder
+from .._trace.graph_facts import is_inplace
+
+__all__ = ["NodeFailure", "run_graph"]
+
+
+
+def run_graph(
+    program: Program,
+    X: Tensor,
+    params: Mapping[str, Tensor],
+    trainable: frozenset,
+    rec: Recorder,
+    fake_tensor: Optional[Callable[[Tensor], Tensor]] = None,
+    env: Optional[Dict[fx.Node, object]] = None,
+    preserve_inputs: bool = False,
+) -> Tensor:
+    """Interpret the program's graph on input ``X``.
+
+    Args:
+        program: the traced model.
+        X: input ``[N, *]``.
+        params: canonical name -> tensor for *every* parameter of the model.
+        trainable: names whose quantities are wanted (their sites get probes).
+        rec: collects the sites.
+        fake_tensor: during planning, turns a real buffer read by ``get_attr``
+            into a fake one (``None`` otherwise).
+
+        env: if given, filled with every node's value.
+        preserve_inputs: run in-place nodes on copies of their inputs, so that ``env``
+            keeps every node's own value (only for chains, where nobody reads an
+            in-place node's input again: KFRA).
+
+    Returns:
+        The model output.
+    """
+    env = {} if env is None else env
+    where: List[Optional[fx.Node]] = [None]  # the node being run
+    try:
+        return _interpret(program, X, params, trainable, rec, fake_tensor, env, where, preserve_inputs)
+    except (CurvatureError, NodeFailure):
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised with the graph node that failed
+        raise NodeFailure(program, where[0], exc) from exc
+
+
+class NodeFailure(RuntimeError):
+    """The model's forward raised at a graph node: the node and the original error."""
+
+    def __init__(self, program: Program, node: Optional[fx.Node], exc: BaseException):
+        self.program, self.node, self.exc = program, node, exc
+        where = f" at graph node '{node.name}'" if node is not None else ""
+        super().__init__(f"{type(exc).__name__}{where}: {exc}")
+
+
+def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, preserve_inputs=False) -> Tensor:
+    leaves = _inputs.trace_leaves(X) if program.leaf_inputs else None  # one placeholder per leaf
+    dropout = _dropout.new_generator()  # None unless this call has active dropout
+    noises = env.setdefault(_dropout.NOISES, {}) if dropout is not None else None
+    placeholders_seen = 0
+    result = None
+    for node in program.graph.nodes:
+        where[0] = node
+        load = lambda a: fx.node.map_arg(a, lambda n: env[n])  # noqa: E731
+        before = None
+        if node in rec.residual_nodes and is_inplace(program, node):
+            # The node overwrites its input: keep the value it is a function of.
+            before = {a: env[a].clone() for a in node.all_input_nodes if isinstance(env.get(a), Tensor)}
+        dropout_kind = _dropout.node_dropout(program, node) if dropout is not None else None
+        if preserve_inputs and node.op != "placeholder" and is_inplace(program, node):
+            load = lambda a: fx.node.map_arg(a, lambda n: env[n].clone() if isinstance(env[n], Tensor) else env[n])  # noqa: E731
+        if node.op == "placeholder":
+            env[node] = (leaves[placeholders_seen] if leaves is not None and placeholders_seen < len(leaves)
+                         else _placeholder(node, X, placeholders_seen))
+            placeholders_seen += 1
+        elif node.op == "get_attr":
+            value = attrgetter(node.target)(program.root)
+            if isinstance(value, nn.Parameter):
+                value = params[program.param_names[id(value)]]
+            elif isinstance(value, Tensor) and fake_tensor is not None:
+                value = fake_tensor(value)
+            env[node] = value
+        elif dropout_kind is not None:  # dropout: the mask from this call's generator
+            env[node] = _dropout.run_node(program, node, dropout_kind, load(node.args), load(node.kwargs), dropout, noises)
+        elif node.op == "call_module":
+            env[node] = _call_module(program, node, load(node.args), load(node.kwargs), params, trainable, rec)
+        elif node.op == "call_function":
+            env[node] = _function(node.target)(*load(node.args), **load(node.kwargs))
+        elif node.op == "call_method":
+            self_obj, *rest = load(node.args)
+            env[node] = getattr(self_obj, node.target)(*rest, **load(node.kwargs))
+        if node in program.functional:
+            env[node] = _record_functional(program, program.functional[node], env[node], env, params, trainable, rec)
+        if node in rec.residual_nodes:
+            _residuals.record(program, node, rec.residual_nodes[node], env, params, trainable, rec,
+                              program.dependent, before)
+            if before is not None:
+                # In eager PyTorch the overwritten input *is* the output: alias it, so
+                # that later uses of the input see the output's probe too.
+                first = node.all_input_nodes[0]
+                env[first] = env[node]
+        if node.op == "output":
+            result = load(node.args[0])
+            if program.out_spec is not None:
+                result = pytree.tree_unflatten(list(result), program.out_spec)
+    if not isinstance(result, Tensor):  # a ModelOutput, tuple, dict: curvlib._core.outputs
+        chosen, where = _outputs.select(result, program.selector)
+        if program.selector is None and not program.output_choice:
+            program.output_choice = _outputs.describe_choice(result, where)
+            _outputs.say_choice(program.output_choice)
+        result = chosen
+    return result
+
+
+def _record_functional(program, use, value, env, params, trainable, rec):
+    """A call that uses parameters outside their module (``F.linear(x, self.w)``,
+    ``x @ self.w``): a linear use records its site; another, when a parameter it uses
+    is trainable, is recorded by the functional rule. ``value``: the call's output."""
+    if use.linear is not None:
+        names = {r: n for r, n in use.linear.items() if n in trainable}
+        return functional.record_linear(use, names, env[use.inputs[0]], value, rec)
+    if any(n in trainable for n in use.params):
+        return functional.record(
+            use, program.root, program.param_names,
+            {n: n for n in use.params if n in trainable},
+            {n: params[n] for n in use.params},
+            [env[a] for a in use.inputs], value, rec, {a: env[a] for a in use.fixed},
+            batch_sized_chain=value.dim() > 0 and functional.batch_sized(use, env, value.shape[0]),
+        )
+    return value
+
+
+def _function(target: Callable) -> Callable:
+    """A call_function node's function: a functional layer norm or hardsigmoid from primitives
+    inside torch.func transforms (:func:`curvlib.rules.layernorm.normalise`,
+    :func:`curvlib.rules.elementwise.hardsigmoid`), else ``target``."""
+    if target in _LAYER_NORMS and layernorm.inside_transform():
+        return layernorm.layer_norm
+    if target is torch.nn.functional.hardsigmoid and layernorm.inside_transform():
+        return elementwise.hardsigmoid
+    return target
+
+
+_LAYER_NORMS = (torch.nn.functional.layer_norm, torch.layer_norm)
+
+
+def _placeholder(node: fx.Node, X, seen: int):
+    if seen == 0:
+        return X
+    if node.args:
+        return node.args[0]  # default value of a further argument
+    raise CurvatureError(
+        f"The model's forward takes a second required argument '{node.target}'; curvlib calls "
+        "model(X) with one argument (pass several inputs as a dict or tuple X)."
+    )
+
+
+def _call_module(program, node: fx.Node, args, kwargs, params, trainable, rec):
+    """A module node: a layer through its rule (recording its sites), any other module
+    by its own ``forward`` (hooks are not part of the math and are not run)."""
+    layer = program.layers.get(node.target)
+    if layer is None:
+        module = attrgetter(node.target)(program.root)
+        if type(module) is nn.Hardsigmoid and layernorm.inside_transform():
+            return elementwise.hardsigmoid(*args)  # (see _function)
+        return call_without_hooks(module, args, kwargs)
+    if program.dependent and node not in program.dependent:
+        # a layer on constants (nanoGPT's wpe(torch.arange(T))): part of the parameter-only
+        # chain of the op that uses its output, which records the site (rules.functional)
+        own = {r: params[n] for r, n in layer.names.items()}
+        return torch.func.functional_call(layer.module, own, tuple(args), kwargs)
+    names = {r: n for r, n in layer.names.items() if n in trainable}
+    tensors = {r: params[n] for r, n in layer.names.items()}
+    first_site = len(rec.sites)
+    planned = rec.residual_nodes.get(node)
+    # a layer that records its own nonlinear nodes (recurrent): what it needs to know
+    rec.layer_residuals = planned[1] if planned is not None and planned[0] == "layer" else None
+    try:
+        out = layer.forward(layer.module, layer.path, names, tensors, args, kwargs, rec)
+    finally:
+        rec.layer_residuals = None
+    for site in rec.sites[first_site:]:
+        site.meta["family"] = layer.kind
+        if layer.opaque:  # a submodule torch.fx could not trace: why (for refusals)
+            site.meta["opaque"] = layer.opaque
+    return out
+

@@ -1,0 +1,9 @@
+"""Stage 3, plan: everything decided once per input signature, before any real work.
+
+- ``arguments``: checks of ``curvature``'s and ``f``'s arguments;
+- ``traces``: one trace per ``training`` flags and input structure, and its refusals;
+- ``plan``: shapes, batch dimensions and per-site checks from fake runs;
+- ``independence``, ``mixing_*``: where samples mix inside the model;
+- ``batch_merges``: the batch merged with windows or heads, split off;
+- ``support``, ``budget``: refusals of extensions and memory the call would need.
+"""

@@ -1,0 +1,206 @@
+"""Memory the loss-Hessian roots will take, checked against what the device has (before any work).
+
+Exact second order pulls a root ``S [C, N, *out]`` back through the model and
+Monte-Carlo extensions one of ``[M, N, *out]``; the columns are pulled in
+chunks (``chunk_size``), but the root itself is formed whole. A root larger
+than the device's free memory is refused with its size instead of failing
+(or swapping) half-way through.
+
+Dense Kronecker factors likewise (:func:`check_factor_sizes`): a factor is dense on
+each side of its parameter (:mod:`curvlib._core.kronlayout`), so one huge side makes one
+huge factor: a language-model head at ``V = 50257`` has ``B`` of ``V² · 4 = 10.1 GB``
+(float32), more than the whole model. Unless the extension was given
+``max_factor_dim`` (sides larger than it get a 1-D, diagonal factor,
+:mod:`curvlib.rules._gram`), a dense factor over :data:`DENSE_FACTOR_BYTES` is refused
+when the plan is built, naming the parameter, the factor's bytes and the option.
+Dense sides per parameter ``p`` (the sites' rule kinds, :func:`dense_sides`):
+
+| sites | dense sides |
+|---|---|
+| Linear (also recurrent, transposed), Conv weight | ``p.shape[0]`` and ``p.numel() / p.shape[0]`` |
+| ConvTranspose weight ``[C_in, C_out/G, *k]`` | ``C_out`` and ``C_in/G · K`` |
+| a bias, any 1-D parameter (exact block ``[P, P]``) | ``P`` |
+| Embedding ``[V, D]``, a bias-like generic ``[*L, D]`` | ``D`` (the rows' factor is diagonal) |
+| other generic ``≥ 2``-dim parameters, weights tied across layer kinds | none (diagonal blocks) |
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Mapping, Sequence, Tuple, Union
+
+import torch
+
+from .arguments import bytes_of
+from .._core import tensors as _core, strategy as _strategy
+from .._core.errors import CurvatureError
+from .._core.site import uses_of
+
+__all__ = ["AUTO_CHUNK_BYTES", "AUTO_CHUNK_BYTES_CPU", "AUTO_CHUNK_FREE_SHARE", "DENSE_FACTOR_BYTES", "auto_chunk_size",
+           "check_factor_sizes", "check_roots", "dense_sides", "refuse_combined"]
+
+#: A root of at most ``1/HEADROOM`` of the free memory last read on its device is not re-checked.
+HEADROOM = 8
+_last_free: Dict[str, int] = {}  # device -> free bytes at the last reading
+
+
+def _gib(b: int) -> str:
+    return f"{b / 2**30:.3g} GiB"
+
+
+def check_roots(exts: Sequence, out_shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse an extension whose root ``[V, N, *out]`` cannot fit in the device's free memory."""
+    per_sample = 1
+    for s in out_shape[1:]:
+        per_sample *= int(s)
+    free = None
+    for ext in exts:
+        root = getattr(ext, "root", None)
+        if root not in ("exact", "mc"):
+            continue
+        v = per_sample if root == "exact" else ext.mc_samples
+        need = bytes_of((v,) + tuple(out_shape), dtype)
+        last = _last_free.get(str(device))
+        if free is None and last is not None and need * HEADROOM <= last:
+            continue  # fitted many times over at the last reading
+        if free is None:
+            free = _core.available_bytes(device)
+            if free is not None:
+                _last_free[str(device)] = free
+        if free is not None and need > free:
+            what = "Monte-Carlo columns" if root == "mc" else "exact loss-Hessian root (one column per output entry)"
+            fix = (
+                f"use fewer mc_samples (at most {max(1, free // max(bytes_of(out_shape, dtype), 1))} fit)"
+                if root == "mc" else _monte_carlo_fix(type(ext).__name__)
+            )
+            # (fewer samples at once help only where one sample's root fits)
+            slices = ", or pass batch_chunk_size= to process fewer samples at once" \
+                if need // max(int(out_shape[0]), 1) <= free else ""
+            raise CurvatureError(
+                f"{type(ext).__name__}: its {what} [{v}, {', '.join(map(str, out_shape))}] would take "
+                f"{_gib(need)} ({dtype}), more than the {_gib(free)} free on {device}. "
+                f"{fix[0].upper() + fix[1:]}{slices}."
+            )
+
+
+#: The Monte-Carlo extension of each exact one (the same quantity from ``M`` sampled columns
+#: instead of one per output entry: a language model's ``V·T`` per sequence).
+MONTE_CARLO_OF = {"DiagGGNExact": "DiagGGNMC", "BatchDiagGGNExact": "BatchDiagGGNMC", "KFLR": "KFAC",
+                  "SqrtGGNExact": "SqrtGGNMC", "DiagHessian": "DiagGGNMC", "BatchDiagHessian": "BatchDiagGGNMC"}
+
+
+def _monte_carlo_fix(name: str) -> str:
+    mc = MONTE_CARLO_OF.get(name)
+    if mc is None:
+        return "use a Monte-Carlo extension (DiagGGNMC, KFAC, SqrtGGNMC)"
+    if "Hessian" in name:
+        return (f"{name} has no Monte-Carlo version; use {mc}(mc_samples=1) for the GGN's "
+                "(HMP gives exact Hessian products)")
+    return f"use {mc}(mc_samples=1), its Monte-Carlo version (one sampled column per sample)"
+
+
+#: ``chunk_size="auto"``: the pulled-back site outputs of one chunk of columns
+#: (``[chunk, *site output]`` for every site) take at most this many bytes ...
+AUTO_CHUNK_BYTES = 256 * 2**20
+#: ... or this many on a CPU when no batch diagonal is requested: there, chunks of
+#: a few columns stay in cache and are faster as well as smaller (3c3d, C = 10:
+#: DiagGGNExact 9.2x -> 8.0x a backward, 530 -> 194 MiB; KFLR 6.7x -> 5.2x).
+#: Batch diagonals sum ``Σ_v m_v²`` over all columns of a chunk before one outer
+#: product per sample, so they keep the larger chunks.
+AUTO_CHUNK_BYTES_CPU = 32 * 2**20
+
+
+#: ... and on a GPU, where every chunk costs kernel launches, up to this share of the
+#: device's free memory when that is more (an H100 with 70 GiB free: ~8.7 GiB a chunk,
+#: all columns at once on the benchmark problems).
+AUTO_CHUNK_FREE_SHARE = 1 / 8
+
+
+def auto_chunk_size(plan, exts: Sequence = (), device: Union[str, torch.device] = "cuda") -> int:
+    """``chunk_size="auto"``: columns per chunk so that their site gradients fit in the byte budget
+    (``plan``: a :class:`~curvlib._plan.plan.Plan`, read for its ``site_shapes``/``site_dtypes``;
+    :data:`AUTO_CHUNK_BYTES_CPU` under the ``"looped"`` strategy, the CPU default;
+    the larger budgets under ``"batched"``, the CUDA default: :mod:`curvlib._core.strategy`)."""
+    device = torch.device(device)
+    budget = AUTO_CHUNK_BYTES
+    batch_diagonal = any(getattr(e, "quantity", None) in ("batch_diag", "hessian_batch_diag") for e in exts)
+    looped = not _strategy.batched(device)  # curvlib._core.strategy: CPU default "looped", CUDA "batched"
+    if looped and not batch_diagonal:
+        budget = min(budget, AUTO_CHUNK_BYTES_CPU)
+    if device.type == "cuda" and not looped:
+        free = _core.available_bytes(device)
+        budget = max(budget, int((free or 0) * AUTO_CHUNK_FREE_SHARE))
+    per_column = sum(bytes_of(shape, dtype) for shape, dtype in zip(plan.site_shapes, plan.site_dtypes))
+    return max(1, budget // max(per_column, 1))
+
+
+#: A dense Kronecker factor above this many bytes is refused without ``max_factor_dim``
+#: (1 GiB: a side of 16384 in float32, 11585 in float64).
+DENSE_FACTOR_BYTES = 2**30
+
+_SPLIT = ("linear", "conv", "conv_transpose")
+
+
+def dense_sides(u, shape: Sequence[int]) -> List[int]:
+    """The dims of the dense factors of a parameter of ``shape`` used by the sites ``u``
+    (``[(site, role)]``), per the module doc's table."""
+    kinds = {site.rule.kind for site, _ in u}
+    numel = math.prod(shape)
+    if not u or len(kinds) > 1:
+        return []  # unused (refused elsewhere) or tied across kinds: a diagonal block
+    kind, (site, role) = kinds.pop(), u[0]
+    if len(shape) == 1:
+        return [numel]
+    if kind == "conv_transpose" and role == "weight":
+        groups = site.meta.get("groups", 1)
+        return [shape[1] * groups, numel // (shape[1] * groups)]
+    if kind in _SPLIT and role == "weight":
+        return [shape[0], numel // shape[0]]
+    if kind == "embedding" or len(u) == 1:
+        return [shape[-1]]  # rows diagonal; a generic ≥ 2-dim one at most this (else diagonal)
+    return []
+
+
+def check_factor_sizes(exts: Sequence, sites: Sequence, names: Sequence[str],
+                       values: Mapping[str, torch.Tensor]) -> None:
+    """Refuse a Kronecker extension without ``max_factor_dim`` whose dense factor of some
+    parameter would take more than :data:`DENSE_FACTOR_BYTES` (before any work)."""
+    exts = [e for e in exts if e.kron and e.quantity != "kfra" and getattr(e, "max_factor_dim", 1) is None]
+    if not exts:
+        return
+    uses = uses_of(sites)
+    for name in names:
+        p = values[name]
+        sides = dense_sides(uses.get(name, []), tuple(p.shape))
+        side = max(sides, default=0)
+        size = side * side * p.dtype.itemsize
+        if size > DENSE_FACTOR_BYTES:
+            label = type(exts[0]).__name__
+            where = ", ".join(sorted({s.where for s, _ in uses[name]}))
+            fits = math.isqrt(DENSE_FACTOR_BYTES // p.dtype.itemsize)
+            raise CurvatureError(
+                f"{label}: parameter '{name}' (module '{where}', shape {list(p.shape)}) would get a dense "
+                f"Kronecker factor [{side}, {side}] of {size} bytes ({size / 2**30:.3g} GiB, {p.dtype}), "
+                f"over the {DENSE_FACTOR_BYTES} bytes (1 GiB) allowed without an explicit choice "
+                f"(curvlib._plan.budget.DENSE_FACTOR_BYTES). Pass {label}(max_factor_dim=...) so that a "
+                f"side larger than it gets a diagonal (1-D) factor, e.g. max_factor_dim={min(4096, fits)} "
+                f"(dense sides up to {fits} fit the budget; max_factor_dim={side} keeps this one dense), "
+                "or set requires_grad=False on the parameter."
+            )
+
+
+def refuse_combined(exts: Sequence, batch_chunk_size: object, process_group: object) -> None:
+    """``max_factor_dim`` with ``batch_chunk_size`` or ``process_group``: slices and ranks are
+    combined per factor by its role (``B`` summed like the loss, ``A`` averaged), read off
+    the factors' shapes (:func:`curvlib._core.kronlayout.root_index`), which a diagonal ``B``
+    (``[B [O], A]``, shaped like Embedding's ``[A [V], B]``) makes ambiguous."""
+    with_option = [e for e in exts if getattr(e, "max_factor_dim", None) is not None]
+    if not with_option or (batch_chunk_size is None and process_group is None):
+        return
+    what = "batch_chunk_size" if batch_chunk_size is not None else "process_group"
+    ext = with_option[0]
+    raise CurvatureError(
+        f"{type(ext).__name__}(max_factor_dim={ext.max_factor_dim}) cannot be combined with {what}: "
+        "slices and ranks are combined per factor by its role, which a diagonal output factor "
+        "makes ambiguous. Call without it (chunk_size= still bounds the columns pulled back at once)."
+    )

@@ -1,0 +1,292 @@
+"""Samples mixed inside the model: found when a plan is made, refused for per-sample extensions.
+
+Per-sample quantities assume that sample ``n``'s output depends on sample
+``n``'s input only. A model that mixes samples (``h - h.mean(0)``, batch
+statistics, attention across the batch, ``h[perm]``) breaks that: each
+sample's output then depends on the other samples through the parameters,
+individual gradients are not defined, and the per-sample read-offs return
+numbers that are silently wrong (for ``h - h.mean(0)`` after a Linear layer,
+0.3 off an oracle).
+
+:func:`analyse` runs when :func:`curvlib._plan.plan.make_plan` makes a plan, on
+the values of every graph node in the two planning passes (batch sizes ``N``
+and ``N + 1``, fake tensors): the changing dim of each node's shapes is its
+batch (:mod:`curvlib._plan.mixing_ops`). A node is refused when it takes a batched
+input that depends on a trainable parameter (*hot*; mixing of values that do
+not, e.g. ``X - X.mean(0)`` before every layer, leaves per-sample gradients
+exact) and
+
+* its output loses the batch (``h.mean(0)``, ``h[0]``, ``h.t() @ h``), pairs
+  samples (``h @ h.T`` is ``[N, N]``) or shifts them (``h[1:] - h[:-1]``);
+* it mixes along the batch dim (softmax, cumsum, sort, flip, roll, gather,
+  ``F.normalize``, ``F.batch_norm(training=True)``, ``nn.Softmax(dim=0)``, a
+  tensor index ``h[perm]``, a contraction over the batch, a reshape that
+  regroups rows of different samples, an RNN/attention module whose sequence
+  dim holds the batch).
+
+A layer whose own parameters are trainable counts all its batched inputs as
+hot (an RNN over the batch mixes its parameters' effect across samples), and
+a hot output that lost the batch of a batched input (hot or not) is refused.
+``detach`` cuts the dependence (``h - h.detach().mean(0)``: the mean is a
+constant for every gradient, which is then exact). Merging the batch with
+another dim and splitting it again is allowed (no values mix); a merge whose
+order curvlib cannot follow is refused, not guessed.
+
+Operations outside the tables, parametrized modules without a hand-written
+rule and unknown parameter-free modules are *pending*: tested numerically
+once per plan, on first use (:mod:`curvlib._plan.mixing_numeric`). Models without
+a graph are tested numerically on every call that needs it (their plan is
+not cached, and their path may change per call). With ``N = 1`` the numeric
+tests have nothing to compare (and one sample cannot mix); the graph checks
+still refuse.
+
+:func:`refuse_mixing` raises before any work when an extension needs
+independent samples: all but the block products ``HMP`` and ``GGNMP``, which
+come from whole-batch autodiff and stay exact, like ``loss`` and ``grad``.
+"""
+
+from __future__ import annotations
+
+from operator import attrgetter
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from torch import Tensor, fx, nn
+
+from .._core.errors import CurvatureError
+from . import mixing_checks as checks, mixing_ops as ops
+from .mixing_ops import Batch
+from . import mixing_numeric as _mixing_numeric
+
+__all__ = ["Independence", "analyse", "refuse_mixing", "needs_independent_samples"]
+
+_UNSET = object()
+
+
+@dataclass
+class Independence:
+    """What the planner found (cached with the plan, per input signature).
+
+    Attributes:
+        problem: the first mixing node, in words (``None``: none found in the graph).
+        pending: nodes to test numerically (generic layers, unknown operations).
+        layouts: node -> per tensor leaf :class:`~curvlib._plan.mixing_ops.Batch` or ``None``.
+        untraced: the model has no graph (tested numerically on every call).
+    """
+
+    problem: Optional[str] = None
+    pending: Tuple[fx.Node, ...] = ()
+    layouts: Dict[fx.Node, list] = field(default_factory=dict)
+    untraced: bool = False
+    numeric_problem: object = _UNSET
+
+    def numeric(self, program, plan, X, params, trainable, runner) -> Optional[str]:
+        """The numeric tests' verdict, computed on first use (for a graph, once per plan)."""
+        if self.untraced:
+            return _mixing_numeric.untraced_problem(program, plan, X, params, trainable, runner)
+        if self.numeric_problem is _UNSET:
+            self.numeric_problem = _mixing_numeric.pending_problem(program, self, X, params, trainable)
+        return self.numeric_problem
+
+
+def analyse(program, env_a: Dict, env_b: Dict, n: int, trainable) -> Independence:
+    """Find the first node mixing hot samples (see the module doc).
+
+    Args:
+        program: the traced model.
+        env_a, env_b: every node's value in the planning passes with ``N`` and ``N + 1``.
+        n: ``N``.
+        trainable: names of the parameters whose quantities are wanted.
+    """
+    if program.graph is None:
+        return Independence(untraced=True)
+    walk = _Walk(program, env_a, env_b, n, frozenset(trainable))
+    guards = _guard_only(program.graph)
+    for node in program.graph.nodes:
+        if node in guards:
+            continue
+        problem = walk.visit(node)
+        if problem:
+            return Independence(problem=problem)
+    return Independence(pending=tuple(walk.pending), layouts=walk.layouts)
+
+
+def _guard_only(graph) -> set:
+    """Nodes whose values only reach guards (``curvlib._trace.branches.input_branch``: a branch the model's
+    Python took on a value, ``if x.sum() > 0``): they shape no output, so they mix nothing into it.
+    A batch-level branch is checked per sample instead (``curvlib._trace.branches.check_branches_per_sample``)."""
+    only: set = set()
+    for node in reversed(list(graph.nodes)):
+        users = list(node.users)
+        if users and all(getattr(u.target, "__name__", "") == "input_branch" or u in only for u in users):
+            only.add(node)
+    return only
+
+
+
+class _Walk:
+    """One pass over the graph: layouts, hot nodes, the first problem, pending nodes."""
+
+    def __init__(self, program, env_a, env_b, n, trainable):
+        self.program, self.env_a, self.env_b, self.n, self.trainable = program, env_a, env_b, n, trainable
+        self.layouts: Dict[fx.Node, list] = {}
+        self.hot: set = set()
+        self.pending: List[fx.Node] = []
+
+    def batch(self, a) -> Optional[Batch]:
+        leaves = self.layouts.get(a, []) if isinstance(a, fx.Node) else []
+        return leaves[0] if len(leaves) == 1 and isinstance(leaves[0], Batch) else None
+
+    def batch_of_any(self, a) -> bool:
+        return any(isinstance(x, Batch) for x in self.layouts.get(a, []))
+
+    def load(self, arg):
+        return fx.node.map_arg(arg, lambda a: self.env_a.get(a))
+
+    def kind(self, node) -> Tuple[str, str, object]:
+        """``(kind, name, detail)``: for modules ``detail`` is the module (and its kind's detail)."""
+        if node.op != "call_module":
+            return ops.kind_of(node, self.env_a) + (None,)
+        module = attrgetter(node.target)(self.program.root)
+        layer = self.program.layers.get(node.target)
+        name = type(module).__name__
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            return "batchnorm", name, module
+        if layer is not None:
+            return ("generic" if layer.kind == "generic" else "layer"), name, module
+        kind, detail = ops.module_kind(module)
+        return kind, name, (module, detail)
+
+    def owns_trainable(self, node) -> bool:
+        if node.op == "get_attr":
+            value = attrgetter(node.target)(self.program.root)
+            return isinstance(value, nn.Parameter) and self.program.param_names.get(id(value)) in self.trainable
+        layer = self.program.layers.get(node.target) if node.op == "call_module" else None
+        return layer is not None and any(name in self.trainable for name in layer.names.values())
+
+    def visit(self, node) -> Optional[str]:
+        if node.op == "output":
+            return None
+        self.layouts[node] = ops.layout_of(self.env_a.get(node), self.env_b.get(node), self.n)
+        own = self.owns_trainable(node) if node.op in ("get_attr", "call_module") else False
+        if node.op in ("placeholder", "get_attr"):
+            if own:
+                self.hot.add(node)
+            return None
+        kind, name, detail = self.kind(node)
+        batched = [a for a in node.all_input_nodes if self.batch_of_any(a)]
+        # A layer with trainable parameters mixes them into whatever it mixes: all its inputs count.
+        hot_in = batched if own else [a for a in batched if a in self.hot]
+        hot = kind not in ("meta", "cut") and (own or any(a in self.hot for a in node.all_input_nodes))
+        if hot:
+            self.hot.add(node)
+        problem = self.refine(node, kind, name, hot_in)
+        if problem or not (hot_in or (hot and batched)):
+            return problem
+        # a hot output computed from batched values (hot or not) must keep their batch
+        return self.check(node, kind, name, detail, hot_in, hot_in or batched)
+
+    # -- layouts of merged batches ------------------------------------------------
+    def refine(self, node, kind, name, hot_in) -> Optional[str]:
+        """Fill in ``s`` of output batches merged with another dim; a problem if samples regroup."""
+        leaves = self.layouts[node]
+        if kind == "pick" and isinstance(node.args[1], int):
+            src = self.layouts.get(node.args[0], [])
+            if len(leaves) == 1 and node.args[1] < len(src) and isinstance(src[node.args[1]], Batch):
+                leaves[0] = src[node.args[1]]
+            return None
+        open_ = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Batch) and leaf.s is None]
+        if kind == "view":
+            return self._view(node, name, hot_in)
+        if not open_:
+            return None
+        ins = [b for a in node.all_input_nodes for b in self.layouts.get(a, []) if isinstance(b, Batch)]
+        for i in open_:
+            out = leaves[i]
+            if kind == "repeat" and len(ins) == 1:
+                # tiles keep the stride; repeat_interleave of single rows repeats each sample c times
+                s = ins[0].s if name != "repeat_interleave" else (out.c if ins[0].c == 1 else None)
+                leaves[i] = Batch(out.dim, out.c, s)
+                continue
+            same = [b for b in ins if b.c == out.c] if kind != "cat" or sum(b.c for b in ins) != out.c else ins
+            strides = {b.s for b in same}
+            if len(strides) == 1:
+                leaves[i] = Batch(out.dim, out.c, strides.pop())
+            elif len(strides) > 1 and hot_in:
+                return (f"graph node '{node.name}' ({checks.label(node, name)} combines tensors "
+                        "whose batch is merged with another dim in different orders, so it pairs entries "
+                        "of different samples)")
+        return None
+
+    def _view(self, node, name, hot_in) -> Optional[str]:
+        leaves = self.layouts[node]
+        src = next((a for a in node.all_input_nodes if self.batch(a) is not None), None)
+        if src is None or len(leaves) != 1 or not isinstance(leaves[0], Batch):
+            return None
+        shape_in, shape_out = tuple(self.env_a[src].shape), tuple(self.env_a[node].shape)
+        new = ops.view_layout(shape_in, self.batch(src), shape_out, leaves[0], self.n)
+        if new is not None:
+            leaves[0] = new
+            return None
+        leaves[0] = Batch(leaves[0].dim, leaves[0].c, None)
+        if src not in hot_in:
+            return None
+        module = attrgetter(node.target)(self.program.root) if node.op == "call_module" else None
+        what = (f"{checks.label(node, name, module)} of '{src.name}' from {list(shape_in)} to {list(shape_out)}")
+        if self.batch(src).s is None:  # merged by an operation whose layout curvlib does not know
+            return (f"graph node '{node.name}' ({what}: the batch of '{src.name}' is merged with another "
+                    "dim by an operation curvlib cannot follow, so it cannot tell whether samples stay apart)")
+        return (f"graph node '{node.name}' ({what} regroups entries of different samples into one "
+                f"row: the batch dim {self.batch(src).dim} is not kept whole)")
+
+    # -- the checks -----------------------------------------------------------------
+    def check(self, node, kind, name, detail, hot_in, feeding) -> Optional[str]:
+        """``hot_in``: batched inputs whose mixing matters; ``feeding``: batched inputs of a hot node."""
+        module = (detail[0] if isinstance(detail, tuple) else detail) if node.op == "call_module" else None
+        what = checks.specific(self, node, kind, name, detail, hot_in)
+        if what is None or what == checks.PENDING:
+            pending = what == checks.PENDING or kind in ("generic", "unknown")
+            what = checks.shape_rule(self, node, kind, feeding)
+            if what is None and pending:
+                self.pending.append(node)
+        return f"graph node '{node.name}' ({checks.label(node, name, module)} {what})" if what else None
+
+
+def needs_independent_samples(ext) -> bool:
+    """Every extension but the block products computed from whole-batch autodiff."""
+    return getattr(ext, "quantity", None) not in ("ggnmp", "hmp")
+
+
+def refuse_mixing(plan, extensions: Sequence, program, X: Tensor, params, trainable, runner=None,
+                  chunked: bool = False) -> None:
+    """Raise :class:`CurvatureError` if the model mixes samples and an extension (or
+    ``batch_chunk_size``, which splits the batch) needs them independent.
+
+    Called before any work; the structural verdict is cached with the plan, the
+    numeric one is computed on first use.
+    """
+    found = getattr(plan, "independence", None)
+    wanted = [e for e in extensions if needs_independent_samples(e)]
+    if found is None or not (wanted or chunked):
+        return
+    problem = found.problem or found.numeric(program, plan, X, params, trainable, runner)
+    if problem:
+        raise CurvatureError(_message(problem, wanted, chunked))
+
+
+def _message(problem: str, wanted: Sequence, chunked: bool) -> str:
+    names = ", ".join(type(e).__name__ for e in wanted)
+    refused = f"curvlib refuses {names}" + (" and batch_chunk_size" if chunked and names else "")
+    if chunked and not names:
+        refused = "curvlib refuses batch_chunk_size (slices of the batch would give other results than the whole batch)"
+    return (
+        f"Samples are mixed inside the model: {problem}. One sample's output then depends on "
+        "other samples' values that depend on trainable parameters, so per-sample quantities "
+        "(individual gradients, their norms, variance, per-sample and GGN/Hessian curvature read "
+        "off per sample) are not defined: they would depend on which samples share the batch. "
+        f"{refused}. Still exact on this model: loss, grad, and the products HMP and GGNMP "
+        "(whole-batch autodiff). For per-sample quantities make each sample's computation its "
+        "own: running or per-sample statistics instead of batch statistics (model.eval(), "
+        "LayerNorm/GroupNorm), the batch in its own dim (e.g. batch_first=True), and no "
+        "reduction, sort, softmax, indexing or attention across the batch dim."
+    )

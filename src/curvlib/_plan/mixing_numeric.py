@@ -1,0 +1,312 @@
+"""Numeric tests for what the graph does not explain (see :mod:`curvlib._plan.independence`).
+
+*Pending* nodes (parametrized modules run by the generic rule, parameter-free
+modules and operations outside curvlib's tables) are run once more on their
+real inputs from one extra forward (no gradients, forked random state):
+
+* **leak test**: sample ``j``'s rows of every batched input are changed
+  (floats: noise of the input's scale; integers: another sample's rows), for
+  ``j = 0`` and ``j = N - 1``; every other sample's output rows must stay the
+  same, within ``64 ε`` of the output's scale. Both runs draw the same random
+  numbers (same seed, same shapes), so dropout masks agree and a module with
+  active dropout is tested as well;
+* **alone test** (generic layers, when two runs with different seeds agree,
+  i.e. no active dropout): sample 0 run as a batch of one, as the generic rule
+  recomputes it, must give its row of the batched output within ``√ε`` of
+  the output's scale.
+
+A model without a graph is tested on its own forward: its generic layers'
+sites as above, and a noise added to sample ``j``'s rows of every layer
+output (the sites' probes) must not reach other samples' model outputs.
+With ``N = 1`` nothing can mix and nothing is tested.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable, List, Optional
+
+import torch
+from torch import Tensor, fx
+
+from .._core import inputs as _inputs
+from .mixing_ops import Batch, leaves_of
+from .._core.sync import LOCK
+from .mixing_checks import label
+from .._core.site import Recorder
+from ..rules.generic import join_args, stateless_call
+from .._interpret.graph import run_graph
+
+__all__ = ["pending_problem", "untraced_problem"]
+
+_SEED, _OTHER_SEED = 20240601, 7
+
+
+@contextlib.contextmanager
+def _seeded(device: torch.device, seed: int):
+    """Same random numbers for every run of a test; the caller's random state untouched
+    (the global state is process-wide: other threads wait, :data:`curvlib._core.sync.LOCK`)."""
+    with LOCK, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        torch.manual_seed(seed)
+        yield
+
+
+def _plain(t):
+    """Inside a torch.func transform: the plain value of a wrapped tensor (under ``vmap``, its
+    first member), so that the tests run outside the transform on ordinary tensors."""
+    functorch = torch._C._functorch
+    while isinstance(t, Tensor) and functorch.is_functorch_wrapped_tensor(t):
+        bdim = functorch.maybe_get_bdim(t) if functorch.is_batchedtensor(t) else -1
+        t = functorch.get_unwrapped(t)
+        t = t.select(bdim, 0) if bdim >= 0 else t
+    return t
+
+
+def outside_transforms(test: Callable) -> Callable:
+    """Run ``test(program, ..., X, params, ...)`` on plain tensors, with functorch disabled."""
+
+    @functools.wraps(test)
+    def run(program, found_or_plan, X, params, *rest):
+        with torch._C._DisableFuncTorch():
+            plain = {name: _plain(v) for name, v in params.items()}
+            return test(program, found_or_plan, _inputs.map_tensors(_plain, X), plain, *rest)
+
+    return run
+
+
+def _map_leaves(value, leaves: list, fn: Callable):
+    """``value`` with its tensor leaves replaced by ``fn(tensor, layout)``, in order."""
+    it = iter(leaves)
+
+    def go(v):
+        if isinstance(v, Tensor):
+            return fn(v, next(it, None))
+        if isinstance(v, (tuple, list)):
+            return type(v)(go(x) for x in v) if not hasattr(v, "_fields") else type(v)(*(go(x) for x in v))
+        return v
+
+    return go(value)
+
+
+def _same(v: Tensor, leaf) -> Tensor:
+    return v.clone()  # an in-place operation must not change the recorded value
+
+
+def _rows(size: int, leaf: Batch, n: int, j: int, device) -> Tensor:
+    """Mask of the entries of sample ``j`` along the batch dim."""
+    pos = torch.arange(size, device=device)
+    return (pos // leaf.s) % n == j
+
+
+class _CannotFollow(Exception):
+    """A batch merged with another dim by an operation whose layout is not known."""
+
+
+def _perturbed(j: int, n: int, gen: torch.Generator) -> Callable:
+    def change(v: Tensor, leaf) -> Tensor:
+        if isinstance(leaf, Batch) and leaf.s is None:
+            raise _CannotFollow
+        if not isinstance(leaf, Batch) or v.numel() == 0:
+            return v.clone()
+        mine = _rows(v.shape[leaf.dim], leaf, n, j, v.device)
+        if v.is_floating_point() or v.is_complex():
+            shape = [1] * v.dim()
+            shape[leaf.dim] = -1
+            noise = torch.randn(v.shape, generator=gen, dtype=v.dtype, device="cpu").to(v.device)
+            scale = float(v.abs().max().nan_to_num(0.0)) or 1.0
+            return v + noise * scale * mine.reshape(shape).to(v.dtype)
+        other = j + 1 if j + 1 < n else j - 1  # integers (indices): another sample's rows
+        pos = torch.arange(v.shape[leaf.dim], device=v.device)
+        return v.index_select(leaf.dim, torch.where(mine, pos + (other - j) * leaf.s, pos))
+
+    return change
+
+
+def _gap(a: Tensor, b: Tensor, rel: float) -> float:
+    """Largest difference beyond ``rel`` times the scale (0: within it)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return float("inf")
+    if a.numel() == 0:
+        return 0.0
+    if not (a.is_floating_point() or a.is_complex()):
+        return float("inf") if bool((a != b).any()) else 0.0
+    same = (a.isnan() & b.isnan()) | (a == b)  # (equal infinities, e.g. masked attention scores)
+    diff = (a - b).abs().masked_fill(same, 0).nan_to_num(float("inf"))
+    eps = torch.finfo(a.dtype).eps
+    scale = max(float(a.abs().nan_to_num(0, 0, 0).max()), float(b.abs().nan_to_num(0, 0, 0).max()))
+    gap = float(diff.max())
+    return gap if gap > rel(eps) * scale + torch.finfo(a.dtype).tiny else 0.0
+
+
+def _leak(base, out, leaves: list, j: int, n: int) -> float:
+    """How much outputs of samples other than ``j`` (and batch-free outputs) changed."""
+    for a, b, leaf in zip(leaves_of(base), leaves_of(out), leaves):
+        if isinstance(leaf, Batch) and leaf.s is None:
+            raise _CannotFollow
+        if isinstance(leaf, Batch):
+            keep = (~_rows(a.shape[leaf.dim], leaf, n, j, a.device)).nonzero().flatten()
+            a, b = a.index_select(leaf.dim, keep), b.index_select(leaf.dim, keep.to(b.device))
+        elif leaf is not None:
+            continue  # shapes that pair or shift samples are refused by the graph check
+        gap = _gap(a, b, lambda eps: 64 * eps)
+        if gap:
+            return gap
+    return 0.0
+
+
+def probe(call: Callable, load: Callable, out_leaves: list, n: int, device, alone: bool) -> Optional[str]:
+    """Run the leak test (and, with ``alone``, the alone test) of one operation.
+
+    Args:
+        call: ``(args, kwargs) -> output``.
+        load: ``fn -> (args, kwargs)`` with every tensor input ``v`` replaced by ``fn(v, layout)``.
+        out_leaves: the output's layout per tensor leaf.
+        n: ``N`` (at least 2).
+    """
+    with _seeded(device, _SEED):
+        base = call(*load(_same))
+    why = _leak_test(call, load, base, out_leaves, n, device)
+    if why or not alone:
+        return why
+    return _alone_test(call, load, base, out_leaves, device)
+
+
+def _leak_test(call, load, base, out_leaves, n, device) -> Optional[str]:
+    gen = torch.Generator().manual_seed(_SEED)
+    for j in sorted({0, n - 1}):
+        try:
+            args = load(_perturbed(j, n, gen))
+            with _seeded(device, _SEED):
+                out = call(*args)
+            gap = _leak(base, out, out_leaves, j, n)
+        except _CannotFollow:
+            return (": its input or output has the batch merged with another dim by an operation "
+                    "curvlib cannot follow, so it cannot test whether samples stay apart")
+        if gap:
+            return (f": changing sample {j}'s input changed other samples' outputs by up to {gap:.3g}, "
+                    "so it mixes samples")
+    return None
+
+
+def _alone_test(call, load, base, out_leaves, device) -> Optional[str]:
+    with _seeded(device, _OTHER_SEED):
+        again = call(*load(_same))
+    if any(_gap(a, b, lambda eps: 64 * eps) for a, b in zip(leaves_of(base), leaves_of(again))):
+        return None  # random (active dropout): a batch of one draws other numbers
+
+    def first(v: Tensor, leaf) -> Tensor:
+        return v.narrow(leaf.dim, 0, 1).clone() if isinstance(leaf, Batch) and leaf.c == 1 else v.clone()
+
+    with _seeded(device, _SEED):
+        one = call(*load(first))
+    for a, b, leaf in zip(leaves_of(base), leaves_of(one), out_leaves):
+        if isinstance(leaf, Batch) and leaf.c == 1:
+            gap = _gap(a.narrow(leaf.dim, 0, 1), b, lambda eps: eps**0.5)
+            if gap:
+                return (f": run on sample 0 alone (a batch of one, as curvlib's generic rule recomputes "
+                        f"it) gives an output {gap:.3g} away from its row of the batched output: the "
+                        "layer does not treat samples independently")
+    return None
+
+
+def _node_call(program, node: fx.Node, params) -> Callable:
+    """``(args, kwargs) -> value`` of a node, with the plan's parameters and copies of buffers."""
+    if node.op == "call_module":
+        module = program.root.get_submodule(node.target)
+        layer = program.layers.get(node.target)
+        tensors = {role: params[name] for role, name in layer.names.items()} if layer is not None else {}
+
+        def call(args, kwargs):
+            buffers = {name: b.clone() for name, b in module.named_buffers()}  # never update the model's
+            return stateless_call(module, {**tensors, **buffers}, args, kwargs)
+
+        return call
+    if node.op == "call_method":
+        return lambda args, kwargs: getattr(args[0], node.target)(*args[1:], **kwargs)
+    return lambda args, kwargs: node.target(*args, **kwargs)
+
+
+@outside_transforms
+def pending_problem(program, found, X: Tensor, params, trainable) -> Optional[str]:
+    """The first pending node that fails its test, in words (``None``: all pass)."""
+    n = _inputs.batch_size(X)
+    if n < 2 or not found.pending:
+        return None
+    env: dict = {}
+    with _seeded(_inputs.first(X).device, _SEED):
+        run_graph(program, X, params, trainable, Recorder(None), env=env)
+    for node in found.pending:
+        def load(fn, node=node):
+            one = lambda a: _map_leaves(env[a], found.layouts.get(a, []), fn)  # noqa: E731
+            return fx.node.map_arg(node.args, one), fx.node.map_arg(node.kwargs, one)
+
+        module = program.root.get_submodule(node.target) if node.op == "call_module" else None
+        layer = program.layers.get(node.target) if node.op == "call_module" else None
+        # only layers with trainable parameters are recomputed per sample (by the generic rule)
+        alone = layer is not None and any(name in trainable for name in layer.names.values())
+        why = probe(_node_call(program, node, params), load, found.layouts[node], n, _inputs.first(X).device, alone)
+        if why:
+            name = getattr(node.target, "__name__", str(node.target))
+            return f"graph node '{node.name}' ({label(node, name, module)}{why})"
+    return None
+
+
+def _site_problem(site, n: int, device) -> Optional[str]:
+    """The leak and alone tests of a generic site of a model without a graph."""
+    module = site.meta["module"]
+    tensors = {k[6:]: v for k, v in site.saved.items() if k.startswith("param:")}
+    inputs = {k: v for k, v in site.saved.items() if not k.startswith("param:")}
+    layout = {k: Batch(0) if v.dim() > 0 and v.shape[0] == n else None for k, v in inputs.items()}
+
+    def load(fn):
+        return join_args({k: fn(v, layout[k]) for k, v in inputs.items()}, site.meta["pos_static"],
+                          site.meta["kw_static"])
+
+    def call(args, kwargs):
+        buffers = {name: b.clone() for name, b in module.named_buffers()}
+        return stateless_call(module, {**tensors, **buffers}, args, kwargs)
+
+    return probe(call, load, [Batch(0)], n, device, alone=True)
+
+
+@outside_transforms
+def untraced_problem(program, plan, X: Tensor, params, trainable, runner) -> Optional[str]:
+    """Numeric tests of a model without a graph (see the module doc)."""
+    n = _inputs.batch_size(X)
+    if n < 2 or not plan.site_shapes:
+        return None
+    rec = Recorder(None)
+    with _seeded(_inputs.first(X).device, _SEED):
+        base = runner(program, X, params, trainable, rec)
+    for site in rec.sites:
+        if site.rule.kind == "generic":
+            why = _site_problem(site, n, _inputs.first(X).device)
+            if why:
+                return f"layer '{site.where}' ({type(site.meta['module']).__name__}){why}"
+    gen = torch.Generator().manual_seed(_SEED)
+    for j in sorted({0, n - 1}):
+        gap = _probe_leak(program, plan, X, params, trainable, runner, base, j, n, gen, None)
+        if not gap:
+            continue
+        blamed = next((k for k in range(len(plan.site_shapes))
+                       if _probe_leak(program, plan, X, params, trainable, runner, base, j, n, gen, k)), None)
+        where = f"layer '{plan.sites[blamed].where}'" if blamed is not None else "its layers"
+        return (f"the model's own forward (it has no graph; tested numerically): noise added to "
+                f"sample {j}'s rows of the output of {where} changed other samples' model outputs by "
+                f"up to {gap:.3g}, so the forward mixes samples after that layer")
+    return None
+
+
+def _probe_leak(program, plan, X, params, trainable, runner, base, j, n, gen, only) -> float:
+    """Leak of noise added to sample ``j``'s rows of every layer output (or of layer ``only``)."""
+    probes: List[Tensor] = []
+    for k, (shape, dtype, bdim) in enumerate(zip(plan.site_shapes, plan.site_dtypes, plan.batch_dims)):
+        p = torch.zeros(shape, dtype=dtype, device=_inputs.first(X).device)
+        if only is None or k == only:  # unit noise on sample j's rows
+            mine = _rows(shape[bdim], Batch(bdim), n, j, _inputs.first(X).device).reshape([-1] + [1] * (len(shape) - bdim - 1))
+            p = torch.randn(shape, generator=gen, dtype=dtype, device="cpu").to(_inputs.first(X).device) * mine
+        probes.append(p)
+    with _seeded(_inputs.first(X).device, _SEED):
+        out = runner(program, X, params, trainable, Recorder(probes))
+    return _leak(base, out, [Batch(0)], j, n)

@@ -1,0 +1,295 @@
+"""Plan one input signature: shapes, batch dimensions and checks, before any real work.
+
+The graph runs on fake tensors for batch sizes ``N`` and ``N + 1``: a dimension
+whose size follows the batch size is the batch dimension of that site's output.
+Comparing the two runs also shows whether samples are mixed inside the model
+(:mod:`curvlib._plan.independence`). The plan is cached per input signature.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Callable, List, Optional, Tuple
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch import Tensor, fx
+
+from . import independence as _independence
+from .._core import inputs as _inputs
+from .._core.errors import CurvatureError
+from .batch_merges import residual_merges, split_merged_batches
+from .._trace.program import Program
+from .._core.site import Recorder, Site
+
+from .._interpret.graph import run_graph
+from ..rules import checker_for
+from .._interpret.diagnose import forward_failure
+
+__all__ = ["Plan", "make_plan", "module_checks"]
+
+# Per-sample entries of a dense residual: N·D² must stay below this.
+MAX_DENSE_ENTRIES = 2**26
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one input signature looks like (cached).
+
+    Attributes:
+        out_shape: the model output's shape.
+        site_shapes: output shape of every site, in recording order.
+        site_dtypes: their dtypes.
+        batch_dims: the batch dimension of every site's output.
+    """
+
+    out_shape: Tuple[int, ...]
+    out_dtype: torch.dtype
+    site_shapes: Tuple[Tuple[int, ...], ...]
+    site_dtypes: Tuple[torch.dtype, ...]
+    batch_dims: Tuple[int, ...]
+    residual_shapes: Tuple[Tuple[int, ...], ...] = ()
+    sites: Tuple[Site, ...] = ()
+    # per residual: the batch dim of each input and of the output
+    residual_dims: Tuple[Tuple[Tuple[int, ...], int], ...] = ()
+    independence: Optional[_independence.Independence] = None  # samples mixed inside the model?
+    # per residual: (c, s) when its output has the batch merged with c entries per sample (else None)
+    residual_merges: Tuple[Optional[Tuple[int, int]], ...] = ()
+
+
+def module_checks(program: Program) -> List[Callable[[], None]]:
+    """The per-call checks of the modules the graph calls (e.g. BatchNorm's mode).
+
+    Found once per traced program: only families with a ``check`` contribute,
+    so the per-call cost is one call per such module (none for an MLP).
+    """
+    checks, seen = [], set()
+    for node in program.graph.nodes:
+        if node.op == "call_module" and node.target not in seen:
+            seen.add(node.target)
+            module = attrgetter(node.target)(program.root)
+            path = node.target[len(program.prefix):] if node.target.startswith(program.prefix) else node.target
+            check = checker_for(module)
+            if check is not None:
+                checks.append(lambda check=check, module=module, where=path or type(module).__name__: check(module, where))
+    return checks
+
+
+def _shape_pass(program, X, params, trainable, batch, residual_nodes=None, runner=None, env=None):
+    """Sites and output of a forward on fake tensors with batch size ``batch``."""
+    with _quiet_fake_tensor_log(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = lambda t: mode.from_tensor(t) if not isinstance(t, torch._subclasses.FakeTensor) else t  # noqa: E731
+        Xf = _inputs.with_batch(X, batch, real=False)
+        pf = {k: torch.empty(tuple(v.shape), dtype=v.dtype, device=v.device) for k, v in params.items()}
+        rec = Recorder(None, residual_nodes=residual_nodes)
+        with torch.no_grad():
+            out = (runner or run_graph)(program, Xf, pf, trainable, rec, fake_tensor=fake, env=env)
+        return rec, out
+
+
+def _real_shape_pass(program, X, params, trainable, batch, residual_nodes=None, runner=None, env=None):
+    """Fallback of :func:`_shape_pass` for ops that fake tensors do not support."""
+    Xb = _inputs.with_batch(X, batch, real=True)
+    device = _inputs.first(X).device
+    rec = Recorder(None, residual_nodes=residual_nodes)
+    # Forked random state: the passes take the same random branches as the real forward.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        out = (runner or run_graph)(program, Xb, params, trainable, rec, env=env)
+    return rec, out
+
+
+def _checked_shape_pass(program, X, params, trainable, batch, residual_nodes, runner, env):
+    """A shape pass on fake tensors (on real ones for ops without a fake kernel); a model
+    that fails on ``X`` is reported by :func:`curvlib._interpret.diagnose.forward_failure`."""
+    try:
+        return _shape_pass(program, X, params, trainable, batch, residual_nodes, runner, env)
+    except CurvatureError:
+        raise
+    except Exception:  # noqa: BLE001 - an op without a fake-tensor kernel, or a real failure
+        env.clear()
+    try:
+        return _real_shape_pass(program, X, params, trainable, batch, residual_nodes, runner, env)
+    except CurvatureError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported with the node, the input and a likely cause
+        raise forward_failure(program, X, params, exc, batch) from exc
+
+
+class _FakeTensorNoise(logging.Filter):
+    """Drops the ERROR records FakeTensorMode logs for a failing op while curvlib's shape
+    pass runs in this thread (curvlib reports the failure itself, naming the node)."""
+
+    active = threading.local()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(self.active, "on", False)
+
+
+_FAKE_LOGGER = logging.getLogger("torch._subclasses.fake_tensor")
+_FAKE_FILTER = _FakeTensorNoise()
+_FAKE_LOGGER.addFilter(_FAKE_FILTER)
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    before = getattr(_FakeTensorNoise.active, "on", False)
+    _FakeTensorNoise.active.on = True
+    try:
+        yield
+    finally:
+        _FakeTensorNoise.active.on = before
+
+
+def _batch_dim(shape_a, shape_b, n_a, n_b, where: str) -> int:
+    """The one dimension whose size is the batch size in both passes."""
+    dims = [d for d, (a, b) in enumerate(zip(shape_a, shape_b)) if a != b]
+    if len(dims) == 1 and shape_a[dims[0]] == n_a and shape_b[dims[0]] == n_b:
+        return dims[0]
+    if not dims:
+        why = "does not change with the batch size"
+    else:
+        why = f"changes with the batch size in dims {dims}, not in exactly one dim of size N"
+    raise CurvatureError(
+        f"Layer '{where}': its output (shape {list(shape_a)} for N={n_a}) {why}. curvlib "
+        "needs every parametrized layer to act on each sample of the batch separately, "
+        "with the batch as one dimension of its output (e.g. do not merge the batch "
+        "with another axis before a layer)."
+    )
+
+
+def _check_generic_inputs(site: Site, site_b: Site, n: int) -> None:
+    """Generic sites slice their inputs per sample along dim 0: check that is the batch."""
+    for key, a in site.saved.items():
+        b = site_b.saved.get(key)
+        if key.startswith("param:") or not isinstance(a, Tensor) or not isinstance(b, Tensor):
+            continue
+        if tuple(a.shape) == tuple(b.shape):
+            continue  # not batched: passed unchanged to every sample
+        if a.shape[0] == n and b.shape[0] == n + 1 and tuple(a.shape[1:]) == tuple(b.shape[1:]):
+            continue
+        raise CurvatureError(
+            f"Layer '{site.where}': an input of shape {list(a.shape)} (for N={n}) does not "
+            "carry the batch in dim 0, which curvlib's generic rule needs to split it per "
+            "sample. Move the batch to dim 0 before this operation."
+        )
+
+
+def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=None, runner=None) -> Plan:
+    """Learn shapes and batch dimensions (see the module docstring)."""
+    n = _inputs.batch_size(X)
+    env_a, env_b = {}, {}  # every node's value in both passes (for _independence)
+    rec_a, out_a = _checked_shape_pass(program, X, params, trainable, n, residual_nodes, runner, env_a)
+    program_b = program.sibling or program  # (an ATen-level trace has the batch size baked in)
+    rec_b, out_b = _checked_shape_pass(program_b, X, params, trainable, n + 1, _same_nodes(program, program_b, residual_nodes),
+                                       runner, env_b)
+    env_b = _same_nodes(program_b, program, env_b)
+    calls_a, calls_b = [s.where for s in rec_a.sites], [s.where for s in rec_b.sites]
+    if calls_a != calls_b:  # only possible without a graph (control flow in forward)
+        raise CurvatureError(
+            f"The model calls its parametrized layers differently for a batch of N={n} "
+            f"({calls_a}) and of N={n + 1} ({calls_b}) samples: its forward takes a path "
+            "that depends on the whole batch (or on random numbers drawn after batch-sized "
+            "ones), so the samples are not independent and per-sample quantities are not "
+            "defined. Make the control flow depend on each sample alone (or on nothing)."
+        )
+    if out_a.dim() == 0 or out_a.shape[0] != n or out_b.shape[0] != n + 1:
+        raise CurvatureError(
+            f"The model output has shape {list(out_a.shape)} for an input batch of "
+            f"N={n}; curvlib needs the batch in dim 0 of the output."
+        )
+    if split_merged_batches(program, rec_a, rec_b, env_a, env_b, n, trainable):
+        return make_plan(program, X, params, trainable, residual_nodes, runner)
+    batch_dims = []
+    for site, sa, sb in zip(rec_a.sites, rec_a.out_shapes, rec_b.out_shapes):
+        d = _batch_dim(sa, sb, n, n + 1, site.where)
+        if d != 0 and not site.rule.any_batch_dim:
+            raise CurvatureError(
+                f"Layer '{site.where}' ({site.rule.kind}): the batch is in dim {d} of its "
+                f"output (shape {list(sa)}), but this layer needs it in dim 0."
+            )
+        batch_dims.append(d)
+    residual_dims = residual_batch_dims(rec_a, rec_b)
+    independence = _independence.analyse(program, env_a, env_b, n, trainable)
+    check_residual_sizes(rec_a.residuals, residual_dims, n)
+    for site, site_b in zip(rec_a.sites, rec_b.sites):
+        if site.rule.kind == "generic":
+            _check_generic_inputs(site, site_b, n)
+    return Plan(
+        out_shape=tuple(out_a.shape),
+        out_dtype=out_a.dtype,
+        site_shapes=tuple(rec_a.out_shapes),
+        site_dtypes=tuple(rec_a.out_dtypes),
+        batch_dims=tuple(batch_dims),
+        residual_shapes=tuple(rec_a.residual_shapes),
+        residual_dims=residual_dims,
+        independence=independence,  # samples mixed?
+        residual_merges=residual_merges(program, rec_a.residuals, residual_dims, independence, n),
+        sites=tuple(Site(s.rule, dict(s.params), s.where, meta=dict(s.meta), key=s.key) for s in rec_a.sites),
+    )
+
+
+def _same_nodes(program, other, table):
+    """``table`` (keyed by ``program``'s nodes, and other keys) keyed by ``other``'s nodes: the ATen-level traces
+    of N and N + 1 samples hold the same nodes, by name, with other sizes baked in."""
+    if other is program or table is None:
+        return table
+    nodes = {n.name: n for n in other.graph.nodes}
+    if [(n.name, n.op) for n in program.graph.nodes] != [(n.name, n.op) for n in other.graph.nodes]:
+        raise CurvatureError(
+            "The model's forward runs other operations for a batch of N + 1 samples than for N (traced at "
+            "the ATen level): its code depends on the batch size beyond shapes, so per-sample quantities "
+            "are not defined for it. Make the forward treat each sample alike.")
+    return {nodes[k.name] if isinstance(k, fx.Node) else k: v for k, v in table.items()}
+
+
+def residual_batch_dims(rec_a: Recorder, rec_b: Recorder) -> Tuple[Tuple[Tuple[int, ...], int], ...]:
+    """Per residual, the batch dimension of each input and of the output, from two
+    planning passes with batch sizes ``N`` and ``N + 1``: the one dimension whose
+    size changes (0 if none or several do)."""
+
+    def dim(a, b) -> int:
+        changed = [k for k, (p, q) in enumerate(zip(a, b)) if p != q]
+        return changed[0] if len(changed) == 1 else 0
+
+    def fixed_dim(ra, x, y) -> Optional[int]:
+        changed = [k for k, (p, q) in enumerate(zip(x.shape, y.shape)) if p != q]
+        if len(changed) > 1:
+            raise CurvatureError(
+                f"The Hessian extensions need the second derivative of graph node '{ra.where}', per "
+                f"sample; its integer input of shape {list(x.shape)} changes with the batch size in "
+                "several dimensions, so it cannot be split per sample. Keep the batch in one dimension.")
+        return changed[0] if changed else None
+
+    # the in_dims of a dense residual go on with those of its integer inputs
+    # (``meta["fixed"]``; ``None``: the same for every sample): see engine._finish
+    return tuple(
+        (tuple(dim(x.shape, y.shape) for x, y in zip(ra.inputs, rb.inputs))
+         + tuple(fixed_dim(ra, x, y) for x, y in zip(ra.meta.get("fixed", ()), rb.meta.get("fixed", ()))),
+         dim(za, zb))
+        for ra, rb, za, zb in zip(rec_a.residuals, rec_b.residuals, rec_a.residual_shapes, rec_b.residual_shapes)
+    )
+
+
+def check_residual_sizes(residuals, dims, n: int) -> None:
+    """Refuse dense or bilinear residuals too large to factor (called at planning).
+
+    ``dims``: :func:`residual_batch_dims` of ``residuals``."""
+    for res, (in_dims, _) in zip(residuals, dims):
+        per_sample = [a.numel() // max(a.shape[k], 1) for a, k in zip(res.inputs, in_dims)]
+        if res.kind == "dense":
+            d = sum(per_sample) + sum(p.numel() for p in res.params.values())
+        elif res.kind == "bilinear":
+            d = per_sample[0]
+        else:
+            continue
+        if n * d * d > MAX_DENSE_ENTRIES:
+            raise CurvatureError(
+                f"The Hessian extensions need the second derivative of graph node '{res.where}', "
+                f"a dense {d}x{d} matrix per sample here (N={n}), which is too large "
+                f"(limit: N·d² ≤ {MAX_DENSE_ENTRIES}). Use the GGN extensions (DiagGGNExact, "
+                "BatchDiagGGNExact) or HMP (exact Hessian-vector products) for this model."
+            )

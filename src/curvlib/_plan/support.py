@@ -1,0 +1,192 @@
+"""Refusals of second-order extensions, decided from the plan's sites before any work.
+
+KFAC/KFLR/KFACEmpirical need Kronecker factors (Linear, Conv, ConvTranspose, Embedding
+weights, and RNN/LSTM/GRU weights, which are Linear sites shared over time steps; one use
+per parameter, but shared Linear or recurrent weights are factored as positions),
+the exact block (normalisations' scale and shift, 1-D parameters of other modules, any
+number of uses), Embedding's layout (bias-like generic parameters) or the diagonal block
+(other generic parameters, :mod:`curvlib.rules.fixed_rows`); KFRA's recursion has factors for Linear/Conv/ConvTranspose only. The Hessian extensions need a family whose second
+derivative curvlib knows, and for a parameter used by several sites the coupling of its
+weight and input, which curvlib has for :data:`SHARED_HESSIAN_KINDS`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, List, Mapping, Optional, Sequence
+
+from .._core.errors import CurvatureError
+from ..extensions.secondorder import SecondOrder
+from ..rules import fixed_rows
+from ..rules.fixed_rows import tied_across_layers
+from .._core.site import Site, uses_of
+
+__all__ = ["check_second_order", "HESSIAN_QUANTITIES"]
+
+# Families KFRA's recursion reads factors off (weight [G_z, A], bias [G_z]).
+KFRA_KINDS = ("linear", "conv", "conv_transpose")
+# Families KFAC, KFLR and KFACEmpirical support (layouts: curvlib._core.kronlayout): Kronecker
+# factors for Linear/Conv/ConvTranspose/Embedding weights and the recurrent layers' (their
+# sites are Linear ones, time steps as positions: curvlib.rules.rnn), the exact block for the
+# normalisations' scale and shift and for 1-D parameters of other modules (EXACT_BLOCK_KINDS).
+KRON_KINDS = ("linear", "conv", "conv_transpose", "embedding", "batchnorm", "layernorm", "groupnorm", "generic", "rnn")
+# Families whose parameters get their exact curvature block (any parameter of the
+# normalisations; 1-D parameters only for "generic").
+EXACT_BLOCK_KINDS = ("batchnorm", "layernorm", "groupnorm", "generic")
+# Families the Hessian extensions support (the recurrent ones through their unrolled
+# nodes, curvlib.rules.rnn_steps).
+HESSIAN_SITE_KINDS = (
+    "linear", "conv", "conv_transpose", "batchnorm", "embedding", "layernorm", "groupnorm", "generic", "rnn",
+)
+# A parameter used by several sites needs the coupling of weight and input;
+# curvlib has it for these families (affine-in-input Linear: "bilinear";
+# the others: the dense residual of the layer as a function of both).
+SHARED_HESSIAN_KINDS = ("linear", "embedding", "layernorm", "groupnorm", "generic", "rnn")
+
+
+HESSIAN_QUANTITIES = ("hessian_diag", "hessian_batch_diag", "pchmp")
+
+
+def check_second_order(
+    exts: Sequence[SecondOrder],
+    sites: Sequence[Site],
+    names: Sequence[str],
+    unknown_nodes: List[str],
+    layer_kinds: Optional[Mapping[str, str]] = None,
+    param_dims: Optional[Mapping[str, int]] = None,
+) -> None:
+    """Refuse, before any work, what the requested extensions cannot do.
+
+    Args:
+        exts: the second-order extensions.
+        sites: the planned sites.
+        names: trainable parameter names.
+        unknown_nodes: graph nodes whose second derivative is unknown.
+        layer_kinds: layer path -> family. Support is decided by the family,
+            not by the kind of its sites: an RNN is made of linear sites around
+            hidden nonlinearities.
+        param_dims: parameter name -> number of dims (Kronecker extensions give the
+            exact block of a 1-D parameter of a module without Kronecker factors).
+    """
+    uses = uses_of(sites)
+    layer_kinds = layer_kinds or {}
+    params_shape = param_dims or {}
+    params_of: Dict[str, List[str]] = defaultdict(list)
+    family_of: Dict[str, str] = {}
+    opaque_of: Dict[str, str] = {}
+    for site in sites:
+        params_of[site.where].extend(n for n in site.params.values() if n not in params_of[site.where])
+        family_of[site.where] = site.meta.get("family", layer_kinds.get(site.where, "generic"))
+        if site.meta.get("opaque"):
+            opaque_of[site.where] = site.meta["opaque"]
+    for ext in exts:
+        hessian = ext.quantity in HESSIAN_QUANTITIES
+        if ext.kron:
+            _refuse_opaque(ext, params_of, opaque_of)
+        if ext.kron or hessian:
+            supported = HESSIAN_SITE_KINDS if hessian else KFRA_KINDS if ext.quantity == "kfra" else KRON_KINDS
+            _check_families(ext, supported, params_of, family_of)
+        if ext.kron:
+            for name in names:
+                _check_kron_uses(ext, name, uses.get(name, []), family_of, params_shape)
+        if hessian:
+            _check_hessian_uses(ext, uses, unknown_nodes, family_of)
+
+
+def _refuse_opaque(ext, params_of, opaque_of) -> None:
+    """A Kronecker factor needs the layer's inside (its Linear/Conv input and output);
+    a submodule torch.fx could not trace is one opaque node, whose inside curvlib never sees."""
+    for where, why in opaque_of.items():
+        raise CurvatureError(
+            f"{type(ext).__name__} is not defined for the parameters {sorted(params_of[where])} of module "
+            f"'{where}': torch.fx could not trace its forward ({'; '.join(w.strip() for w in why.splitlines())}), so curvlib runs it as "
+            "one opaque layer (generic rule) and does not see the Linear/Conv layers inside it that Kronecker "
+            "factors need. Set requires_grad=False on those parameters (or leave them out of params=) to get "
+            f"{type(ext).__name__} for the other layers, make the module traceable by torch.fx, or use "
+            "DiagGGNExact / SqrtGGNExact / GGNMP, which are exact for it."
+        )
+
+
+def _check_families(ext, supported, params_of, family_of) -> None:
+    for where, pnames in params_of.items():
+        family = family_of[where]
+        if family not in supported:
+            raise CurvatureError(
+                f"{type(ext).__name__} is not supported for module '{where}' (layer family "
+                f"'{family}', parameters {sorted(pnames)}); supported families: "
+                f"{', '.join(supported)}. Remove the extension or set "
+                "requires_grad=False on those parameters."
+            )
+
+
+def _check_kron_uses(ext, name: str, u, family_of, param_dims) -> None:
+    """A Kronecker factor of parameter ``name``, used by the sites ``u``."""
+    label = type(ext).__name__
+    if not u:
+        raise CurvatureError(
+            f"{label} is not defined for parameter '{name}': the model's forward "
+            "does not use it. Set requires_grad=False on it or leave it out of params."
+        )
+    families = {family_of[s.where] for s, _ in u}
+    if ext.quantity != "kfra" and families <= set(EXACT_BLOCK_KINDS):
+        _check_exact_block(label, name, u, families, param_dims, getattr(ext, "kfac_approx", None))
+        return
+    if len(u) > 1 and ext.quantity != "kfra" and tied_across_layers(u, family_of):
+        return  # the diagonal of the exact block (curvlib._evaluate.second_order._generic_block)
+    if len(u) > 1 and (
+        ext.quantity == "kfra"
+        or any(s.rule.kind != "linear" or family_of[s.where] not in ("linear", "rnn") for s, _ in u)
+        or len({r for _, r in u}) > 1
+    ):
+        raise CurvatureError(
+            f"{label} is not defined for parameter '{name}': it is used by several "
+            f"layers ({', '.join(s.where for s, _ in u)}); curvlib factors shared "
+            "weights of Linear and recurrent layers (KFAC, KFLR) only. Use DiagGGNExact or "
+            "SqrtGGNExact, or untie the weights."
+        )
+    if len(u) > 1 and getattr(ext, "kfac_approx", None) is not None:
+        raise CurvatureError(
+            f"{label}(kfac_approx={ext.kfac_approx!r}) is not defined for parameter "
+            f"'{name}': it is used by several layers ({', '.join(s.where for s, _ in u)}). "
+            f"Use {label}() (BackPACK's factors, uses treated as positions)."
+        )
+    site = u[0][0]
+    error = site.meta.get("kron_error") or (site.meta.get("kfra_error") if ext.quantity == "kfra" else None)
+    if error:
+        raise CurvatureError(f"{label} is not defined for parameter '{name}' (module '{site.where}'): {error}")
+    if site.rule.kind == "embedding" and getattr(ext, "kfac_approx", None) == "reduce" and site.meta.get("index_dims", 1) > 1:
+        raise CurvatureError(
+            f"{label}(kfac_approx='reduce') is not defined for parameter '{name}' (Embedding "
+            f"'{site.where}' on sequences): KFAC-reduce's input factor, the mean over positions "
+            "of the one-hot inputs, is a dense V x V matrix. Use kfac_approx=None or 'expand' "
+            "(diagonal token-frequency factors)."
+        )
+
+
+def _check_exact_block(label: str, name: str, u, families, param_dims, approx=None) -> None:
+    """A normalisation's scale or shift, a 1-D parameter elsewhere (exact block), a bias-like
+    ``≥ 2``-dim one (Embedding's layout at fixed rows) or any other (diagonal block):
+    only KFAC-reduce of a bias-like one is undefined here (a dense ``R x R`` input factor)."""
+    if approx == "reduce" and "generic" in families and param_dims.get(name, 1) >= 2 and len(u) == 1 \
+            and fixed_rows.bias_like(u[0][0]):
+        raise CurvatureError(
+            f"{label}(kfac_approx='reduce') is not defined for parameter '{name}' (added as a bias by "
+            f"'{u[0][0].where}'): it is an embedding looked up at fixed rows (one per position), and "
+            "KFAC-reduce's input factor, the mean over positions of the one-hot rows, is a dense R x R "
+            "matrix. Use kfac_approx=None or 'expand' (diagonal row-count factors)."
+        )
+
+
+def _check_hessian_uses(ext, uses, unknown_nodes, family_of) -> None:
+    label = type(ext).__name__
+    if unknown_nodes:
+        raise CurvatureError(f"{label} is not supported for: {', '.join(unknown_nodes)}.")
+    for name, u in uses.items():
+        kinds = {family_of[site.where] for site, _ in u}
+        if len(u) > 1 and not kinds <= set(SHARED_HESSIAN_KINDS):
+            raise CurvatureError(
+                f"{label}: parameter '{name}' is used by several layers "
+                f"({', '.join(s.where for s, _ in u)}) of families {sorted(kinds)}; the "
+                "Hessian's weight-input coupling between uses is supported for: "
+                f"{', '.join(SHARED_HESSIAN_KINDS)}. Use HMP for exact Hessian products."
+            )

@@ -1,0 +1,8 @@
+"""Stage 1, trace: a model becomes a :class:`~curvlib._trace.program.Program` (a graph plus
+a table of parametrized sites).
+
+- ``program``: torch.fx front end, one node per layer a rule knows;
+- ``aten``, ``aten_ops``: the ATen-level front end for model code torch.fx cannot follow;
+- ``branches``: value-dependent branches of an ATen trace, checked per group of samples;
+- ``untraced``: running a model that no front end can trace, eagerly, for first order.
+"""

@@ -1,0 +1,241 @@
+"""The front end for real model code: an ATen-level trace when torch.fx cannot follow it.
+
+torch.fx traces *symbolically*: Python that reads values (``if mask is None``,
+``ModelOutput`` dataclasses, ``x.shape[0]`` passed to ``expand``, tuple-returning
+submodules) breaks it. When the fx trace fails, leaves a submodule opaque, or the model's
+keyword inputs need it, curvlib instead runs the model once on the call's input under
+:func:`torch.fx.experimental.proxy_tensor.make_fx` (pre-dispatch ATen ops, real
+tensors): all of the model's Python has run and every branch is taken as it is for
+inputs of this signature. The ATen graph is then *replayed* through curvlib's own fx
+tracer (:class:`curvlib._trace.program.Tracer`), so that the rest of the pipeline sees the
+vocabulary of a symbolically traced model:
+
+* a parameter use whose op *is* its owner module's forward (``aten.linear`` on an
+  ``nn.Linear``'s weight and bias, ``aten.conv2d`` with the module's stride, padding,
+  dilation and groups, ``aten.embedding``, ``aten.layer_norm``, ``aten.group_norm``,
+  ``aten.batch_norm``) becomes a ``call_module`` node, run by the module's hand-written
+  rule (individual gradients by einsum, Kronecker factors, ...);
+* GPT-2's ``Conv1D`` (``addmm(b, x.view(-1, k), W)``) becomes ``F.linear(x, Wᵀ, b)`` on the
+  unflattened input (per-sample rows stay per sample): a transposed Linear site;
+* every other op maps to its torch-level function (``F.gelu``, ``torch.softmax``,
+  ``Tensor.view``, ...) where one takes the same arguments, so curvature rules classify it,
+  else it stays the ATen op; ``scaled_dot_product_attention`` becomes its math
+  (:mod:`curvlib.rules.attention`: forward-mode AD and batching rules exist);
+* ops on constants only (a causal mask from ``arange``) are evaluated once: constants.
+
+Parameter uses left (a ``weight * x`` RMSNorm, a layer-scale ``gamma``, a class token
+concatenated) are functional sites (:mod:`curvlib.rules.functional`), exact per sample.
+Shapes are baked into the graph (``view(x, [N, T, H, D])``), so a trace serves one input
+signature (shapes, dtypes, devices): :mod:`curvlib._transform.entry` keys it so.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+from torch import Tensor, fx, nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from .._core import outputs as _outputs
+from .._core.errors import CurvatureError
+from .aten_ops import INPUT_ARG, conv1d_linear, owner_call, owners, torch_level, view_of
+from .branches import input_branch, keyword_inputs, without_hooks
+from .._core.inputs import as_pytree, trace_structure
+from .program import Program, Tracer, assemble, function_apply
+from .._core.sync import LOCK
+from ..rules.generic import restored
+
+__all__ = ["trace_aten_program", "trace_graph"]
+
+aten = torch.ops.aten
+torch.fx.wrap("input_branch")  # the replay's guards stay calls (fx.wrap patches this module's globals)
+
+
+def _aten_graph(model: nn.Module, X, output) -> Tuple[fx.GraphModule, List[str], List[str], List[int], str]:
+    """Run the model once under ``make_fx``; returns the ATen graph, the parameter and buffer
+    names of its leading placeholders, the positions of the tensor leaves of ``X`` and where
+    the loss's tensor was found in the output."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    # (clones: a BatchNorm in train mode updates running statistics in place; the model's stay as they are)
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    leaves, spec = pytree.tree_flatten(as_pytree(X))
+    tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+    keywords = keyword_inputs(model, X)
+    chosen: List[str] = []
+
+    def run(p, b, *tensors):
+        full = list(leaves)
+        for i, t in zip(tensor_at, tensors):
+            full[i] = t
+        x = pytree.tree_unflatten(full, spec)
+        args, kwargs = ((), dict(x)) if keywords else ((x,), {})
+        out = torch.func.functional_call(model, (p, b), args, kwargs, strict=False)
+        tensor, where = _outputs.select(out, output)
+        chosen.append(_outputs.describe_choice(out, where) if where else "")
+        return tensor
+
+    inputs = (params, buffers, *[leaves[i] for i in tensor_at])
+    # (a value the Python reads from a tensor, ``if mask.all()``, is taken as it is for this input
+    # and becomes a guard of the graph: see :func:`input_branch`)
+    with _no_custom_functions(), LOCK, restored(model), without_hooks(model):
+        gm = make_fx(run, pre_dispatch=True, _error_on_data_dependent_ops=False)(*inputs)
+    gm.curvlib_reads = _read_values(gm, pytree.tree_leaves(inputs))
+    return gm, list(params), list(buffers), tensor_at, chosen[0]
+
+
+class CustomFunction(Exception):
+    """The model applies a custom ``autograd.Function``: make_fx would record its ``forward``'s ops
+    and the graph would differentiate those instead of its ``backward`` (a straight-through
+    estimator would be silently wrong). The symbolic front end keeps it; this one refuses."""
+
+
+def _no_custom_functions():
+    """Raise :class:`CustomFunction` when the traced code applies a custom ``autograd.Function``."""
+
+    def apply(cls, *args, **kwargs):
+        raise CustomFunction(f"the model applies the custom autograd.Function {cls.__name__}")
+
+    return function_apply(apply)
+
+
+_READS = (aten.item.default, aten._local_scalar_dense.default, aten.is_nonzero.default)
+
+
+def _read_values(gm: fx.GraphModule, inputs) -> Dict[str, object]:
+    """Node name -> the value the model's Python read from a tensor (``.item()``, ``bool(t)``)."""
+    reads = {n for n in gm.graph.nodes if n.target in _READS}
+    values: Dict[str, object] = {}
+    if not reads:
+        return values
+
+    class _Reader(fx.Interpreter):
+        def run_node(self, n):
+            value = super().run_node(n)
+            if n in reads:
+                values[n.name] = value
+            return value
+
+    with torch.no_grad():
+        _Reader(gm).run(*inputs)
+    return values
+
+
+class _Replay(nn.Module):
+    """Holds the user's model (``model.``) and an ATen graph; its ``forward`` replays the
+    graph on fx proxies (see the module doc). Never run on data."""
+
+    def __init__(self, model: nn.Module, gm: fx.GraphModule, params: List[str], buffers: List[str],
+                 tensor_at: List[int], container: bool):
+        super().__init__()
+        self.model = model
+        object.__setattr__(self, "_gm", gm)  # (not a submodule: its graph is read, not traced)
+        self._param_order, self._buffer_order, self._tensor_at, self._container = params, buffers, tensor_at, container
+        self._owners, self._canonical = owners(model)
+        # views of subclassed family modules (curvlib._trace.aten_ops.view_of), registered before the
+        # trace (fx's tracer knows the submodules it starts with): id(owner) -> view
+        self._views: Dict[int, nn.Module] = {}
+        self.view_paths: Dict[str, str] = {}  # view target -> the owner's path in the model
+        paths = {id(m): p for p, m in model.named_modules()}
+        for m in {id(m): m for ms in self._owners.values() for _, m in ms}.values():
+            view = view_of(m)
+            if view is not None:
+                name = "view__" + paths[id(m)].replace(".", "__")
+                self.add_module(name, view)
+                self._views[id(m)], self.view_paths[name] = view, paths[id(m)]
+
+    def forward(self, X):
+        leaves = pytree.tree_leaves(as_pytree(X)) if self._container else [X]
+        values = [_attribute(self.model, n) for n in self._param_order]  # (fx's tracer: get_attr proxies)
+        values += [_attribute(self.model, n) for n in self._buffer_order]
+        values += [leaves[i] for i in self._tensor_at]
+        env: Dict[fx.Node, object] = {}
+        placeholders = iter(values)
+        names = {}  # placeholder node -> parameter name
+        for node in self._gm.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(placeholders)
+                if len(names) < len(self._param_order):
+                    names[node] = self._param_order[len(names)]
+            elif node.op == "get_attr":
+                env[node] = getattr(self._gm, node.target)
+            elif node.op == "call_function":
+                load = lambda a: fx.node.map_arg(a, lambda n: env[n])  # noqa: E731
+                env[node] = self._replay(node, load(node.args), load(node.kwargs), names, env)
+            elif node.op == "output":
+                out = fx.node.map_arg(node.args[0], lambda n: env[n])
+                return out[0] if isinstance(out, (list, tuple)) else out
+            else:  # pragma: no cover - make_fx graphs hold no other ops
+                raise CurvatureError(f"unexpected node {node.op} in the ATen graph")
+
+    def _replay(self, node: fx.Node, args, kwargs, names, env):
+        target = node.target
+        if not _has_proxy((args, kwargs)):
+            return target(*args, **kwargs)  # constants only (a causal mask): evaluated once
+        if target in _READS:
+            return input_branch(args[0], self._gm.curvlib_reads[node.name], node.name)
+        if _same_dtype_copy(node):
+            return args[0]  # (``x.to(x.dtype)``: no node, so ``x + wpe(arange(T))`` stays affine)
+        module = owner_call(node, names, self._owners, self._canonical)
+        module = self._views.get(id(module), module)
+        if module is not None:
+            return module(args[INPUT_ARG[target]])
+        conv1d = conv1d_linear(node, names, env)
+        if conv1d is not None:
+            return conv1d
+        return torch_level(target, args, kwargs)
+
+
+def _same_dtype_copy(node: fx.Node) -> bool:
+    """An ``aten.to`` / ``_to_copy`` whose output has its input's dtype and device (make_fx's
+    ``val`` metadata): the identity for every derivative."""
+    if getattr(node.target, "__name__", "").split(".")[0] not in ("to", "_to_copy") or not node.args:
+        return False
+    out, x = node.meta.get("val"), getattr(node.args[0], "meta", {}).get("val")
+    return (isinstance(out, Tensor) and isinstance(x, Tensor) and out.dtype == x.dtype
+            and out.device == x.device and out.shape == x.shape)
+
+
+def _attribute(model: nn.Module, dotted: str):
+    obj = model
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _has_proxy(value) -> bool:
+    found = []
+    fx.node.map_aggregate(value, lambda a: found.append(a) if isinstance(a, fx.Proxy) else None)
+    return bool(found)
+
+
+# ----------------------------------------------------------------------------- entry
+
+
+def trace_aten_program(model: nn.Module, X, output=None) -> Program:
+    """Trace ``model`` at the ATen level on the input ``X`` (:mod:`curvlib._trace.aten`): the program
+    serves inputs of ``X``'s signature only. Runs the model once on ``X``; never changes it."""
+    param_names: Dict[int, str] = {}
+    for name, p in model.named_parameters():
+        param_names.setdefault(id(p), name)
+    root, graph, chosen = trace_graph(model, X, output)
+    program = assemble(root, "model.", graph, None, {}, param_names, leaf_inputs=not isinstance(X, torch.Tensor))
+    program.aten, program.output_choice = True, chosen
+    for target, path in root.view_paths.items():  # (a view's layer is named as its owner)
+        if target in program.layers:
+            program.layers[target].path = path
+    return program
+
+
+def trace_graph(model: nn.Module, X, output) -> Tuple[nn.Module, fx.Graph, str]:
+    """``(root, graph, where the loss's tensor was found)``: the model traced on ``X`` at the
+    ATen level and replayed by curvlib's fx tracer over a root holding the
+    model at ``model.``."""
+    gm, params, buffers, tensor_at, chosen = _aten_graph(model, X, output)
+    container = not isinstance(X, Tensor)
+    root = _Replay(model, gm, params, buffers, tensor_at, container)
+    concrete = {"X": trace_structure(X)} if container else None
+    graph = Tracer().trace(root, concrete_args=concrete)
+    graph.curvlib_guarded = bool(gm.curvlib_reads)
+    return root, graph, chosen

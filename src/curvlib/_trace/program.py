@@ -1,0 +1,410 @@
+"""Trace a model once into a :class:`Program`: an fx graph plus a table of layers.
+
+The model is traced with :mod:`torch.fx` symbolically (no data flows). Leaves
+of the trace are
+
+* every module that owns parameters directly (``nn.Linear``, ``nn.Conv2d``,
+  a user module with an ``nn.Parameter``, ...): a *layer*, run by its rule
+  from :mod:`curvlib.rules`, or by the generic torch.func rule if none fits;
+* the built-in parameter-free ``torch.nn`` modules (``ReLU``, ``MaxPool2d``,
+  ...), run as they are;
+* *opaque* submodules: those whose ``forward`` torch.fx cannot trace (type or
+  shape assertions on proxies, data-dependent control flow, iteration over a
+  tensor). When the whole model fails to trace, the deepest module on fx's
+  module stack at the failure becomes a leaf and tracing is repeated, until it
+  succeeds or the failure is in the model's own ``forward`` (then the model has
+  no graph). An opaque module owning parameters (in its subtree) is one layer
+  run by the generic rule; a parameter-free one runs as it is.
+
+Everything else (user containers, functional ops, tensor methods, residual
+additions) is inlined into the graph, so any traceable model works,
+Sequential or not. A module instance called twice appears as two nodes that
+name the same layer.
+
+Parameters are renamed to their canonical names (those of
+``model.named_parameters()``), so tied weights (one ``Parameter`` held by two
+modules) are one entry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch.nn.utils import parametrize
+import torch.nn.functional as F
+from torch import fx, nn
+
+from .. import rules
+from .._core.sync import LOCK
+from ..rules import attention
+from .._core.inputs import with_defaults
+from ..rules.functional import FunctionalUse, is_affine, linear_roles, linear_transposed
+from .._core.inputs import trace_structure
+
+__all__ = ["Program", "Layer", "Tracer", "trace_program", "assemble", "function_apply"]
+
+
+@dataclass
+class Layer:
+    """A parametrized leaf module of the trace.
+
+    Attributes:
+        path: the module's path in the user's model (``""`` for the model itself).
+        module: the module object (read, never changed).
+        names: role -> canonical parameter name, for every parameter in the
+            module's subtree (role: the name relative to the module).
+        forward: the rule's functional forward ``(module, where, names, tensors,
+            args, kwargs, recorder) -> output``.
+        kind: the rule family (``"linear"``, ``"conv"``, ..., ``"generic"``).
+        opaque: why torch.fx could not trace the module's ``forward`` (``""`` if it
+            is a leaf for another reason).
+    """
+
+    path: str
+    module: nn.Module
+    names: Dict[str, str]
+    forward: Callable
+    kind: str
+    opaque: str = ""
+
+
+@dataclass
+class Program:
+    """A traced model: the graph, its layers, and where parameters live.
+
+    Attributes:
+        root: the module the graph's ``get_attr``/``call_module`` targets refer to.
+        graph: the fx graph, or ``None`` if the model could not be traced.
+        trace_error: why tracing failed (with the model line), if it did.
+        layers: module target (path relative to ``root``) -> :class:`Layer`.
+        param_names: ``id(parameter)`` -> canonical name.
+        prefix: path prefix of the user's model inside ``root`` (``""`` or ``"model."``).
+    """
+
+    root: nn.Module
+    graph: Optional[fx.Graph]
+    trace_error: Optional[str]
+    layers: Dict[str, Layer]
+    param_names: Dict[int, str]
+    prefix: str = ""
+    calls: List[str] = field(default_factory=list)
+    functional: Dict[fx.Node, "FunctionalUse"] = field(default_factory=dict)
+    dependent: frozenset = frozenset()
+    out_spec: object = None  # traced with a container input: the output's pytree spec
+    leaf_inputs: bool = False  # traced with a container input: one placeholder per leaf
+    opaque: Dict[str, str] = field(default_factory=dict)  # untraceable submodule target -> fx's error
+    aten: bool = False  # traced at the ATen level on one input signature (curvlib._trace.aten)
+    output_choice: str = ""  # where the loss's tensor was found in a container output
+    aten_error: str = ""  # why the ATen-level trace failed, when it was tried and failed
+    selector: object = None  # curvature(..., output=): which tensor of a container output the loss takes
+    sibling: Optional["Program"] = None  # an ATen-level trace: the same model traced on a batch of N + 1
+
+
+def _owns_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
+
+
+def _holds_attention(module: nn.Module) -> bool:
+    """Whether a submodule is an attention module or transformer block traced as its math."""
+    return any(attention.traced_forward(m) is not None for m in module.modules())
+
+
+def _holds_layers(module: nn.Module) -> bool:
+    """Whether a submodule below ``module`` owns parameters."""
+    return any(_owns_parameters(m) for m in module.modules() if m is not module)
+
+
+def _outermost_owners(root: nn.Module) -> List[str]:
+    """Layers of a model without a graph: the modules that own parameters directly
+    (or through ``torch.nn.utils.parametrize``), except those inside another
+    such module (a module's layer covers its whole subtree). Each module once,
+    at its first path (that of ``named_modules()``)."""
+    owners = [
+        path for path, m in root.named_modules()
+        if _owns_parameters(m) or parametrize.is_parametrized(m)
+    ]
+    return [
+        path for path in owners
+        if not any(q != path and (q == "" or path.startswith(q + ".")) for q in owners)
+    ]
+
+
+class Tracer(fx.Tracer):
+    """fx tracer whose leaves are parametrized modules, torch.nn built-ins and custom
+    ``autograd.Function`` calls.
+
+    fx would trace *into* ``Fn.apply`` (it calls ``forward`` on the proxies), and the
+    graph would then differentiate ``forward``'s ops instead of ``Fn.backward``: wrong
+    for a straight-through estimator or any custom gradient. While tracing (as fx
+    itself does with ``nn.Module.__call__``), ``Function.apply`` is patched to record
+    one ``call_function`` node whose target calls the real ``Fn.apply``; the patch is
+    undone when tracing ends, under :data:`curvlib._core.sync.LOCK`.
+    """
+
+    def __init__(self, opaque: Optional[Dict[int, str]] = None):
+        super().__init__()
+        self.opaque = opaque or {}  # id(module) -> why: modules traced as leaves
+        self.failed: Optional[nn.Module] = None  # the deepest module whose forward raised
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if attention.traced_forward(m) is not None:
+            return False  # traced as its math (curvlib.rules.attention)
+        if id(m) in self.opaque:
+            return True
+        if _owns_parameters(m):
+            # A user module that owns parameters and holds parametrized submodules or attention
+            # (a ConvNeXt block's layer-scale gamma around its Linear layers): traced through, its
+            # direct parameter uses become functional sites (as the root's) and the layers inside
+            # keep their rules (Kronecker factors); as one generic leaf they would lose them.
+            return rules.has_family(m) or not (_holds_attention(m) or _holds_layers(m))
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward, args, kwargs):
+        math = attention.traced_forward(m)
+        try:
+            return super().call_module(m, math if math is not None else forward, args, kwargs)
+        except Exception:
+            if self.failed is None:  # the first to see the error is the innermost module
+                self.failed = m
+            raise
+
+    def create_proxy(self, kind, target, args, kwargs, *rest, **more):
+        if kind == "call_function" and target is F.scaled_dot_product_attention:
+            return attention.scaled_dot_product_attention(*args, **kwargs)  # inlined as its math
+        return super().create_proxy(kind, target, args, kwargs, *rest, **more)
+
+    def trace(self, root, concrete_args=None):
+        tracer = self
+        original = torch.autograd.Function.__dict__["apply"]
+
+        def apply(cls, *args, **kwargs):
+            if _has_proxy((args, kwargs)):
+                return tracer.create_proxy("call_function", function_call(cls), args, kwargs)
+            return original.__func__(cls, *args, **kwargs)
+
+        with function_apply(apply):
+            return super().trace(root, concrete_args)
+
+
+@contextlib.contextmanager
+def function_apply(apply: Callable):
+    """``torch.autograd.Function.apply`` replaced by ``apply(cls, *args, **kwargs)`` for the block,
+    under :data:`curvlib._core.sync.LOCK` (other threads must not see it), and put back."""
+    original = torch.autograd.Function.__dict__["apply"]
+    with LOCK:
+        torch.autograd.Function.apply = classmethod(apply)
+        try:
+            yield
+        finally:
+            torch.autograd.Function.apply = original
+
+
+def _has_proxy(value) -> bool:
+    found = []
+    fx.node.map_aggregate(value, lambda a: found.append(a) if isinstance(a, fx.Proxy) else None)
+    return bool(found)
+
+
+_FUNCTION_CALLS: Dict[type, Callable] = {}
+
+
+def function_call(cls: type) -> Callable:
+    """The graph target for ``cls.apply`` (one per class; ``.function`` is the class)."""
+    if cls not in _FUNCTION_CALLS:
+        apply = torch.autograd.Function.__dict__["apply"].__func__
+
+        def call(*args, **kwargs):
+            return apply(cls, *args, **kwargs)
+
+        call.__name__ = call.__qualname__ = f"{cls.__name__}.apply"
+        call.function = cls
+        _FUNCTION_CALLS[cls] = call
+    return _FUNCTION_CALLS[cls]
+
+
+class _Root(nn.Module):
+    """Holds a model that owns parameters itself, so that it becomes a leaf."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):  # pragma: no cover - traced, not run
+        return self.model(x)
+
+
+def _model_line(exc: BaseException) -> str:
+    """The deepest frame of ``exc``'s traceback outside torch, as ``file:line: code``."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [f for f in frames if "/torch/" not in f.filename.replace("\\", "/")]
+    if not user:
+        return ""
+    f = user[-1]
+    return f"{f.filename}:{f.lineno}: {f.line}"
+
+
+def trace_program(model: nn.Module, example=None) -> Program:
+    """Trace ``model``; never runs it on data and never changes it.
+
+    ``example``: the input's structure when it is a container (dict, tuple, ...)
+    of tensors rather than a tensor. The model then sees a real container whose
+    tensor leaves are proxies (fx's ``concrete_args``), so that a branch like
+    ``isinstance(data, Mapping)`` takes the path the real input takes; every
+    leaf becomes a placeholder, in :func:`curvlib._core.inputs.trace_leaves` order
+    (non-tensor leaves are specialised to their values).
+    """
+    param_names: Dict[int, str] = {}
+    for name, p in model.named_parameters():
+        param_names.setdefault(id(p), name)
+
+    root, prefix = (model, "")
+    if (_owns_parameters(model) and rules.has_family(model)) or attention.traced_forward(model) is not None:
+        # A bare nn.Linear/Conv/... model: trace a holder so that it is one layer
+        # with its hand-written rule. Any other model that owns parameters is
+        # traced as it is; its direct parameter uses become functional sites. (An attention
+        # module or transformer block as the model: traced through the holder as its math.)
+        root, prefix = (_Root(model), "model.")
+
+    graph: Optional[fx.Graph]
+    error: Optional[str] = None
+    concrete = None
+    if example is not None and not isinstance(example, torch.Tensor):
+        first = next(iter(inspect.signature(root.forward).parameters))
+        concrete = {first: trace_structure(example)}
+    graph, error, opaque = _trace_with_opaque_leaves(root, with_defaults(root.forward, concrete))
+    return assemble(root, prefix, graph, error, opaque, param_names, leaf_inputs=concrete is not None)
+
+
+def assemble(root, prefix, graph, error, opaque, param_names, leaf_inputs: bool) -> Program:
+    """The :class:`Program` of a graph (or of no graph): its layers and functional uses."""
+    layers: Dict[str, Layer] = {}
+    modules = dict(root.named_modules(remove_duplicate=False))
+    targets = (
+        [n.target for n in graph.nodes if n.op == "call_module"]
+        if graph is not None
+        else _outermost_owners(root)
+    )
+    for target in targets:
+        if target in layers:
+            continue
+        module = modules[target]
+        if not any(True for _ in module.parameters()):
+            continue
+        names = {
+            role: param_names[id(p)]
+            for role, p in module.named_parameters(remove_duplicate=False)
+        }
+        path = target[len(prefix):] if target.startswith(prefix) else target
+        forward, kind = rules.forward_for(module)
+        layers[target] = Layer(path=path, module=module, names=names, forward=forward, kind=kind,
+                               opaque=opaque.get(target, ""))
+    functional = functional_uses(graph, root, param_names) if graph is not None else {}
+    return Program(
+        root=root, graph=graph, trace_error=error, layers=layers,
+        param_names=param_names, prefix=prefix, functional=functional,
+        dependent=frozenset(_input_dependent(graph, leaves=leaf_inputs)) if graph is not None else frozenset(),
+        out_spec=getattr(getattr(graph._codegen, "pytree_info", None), "out_spec", None) if graph is not None else None,
+        leaf_inputs=leaf_inputs, opaque=opaque,
+    )
+
+
+def _why(exc: BaseException) -> str:
+    """fx's error, first line, with the model line that raised it."""
+    line = _model_line(exc)
+    message = str(exc).strip()
+    return type(exc).__name__ + (f": {message}" if message else "") + (f"\n  at {line}" if line else "")
+
+
+def _trace_with_opaque_leaves(root: nn.Module, concrete) -> "tuple[Optional[fx.Graph], Optional[str], Dict[str, str]]":
+    """Trace ``root``; while a submodule's ``forward`` fails, retry with it as a leaf.
+
+    Returns ``(graph, error, opaque)``: the graph (``None`` when the model's own
+    ``forward`` fails, with ``error`` saying why) and, per opaque module target in
+    the graph, why fx could not trace it. Each retry adds one module, so at most
+    one retry per submodule."""
+    opaque: Dict[int, str] = {}
+    for _ in range(sum(1 for _ in root.modules()) + 1):
+        tracer = Tracer(opaque)
+        try:
+            graph = tracer.trace(root, concrete_args=concrete)
+        except Exception as exc:  # noqa: BLE001 - any tracing failure means "untraceable"
+            if tracer.failed is None or tracer.failed is root or id(tracer.failed) in opaque:
+                return None, _why(exc), {}
+            opaque[id(tracer.failed)] = _why(exc)
+            continue
+        modules = dict(root.named_modules(remove_duplicate=False))
+        targets = {n.target: opaque[id(modules[n.target])] for n in graph.nodes
+                   if n.op == "call_module" and id(modules[n.target]) in opaque}
+        return graph, None, targets
+    raise AssertionError("unreachable: every retry makes one more module a leaf")  # pragma: no cover
+
+
+def _input_dependent(graph: fx.Graph, leaves: bool = False) -> set:
+    """Nodes whose value depends on the model input (the first placeholder; every
+    placeholder when the input's leaves are the placeholders)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    # (a placeholder with a default is a further argument specialised to it: a constant)
+    dependent = set([p for p in placeholders if not p.args] if leaves else placeholders[:1])
+    for node in graph.nodes:
+        if any(a in dependent for a in node.all_input_nodes) and not _shape_query(node):
+            dependent.add(node)
+    return dependent
+
+
+def _shape_query(node: fx.Node) -> bool:
+    """``x.shape``, ``x.size(1)``, ``x.dim()``, ``x.device``, ``x.dtype``: constant for the
+    derivatives (``self.pos[:x.shape[1]]``, nanoGPT's ``wpe(torch.arange(x.size(1)))``)."""
+    if node.op == "call_method":
+        return node.target in ("size", "dim")
+    return (node.op == "call_function" and node.target is getattr and len(node.args) == 2
+            and node.args[1] in ("shape", "device", "dtype", "ndim"))
+
+
+def functional_uses(graph: fx.Graph, root: nn.Module, param_names: Dict[int, str]) -> Dict[fx.Node, FunctionalUse]:
+    """Nodes that depend on the model input and read parameters directly (see
+    :mod:`curvlib.rules.functional`), with their parameter-only chains."""
+    dependent = _input_dependent(graph, leaves=getattr(graph._codegen, "pytree_info", None) is not None)
+    reads: Dict[fx.Node, frozenset] = {}  # parameter-only node -> parameter names it reads
+    for node in graph.nodes:
+        if node in dependent:
+            continue
+        names = set()
+        if node.op == "get_attr":
+            value = root
+            for part in node.target.split("."):
+                value = getattr(value, part)
+            if isinstance(value, nn.Parameter) and id(value) in param_names:
+                names.add(param_names[id(value)])
+        elif node.op == "call_module":  # a layer on constants (wpe(arange(T))): its parameters
+            names |= {param_names[id(p)] for p in root.get_submodule(node.target).parameters()
+                      if id(p) in param_names}
+        for a in node.all_input_nodes:
+            names |= reads.get(a, frozenset())
+        reads[node] = frozenset(names)
+    uses: Dict[fx.Node, FunctionalUse] = {}
+    for node in graph.nodes:
+        if node not in dependent or node.op in ("placeholder", "output", "call_module"):
+            continue
+        constant_args = [a for a in node.all_input_nodes if a not in dependent]
+        params = set().union(*(reads[a] for a in constant_args)) if constant_args else set()
+        if not params:
+            continue
+        chain_set, stack = set(), list(constant_args)
+        while stack:
+            a = stack.pop()
+            if a not in chain_set:
+                chain_set.add(a)
+                stack.extend(a.all_input_nodes)
+        chain = tuple(n for n in graph.nodes if n in chain_set)
+        inputs = tuple(a for a in node.all_input_nodes if a in dependent)
+        fixed = tuple(n for n in chain if not reads.get(n))  # (index computations, the input's shape)
+        linear = linear_roles(node, root, param_names, dependent)
+        uses[node] = FunctionalUse(node=node, chain=chain, params=tuple(sorted(params)), inputs=inputs, fixed=fixed,
+                                   linear=linear, affine=is_affine(node, chain, fixed, root),
+                                   transposed=linear is not None and linear_transposed(node))
+    return uses
