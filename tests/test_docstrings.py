@@ -73,7 +73,7 @@ def test_docstring_examples_run(module, name):
     assert runner.failures == 0
 
 
-@pytest.mark.parametrize("module", [curvlib, extensions, extensions.firstorder, extensions.secondorder, losses])
+@pytest.mark.parametrize("module", [curvlib, extensions, extensions.firstorder, extensions.secondorder, extensions.kronecker, extensions.products, losses])
 def test_modules_render_cleanly(module):
     rendered = pydoc.render_doc(module, renderer=pydoc.plaintext)
     assert "!!!" not in rendered

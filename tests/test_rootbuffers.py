@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import curvlib._transform.chunking as chunking
+import curvlib._evaluate.read_off as read_off
 import curvlib._evaluate.second_order as so
 from curvlib import curvature
 from curvlib.extensions import BatchDiagGGNExact, BatchGrad, SqrtGGNExact, SqrtGGNMC
@@ -74,7 +75,7 @@ def test_written_equals_joined(knobs, reduction, monkeypatch):
     model, X, y = _problem()
     lossfn = nn.CrossEntropyLoss(reduction=reduction)
     written = _roots(model, lossfn, X, y, **knobs)
-    monkeypatch.setattr(so, "LOOP_SQRT_COLUMNS", False)
+    monkeypatch.setattr(read_off, "LOOP_SQRT_COLUMNS", False)
     joined = _roots(model, lossfn, X, y, **knobs)
     _assert_same(written, joined, str(knobs))
     assert torch.equal(written["sqrt_ggn_exact"]["unused"], torch.zeros(3, 6, 2, dtype=torch.float64))

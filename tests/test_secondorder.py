@@ -1295,7 +1295,7 @@ def test_auto_chunk_size_follows_the_byte_budget(monkeypatch):
 
 def test_sqrt_columns_loop_equals_vmap(monkeypatch):
     """SqrtGGNExact/MC column by column (default) and vmapped over columns agree."""
-    import curvlib._evaluate.second_order as so
+    import curvlib._evaluate.read_off as read_off
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv1d(2, 3, 3), nn.Tanh(), nn.Linear(4, 3), nn.Flatten(), nn.Linear(9, 3)).double()
@@ -1303,7 +1303,7 @@ def test_sqrt_columns_loop_equals_vmap(monkeypatch):
     y = torch.randint(0, 3, (5,))
     exts = lambda: [SqrtGGNExact(), SqrtGGNMC(mc_samples=3, generator=seeded(2))]  # noqa: E731
     looped = curvature(model, nn.CrossEntropyLoss(), exts())(X, y)
-    monkeypatch.setattr(so, "LOOP_SQRT_COLUMNS", False)
+    monkeypatch.setattr(read_off, "LOOP_SQRT_COLUMNS", False)
     vmapped = curvature(model, nn.CrossEntropyLoss(), exts())(X, y)
     for key in ("sqrt_ggn_exact", "sqrt_ggn_mc"):
         for name in looped[key]:

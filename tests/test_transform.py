@@ -331,11 +331,11 @@ def test_mapping_input_takes_the_mapping_branch():
 def test_plan_checks_once_per_plan(monkeypatch):
     """The checks of the plan alone (layers, sample mixing) run at the first call of each
     input signature; the targets are checked at every call."""
-    import curvlib._transform.entry as transform
+    import curvlib._plan.checks as checks
 
     calls = []
-    real = transform.check_second_order
-    monkeypatch.setattr(transform, "check_second_order", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = checks.check_second_order
+    monkeypatch.setattr(checks, "check_second_order", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
     f = curvature(model, nn.CrossEntropyLoss(), [DiagGGNExact()])
     X, y = torch.randn(6, 4), torch.randint(0, 3, (6,))

@@ -71,7 +71,7 @@ def check_roots(exts: Sequence, out_shape: Tuple[int, ...], dtype: torch.dtype, 
             what = "Monte-Carlo columns" if root == "mc" else "exact loss-Hessian root (one column per output entry)"
             fix = (
                 f"use fewer mc_samples (at most {max(1, free // max(bytes_of(out_shape, dtype), 1))} fit)"
-                if root == "mc" else _monte_carlo_fix(type(ext).__name__)
+                if root == "mc" else _monte_carlo_fix(ext)
             )
             # (fewer samples at once help only where one sample's root fits)
             slices = ", or pass batch_chunk_size= to process fewer samples at once" \
@@ -83,17 +83,12 @@ def check_roots(exts: Sequence, out_shape: Tuple[int, ...], dtype: torch.dtype, 
             )
 
 
-#: The Monte-Carlo extension of each exact one (the same quantity from ``M`` sampled columns
-#: instead of one per output entry: a language model's ``V·T`` per sequence).
-MONTE_CARLO_OF = {"DiagGGNExact": "DiagGGNMC", "BatchDiagGGNExact": "BatchDiagGGNMC", "KFLR": "KFAC",
-                  "SqrtGGNExact": "SqrtGGNMC", "DiagHessian": "DiagGGNMC", "BatchDiagHessian": "BatchDiagGGNMC"}
-
-
-def _monte_carlo_fix(name: str) -> str:
-    mc = MONTE_CARLO_OF.get(name)
-    if mc is None:
+def _monte_carlo_fix(ext) -> str:
+    """The refusal's advice: the extension's Monte-Carlo version (``SecondOrder.monte_carlo``)."""
+    name, mc = type(ext).__name__, type(ext).monte_carlo
+    if not mc:
         return "use a Monte-Carlo extension (DiagGGNMC, KFAC, SqrtGGNMC)"
-    if "Hessian" in name:
+    if getattr(ext, "hessian", False):
         return (f"{name} has no Monte-Carlo version; use {mc}(mc_samples=1) for the GGN's "
                 "(HMP gives exact Hessian products)")
     return f"use {mc}(mc_samples=1), its Monte-Carlo version (one sampled column per sample)"
@@ -123,7 +118,7 @@ def auto_chunk_size(plan, exts: Sequence = (), device: Union[str, torch.device] 
     the larger budgets under ``"batched"``, the CUDA default: :mod:`curvlib._core.strategy`)."""
     device = torch.device(device)
     budget = AUTO_CHUNK_BYTES
-    batch_diagonal = any(getattr(e, "quantity", None) in ("batch_diag", "hessian_batch_diag") for e in exts)
+    batch_diagonal = any(getattr(e, "per_sample", False) for e in exts)
     looped = not _strategy.batched(device)  # curvlib._core.strategy: CPU default "looped", CUDA "batched"
     if looped and not batch_diagonal:
         budget = min(budget, AUTO_CHUNK_BYTES_CPU)

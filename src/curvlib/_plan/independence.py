@@ -58,7 +58,7 @@ from . import mixing_checks as checks, mixing_ops as ops
 from .mixing_ops import Batch
 from . import mixing_numeric as _mixing_numeric
 
-__all__ = ["Independence", "analyse", "refuse_mixing", "needs_independent_samples"]
+__all__ = ["Independence", "analyse", "refuse_mixing"]
 
 _UNSET = object()
 
@@ -252,11 +252,6 @@ class _Walk:
         return f"graph node '{node.name}' ({checks.label(node, name, module)} {what})" if what else None
 
 
-def needs_independent_samples(ext) -> bool:
-    """Every extension but the block products computed from whole-batch autodiff."""
-    return getattr(ext, "quantity", None) not in ("ggnmp", "hmp")
-
-
 def refuse_mixing(plan, extensions: Sequence, program, X: Tensor, params, trainable, runner=None,
                   chunked: bool = False) -> None:
     """Raise :class:`CurvatureError` if the model mixes samples and an extension (or
@@ -266,7 +261,7 @@ def refuse_mixing(plan, extensions: Sequence, program, X: Tensor, params, traina
     numeric one is computed on first use.
     """
     found = getattr(plan, "independence", None)
-    wanted = [e for e in extensions if needs_independent_samples(e)]
+    wanted = [e for e in extensions if type(e).independent_samples]
     if found is None or not (wanted or chunked):
         return
     problem = found.problem or found.numeric(program, plan, X, params, trainable, runner)

@@ -16,42 +16,26 @@ from collections import defaultdict
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from .._core.errors import CurvatureError
-from ..extensions.secondorder import SecondOrder
+from ..extensions import SecondOrder
 from ..rules import fixed_rows
 from ..rules.fixed_rows import tied_across_layers
 from .._core.site import Site, uses_of
 
-__all__ = ["check_second_order", "HESSIAN_QUANTITIES"]
+__all__ = ["check_second_order"]
 
-# Families KFRA's recursion reads factors off (weight [G_z, A], bias [G_z]).
-KFRA_KINDS = ("linear", "conv", "conv_transpose")
-# Families KFAC, KFLR and KFACEmpirical support (layouts: curvlib._core.kronlayout): Kronecker
-# factors for Linear/Conv/ConvTranspose/Embedding weights and the recurrent layers' (their
-# sites are Linear ones, time steps as positions: curvlib.rules.rnn), the exact block for the
-# normalisations' scale and shift and for 1-D parameters of other modules (EXACT_BLOCK_KINDS).
-KRON_KINDS = ("linear", "conv", "conv_transpose", "embedding", "batchnorm", "layernorm", "groupnorm", "generic", "rnn")
 # Families whose parameters get their exact curvature block (any parameter of the
 # normalisations; 1-D parameters only for "generic").
 EXACT_BLOCK_KINDS = ("batchnorm", "layernorm", "groupnorm", "generic")
-# Families the Hessian extensions support (the recurrent ones through their unrolled
-# nodes, curvlib.rules.rnn_steps).
-HESSIAN_SITE_KINDS = (
-    "linear", "conv", "conv_transpose", "batchnorm", "embedding", "layernorm", "groupnorm", "generic", "rnn",
-)
 # A parameter used by several sites needs the coupling of weight and input;
 # curvlib has it for these families (affine-in-input Linear: "bilinear";
 # the others: the dense residual of the layer as a function of both).
 SHARED_HESSIAN_KINDS = ("linear", "embedding", "layernorm", "groupnorm", "generic", "rnn")
 
 
-HESSIAN_QUANTITIES = ("hessian_diag", "hessian_batch_diag", "pchmp")
-
-
 def check_second_order(
     exts: Sequence[SecondOrder],
     sites: Sequence[Site],
     names: Sequence[str],
-    unknown_nodes: List[str],
     layer_kinds: Optional[Mapping[str, str]] = None,
     param_dims: Optional[Mapping[str, int]] = None,
 ) -> None:
@@ -61,7 +45,6 @@ def check_second_order(
         exts: the second-order extensions.
         sites: the planned sites.
         names: trainable parameter names.
-        unknown_nodes: graph nodes whose second derivative is unknown.
         layer_kinds: layer path -> family. Support is decided by the family,
             not by the kind of its sites: an RNN is made of linear sites around
             hidden nonlinearities.
@@ -80,17 +63,15 @@ def check_second_order(
         if site.meta.get("opaque"):
             opaque_of[site.where] = site.meta["opaque"]
     for ext in exts:
-        hessian = ext.quantity in HESSIAN_QUANTITIES
         if ext.kron:
             _refuse_opaque(ext, params_of, opaque_of)
-        if ext.kron or hessian:
-            supported = HESSIAN_SITE_KINDS if hessian else KFRA_KINDS if ext.quantity == "kfra" else KRON_KINDS
-            _check_families(ext, supported, params_of, family_of)
+        if ext.layer_kinds is not None:
+            _check_families(ext, ext.layer_kinds, params_of, family_of)
         if ext.kron:
             for name in names:
                 _check_kron_uses(ext, name, uses.get(name, []), family_of, params_shape)
-        if hessian:
-            _check_hessian_uses(ext, uses, unknown_nodes, family_of)
+        if ext.hessian:
+            _check_hessian_uses(ext, uses, family_of)
 
 
 def _refuse_opaque(ext, params_of, opaque_of) -> None:
@@ -177,10 +158,8 @@ def _check_exact_block(label: str, name: str, u, families, param_dims, approx=No
         )
 
 
-def _check_hessian_uses(ext, uses, unknown_nodes, family_of) -> None:
+def _check_hessian_uses(ext, uses, family_of) -> None:
     label = type(ext).__name__
-    if unknown_nodes:
-        raise CurvatureError(f"{label} is not supported for: {', '.join(unknown_nodes)}.")
     for name, u in uses.items():
         kinds = {family_of[site.where] for site, _ in u}
         if len(u) > 1 and not kinds <= set(SHARED_HESSIAN_KINDS):

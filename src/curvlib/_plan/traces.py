@@ -28,7 +28,7 @@ from .._core.outputs import say_choice
 from .._core.sync import LOCK
 from .._trace.program import Program, trace_program
 from .._trace.untraced import run_eager
-from ..extensions.secondorder import SecondOrder
+from ..extensions import SecondOrder
 from ..rules import math_hooks
 
 __all__ = ["Traced", "Traces", "trace", "warn_hooks", "warn_opaque"]
@@ -180,7 +180,7 @@ def trace(model: nn.Module, second: Sequence[SecondOrder], X=None, output=None, 
         )
     if any(e.quantity == "kfra" for e in second):
         chain_nodes(program)  # refuse branching graphs before any work
-    hessian = any(e.quantity in ("hessian_diag", "hessian_batch_diag", "pchmp") for e in second)
+    hessian = any(e.hessian for e in second)
     traced = program.graph is not None
     if traced:
         _refuse_unsupported_functions(program, second)
@@ -200,16 +200,7 @@ def _structure_only(X):
     return None if isinstance(X, torch.Tensor) else X
 
 
-# What torch.func needs of a custom autograd.Function for each extension that runs it
-# under a transform: setup_context (any transform), a vmap rule, a jvp (forward mode),
-# a backward that can be differentiated again (second derivatives).
-_FUNCTION_NEEDS = {
-    "hessian_diag": ("setup_context", "vmap", "jvp", "twice"),
-    "hessian_batch_diag": ("setup_context", "vmap", "jvp", "twice"),
-    "pchmp": ("setup_context", "vmap", "jvp", "twice"),
-    "hmp": ("setup_context", "vmap", "twice"),
-    "ggnmp": ("setup_context", "vmap", "jvp"),
-}
+# What torch.func needs of a custom autograd.Function: an extension's ``function_needs``.
 _ONCE_DIFFERENTIABLE = torch.autograd.function.once_differentiable(lambda ctx, *g: g).__code__
 _LACKS = {
     "setup_context": "a setup_context staticmethod (forward without ctx)",
@@ -235,10 +226,10 @@ def _function_lacks(fn: type) -> set:
 
 def _refuse_unsupported_functions(program: Program, exts: Sequence[SecondOrder]) -> None:
     """Refuse, before any work, an extension that needs of a custom ``autograd.Function``
-    what it does not define (:data:`_FUNCTION_NEEDS`). Differentiating a
+    what it does not define (``function_needs``). Differentiating a
     ``@once_differentiable`` backward again is not defined (its code may leave autograd,
     e.g. numpy or a custom kernel), so any value would be a guess."""
-    exts = [e for e in exts if e.quantity in _FUNCTION_NEEDS]
+    exts = [e for e in exts if type(e).function_needs]
     if not exts:
         return
     for node in program.graph.nodes:
@@ -247,7 +238,7 @@ def _refuse_unsupported_functions(program: Program, exts: Sequence[SecondOrder])
             continue
         lacks = _function_lacks(fn)
         for ext in exts:
-            missing = [_LACKS[k] for k in _FUNCTION_NEEDS[ext.quantity] if k in lacks]
+            missing = [_LACKS[k] for k in type(ext).function_needs if k in lacks]
             if missing:
                 raise CurvatureError(
                     f"{type(ext).__name__} runs the custom autograd.Function {fn.__qualname__} (graph node "

@@ -51,27 +51,9 @@ from .._core.buffers import vmapped
 from .._core.errors import CurvatureError
 from .._core.kronlayout import root_index
 from .._evaluate.root_buffers import RootBuffers
-from ..extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
-from ..extensions.secondorder import SecondOrder
 from ..losses import LossSpec, normaliser
 
 __all__ = ["over_samples", "check_batch_chunk_size"]
-
-# result name or second-order quantity -> how slices combine
-_FIRST_ORDER = {
-    BatchGrad.name: "cat1",
-    BatchL2Grad.name: "cat2",
-    SumGradSquared.name: "sum2",
-    Variance.name: "variance",
-}
-_SECOND_ORDER = {
-    "diag": "sum1",
-    "hessian_diag": "sum1",
-    "batch_diag": "cat1",
-    "hessian_batch_diag": "cat1",
-    "sqrt": "cat_half",
-    "kron": "kron",
-}
 
 
 def check_batch_chunk_size(batch_chunk_size: object, exts: Sequence, spec: Optional[LossSpec] = None) -> Dict[str, str]:
@@ -84,20 +66,10 @@ def check_batch_chunk_size(batch_chunk_size: object, exts: Sequence, spec: Optio
             "normaliser, which curvlib knows for nn.MSELoss, nn.CrossEntropyLoss and "
             "nn.BCEWithLogitsLoss only. Call without batch_chunk_size, or use chunk_size= to bound memory."
         )
-    kinds = {"grad": "sum1"}
+    kinds = {"grad": "sum1"}  # kinds: how each result's slices combine (see over_samples)
     for ext in exts:
-        if isinstance(ext, SecondOrder):
-            kind = "kron2" if ext.root == "grad" else _SECOND_ORDER.get(ext.quantity)
-        else:
-            kind = _FIRST_ORDER.get(ext.name)
+        kind, why = type(ext).slices, type(ext).slices_refused
         if kind is None:
-            why = (
-                "its recursion multiplies batch averages layer by layer, so it does not split "
-                "into slices of the batch"
-                if isinstance(ext, SecondOrder) and ext.quantity == "kfra"
-                else "block products are callables that would keep every slice's forward pass "
-                "alive, so slicing would not save memory"
-            )
             raise CurvatureError(
                 f"{type(ext).__name__} cannot be computed with batch_chunk_size: {why}. "
                 "Call curvature without batch_chunk_size for it."

@@ -30,15 +30,16 @@ from ..losses import _targets
 from .._core.buffers import SWAPS, split as split_buffers
 from .._core.errors import CurvatureError, CurvatureTypeError
 from .._core.sync import LOCK
+from .._plan.checks import plan_call
+from .call import CallContext, evaluate
 
-__all__ = ["COMPILABLE", "check", "CompiledCall"]
+__all__ = ["check", "CompiledCall"]
 
-#: second-order quantities a compiled program computes (the GGN family and the Hessian
-#: diagonals; first order always). Tracing runs on fake tensors, so a traced quantity
-#: cannot depend on values read in Python: where values are unknown (the signs of the
-#: Hessian residuals' eigenvalues, of a weighted loss's scale) the traced code takes
-#: the value-independent path (both signed parts).
-COMPILABLE = frozenset({"diag", "batch_diag", "kron", "sqrt", "hessian_diag", "hessian_batch_diag"})
+# A compiled program computes the extensions whose class says ``compiles`` (the GGN family and
+# the Hessian diagonals; first order always). Tracing runs on fake tensors, so a traced quantity
+# cannot depend on values read in Python: where values are unknown (the signs of the Hessian
+# residuals' eigenvalues, of a weighted loss's scale) the traced code takes the
+# value-independent path (both signed parts).
 
 
 def check(compile: object, setup) -> Optional[dict]:
@@ -54,7 +55,7 @@ def check(compile: object, setup) -> Optional[dict]:
     supported = ("the first-order extensions and DiagGGNExact, DiagGGNMC, BatchDiagGGNExact, BatchDiagGGNMC, "
                  "KFAC, KFLR, KFACEmpirical, SqrtGGNExact, SqrtGGNMC, DiagHessian, BatchDiagHessian")
     for ext in setup.second:
-        if ext.quantity not in COMPILABLE:
+        if not type(ext).compiles:
             raise CurvatureError(
                 f"curvature(..., compile=True) does not compile {type(ext).__name__}: supported are {supported}. "
                 "Use compile=False (torch.compile(f) around it then runs the call eagerly, one graph break)."
@@ -155,12 +156,12 @@ class CompiledCall:
         s = self.call.setup
         if torch._C._functorch.maybe_current_level() is not None:
             raise CurvatureError("curvature(..., compile=True) cannot run inside a torch.func transform; use compile=False.")
-        n = _inputs.check_input(X)
+        _inputs.check_input(X)
         values, trainable = _arguments.parameter_values(s.model, params)
         traced = s.traced(X)
         for c in traced.checks:
             c()
-        plan = self.call._plan(traced, X, values, trainable, y, n)
+        plan, _ = plan_call(s.request, traced, X, values, trainable, y)
         if traced.runner is not None:
             raise CurvatureError("curvature(..., compile=True) needs a model curvlib traces (this one runs untraced).")
         if traced.dropout:
@@ -196,8 +197,10 @@ class CompiledCall:
                     _reparametrize_module(loss_module, {k[6:]: t for k, t in b.items() if k[0] == "l"}), \
                     _draws.recording(_draws.Tape(list(flat[n_in:]) or None)) as tape, \
                     _dropout.masks(None, leaves[0].device), torch.enable_grad():
-                result = self.call._evaluate(traced, plan, X_, _targets.prepare_targets(self.call.setup.spec, y_),
-                                             v, trainable, False, None)
+                y_ = _targets.prepare_targets(self.call.setup.spec, y_)
+                call = CallContext(traced, plan, X_, y_, v, tuple(trainable), seed=None, differentiable=False,
+                                   negative=None, buffers=None)
+                result = evaluate(self.call.setup, call)
             recipes.append(tape.recipes)
             out, spec = pytree.tree_flatten(result)
             out_spec.append(spec)

@@ -18,41 +18,29 @@ Nothing is stored on the model or the loss.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Callable, Dict, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
-from .._plan import arguments as _arguments, budget as _budget
-from .._core import buffers as _buffers, dropout as _dropout, inputs as _inputs, outputs as _outputs, strategy as _strategy
-from . import compiled as _compiled, wrappers as _wrappers
-from ..losses import _targets
 from .. import losses
-from .._core.tensors import is_concrete
-from .._trace.branches import BranchChanged, batch_guard_values, check_branches_per_sample, guard_values_per_sample
-from .._interpret.diagnose import forward_failure, forward_mode_failure
-from .._plan.independence import refuse_mixing
-from .._evaluate.linearise import forward_with_probes
-from .._evaluate.first_order import FIRST_ORDER, first_order
-from .._interpret.graph import NodeFailure
-from .._plan.plan import Plan, make_plan
+from .._core import buffers as _buffers, dropout as _dropout, inputs as _inputs, outputs as _outputs
 from .._core.errors import CurvatureError, CurvatureTypeError
-from .._evaluate.kfra import kfra
-from .._evaluate.products import products, rng_state
-from .._evaluate.second_order import second_order
-from .._plan.support import check_second_order
-from .._plan.budget import check_factor_sizes, refuse_combined
-from .._plan.traces import Traced, Traces, warn_hooks
 from .._core.sync import prepare_forward_ad
-from ..extensions._base import Extension
-from ..rules.generic import refuse_buffer_updates
-from ..extensions.secondorder import SecondOrder
-from .chunking import over_samples
+from .._evaluate.first_order import FIRST_ORDER
+from .._interpret.diagnose import forward_failure, forward_mode_failure
+from .._interpret.graph import NodeFailure
+from .._plan import arguments as _arguments
+from .._plan.budget import refuse_combined
+from .._plan.checks import Request, plan_call
+from .._plan.traces import Traced, Traces, warn_hooks
+from .._trace.branches import BranchChanged, batch_guard_values, check_branches_per_sample, guard_values_per_sample
 from ..distributed import aggregated
-from ..losses._generic import check_per_sample
-from ..distributed import kfra_reducer
-from .chunking import check_batch_chunk_size
-from ..extensions import SumGradSquared
+from ..extensions import Extension, SecondOrder, SumGradSquared
+from ..losses import _targets
+from . import compiled as _compiled, wrappers as _wrappers
+from .call import CallContext, evaluate
+from .chunking import check_batch_chunk_size, over_samples
 
 __all__ = ["curvature"]
 
@@ -212,6 +200,7 @@ class _Setup:
         self.process_group = process_group
         refuse_combined(self.exts, batch_chunk_size, process_group)
         self.output = _outputs.check_selector(output)
+        self.request = Request(self.spec, self.computed, batch_chunk_size is not None)
         self.traces = Traces(self.model, self.second, self.output)
         self.dropout_warned = False
         warn_hooks(self.model)
@@ -265,18 +254,17 @@ class _Call:
             batch_values = batch_guard_values(traced.program)
             if per_sample is None or any(v != batch_values for v in per_sample):  # (forwards of the model)
                 check_branches_per_sample(s.model, X, s.output, per_sample, batch_values)
-        read: Dict[str, object] = {}
-        plan = self._plan(traced, X, values, trainable, y, n, read)
-        y = _targets.prepare_targets(s.spec, y)
+        plan, negative = plan_call(s.request, traced, X, values, trainable, y)
         seed = self._dropout_seed(traced, generator)
         differentiable = torch.is_grad_enabled() and (
             any(t.requires_grad for t in _inputs.tensors(X)) or any(v.requires_grad for v in values.values())
         )
+        call = CallContext(traced, plan, X, _targets.prepare_targets(s.spec, y), values, tuple(trainable),
+                           seed, differentiable, negative, buffers, _into)
         # planned with the model's buffers (same shapes); run with the caller's
         with _dropout.masks(seed, _inputs.first(X).device), _buffers.using(s.model, buffers):
             try:
-                return self._evaluate(traced, plan, X, y, values, trainable, differentiable, seed, _into,
-                                      negative=read.get("negative"), buffers=buffers)
+                return evaluate(s, call)
             except (NodeFailure, NotImplementedError) as exc:
                 forward_mode = forward_mode_failure(exc, ", ".join(type(e).__name__ for e in s.second))
                 if forward_mode is not None:
@@ -285,59 +273,6 @@ class _Call:
                     raise
                 # the real forward failed where the shape passes did not
                 raise forward_failure(traced.program, X, values, exc, n) from exc
-
-    def _plan(self, traced: Traced, X, values, trainable: List[str], y: Tensor, n: int,
-              read: Optional[Dict[str, object]] = None) -> Plan:
-        """Stage 2: the cached plan, and every check that needs it (before any work).
-
-        ``read``: receives ``"negative"``, whether the loss Hessian's scale has a negative
-        entry, read with the targets' check (one host read, see :func:`losses.check_targets`)."""
-        s = self.setup
-        plan = self._cached_plan(traced, X, values, frozenset(trainable))
-        _arguments.check_targets_batch(s.spec, y, n)
-        # the checks of the plan alone pass once per plan (an untraced model's plan is new per call)
-        out = traced.checked.get(id(plan)) if traced.runner is None else None
-        first = out is None
-        if first:
-            out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device="meta")
-        # under "batched" (a host read stalls a GPU) the scale's sign is read with the targets'
-        # check, in the same read; under "looped" where the loss Hessian is formed (fewer ops)
-        signs = bool(s.second) and read is not None and _strategy.batched(_inputs.first(X).device)
-        negative = losses.check_targets(s.spec, out, y, signs=signs)
-        if read is not None:
-            read["negative"] = negative
-        if s.second:
-            if first:
-                kinds = {layer.path: layer.kind for layer in traced.program.layers.values()}
-                check_second_order(s.second, plan.sites, trainable, [], kinds,
-                                   {name: values[name].dim() for name in trainable})
-            _budget.check_roots(s.second, plan.out_shape, plan.out_dtype, _inputs.first(X).device)
-            if first:  # (after the roots: an exact root too large for the device is the first fix)
-                check_factor_sizes(s.second, plan.sites, trainable, values)
-        if first:
-            # Samples mixed inside the model: refuse what needs them independent (curvlib._plan.independence).
-            refuse_mixing(plan, s.computed, traced.program, X, values, frozenset(trainable), traced.runner,
-                          s.chunk_kinds is not None)
-            _dropout.refuse_in_generic(traced.program, plan.sites)
-            refuse_buffer_updates(traced.program, plan.sites, s.second)
-            if traced.runner is None:
-                traced.checked[id(plan)] = out  # (plans stay in traced.plans: their ids are not reused)
-        return plan
-
-    @staticmethod
-    def _cached_plan(traced: Traced, X, values, trainable: frozenset) -> Plan:
-        leaves = _inputs.tensors(X)
-        key = (
-            tuple((tuple(t.shape), t.dtype, t.device.type) for t in leaves),
-            tuple((n, tuple(v.shape), v.dtype) for n, v in values.items()),
-            trainable,
-        )
-        plan = traced.plans.get(key)
-        if plan is None or traced.runner is not None:  # an untraced model's path may change per call
-            plan = traced.plans[key] = make_plan(
-                traced.program, X, values, trainable, traced.residual_nodes, runner=traced.runner
-            )
-        return plan
 
     def _dropout_seed(self, traced: Traced, generator: Optional[torch.Generator]) -> Optional[int]:
         """One draw for this call's dropout masks (``None`` without active dropout)."""
@@ -349,68 +284,3 @@ class _Call:
             self.setup.dropout_warned = True
             warnings.warn(_dropout.warning(traced.dropout), UserWarning, stacklevel=3)
         return _dropout.draw_seed(generator)
-
-    def _evaluate(self, traced, plan, X, y, values, trainable, differentiable, seed, into=None,
-                  negative: Optional[bool] = None, buffers=None) -> Dict[str, object]:
-        """Stages 3-6 (``buffers``: the caller's, in the model's slots for this call; the block
-        products put them there again whenever they are evaluated)."""
-        s = self.setup
-        frozen_trainable = frozenset(trainable)
-        rng = rng_state(_inputs.first(X).device)
-        lin = forward_with_probes(
-            traced.program, plan, X, values, frozen_trainable, traced.residual_nodes, runner=traced.runner,
-            # KFRA reuses the forward's node values, unless an in-place node overwrote its input
-            direct=traced.direct, keep_values=traced.direct and any(e.quantity == "kfra" for e in s.second),
-            functorch=differentiable,
-        )
-        loss, gs, residual_grads = _loss_and_site_gradients(s.spec, lin, y, bool(s.second))
-        result: Dict[str, object] = {"loss": loss}
-        result.update(first_order(lin.sites, gs, trainable, values, [e.name for e in s.first], _inputs.batch_size(X)))
-        if s.second:
-            curv = losses.curvature_at(s.spec, lin.out, y, negative=negative)
-            product = products(traced.program, s.spec, y, curv, X, values, traced.residual_nodes, lin,
-                               residual_grads, rng, frozen_trainable, seed)
-            product = _buffers.bind_products(product, s.model, buffers)
-            kfra_factors = _kfra_factors(s, traced, lin, curv, X, y, trainable, values)
-            chunk = _budget.auto_chunk_size(plan, s.second, _inputs.first(X).device) if s.chunk_size == "auto" else s.chunk_size
-            result.update(second_order(
-                lin, curv, s.second, trainable, values, _inputs.batch_size(X), residual_grads, product,
-                kfra_factors, chunk_size=chunk, site_grads=gs, into=into,
-            ))
-        return result
-
-
-def _loss_and_site_gradients(spec, lin, y: Tensor, keep_graph: bool):
-    """Stage 4: the loss and its gradient at every site (and residual) output."""
-    if lin.pull_loss is not None:  # plain autograd: one backward from the loss
-        loss, (gs, residual_grads) = lin.pull_loss(lambda out: _scalar_loss(spec, out, y), retain=keep_graph)
-    else:
-        loss, pullback = torch.func.vjp(lambda o: _scalar_loss(spec, o, y), lin.out)
-        gs, residual_grads = lin.pull(pullback(torch.ones_like(loss))[0])
-    if spec.kind == "generic" and not keep_graph and is_concrete(lin.out):
-        check_per_sample(lambda o: losses.loss_value(spec, o, y), lin.out.detach(), spec.name)
-    return loss, gs, residual_grads
-
-
-def _scalar_loss(spec, out: Tensor, y: Tensor) -> Tensor:
-    loss = losses.loss_value(spec, out, y)
-    if not isinstance(loss, Tensor) or loss.dim() != 0:
-        shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
-        raise CurvatureError(
-            f"lossfn {spec.name} returned {shape}, not a scalar: curvlib needs the sum or mean over "
-            "samples of per-sample terms (reduction='sum' or 'mean', or .sum() in a function)."
-        )
-    return loss
-
-
-def _kfra_factors(s: _Setup, traced: Traced, lin, curv, X, y, trainable, values):
-    """``() -> KFRA factors``, reusing the forward's node values where it kept them."""
-
-    def factors():
-        reduce = None
-        if s.process_group is not None:
-            reduce = kfra_reducer(s.spec, s.process_group, _inputs.batch_size(X), losses.normaliser(s.spec, y))
-        forward = (lin.out, lin.values) if lin.values is not None else None
-        return kfra(traced.program, curv, X, trainable, values, lin.sites, reduce=reduce, forward=forward)
-
-    return factors

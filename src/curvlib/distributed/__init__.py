@@ -83,42 +83,17 @@ from .._core import inputs as _inputs
 from ..losses import _targets
 from .._core.buffers import vmapped
 from .._core.errors import CurvatureError, CurvatureTypeError
-from ..extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
-from ..extensions.secondorder import SecondOrder
+from ..extensions import SecondOrder
 from ._allreduce import aggregate, times
 from ..losses import LossSpec, normaliser
 
 __all__ = ["aggregated"]
 
-# How each result is aggregated (see the module doc):
+# How each result is aggregated (an extension's ``ranks``; see the module doc):
 #   "sum1": Σ r·local   "sum2": Σ r²·local   "kron": [B, A] with B "sum1", A by N
 #   "local1": r·local   "local2": r²·local   "local_half": √r·local
-#   "variance": recomputed from the global grad and sum of squares.
-_FIRST_ORDER = {
-    BatchGrad.name: "local1",
-    BatchL2Grad.name: "local2",
-    SumGradSquared.name: "sum2",
-    Variance.name: "variance",
-}
-_SECOND_ORDER = {
-    "diag": "sum1",
-    "batch_diag": "local1",
-    "hessian_diag": "sum1",
-    "hessian_batch_diag": "local1",
-    "sqrt": "local_half",
-    "kron": "kron",
-    "kfra": "kfra",  # B already global (reduced inside the recursion), A by N
-}
-_REFUSED = {
-    "ggnmp": None,
-    "hmp": None,
-    "pchmp": None,
-}
-_PRODUCT_HINT = (
-    "block products are callables evaluated later, each would be a collective of its "
-    "own. Build them without process_group and sum r · (local product) over the ranks "
-    "yourself, with r = M_local / M_global for reduction='mean' (1 for 'sum')."
-)
+#   "variance": recomputed from the global grad and sum of squares;
+#   "kfra": B already global (reduced inside the recursion), A by N.
 _MASK64 = (1 << 64) - 1
 
 
@@ -205,22 +180,18 @@ def _aggregation_kinds(exts: Tuple) -> Tuple[Dict[str, str], List[Optional[torch
     kinds: Dict[str, str] = {"loss": "sum1", "grad": "sum1"}
     generators: List[Optional[torch.Generator]] = []
     for ext in exts:
-        if isinstance(ext, SecondOrder):
-            if ext.quantity in _REFUSED:
-                why = _REFUSED[ext.quantity] or _PRODUCT_HINT
-                raise CurvatureError(
-                    f"{type(ext).__name__} cannot be aggregated over a process group: {why}"
-                )
-            kind = "kron2" if ext.root == "grad" else _SECOND_ORDER.get(ext.quantity)
-            if ext.root == "mc" and not any(g is ext.generator for g in generators):
-                generators.append(ext.generator)
-        else:
-            kind = _FIRST_ORDER.get(ext.name)
+        kind = type(ext).ranks
+        if kind is None and type(ext).ranks_refused:
+            raise CurvatureError(
+                f"{type(ext).__name__} cannot be aggregated over a process group: {type(ext).ranks_refused}"
+            )
         if kind is None:
             raise CurvatureError(
                 f"{type(ext).__name__} (result {ext.name!r}) has no data-parallel aggregation "
                 "rule in curvlib.distributed; call curvature without process_group."
             )
+        if isinstance(ext, SecondOrder) and ext.root == "mc" and not any(g is ext.generator for g in generators):
+            generators.append(ext.generator)
         kinds[ext.name] = kind
     return kinds, generators
 

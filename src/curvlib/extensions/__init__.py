@@ -5,21 +5,16 @@ Each instance's ``name`` is the key of its result (BackPACK's attribute name).
 
 from ._base import Extension
 from .firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
+from ._base import SecondOrder
+from .kronecker import KFAC, KFLR, KFRA, KFACEmpirical
+from .products import GGNMP, HMP, PCHMP
 from .secondorder import (
-    GGNMP,
-    HMP,
-    KFAC,
-    KFACEmpirical,
-    KFLR,
-    KFRA,
-    PCHMP,
     BatchDiagGGNExact,
     BatchDiagGGNMC,
     BatchDiagHessian,
     DiagGGNExact,
     DiagGGNMC,
     DiagHessian,
-    SecondOrder,
     SqrtGGNExact,
     SqrtGGNMC,
 )

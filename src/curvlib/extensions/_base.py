@@ -9,19 +9,118 @@ table checked before any work (second-order extensions).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Optional, Tuple
+
+import torch
+
+from .._core.errors import CurvatureError, CurvatureTypeError
+
+
+# Layer families (curvlib.rules.FAMILY_MODULES) an extension supports, where not all:
+#: KFRA's recursion reads factors off Linear/Conv/ConvTranspose (weight ``[G_z, A]``, bias ``[G_z]``).
+KFRA_FAMILIES = ("linear", "conv", "conv_transpose")
+#: KFAC, KFLR, KFACEmpirical (layouts: curvlib._core.kronlayout): Kronecker factors for
+#: Linear/Conv/ConvTranspose/Embedding weights and the recurrent layers' (Linear sites, time steps
+#: as positions: curvlib.rules.rnn), the exact block for the normalisations' scale and shift and
+#: for 1-D parameters of other modules.
+KRON_FAMILIES = ("linear", "conv", "conv_transpose", "embedding", "batchnorm", "layernorm", "groupnorm",
+                 "generic", "rnn")
+#: The Hessian extensions: families whose second derivative curvlib knows (the recurrent ones
+#: through their unrolled nodes, curvlib.rules.rnn_steps).
+HESSIAN_FAMILIES = ("linear", "conv", "conv_transpose", "batchnorm", "embedding", "layernorm", "groupnorm",
+                    "generic", "rnn")
 
 
 @dataclass(frozen=True)
 class Extension:
     """Base class of every curvlib extension.
 
+    The class carries every fact the stages ask of an extension, so that a new extension is
+    one class plus, at most, one read-off in :mod:`curvlib._evaluate`.
+
     Attributes:
         name: key of the extension's result in the dict returned by
             ``curvlib.curvature`` (BackPACK's attribute name).
         order: 1 for first-order extensions (they need only the gradient
             backpropagated once), 2 for curvature extensions.
+        quantity: what the evaluation stage reads off (first order: the result's name;
+            second order: see :class:`SecondOrder`).
+        slices: how the results of batch slices combine under ``batch_chunk_size``
+            (a kind of :mod:`curvlib._transform.chunking`); ``None``: refused, for the
+            reason ``slices_refused``.
+        ranks: how the ranks' local results combine under ``process_group`` (a kind of
+            :mod:`curvlib.distributed`); ``None``: refused, for the reason ``ranks_refused``.
+        compiles: ``curvature(..., compile=True)`` computes it.
+        function_needs: what a custom ``torch.autograd.Function`` in the model must define
+            for it: ``"setup_context"``, ``"vmap"`` (a rule), ``"jvp"`` (forward mode),
+            ``"twice"`` (a backward that is not ``@once_differentiable``).
+        layer_kinds: the layer families (:data:`curvlib.rules.FAMILY_MODULES`) it supports;
+            ``None``: every family.
+        independent_samples: it needs samples that do not mix inside the model.
     """
 
     name: ClassVar[str] = ""
     order: ClassVar[int] = 1
+    quantity: ClassVar[str] = ""
+    slices: ClassVar[Optional[str]] = None
+    slices_refused: ClassVar[str] = ""
+    ranks: ClassVar[Optional[str]] = None
+    ranks_refused: ClassVar[str] = ""
+    compiles: ClassVar[bool] = True
+    function_needs: ClassVar[Tuple[str, ...]] = ()
+    layer_kinds: ClassVar[Optional[Tuple[str, ...]]] = None
+    independent_samples: ClassVar[bool] = True
+
+
+def _check_mc(cls_name: str, mc_samples: object, generator: object) -> None:
+    if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
+        raise CurvatureError(
+            f"{cls_name}(mc_samples={mc_samples!r}): mc_samples must be a positive int."
+        )
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise CurvatureTypeError(
+            f"{cls_name}(generator=...) must be a torch.Generator or None, got "
+            f"{type(generator).__name__}."
+        )
+
+
+@dataclass(frozen=True)
+class SecondOrder(Extension):
+    """Base of the curvature extensions.
+
+    Attributes:
+        root: ``"exact"`` or ``"mc"``: which factor of the loss Hessian is
+            backpropagated; ``"grad"``: the per-sample loss gradients (empirical
+            Fisher); ``None`` for extensions that need none.
+        quantity: what is read off per parameter: ``"diag"``, ``"batch_diag"``,
+            ``"sqrt"``, ``"kron"``, ``"hessian_diag"``, ``"hessian_batch_diag"``,
+            ``"kfra"``, or a product ``"ggnmp"``/``"hmp"``/``"pchmp"``.
+        kron: True for Kronecker-factored extensions (layouts: ``curvlib._core.kronlayout`` and docs/conventions.md).
+        read_as: how the quantity is read off when not as itself (the Hessian diagonals:
+            as the GGN's diagonals, from signed columns).
+        hessian: it needs the nonlinearities' second derivatives (residual terms).
+        per_sample: its result has one row per sample (the batch diagonals).
+        monte_carlo: the Monte-Carlo extension that gives the same quantity from sampled
+            columns (named by refusals of the exact one's memory).
+    """
+
+    order: ClassVar[int] = 2
+    root: ClassVar[Optional[str]] = None
+    kron: ClassVar[bool] = False
+    read_as: ClassVar[str] = ""
+    hessian: ClassVar[bool] = False
+    per_sample: ClassVar[bool] = False
+    monte_carlo: ClassVar[str] = ""
+
+
+@dataclass(frozen=True)
+class MonteCarlo(SecondOrder):
+    """Base of the Monte-Carlo extensions: ``mc_samples`` sampled columns of the loss-Hessian
+    factor per sample, drawn from ``generator`` (the global one when ``None``)."""
+
+    mc_samples: int = 1
+    generator: Optional[torch.Generator] = None
+    root: ClassVar[Optional[str]] = "mc"
+
+    def __post_init__(self):
+        _check_mc(type(self).__name__, self.mc_samples, self.generator)

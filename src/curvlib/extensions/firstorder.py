@@ -18,7 +18,7 @@ BackPACK's convention.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 from ._base import Extension
 
@@ -51,6 +51,9 @@ class BatchGrad(Extension):
     """
 
     name: ClassVar[str] = "grad_batch"
+    quantity: ClassVar[str] = "grad_batch"
+    slices: ClassVar[Optional[str]] = "cat1"
+    ranks: ClassVar[Optional[str]] = "local1"
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,9 @@ class BatchL2Grad(Extension):
     """
 
     name: ClassVar[str] = "batch_l2"
+    quantity: ClassVar[str] = "batch_l2"
+    slices: ClassVar[Optional[str]] = "cat2"
+    ranks: ClassVar[Optional[str]] = "local2"
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,9 @@ class SumGradSquared(Extension):
     """
 
     name: ClassVar[str] = "sum_grad_squared"
+    quantity: ClassVar[str] = "sum_grad_squared"
+    slices: ClassVar[Optional[str]] = "sum2"
+    ranks: ClassVar[Optional[str]] = "sum2"
 
 
 @dataclass(frozen=True)
@@ -139,3 +148,6 @@ class Variance(Extension):
     """
 
     name: ClassVar[str] = "variance"
+    quantity: ClassVar[str] = "variance"
+    slices: ClassVar[Optional[str]] = "variance"
+    ranks: ClassVar[Optional[str]] = "variance"

@@ -225,10 +225,6 @@ def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwa
 
 # Extensions that run a generic layer's forward under forward-mode AD or ``vmap`` over
 # its parameters (GGNMP's ``jvp``; the Hessian family's dense residual ``vmap(hessian)``).
-_TRANSFORMED = {"ggnmp": "GGNMP", "hessian_diag": "DiagHessian", "hessian_batch_diag": "BatchDiagHessian",
-                "pchmp": "PCHMP"}
-
-
 def buffer_updates(module: nn.Module) -> list:
     """Submodules whose forward writes buffers in place in training mode (spectral norm's
     power iteration, as a parametrization or as the older forward pre-hook)."""
@@ -247,7 +243,7 @@ def refuse_buffer_updates(program, sites, exts) -> None:
     over its parameters: torch.func cannot write a dual or batched value into the buffer
     (``out=``), so these extensions cannot run it. (First order, the GGN diagonals, square
     roots and HMP run it with plain parameter values on copies of the buffers.)"""
-    names = [_TRANSFORMED[e.quantity] for e in exts if getattr(e, "quantity", None) in _TRANSFORMED]
+    names = [type(e).__name__ for e in exts if "jvp" in type(e).function_needs]  # forward mode over params
     if not names:
         return
     layers = {layer.path: layer for layer in program.layers.values() if layer.kind == "generic"}

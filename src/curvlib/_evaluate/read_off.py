@@ -1,0 +1,202 @@
+"""Per-parameter read-offs of the GGN family from pulled-back root columns ``m [V, *site_out]``.
+
+Given the columns at every site a parameter is used by (``m_by_site``), each function returns one
+parameter's quantity (see :mod:`curvlib._evaluate.second_order` for the formulas): the square-root
+columns ``[V, N, *p]``, the diagonal ``Σ_v Σ_n (J_pᵀ m_v)_n²``, the batch diagonal, or Kronecker
+factors. A parameter used by several sites sums ``J_pᵀ m`` over its sites before any square.
+``cache`` shares a site's per-column pieces between the parameters it reads (weight and bias).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+from torch import Tensor
+from torch.func import vmap
+
+from .._core.tensors import is_concrete
+from ..rules import OWN_KRON_KINDS, SPLIT_KRON_KINDS, fixed_rows, kron_factors, kron_input_factor, kron_weight_output, linear
+from ..rules._gram import gram
+from ..rules.fixed_rows import tied_across_layers
+
+__all__ = ["sqrt_columns", "diag", "batch_diag", "kronecker_factors", "root_last", "LOOP_SQRT_COLUMNS"]
+
+
+def sqrt_columns(uses, m_by_site, name) -> Tensor:
+    """``[V, N, *p]``: ``Σ_sites J_pᵀ m_v`` per sample."""
+    total = None
+    for site, role in uses[name]:
+        m = m_by_site[site.key]
+        if LOOP_SQRT_COLUMNS and is_concrete(m) and not _one_outer_product(site) and not site.rule.vmap_columns:
+            # column by column into one buffer: the rules' own batched kernels (e.g. the
+            # grouped convolution of a convolution's per-sample gradients) instead of
+            # their vmapped versions (a Linear without shared positions stays vmapped:
+            # there all columns are one broadcast product)
+            part = None
+            for v in range(m.shape[0]):
+                col = site.rule.grad_batch(site, m[v], [role])[role]
+                if part is None:
+                    part = col.new_empty((m.shape[0],) + tuple(col.shape))
+                part[v] = col
+        else:
+            part = vmap(lambda mv: site.rule.grad_batch(site, mv, [role])[role])(m)
+        if part is None:
+            continue
+        total = part if total is None else total.add_(part)
+    return total
+
+
+#: ``sqrt_columns`` loops over columns outside torch.func transforms (see there), and square roots
+#: are written into preallocated results (:mod:`curvlib._evaluate.root_buffers`); ``False``: vmapped
+#: over columns and joined by ``torch.cat`` (the reference the tests compare with).
+LOOP_SQRT_COLUMNS = True
+
+
+def _one_outer_product(site) -> bool:
+    """A Linear site whose per-sample gradient is a single outer product ``g_n x_nᵀ``."""
+    if site.rule.kind != "linear":
+        return False
+    return linear._flat_input(site).shape[1] == 1
+
+
+def diag(uses, m_by_site, name, params, cache=None) -> Tensor:
+    """``Σ_v Σ_n (J_pᵀ m_v)²``, via the rule's sum of squares for single-use parameters.
+
+    ``cache`` (a dict, per chunk of columns) lets the parameters of one site share a
+    single rule call: the rule is asked for all the site's roles at once.
+    """
+    u = uses.get(name, [])
+    if not u:
+        return torch.zeros_like(params[name])
+    if len(u) == 1:
+        site, role = u[0]
+        rule = site.rule
+        m = m_by_site[site.key]
+        rows = fixed_rows.row_map(site) if rule.kind == "generic" else None
+        if rows is not None:  # a bias-like parameter (learned positions): a scatter of m
+            return fixed_rows.squares_per_sample(site, rows, m).sum(0)
+        if rule.sum_squares_over_columns is not None:
+            per_role = _per_site(cache, site, uses, "diag", lambda roles: rule.sum_squares_over_columns(site, m, roles))
+            return _column_sum(per_role[role])
+        if rule.sum_grad_squared is not None:
+            # one column at a time: a rule may form [N, *p] per column (convolutions)
+            return sum(rule.sum_grad_squared(site, m[k], [role])[role] for k in range(m.shape[0]))
+        if rule.vmap_columns:
+            return (_site_columns(cache, site, uses, m)[role] ** 2).sum((0, 1))
+    return (sqrt_columns(uses, m_by_site, name) ** 2).sum((0, 1))
+
+
+def _site_columns(cache, site, uses, m: Tensor) -> Dict[str, Tensor]:
+    """``{role: [V, N, *p]}``, ``J_pᵀ m_v`` per sample for all single-use roles of a site whose
+    rule is vmapped over columns (a functional site: one vector-Jacobian product of the
+    node gives every parameter it reads, instead of one per parameter)."""
+    return _per_site(cache, site, uses, "columns", lambda roles: vmap(lambda mv: site.rule.grad_batch(site, mv, roles))(m))
+
+
+def _column_sum(t: Tensor) -> Tensor:
+    """Sum over the leading column dim; a view when there is one column (no copy of ``[*p]``)."""
+    return t[0] if t.shape[0] == 1 else t.sum(0)
+
+
+def _single_roles(site, uses) -> List[str]:
+    """The roles of ``site`` whose parameters have no other use."""
+    return [role for role, name in site.params.items() if len(uses.get(name, ())) == 1]
+
+
+def _per_site(cache, site, uses, what: str, compute):
+    """``compute(roles)`` for all single-use roles of ``site``, once per ``cache``."""
+    if cache is None:
+        return compute(_single_roles(site, uses))
+    key = (what, site.key)
+    if key not in cache:
+        cache[key] = compute(_single_roles(site, uses))
+    return cache[key]
+
+
+def batch_diag(uses, m_by_site, name, params, n, cache=None) -> Tensor:
+    """``Σ_v (J_pᵀ m_v)²`` per sample ``[N, *p]``, without forming ``[V, N, *p]``."""
+    u = uses.get(name, [])
+    if not u:
+        return params[name].new_zeros((n,) + tuple(params[name].shape))
+    if len(u) == 1:
+        site, role = u[0]
+        rows = fixed_rows.row_map(site) if site.rule.kind == "generic" else None
+        if rows is not None:  # a bias-like parameter (learned positions): a scatter of m
+            return fixed_rows.squares_per_sample(site, rows, m_by_site[site.key])
+        fast = getattr(site.rule, "batch_sum_squares_over_columns", None)
+        if fast is not None:
+            m = m_by_site[site.key]
+            return _per_site(cache, site, uses, "batch_diag", lambda roles: fast(site, m, roles))[role]
+        if site.rule.vmap_columns:
+            return (_site_columns(cache, site, uses, m_by_site[site.key])[role] ** 2).sum(0)
+    if all(site.rule.vmap_columns for site, _ in u):
+        return (sqrt_columns(uses, m_by_site, name) ** 2).sum(0)
+    v = m_by_site[u[0][0].key].shape[0]
+    total = None
+    for k in range(v):  # one column at a time: memory [N, *p]
+        col = sum(site.rule.grad_batch(site, m_by_site[site.key][k], [role])[role] for site, role in u)
+        total = col**2 if total is None else total + col**2
+    return total
+
+
+def kronecker_factors(uses, m_by_site, name, cache=None, approx=None, max_dim=None) -> List[Tensor]:
+    """Kronecker factors, one per dim of the parameter: ``[B, A]`` for a Linear weight
+    ``[out, in]``, ``[A, B]`` for one stored transposed (GPT-2's ``Conv1D``, see
+    ``rules.linear.LINEAR_TRANSPOSED``); see :func:`_kron_stored`. ``max_dim``: the
+    extension's ``max_factor_dim`` (a larger side gets a 1-D, diagonal, factor)."""
+    u = uses[name]
+    flipped = [site.meta.get("transposed", False) and role == "weight" for site, role in u]
+    if any(flipped) and (len(u) > 1):  # a transposed weight also used elsewhere: its exact block (or diagonal)
+        return fixed_rows.generic_block(u, m_by_site, lambda: sqrt_columns(uses, m_by_site, name), approx, max_dim)
+    factors = _kron_stored(uses, m_by_site, name, cache, approx, max_dim)
+    return factors[::-1] if any(flipped) else factors
+
+
+def _kron_stored(uses, m_by_site, name, cache=None, approx=None, max_dim=None) -> List[Tensor]:
+    """Kronecker factors in the sites' own layout; a Linear weight used by several sites treats the uses like
+    positions sharing the weight (roots summed in ``B``, inputs' outer products in ``A``).
+
+    With a ``cache``, a site's output factor ``B`` (the same for its weight and bias)
+    is formed once per chunk of columns, and its input factor ``A`` (independent of
+    the columns) once per call. ``approx``: ``None``, ``"expand"`` or ``"reduce"``
+    (single-use parameters only, see :func:`check_second_order`).
+    """
+    u = uses[name]
+    kinds = {site.rule.kind for site, _ in u}
+    if not kinds <= set(SPLIT_KRON_KINDS) | set(OWN_KRON_KINDS) or (len(u) > 1 and tied_across_layers(u)):
+        # normalisations, generic parameters, tied weights: the exact block, its diagonal, or
+        # Embedding's layout at fixed rows for bias-like ones (curvlib.rules.fixed_rows)
+        return fixed_rows.generic_block(u, m_by_site, lambda: sqrt_columns(uses, m_by_site, name), approx, max_dim)
+    if len(u) == 1:
+        ((site, role),) = u
+        if cache is None or site.rule.kind in OWN_KRON_KINDS:
+            return kron_factors(site, role, m_by_site[site.key], approx, max_dim)
+        B = _cached(cache, ("kron_B", site.key, approx, max_dim),
+                    lambda: kron_factors(site, "bias", m_by_site[site.key], approx, max_dim)[0])
+        if role == "bias":
+            return [B]
+        static = cache.setdefault("static", {})
+        return [kron_weight_output(site, B), _cached(static, ("kron_A", site.key, approx, max_dim),
+                                                     lambda: kron_input_factor(site, approx, max_dim))]
+    s = sum(linear.kron_output_sum(site, m_by_site[site.key]) for site, _ in u)
+    B = gram(s.reshape(-1, s.shape[-1]), max_dim)
+    if u[0][1] == "bias":
+        return [B]
+    return [B, sum(linear.kron_input(site, None, max_dim) for site, _ in u)]
+
+
+def root_last(uses, name: str) -> bool:
+    """Whether ``name``'s root factor comes last: Embedding's ``[A [V], B]`` (also at fixed
+    rows) and a weight stored transposed (``[A, B]``, :func:`kronecker_factors`). Shapes alone cannot
+    tell: a Linear weight's ``B`` may be diagonal (``[B [O], A]``), a transposed one's ``A``."""
+    u = uses.get(name, ())
+    if len(u) == 1 and u[0][0].meta.get("transposed", False) and u[0][1] == "weight":
+        return True
+    return any(site.rule.kind in ("embedding", "generic") for site, _ in u)
+
+
+def _cached(cache: dict, key, compute):
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]

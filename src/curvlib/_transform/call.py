@@ -1,0 +1,129 @@
+"""One call's evaluation (stages 3-6 of :mod:`curvlib._transform.entry`): forward, loss and site
+gradients, first order, second order, from a :class:`CallContext` complete before it starts.
+
+Shared by the eager call and the compiled one (:mod:`curvlib._transform.compiled`, which traces
+:func:`evaluate` once per input signature).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Mapping, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import losses
+from .._core import buffers as _buffers, inputs as _inputs
+from .._core.errors import CurvatureError
+from .._core.tensors import is_concrete
+from .._evaluate.first_order import first_order
+from .._evaluate.kfra import kfra
+from .._evaluate.linearise import forward_with_probes
+from .._evaluate.products import products, rng_state
+from .._evaluate.second_order import second_order
+from .._plan import budget as _budget
+from .._plan.plan import Plan
+from .._plan.traces import Traced
+from ..distributed import kfra_reducer
+from ..extensions.products import BlockProduct
+from ..losses._generic import check_per_sample
+
+__all__ = ["CallContext", "evaluate"]
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """One call's inputs to the evaluation stage, complete before it starts.
+
+    Attributes:
+        traced: the model's trace for ``X``; plan: its plan for ``X``'s signature.
+        X, y: the input and the prepared targets; values: parameter name -> tensor;
+        trainable: the names whose quantities are computed, in result order.
+        seed: the dropout masks' seed (``None``: no active dropout); differentiable: results
+        must carry derivatives (``params`` or ``X`` require grad under grad mode);
+        negative: the loss Hessian's scale has a negative entry (``None``: not read yet);
+        buffers: the caller's buffers; into: the batch's square-root buffers when this call
+        is one slice of it (:mod:`curvlib._transform.chunking`).
+    """
+
+    traced: Traced
+    plan: Plan
+    X: object
+    y: Tensor
+    values: Mapping[str, Tensor]
+    trainable: Tuple[str, ...]
+    seed: Optional[int]
+    differentiable: bool
+    negative: Optional[bool]
+    buffers: Optional[Mapping[str, Tensor]]
+    into: object = None
+
+
+def evaluate(s, c: CallContext) -> Dict[str, object]:
+    """Stages 3-6 for the setup ``s`` (:class:`curvlib._transform.entry._Setup`: the loss, the
+    extensions, the options) and the call ``c`` (the caller's buffers are in the model's slots for this call; the block
+    products put them there again whenever they are evaluated)."""
+    traced, X, y, device = c.traced, c.X, c.y, _inputs.first(c.X).device
+    trainable, n = list(c.trainable), _inputs.batch_size(c.X)
+    rng = rng_state(device)
+    lin = forward_with_probes(
+        traced.program, c.plan, X, c.values, frozenset(trainable), traced.residual_nodes, runner=traced.runner,
+        # KFRA reuses the forward's node values, unless an in-place node overwrote its input
+        direct=traced.direct, keep_values=traced.direct and any(e.quantity == "kfra" for e in s.second),
+        functorch=c.differentiable,
+    )
+    loss, gs, residual_grads = _loss_and_site_gradients(s.spec, lin, y, bool(s.second))
+    result: Dict[str, object] = {"loss": loss}
+    result.update(first_order(lin.sites, gs, trainable, c.values, [e.name for e in s.first], n))
+    if not s.second:
+        return result
+    curv = losses.curvature_at(s.spec, lin.out, y, negative=c.negative)
+    product = None
+    if any(isinstance(e, BlockProduct) for e in s.second):  # (built only when asked for)
+        product = products(traced.program, s.spec, y, curv, X, c.values, traced.residual_nodes, lin,
+                           residual_grads, rng, frozenset(trainable), c.seed)
+        product = _buffers.bind_products(product, s.model, c.buffers)
+    kfra_factors = _kfra_factors(s, traced, lin, curv, X, y, trainable, c.values)
+    chunk = _budget.auto_chunk_size(c.plan, s.second, device) if s.chunk_size == "auto" else s.chunk_size
+    result.update(second_order(
+        lin, curv, s.second, trainable, c.values, n, residual_grads, product,
+        kfra_factors, chunk_size=chunk, site_grads=gs, into=c.into,
+    ))
+    return result
+
+
+def _loss_and_site_gradients(spec, lin, y: Tensor, keep_graph: bool):
+    """Stage 4: the loss and its gradient at every site (and residual) output."""
+    if lin.pull_loss is not None:  # plain autograd: one backward from the loss
+        loss, (gs, residual_grads) = lin.pull_loss(lambda out: _scalar_loss(spec, out, y), retain=keep_graph)
+    else:
+        loss, pullback = torch.func.vjp(lambda o: _scalar_loss(spec, o, y), lin.out)
+        gs, residual_grads = lin.pull(pullback(torch.ones_like(loss))[0])
+    if spec.kind == "generic" and not keep_graph and is_concrete(lin.out):
+        check_per_sample(lambda o: losses.loss_value(spec, o, y), lin.out.detach(), spec.name)
+    return loss, gs, residual_grads
+
+
+def _scalar_loss(spec, out: Tensor, y: Tensor) -> Tensor:
+    loss = losses.loss_value(spec, out, y)
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+        raise CurvatureError(
+            f"lossfn {spec.name} returned {shape}, not a scalar: curvlib needs the sum or mean over "
+            "samples of per-sample terms (reduction='sum' or 'mean', or .sum() in a function)."
+        )
+    return loss
+
+
+def _kfra_factors(s, traced: Traced, lin, curv, X, y, trainable, values):
+    """``() -> KFRA factors``, reusing the forward's node values where it kept them."""
+
+    def factors():
+        reduce = None
+        if s.process_group is not None:
+            reduce = kfra_reducer(s.spec, s.process_group, _inputs.batch_size(X), losses.normaliser(s.spec, y))
+        forward = (lin.out, lin.values) if lin.values is not None else None
+        return kfra(traced.program, curv, X, trainable, values, lin.sites, reduce=reduce, forward=forward)
+
+    return factors
