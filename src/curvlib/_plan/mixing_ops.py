@@ -33,6 +33,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, fx, nn
+from torch.nn.modules import activation, dropout, padding, pooling
 
 __all__ = ["Batch", "Odd", "UNKNOWN", "leaves_of", "layout_of", "kind_of", "module_kind", "dims_mixed",
            "operands", "contracted", "index_problem", "view_layout"]
@@ -207,8 +208,6 @@ def _modules_of(namespace, skip=()) -> Tuple[type, ...]:
 @functools.lru_cache(maxsize=None)
 def _tables() -> Dict[str, Tuple[type, ...]]:
     """Parameter-free ``torch.nn`` module classes by what they do to a batch."""
-    from torch.nn.modules import activation, dropout, padding, pooling  # lazy: the tables are built on first use
-
     mixing = {"Softmax", "Softmin", "LogSoftmax", "Softmax2d", "GLU", "MultiheadAttention"}
     return {
         "elementwise": _modules_of(activation, mixing) + (nn.Identity, dropout._DropoutNd, nn.LayerNorm)

@@ -158,12 +158,7 @@ def aggregated(
     def g(X, y: Tensor, params: Optional[Mapping[str, Tensor]] = None, generator=None,
           buffers: Optional[Mapping[str, Tensor]] = None) -> Dict[str, object]:
         _refuse_vmapped(X, y, params, buffers)
-        rank = dist.get_rank(process_group)
-        if rank < 0:
-            raise CurvatureError(
-                "This process is not a member of process_group; only its members may call "
-                "the function curvature(..., process_group=...) returned."
-            )
+        rank = _member_rank(dist, process_group)
         device = _inputs.first(X).device
         with _rank_streams(generators, rank, device):
             local = f(X, y, params=params, generator=generator, buffers=buffers)
@@ -172,6 +167,17 @@ def aggregated(
         return aggregate(local, kinds, n_local, m_local, mean, process_group)
 
     return g
+
+
+def _member_rank(dist, process_group) -> int:
+    """This process's rank in ``process_group``, refused when it is not a member."""
+    rank = dist.get_rank(process_group)
+    if rank < 0:
+        raise CurvatureError(
+            "This process is not a member of process_group; only its members may call "
+            "the function curvature(..., process_group=...) returned."
+        )
+    return rank
 
 
 def _aggregation_kinds(exts: Tuple) -> Tuple[Dict[str, str], List[Optional[torch.Generator]]]:
