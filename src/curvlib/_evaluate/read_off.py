@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.func import vmap
 
 from .._core.tensors import is_concrete
-from ..rules import OWN_KRON_KINDS, SPLIT_KRON_KINDS, fixed_rows, kron_factors, kron_input_factor, kron_weight_output, linear
+from ..rules import fixed_rows, kron_factors, kron_input_factor, kron_layout, kron_weight_output, linear
 from ..rules._gram import gram
 from ..rules.fixed_rows import tied_across_layers
 
@@ -163,14 +163,13 @@ def _kron_stored(uses, m_by_site, name, cache=None, approx=None, max_dim=None) -
     (single-use parameters only, see :func:`check_second_order`).
     """
     u = uses[name]
-    kinds = {site.rule.kind for site, _ in u}
-    if not kinds <= set(SPLIT_KRON_KINDS) | set(OWN_KRON_KINDS) or (len(u) > 1 and tied_across_layers(u)):
+    if not all(kron_layout(site) for site, _ in u) or (len(u) > 1 and tied_across_layers(u)):
         # normalisations, generic parameters, tied weights: the exact block, its diagonal, or
         # Embedding's layout at fixed rows for bias-like ones (curvlib.rules.fixed_rows)
         return fixed_rows.generic_block(u, m_by_site, lambda: sqrt_columns(uses, m_by_site, name), approx, max_dim)
     if len(u) == 1:
         ((site, role),) = u
-        if cache is None or site.rule.kind in OWN_KRON_KINDS:
+        if cache is None or kron_layout(site) == "own":
             return kron_factors(site, role, m_by_site[site.key], approx, max_dim)
         B = _cached(cache, ("kron_B", site.key, approx, max_dim),
                     lambda: kron_factors(site, "bias", m_by_site[site.key], approx, max_dim)[0])

@@ -16,7 +16,7 @@ import torch
 from .._core.errors import CurvatureError, CurvatureTypeError
 
 
-# Layer families (curvlib.rules.FAMILY_MODULES) an extension supports, where not all:
+# Layer families (curvlib.rules.FAMILY_OF) an extension supports, where not all:
 #: KFRA's recursion reads factors off Linear/Conv/ConvTranspose (weight ``[G_z, A]``, bias ``[G_z]``).
 KFRA_FAMILIES = ("linear", "conv", "conv_transpose")
 #: KFAC, KFLR, KFACEmpirical (layouts: curvlib._core.kronlayout): Kronecker factors for
@@ -54,7 +54,7 @@ class Extension:
         function_needs: what a custom ``torch.autograd.Function`` in the model must define
             for it: ``"setup_context"``, ``"vmap"`` (a rule), ``"jvp"`` (forward mode),
             ``"twice"`` (a backward that is not ``@once_differentiable``).
-        layer_kinds: the layer families (:data:`curvlib.rules.FAMILY_MODULES`) it supports;
+        layer_kinds: the layer families (:data:`curvlib.rules.FAMILY_OF`) it supports;
             ``None``: every family.
         independent_samples: it needs samples that do not mix inside the model.
     """

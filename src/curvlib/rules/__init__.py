@@ -1,56 +1,39 @@
-"""Per-layer rules, one module per layer family, and the table that picks them.
+"""Per-layer rules: one module per layer family, and the table that registers them.
 
-Each family module exposes
+Each family module defines one :class:`~curvlib._core.site.Family` record, ``FAMILY``: its module
+classes, its functional ``forward`` (run the layer on given parameter tensors and record its
+sites), its ``check`` (refuse unsupported configurations before any work), its Kronecker pieces,
+and one or more :class:`~curvlib._core.site.Rule` tables with the per-sample math.
 
-* ``forward(module, where, names, tensors, args, kwargs, recorder)``: run the
-  layer functionally with the given parameter tensors and record its sites;
-* optionally ``check(module, where)``: refuse unsupported configurations
-  (called before any work, on every call);
-* one or more :class:`~curvlib._core.site.Rule` tables with the math.
-
-A module whose type is in :data:`FAMILIES` (and whose ``forward`` is the
-family's own, so subclasses that change ``forward`` are not trusted) gets the
-family's rule; any other parametrized module gets :mod:`~curvlib.rules.generic`.
+A module whose type a family in :data:`FAMILIES` covers (and whose ``forward`` is the class's
+own, so subclasses that change ``forward`` are not trusted) gets that family; any other
+parametrized module gets :mod:`~curvlib.rules.generic`.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 from torch import nn
 from torch.nn.utils import parametrize
 
 from . import batchnorm, conv, conv_transpose, embedding, generic, groupnorm, layernorm, linear, rnn
+from .._core.site import Family
 from .._core.sync import LOCK
 from .generic import math_hooks, restored
 
-# (module types, family module name). Order matters only for subclasses.
-FAMILIES: Tuple[Tuple[Tuple[type, ...], str], ...] = (
-    ((nn.Linear,), "linear"),
-    ((nn.Conv1d, nn.Conv2d, nn.Conv3d), "conv"),
-    ((nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d), "conv_transpose"),
-    ((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), "batchnorm"),
-    ((nn.Embedding,), "embedding"),
-    ((nn.RNN, nn.LSTM, nn.GRU), "rnn"),
-    ((nn.LayerNorm,), "layernorm"),
-    ((nn.GroupNorm,), "groupnorm"),
+#: Every hand-written family, in the order modules are matched (it matters only for subclasses).
+FAMILIES: Tuple[Family, ...] = (
+    linear.FAMILY, conv.FAMILY, conv_transpose.FAMILY, batchnorm.FAMILY, embedding.FAMILY, rnn.FAMILY,
+    layernorm.FAMILY, groupnorm.FAMILY,
 )
-
-# Parameter-free (or parametrized) modules whose configuration must be checked
-# on every call: module type -> family module name providing ``check``.
-CHECKED: Tuple[Tuple[Tuple[type, ...], str], ...] = (
-    ((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), "batchnorm"),
-)
+#: A family's record by its name (a rule's ``kind``); ``"generic"`` included.
+FAMILY_OF: Dict[str, Family] = {f.kind: f for f in FAMILIES + (generic.FAMILY,)}
 
 
-#: Family name (a rule's ``kind``) -> its module: forward, checks, Kronecker pieces.
-FAMILY_MODULES = {"linear": linear, "conv": conv, "conv_transpose": conv_transpose, "batchnorm": batchnorm,
-                  "embedding": embedding, "rnn": rnn, "layernorm": layernorm, "groupnorm": groupnorm}
-
-
-def _family(module: nn.Module, table) -> "str | None":
-    for types, family in table:
-        for t in types:
+def _family(module: nn.Module) -> Optional[Family]:
+    for family in FAMILIES:
+        for t in family.types:
             if isinstance(module, t) and type(module).forward is t.forward:
                 return family
     return None
@@ -77,13 +60,14 @@ def call_without_hooks(module: nn.Module, args, kwargs):
 def subclassed(module: nn.Module) -> bool:
     """A subclass of a Linear, Conv, Embedding, norm or BatchNorm class with its own ``forward``
     (timm's ``LayerNorm2d``): no hand-written rule here; the ATen front end matches its ops."""
-    return _family(module, FAMILIES) is None and any(
-        isinstance(module, t) for types, family in FAMILIES if family not in ("rnn", "conv_transpose") for t in types)
+    return _family(module) is None and any(
+        isinstance(module, t) for family in FAMILIES if family.kind not in ("rnn", "conv_transpose")
+        for t in family.types)
 
 
 def has_family(module: nn.Module) -> bool:
     """Whether the module has a hand-written rule family."""
-    return _family(module, FAMILIES) is not None
+    return _family(module) is not None
 
 
 def forward_for(module: nn.Module) -> Tuple[Callable, str]:
@@ -92,51 +76,46 @@ def forward_for(module: nn.Module) -> Tuple[Callable, str]:
     Modules with parametrizations (or old-style reparametrizing hooks) run through
     the generic rule, which calls the module itself.
     """
-    family = _family(module, FAMILIES)
+    family = _family(module)
     if family is None or not plain(module):
         return generic.forward, "generic"
-    return FAMILY_MODULES[family].forward, family
+    return family.forward, family.kind
 
 
 def kron_factors(site, role: str, m, approx=None, max_dim=None):
     """Kronecker factors (BackPACK's order) of ``role`` at ``site`` from the pulled-back root ``m``;
     ``approx``: ``None`` (BackPACK's), ``"expand"`` or ``"reduce"`` (see ``rules.linear.kron``);
     ``max_dim``: a side larger than it gets a diagonal factor (:mod:`curvlib.rules._gram`)."""
-    family = FAMILY_MODULES[site.rule.kind]
-    return family.kron(site, role, m, approx, max_dim)
+    return FAMILY_OF[site.rule.kind].kron(site, role, m, approx, max_dim)
 
 
-#: Rule kinds with Kronecker factors ``[B, A]`` of their own (``kron``, ``kron_input``).
-SPLIT_KRON_KINDS = ("linear", "conv", "conv_transpose")
-#: Rule kinds with their own factors in another layout (``kron`` only; see :mod:`curvlib._core.kronlayout`).
-OWN_KRON_KINDS = ("embedding",)
+def kron_layout(site) -> str:
+    """``"split"``, ``"own"`` or ``""``: how the family of ``site``'s rule lays out its Kronecker
+    factors (:attr:`~curvlib._core.site.Family.kron_layout`)."""
+    family = FAMILY_OF.get(site.rule.kind)
+    return family.kron_layout if family is not None else ""
 
 
 def kron_weight_output(site, B):
     """The weight's output-side factor from the full ``B`` (per-group blocks of grouped convolutions)."""
-    family = FAMILY_MODULES[site.rule.kind]
-    weight_output = getattr(family, "weight_output_factor", None)
+    weight_output = FAMILY_OF[site.rule.kind].weight_output_factor
     return B if weight_output is None else weight_output(site, B)
 
 
 def kron_input_factor(site, approx=None, max_dim=None):
     """The input-side Kronecker factor ``A`` of ``site``'s weight (independent of the root)."""
-    family = FAMILY_MODULES[site.rule.kind]
-    return family.kron_input(site, approx, max_dim)
+    return FAMILY_OF[site.rule.kind].kron_input(site, approx, max_dim)
 
 
 def kron_from_matrix(site, role: str, G):
     """KFRA factors of ``role`` at ``site`` from the batch-averaged output matrix ``G``."""
-    family = FAMILY_MODULES[site.rule.kind]
-    return family.kron_from_output_matrix(site, role, G)
+    return FAMILY_OF[site.rule.kind].kron_from_output_matrix(site, role, G)
 
 
 def checker_for(module: nn.Module) -> "Callable[[nn.Module, str], None] | None":
     """The family's ``check(module, where)`` for this module, or ``None``."""
-    family = _family(module, FAMILIES) or _family(module, CHECKED)
-    if family is None:
-        return None
-    return getattr(FAMILY_MODULES[family], "check", None)
+    family = _family(module)
+    return family.check if family is not None else None
 
 
 def check_module(module: nn.Module, where: str) -> None:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._core.errors import CurvatureError
-from .._core.site import Recorder, RoleTensors, Rule, Site
+from .._core.site import Family, Recorder, RoleTensors, Rule, Site
 
 _EXPECTED_DIMS = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}
 
@@ -177,3 +177,7 @@ def forward(module: nn.modules.batchnorm._BatchNorm, where: str, names: dict, te
         shape = (1, -1) + (1,) * (x.dim() - 2)
         saved["xhat"] = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + module.eps)
     return rec.add(Site(BATCHNORM, names, where, saved=saved, meta={"batch_dim": 0}), out)
+
+
+#: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.
+FAMILY = Family("batchnorm", (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), forward, check)

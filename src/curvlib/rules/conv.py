@@ -95,7 +95,7 @@ from ._conv_kron import input_factor, kron, kron_from_output_matrix, kron_input,
 from ._conv_unfold import (
     cached, explicit_padding, fold_columns, in_functorch_transform, padded_input, patches, prod, unfold,
 )
-from .._core.site import Recorder, RoleTensors, Rule, Site
+from .._core.site import Family, Recorder, RoleTensors, Rule, Site
 
 __all__ = [
     "COLUMN_BLOCK_BYTES", "CONV", "METHOD", "PADDING_MODES",
@@ -394,3 +394,9 @@ def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwa
             "defined (as in BackPACK); supported: groups=1. KFAC and KFLR give per-group factors."
         )
     return rec.add(Site(CONV, names, where, saved={"x": x}, meta=meta), out)
+
+
+#: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.
+FAMILY = Family("conv", (nn.Conv1d, nn.Conv2d, nn.Conv3d), forward, check, kron=kron, kron_input=kron_input,
+                weight_output_factor=weight_output_factor, kron_from_output_matrix=kron_from_output_matrix,
+                kron_layout="split")

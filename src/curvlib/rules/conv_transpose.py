@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._core.errors import CurvatureError
-from .._core.site import Recorder, Site
+from .._core.site import Family, Recorder, Site
 from ._conv_correlation import Correlation
 from ._conv_kron import input_factor
 from ._conv_kron import kron as _conv_kron
@@ -171,3 +171,9 @@ def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwa
     if module.groups != 1:  # KFAC/KFLR: per-group factors (kron); KFRA's recursion has none
         meta["kfra_error"] = f"KFRA's factors need groups=1 (as in BackPACK), got groups={module.groups}."
     return rec.add(Site(CONV_TRANSPOSE, names, where, saved={"x": x}, meta=meta), out)
+
+
+#: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.
+FAMILY = Family("conv_transpose", (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d), forward, check,
+                kron=kron, kron_input=kron_input, weight_output_factor=weight_output_factor,
+                kron_from_output_matrix=kron_from_output_matrix, kron_layout="split")

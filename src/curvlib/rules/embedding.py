@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from .._core.errors import CurvatureError
 from ._gram import gram
-from .._core.site import Recorder, RoleTensors, Rule, Site
+from .._core.site import Family, Recorder, RoleTensors, Rule, Site
 
 
 def check(module: nn.Embedding, where: str) -> None:
@@ -250,3 +250,7 @@ def forward(module: nn.Embedding, where: str, names: dict, tensors: dict, args, 
     meta = {"batch_dim": 0, "padding_idx": module.padding_idx, "num_embeddings": module.num_embeddings,
             "dtype": out.dtype, "index_dims": idx.dim()}
     return rec.add(Site(EMBEDDING, names, where, saved={"idx": idx}, meta=meta), out)
+
+
+#: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.
+FAMILY = Family("embedding", (nn.Embedding,), forward, check, kron=kron, kron_input=kron_input, kron_layout="own")

@@ -35,7 +35,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from .._core.errors import CurvatureError
 from .._core.sync import LOCK
-from .._core.site import Recorder, RoleTensors, Rule, Site
+from .._core.site import Family, Recorder, RoleTensors, Rule, Site
 
 
 def math_hooks(module: nn.Module) -> list:
@@ -259,3 +259,7 @@ def refuse_buffer_updates(program, sites, exts) -> None:
                 "on it (the same W / σ(W), u and v now fixed), or freeze the layer, or use the first-order "
                 "extensions, the GGN diagonals and square roots, or HMP."
             )
+
+
+#: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.
+FAMILY = Family("generic", (), forward)

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from .._core.errors import CurvatureError
-from .._core.site import Recorder, RoleTensors, Rule, Site
+from .._core.site import Family, Recorder, RoleTensors, Rule, Site
 from .layernorm import normalise
 
 
@@ -120,3 +120,7 @@ def forward(module: nn.GroupNorm, where: str, names: dict, tensors: dict, args, 
         out = torch.addcmul(bias.view(shape), xhat, weight.view(shape))
     saved = {"xhat": xhat} if "weight" in names else {}
     return rec.add(Site(GROUPNORM, names, where, saved=saved, meta={"batch_dim": 0}), out)
+
+
+#: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.
+FAMILY = Family("groupnorm", (nn.GroupNorm,), forward)

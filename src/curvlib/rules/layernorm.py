@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._core.errors import CurvatureError
-from .._core.site import Recorder, RoleTensors, Rule, Site
+from .._core.site import Family, Recorder, RoleTensors, Rule, Site
 
 
 def _canon(site: Site, t: Tensor) -> Tensor:
@@ -194,3 +194,7 @@ def forward(module: nn.LayerNorm, where: str, names: dict, tensors: dict, args, 
         numel *= s
     meta = {"batch_dim": 0, "norm_dims": k, "norm_shape": shape, "norm_numel": numel}
     return rec.add(Site(LAYERNORM, names, where, saved=saved, meta=meta), out)
+
+
+#: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.
+FAMILY = Family("layernorm", (nn.LayerNorm,), forward)

@@ -28,7 +28,7 @@ from torch.func import vmap
 
 from ._conv_correlation import square_fresh
 from ._gram import gram
-from .._core.site import Recorder, RoleTensors, Rule, Site
+from .._core.site import Family, Recorder, RoleTensors, Rule, Site
 
 
 def _per_sample_outer(g: Tensor, x: Tensor) -> Tensor:
@@ -285,3 +285,8 @@ def _bind_input(args, kwargs, name: str):
     if args:
         return (args[0],)
     return (kwargs[name],)
+
+
+#: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.
+FAMILY = Family("linear", (nn.Linear,), forward, kron=kron, kron_input=kron_input,
+                kron_from_output_matrix=kron_from_output_matrix, kron_layout="split")

@@ -63,7 +63,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from .._core.errors import CurvatureError
-from .._core.site import Recorder, Site
+from .._core.site import Family, Recorder, Site
 from .linear import LINEAR
 from .rnn_steps import Coupling, StepNodes, gru_step, lstm_step, rnn_step
 
@@ -333,3 +333,7 @@ def forward(module: nn.RNNBase, where: str, names: dict, tensors: dict, args, kw
     if lstm:
         return output, (h_stack, torch.stack(c_n, 0))
     return output, h_stack
+
+
+#: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.
+FAMILY = Family("rnn", (nn.RNN, nn.LSTM, nn.GRU), forward, check)
