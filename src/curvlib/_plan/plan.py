@@ -129,13 +129,14 @@ class _FakeTensorNoise(logging.Filter):
         return not getattr(self.active, "on", False)
 
 
-_FAKE_LOGGER = logging.getLogger("torch._subclasses.fake_tensor")
 _FAKE_FILTER = _FakeTensorNoise()
-_FAKE_LOGGER.addFilter(_FAKE_FILTER)
 
 
 @contextlib.contextmanager
 def _quiet_fake_tensor_log():
+    # installed at the first shape pass, not when curvlib is imported (an import changes no
+    # logger); addFilter keeps one copy of a filter already installed
+    logging.getLogger("torch._subclasses.fake_tensor").addFilter(_FAKE_FILTER)
     before = getattr(_FakeTensorNoise.active, "on", False)
     _FakeTensorNoise.active.on = True
     try:

@@ -100,6 +100,7 @@ class CompiledCall:
     def __init__(self, call, options: dict):
         self.call, self.options = call, options
         self.programs: Dict[tuple, _Program] = {}
+        _make_graph_breaks()
         self.buffer_names = frozenset(n for n, _ in call.setup.model.named_buffers())
 
     def __call__(self, X, y: Tensor, params: Optional[Mapping[str, Tensor]] = None, generator=None,
@@ -109,7 +110,7 @@ class CompiledCall:
             values, trainable = self._values(params)
             program = self.programs.get(self._signature(X, y, values, trainable))
             if program is None:
-                program = _build_outside(self, X, y, params)
+                program = _GRAPH_BREAKS["build"](self, X, y, params)
             return self._run(program, X, y, values, buffers)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise CurvatureError(f"generator must be a torch.Generator or None, got {type(generator).__name__}.")
@@ -274,7 +275,6 @@ def _buffers(setup) -> Dict[str, Tensor]:
     return {n: b for n, b in named if isinstance(b, Tensor)}
 
 
-@torch.compiler.disable(recursive=True)
 def _build_outside(compiled: CompiledCall, X, y, params) -> _Program:
     """A new signature met inside a user's compiled function: built eagerly (a graph break there)."""
     values, trainable = compiled._values(params)
@@ -285,10 +285,17 @@ def _build_outside(compiled: CompiledCall, X, y, params) -> _Program:
 
 def _replay(recipes):
     if torch.compiler.is_compiling() and any(r[2] is not None for r in recipes):
-        return _replay_eagerly(recipes)  # Dynamo cannot trace a torch.Generator: a graph break
+        return _GRAPH_BREAKS["replay"](recipes)  # Dynamo cannot trace a torch.Generator: a graph break
     return _draws.replay(recipes)
 
 
-@torch.compiler.disable(recursive=True)
-def _replay_eagerly(recipes):
-    return _draws.replay(recipes)
+#: ``_build_outside`` and draws' replay as graph breaks for Dynamo (``torch.compiler.disable``),
+#: made when the first compiled call is set up: ``torch.compiler.disable`` imports torch._dynamo,
+#: seconds that ``import curvlib`` does not pay.
+_GRAPH_BREAKS: Dict[str, object] = {}
+
+
+def _make_graph_breaks() -> None:
+    if not _GRAPH_BREAKS:
+        _GRAPH_BREAKS["build"] = torch.compiler.disable(_build_outside, recursive=True)
+        _GRAPH_BREAKS["replay"] = torch.compiler.disable(_draws.replay, recursive=True)
