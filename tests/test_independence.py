@@ -123,7 +123,7 @@ PER_SAMPLE = [
 def test_every_per_sample_and_ggn_extension_is_refused_before_any_work(ext, monkeypatch):
     X, y = _data()
     model = Mods(nn.Softmax(dim=0)).to(DT)
-    import curvlib._transform.entry as transform
+    import curvlib._transform.call as transform
 
     def no_forward(*args, **kwargs):
         raise AssertionError("the forward ran before the refusal")

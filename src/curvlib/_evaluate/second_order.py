@@ -57,8 +57,8 @@ def second_order(
     params: Mapping[str, Tensor],
     batch_size: int,
     residual_grads: Sequence[Tensor],
-    product: Callable,
-    kfra_factors: Callable,
+    product: Optional[Callable],
+    kfra_factors: Optional[Callable],
     chunk_size: Optional[int] = None,
     site_grads: Optional[Sequence[Tensor]] = None,
     into: Optional[RootBuffers] = None,
@@ -69,7 +69,8 @@ def second_order(
     its roots come with signs (``Σ sign · S Sᵀ``; an indefinite loss Hessian has a
     negative part), and every quantity linear in the GGN is the signed sum.
     ``product(ext, name)`` builds a block-product callable; ``kfra_factors()``
-    runs the KFRA recursion (both re-run the forward, so the caller owns them).
+    runs the KFRA recursion (both re-run the forward, so the caller owns them; ``None``
+    when no such extension is asked for).
     ``chunk_size`` bounds the number of columns pulled back at once (memory
     ``∝ chunk_size × activations``); results are the same for any value.
     ``site_grads``: the loss gradient at every site (the empirical Fisher's root).

@@ -84,7 +84,9 @@ def evaluate(s, c: CallContext) -> Dict[str, object]:
         product = products(traced.program, s.spec, y, curv, X, c.values, traced.residual_nodes, lin,
                            residual_grads, rng, frozenset(trainable), c.seed)
         product = _buffers.bind_products(product, s.model, c.buffers)
-    kfra_factors = _kfra_factors(s, traced, lin, curv, X, y, trainable, c.values)
+    kfra_factors = None
+    if any(e.quantity == "kfra" for e in s.second):  # (the recursion's closure only when asked for)
+        kfra_factors = _kfra_factors(s, traced, lin, curv, X, y, trainable, c.values)
     chunk = _budget.auto_chunk_size(c.plan, s.second, device) if s.chunk_size == "auto" else s.chunk_size
     result.update(second_order(
         lin, curv, s.second, trainable, c.values, n, residual_grads, product,
