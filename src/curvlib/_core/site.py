@@ -130,6 +130,12 @@ class Site:
     saved: Dict[str, Tensor] = field(default_factory=dict)
     key: int = -1
 
+    @property
+    def batch_dim(self) -> int:
+        """The dimension of the site's output (and its saved tensors) that holds the batch: set
+        by the planner for rules that accept any (``Rule.any_batch_dim``), else 0."""
+        return self.meta.get("batch_dim", 0)
+
 
 @dataclass
 class Residual:

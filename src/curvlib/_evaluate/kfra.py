@@ -28,7 +28,7 @@ from torch.func import vjp, vmap
 from .._core import dropout as _dropout
 from .._interpret.graph import run_graph
 from .._core.errors import CurvatureError
-from ..rules import call_without_hooks, kron_from_matrix
+from ..rules import kron_from_matrix
 from .._core.site import Recorder, Site
 from .._trace.graph_facts import chain_nodes, is_inplace
 from ..rules.elementwise import ELEMENTWISE_MODULES
@@ -53,16 +53,7 @@ def _node_function(program, node: fx.Node, env: Dict[fx.Node, object], params):
             return _dropout.use_noise(kind, a, p, mask)
         if inplace:
             a = a.clone()
-        args, kwargs = load(node.args, a), load(node.kwargs, a)
-        if node.op == "call_module":
-            layer = program.layers.get(node.target)
-            if layer is None:
-                return call_without_hooks(program.root.get_submodule(node.target), args, kwargs)
-            tensors = {r: params[n] for r, n in layer.names.items()}
-            return layer.forward(layer.module, layer.path, {}, tensors, args, kwargs, Recorder(None))
-        if node.op == "call_method":
-            return getattr(args[0], node.target)(*args[1:], **kwargs)
-        return node.target(*args, **kwargs)
+        return program.apply(node, load(node.args, a), load(node.kwargs, a), params)
 
     return f
 

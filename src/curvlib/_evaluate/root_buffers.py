@@ -110,7 +110,7 @@ def _outer_factors(site, role: str, m: Tensor) -> Optional[Tuple[Tensor, Tensor]
     x = linear._flat_input(site)
     if x.shape[1] != 1:
         return None
-    g = m.movedim(site.meta.get("batch_dim", 0) + 1, 1)
+    g = m.movedim(site.batch_dim + 1, 1)
     g = g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])
     if site.meta.get("transposed"):  # a weight stored [in, out] (rules.linear.LINEAR_TRANSPOSED): x_n g_vnᵀ
         return x[None, :, 0, :, None], g[:, :, 0, None, :]

@@ -59,7 +59,7 @@ from torch import Tensor, fx, nn
 
 from .._core.errors import CurvatureError
 from .._trace.program import Program
-from ..rules import call_without_hooks, functional
+from ..rules import functional
 from .._core.site import Recorder
 from ..rules.elementwise import classify
 from ..rules.rnn_steps import Coupling
@@ -354,19 +354,10 @@ def _node_function(program: Program, node: fx.Node, env, inputs_nodes, params, f
     def phi(theta: Dict[str, Tensor], *inputs: Tensor, fixed: Sequence[Tensor] = ()):
         local = {**dict(zip(fixed_nodes, fixed)), **dict(zip(inputs_nodes, inputs))}
         load = lambda a: fx.node.map_arg(a, lambda n: local[n] if n in local else env[n])  # noqa: E731
-        args, kwargs = load(node.args), load(node.kwargs)
-        if node.op == "call_module":
-            layer = program.layers.get(node.target)
-            if layer is None:
-                return call_without_hooks(program.root.get_submodule(node.target), args, kwargs)
-            tensors = {r: theta.get(n, params[n]) for r, n in layer.names.items()}
-            return layer.forward(layer.module, layer.path, {}, tensors, args, kwargs, Recorder(None))
-        use = program.functional.get(node)
+        use = program.functional.get(node) if node.op != "call_module" else None
         if use is not None:
             return functional.evaluate(use, program.root, program.param_names, {**params, **theta}, list(inputs),
                                        {a: local[a] if a in local else env[a] for a in use.fixed})
-        if node.op == "call_method":
-            return getattr(args[0], node.target)(*args[1:], **kwargs)
-        return node.target(*args, **kwargs)
+        return program.apply(node, load(node.args), load(node.kwargs), {**params, **theta})
 
     return phi

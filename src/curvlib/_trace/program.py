@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from .. import rules
+from .._core.site import Recorder
 from .._core.sync import LOCK
 from ..rules import attention
 from .._core.inputs import with_defaults
@@ -104,6 +105,20 @@ class Program:
     aten_error: str = ""  # why the ATen-level trace failed, when it was tried and failed
     selector: object = None  # curvature(..., output=): which tensor of a container output the loss takes
     sibling: Optional["Program"] = None  # an ATen-level trace: the same model traced on a batch of N + 1
+
+    def apply(self, node: fx.Node, args, kwargs, params: Dict[str, torch.Tensor]):
+        """The value of the call node ``node`` on given arguments, recording nothing: a layer by
+        its family's ``forward`` on ``params`` (name -> tensor), another module by its own
+        ``forward`` without hooks, a method or a function as it is."""
+        if node.op == "call_module":
+            layer = self.layers.get(node.target)
+            if layer is None:
+                return rules.call_without_hooks(self.root.get_submodule(node.target), args, kwargs)
+            tensors = {r: params[n] for r, n in layer.names.items()}
+            return layer.forward(layer.module, layer.path, {}, tensors, args, kwargs, Recorder(None))
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        return node.target(*args, **kwargs)
 
 
 def _owns_parameters(module: nn.Module) -> bool:

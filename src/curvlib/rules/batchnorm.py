@@ -75,7 +75,7 @@ def _flat(site: Site, g: Tensor):
     The channel axis is dim 1 of the layer's output; the batch is wherever the
     planner found it (dim 0 for ordinary use, never dim 1).
     """
-    bdim = site.meta.get("batch_dim", 0)
+    bdim = site.batch_dim
     xhat = site.saved.get("xhat")
 
     def canon(t: Tensor) -> Tensor:
@@ -116,7 +116,7 @@ def sum_grad_squared(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors
 def _column_grads(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
     """``[V, N, C]`` per role for root columns ``m [V, *out]``: all columns in one
     product with ``x̂`` (batch in dim 0), else column by column."""
-    if site.meta.get("batch_dim", 0) != 0:
+    if site.batch_dim != 0:
         per = [grad_batch(site, m[k], roles) for k in range(m.shape[0])]
         return {role: torch.stack([p[role] for p in per]) for role in roles}
     mm = m.reshape(m.shape[0], m.shape[1], m.shape[2], -1)  # [V, N, C, s]

@@ -71,7 +71,7 @@ def check(module: nn.Embedding, where: str) -> None:
 def _flat(site: Site, g: Tensor) -> Tuple[Tensor, Tensor]:
     """``idx [n, p]`` and ``g̃ [n, p, d]`` (padding rows zeroed), batch in front."""
     idx = site.saved["idx"]
-    bdim = site.meta.get("batch_dim", 0)
+    bdim = site.batch_dim
     if bdim != 0:
         idx, g = idx.movedim(bdim, 0), g.movedim(bdim, 0)
     n = idx.shape[0]
@@ -129,7 +129,7 @@ def batch_l2(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
     if "weight" not in roles:
         return {}
     first, sample, _, rows = _runs(site, g)
-    n = site.saved["idx"].shape[site.meta.get("batch_dim", 0)]
+    n = site.saved["idx"].shape[site.batch_dim]
     return {"weight": g.new_zeros(n).index_add(0, sample, (rows**2).sum(1) * first)}
 
 
@@ -170,7 +170,7 @@ def kron(site: Site, role: str, m: Tensor, approx: Optional[str] = None,
 
 def _root_rows(site: Site, m: Tensor) -> Tuple[Tensor, Tensor]:
     """``idx [N, P]`` and the root ``m [V', N, P, D]`` with padding positions zeroed."""
-    bdim = site.meta.get("batch_dim", 0)
+    bdim = site.batch_dim
     m = m.movedim(bdim + 1, 1) if bdim != 0 else m
     idx = _flat_index(site)
     m = m.reshape(m.shape[0], idx.shape[0], idx.shape[1], m.shape[-1])
@@ -183,7 +183,7 @@ def _root_rows(site: Site, m: Tensor) -> Tuple[Tensor, Tensor]:
 def _flat_index(site: Site) -> Tensor:
     """``idx [N, P]``, batch in front."""
     idx = site.saved["idx"]
-    bdim = site.meta.get("batch_dim", 0)
+    bdim = site.batch_dim
     idx = idx.movedim(bdim, 0) if bdim != 0 else idx
     return idx.reshape(idx.shape[0], -1)
 
@@ -208,7 +208,7 @@ def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> Rol
     over the columns, then added into row ``v``)."""
     if "weight" not in roles:
         return {}
-    bdim = site.meta.get("batch_dim", 0)
+    bdim = site.batch_dim
     idx, _ = _flat(site, m[0])
     mc = m.movedim(bdim + 1, 1) if bdim != 0 else m
     c, n, v = m.shape[0], idx.shape[0], site.meta["num_embeddings"]

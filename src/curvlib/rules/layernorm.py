@@ -54,7 +54,7 @@ from .._core.site import Family, Recorder, RoleTensors, Rule, Site
 def _canon(site: Site, t: Tensor) -> Tensor:
     """``t [*L, *D]`` -> ``[n, s, d]``, batch in front, ``*D`` flattened into ``d``."""
     k = site.meta["norm_dims"]
-    bdim = site.meta.get("batch_dim", 0)
+    bdim = site.batch_dim
     lead = t.dim() - k
     if bdim >= lead:  # pragma: no cover - the planner cannot find the batch there
         raise CurvatureError(
@@ -111,7 +111,7 @@ def sum_grad_squared(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors
 def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
     """``[1, *D]`` per role: ``Σ_c Σ_n (∂ℓ_n/∂p)²`` for a root ``m [C, *out]`` in one pass."""
     c = m.shape[0]
-    bdim = site.meta.get("batch_dim", 0)
+    bdim = site.batch_dim
     mc = m.movedim(bdim + 1, 1) if bdim != 0 else m
     mc = mc.reshape((c * mc.shape[1],) + tuple(mc.shape[2:]))  # columns folded into the batch
     gc = mc.reshape(mc.shape[0], -1, site.meta["norm_numel"])

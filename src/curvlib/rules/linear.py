@@ -40,7 +40,7 @@ def _per_sample_outer(g: Tensor, x: Tensor) -> Tensor:
 
 def _flat(site: Site, g: Tensor) -> Tuple[Tensor, Tensor]:
     """``x [n, s, i]`` and ``g [n, s, o]`` with the batch moved to the front."""
-    bdim = site.meta.get("batch_dim", 0)
+    bdim = site.batch_dim
     if bdim != 0:
         g = g.movedim(bdim, 0)
     return _flat_input(site), g.reshape(g.shape[0], -1, g.shape[-1])
@@ -49,7 +49,7 @@ def _flat(site: Site, g: Tensor) -> Tuple[Tensor, Tensor]:
 def _flat_input(site: Site) -> Tensor:
     """``x [n, s, i]`` with the batch moved to the front."""
     x = site.saved["x"]
-    bdim = site.meta.get("batch_dim", 0)
+    bdim = site.batch_dim
     if bdim != 0:
         x = x.movedim(bdim, 0)
     return x.reshape(x.shape[0], -1, x.shape[-1])
@@ -143,7 +143,7 @@ def _sum_squared_outer(g: Tensor, x: Tensor) -> Tensor:
 
 def kron_output_sum(site: Site, m: Tensor) -> Tensor:
     """``Σ_s m[v, n, s]`` ``[V, N, O]``: the root summed over the positions sharing the weight."""
-    bdim = site.meta.get("batch_dim", 0)
+    bdim = site.batch_dim
     m = m.movedim(bdim + 1, 1) if bdim != 0 else m
     return m.reshape(m.shape[0], m.shape[1], -1, m.shape[-1]).sum(2)
 
@@ -163,7 +163,7 @@ def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> Rol
             part = sum_grad_squared(site, m[v], roles)
             total = {r: part[r] + total[r] if r in total else part[r] for r in part}
         return {r: t.unsqueeze(0) for r, t in total.items()}
-    bdim = site.meta.get("batch_dim", 0)
+    bdim = site.batch_dim
     m = m.movedim(bdim + 1, 1) if bdim != 0 else m
     m2 = (m**2).sum(0).reshape(x.shape[0], -1)  # [N, O]
     out = {}
@@ -220,7 +220,7 @@ def batch_sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) 
             part = grad_batch(site, m[k], roles)
             out = {r: part[r] ** 2 + out.get(r, 0) for r in part}
         return out
-    bdim = site.meta.get("batch_dim", 0)
+    bdim = site.batch_dim
     m = m.movedim(bdim + 1, 1) if bdim != 0 else m
     m2 = (m**2).sum(0).reshape(x.shape[0], -1)  # [N, O]
     out = {}
