@@ -9,7 +9,7 @@ import pytest
 from on_device import CLEAN_ENVIRON
 import torch
 
-from curvlib._demo.main import main as _demo
+from curvlib._demo import main as _demo
 def test_demo_passes_and_prints_every_extension(capsys):
     assert _demo.main() == 0
     out = capsys.readouterr().out

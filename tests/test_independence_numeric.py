@@ -143,8 +143,8 @@ def test_untraced_models_are_tested_on_their_forward(monkeypatch):
 
 
 def test_checks_are_cached_with_the_plan_and_skipped_when_not_needed(monkeypatch):
-    from curvlib._plan.plan import independence as _independence
-    from curvlib._plan.plan import mixing_numeric as _mixing_numeric
+    from curvlib._plan import independence as _independence
+    from curvlib._plan import mixing_numeric as _mixing_numeric
     calls = {"analyse": 0, "numeric": 0}
     analyse, numeric = _independence.analyse, _mixing_numeric.pending_problem
 

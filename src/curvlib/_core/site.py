@@ -207,6 +207,9 @@ class Recorder:
         # Set while a layer whose rule records its own nonlinear nodes runs (a recurrent
         # module: its rnn_steps.Coupling); None when no residuals are wanted from it.
         self.layer_residuals: Any = None
+        # Set while a layer runs: what every site it records carries in its meta (the layer's
+        # family; why torch.fx could not trace it), so a site is complete when recorded.
+        self.layer_meta: Dict[str, Any] = {}
 
     def residual(self, where: str, kind: str, phi: Optional[Callable], inputs: List[Tensor], z: Tensor,
                  params: Optional[Dict[str, Tensor]] = None, site: Optional["Site"] = None,
@@ -229,6 +232,7 @@ class Recorder:
         if not site.params:  # nothing wanted from this site: no probe needed
             return out
         site.key = len(self.sites)
+        site.meta.update(self.layer_meta)
         self.sites.append(site)
         self.out_shapes.append(tuple(out.shape))
         self.out_dtypes.append(out.dtype)
@@ -252,6 +256,7 @@ class Recorder:
         if not site.params:
             return None
         site.key = len(self.sites)
+        site.meta.update(self.layer_meta)
         self.sites.append(site)
         self.out_shapes.append(tuple(out_shape))
         self.out_dtypes.append(dtype)

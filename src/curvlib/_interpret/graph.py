@@ -193,17 +193,13 @@ def _call_module(program, node: fx.Node, args, kwargs, params, trainable, rec):
         return torch.func.functional_call(layer.module, own, tuple(args), kwargs)
     names = {r: n for r, n in layer.names.items() if n in trainable}
     tensors = {r: params[n] for r, n in layer.names.items()}
-    first_site = len(rec.sites)
     planned = rec.residual_nodes.get(node)
     # a layer that records its own nonlinear nodes (recurrent): what it needs to know
     rec.layer_residuals = planned[1] if planned is not None and planned[0] == "layer" else None
+    # its sites' family, and for a submodule torch.fx could not trace, why (for refusals)
+    rec.layer_meta = {"family": layer.kind, **({"opaque": layer.opaque} if layer.opaque else {})}
     try:
-        out = layer.forward(layer.module, layer.path, names, tensors, args, kwargs, rec)
+        return layer.forward(layer.module, layer.path, names, tensors, args, kwargs, rec)
     finally:
-        rec.layer_residuals = None
-    for site in rec.sites[first_site:]:
-        site.meta["family"] = layer.kind
-        if layer.opaque:  # a submodule torch.fx could not trace: why (for refusals)
-            site.meta["opaque"] = layer.opaque
-    return out
+        rec.layer_residuals, rec.layer_meta = None, {}
 
