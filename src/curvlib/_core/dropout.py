@@ -23,9 +23,7 @@ layer is refused: those masks could not be the same.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import threading
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -35,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 from .errors import CurvatureError
 
-__all__ = ["active", "masks", "draw_seed", "warning", "run_node", "use_noise", "DropoutMode", "generic_dropout", "NOISES"]
+__all__ = ["active", "draw_seed", "new_generator", "DropoutSeed", "warning", "run_node", "use_noise", "DropoutMode", "generic_dropout", "NOISES"]
 
 # function -> (kind, default of `training`)
 _FUNCTIONS: Dict[object, Tuple[str, bool]] = {
@@ -48,8 +46,6 @@ _MODULES = (
     (nn.AlphaDropout, "alpha"), (nn.FeatureAlphaDropout, "feature_alpha"),
 )
 _ALPHA = 1.7580993408473766  # -SELU scale · alpha: the value a dropped SELU unit takes
-
-_state = threading.local()
 
 
 def _module_kind(module: nn.Module) -> Optional[str]:
@@ -162,24 +158,18 @@ def draw_seed(generator: Optional[torch.Generator]) -> int:
     return int(seed.item())
 
 
-@contextlib.contextmanager
-def masks(seed: Optional[int], device: torch.device):
-    """Within the block (this thread), dropout draws from generators seeded with ``seed``."""
-    before = getattr(_state, "seed", None)
-    _state.seed = None if seed is None else (seed, torch.device(device))
-    try:
-        yield
-    finally:
-        _state.seed = before
+#: A call's dropout seed and the device its masks are drawn on (``None``: no active dropout),
+#: carried by the :class:`~curvlib._core.site.Recorder` of every forward run of that call.
+DropoutSeed = Optional[Tuple[int, torch.device]]
 
 
-def new_generator() -> Optional[torch.Generator]:
-    """A fresh generator for one forward run (``None`` outside :func:`masks` or without dropout)."""
-    state = getattr(_state, "seed", None)
-    if state is None:
+def new_generator(seed: DropoutSeed) -> Optional[torch.Generator]:
+    """A fresh generator for one forward run of a call (``None`` without active dropout): every
+    run of the same call draws the same masks."""
+    if seed is None:
         return None
-    seed, device = state
-    return torch.Generator(device=device).manual_seed(seed)
+    value, device = seed
+    return torch.Generator(device=device).manual_seed(value)
 
 
 #: env key under which :func:`curvlib._interpret.graph.run_graph` keeps each dropout node's noise

@@ -192,8 +192,12 @@ class Recorder:
         residual_probes: Optional[Sequence[Tensor]] = None,
         residual_nodes: Optional[Mapping[Any, Any]] = None,
         direct: bool = False,
+        dropout_seed: Optional[Tuple[int, torch.device]] = None,
     ):
         self.probes = probes
+        # the call's dropout seed (curvlib._core.dropout.DropoutSeed): every forward run of the
+        # call draws the same masks from it; None without active dropout
+        self.dropout_seed = dropout_seed
         self.direct = direct
         self.targets: List[Tensor] = []
         self.versions: List[Optional[int]] = []  # of direct targets, to detect in-place changes

@@ -76,21 +76,23 @@ def _average_congruence(f, a: Tensor, G: Tensor) -> Tensor:
 
 
 def kfra(program, curv, X, names, params, sites: List[Site], reduce=None,
-         forward: Optional[Tuple[Tensor, Dict[fx.Node, object]]] = None) -> Dict[str, list]:
+         forward: Optional[Tuple[Tensor, Dict[fx.Node, object]]] = None, dropout_seed=None) -> Dict[str, list]:
     """KFRA factors for every parameter (see module doc).
 
     ``curv``: the loss Hessian at the model output (:func:`curvlib.losses.curvature_at`).
     ``reduce(G, kind)``, if given, makes each matrix global over a process
     group where it is formed (:func:`curvlib.distributed.kfra_reducer`).
     ``forward``: ``(output, node values)`` of the forward already run (plain
-    autograd, no in-place nodes), reused instead of running the graph again.
+    autograd, no in-place nodes), reused instead of running the graph again (with the
+    call's ``dropout_seed``: the same masks).
     """
     chain = chain_nodes(program)
     if forward is not None:
         env = {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in forward[1].items()}
     else:  # in a chain nobody reads an in-place node's input again: run those on copies
         env = {}
-        run_graph(program, X, params, frozenset(), Recorder(None), env=env, preserve_inputs=True)
+        run_graph(program, X, params, frozenset(), Recorder(None, dropout_seed=dropout_seed), env=env,
+                  preserve_inputs=True)
     G = sum(sign * torch.einsum("vni,vnj->ij", S.flatten(2), S.flatten(2)) for sign, S in curv.roots())
     if reduce is not None:
         G = reduce(G, "loss")

@@ -100,7 +100,8 @@ def _inside_transform() -> bool:
 
 
 def forward_with_probes(program: Program, plan: Plan, X: Tensor, params, trainable, residual_nodes=None, runner=None,
-                        direct: bool = False, keep_values: bool = False, functorch: bool = False) -> Linearization:
+                        direct: bool = False, keep_values: bool = False, functorch: bool = False,
+                        dropout_seed=None) -> Linearization:
     """Run the forward, differentiable with respect to the probes.
 
     Outside any torch.func transform this uses plain autograd (less overhead,
@@ -113,14 +114,17 @@ def forward_with_probes(program: Program, plan: Plan, X: Tensor, params, trainab
     ``Linearization.values`` (KFRA's recursion reuses them). ``functorch=True``
     takes the torch.func route outside transforms too: its results stay
     differentiable w.r.t. inputs and parameter values that require grad.
+    ``dropout_seed``: the call's (:data:`curvlib._core.dropout.DropoutSeed`).
     """
     if functorch or _inside_transform():
-        return _forward_functorch(program, plan, X, params, trainable, residual_nodes, runner)
+        return _forward_functorch(program, plan, X, params, trainable, residual_nodes, runner, dropout_seed)
     if direct:
-        lin = _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner, True, keep_values)
+        lin = _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner, True, keep_values,
+                                dropout_seed)
         if lin is not None:
             return lin
-    return _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner, False, keep_values)
+    return _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner, False, keep_values,
+                             dropout_seed)
 
 
 class _LazyProbes:
@@ -169,12 +173,12 @@ def _finish(rec: Recorder, plan: Plan, saved, taps) -> None:
             r.meta["fixed_dims"] = in_dims[k:]
 
 
-def _forward_functorch(program, plan, X, params, trainable, residual_nodes, runner) -> Linearization:
+def _forward_functorch(program, plan, X, params, trainable, residual_nodes, runner, dropout_seed=None) -> Linearization:
     probes, rprobes = _zero_probes(plan, X, requires_grad=False)
     recorded: List[Recorder] = []
 
     def forward(probes_, rprobes_):
-        rec = Recorder(probes_, rprobes_ if residual_nodes else None, residual_nodes)
+        rec = Recorder(probes_, rprobes_ if residual_nodes else None, residual_nodes, dropout_seed=dropout_seed)
         out = (runner or run_graph)(program, X, params, trainable, rec)
         recorded.append(rec)
         return (out, [a for r in rec.residuals for a in r.inputs]), [s.saved for s in rec.sites]
@@ -220,11 +224,12 @@ def _autograd_probes(plan, X, direct: bool):
 
 
 def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner, direct: bool = False,
-                      keep_values: bool = False):
+                      keep_values: bool = False, dropout_seed=None):
     """The forward under plain autograd (``None`` if ``direct`` and an in-place
     operation overwrote a site's output: the caller then runs it with probes)."""
     probes, rprobes, X = _autograd_probes(plan, X, direct)
-    rec = Recorder(probes, rprobes if residual_nodes else None, residual_nodes, direct=direct)
+    rec = Recorder(probes, rprobes if residual_nodes else None, residual_nodes, direct=direct,
+                   dropout_seed=dropout_seed)
     values: Optional[Dict[fx.Node, object]] = {} if keep_values and runner is None else None
     with torch.enable_grad():
         if values is not None:

@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import Tensor
 
-from .._core import dropout as _dropout, inputs as _inputs
+from .._core import inputs as _inputs
 from .._hessian import algebra as _residual_math
 from .. import losses
 from .._core.sync import LOCK
@@ -106,13 +106,14 @@ class _Products:
             _check_directions(ext, name, self.values[name], V)
             return V.new_zeros(V.shape) if V.shape[0] == 0 else product(V)
 
-        return _guarded(checked, self.seed, self.device, label)
+        return _guarded(checked, label)
 
     def _outputs(self, name: str, p: Tensor, with_taps: bool):
         """The model output with ``p`` as parameter ``name`` (and the residuals' inputs)."""
         vals = dict(self.values)
         vals[name] = p
-        rec = Recorder(None, residual_nodes=self.residual_nodes if with_taps else None)
+        rec = Recorder(None, residual_nodes=self.residual_nodes if with_taps else None,
+                       dropout_seed=None if self.seed is None else (self.seed, self.device))  # the call's masks
         with replay_rng(self.rng, self.device):
             # the same sites as the main pass (without probes), so the same residuals
             out = run_graph(self.program, self.X, vals, self.trainable if with_taps else frozenset(), rec)
@@ -201,9 +202,10 @@ def _check_directions(ext, name: str, p0: Tensor, V) -> None:
         )
 
 
-def _guarded(product: Callable[[Tensor], Tensor], seed: Optional[int], device: torch.device, name: str = ""):
+def _guarded(product: Callable[[Tensor], Tensor], name: str = ""):
     """``product`` evaluated safely whenever it is called: outside inference mode (an
-    inference tensor ``V`` is copied; under ``no_grad`` the result is detached), with the call's dropout masks, and under
+    inference tensor ``V`` is copied; under ``no_grad`` the result is detached; the call's
+    dropout masks come with its re-runs' recorder, :meth:`_Products._outputs`), and under
     :data:`curvlib._core.sync.LOCK` (forward-mode AD and the random state it replays are
     process-wide)."""
 
@@ -214,7 +216,6 @@ def _guarded(product: Callable[[Tensor], Tensor], seed: Optional[int], device: t
                 stack.enter_context(torch.inference_mode(False))
             V = V.clone() if isinstance(V, Tensor) and V.is_inference() else V
             stack.enter_context(LOCK)
-            stack.enter_context(_dropout.masks(seed, device))
             try:
                 out = product(V)
             except (NodeFailure, NotImplementedError) as exc:

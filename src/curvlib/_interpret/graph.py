@@ -77,7 +77,7 @@ class NodeFailure(RuntimeError):
 
 def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, preserve_inputs=False) -> Tensor:
     leaves = _inputs.trace_leaves(X) if program.leaf_inputs else None  # one placeholder per leaf
-    dropout = _dropout.new_generator()  # None unless this call has active dropout
+    dropout = _dropout.new_generator(rec.dropout_seed)  # None unless this call has active dropout
     noises = env.setdefault(_dropout.NOISES, {}) if dropout is not None else None
     placeholders_seen = 0
     result = None

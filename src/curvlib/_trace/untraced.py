@@ -310,7 +310,7 @@ def _run_eager(program: Program, X: Tensor, params: Mapping[str, Tensor], traina
             installed.append((slots, slots.get("forward", _MISSING)))
             slots["forward"] = redirect(layer)
         handle = nn.modules.module.register_module_forward_pre_hook(check)
-        masks = _dropout.new_generator()  # this call's dropout masks (None without dropout)
+        masks = _dropout.new_generator(rec.dropout_seed)  # this call's dropout masks (None without dropout)
         with _ParameterGuard(run), (_dropout.DropoutMode(masks) if masks is not None else contextlib.nullcontext()):
             out = program.root(X)
     finally:

@@ -67,11 +67,12 @@ def evaluate(s, c: CallContext) -> Dict[str, object]:
     traced, X, y, device = c.traced, c.X, c.y, _inputs.first(c.X).device
     trainable, n = list(c.trainable), _inputs.batch_size(c.X)
     rng = rng_state(device)
+    dropout_seed = None if c.seed is None else (c.seed, device)  # every forward run: the same masks
     lin = forward_with_probes(
         traced.program, c.plan, X, c.values, frozenset(trainable), traced.residual_nodes, runner=traced.runner,
         # KFRA reuses the forward's node values, unless an in-place node overwrote its input
         direct=traced.direct, keep_values=traced.direct and any(e.quantity == "kfra" for e in s.second),
-        functorch=c.differentiable,
+        functorch=c.differentiable, dropout_seed=dropout_seed,
     )
     loss, gs, residual_grads = _loss_and_site_gradients(s.spec, lin, y, bool(s.second))
     result: Dict[str, object] = {"loss": loss}
@@ -86,7 +87,7 @@ def evaluate(s, c: CallContext) -> Dict[str, object]:
         product = _buffers.bind_products(product, s.model, c.buffers)
     kfra_factors = None
     if any(e.quantity == "kfra" for e in s.second):  # (the recursion's closure only when asked for)
-        kfra_factors = _kfra_factors(s, traced, lin, curv, X, y, trainable, c.values)
+        kfra_factors = _kfra_factors(s, traced, lin, curv, X, y, trainable, c.values, dropout_seed)
     chunk = _budget.auto_chunk_size(c.plan, s.second, device) if s.chunk_size == "auto" else s.chunk_size
     result.update(second_order(
         lin, curv, s.second, trainable, c.values, n, residual_grads, product,
@@ -118,7 +119,7 @@ def _scalar_loss(spec, out: Tensor, y: Tensor) -> Tensor:
     return loss
 
 
-def _kfra_factors(s, traced: Traced, lin, curv, X, y, trainable, values):
+def _kfra_factors(s, traced: Traced, lin, curv, X, y, trainable, values, dropout_seed):
     """``() -> KFRA factors``, reusing the forward's node values where it kept them."""
 
     def factors():
@@ -126,6 +127,7 @@ def _kfra_factors(s, traced: Traced, lin, curv, X, y, trainable, values):
         if s.process_group is not None:
             reduce = kfra_reducer(s.spec, s.process_group, _inputs.batch_size(X), losses.normaliser(s.spec, y))
         forward = (lin.out, lin.values) if lin.values is not None else None
-        return kfra(traced.program, curv, X, trainable, values, lin.sites, reduce=reduce, forward=forward)
+        return kfra(traced.program, curv, X, trainable, values, lin.sites, reduce=reduce, forward=forward,
+                    dropout_seed=dropout_seed)
 
     return factors

@@ -25,7 +25,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from .._plan import arguments as _arguments
-from .._core import draws as _draws, dropout as _dropout, inputs as _inputs
+from .._core import draws as _draws, inputs as _inputs
 from ..losses import _targets
 from .._core.buffers import SWAPS, split as split_buffers
 from .._core.errors import CurvatureError, CurvatureTypeError
@@ -196,8 +196,7 @@ class CompiledCall:
             with SWAPS.write(), LOCK, \
                     _reparametrize_module(self.call.setup.model, {k[6:]: t for k, t in b.items() if k[0] == "m"}), \
                     _reparametrize_module(loss_module, {k[6:]: t for k, t in b.items() if k[0] == "l"}), \
-                    _draws.recording(_draws.Tape(list(flat[n_in:]) or None)) as tape, \
-                    _dropout.masks(None, leaves[0].device), torch.enable_grad():
+                    _draws.recording(_draws.Tape(list(flat[n_in:]) or None)) as tape, torch.enable_grad():
                 y_ = _targets.prepare_targets(self.call.setup.spec, y_)
                 call = CallContext(traced, plan, X_, y_, v, tuple(trainable), seed=None, differentiable=False,
                                    negative=None, buffers=None)

@@ -262,7 +262,7 @@ class _Call:
         call = CallContext(traced, plan, X, _targets.prepare_targets(s.spec, y), values, tuple(trainable),
                            seed, differentiable, negative, buffers, _into)
         # planned with the model's buffers (same shapes); run with the caller's
-        with _dropout.masks(seed, _inputs.first(X).device), _buffers.using(s.model, buffers):
+        with _buffers.using(s.model, buffers):
             try:
                 return evaluate(s, call)
             except (NodeFailure, NotImplementedError) as exc:
