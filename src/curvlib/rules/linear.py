@@ -258,7 +258,7 @@ def _weight_transposed(fn):
 
 
 #: A Linear site whose weight parameter is ``Wᵀ`` (``[in, out]``); its Kronecker factors are
-#: ``[A, B]`` (one per dim of the parameter, as BackPACK orders them), see ``_secondorder._kron``.
+#: ``[A, B]`` (one per dim of the parameter, as BackPACK orders them), see :func:`curvlib._evaluate.read_off.kronecker_factors`.
 LINEAR_TRANSPOSED = Rule(
     kind="linear",
     grad_batch=functools.partial(grad_batch, transposed=True),
