@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import Tensor
 
-from .._core import inputs as _inputs
+from .._plan.checks import CallContext
 from .._hessian import algebra as _residual_math
 from .. import losses
 from .._core.sync import LOCK
@@ -55,33 +55,35 @@ class replay_rng:
         return self.fork.__exit__(*exc)
 
 
-def products(program, spec, y, curv, X, values, residual_nodes, lin, residual_grads, rng, trainable, seed=None):
+def products(call: CallContext, spec, curv, lin, residual_grads, rng):
     """Factory of the block-product callables ``[V, *p] -> [V, *p]`` (GGNMP, HMP, PCHMP):
     ``make(ext, name)``.
 
-    ``curv`` is the loss Hessian at the output (:func:`curvlib.losses.curvature_at`),
-    ``seed`` the call's dropout seed (:mod:`curvlib._core.dropout`): the callables re-run
-    the forward with the same masks whenever they are evaluated.
+    ``call``: the call (its program, inputs, parameter values, trainable names and dropout
+    seed: the callables re-run its forward with the same masks whenever they are evaluated);
+    ``curv``: the loss Hessian at the output (:func:`curvlib.losses.curvature_at`); ``lin``
+    and ``residual_grads``: the call's linearised forward; ``rng``: the random state it
+    started from (:func:`rng_state`).
     """
-    return _Products(program, spec, y, curv, X, values, residual_nodes, lin, residual_grads, rng, trainable,
-                     seed).make
+    return _Products(call, spec, curv, lin, residual_grads, rng).make
 
 
 class _Products:
     """What every product of one call shares: the call's inputs, parameters, random state."""
 
-    def __init__(self, program, spec, y, curv, X, values, residual_nodes, lin, residual_grads, rng, trainable, seed):
-        self.program, self.spec, self.y, self.curv, self.X = program, spec, y, curv, X
-        self.values, self.residual_nodes, self.lin, self.residual_grads = values, residual_nodes, lin, residual_grads
-        self.rng, self.trainable, self.seed = rng, trainable, seed
-        self.device = _inputs.first(X).device
+    def __init__(self, call: CallContext, spec, curv, lin, residual_grads, rng):
+        self.program, self.spec, self.y, self.curv, self.X = call.program, spec, call.y, curv, call.X
+        self.values, self.residual_nodes = call.values, call.traced.residual_nodes
+        self.lin, self.residual_grads, self.rng = lin, residual_grads, rng
+        self.trainable, self.dropout_seed = frozenset(call.trainable), call.dropout_seed
+        self.device = call.device
         # (modify, residual index, view) -> mod(R|u_p) (None: zero); per residual, its dense R
         self.operators: Dict[tuple, Optional[Callable]] = {}
         self.memos: Dict[int, dict] = {}
         # the modules' training flags of the call: the graph re-run by a product calls the
         # modules (dropout, batch norm), which read their flag when the product is evaluated
-        self.modes = [(path, module, module.training) for path, module in program.root.named_modules()]
-        self.derivatives = derivatives_requested(X, values)  # (PCHMP has none: refused when applied)
+        self.modes = [(path, module, module.training) for path, module in self.program.root.named_modules()]
+        self.derivatives = derivatives_requested(self.X, self.values)  # (PCHMP has none: refused when applied)
 
     def check_modes(self, label: str) -> None:
         """Refuse a product evaluated after a module's ``train()``/``eval()`` changed."""
@@ -113,7 +115,7 @@ class _Products:
         vals = dict(self.values)
         vals[name] = p
         rec = Recorder(None, residual_nodes=self.residual_nodes if with_taps else None,
-                       dropout_seed=None if self.seed is None else (self.seed, self.device))  # the call's masks
+                       dropout_seed=self.dropout_seed)  # the call's masks
         with replay_rng(self.rng, self.device):
             # the same sites as the main pass (without probes), so the same residuals
             out = run_graph(self.program, self.X, vals, self.trainable if with_taps else frozenset(), rec)

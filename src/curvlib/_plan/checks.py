@@ -6,6 +6,9 @@ known: the targets (every call), the second-order extensions' support by layer f
 factors (:mod:`~curvlib._plan.budget`), samples mixed inside the model
 (:mod:`~curvlib._plan.independence`), dropout in layers without a rule and buffers updated under
 a transform. The checks of the plan alone run once per plan; the entry knows none of them.
+
+Its records: :class:`Request` (what one ``curvature(...)`` asks for) and :class:`CallContext`
+(one call, complete before the evaluation stage starts: what ``curvlib._evaluate`` reads).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch import Tensor
 
 from .. import losses
 from .._core import dropout as _dropout, inputs as _inputs, strategy as _strategy
+from .._core.dropout import DropoutSeed
 from ..extensions import SecondOrder
 from ..losses import LossSpec
 from ..rules.generic import refuse_buffer_updates
@@ -27,7 +31,7 @@ from .plan import Plan, make_plan
 from .support import check_second_order
 from .traces import Traced
 
-__all__ = ["Request", "plan_call"]
+__all__ = ["Request", "CallContext", "plan_call"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,47 @@ class Request:
     @property
     def second(self) -> Tuple[SecondOrder, ...]:
         return tuple(e for e in self.computed if isinstance(e, SecondOrder))
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """One call's inputs to the evaluation stage, complete before it starts.
+
+    Attributes:
+        traced: the model's trace for ``X``; plan: its plan for ``X``'s signature.
+        X, y: the input and the prepared targets; values: parameter name -> tensor;
+        trainable: the names whose quantities are computed, in result order.
+        seed: the dropout masks' seed (``None``: no active dropout); differentiable: results
+        must carry derivatives (``params`` or ``X`` require grad under grad mode);
+        negative: the loss Hessian's scale has a negative entry (``None``: not read yet);
+        buffers: the caller's buffers; into: the batch's square-root buffers when this call
+        is one slice of it (:mod:`curvlib._transform.chunking`).
+    """
+
+    traced: Traced
+    plan: Plan
+    X: object
+    y: Tensor
+    values: Mapping[str, Tensor]
+    trainable: Tuple[str, ...]
+    seed: Optional[int]
+    differentiable: bool
+    negative: Optional[bool]
+    buffers: Optional[Mapping[str, Tensor]]
+    into: object = None
+
+    @property
+    def program(self):
+        return self.traced.program
+
+    @property
+    def device(self) -> torch.device:
+        return _inputs.first(self.X).device
+
+    @property
+    def dropout_seed(self) -> DropoutSeed:
+        """The seed every forward run of this call draws its dropout masks from."""
+        return None if self.seed is None else (self.seed, self.device)
 
 
 def plan_call(request: Request, traced: Traced, X, values: Mapping[str, Tensor], trainable: Sequence[str],

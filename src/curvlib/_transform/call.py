@@ -7,8 +7,7 @@ Shared by the eager call and the compiled one (:mod:`curvlib._transform.compiled
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict
 
 import torch
 from torch import Tensor
@@ -23,41 +22,13 @@ from .._evaluate.linearise import forward_with_probes
 from .._evaluate.products import products, rng_state
 from .._evaluate.second_order import second_order
 from .._plan import budget as _budget
-from .._plan.plan import Plan
+from .._plan.checks import CallContext
 from .._plan.traces import Traced
 from ..distributed import kfra_reducer
 from ..extensions.products import BlockProduct
 from ..losses._generic import check_per_sample
 
-__all__ = ["CallContext", "evaluate"]
-
-
-@dataclass(frozen=True)
-class CallContext:
-    """One call's inputs to the evaluation stage, complete before it starts.
-
-    Attributes:
-        traced: the model's trace for ``X``; plan: its plan for ``X``'s signature.
-        X, y: the input and the prepared targets; values: parameter name -> tensor;
-        trainable: the names whose quantities are computed, in result order.
-        seed: the dropout masks' seed (``None``: no active dropout); differentiable: results
-        must carry derivatives (``params`` or ``X`` require grad under grad mode);
-        negative: the loss Hessian's scale has a negative entry (``None``: not read yet);
-        buffers: the caller's buffers; into: the batch's square-root buffers when this call
-        is one slice of it (:mod:`curvlib._transform.chunking`).
-    """
-
-    traced: Traced
-    plan: Plan
-    X: object
-    y: Tensor
-    values: Mapping[str, Tensor]
-    trainable: Tuple[str, ...]
-    seed: Optional[int]
-    differentiable: bool
-    negative: Optional[bool]
-    buffers: Optional[Mapping[str, Tensor]]
-    into: object = None
+__all__ = ["evaluate"]
 
 
 def evaluate(s, c: CallContext) -> Dict[str, object]:
@@ -67,7 +38,7 @@ def evaluate(s, c: CallContext) -> Dict[str, object]:
     traced, X, y, device = c.traced, c.X, c.y, _inputs.first(c.X).device
     trainable, n = list(c.trainable), _inputs.batch_size(c.X)
     rng = rng_state(device)
-    dropout_seed = None if c.seed is None else (c.seed, device)  # every forward run: the same masks
+    dropout_seed = c.dropout_seed  # every forward run of the call: the same masks
     lin = forward_with_probes(
         traced.program, c.plan, X, c.values, frozenset(trainable), traced.residual_nodes, runner=traced.runner,
         # KFRA reuses the forward's node values, unless an in-place node overwrote its input
@@ -82,8 +53,7 @@ def evaluate(s, c: CallContext) -> Dict[str, object]:
     curv = losses.curvature_at(s.spec, lin.out, y, negative=c.negative)
     product = None
     if any(isinstance(e, BlockProduct) for e in s.second):  # (built only when asked for)
-        product = products(traced.program, s.spec, y, curv, X, c.values, traced.residual_nodes, lin,
-                           residual_grads, rng, frozenset(trainable), c.seed)
+        product = products(c, s.spec, curv, lin, residual_grads, rng)
         product = _buffers.bind_products(product, s.model, c.buffers)
     kfra_factors = None
     if any(e.quantity == "kfra" for e in s.second):  # (the recursion's closure only when asked for)

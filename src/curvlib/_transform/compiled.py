@@ -31,7 +31,8 @@ from .._core.buffers import SWAPS, split as split_buffers
 from .._core.errors import CurvatureError, CurvatureTypeError
 from .._core.sync import LOCK
 from .._plan.checks import plan_call
-from .call import CallContext, evaluate
+from .._plan.checks import CallContext
+from .call import evaluate
 
 __all__ = ["check", "CompiledCall"]
 

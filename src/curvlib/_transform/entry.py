@@ -39,7 +39,8 @@ from ..distributed import aggregated
 from ..extensions import Extension, SecondOrder, SumGradSquared
 from ..losses import _targets
 from . import compiled as _compiled, wrappers as _wrappers
-from .call import CallContext, evaluate
+from .._plan.checks import CallContext
+from .call import evaluate
 from .chunking import check_batch_chunk_size, over_samples
 
 __all__ = ["curvature"]

@@ -64,9 +64,8 @@ place and summed; blocks are sized so that this stays near
 :data:`COLUMN_BLOCK_BYTES` (at least one column: the block sizes hardly
 change the time on a CPU, the memory stays that of one individual gradient;
 under the ``"batched"`` strategy, the CUDA default, a block holds a whole chunk:
-:func:`curvlib._core.strategy.column_block_bytes`). For
-``L = 1`` the squares separate,
-``Σ_{v,n} (a_vn b_nᵀ)² = Σ_n (Σ_v a_vn²)(b_n²)ᵀ``.
+:func:`curvlib._core.strategy.column_block_bytes`). For ``L = 1`` the squares
+separate, ``Σ_{v,n} (a_vn b_nᵀ)² = Σ_n (Σ_v a_vn²)(b_n²)ᵀ``.
 
 The pieces live in private modules, re-exported here: padding, unfolding and
 folded root columns with the per-site memo in
@@ -397,6 +396,5 @@ def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwa
 
 
 #: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.
-FAMILY = Family("conv", (nn.Conv1d, nn.Conv2d, nn.Conv3d), forward, check, kron=kron, kron_input=kron_input,
-                weight_output_factor=weight_output_factor, kron_from_output_matrix=kron_from_output_matrix,
-                kron_layout="split")
+FAMILY = Family("conv", (nn.Conv1d, nn.Conv2d, nn.Conv3d), forward, check, kron, kron_input, weight_output_factor,
+                kron_from_output_matrix, kron_layout="split")
