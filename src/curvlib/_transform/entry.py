@@ -58,15 +58,11 @@ def curvature(
 ) -> Callable[..., Dict[str, object]]:
     """Turn a model and a loss into a function returning gradients and curvature.
 
-    ``f = curvature(model, lossfn, [ext, ...])``; ``qs = f(X, y)`` is a plain
-    dict: ``qs["loss"]`` (0-dim, ``lossfn(model(X), y)``), ``qs["grad"]``
-    (parameter name -> gradient, autograd's) and ``qs[ext.name]`` for every
-    extension (parameter name -> quantity; the keys are BackPACK's attribute
-    names: ``grad_batch``, ``diag_ggn_exact``, ``kflr``, ...). With the loss
-    ``L = c·Σ_n ℓ(f(x_n), y_n)`` (``c = 1/N`` for ``reduction="mean"`` over
-    ``N`` samples), the individual gradients ``g_n = ∂(c·ℓ_n)/∂θ`` sum to the
-    gradient and the GGN is ``Σ_n J_nᵀ (c∇²ℓ_n) J_n``; see each extension's
-    docstring and docs/conventions.md.
+    ``qs = curvature(model, lossfn, [ext, ...])(X, y)`` is a plain dict: ``qs["loss"]``
+    (0-dim), ``qs["grad"]`` and ``qs[ext.name]`` per extension (parameter name -> quantity;
+    BackPACK's keys: ``grad_batch``, ``diag_ggn_exact``, ``kflr``, ...). For the loss
+    ``L = c·Σ_n ℓ(f(x_n), y_n)`` (``c = 1/N`` for ``"mean"``) the individual gradients
+    ``g_n = ∂(c·ℓ_n)/∂θ`` sum to the gradient; docs/conventions.md has every formula.
 
     Examples::
 
@@ -76,77 +72,27 @@ def curvature(
         >>> from curvlib.extensions import BatchGrad, DiagGGNExact
         >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
         >>> X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
-        >>> f = curvature(model, nn.CrossEntropyLoss(), [BatchGrad(), DiagGGNExact()])
-        >>> qs = f(X, y)
-        >>> sorted(qs)
-        ['diag_ggn_exact', 'grad', 'grad_batch', 'loss']
-        >>> qs["grad_batch"]["0.weight"].shape            # [N, *p.shape]
-        torch.Size([5, 4, 3])
-        >>> qs["diag_ggn_exact"]["0.weight"].shape        # p.shape
-        torch.Size([4, 3])
-        >>> params = {k: v.detach() * 2 for k, v in model.named_parameters()}
-        >>> f(X, y, params=params)["grad"]["2.bias"].shape   # at other parameter values
-        torch.Size([2])
+        >>> qs = curvature(model, nn.CrossEntropyLoss(), [BatchGrad(), DiagGGNExact()])(X, y)
+        >>> qs["grad_batch"]["0.weight"].shape, qs["diag_ggn_exact"]["0.weight"].shape
+        (torch.Size([5, 4, 3]), torch.Size([4, 3]))
 
     Args:
-        model: any ``nn.Module`` whose forward treats samples independently
-            (the batch in dim 0 of its input and output). It is traced once per
-            combination of its modules' ``training`` flags and never changed; a
-            module compiled by ``torch.compile`` is differentiated through its original module.
-            Hooks registered on its modules are not run (they are not part of the math).
-        lossfn: a per-sample loss: ``nn.MSELoss``, ``nn.CrossEntropyLoss``
-            (``weight``, ``ignore_index``, ``label_smoothing``, class indices or
-            probabilities) and ``nn.BCEWithLogitsLoss`` (``weight``, ``pos_weight``)
-            with ``reduction="mean"`` or ``"sum"`` (closed forms), or any loss module
-            or function ``lossfn(output, y)`` that sums or averages per-sample terms
-            (exact Hessians by autodiff; see ``curvlib.losses``).
+        model: an ``nn.Module`` treating samples independently (batch in dim 0); traced once
+            per ``training`` flags, never changed, its hooks not run.
+        lossfn: ``nn.MSELoss``, ``nn.CrossEntropyLoss``, ``nn.BCEWithLogitsLoss`` (closed
+            forms) or any per-sample loss ``lossfn(output, y)`` (see ``curvlib.losses``).
         extensions: instances from ``curvlib.extensions``.
-        process_group: a ``torch.distributed`` process group: every rank calls
-            ``f`` on its local batch and gets the quantities of the global batch
-            (see ``curvlib.distributed``). ``None``: one process.
-        chunk_size: at most this many columns (classes, Monte-Carlo samples,
-            residual columns) are pulled back through the model at once, which
-            bounds the memory of the exact second-order quantities; the results
-            do not depend on it. ``"auto"`` (default): as many as fit in 256 MiB
-            of pulled-back site outputs under the "batched" strategy (the CUDA
-            default; there up to 1/8 of the free device memory when that is more),
-            32 MiB under "looped" (the CPU default) unless a batch diagonal is
-            requested (``curvlib.strategy`` picks the strategy).
-            ``None``: all at once.
-        batch_chunk_size: at most this many samples are processed at once; the
-            slices' results are combined into the whole batch's (sums add,
-            per-sample rows are concatenated, ``"mean"`` factors are those of the whole
-            batch). Not for KFRA and the block products.
-        compile: ``True`` (or a dict of ``torch.compile`` options, e.g. ``{"mode":
-            "max-autotune"}``): each input signature's call is traced once into one
-            graph and compiled with ``torch.compile(fullgraph=True)`` (first order, the
-            GGN family and the Hessian diagonals; see docs/large-models.md, "Compiled calls").
-            Results are then not differentiable; KFRA and the block products are refused.
-        output: which tensor of a container output (``ModelOutput``, dataclass, tuple,
-            dict) the loss takes: a name, a position or a callable ``out -> Tensor``;
-            default: the entry named ``logits``, else the first tensor (said once).
+        process_group: ``torch.distributed`` group: global-batch results on every rank.
+        chunk_size: columns pulled back at once (``"auto"``: a memory budget; ``None``: all).
+        batch_chunk_size: samples per slice; the slices' results are combined.
+        compile: ``True`` or ``torch.compile`` options: one compiled graph per input signature.
+        output: the tensor of a container output the loss takes (name, position, callable).
 
     Returns:
-        ``f(X, y, params=None, generator=None, buffers=None)`` returning a plain dict
-        with ``"loss"`` (0-dim), ``"grad"`` (name -> gradient) and, per extension,
-        ``ext.name`` (name -> quantity). ``X`` is a tensor, or a dict/tuple of
-        tensors passed to the model as one argument, all with the batch in dim 0.
-        ``params`` (name -> tensor) replaces the model's parameters; quantities are
-        then returned for exactly its entries, otherwise for every parameter with
-        ``requires_grad=True`` (a frozen parameter gets no entry). ``buffers``
-        (name -> tensor, as ``model.named_buffers()``; the second output of
-        ``torch.func.stack_module_state``) replaces the model's buffers, e.g.
-        BatchNorm's running statistics (default: the model's own); buffer entries
-        may also be put into ``params``; no result has a buffer entry. ``generator``
-        draws the dropout masks of a model in training mode (default: the global
-        random state). ``f`` is a pure function of ``(X, y, params, buffers)``:
-        ``torch.func.vmap`` (over stacked ``params`` and ``buffers``, a task dim of
-        ``X``/``y``, or both; vmapped ``params`` without the buffers the forward reads
-        are refused) and derivatives of results (``grad``, ``jvp``, ``jacrev``,
-        ``hessian``, or ``params``/``X`` that require grad) are exact, PCHMP's
-        derivatives refused: see docs/composing.md.
-        The model's own parameters are read detached. ``f`` may be called from
-        several threads.
+        ``f(X, y, params=None, generator=None, buffers=None)``: ``params``/``buffers`` replace
+        the model's (results for exactly ``params``' entries, else every trainable parameter);
+        ``generator`` draws dropout masks. ``f`` is pure: ``vmap`` and derivatives of results
+        are exact (docs/transform.md, docs/composing.md, docs/large-models.md: the knobs).
 
     Raises:
         CurvatureTypeError: an argument has the wrong type.
@@ -155,7 +101,12 @@ def curvature(
     setup = _Setup(model, lossfn, extensions, process_group, chunk_size, batch_chunk_size, output)
     options = _compiled.check(compile, setup)
     prepare_forward_ad()  # torch's own one-time jvp set-up warns; not inside the user's call
-    f: Callable[..., Dict[str, object]] = _Call(setup)
+    return _wrapped(_Call(setup), setup, options, batch_chunk_size, process_group)
+
+
+def _wrapped(f: "_Call", setup: "_Setup", options, batch_chunk_size, process_group) -> Callable[..., Dict[str, object]]:
+    """The call as users get it: compiled, or in batch slices and aggregated over ranks, with
+    the parameter names of a ``torch.compile``d model's original module."""
     if options is not None:
         f = _compiled.CompiledCall(f, options)
         return _wrappers.renamed(f, setup.prefix, setup.model) if setup.prefix else f
