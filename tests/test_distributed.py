@@ -328,8 +328,9 @@ def _case_options(rank, world, sizes):
 
 def _case_kron_layouts(rank, world, sizes):
     """The Kronecker layouts beyond [B, A] (curvlib._core.kronlayout): Embedding's [A (1-D), B],
-    a grouped convolution's per-group [B, A], the normalisations' exact blocks [F]; the root
-    factor summed with r (r² for KFACEmpirical), the input factors averaged."""
+    a grouped convolution's per-group [B, A], the normalisations' exact blocks [F], and with
+    max_factor_dim diagonal sides; the root factor summed with r (r² for KFACEmpirical), the
+    input factors averaged."""
     n, sl = sum(sizes), _slice(rank, sizes)
     torch.manual_seed(1234)
     model = nn.Sequential(nn.Embedding(6, 4, padding_idx=0), nn.LayerNorm(4), nn.Flatten(),
@@ -337,12 +338,14 @@ def _case_kron_layouts(rank, world, sizes):
                           nn.Flatten(), nn.Linear(8, 3)).double()
     X = torch.randint(0, 6, (n, 3))
     y = torch.randint(0, 3, (n,))
-    exts = [KFLR(), KFACEmpirical(kfac_approx="expand")]
-    for reduction in ("mean", "sum"):
-        lossfn = nn.CrossEntropyLoss(reduction=reduction)
-        ref = curvature(model, lossfn, exts)(X, y)
-        got = curvature(model, lossfn, exts, process_group=dist.group.WORLD)(X[sl], y[sl])
-        _compare(got, ref, sl, f"rank {rank}/{world} kron layouts {reduction}")
+    for exts in ([KFLR(), KFACEmpirical(kfac_approx="expand")],
+                 # diagonal sides (the Linear's B [3] looks like Embedding's A by its shape)
+                 [KFLR(max_factor_dim=2), KFACEmpirical(max_factor_dim=2)]):
+        for reduction in ("mean", "sum"):
+            lossfn = nn.CrossEntropyLoss(reduction=reduction)
+            ref = curvature(model, lossfn, exts)(X, y)
+            got = curvature(model, lossfn, exts, process_group=dist.group.WORLD)(X[sl], y[sl])
+            _compare(got, ref, sl, f"rank {rank}/{world} kron layouts {reduction} {exts[0]}")
 
 
 CASES = {"exact": _case_exact, "mc": _case_mc, "options": _case_options, "kron_layouts": _case_kron_layouts}

@@ -1,6 +1,7 @@
 """``KFAC``/``KFLR``/``KFACEmpirical(max_factor_dim=d)``: a factor side larger than ``d`` is
 the diagonal of the dense factor (1-D), the other side is unchanged; without the option a
-dense factor over ``curvlib._plan.budget.DENSE_FACTOR_BYTES`` is refused before any work.
+dense factor over ``curvlib._plan.budget.DENSE_FACTOR_BYTES`` is refused before any work;
+batch slices (and ranks, tests/test_distributed.py) combine a diagonal side by its role.
 
 Oracles: BackPACK's factors by brute force in float64 (``oracles_second.kron_reference``:
 Jacobians of per-channel output offsets, the layer's inputs) for MLPs drawn by hypothesis;
@@ -214,10 +215,42 @@ def test_option_values(bad):
             cls(max_factor_dim=bad)
 
 
-def test_refused_with_batch_chunks():
-    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
-    with pytest.raises(CurvatureError, match="max_factor_dim=2.*batch_chunk_size"):
-        curvature(model, nn.CrossEntropyLoss(), [KFAC(max_factor_dim=2)], batch_chunk_size=2)
+class _Mixed(nn.Module):
+    """Every Kronecker layout whose root factor a diagonal side hides from the shapes: an
+    Embedding ``[A [V], B]`` (root last), a Linear ``[B, A]`` (root first) and a weight stored
+    ``[in, out]`` (``[A, B]``, root last)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.w = nn.Parameter(torch.randn(4, 5) / 2)
+        self.head = nn.Linear(5, 6)
+
+    def forward(self, idx):
+        h = torch.tanh(nn.functional.linear(self.emb(idx), self.w.t()))
+        return self.head(h).mean(1)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("max_dim", [2, 4])
+def test_batch_slices_combine_diagonal_sides_by_their_role(reduction, max_dim):
+    """``batch_chunk_size`` with ``max_factor_dim``: each slice's root factor (``B``, diagonal or
+    not) is rescaled like the loss (``r``; ``r²`` for KFACEmpirical), the input factor averaged
+    with the slice's share: the factors equal the whole batch's. Read off the shapes, a
+    diagonal ``B`` looks like Embedding's ``A`` and the two are swapped (``"sum"``: ``r = 1``,
+    share ``n_k/N``)."""
+    gen = seeded(3)
+    model = _Mixed().to(DT)
+    X, y = torch.randint(0, 7, (7, 3), generator=gen), torch.randint(0, 6, (7,), generator=gen)
+    lossfn = nn.CrossEntropyLoss(reduction=reduction)
+    exts = lambda: [KFLR(max_factor_dim=max_dim), KFACEmpirical(max_factor_dim=max_dim)]  # noqa: E731
+    whole = curvature(model, lossfn, exts())(X, y)
+    sliced = curvature(model, lossfn, exts(), batch_chunk_size=3)(X, y)
+    for key in ("kflr", "kfac_empirical"):
+        for name, factors in whole[key].items():
+            assert any(f.dim() == 1 for f in factors) or len(factors) == 1, (key, name)
+            for a, b in zip(factors, sliced[key][name]):
+                torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12, msg=f"{key}[{name}]")
 
 
 class _Transposed(nn.Module):

@@ -37,7 +37,7 @@ from .._core.errors import CurvatureError
 from .._core.site import uses_of
 
 __all__ = ["AUTO_CHUNK_BYTES", "AUTO_CHUNK_BYTES_CPU", "AUTO_CHUNK_FREE_SHARE", "DENSE_FACTOR_BYTES", "auto_chunk_size",
-           "check_factor_sizes", "check_roots", "dense_sides", "refuse_combined"]
+           "check_factor_sizes", "check_roots", "dense_sides"]
 
 #: A root of at most ``1/HEADROOM`` of the free memory last read on its device is not re-checked.
 HEADROOM = 8
@@ -182,20 +182,3 @@ def check_factor_sizes(exts: Sequence, sites: Sequence, names: Sequence[str],
                 f"(dense sides up to {fits} fit the budget; max_factor_dim={side} keeps this one dense), "
                 "or set requires_grad=False on the parameter."
             )
-
-
-def refuse_combined(exts: Sequence, batch_chunk_size: object, process_group: object) -> None:
-    """``max_factor_dim`` with ``batch_chunk_size`` or ``process_group``: slices and ranks are
-    combined per factor by its role (``B`` summed like the loss, ``A`` averaged), read off
-    the factors' shapes (:func:`curvlib._core.kronlayout.root_index`), which a diagonal ``B``
-    (``[B [O], A]``, shaped like Embedding's ``[A [V], B]``) makes ambiguous."""
-    with_option = [e for e in exts if getattr(e, "max_factor_dim", None) is not None]
-    if not with_option or (batch_chunk_size is None and process_group is None):
-        return
-    what = "batch_chunk_size" if batch_chunk_size is not None else "process_group"
-    ext = with_option[0]
-    raise CurvatureError(
-        f"{type(ext).__name__}(max_factor_dim={ext.max_factor_dim}) cannot be combined with {what}: "
-        "slices and ranks are combined per factor by its role, which a diagonal output factor "
-        "makes ambiguous. Call without it (chunk_size= still bounds the columns pulled back at once)."
-    )

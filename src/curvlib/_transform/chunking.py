@@ -80,12 +80,14 @@ def check_batch_chunk_size(batch_chunk_size: object, exts: Sequence, spec: Optio
 
 def over_samples(
     f: Callable[..., Dict[str, object]], spec: LossSpec, kinds: Mapping[str, str], batch_chunk_size: int,
-    drop: Sequence = (),
+    drop: Sequence = (), root_last: Optional[Callable[..., Mapping[str, bool]]] = None,
 ) -> Callable[..., Dict[str, object]]:
     """Wrap ``f(X, y, params=None)`` to run on slices of at most ``batch_chunk_size`` samples.
 
     ``drop``: extensions ``f`` computes only for the combination (``SumGradSquared``
-    behind ``Variance``), removed from the result.
+    behind ``Variance``), removed from the result. ``root_last(X, params)``: parameter name ->
+    whether its Kronecker root factor is the last (asked once a slice has run, when a factor
+    side may be diagonal: :func:`curvlib._core.kronlayout.root_index`).
     """
     dropped = {e.name for e in drop}
 
@@ -112,6 +114,8 @@ def over_samples(
             # batch: every slice's results as they are (NaN loss and curvature, autograd's zero
             # gradient), which is what the unchunked call returns.
             r = normaliser(spec, y[start:stop]) / total if total else 1.0
+            if root_last is not None and combined.root_last is None:
+                combined.root_last = root_last(_inputs.slice_batch(X, start, stop), params)
             combined.add(part, r, (stop - start) / n, start)
             del part
         return {k: v for k, v in combined.result().items() if k not in dropped}
@@ -149,6 +153,7 @@ class _Combined:
 
     def __init__(self, kinds: Mapping[str, str], n: int):
         self.kinds, self.n = kinds, n
+        self.root_last: Optional[Mapping[str, bool]] = None  # name -> Kronecker root factor last
         self.into = RootBuffers(n) if "cat_half" in kinds.values() else None
         self.acc: Dict[str, object] = {}
         self.pieces: Dict[str, Dict[str, object]] = {}  # key -> name -> batch's tensor, or slices to join
@@ -165,11 +170,11 @@ class _Combined:
                 old = self.acc.get(key, {})
                 self.acc[key] = {name: _add(old.get(name), _scaled(t, scale)) for name, t in value.items()}
             elif kind in ("kron", "kron2"):
-                b_scale = r if kind == "kron" else r * r
+                b_scale, roots = (r if kind == "kron" else r * r), self.root_last or {}
                 old = self.acc.get(key, {})
                 self.acc[key] = {
                     name: [_add(old[name][i] if name in old else None,
-                                _scaled(t, b_scale if i == root_index(fs) else share))
+                                _scaled(t, b_scale if i == root_index(fs, roots.get(name)) else share))
                            for i, t in enumerate(fs)]
                     for name, fs in value.items()
                 }

@@ -31,8 +31,9 @@ from .._evaluate.first_order import FIRST_ORDER
 from .._interpret.diagnose import forward_failure, forward_mode_failure
 from .._interpret.graph import NodeFailure
 from .._plan import arguments as _arguments
-from .._plan.budget import refuse_combined
-from .._plan.checks import Request, plan_call
+from .._plan.checks import Request, cached_plan, plan_call
+from .._evaluate.read_off import root_last
+from .._core.site import uses_of
 from .._plan.traces import Traced, Traces, warn_hooks
 from .._trace.branches import BranchChanged, batch_guard_values, check_branches_per_sample, guard_values_per_sample
 from ..distributed import aggregated
@@ -110,10 +111,13 @@ def _wrapped(f: "_Call", setup: "_Setup", options, batch_chunk_size, process_gro
     if options is not None:
         f = _compiled.CompiledCall(f, options)
         return _wrappers.renamed(f, setup.prefix, setup.model) if setup.prefix else f
+    # a diagonal factor side makes the root factor's place a fact of the sites, not the shapes
+    roots = f.kron_root_last if any(getattr(e, "max_factor_dim", None) for e in setup.exts) else None
     if setup.chunk_kinds is not None:
-        f = over_samples(f, setup.spec, setup.chunk_kinds, batch_chunk_size, drop=setup.computed[len(setup.exts):])
+        f = over_samples(f, setup.spec, setup.chunk_kinds, batch_chunk_size, drop=setup.computed[len(setup.exts):],
+                         root_last=roots)
     if process_group is not None:
-        f = aggregated(f, setup.spec, setup.exts, process_group)
+        f = aggregated(f, setup.spec, setup.exts, process_group, root_last=roots)
     if setup.prefix:
         f = _wrappers.renamed(f, setup.prefix, setup.model)
     return _wrappers.public(f, curvature.__doc__)
@@ -150,7 +154,6 @@ class _Setup:
                 "know for another loss. Use one of those, or compute per rank and sum yourself."
             )
         self.process_group = process_group
-        refuse_combined(self.exts, batch_chunk_size, process_group)
         self.output = _outputs.check_selector(output)
         self.request = Request(self.spec, self.computed, batch_chunk_size is not None)
         self.traces = Traces(self.model, self.second, self.output)
@@ -225,6 +228,15 @@ class _Call:
                     raise
                 # the real forward failed where the shape passes did not
                 raise forward_failure(traced.program, X, values, exc, n) from exc
+
+    def kron_root_last(self, X, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, bool]:
+        """Parameter name -> whether its Kronecker root factor is the last (Embedding's layout),
+        read off the sites of ``X``'s (cached) plan: :func:`curvlib._evaluate.read_off.root_last`."""
+        params, _ = _buffers.split(self.setup.model, params, None)
+        values, trainable = _arguments.parameter_values(self.setup.model, params)
+        plan = cached_plan(self.setup.traced(X), X, values, frozenset(trainable))
+        uses = uses_of(plan.sites)
+        return {name: root_last(uses, name) for name in trainable if name in uses}
 
     def _dropout_seed(self, traced: Traced, generator: Optional[torch.Generator]) -> Optional[int]:
         """One draw for this call's dropout masks (``None`` without active dropout)."""

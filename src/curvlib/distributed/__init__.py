@@ -113,6 +113,7 @@ def aggregated(
     spec: LossSpec,
     exts: Tuple,
     process_group: object,
+    root_last: Optional[Callable[..., Mapping[str, bool]]] = None,
 ) -> Callable[..., Dict[str, object]]:
     """Wrap the single-process transform ``f`` so that it returns global quantities.
 
@@ -122,6 +123,8 @@ def aggregated(
         exts: the extensions ``f`` computes.
         process_group: a ``torch.distributed`` process group (e.g.
             ``torch.distributed.group.WORLD``) with this process as a member.
+        root_last: ``(X, params) -> {name: bool}``, whether a parameter's Kronecker root factor
+            is the last (needed when a side may be diagonal, ``max_factor_dim``).
 
     Returns:
         ``g(X_local, y_local, params=None)``: a collective call returning the
@@ -164,7 +167,8 @@ def aggregated(
             local = f(X, y, params=params, generator=generator, buffers=buffers)
         n_local = _inputs.batch_size(X)
         m_local = normaliser(spec, _targets.prepare_targets(spec, y)) if mean else 1.0
-        return aggregate(local, kinds, n_local, m_local, mean, process_group)
+        roots = root_last(X, params) if root_last is not None else None
+        return aggregate(local, kinds, n_local, m_local, mean, process_group, roots)
 
     return g
 

@@ -9,7 +9,7 @@ exchange the sizes first and enter the buffer already scaled by ``r = M_local/M_
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -27,12 +27,15 @@ Entry = Tuple[str, Optional[str], Optional[int], Tensor, object]
 
 
 def aggregate(
-    local: Dict[str, object], kinds, n_local: int, m_local: float, mean: bool, group
+    local: Dict[str, object], kinds, n_local: int, m_local: float, mean: bool, group,
+    root_last: Optional[Mapping[str, bool]] = None,
 ) -> Dict[str, object]:
     """The global quantities from this rank's ``local`` ones (module doc of
     :mod:`curvlib.distributed`). ``m_local``: the number of averaged terms (``"mean"``)
-    or 1 (``"sum"``, no rescaling)."""
-    summed = _summed_entries(local, kinds, n_local)
+    or 1 (``"sum"``, no rescaling). ``root_last``: parameter name -> whether its Kronecker
+    root factor is the last (:func:`curvlib._core.kronlayout.root_index`; needed when a side
+    may be diagonal, ``max_factor_dim``)."""
+    summed = _summed_entries(local, kinds, n_local, root_last or {})
     groups: Dict[Tuple[torch.dtype, torch.device], List[int]] = {}
     for i, entry in enumerate(summed):
         groups.setdefault((entry[3].dtype, entry[3].device), []).append(i)
@@ -50,7 +53,7 @@ def aggregate(
     return {key: out[key] for key in local}
 
 
-def _summed_entries(local: Dict[str, object], kinds, n_local: int) -> List[Entry]:
+def _summed_entries(local: Dict[str, object], kinds, n_local: int, root_last: Mapping[str, bool]) -> List[Entry]:
     """Every tensor summed over ranks, with how it depends on ``c``."""
     summed: List[Entry] = []
     for key, value in local.items():
@@ -71,7 +74,7 @@ def _summed_entries(local: Dict[str, object], kinds, n_local: int) -> List[Entry
                         f"{key}['{name}'] has {len(factors)} Kronecker factors; "
                         "curvlib.distributed aggregates one- and two-factor layouts only."
                     )
-                root = root_index(factors)  # B (or an exact block); the other factor is A
+                root = root_index(factors, root_last.get(name))  # B (or an exact block); the other is A
                 for i, t in enumerate(factors):
                     summed.append((key, name, i, t, (1 if kind == "kron" else 2) if i == root else "A"))
     if "variance" in local and "sum_grad_squared" not in local:
