@@ -3,7 +3,7 @@
 Each model here breaks torch.fx's symbolic trace the way real model code does (an assertion on
 a shape, a branch on a value, ``x.shape[0]`` passed to ``expand``, a container output, keyword
 inputs); curvlib then traces it with make_fx on the call's input. Every exact quantity is
-compared with the float64 oracles of ``oracles_all`` (per-sample loops, jacobians, hessians);
+compared with the float64 oracles of ``oracles.reference`` (per-sample loops, jacobians, hessians);
 the transposed Linear's Kronecker factors with those of the same model written with nn.Linear.
 """
 
@@ -19,9 +19,9 @@ from torch import nn
 
 from curvlib import CurvatureError, curvature
 from curvlib.extensions import KFLR, BatchGrad, DiagGGNExact, DiagHessian
-from on_device import seeded
-from oracles import individual_gradients
-from oracles_all import assert_close, assert_matches, exact_extensions, reference
+from oracles.on_device import seeded
+from oracles.first_order import individual_gradients
+from oracles.reference import assert_close, assert_matches, exact_extensions, reference
 
 DT = torch.float64
 

@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import problems as P  # noqa: E402
 import run as R  # noqa: E402
-from on_device import DEVICE  # noqa: E402
+from oracles.on_device import DEVICE  # noqa: E402
 
 
 def _build(name: str) -> P.Problem:

@@ -20,8 +20,8 @@ from curvlib.extensions import (
     GGNMP, KFAC, KFLR, KFRA, BatchGrad, DiagGGNExact, DiagGGNMC, DiagHessian, SqrtGGNExact, SqrtGGNMC,
 )
 
-from oracles_all import assert_matches, assert_same, exact_extensions, kflr_map, reference
-from on_device import seeded
+from oracles.reference import assert_matches, assert_same, exact_extensions, kflr_map, reference
+from oracles.on_device import seeded
 
 DT = torch.float64
 

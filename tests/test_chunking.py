@@ -34,8 +34,8 @@ from curvlib.extensions import (
     Variance,
 )
 
-from helpers import _assert_same_state, state_snapshot
-from on_device import seeded
+from oracles.checks import _assert_same_state, state_snapshot
+from oracles.on_device import seeded
 
 DETERMINISTIC = [
     BatchGrad, BatchL2Grad, SumGradSquared, Variance, DiagGGNExact, BatchDiagGGNExact,

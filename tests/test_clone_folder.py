@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from on_device import CLEAN_ENVIRON
+from oracles.on_device import CLEAN_ENVIRON
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 TEST = "tests/test_untraced.py::test_direct_parameter_use_refused_with_line"

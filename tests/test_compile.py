@@ -11,7 +11,7 @@ from torch import nn
 
 from curvlib import curvature, extensions
 
-from oracles_all import assert_same
+from oracles.reference import assert_same
 
 EXTENSIONS = [getattr(extensions, n)() for n in extensions.__all__
               if n not in ("Extension", "SecondOrder")]

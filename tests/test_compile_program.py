@@ -17,8 +17,8 @@ from torch.utils import _pytree as pytree
 
 from curvlib import CurvatureError, CurvatureTypeError, curvature, extensions as E
 
-from on_device import seeded
-from oracles_all import assert_matches, assert_same, reference
+from oracles.on_device import seeded
+from oracles.reference import assert_matches, assert_same, reference
 
 FAST = {"backend": "aot_eager"}
 

@@ -3,15 +3,15 @@
 Each cell (:mod:`compose_cells`) transforms curvlib's ``f(X, y, params=p)`` and the
 oracle in the same way and compares them in float64, the tolerance scaled by the
 largest entry of the expected result: the pure brute force of
-:mod:`oracles_compose` where one exists, else curvlib's own plain values
+:mod:`oracles.compose` where one exists, else curvlib's own plain values
 (per-member calls for ``vmap``, central differences for derivatives).
 
 The extension list is read from ``curvlib.extensions`` itself: a new extension
 is a new row of every test, and fails :func:`test_every_extension_is_classified`
-until :data:`KIND` says how it composes. :data:`REFUSED` lists the cells that
+until :data:`KIND` says how it composes. :data:`~oracles.compose_cells.REFUSED` lists the cells that
 must raise a ``CurvatureError`` (under every transform); :data:`XFAIL` the cells
 that fail today (strict: a fix makes them XPASS, which fails; delete the entry).
-``python tests/compose_table.py`` prints the failing cells as a table.
+``PYTHONPATH=src:tests python -m oracles.compose_table`` prints the failing cells as a table.
 """
 
 from __future__ import annotations
@@ -23,15 +23,16 @@ from torch.func import vmap
 
 from curvlib import CurvatureError
 
-from compose_cells import (
-    HESSIAN_PARAM, MC, NO_EXTENSION, TRANSFORMS, Cell, _members, _stack, assert_close, rows, run_cell,
+from oracles.compose_cells import (
+    HESSIAN_PARAM, MC, NO_EXTENSION, REFUSED, TRANSFORMS, Cell, _members, _stack, assert_close, expected_refusal,
+    rows, run_cell,
 )
-from oracles_compose import brute, canonical
-from oracles_compose_models import INTEGER_INPUT, MODELS, build
-from on_device import seeded
+from oracles.compose import brute, canonical
+from oracles.compose_models import INTEGER_INPUT, MODELS, build
+from oracles.on_device import seeded
 
 # How each exported extension composes: "exact" (every transform, against the brute
-# force where :mod:`oracles_compose` has one) or "mc" (Monte-Carlo: vmap equal to
+# force where :mod:`oracles.compose` has one) or "mc" (Monte-Carlo: vmap equal to
 # per-member calls with the same generator; derivatives with the draws held fixed).
 KIND = {
     "BatchGrad": "exact", "BatchL2Grad": "exact", "SumGradSquared": "exact", "Variance": "exact",
@@ -41,38 +42,6 @@ KIND = {
     "DiagGGNMC": "mc", "BatchDiagGGNMC": "mc", "KFAC": "mc", "SqrtGGNMC": "mc",
     NO_EXTENSION: "exact",  # the gradient every call returns
 }
-
-# (model, extension) -> the refusal every transform must raise (the plain call refuses too).
-REFUSED = {
-    ("mlp_ln", "KFRA"): r"KFRA is not supported for module '1' \(layer family 'layernorm'",
-    ("bn_cnn", "KFRA"): r"KFRA is not supported for module '1' \(layer family 'batchnorm'",
-    ("embedding", "KFRA"): r"KFRA is not supported for module 'emb'",
-    ("transformer", "KFRA"): r"KFRA needs a chain of operations",
-    ("resnet", "KFRA"): r"KFRA needs a chain of operations",
-    ("gru", "KFRA"): r"KFRA is not defined for the recurrent module",
-}
-
-# Monte-Carlo extensions under torch.func.hessian (jacfwd's vmap, randomness="error", no
-# option to change it): torch's own refusal of a random operation inside vmap.
-MC_HESSIAN = (RuntimeError, r"randomness error mode")
-
-# PCHMP's clip/abs of eigenvalues has no derivative (kinks at zero eigenvalues): curvlib
-# refuses derivatives through it when the product is applied, under every transform that
-# differentiates (vmap alone is exact).
-DIFFERENTIATING = ("grad", "jvp", "jacrev", "hessian", "autograd", "grad_X")
-PCHMP_DERIVATIVES = (CurvatureError, r"PCHMP\(modify='clip'\) with .*is not differentiable")
-
-
-def expected_refusal(model: str, cls_name: str, transform: str):
-    """``(exception type, message pattern)`` the cell must raise, or None."""
-    if (model, cls_name) in REFUSED:
-        return CurvatureError, REFUSED[(model, cls_name)]
-    if cls_name in MC and transform == "hessian":
-        return MC_HESSIAN
-    if cls_name == "PCHMP" and transform in DIFFERENTIATING:
-        return PCHMP_DERIVATIVES
-    return None
-
 
 # (model, extension, transform) -> what is wrong today (compose_table.py, seed 0, N = 2).
 # Empty since issue 20's fixes: every cell is exact or refused (149 cells failed before).

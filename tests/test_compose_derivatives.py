@@ -42,7 +42,7 @@ from curvlib.extensions import (
     GGNMP, HMP, KFAC, KFLR, KFRA, PCHMP, BatchDiagGGNExact, BatchDiagGGNMC, BatchDiagHessian, BatchGrad,
     BatchL2Grad, DiagGGNExact, DiagGGNMC, DiagHessian, SqrtGGNExact, SqrtGGNMC, SumGradSquared, Variance,
 )
-from on_device import seeded
+from oracles.on_device import seeded
 
 DT = torch.float64
 C = 3  # classes

@@ -15,7 +15,7 @@ from torch.func import functional_call, grad, hessian, jacrev, vmap
 from curvlib import curvature
 from curvlib.extensions import DiagGGNExact, DiagHessian
 
-from on_device import seeded
+from oracles.on_device import seeded
 
 DT = torch.float64
 

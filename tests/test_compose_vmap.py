@@ -38,8 +38,8 @@ from curvlib.extensions import (
     GGNMP, HMP, KFAC, KFLR, KFRA, PCHMP, BatchDiagGGNExact, BatchDiagGGNMC, BatchDiagHessian, BatchGrad,
     BatchL2Grad, DiagGGNExact, DiagGGNMC, DiagHessian, SqrtGGNExact, SqrtGGNMC, SumGradSquared, Variance,
 )
-from models import BasicBlock, randomise_batchnorm
-from on_device import CPU_ONLY, ON_CPU, seeded
+from oracles.models import BasicBlock, randomise_batchnorm
+from oracles.on_device import CPU_ONLY, ON_CPU, seeded
 
 DT = torch.float64
 MODES = ("params", "task", "both")

@@ -21,10 +21,10 @@ from curvlib.extensions import (
     GGNMP, HMP, KFLR, PCHMP, BatchDiagHessian, BatchGrad, DiagGGNExact, DiagHessian, Variance,
 )
 
-from oracles import first_order_reference
-from oracles_all import assert_close, assert_matches, exact_extensions, reference
-from oracles_second import loss_hessian_blocks
-from on_device import seeded
+from oracles.first_order import first_order_reference
+from oracles.reference import assert_close, assert_matches, exact_extensions, reference
+from oracles.second_order import loss_hessian_blocks
+from oracles.on_device import seeded
 
 DT = torch.float64
 

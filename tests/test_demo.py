@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from on_device import CLEAN_ENVIRON
+from oracles.on_device import CLEAN_ENVIRON
 import torch
 
 from curvlib._demo import main as _demo

@@ -1,6 +1,6 @@
-"""The test-device switch ``CURVLIB_TEST_DEVICE`` (``tests/on_device.py``, ``conftest.py``).
+"""The test-device switch ``CURVLIB_TEST_DEVICE`` (``tests/oracles/on_device.py``, ``conftest.py``).
 
-Every random stream in the tests must come from ``on_device.seeded`` (or name its
+Every random stream in the tests must come from ``oracles.on_device.seeded`` (or name its
 device): a device-less ``torch.Generator()`` is a CPU generator, which torch
 refuses for tensors on CUDA ("Expected a 'cuda' device type for generator").
 """
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from on_device import CLEAN_ENVIRON, DEVICE, ON_CPU, SWITCH, seeded
+from oracles.on_device import CLEAN_ENVIRON, DEVICE, ON_CPU, SWITCH, seeded
 
 TESTS = pathlib.Path(__file__).resolve().parent
 
@@ -41,7 +41,7 @@ def test_no_device_less_generator_in_the_tests():
         for p in sorted(TESTS.rglob("*.py"))
         if (lines := _device_less_generators(p.read_text()))
     }
-    assert not found, f"use on_device.seeded(seed) instead of torch.Generator() (file: lines): {found}"
+    assert not found, f"use oracles.on_device.seeded(seed) instead of torch.Generator() (file: lines): {found}"
 
 
 def test_seeded_follows_the_test_device():

@@ -42,7 +42,7 @@ from curvlib.extensions import (
     SumGradSquared,
     Variance,
 )
-from on_device import CPU_ONLY, ON_CPU
+from oracles.on_device import CPU_ONLY, ON_CPU
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),

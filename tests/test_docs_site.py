@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from on_device import CLEAN_ENVIRON
+from oracles.on_device import CLEAN_ENVIRON
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 README = os.path.join(ROOT, "README.md")

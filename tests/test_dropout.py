@@ -11,7 +11,7 @@ that noise, PyTorch's formula (checked against PyTorch's own dropout functions
 in :func:`test_mask_formula_is_pytorchs`). The noise travels *inside* the input
 (packed after the features), so the brute-force oracles, which run samples one by
 one, see each sample's own mask. Every result is then compared with
-:func:`oracles_all.reference` on :class:`Packed`; the loss and gradient check
+:func:`oracles.reference.reference` on :class:`Packed`; the loss and gradient check
 that the reproduced masks are the ones curvlib used.
 """
 
@@ -30,9 +30,9 @@ from torch.func import jacrev
 from curvlib import CurvatureError, curvature
 from curvlib.extensions import KFRA, BatchGrad, DiagGGNExact, DiagGGNMC, DiagHessian, GGNMP, HMP, PCHMP
 
-from oracles_all import assert_close, assert_matches, assert_same, exact_extensions, kflr_map, product_matrix, reference
-from oracles_second import kron_input_factor, loss_hessian_blocks
-from on_device import seeded
+from oracles.reference import assert_close, assert_matches, assert_same, exact_extensions, kflr_map, product_matrix, reference
+from oracles.second_order import kron_input_factor, loss_hessian_blocks
+from oracles.on_device import seeded
 
 DT = torch.float64
 ALPHA = 1.7580993408473766

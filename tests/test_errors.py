@@ -9,7 +9,7 @@ from torch import nn
 import curvlib
 from curvlib import curvature
 from curvlib.extensions import BatchGrad, BatchL2Grad, Variance
-from helpers import check_first_order
+from oracles.checks import check_first_order
 
 DT = torch.float64
 

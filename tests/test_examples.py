@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from on_device import CLEAN_ENVIRON
+from oracles.on_device import CLEAN_ENVIRON
 import torch
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from on_device import CLEAN_ENVIRON
+from oracles.on_device import CLEAN_ENVIRON
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 EXAMPLES = sorted(p for p in glob.glob(os.path.join(ROOT, "examples", "*.py"))

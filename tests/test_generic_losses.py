@@ -23,11 +23,11 @@ from curvlib import CurvatureError, curvature
 from curvlib.extensions import HMP, KFRA, PCHMP, BatchGrad, DiagGGNExact, DiagHessian, KFACEmpirical, KFLR, SqrtGGNExact, SqrtGGNMC
 from curvlib.losses import loss_spec
 
-from loss_checks import F64, assert_converges, check_exact, close, mc_errors, model_and_input
-from oracles_second import (
+from oracles.loss_checks import F64, assert_converges, check_exact, close, mc_errors, model_and_input
+from oracles.second_order import (
     detached_params, hessian_block, kfra_reference, loss_hessian_blocks, output_jacobian, residual_block,
 )
-from on_device import seeded
+from oracles.on_device import seeded
 
 
 class Focal(nn.CrossEntropyLoss):
@@ -158,7 +158,7 @@ def modified_blocks(lossfn, out, y, modify):
 @pytest.mark.parametrize("modify", ["clip", "abs"])
 def test_block_products_and_kfra(case, modify):
     """HMP (exact Hessian), PCHMP (the loss Hessian's eigenvalues modified as well as the
-    activations' residuals: ``Σ J_nᵀ mod(H_n) J_n + R_mod``) and KFRA (``oracles_second.kfra_reference``)."""
+    activations' residuals: ``Σ J_nᵀ mod(H_n) J_n + R_mod``) and KFRA (``oracles.second_order.kfra_reference``)."""
     if case == "ce negative weight":
         model, X = model_and_input(False, 3, 4, 3, 4, 1, 1, "tanh", seeded(1))
         lossfn, y = nn.CrossEntropyLoss(weight=torch.tensor([1.0, -0.5, 2.0], dtype=F64)), torch.tensor([0, 1, 2, 1])

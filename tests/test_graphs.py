@@ -7,14 +7,14 @@ branches, module reuse, functional ops) and random DAGs drawn by hypothesis
 ``torch.cat``, a module used several times, products of two branches, means)
 are checked for
 
-* first order against ``helpers.check_first_order`` (per-sample copies);
+* first order against ``oracles.checks.check_first_order`` (per-sample copies);
 * the GGN family (DiagGGNExact, BatchDiagGGNExact, SqrtGGNExact, GGNMP) and
   HMP against ``test_secondorder.check_second_order``;
 * the Hessian family (DiagHessian, BatchDiagHessian, PCHMP): where the
-  residual oracle of ``oracles_second`` is complete (every smooth
+  residual oracle of ``oracles.second_order`` is complete (every smooth
   nonlinearity an activation module) by ``check_second_order(hessian=True)``;
   elsewhere by :func:`check_hessian_family` (exact diagonals from
-  ``torch.func`` Hessians; PCHMP's full blocks against ``oracles_pchmp``,
+  ``torch.func`` Hessians; PCHMP's full blocks against ``oracles.pchmp``,
   or, for in-place operations, symmetric and above both the GGN and the
   Hessian in the Loewner order).
 """
@@ -30,90 +30,13 @@ from hypothesis import given, settings, strategies as st
 from torch import Tensor, nn
 
 from curvlib import curvature
-from curvlib.extensions import BatchDiagHessian, DiagHessian, PCHMP
+from curvlib.extensions import DiagHessian
 
-import models
-from helpers import check_first_order
-from oracles_pchmp import pchmp_blocks
-from oracles_second import detached_params, ggn_block, hessian_block, hessian_per_sample, trainable_names
-from test_pchmp import assert_blocks_close
-from test_secondorder import check_second_order
-from on_device import seeded
+from oracles import models
+from oracles.checks import check_first_order, check_hessian_family, check_second_order
+from oracles.on_device import seeded
 
 DT = torch.float64
-RTOL, ATOL = 1e-7, 1e-9
-
-
-# ----------------------------------------------------------------------------- Hessian check
-
-
-def _dense_product(fn, p: Tensor) -> Tensor:
-    P = p.numel()
-    eye = torch.eye(P, dtype=p.dtype).reshape((P,) + tuple(p.shape))
-    return fn(eye).reshape(P, P)
-
-
-def _assert_loewner_geq(A: Tensor, B: Tensor, what: str) -> None:
-    """``A ⪰ B`` up to round-off."""
-    D = A - B
-    scale = max(1.0, float(A.abs().max()), float(B.abs().max()))
-    low = float(torch.linalg.eigvalsh((D + D.T) / 2).min())
-    assert low >= -1e-9 * scale, f"{what}: smallest eigenvalue {low:.3e} < 0"
-
-
-def check_hessian_family(model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor, *, exact_pchmp: bool,
-                         pchmp_optional: bool = False) -> None:
-    """DiagHessian, BatchDiagHessian and PCHMP against brute force.
-
-    ``exact_pchmp``: every smooth nonlinearity of the model is an activation
-    module, so ``check_second_order(hessian=True)`` (``oracles_second``) checks
-    PCHMP exactly. Otherwise the diagonals are compared with ``torch.func``
-    Hessians, and PCHMP (``"clip"``, ``"abs"``) with the full blocks of
-    ``oracles_pchmp``; where that oracle does not apply (in-place operations),
-    PCHMP must be symmetric with ``PCH ⪰ GGN`` and ``PCH ⪰ Hessian``.
-    ``pchmp_optional``: a refusal of PCHMP is accepted (nodes that are not
-    element-wise: products, softmax, normalisations, shared weights).
-    """
-    if exact_pchmp and not pchmp_optional:
-        check_second_order(model, lossfn, X, y, hessian=True, hmp=False)
-        return
-    qs = curvature(model, lossfn, [DiagHessian(), BatchDiagHessian()])(X, y)
-    pc, exact = {}, {}
-    try:
-        for modify in ("clip", "abs"):
-            pc[modify] = curvature(model, lossfn, [PCHMP(modify=modify)])(X, y)["pchmp"]
-    except ValueError:
-        if not pchmp_optional:
-            raise
-        pc = {}
-    try:
-        exact = {modify: pchmp_blocks(model, lossfn, X, y, modify) for modify in pc}
-    except NotImplementedError:  # in-place operations
-        pass
-    params = detached_params(model)
-    for name in trainable_names(model):
-        p = params[name]
-        H = hessian_block(model, lossfn, X, y, name)
-        Hn = hessian_per_sample(model, lossfn, X, y, name)
-        torch.testing.assert_close(
-            qs["diag_h"][name], H.diagonal().reshape(p.shape), rtol=RTOL, atol=ATOL, msg=lambda m: f"diag_h[{name}]: {m}"
-        )
-        torch.testing.assert_close(
-            qs["diag_h_batch"][name],
-            Hn.diagonal(dim1=1, dim2=2).reshape((X.shape[0],) + tuple(p.shape)),
-            rtol=RTOL, atol=ATOL, msg=lambda m: f"diag_h_batch[{name}]: {m}",
-        )
-        for modify, fns in pc.items():
-            if modify in exact:
-                continue
-            PC = _dense_product(fns[name], p)
-            torch.testing.assert_close(PC, PC.T, rtol=RTOL, atol=ATOL, msg=lambda m: f"pchmp[{name}] ({modify}) symmetric: {m}")
-            _assert_loewner_geq(PC, ggn_block(model, lossfn, X, y, name), f"pchmp[{name}] ({modify}) ⪰ GGN")
-            _assert_loewner_geq(PC, H, f"pchmp[{name}] ({modify}) ⪰ Hessian")
-    for modify, want in exact.items():
-        assert_blocks_close({k: _dense_product(pc[modify][k], params[k]) for k in want}, want, f"pchmp ({modify})")
-
-
 # ----------------------------------------------------------------------------- the zoo
 
 ZOO = sorted(models.ZOO)

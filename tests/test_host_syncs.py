@@ -33,9 +33,8 @@ from curvlib import CurvatureError, curvature, extensions as E
 import curvlib.losses._structural as structural
 from curvlib.losses._structural import _ce_sampled
 
-from loss_checks import F64, check_exact, close, model_and_input
-from on_device import seeded
-from test_loss_options import bce_problems, ce_problems
+from oracles.loss_checks import F64, bce_problems, ce_problems, check_exact, close, model_and_input
+from oracles.on_device import seeded
 
 FIRST = ("BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance")
 SECOND = ("DiagGGNExact", "BatchDiagGGNExact", "DiagGGNMC", "BatchDiagGGNMC", "KFAC", "KFLR", "KFACEmpirical",

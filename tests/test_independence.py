@@ -23,32 +23,15 @@ from torch import nn
 
 from curvlib import CurvatureError, curvature, extensions as E
 
-import models
-from helpers import _assert_same_state, check_first_order, state_snapshot
-from oracles import assert_close_dicts, first_order_reference
-from oracles_second import ggn_block, hessian_block, trainable_names
-from on_device import seeded
+from oracles import models
+from oracles.checks import _assert_same_state, check_first_order, state_snapshot
+from oracles.first_order import assert_close_dicts, first_order_reference
+from oracles.second_order import ggn_block, hessian_block, trainable_names
+from oracles.cases import HotNet, hot_data
+from oracles.on_device import seeded
 
 DT = torch.float64
 N = 5
-
-
-class Net(nn.Module):
-    """``b(fn(a(x)))``: ``fn`` acts on the hot activation ``[N, 4]`` (``a`` trainable)."""
-
-    def __init__(self, fn, pre=None, d_in: int = 3):
-        super().__init__()
-        self.a, self.b, self.fn, self.pre = nn.Linear(d_in, 4), nn.Linear(4, 2), fn, pre
-
-    def forward(self, x):
-        if self.pre is not None:
-            x = self.pre(x)
-        return self.b(torch.tanh(self.fn(self.a(x))))
-
-
-def _data(seed: int = 0, n: int = N, shape=(3,)):
-    g = seeded(seed)
-    return torch.randn((n,) + tuple(shape), generator=g, dtype=DT), torch.randn(n, 2, generator=g, dtype=DT)
 
 
 # pattern -> (function of the hot activation h [N, 4], message fragment naming the node and why)
@@ -93,8 +76,8 @@ MIXING = {
 @pytest.mark.parametrize("pattern", sorted(MIXING))
 def test_mixing_is_refused_naming_the_node(pattern):
     fn, match = MIXING[pattern]
-    X, y = _data()
-    model = Net(fn).to(DT)
+    X, y = hot_data()
+    model = HotNet(fn).to(DT)
     before = state_snapshot(model)
     with pytest.raises(CurvatureError, match=r"Samples are mixed inside the model: .*" + match):
         curvature(model, nn.MSELoss(), [E.BatchGrad()])(X, y)
@@ -121,7 +104,7 @@ PER_SAMPLE = [
 
 @pytest.mark.parametrize("ext", PER_SAMPLE, ids=lambda e: type(e).__name__)
 def test_every_per_sample_and_ggn_extension_is_refused_before_any_work(ext, monkeypatch):
-    X, y = _data()
+    X, y = hot_data()
     model = Mods(nn.Softmax(dim=0)).to(DT)
     import curvlib._transform.call as transform
 
@@ -140,8 +123,8 @@ def test_every_per_sample_and_ggn_extension_is_refused_before_any_work(ext, monk
 
 def test_loss_grad_hmp_ggnmp_stay_exact_on_a_mixing_model():
     """Whole-batch autodiff: loss, grad, HMP and GGNMP against torch.func brute force."""
-    X, y = _data(1)
-    model = Net(lambda h: h - h.mean(0)).to(DT)
+    X, y = hot_data(1)
+    model = HotNet(lambda h: h - h.mean(0)).to(DT)
     lossfn = nn.CrossEntropyLoss()
     y = torch.randint(0, 2, (N,), generator=seeded(3))
     qs = curvature(model, lossfn, [E.HMP(), E.GGNMP()])(X, y)
@@ -164,8 +147,8 @@ def test_loss_grad_hmp_ggnmp_stay_exact_on_a_mixing_model():
 
 
 def test_batch_chunk_size_is_refused_even_for_loss_and_grad():
-    X, y = _data()
-    f = curvature(Net(lambda h: h - h.mean(0)).to(DT), nn.MSELoss(), batch_chunk_size=2)
+    X, y = hot_data()
+    f = curvature(HotNet(lambda h: h - h.mean(0)).to(DT), nn.MSELoss(), batch_chunk_size=2)
     with pytest.raises(CurvatureError, match=r"refuses batch_chunk_size \(slices of the batch"):
         f(X, y)
 
@@ -192,8 +175,8 @@ ALLOWED = {
 
 @pytest.mark.parametrize("pattern", sorted(ALLOWED))
 def test_per_sample_patterns_equal_the_oracle(pattern):
-    X, y = _data(2)
-    check_first_order(Net(ALLOWED[pattern]).to(DT), nn.MSELoss(), X, y)
+    X, y = hot_data(2)
+    check_first_order(HotNet(ALLOWED[pattern]).to(DT), nn.MSELoss(), X, y)
 
 
 class Around(nn.Module):
@@ -227,7 +210,7 @@ MODULES = {
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_parameter_free_modules(name):
     mid, pre, post, shape, match = MODULES[name]
-    X, y = _data(5, shape=shape)
+    X, y = hot_data(5, shape=shape)
     model = Around(mid, pre, post).to(DT)
     if match is None:
         check_first_order(model, nn.MSELoss(), X, y)
@@ -244,10 +227,10 @@ def test_the_zoo_has_no_mixing(name):
 
 def test_input_only_preprocessing_is_exact():
     """``X - X.mean(0)`` before every layer: the oracle is the model on the centred input."""
-    X, y = _data(3)
-    model = Net(lambda h: h, pre=lambda x: (x - x.mean(0)) / x.std(0)).to(DT)
+    X, y = hot_data(3)
+    model = HotNet(lambda h: h, pre=lambda x: (x - x.mean(0)) / x.std(0)).to(DT)
     qs = curvature(model, nn.MSELoss(), [E.BatchGrad(), E.DiagGGNExact()])(X, y)
-    plain = Net(lambda h: h).to(DT)
+    plain = HotNet(lambda h: h).to(DT)
     plain.load_state_dict(model.state_dict())
     Z = (X - X.mean(0)) / X.std(0)
     ref = first_order_reference(plain, nn.MSELoss(), Z, y)
@@ -257,12 +240,12 @@ def test_input_only_preprocessing_is_exact():
 
 def test_detached_batch_statistics_are_constants():
     """``h - h.detach().mean(0)``: no gradient flows between samples; the oracle holds the mean fixed."""
-    X, y = _data(4)
-    model = Net(lambda h: h - h.detach().mean(0)).to(DT)
+    X, y = hot_data(4)
+    model = HotNet(lambda h: h - h.detach().mean(0)).to(DT)
     qs = curvature(model, nn.MSELoss(), [E.BatchGrad()])(X, y)
     with torch.no_grad():
         mean = model.a(X).mean(0)
-    fixed = Net(lambda h: h - mean).to(DT)
+    fixed = HotNet(lambda h: h - mean).to(DT)
     fixed.load_state_dict(model.state_dict())
     assert_close_dicts(qs["grad_batch"], first_order_reference(fixed, nn.MSELoss(), X, y)["grad_batch"])
 
@@ -302,7 +285,7 @@ class Placed(nn.Module):
 @given(op=st.sampled_from(sorted(OPS)), axis=st.integers(0, 1), batch_at=st.integers(0, 1),
        where=st.sampled_from(["pre", "post"]), seed=st.integers(0, 10))
 def test_placed_ops_refused_iff_they_mix_trainable_values(op, axis, batch_at, where, seed):
-    X, y = _data(seed, shape=(3, 3))
+    X, y = hot_data(seed, shape=(3, 3))
     model = Placed(op, axis, batch_at, where).to(DT)
     mixes = axis == batch_at
     if mixes and where == "post":

@@ -14,9 +14,9 @@ from torch import nn
 
 from curvlib import CurvatureError, curvature, extensions as E
 
-from helpers import check_first_order
-from oracles import assert_close_dicts, first_order_reference
-from test_independence import DT, Net, _data
+from oracles.checks import check_first_order
+from oracles.first_order import assert_close_dicts, first_order_reference
+from oracles.cases import DT, HotNet, hot_data
 
 
 class Attention(nn.Module):
@@ -57,18 +57,18 @@ class Seq(nn.Module):
 
 @pytest.mark.parametrize("dropout", [0.0, 0.5])
 def test_attention_across_the_batch_is_refused(dropout):
-    X, y = _data(shape=(6, 3))
+    X, y = hot_data(shape=(6, 3))
     with pytest.raises(CurvatureError, match=r"Samples are mixed inside the model: graph node 'matmul'"):
         curvature(Seq(Attention(batch_first=False, dropout=dropout)).to(DT), nn.MSELoss(), [E.BatchGrad()])(X, y)
 
 
 def test_attention_within_each_sample_equals_the_oracle():
-    X, y = _data(shape=(6, 3))
+    X, y = hot_data(shape=(6, 3))
     check_first_order(Seq(Attention(batch_first=True)).to(DT), nn.MSELoss(), X, y)
 
 
 def test_recurrence_across_the_batch_is_refused():
-    X, y = _data(shape=(6, 3))
+    X, y = hot_data(shape=(6, 3))
     with pytest.raises(CurvatureError, match=r"module 'mid' \(GRU\) with batch_first=False reads the batch dim 0"):
         curvature(Seq(nn.GRU(4, 4), pick=True).to(DT), nn.MSELoss(), [E.BatchGrad()])(X, y)
     check_first_order(Seq(nn.GRU(4, 4, batch_first=True), pick=True).to(DT), nn.MSELoss(), X, y)
@@ -86,9 +86,9 @@ class PerBatchSize(nn.Module):
 
 
 def test_generic_layer_that_differs_for_a_batch_of_one_is_refused():
-    X, y = _data()
+    X, y = hot_data()
     with pytest.raises(CurvatureError, match=r"module 'fn' \(PerBatchSize\): run on sample 0 alone"):
-        curvature(Net(PerBatchSize()).to(DT), nn.MSELoss(), [E.BatchGrad()])(X, y)
+        curvature(HotNet(PerBatchSize()).to(DT), nn.MSELoss(), [E.BatchGrad()])(X, y)
 
 
 class _Leaf(nn.Module):
@@ -105,10 +105,10 @@ class _Leaf(nn.Module):
 
 
 def test_unknown_parameter_free_modules_are_tested_numerically():
-    X, y = _data()
+    X, y = hot_data()
     with pytest.raises(CurvatureError, match=r"module 'fn' \(_Leaf\): changing sample 0's input"):
-        curvature(Net(_Leaf(lambda h: h - h.mean(0))).to(DT), nn.MSELoss(), [E.BatchGrad()])(X, y)
-    check_first_order(Net(_Leaf(lambda h: h - h.mean(1, keepdim=True))).to(DT), nn.MSELoss(), X, y)
+        curvature(HotNet(_Leaf(lambda h: h - h.mean(0))).to(DT), nn.MSELoss(), [E.BatchGrad()])(X, y)
+    check_first_order(HotNet(_Leaf(lambda h: h - h.mean(1, keepdim=True))).to(DT), nn.MSELoss(), X, y)
 
 
 # ----------------------------------------------------------------------------- untraced, caching
@@ -129,7 +129,7 @@ class Untraced(nn.Module):
 
 
 def test_untraced_models_are_tested_on_their_forward(monkeypatch):
-    X, y = _data()
+    X, y = hot_data()
     # torch.fx cannot trace it; the ATen front end (issue 21) does, and its graph names the node
     with pytest.raises(CurvatureError, match=r"graph node 'mean' \(torch.mean over the batch dim 0"):
         curvature(Untraced(True).to(DT), nn.MSELoss(), [E.BatchGrad()])(X, y)
@@ -156,7 +156,7 @@ def test_checks_are_cached_with_the_plan_and_skipped_when_not_needed(monkeypatch
 
     monkeypatch.setattr(_independence, "analyse", count("analyse", analyse))
     monkeypatch.setattr(_mixing_numeric, "pending_problem", count("numeric", numeric))
-    X, y = _data(shape=(6, 3))
+    X, y = hot_data(shape=(6, 3))
     model = Seq(Attention(batch_first=True)).to(DT)
     curvature(model, nn.MSELoss(), [E.HMP()])(X, y)
     assert calls == {"analyse": 1, "numeric": 0}  # HMP needs no independent samples
@@ -171,7 +171,7 @@ def test_numeric_checks_compose_with_vmap_over_an_ensemble():
     """Inside ``torch.func.vmap`` the numeric tests run on plain tensors (the first member)."""
     from torch.func import stack_module_state, vmap
 
-    X, y = _data(shape=(6, 3))
+    X, y = hot_data(shape=(6, 3))
     for batch_first in (True, False):
         ensemble = [Seq(RollGeneric(mix=not batch_first)).to(DT) for _ in range(2)]
         params, _ = stack_module_state(ensemble)
@@ -199,6 +199,6 @@ class Folded(nn.Module):
 
 def test_a_batch_merged_by_an_unknown_operation_is_refused_conservatively():
     """Which rows of ``[2N, 4]`` belong to which sample is not known: refused, not guessed."""
-    X, y = _data()
+    X, y = hot_data()
     with pytest.raises(CurvatureError, match="merged with another dim by an operation curvlib cannot follow"):
-        curvature(Net(Folded()).to(DT), nn.MSELoss(), [E.BatchGrad()])(X, y)
+        curvature(HotNet(Folded()).to(DT), nn.MSELoss(), [E.BatchGrad()])(X, y)

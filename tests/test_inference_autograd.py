@@ -2,7 +2,7 @@
 
 Inference mode used to give all-zero gradients and diagonals; curvlib now leaves
 it for the call and copies inference tensors. Every exact extension is compared
-with the brute-force oracle (:mod:`oracles_all`) and bit for bit with the plain
+with the brute-force oracle (:mod:`oracles.reference`) and bit for bit with the plain
 call; Monte-Carlo extensions with the plain call under the same generator.
 
 Results are differentiable w.r.t. ``params`` values and ``X`` that require grad:
@@ -20,9 +20,9 @@ from torch import nn
 from curvlib import curvature
 from curvlib.extensions import GGNMP, HMP, KFAC, KFLR, KFRA, BatchDiagGGNMC, DiagGGNMC, DiagHessian, SqrtGGNExact, SqrtGGNMC
 
-from oracles import first_order_reference, functional_call
-from oracles_all import assert_close, assert_matches, assert_same, exact_extensions, kflr_map, reference
-from on_device import seeded
+from oracles.first_order import first_order_reference, functional_call
+from oracles.reference import assert_close, assert_matches, assert_same, exact_extensions, kflr_map, reference
+from oracles.on_device import seeded
 
 DT = torch.float64
 MODES = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}
@@ -150,7 +150,7 @@ def test_autograd_through_results_equals_torch_func_grad(loss):
 
 def _individual_gradients_graph(model, lossfn, params, X, y):
     """``[g_n]`` as a differentiable function of ``params`` and ``X``: ``g_n = ∂L/∂δ_n`` at
-    ``δ = 0`` for ``θ_n = θ + δ_n`` (per-sample copies, as in :mod:`oracles`)."""
+    ``δ = 0`` for ``θ_n = θ + δ_n`` (per-sample copies, as in :mod:`oracles.first_order`)."""
     deltas = [{n: torch.zeros_like(p, requires_grad=True) for n, p in params.items()} for _ in range(X.shape[0])]
     outs = [functional_call(model, {n: params[n] + d[n] for n in params}, (X[i:i + 1],)) for i, d in enumerate(deltas)]
     flat = [d[n] for d in deltas for n in params]

@@ -11,13 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.func import jacrev
 
 from curvlib import CurvatureError, curvature
 from curvlib.extensions import KFAC, KFLR
 
-from oracles_second import layer_input, loss_hessian_blocks, unfold_conv_input
-from on_device import seeded
+from oracles.kron import input_factors, output_factors
+from oracles.on_device import seeded
 
 DT = torch.float64
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
@@ -55,68 +54,6 @@ def _setup(kind, loss, seed=0):
     X = torch.randn(shape, dtype=DT)
     y = torch.randint(0, 3, (shape[0],)) if loss == "ce" else torch.randn(shape[0], 3, dtype=DT)
     return model, layer, X, y
-
-
-def output_factors(model, lossfn, X, y, layer):
-    """``(B_expand, B_reduce)``: per-position offsets δ ``[N, O, S]`` on the layer's output."""
-    module = model.get_submodule(layer)
-    channel_last = isinstance(module, nn.Linear)
-    state = {}
-
-    def hook(m, args, out):
-        if "delta" not in state:
-            return out
-        d = state["delta"]  # [N, O, S]
-        if channel_last:
-            return out + d.transpose(1, 2).reshape(out.shape)
-        return out + d.reshape(out.shape)
-
-    handle = module.register_forward_hook(hook)
-    try:
-        with torch.no_grad():
-            out = model(X)
-            z = module(layer_input(model, X, layer))
-        n = z.shape[0]
-        o = z.shape[-1] if channel_last else z.shape[1]
-        s = z[0].numel() // o
-
-        def f(delta):
-            state["delta"] = delta
-            return model(X)
-
-        J = jacrev(f)(torch.zeros(n, o, s, dtype=DT)).reshape(n, -1, n, o, s)
-    finally:
-        handle.remove()
-    Jn = torch.stack([J[i, :, i] for i in range(n)])  # [N, C, O, S]
-    H = loss_hessian_blocks(lossfn, out, y)
-    expand = torch.einsum("ncos,ncd,ndqs->oq", Jn, H, Jn)
-    summed = Jn.sum(-1)
-    return expand, torch.einsum("nco,ncd,ndq->oq", summed, H, summed)
-
-
-def input_factors(model, X, layer):
-    """``(A_backpack, A_expand, A_reduce)`` from the layer's unfolded inputs ``u [N, I, S]``."""
-    module = model.get_submodule(layer)
-    x = layer_input(model, X, layer)
-    n = x.shape[0]
-    if isinstance(module, nn.Linear):
-        u = x.transpose(1, 2)
-    elif isinstance(module, nn.ConvTranspose2d):
-        # y[n, o, l] = Σ_{c,k} W[c, o, k] u[n, c·K + k, l]: u is the Jacobian of a
-        # single-output-channel transposed convolution w.r.t. its weight
-        c_in, k = x.shape[1], module.weight[0, 0].numel()
-
-        def single(weight):
-            return nn.functional.conv_transpose2d(x, weight, None, module.stride, module.padding,
-                                                  module.output_padding, 1, module.dilation)
-
-        w = torch.zeros((c_in, 1) + tuple(module.kernel_size), dtype=DT)
-        u = jacrev(single)(w).reshape(n, -1, c_in * k).transpose(1, 2)
-    else:
-        u = unfold_conv_input(module, x)
-    A = torch.einsum("nis,njs->ij", u, u) / n
-    ubar = u.mean(-1)
-    return A, A / u.shape[-1], ubar.T @ ubar / n
 
 
 @pytest.mark.parametrize("loss", sorted(LOSSES))

@@ -25,9 +25,9 @@ from torch.func import jacrev
 from curvlib import CurvatureError, curvature
 from curvlib.extensions import KFAC, KFACEmpirical, KFLR, SqrtGGNMC
 
-from oracles import individual_gradients
-from oracles_second import ggn_block, loss_hessian_blocks
-from on_device import seeded
+from oracles.first_order import individual_gradients
+from oracles.second_order import ggn_block, loss_hessian_blocks
+from oracles.on_device import seeded
 
 DT = torch.float64
 LOSSES = {"ce": nn.CrossEntropyLoss, "mse": nn.MSELoss}
@@ -225,7 +225,7 @@ class NanoPositions(nn.Module):
 def test_every_extension_on_position_forms(kind, t, n, seed):
     """First order, GGN and Hessian families and products vs brute force (the position term's
     index depends on the input's shape only, or on nothing); KFLR of ``pos``/``wpe.weight`` too."""
-    from oracles_all import assert_matches, exact_extensions, reference
+    from oracles.reference import assert_matches, exact_extensions, reference
 
     torch.manual_seed(seed)
     model = NanoPositions(kind, 4, 2, 4).to(DT)

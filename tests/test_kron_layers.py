@@ -10,7 +10,7 @@ Oracles, float64, from the definitions:
   offsets ``δ`` at the non-padding positions (``Σ_n J_{n,Σδ}ᵀ H_n J_{n,Σδ}``;
   ``"expand"``: ``Σ_{n,p} J_{n,δ_p}ᵀ H_n J_{n,δ_p}``);
 * grouped convolutions: the diagonal blocks per group of the offset-Jacobian ``B`` and of
-  ``A`` from the unfolded input (``tests/test_kfac_approx.py``'s oracles).
+  ``A`` from the unfolded input (``tests/oracles/kron.py``).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from torch.func import jacrev
 from curvlib import CurvatureError, curvature
 from curvlib.extensions import KFAC, KFACEmpirical, KFLR, KFRA, SqrtGGNMC
 
-from oracles import individual_gradients
-from oracles_second import ggn_block, loss_hessian_blocks
-from test_kfac_approx import input_factors, output_factors
-from on_device import seeded
+from oracles.first_order import individual_gradients
+from oracles.second_order import ggn_block, loss_hessian_blocks
+from oracles.kron import input_factors, output_factors
+from oracles.on_device import seeded
 
 DT = torch.float64
 LOSSES = {"ce": nn.CrossEntropyLoss, "mse": nn.MSELoss}

@@ -2,7 +2,7 @@
 the diagonal of the dense factor (1-D), the other side is unchanged; without the option a
 dense factor over ``curvlib._plan.budget.DENSE_FACTOR_BYTES`` is refused before any work.
 
-Oracles: BackPACK's factors by brute force in float64 (``oracles_second.kron_reference``:
+Oracles: BackPACK's factors by brute force in float64 (``oracles.second_order.kron_reference``:
 Jacobians of per-channel output offsets, the layer's inputs) for MLPs drawn by hypothesis;
 for the other layouts (Embedding, convolutions, LayerNorm, learned positions, sequences)
 curvlib's dense factors, which tests/test_kron_layers.py and test_kfac_approx.py check
@@ -17,7 +17,7 @@ from unittest import mock
 
 import pytest
 import torch
-from on_device import seeded
+from oracles.on_device import seeded
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
@@ -28,7 +28,7 @@ from curvlib import precondition as pre
 from curvlib.extensions import KFAC, KFLR, BatchGrad, KFACEmpirical
 from curvlib.optim import KFACOptimizer
 
-from oracles_second import kron_reference
+from oracles.second_order import kron_reference
 
 DT = torch.float64
 LOSSES = {"ce": nn.CrossEntropyLoss(), "mse": nn.MSELoss(reduction="sum")}

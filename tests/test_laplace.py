@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 from torch import nn
-from on_device import seeded
+from oracles.on_device import seeded
 
 pytest.importorskip(
     "laplace",
@@ -27,7 +27,7 @@ from laplace.curvature import BackPackGGN, CurvatureInterface, CurvlinopsGGN, GG
 
 from curvlib import CurvatureError, CurvatureTypeError
 from curvlib.laplace import CurvlibEF, CurvlibGGN
-from oracles_laplace import (
+from oracles.laplace_torch import (
     C,
     D_IN,
     DT,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-from on_device import seeded
+from oracles.on_device import seeded
 
 pytest.importorskip(
     "laplace",
@@ -26,7 +26,7 @@ from laplace.curvature import BackPackGGN, CurvlinopsEF, CurvlinopsGGN
 
 from curvlib import CurvatureError
 from curvlib.laplace import CurvlibEF, CurvlibGGN
-from oracles_laplace import (
+from oracles.laplace_torch import (
     C,
     D_IN,
     DT,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from on_device import seeded
+from oracles.on_device import seeded
 
 pytest.importorskip(
     "laplace",
@@ -24,7 +24,7 @@ from laplace.curvature import CurvlinopsGGN
 
 from curvlib import CurvatureError, CurvatureTypeError
 from curvlib.laplace import CurvlibEF, CurvlibGGN
-from oracles_laplace import C, DT, LIKELIHOODS, N_DATA, close, compare_laplace, data, fitted, loader, mlp
+from oracles.laplace_torch import C, DT, LIKELIHOODS, N_DATA, close, compare_laplace, data, fitted, loader, mlp
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Full backward hook:UserWarning",

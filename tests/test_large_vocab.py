@@ -13,7 +13,7 @@ from unittest import mock
 
 import pytest
 import torch
-from on_device import seeded
+from oracles.on_device import seeded
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten

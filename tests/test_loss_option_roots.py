@@ -17,8 +17,8 @@ from torch import nn
 
 from curvlib.losses import curvature_at, hessian_matvec, loss_spec, normaliser, sqrt_hessian
 
-from oracles_second import loss_hessian_blocks
-from on_device import seeded
+from oracles.second_order import loss_hessian_blocks
+from oracles.on_device import seeded
 
 F64 = torch.float64
 

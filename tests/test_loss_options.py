@@ -7,8 +7,8 @@ broadcastable shape) and ``pos_weight``; ``reduction`` ``"mean"``/``"sum"``;
 outputs ``[N, C]`` (MLP) and ``[N, C, D]`` (Conv1d).
 
 The oracles know nothing of the options: first order by per-sample parameter
-copies (``oracles.first_order_reference``), second order from
-``torch.func.hessian`` of ``o ↦ lossfn(o, y)`` (``oracles_second``), so PyTorch's
+copies (``oracles.first_order.first_order_reference``), second order from
+``torch.func.hessian`` of ``o ↦ lossfn(o, y)`` (``oracles.second_order``), so PyTorch's
 own loss defines every scaling (``"mean"`` normaliser, ignored samples, ...).
 Monte-Carlo extensions are checked to converge to the exact quantities;
 ``batch_chunk_size`` to reproduce the unchunked results, also with a slice
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
 from torch import nn
 
 from curvlib import CurvatureError, curvature
@@ -28,75 +28,13 @@ from curvlib.extensions import (
     SqrtGGNExact, SqrtGGNMC, SumGradSquared, Variance,
 )
 
-from loss_checks import F64, assert_converges, check_exact, close, mc_errors, model_and_input
-from on_device import seeded
+from oracles.loss_checks import (
+    F64, assert_converges, bce_problems, bce_weight, ce_problems, ce_targets, check_exact, close, mc_errors, model_and_input,
+)
+from oracles.on_device import seeded
 
 
 # ----------------------------------------------------------------------------- problems
-
-
-def ce_targets(out, target: str, ignore: str, ignore_class: int, gen):
-    """Class indices (with ignored entries, the first one counted) or class probabilities."""
-    k = out.shape[1]
-    if target == "prob":
-        return torch.softmax(torch.randn(out.shape, generator=gen, dtype=F64), 1)
-    y = torch.randint(0, k, (out.shape[0],) + tuple(out.shape[2:]), generator=gen)
-    flat = y.view(-1)
-    if ignore == "real":
-        flat[-1] = ignore_class
-        flat[0] = (ignore_class + 1) % k
-    elif ignore == "default":
-        flat[-1] = -100
-    return y
-
-
-@st.composite
-def ce_problems(draw):
-    seq = draw(st.booleans())
-    k, n = draw(st.integers(2, 3)), draw(st.integers(2, 4))
-    gen = seeded(draw(st.integers(0, 2**16)))
-    model, X = model_and_input(seq, draw(st.integers(1, 3)), draw(st.integers(1, 3)), k, n,
-                               draw(st.integers(1, 3)), draw(st.integers(1, 2)),
-                               draw(st.sampled_from(["tanh", "sigmoid", "relu"])), gen)
-    target = draw(st.sampled_from(["index", "prob"]))
-    ignore = draw(st.sampled_from(["none", "real", "default"]))
-    ignore_class = draw(st.integers(0, k - 1))
-    options = dict(reduction=draw(st.sampled_from(["mean", "sum"])),
-                   label_smoothing=draw(st.sampled_from([0.0, 0.3])))
-    if draw(st.booleans()):
-        options["weight"] = 0.2 + 2 * torch.rand(k, generator=gen, dtype=F64)
-    if ignore == "real" and target == "index":  # (PyTorch refuses it for probabilities)
-        options["ignore_index"] = ignore_class
-    with torch.no_grad():
-        y = ce_targets(model(X), target, ignore, ignore_class, gen)
-    return model, nn.CrossEntropyLoss(**options), X, y
-
-
-def bce_weight(shape_kind: str, out_shape, gen):
-    n, c = out_shape[0], out_shape[1]
-    rest = (1,) * (len(out_shape) - 2)
-    shape = {"class": (c,) + rest, "sample": (n,) + (1,) * (len(out_shape) - 1), "full": tuple(out_shape),
-             "scalar": (1,), "last": (out_shape[-1],)}[shape_kind]
-    return 0.2 + 2 * torch.rand(shape, generator=gen, dtype=F64)
-
-
-@st.composite
-def bce_problems(draw):
-    seq = draw(st.booleans())
-    gen = seeded(draw(st.integers(0, 2**16)))
-    model, X = model_and_input(seq, draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 3)),
-                               draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(1, 2)),
-                               draw(st.sampled_from(["tanh", "sigmoid", "relu"])), gen)
-    with torch.no_grad():
-        shape = tuple(model(X).shape)
-    options = dict(reduction=draw(st.sampled_from(["mean", "sum"])))
-    w = draw(st.sampled_from(["none", "class", "sample", "full", "scalar", "last"]))
-    if w != "none":
-        options["weight"] = bce_weight(w, shape, gen)
-    if draw(st.booleans()):
-        options["pos_weight"] = bce_weight("class", shape, gen)
-    y = torch.rand(shape, generator=gen, dtype=F64)
-    return model, nn.BCEWithLogitsLoss(**options), X, y
 
 
 # ----------------------------------------------------------------------------- the check

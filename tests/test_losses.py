@@ -7,8 +7,8 @@ from torch import nn
 
 from curvlib.losses import hessian_matvec, loss_spec, reduction_factor, sqrt_hessian, sqrt_hessian_sampled
 
-from oracles_second import loss_hessian_blocks, loss_root
-from on_device import seeded
+from oracles.second_order import loss_hessian_blocks, loss_root
+from oracles.on_device import seeded
 
 LOSSES = {"mse": nn.MSELoss, "ce": nn.CrossEntropyLoss, "bce": nn.BCEWithLogitsLoss}
 

@@ -16,10 +16,8 @@ from torch import nn
 from curvlib import CurvatureError, curvature
 from curvlib.extensions import KFLR, BatchGrad
 
-from helpers import check_first_order
-from on_device import seeded
-from test_graphs import check_hessian_family
-from test_secondorder import check_second_order
+from oracles.checks import check_first_order, check_hessian_family, check_second_order
+from oracles.on_device import seeded
 
 DT = torch.float64
 

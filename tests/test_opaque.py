@@ -31,12 +31,12 @@ from curvlib import CurvatureError, curvature
 from curvlib._trace.program import trace_program
 from curvlib.extensions import KFAC, KFLR, KFRA, BatchGrad, DiagGGNExact, DiagGGNMC, DiagHessian, SqrtGGNMC
 
-from helpers import _assert_same_state, state_snapshot
-from loss_checks import assert_converges, mc_read, rel
-from oracles_all import assert_matches, exact_extensions, kflr_map, product_matrix, reference
-from oracles_pchmp import pchmp_blocks
-from oracles_second import ggn_per_sample, kron_input_factor
-from on_device import seeded
+from oracles.checks import _assert_same_state, state_snapshot
+from oracles.loss_checks import assert_converges, mc_read, rel
+from oracles.reference import assert_matches, exact_extensions, kflr_map, product_matrix, reference
+from oracles.pchmp import pchmp_blocks
+from oracles.second_order import ggn_per_sample, kron_input_factor
+from oracles.on_device import seeded
 
 @pytest.fixture(autouse=True, scope="module")
 def _opaque_fallback():

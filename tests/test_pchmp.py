@@ -1,4 +1,4 @@
-"""PCHMP on normalisations, modules used twice and batch layouts, against ``oracles_pchmp``.
+"""PCHMP on normalisations, modules used twice and batch layouts, against ``oracles.pchmp``.
 
 Full blocks: curvlib's callable is applied to an identity ``[P, *p.shape]``
 and compared, for every trainable parameter, with the explicit
@@ -17,43 +17,22 @@ Hessian's (autograd's double backward).
 
 from __future__ import annotations
 
-from typing import Dict
-
 import pytest
 import torch
 from hypothesis import given, strategies as st
 from torch import Tensor, nn
 
 from curvlib import curvature
-from curvlib.extensions import BatchDiagHessian, DiagHessian, PCHMP
+from curvlib.extensions import BatchDiagHessian, DiagHessian
 
-from oracles_pchmp import hessian_blocks_autograd, pchmp_blocks
-from on_device import seeded
+from oracles.checks import curvlib_blocks
+from oracles.pchmp import assert_blocks_close, hessian_blocks_autograd, pchmp_blocks
+from oracles.on_device import seeded
 
 DT = torch.float64
 RTOL = 1e-7
 LOSSES = {"mse": nn.MSELoss, "ce": nn.CrossEntropyLoss, "bce": nn.BCEWithLogitsLoss}
 ACTS = {"tanh": torch.tanh, "sigmoid": torch.sigmoid, "gelu": nn.functional.gelu, "identity": lambda h: h}
-
-
-def assert_blocks_close(got: Dict[str, Tensor], want: Dict[str, Tensor], what: str) -> None:
-    """Every block within ``RTOL`` of the largest entry of any block of ``want``."""
-    assert list(got) == list(want), f"{what}: keys {list(got)} != {list(want)}"
-    scale = max([float(w.abs().max()) for w in want.values()] + [1e-300])
-    for name in want:
-        err = float((got[name] - want[name]).abs().max())
-        assert err <= RTOL * scale, f"{what}[{name}]: max error {err:.3e}, relative {err / scale:.3e}"
-
-
-def curvlib_blocks(model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor, modify: str) -> Dict[str, Tensor]:
-    """``{name: [P, P]}``: curvlib's PCHMP applied to the identity."""
-    fns = curvature(model, lossfn, [PCHMP(modify=modify)])(X, y)["pchmp"]
-    blocks = {}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            P = p.numel()
-            blocks[name] = fns[name](torch.eye(P, dtype=DT).reshape((P,) + tuple(p.shape))).reshape(P, P)
-    return blocks
 
 
 def check_pchmp(model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor, modify: str) -> None:

@@ -43,11 +43,11 @@ from torch.autograd.functional import hessian, jacobian
 
 from curvlib import curvature
 from curvlib.extensions import BatchDiagHessian, DiagHessian
-from oracles import functional_call
-from oracles_pchmp import hessian_blocks_autograd, mod, pchmp_blocks
-from oracles_second import loss_hessian_blocks
-from on_device import seeded
-from test_pchmp import assert_blocks_close, curvlib_blocks
+from oracles.first_order import functional_call
+from oracles.checks import curvlib_blocks
+from oracles.pchmp import assert_blocks_close, hessian_blocks_autograd, mod, pchmp_blocks
+from oracles.second_order import loss_hessian_blocks
+from oracles.on_device import seeded
 
 DT = torch.float64
 PHI = {"tanh": torch.tanh, "sigmoid": torch.sigmoid}
@@ -249,7 +249,7 @@ def test_issue_model_first_linear_is_the_chain_recursion():
 
 
 def test_graph_oracle_agrees_with_explicit_oracle():
-    """The graph-walking oracle (``oracles_pchmp``) follows the same definition."""
+    """The graph-walking oracle (``oracles.pchmp``) follows the same definition."""
     for chain in ("issue", "two_tied"):
         model, lossfn, X, y = _chain_case(chain, 2, 2, "mse", 1)
         for modify in ("clip", "abs"):

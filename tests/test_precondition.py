@@ -19,8 +19,8 @@ from curvlib.precondition import (
     diag_inverse_vp, ekfac_eigenvalues, ekfac_inverse_vp, kron_inverse_vp, kron_preconditioner,
     reduction_scale,
 )
-from on_device import seeded
-from oracles import individual_gradients
+from oracles.on_device import seeded
+from oracles.first_order import individual_gradients
 
 DT = torch.float64
 

@@ -27,11 +27,11 @@ from curvlib.extensions import (
     GGNMP, KFLR, KFRA, PCHMP, BatchDiagHessian, BatchGrad, DiagGGNExact, DiagHessian, SumGradSquared, Variance,
 )
 
-from helpers import _assert_same_state, state_snapshot
-from oracles import first_order_reference
-from oracles_all import assert_close, assert_matches, assert_same, exact_extensions, kflr_map, reference
-from oracles_second import kfra_reference
-from on_device import seeded
+from oracles.checks import _assert_same_state, state_snapshot
+from oracles.first_order import first_order_reference
+from oracles.reference import assert_close, assert_matches, assert_same, exact_extensions, kflr_map, reference
+from oracles.second_order import kfra_reference
+from oracles.on_device import seeded
 
 DT = torch.float64
 

@@ -21,7 +21,7 @@ import curvlib._evaluate.read_off as read_off
 import curvlib._evaluate.second_order as so
 from curvlib import curvature
 from curvlib.extensions import BatchDiagGGNExact, BatchGrad, SqrtGGNExact, SqrtGGNMC
-from on_device import seeded
+from oracles.on_device import seeded
 
 
 class _Net(nn.Module):

@@ -3,7 +3,7 @@
 ``"batched"`` is the CUDA default (columns of a chunk pulled back under
 ``torch.func.vmap``, conv column blocks of hundreds of MiB), ``"looped"`` the CPU
 default; forcing each on the CPU checks the math of both paths. Oracles: the
-float64 per-sample Jacobians/Hessians of ``oracles_all.reference``.
+float64 per-sample Jacobians/Hessians of ``oracles.reference.reference``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import curvlib
 from curvlib import CurvatureError, curvature, extensions
 from curvlib._core import strategy as _strategy
-from on_device import seeded
-from oracles_all import assert_matches, exact_extensions, kflr_map, reference
-from rules.test_conv import conv_configs
+from oracles.cases import conv_configs
+from oracles.on_device import seeded
+from oracles.reference import assert_matches, exact_extensions, kflr_map, reference
 
 STRATEGIES = ["batched", "looped"]
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}

@@ -27,8 +27,8 @@ from curvlib.extensions import (
     GGNMP, HMP, PCHMP, BatchDiagHessian, BatchGrad, BatchL2Grad, DiagGGNExact, DiagHessian, SqrtGGNExact,
 )
 
-from helpers import _assert_same_state, state_snapshot
-from on_device import seeded
+from oracles.checks import _assert_same_state, state_snapshot
+from oracles.on_device import seeded
 
 DT = torch.float64
 THREADS, CALLS = 4, 12

@@ -5,7 +5,7 @@ Run in a fresh process: the set-up happens once per process."""
 import subprocess
 import sys
 
-from on_device import CLEAN_ENVIRON
+from oracles.on_device import CLEAN_ENVIRON
 
 SCRIPT = r"""
 import os

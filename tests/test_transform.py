@@ -10,9 +10,9 @@ from torch.func import stack_module_state, vmap
 from curvlib import curvature
 from curvlib.extensions import HMP, KFLR, BatchGrad, BatchL2Grad, DiagGGNExact, Variance
 
-from helpers import check_first_order
-from oracles import assert_close_dicts, first_order_reference
-from on_device import seeded
+from oracles.checks import check_first_order
+from oracles.first_order import assert_close_dicts, first_order_reference
+from oracles.on_device import seeded
 
 DT = torch.float64
 

@@ -28,12 +28,12 @@ from curvlib._plan.plan import make_plan
 from curvlib._trace.program import trace_program
 from curvlib._trace.untraced import run_eager
 from curvlib.extensions import BatchGrad, BatchL2Grad, DiagGGNExact, KFAC, SumGradSquared, Variance
-from oracles_all import assert_matches, exact_extensions, reference
+from oracles.reference import assert_matches, exact_extensions, reference
 
-from helpers import _assert_same_state, check_first_order, state_snapshot
-from oracles import assert_close_dicts, first_order_reference
-from oracles_all import assert_matches, exact_extensions, reference
-from on_device import seeded
+from oracles.checks import _assert_same_state, check_first_order, state_snapshot
+from oracles.first_order import assert_close_dicts, first_order_reference
+from oracles.reference import assert_matches, exact_extensions, reference
+from oracles.on_device import seeded
 
 WANTED = ("grad_batch", "batch_l2", "sum_grad_squared", "variance")
 LOSSES = [

@@ -1,6 +1,6 @@
 """Issue 21's model zoo: curvlib on real-library models against a float64 brute force.
 
-Every (model, extension group) of tests/zoo.py x tests/zoo_checks.GROUPS:
+Every (model, extension group) of tests/oracles/zoo.py x tests/oracles/zoo_checks.GROUPS:
 
 * ``first_order``: loss, grad, BatchGrad, BatchL2Grad, SumGradSquared, Variance against
   per-sample autograd gradients;
@@ -27,8 +27,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import zoo
-import zoo_checks
+from oracles import zoo
+from oracles import zoo_checks
 
 FAST = {("gpt2_eager", "first_order"), ("bert", "ggn"), ("tv_resnet18", "kflr")}
 

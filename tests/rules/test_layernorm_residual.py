@@ -2,9 +2,6 @@
 against the dense per-sample residual ``∇²_x (g · f(x))`` from ``torch.func.hessian``,
 and the Hessian family through them against brute force."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,10 +10,8 @@ from torch import nn
 
 from curvlib._core.site import Residual
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_attention_residuals import _check  # noqa: E402
-from test_graphs import check_hessian_family  # noqa: E402
+from oracles.checks import check_hessian_family
+from oracles.residuals import check_residual
 
 DT = torch.float64
 
@@ -37,7 +32,7 @@ def test_layernorm_rows(n, lead, norm, bdim, affine, eps, seed):
                    meta={"eps": eps, "weight": w, "groups": None, "norm_dims": len(norm)})
     # (the product with w, not F.layer_norm's weight: torch.func's second derivative of that is wrong)
     f = lambda t: F.layer_norm(t, norm, None, None, eps) * (1 if w is None else w) + (0 if b is None else b)  # noqa: E731
-    _check(res, f, g, n, floor=_terms(x.flatten(-len(norm)), g if w is None else g * w))
+    check_residual(res, f, g, n, floor=_terms(x.flatten(-len(norm)), g if w is None else g * w))
 
 
 def _terms(rows, gt):
@@ -57,7 +52,7 @@ def test_groupnorm_rows(n, groups, per, spatial, affine, seed):
     w = torch.randn(c, dtype=DT) if affine else None
     res = Residual("gn", "norm", None, [x], in_dims=(0,), out_dim=0, meta={"eps": 1e-5, "weight": w, "groups": groups})
     view = (1, c) + (1,) * len(spatial)
-    _check(res, lambda t: F.group_norm(t, groups, None, None, 1e-5) * (1 if w is None else w.view(view)), g, n,
+    check_residual(res, lambda t: F.group_norm(t, groups, None, None, 1e-5) * (1 if w is None else w.view(view)), g, n,
            floor=_terms(x.reshape(n, groups, -1), g if w is None else g * w.view(view)))
 
 
@@ -84,7 +79,7 @@ class _LNNet(nn.Module):
 @settings(deadline=None, max_examples=6)
 @given(norm=st.sampled_from([(4,), (2, 2), (3,)]), affine=st.booleans(), batch_first=st.booleans(), seed=st.integers(0, 2**10))
 def test_layernorm_hessian_family(norm, affine, batch_first, seed):
-    """DiagHessian, BatchDiagHessian vs torch.func Hessians; PCHMP vs oracles_pchmp's blocks."""
+    """DiagHessian, BatchDiagHessian vs torch.func Hessians; PCHMP vs oracles.pchmp's blocks."""
     torch.manual_seed(seed)
     model = _LNNet(norm, affine, batch_first).to(DT)
     X, y = torch.randn(2, 2, 3, dtype=DT), torch.randn(2, 2, dtype=DT)
@@ -122,7 +117,7 @@ def test_shared_layernorm_hessian():
     whose second derivative of ``F.layer_norm`` with a weight is wrong in the weight-input coupling)."""
     from curvlib import curvature
     from curvlib.extensions import DiagHessian
-    from oracles_pchmp import hessian_blocks_autograd
+    from oracles.pchmp import hessian_blocks_autograd
 
     torch.manual_seed(0)
     model = _Twice().to(DT)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-from on_device import seeded
+from oracles.on_device import seeded
 
 DT = torch.float64
 N_DATA, D_IN, C = 12, 3, 4

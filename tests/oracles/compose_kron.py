@@ -1,7 +1,7 @@
 """Pure brute-force Kronecker factors (KFLR, KFACEmpirical) for the composition matrix.
 
 From their definitions (docs/supported-models.md, "Kronecker factors per layer"), pure in
-``params`` and ``X`` like :mod:`oracles_compose`:
+``params`` and ``X`` like :mod:`oracles.compose`:
 
 * a weight ``W [O, I, *k]`` of a Linear/Conv site (positions ``s`` sharing it):
   ``[B [O, O], A [I·K, I·K]]``, ``A = (1/N) Σ_{n,s} x xᵀ`` (unfolded patches
@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import grad, hessian, jacrev
 
-from oracles import functional_call
-from oracles_compose import _scale, ggn_per_sample, individual_gradients, output, split
-from oracles_second import unfold_conv_input
+from oracles.first_order import functional_call
+from oracles.compose import _scale, ggn_per_sample, individual_gradients, output, split
+from oracles.second_order import unfold_conv_input
 
 
 def layer_inputs(model: nn.Module, params, X: Tensor) -> Dict[str, Tensor]:

@@ -5,7 +5,7 @@ curvlib's ``f`` and to the oracle in the same way, and raises
 ``AssertionError`` naming the cell and the error relative to the largest
 entry of the expected result. Oracles (:func:`oracle_kind`):
 
-* ``"brute"``: the pure brute force of :mod:`oracles_compose`, transformed
+* ``"brute"``: the pure brute force of :mod:`oracles.compose`, transformed
   exactly like ``f``;
 * ``"self"``: curvlib's own plain (untransformed) value, correct by the rest
   of the suite: per-member calls for ``vmap``; central finite differences of it
@@ -17,7 +17,7 @@ that have some), ``vmap_task`` (a leading task dim of ``X``/``y``),
 ``vmap_both``, ``grad``, ``jvp``, ``jacrev``, ``hessian`` (w.r.t. one small
 parameter), ``autograd`` (``torch.autograd.grad`` with ``params`` requiring
 grad), ``grad_X``. The scalar of a result is a fixed random weighting of every
-returned tensor (:func:`oracles_compose.canonical`: products applied to fixed
+returned tensor (:func:`oracles.compose.canonical`: products applied to fixed
 vectors, square roots as ``Σ_v S_v S_vᵀ``, every Kronecker factor).
 """
 
@@ -32,18 +32,50 @@ from torch import Tensor
 from torch.func import grad, hessian, jacrev, jvp
 
 import curvlib.extensions as E
-from curvlib import curvature
+from curvlib import CurvatureError, curvature
 from curvlib.extensions import Extension
 
-from oracles_compose import BRUTE_NAMES, brute, canonical, full_params, random_like, split, weighted_sum
-from oracles_compose_models import build
-from on_device import seeded
+from oracles.compose import BRUTE_NAMES, brute, canonical, full_params, random_like, split, weighted_sum
+from oracles.compose_models import build
+from oracles.on_device import seeded
 
 TRANSFORMS = ("vmap_params", "vmap_task", "vmap_both", "grad", "jvp", "jacrev", "hessian", "autograd", "grad_X")
 # The parameter the ``hessian`` transform differentiates twice (small, early in the model).
 HESSIAN_PARAM = {"mlp": "0.bias", "mlp_ln": "1.weight", "cnn": "0.bias", "transformer": "body.norm1.weight",
                  "gru": "gru.bias_hh_l0", "embedding": "emb.weight", "resnet": "conv1.bias", "bn_cnn": "1.weight"}
 MC = ("DiagGGNMC", "BatchDiagGGNMC", "KFAC", "SqrtGGNMC")
+
+
+# (model, extension) -> the refusal every transform must raise (the plain call refuses too).
+REFUSED = {
+    ("mlp_ln", "KFRA"): r"KFRA is not supported for module '1' \(layer family 'layernorm'",
+    ("bn_cnn", "KFRA"): r"KFRA is not supported for module '1' \(layer family 'batchnorm'",
+    ("embedding", "KFRA"): r"KFRA is not supported for module 'emb'",
+    ("transformer", "KFRA"): r"KFRA needs a chain of operations",
+    ("resnet", "KFRA"): r"KFRA needs a chain of operations",
+    ("gru", "KFRA"): r"KFRA is not defined for the recurrent module",
+}
+
+# Monte-Carlo extensions under torch.func.hessian (jacfwd's vmap, randomness="error", no
+# option to change it): torch's own refusal of a random operation inside vmap.
+MC_HESSIAN = (RuntimeError, r"randomness error mode")
+
+# PCHMP's clip/abs of eigenvalues has no derivative (kinks at zero eigenvalues): curvlib
+# refuses derivatives through it when the product is applied, under every transform that
+# differentiates (vmap alone is exact).
+DIFFERENTIATING = ("grad", "jvp", "jacrev", "hessian", "autograd", "grad_X")
+PCHMP_DERIVATIVES = (CurvatureError, r"PCHMP\(modify='clip'\) with .*is not differentiable")
+
+
+def expected_refusal(model: str, cls_name: str, transform: str):
+    """``(exception type, message pattern)`` the cell must raise, or None."""
+    if (model, cls_name) in REFUSED:
+        return CurvatureError, REFUSED[(model, cls_name)]
+    if cls_name in MC and transform == "hessian":
+        return MC_HESSIAN
+    if cls_name == "PCHMP" and transform in DIFFERENTIATING:
+        return PCHMP_DERIVATIVES
+    return None
 
 
 def extension_classes() -> Dict[str, type]:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import grad, hessian, jacrev
 
-from oracles import functional_call
+from oracles.first_order import functional_call
 
 # Activation modules with a non-zero second derivative (residual terms).
 SMOOTH_ACTIVATIONS: Tuple[type, ...] = (

@@ -1,8 +1,8 @@
 """Run every cell of the composition matrix once and print a markdown table of the failures.
 
-``PYTHONPATH=src python tests/compose_table.py [model ...] > table.md``: one row per
+``PYTHONPATH=src:tests python -m oracles.compose_table [model ...] > table.md``: one row per
 failing cell (model x extension x transform -> wrong by how much / NaN / crash
-message), then a count. Refusals expected by ``test_compose.REFUSED`` are checked
+message), then a count. Refusals expected by ``oracles.compose_cells.REFUSED`` are checked
 like the test does. Seed 0, two samples.
 """
 
@@ -15,16 +15,14 @@ import warnings
 
 import torch
 
-from compose_cells import TRANSFORMS, rows, run_cell
-from oracles_compose_models import INTEGER_INPUT, MODELS
+from oracles.compose_cells import TRANSFORMS, expected_refusal, rows, run_cell
+from oracles.compose_models import INTEGER_INPUT, MODELS
 
 torch.set_num_threads(1)
 warnings.simplefilter("ignore")
 
 
 def outcome(model: str, cls_name: str, transform: str) -> str:
-    from test_compose import expected_refusal
-
     refused = expected_refusal(model, cls_name, transform)
     try:
         run_cell(model, cls_name, transform)

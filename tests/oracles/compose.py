@@ -22,7 +22,7 @@ second order (issue 20), and a loop keeps the oracle off that path.
 * ``pchmp`` (models whose only nonlinearities are ``nn.Tanh`` modules):
   ``G + Σ_act J_{p→a}ᵀ diag(clip(φ''(a) ⊙ g)) J_{p→a}`` (Chen et al.),
   ``g = ∂L/∂φ(a)``;
-* Kronecker factors: :mod:`oracles_compose_kron`.
+* Kronecker factors: :mod:`oracles.compose_kron`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.func import grad, hessian, jacrev
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from oracles import functional_call
+from oracles.first_order import functional_call
 
 DT = torch.float64
 Params = Dict[str, Tensor]
@@ -266,7 +266,7 @@ def brute(name: str, model: nn.Module, lossfn: nn.Module, params: Params, X: Ten
             return {k: v.sum(0) for k, v in Hn.items()}
         return _diag(Hn, train, name.endswith("_batch"))
     if name in ("kflr", "kfac_empirical"):
-        from oracles_compose_kron import kron_brute
+        from oracles.compose_kron import kron_brute
 
         return kron_brute(name, model, lossfn, params, X, y)
     raise KeyError(f"no brute force for {name!r}")

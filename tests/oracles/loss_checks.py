@@ -1,9 +1,10 @@
 """Shared checks of the loss tests: curvlib's quantities against the brute-force oracles
-(``oracles.first_order_reference``, ``oracles_second``), for any per-sample loss."""
+(``oracles.first_order.first_order_reference``, ``oracles.second_order``), for any per-sample loss."""
 
 from __future__ import annotations
 
 import torch
+from hypothesis import strategies as st
 from torch import nn
 
 from curvlib import curvature
@@ -12,12 +13,12 @@ from curvlib.extensions import (
     DiagGGNExact, DiagGGNMC, DiagHessian, SqrtGGNExact, SqrtGGNMC, SumGradSquared, Variance,
 )
 
-from oracles import first_order_reference
-from oracles_second import (
+from oracles.first_order import first_order_reference
+from oracles.second_order import (
     detached_params, ggn_per_sample, hessian_block, hessian_per_sample, kron_input_factor,
     kron_output_factor, trainable_names,
 )
-from on_device import seeded
+from oracles.on_device import seeded
 
 F64 = torch.float64
 
@@ -132,3 +133,70 @@ def assert_converges(errs, ratio=3.0):
     which beats M = 1."""
     for key, e in errs.items():
         assert e[10000] < 0.1 and e[10000] < e[100] / ratio and e[100] < e[1], (key, e)
+
+
+# ----------------------------------------------------------------------------- drawn problems (loss options)
+
+
+def ce_targets(out, target: str, ignore: str, ignore_class: int, gen):
+    """Class indices (with ignored entries, the first one counted) or class probabilities."""
+    k = out.shape[1]
+    if target == "prob":
+        return torch.softmax(torch.randn(out.shape, generator=gen, dtype=F64), 1)
+    y = torch.randint(0, k, (out.shape[0],) + tuple(out.shape[2:]), generator=gen)
+    flat = y.view(-1)
+    if ignore == "real":
+        flat[-1] = ignore_class
+        flat[0] = (ignore_class + 1) % k
+    elif ignore == "default":
+        flat[-1] = -100
+    return y
+
+
+@st.composite
+def ce_problems(draw):
+    seq = draw(st.booleans())
+    k, n = draw(st.integers(2, 3)), draw(st.integers(2, 4))
+    gen = seeded(draw(st.integers(0, 2**16)))
+    model, X = model_and_input(seq, draw(st.integers(1, 3)), draw(st.integers(1, 3)), k, n,
+                               draw(st.integers(1, 3)), draw(st.integers(1, 2)),
+                               draw(st.sampled_from(["tanh", "sigmoid", "relu"])), gen)
+    target = draw(st.sampled_from(["index", "prob"]))
+    ignore = draw(st.sampled_from(["none", "real", "default"]))
+    ignore_class = draw(st.integers(0, k - 1))
+    options = dict(reduction=draw(st.sampled_from(["mean", "sum"])),
+                   label_smoothing=draw(st.sampled_from([0.0, 0.3])))
+    if draw(st.booleans()):
+        options["weight"] = 0.2 + 2 * torch.rand(k, generator=gen, dtype=F64)
+    if ignore == "real" and target == "index":  # (PyTorch refuses it for probabilities)
+        options["ignore_index"] = ignore_class
+    with torch.no_grad():
+        y = ce_targets(model(X), target, ignore, ignore_class, gen)
+    return model, nn.CrossEntropyLoss(**options), X, y
+
+
+def bce_weight(shape_kind: str, out_shape, gen):
+    n, c = out_shape[0], out_shape[1]
+    rest = (1,) * (len(out_shape) - 2)
+    shape = {"class": (c,) + rest, "sample": (n,) + (1,) * (len(out_shape) - 1), "full": tuple(out_shape),
+             "scalar": (1,), "last": (out_shape[-1],)}[shape_kind]
+    return 0.2 + 2 * torch.rand(shape, generator=gen, dtype=F64)
+
+
+@st.composite
+def bce_problems(draw):
+    seq = draw(st.booleans())
+    gen = seeded(draw(st.integers(0, 2**16)))
+    model, X = model_and_input(seq, draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 3)),
+                               draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(1, 2)),
+                               draw(st.sampled_from(["tanh", "sigmoid", "relu"])), gen)
+    with torch.no_grad():
+        shape = tuple(model(X).shape)
+    options = dict(reduction=draw(st.sampled_from(["mean", "sum"])))
+    w = draw(st.sampled_from(["none", "class", "sample", "full", "scalar", "last"]))
+    if w != "none":
+        options["weight"] = bce_weight(w, shape, gen)
+    if draw(st.booleans()):
+        options["pos_weight"] = bce_weight("class", shape, gen)
+    y = torch.rand(shape, generator=gen, dtype=F64)
+    return model, nn.BCEWithLogitsLoss(**options), X, y

@@ -1,10 +1,10 @@
-"""One check per (zoo model, extension group): curvlib against tests/oracles_zoo.py (float64).
+"""One check per (zoo model, extension group): curvlib against tests/oracles/zoo_reference.py (float64).
 
 ``check(model_name, group)`` raises ``Wrong`` (an AssertionError) naming the quantity, the
 parameter and the relative error when values differ, lets curvlib's exceptions through,
 and returns ``{quantity: max relative error}`` when everything agrees. The relative error
 of a quantity is ``max|a - b| / max|b|`` with the maximum taken over the whole result
-(every parameter). ``python tests/zoo_checks.py [models...]`` prints a table for the report.
+(every parameter). ``PYTHONPATH=src:tests python -m oracles.zoo_checks [models...]`` prints a table for the report.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Dict
 
 import torch
 
-import oracles_zoo as oz
-from on_device import seeded
-import zoo
+from oracles import zoo_reference as oz
+from oracles.on_device import seeded
+from oracles import zoo
 from curvlib import curvature
 from curvlib.extensions import (HMP, KFAC, KFLR, BatchDiagGGNExact, BatchDiagGGNMC, BatchDiagHessian, BatchGrad,
                                 BatchL2Grad, DiagGGNExact, DiagGGNMC, DiagHessian, GGNMP, SumGradSquared, Variance)

@@ -1,6 +1,6 @@
 """Every exact quantity of a small model from the brute-force oracles, in curvlib's layout.
 
-:func:`reference` builds, from :mod:`oracles` and :mod:`oracles_second` (no
+:func:`reference` builds, from :mod:`oracles.first_order` and :mod:`oracles.second_order` (no
 curvlib), the loss, gradient, first-order quantities, GGN and Hessian
 diagonals (whole batch and per sample), the per-sample GGN blocks (what the
 square root must reproduce), the GGN / Hessian / positive-curvature Hessian
@@ -21,11 +21,11 @@ from curvlib.extensions import (
     DiagHessian, SqrtGGNExact, SumGradSquared, Variance,
 )
 
-from oracles import first_order_reference
-from oracles_second import (
+from oracles.first_order import first_order_reference
+from oracles.second_order import (
     ggn_per_sample, hessian_block, hessian_per_sample, kfra_reference, kron_reference, residual_block, trainable_names,
 )
-from on_device import seeded
+from oracles.on_device import seeded
 
 PRODUCTS = ("ggnmp", "hmp", "pchmp")
 

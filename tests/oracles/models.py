@@ -28,7 +28,7 @@ from typing import Callable, Dict, NamedTuple, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from on_device import seeded
+from oracles.on_device import seeded
 
 DT = torch.float64
 

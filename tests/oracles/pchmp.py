@@ -53,8 +53,10 @@ import torch
 from torch import Tensor, fx, nn
 from torch.autograd.functional import hessian, jacobian
 
-from oracles import functional_call
-from oracles_second import loss_hessian_blocks
+from oracles.first_order import functional_call
+from oracles.second_order import loss_hessian_blocks
+
+BLOCK_RTOL = 1e-7  # assert_blocks_close: relative to the largest entry of any block
 
 
 class _Leaves(fx.Tracer):
@@ -313,3 +315,12 @@ def hessian_blocks_autograd(model: nn.Module, lossfn: nn.Module, X: Tensor, y: T
             H = hessian(lambda t: lossfn(functional_call(model, {**params, name: t}, (X,)), y), params[name])
             result[name] = H.reshape(p.numel(), p.numel())
     return result
+
+
+def assert_blocks_close(got: Dict[str, Tensor], want: Dict[str, Tensor], what: str) -> None:
+    """Every block within ``BLOCK_RTOL`` of the largest entry of any block of ``want``."""
+    assert list(got) == list(want), f"{what}: keys {list(got)} != {list(want)}"
+    scale = max([float(w.abs().max()) for w in want.values()] + [1e-300])
+    for name in want:
+        err = float((got[name] - want[name]).abs().max())
+        assert err <= BLOCK_RTOL * scale, f"{what}[{name}]: max error {err:.3e}, relative {err / scale:.3e}"

@@ -20,7 +20,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import torch
 from torch import nn
 
-from on_device import seeded
+from oracles.on_device import seeded
 
 N, T, VOCAB, CLASSES = 3, 5, 32, 3
 

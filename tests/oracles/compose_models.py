@@ -2,7 +2,7 @@
 
 ``build(name, seed)`` returns a :class:`Problem`: the model (eval mode), the
 loss, and ``data(gen, n)`` drawing ``(X, y)`` with ``n`` samples. Sizes are
-tiny on purpose: every brute force of :mod:`oracles_compose` is a dense
+tiny on purpose: every brute force of :mod:`oracles.compose` is a dense
 per-sample Jacobian or Hessian, nested under the transform being tested.
 """
 
@@ -13,8 +13,8 @@ from typing import Callable, NamedTuple, Tuple
 import torch
 from torch import Tensor, nn
 
-from on_device import seeded
-from oracles_compose import twin
+from oracles.on_device import seeded
+from oracles.compose import twin
 
 DT = torch.float64
 CLASSES = 2

@@ -1,4 +1,4 @@
-"""Brute-force float64 references for the model zoo (tests/zoo.py), from plain autograd.
+"""Brute-force float64 references for the model zoo (tests/oracles/zoo.py), from plain autograd.
 
 Nothing here batches samples: sample ``i``'s loss ``ℓ_i = c · lossfn(f(x_i), y_i)`` (``c = 1/N``
 for ``reduction="mean"``, so ``Σ_i ℓ_i`` is the batch loss and the individual gradients
@@ -14,7 +14,7 @@ the model allows it, else one call per column), since these models' own Python (
   per parameter entry and sample);
 * ``hessian_block``: the batch loss's dense Hessian block of one parameter;
 * ``kflr_factors``: ``[B [O, O], A [I·K, I·K]]`` for every Linear / Conv2d (and GPT-2
-  ``Conv1D``) weight, as ``tests/oracles_compose_kron.py`` defines them (``A = (1/N)
+  ``Conv1D``) weight, as ``tests/oracles/compose_kron.py`` defines them (``A = (1/N)
   Σ_{n,s} x xᵀ``, unfolded patches for convolutions; ``B`` the exact GGN block of an
   offset added to the layer's output at every position, KFAC's "expand").
 """
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from zoo import select
+from oracles.zoo import select
 
 
 @contextmanager
@@ -204,7 +204,7 @@ def plain(m: nn.Module) -> bool:
 
 
 def _unfold(conv: nn.Conv2d, x: Tensor) -> Tensor:
-    """``[N, I·K, S]`` patches (as ``oracles_second.unfold_conv_input``, with groups=1)."""
+    """``[N, I·K, S]`` patches (as ``oracles.second_order.unfold_conv_input``, with groups=1)."""
     return F.unfold(x, conv.kernel_size, dilation=conv.dilation, padding=conv.padding, stride=conv.stride)
 
 
