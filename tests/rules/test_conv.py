@@ -210,7 +210,7 @@ def test_kronecker_factors_match_backpack(d, ext):
 
 
 def test_kfra_factors_of_grouped_conv_are_refused():
-    """KFRA refuses grouped convolutions; KFAC gives per-group factors (tests/test_kron_layers.py)."""
+    """KFRA refuses grouped convolutions; KFAC gives per-group factors (tests/_evaluate/test_kron_layers.py)."""
     from curvlib.extensions import KFAC, KFRA
 
     model = nn.Sequential(nn.Conv1d(2, 2, 1, groups=2), nn.Flatten()).double()
