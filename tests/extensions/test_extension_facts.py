@@ -21,9 +21,9 @@ from curvlib._core.site import Family
 from curvlib.extensions import DiagGGNExact, Extension, SecondOrder
 from curvlib.extensions.secondorder import MonteCarlo
 from curvlib.rules import FAMILIES, FAMILY_OF
-from on_device import seeded
+from oracles.on_device import seeded
 
-CONTRIBUTING = pathlib.Path(__file__).resolve().parents[1] / "CONTRIBUTING.md"
+CONTRIBUTING = pathlib.Path(__file__).resolve().parents[2] / "CONTRIBUTING.md"
 PUBLIC = [getattr(extensions, n) for n in extensions.__all__ if n not in ("Extension", "SecondOrder")]
 NEEDS = {"setup_context", "vmap", "jvp", "twice"}
 
