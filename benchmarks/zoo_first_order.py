@@ -2,7 +2,7 @@
 
     python benchmarks/zoo_first_order.py [--n 32] [--repeats 7] [--models gpt2_eager bert ...]
 
-The models are those of ``tests/zoo.py`` (tiny configs from Hugging Face transformers, timm
+The models are those of ``tests/oracles/zoo.py`` (tiny configs from Hugging Face transformers, timm
 and torchvision, random weights, nothing downloaded), in float32 with the batch tiled to
 ``--n`` samples, one torch thread. For each: the median time of a plain ``loss.backward()``,
 of ``vmap(grad)`` over samples (each sample's share of the loss, ``functional_call``), and of
@@ -29,7 +29,7 @@ import torchvision_shim  # noqa: E402  (before transformers, timm, torchvision i
 
 torchvision_shim.install()
 
-import zoo  # noqa: E402
+from oracles import zoo  # noqa: E402
 from curvlib import curvature  # noqa: E402
 from curvlib._core.outputs import select  # noqa: E402
 from curvlib.extensions import BatchGrad  # noqa: E402

@@ -1,6 +1,6 @@
 """Sphinx configuration of curvlib's documentation site.
 
-Build (from the repository root; the README names this command, tests/test_docs_site.py runs it):
+Build (from the repository root; the README names this command, tests/project/test_docs_site.py runs it):
 
     python -m sphinx -W --keep-going -b html docs docs/_build/html
 

@@ -7,7 +7,7 @@ page shows the committed figure ``docs/_static/examples/<name>.png``, made once 
     python examples/<name>.py --quick --out docs/_static/examples
 
 (``--quick``: the run the CI smoke test makes). A missing figure is a Sphinx warning, so the
-warning-free build (``-W``) fails until it is committed; ``tests/test_docs_site.py`` checks the
+warning-free build (``-W``) fails until it is committed; ``tests/project/test_docs_site.py`` checks the
 same without Sphinx.
 """
 

@@ -3,11 +3,11 @@
 Device switch: ``CURVLIB_TEST_DEVICE=cuda python -m pytest`` runs every test on
 that device (default ``cpu``). When the variable is set (``cpu`` included, which
 exercises the same path), it becomes torch's default device here, so the tests'
-data, models and parameters are created on it, and ``on_device.seeded(seed)`` gives
+data, models and parameters are created on it, and ``oracles.on_device.seeded(seed)`` gives
 random streams on it (use it instead of ``torch.Generator()``; a test checks
 that no device-less generator is left). Subprocess tests pass the environment
 on; tests that are inherently CPU-bound (thread counts, gloo) stay on CPU or
-are skipped under a non-CPU switch, with the reason ``on_device.CPU_ONLY``.
+are skipped under a non-CPU switch, with the reason ``oracles.on_device.CPU_ONLY``.
 torch's default device is thread-local: threads a test starts create their
 tensors on CPU unless told otherwise.
 """
@@ -17,7 +17,7 @@ import os
 import torch
 from hypothesis import HealthCheck, settings
 
-from on_device import DEVICE, SWITCH
+from oracles.on_device import DEVICE, SWITCH
 import torchvision_shim
 
 torchvision_shim.install()  # before anything imports torchvision (transformers, timm, laplace do)

@@ -11,8 +11,8 @@ from torch import nn
 from curvlib import CurvatureError, CurvatureTypeError, curvature
 from curvlib.extensions import KFLR
 from curvlib.optim import KFACOptimizer
-from on_device import seeded
-from oracles_second import kron_reference
+from oracles.on_device import seeded
+from oracles.second_order import kron_reference
 
 DT = torch.float64
 
@@ -29,7 +29,7 @@ def _data(n=16, seed=1):
 
 @pytest.mark.parametrize("method", ["exact", "plain"])
 def test_one_step_is_the_dense_damped_natural_gradient_step(method):
-    """``θ − lr (F + λ)⁻¹ ∇L`` with ``F = B ⊗ A`` from ``oracles_second.kron_reference``
+    """``θ − lr (F + λ)⁻¹ ∇L`` with ``F = B ⊗ A`` from ``oracles.second_order.kron_reference``
     (Jacobians by ``jacrev``) and ``∇L`` by autograd, inverted with ``torch.linalg.solve``."""
     model, (X, y) = _model(), _data()
     lossfn = nn.CrossEntropyLoss()

@@ -2,7 +2,7 @@
 
 Every model here is built from PyTorch's own modules (``nn.MultiheadAttention``,
 ``nn.TransformerEncoderLayer``/``DecoderLayer``, ``nn.TransformerEncoder``,
-``F.scaled_dot_product_attention``); the oracles (:mod:`oracles_all`) run
+``F.scaled_dot_product_attention``); the oracles (:mod:`oracles.reference`) run
 those original modules. Their first-order oracle runs each sample through the
 module on its own (plain autograd); the second-order ones use ``torch.func``
 (``jacrev``/``hessian``), under which PyTorch's slow path is taken (parameters
@@ -13,50 +13,17 @@ which only changes how the no-grad reference loss is computed). curvlib
 itself is run with neither setting and must not warn.
 """
 
-import contextlib
-import warnings
-
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from curvlib import curvature
 from curvlib.extensions import KFLR
 
-from oracles_all import assert_matches, exact_extensions, reference
-from on_device import seeded
-
-DT = torch.float64
-CE = nn.CrossEntropyLoss()
-
-
-@contextlib.contextmanager
-def oracle_mode():
-    """Composite SDPA and no MHA fast path for the oracles (see the module doc)."""
-    before = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        with sdpa_kernel([SDPBackend.MATH]):
-            yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(before)
-
-
-def check_all(model, X, y, lossfn=CE, hessian=True, rtol=1e-7):
-    """Every exact extension against :func:`oracles_all.reference`; curvlib must not warn."""
-    exts = exact_extensions(hessian=hessian)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        warnings.filterwarnings("ignore", category=DeprecationWarning)  # torch's own jit-decomposition loader
-        qs = curvature(model, lossfn, exts)(X, y)
-    with oracle_mode():
-        ref = reference(model, lossfn, X, y, hessian=hessian, pchmp=False)
-    assert_matches(qs, ref, type(model).__name__, rtol)
-    return qs
-
+from oracles.attention import CE, DT, check_all, oracle_mode
+from oracles.on_device import seeded
 
 class MHAModel(nn.Module):
     """One ``nn.MultiheadAttention`` with the given options, keys/values made from ``x``."""
@@ -346,11 +313,11 @@ class _Twin(nn.Module):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_pchmp_attention(modify, seed):
     """PCHMP through ``nn.MultiheadAttention`` (float mask, key padding) equals the
-    brute-force positive-curvature blocks (:mod:`oracles_pchmp`) of the same attention
+    brute-force positive-curvature blocks (:mod:`oracles.pchmp`) of the same attention
     written out in plain operations: the residuals of ``q kᵀ``, softmax and ``A v``."""
     from curvlib.extensions import PCHMP
-    from oracles_all import product_matrix
-    from oracles_pchmp import pchmp_blocks
+    from oracles.reference import product_matrix
+    from oracles.pchmp import pchmp_blocks
 
     torch.manual_seed(seed)
     n, t, e = 2, 3, 4
@@ -373,9 +340,9 @@ def test_pchmp_attention(modify, seed):
 
 def test_diag_ggn_mc_attention():
     """DiagGGNMC / BatchDiagGGNMC through a transformer decoder layer converge to the exact
-    GGN diagonals (``oracles_second.ggn_per_sample``; seeded generators, error ~ 1/√M)."""
+    GGN diagonals (``oracles.second_order.ggn_per_sample``; seeded generators, error ~ 1/√M)."""
     from curvlib.extensions import BatchDiagGGNMC, DiagGGNMC
-    from oracles_second import ggn_per_sample
+    from oracles.second_order import ggn_per_sample
 
     torch.manual_seed(0)
     model = Decoder(4, 2, True, "gelu", True, 3).to(DT).eval()

@@ -1,5 +1,5 @@
 """Whole ``nn.Transformer``, attention dropout in training mode, and attention inside a user
-module that owns parameters, against brute force (see :mod:`rules.test_attention` for the
+module that owns parameters, against brute force (see :mod:`oracles.attention` for the
 oracles and why they run in ``oracle_mode``)."""
 
 import copy
@@ -13,9 +13,9 @@ from torch import nn
 from curvlib import curvature
 from curvlib.extensions import BatchDiagGGNExact, BatchGrad, DiagGGNExact, DiagHessian, GGNMP, HMP
 
-from oracles_all import assert_close, assert_matches, exact_extensions, product_matrix, reference
-from rules.test_attention import CE, DT, check_all
-from on_device import seeded
+from oracles.reference import assert_close, assert_matches, exact_extensions, product_matrix, reference
+from oracles.attention import CE, DT, check_all
+from oracles.on_device import seeded
 
 
 class Seq2Seq(nn.Module):

@@ -10,8 +10,8 @@ from torch import nn
 from curvlib import CurvatureError, curvature
 from curvlib.extensions import BatchGrad, BatchL2Grad
 
-from helpers import check_first_order, state_snapshot, _assert_same_state
-from on_device import seeded
+from oracles.checks import check_first_order, state_snapshot, _assert_same_state
+from oracles.on_device import seeded
 
 BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
 LOSSES = {"mse": nn.MSELoss, "ce": nn.CrossEntropyLoss}

@@ -11,8 +11,9 @@ from torch import nn
 from curvlib import CurvatureError, curvature
 from curvlib.extensions import BatchGrad
 from curvlib.rules import conv as conv_rule
-from helpers import check_first_order, check_ggn_columns
-from on_device import seeded
+from oracles.checks import check_first_order, check_ggn_columns
+from oracles.cases import conv_configs
+from oracles.on_device import seeded
 
 LOSSES = {"mse": nn.MSELoss, "ce": nn.CrossEntropyLoss, "bce": nn.BCEWithLogitsLoss}
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
@@ -27,57 +28,6 @@ def targets(kind, out, gen):
     if kind == "bce":
         return torch.rand(out.shape, generator=gen, dtype=out.dtype)
     return torch.randn(out.shape, generator=gen, dtype=out.dtype)
-
-
-@st.composite
-def conv_configs(draw, dims=(1, 2, 3)):
-    """``(d, conv kwargs, spatial input shape)``: a valid nn.ConvNd and an input it accepts."""
-    d = draw(st.sampled_from(dims))
-    groups = draw(st.integers(1, 2))
-    c_in = groups * draw(st.integers(1, 2))
-    c_out = groups * draw(st.integers(1, 2))
-    kmax = 3 if d < 3 else 2
-    int_kernel = d > 1 and draw(st.booleans())
-    if int_kernel:
-        kernel = (draw(st.integers(1, kmax)),) * d
-    else:
-        kernel = tuple(draw(st.integers(1, kmax)) for _ in range(d))
-    dilation = tuple(draw(st.integers(1, 2)) for _ in range(d))
-    mode = draw(st.sampled_from(["zeros", "reflect", "replicate", "circular"]))
-    padding_kind = draw(st.sampled_from(["int", "tuple", "valid", "same"]))
-    if padding_kind == "same":
-        stride = 1
-        padding = "same"
-        per_side = [(dl * (k - 1) + 1) // 2 + 1 for k, dl in zip(kernel, dilation)]
-    else:
-        stride = draw(st.one_of(st.integers(1, 2), st.tuples(*[st.integers(1, 2)] * d)))
-        if padding_kind == "int":
-            padding = draw(st.integers(0, 2))
-            per_side = [padding] * d
-        elif padding_kind == "tuple":
-            padding = tuple(draw(st.integers(0, 2)) for _ in range(d))
-            per_side = list(padding)
-        else:
-            padding = "valid"
-            per_side = [0] * d
-    smax = 7 if d < 3 else 4
-    spatial = []
-    for k, dl, p in zip(kernel, dilation, per_side):
-        # the padded input must hold one window; reflect needs padding < size
-        low = max(dl * (k - 1) + 1 - 2 * p, p + 1, 1)
-        spatial.append(draw(st.integers(low, max(low, smax))))
-    kwargs = dict(
-        in_channels=c_in,
-        out_channels=c_out,
-        kernel_size=kernel[0] if int_kernel else kernel,
-        stride=stride,
-        padding=padding,
-        dilation=dilation,
-        groups=groups,
-        bias=draw(st.booleans()),
-        padding_mode=mode,
-    )
-    return d, kwargs, tuple(spatial)
 
 
 def _model_and_data(d, kwargs, spatial, n, seed, head):
@@ -260,7 +210,7 @@ def test_kronecker_factors_match_backpack(d, ext):
 
 
 def test_kfra_factors_of_grouped_conv_are_refused():
-    """KFRA refuses grouped convolutions; KFAC gives per-group factors (tests/test_kron_layers.py)."""
+    """KFRA refuses grouped convolutions; KFAC gives per-group factors (tests/_evaluate/test_kron_layers.py)."""
     from curvlib.extensions import KFAC, KFRA
 
     model = nn.Sequential(nn.Conv1d(2, 2, 1, groups=2), nn.Flatten()).double()

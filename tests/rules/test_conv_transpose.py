@@ -7,8 +7,8 @@ from torch import nn
 
 from curvlib import CurvatureError, curvature
 from curvlib.extensions import BatchGrad
-from helpers import check_first_order, check_ggn_columns
-from on_device import seeded
+from oracles.checks import check_first_order, check_ggn_columns
+from oracles.on_device import seeded
 
 LOSSES = {"mse": nn.MSELoss, "ce": nn.CrossEntropyLoss, "bce": nn.BCEWithLogitsLoss}
 CONV_T = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}

@@ -11,8 +11,8 @@ from torch import nn
 from curvlib import curvature
 from curvlib.extensions import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 
-from helpers import check_first_order, state_snapshot, _assert_same_state
-from on_device import seeded
+from oracles.checks import check_first_order, state_snapshot, _assert_same_state
+from oracles.on_device import seeded
 
 LOSSES = {"mse": nn.MSELoss, "ce": nn.CrossEntropyLoss}
 

@@ -21,10 +21,9 @@ from curvlib.extensions import (
     SumGradSquared,
 )
 
-from helpers import check_first_order
-from oracles_second import hessian_block, hessian_per_sample
-from test_secondorder import check_second_order
-from on_device import seeded
+from oracles.checks import check_first_order, check_second_order
+from oracles.second_order import hessian_block, hessian_per_sample
+from oracles.on_device import seeded
 
 LOSSES = {"mse": nn.MSELoss, "ce": nn.CrossEntropyLoss, "bce": nn.BCEWithLogitsLoss}
 

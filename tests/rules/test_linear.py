@@ -4,8 +4,8 @@ import torch
 from hypothesis import given, strategies as st
 from torch import nn
 
-from helpers import check_first_order
-from on_device import seeded
+from oracles.checks import check_first_order
+from oracles.on_device import seeded
 
 
 def _targets(kind, out, gen):

@@ -11,8 +11,8 @@ from curvlib.extensions import BatchGrad
 from curvlib.rules import rnn as rnn_rule
 from curvlib._core.site import Recorder
 
-from helpers import check_first_order
-from on_device import seeded
+from oracles.checks import check_first_order
+from oracles.on_device import seeded
 
 # kind -> (module class, extra constructor arguments)
 KINDS = {

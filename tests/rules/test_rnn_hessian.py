@@ -5,7 +5,7 @@
   (:func:`torch.autograd.functional.hessian`) through the torch module itself
   (its fused kernel does not run under ``torch.func`` transforms).
 * ``PCHMP``: the whole block of every parameter against
-  :func:`oracles_pchmp.pchmp_blocks` on the *same* model whose recurrence is
+  :func:`oracles.pchmp.pchmp_blocks` on the *same* model whose recurrence is
   written out step by step with tensor operations (``Net.unroll``), which the
   oracle traces with ``torch.fx`` and differentiates node by node. That the
   written-out recurrence is the module's is checked twice: equal outputs, and
@@ -30,8 +30,8 @@ from torch.autograd.functional import hessian
 from curvlib import curvature
 from curvlib.extensions import PCHMP, BatchDiagHessian, DiagHessian
 
-from oracles_pchmp import pchmp_blocks
-from on_device import seeded
+from oracles.pchmp import pchmp_blocks
+from oracles.on_device import seeded
 
 DT = torch.float64
 RTOL = 1e-7

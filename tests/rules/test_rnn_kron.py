@@ -34,8 +34,8 @@ from torch.func import grad, jacrev
 from curvlib import CurvatureError, curvature
 from curvlib.extensions import KFAC, KFACEmpirical, KFLR, KFRA, SqrtGGNMC
 
-from oracles_second import loss_hessian_blocks
-from on_device import seeded
+from oracles.second_order import loss_hessian_blocks
+from oracles.on_device import seeded
 
 DT = torch.float64
 KINDS = {

@@ -1,0 +1,320 @@
+"""Submodules torch.fx cannot trace stay opaque graph nodes, not a refusal of the model.
+
+Since issue 21 such models are traced at the ATen level instead (``curvlib._trace.aten``,
+``tests/_trace/test_aten.py``); the opaque leaves remain the fallback where that front end cannot
+run (a custom ``autograd.Function`` in the model's code). This file tests the fallback: the
+ATen front end is switched off for every test here (``_opaque_fallback``).
+
+A model whose submodule's ``forward`` fails under fx (assertions or ``isinstance``
+checks on proxies, branches on tensor values, BackPACK's ``SumModule``) is traced
+with that submodule as one leaf: a layer run by the generic rule when it owns
+parameters, a parameter-free node otherwise. Every extension curvlib computes on a
+generic layer is checked against the float64 brute-force oracles (per-sample copies,
+full Jacobians and Hessians by autograd, the PCHMP decomposition with the opaque
+modules as single nodes); KFAC/KFLR are exact for the traced layers and refused,
+naming the module, for parameters inside an opaque one.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from backpack.custom_module.branching import Parallel, SumModule
+from backpack.custom_module.graph_utils import convert_module_to_backpack
+from hypothesis import given
+from torch import nn
+
+from curvlib import CurvatureError, curvature
+from curvlib._trace.program import trace_program
+from curvlib.extensions import KFAC, KFLR, KFRA, BatchGrad, DiagGGNExact, DiagGGNMC, DiagHessian, SqrtGGNMC
+
+from oracles.checks import _assert_same_state, state_snapshot
+from oracles.loss_checks import assert_converges, mc_read, rel
+from oracles.reference import assert_matches, exact_extensions, kflr_map, product_matrix, reference
+from oracles.pchmp import pchmp_blocks
+from oracles.second_order import ggn_per_sample, kron_input_factor
+from oracles.on_device import seeded
+
+@pytest.fixture(autouse=True, scope="module")
+def _opaque_fallback():
+    """The ATen front end off: torch.fx's trace with opaque leaves is used, as before issue 21."""
+    import curvlib._plan.traces
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(curvlib._plan.traces, "needs_aten", lambda *a: False)
+        yield
+
+
+# --------------------------------------------------------------------------- models
+
+
+class Checked(nn.Module):
+    """(a) Type and shape assertions on its input: fx's proxies fail both."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        assert isinstance(x, torch.Tensor), "expects a tensor"
+        assert x.shape[-1] == 4
+        return torch.tanh(self.lin(x))
+
+
+class Branchy(nn.Module):
+    """(b) A branch on the values of its input (the whole batch's sum), parameters in both branches."""
+
+    def __init__(self, d=3, h=4):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, h), nn.Linear(d, h)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return torch.tanh(self.a(x))
+        return torch.sigmoid(self.b(x)) * 2.0
+
+
+class SafeSwish(nn.Module):
+    """(c) A parameter-free activation that type-checks and clamps on values (both untraceable)."""
+
+    def forward(self, x):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError("SafeSwish expects a tensor")
+        if x.abs().max() > 1e6:
+            x = x.clamp(-1e6, 1e6)
+        return x * torch.sigmoid(x)
+
+
+class Sandwich(nn.Module):
+    """Traced Linear layers around one opaque submodule."""
+
+    def __init__(self, middle: nn.Module, d=3, h=4, c=3, first=True):
+        super().__init__()
+        self.first = first
+        self.inp = nn.Linear(d, h) if first else nn.Identity()
+        self.mid = middle
+        self.out = nn.Linear(h, c)
+
+    def forward(self, x):
+        return self.out(self.mid(self.inp(x)))
+
+
+class Res(nn.Module):
+    """A small ResNet block for BackPACK's converter (its ``+`` becomes a ``SumModule``)."""
+
+    def __init__(self, c=3):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, 3, padding=1)
+        self.act = nn.Tanh()
+        self.c2 = nn.Conv2d(2, 2, 3, padding=1)
+        self.act2 = nn.Sigmoid()
+        self.head = nn.Linear(2 * 3 * 3, c)
+
+    def forward(self, x):
+        h = self.act(self.conv(x))
+        h = h + self.c2(h)
+        return self.head(torch.flatten(self.act2(h), 1))
+
+
+def _backpack_resnet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # BackPACK's converter talks about its own extensions
+        return convert_module_to_backpack(Res(), False)
+
+
+# name -> (model factory, input shape per sample, opaque leaf types, opaque paths, parameters inside)
+CASES = {
+    "assert_isinstance": (lambda: Sandwich(Checked()), (3,), (Checked,), ["mid"], True),
+    "value_branch": (lambda: Sandwich(Branchy(), first=False), (3,), (Branchy,), ["mid"], True),
+    "free_activation": (lambda: Sandwich(SafeSwish()), (3,), (SafeSwish,), ["mid"], False),
+    "backpack_parallel": (
+        lambda: nn.Sequential(nn.Linear(3, 4), nn.Tanh(),
+                              Parallel(nn.Identity(), nn.Sequential(nn.Linear(4, 4), nn.Sigmoid())), nn.Linear(4, 3)),
+        (3,), (SumModule,), ["2.merge"], False,
+    ),
+    "backpack_resnet": (_backpack_resnet, (1, 3, 3), (SumModule,), ["sum_module0"], False),
+}
+
+
+def _problem(case: str, n: int, seed: int, ce: bool, sign: float = 1.0):
+    torch.manual_seed(seed)
+    factory, shape, _, _, _ = CASES[case]
+    model = factory().double()
+    X = torch.rand((n,) + shape, dtype=torch.float64) + 0.1
+    if case == "value_branch":
+        X = sign * X  # every sample on the batch's side of the branch (samples independent)
+    else:
+        X = X - 0.6
+    lossfn = nn.CrossEntropyLoss() if ce else nn.MSELoss()
+    y = torch.randint(0, 3, (n,)) if ce else torch.randn(n, 3, dtype=torch.float64)
+    return model, lossfn, X, y
+
+
+def _quiet_curvature(model, lossfn, exts):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return curvature(model, lossfn, exts)
+
+
+def _freeze_inside(model, case):
+    for path in CASES[case][3]:
+        model.get_submodule(path).requires_grad_(False)
+
+
+# --------------------------------------------------------------------------- tracing
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_opaque_leaves_found_and_warned(case):
+    """The offending submodules (and only they) become leaves; the user is told which, and why."""
+    model, lossfn, X, y = _problem(case, 3, 0, False)
+    program = trace_program(model)
+    assert program.graph is not None
+    assert sorted(program.opaque) == sorted(CASES[case][3])
+    with pytest.warns(UserWarning, match="torch.fx could not trace") as record:
+        f = curvature(model, lossfn, exact_extensions())
+    f(X, y)
+    text = "\n".join(str(w.message) for w in record if "torch.fx could not trace" in str(w.message))
+    assert text.count("torch.fx could not trace") == 1, "warned once per curvature"
+    for path in CASES[case][3]:
+        module = model.get_submodule(path)
+        assert f"'{path}' ({type(module).__name__})" in text
+    role = "one layer (generic rule)" if CASES[case][4] else "a parameter-free operation"
+    assert role in text
+    where = "branching.py:" if case.startswith("backpack") else "test_opaque.py:"
+    assert where in text, text  # the line that failed
+
+
+def test_model_level_failure_still_untraced():
+    """A branch in the model's own forward leaves nothing to make opaque: no graph (first order only)."""
+
+    class Top(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.a(x) if x.sum() > 0 else -self.a(x)
+
+    program = trace_program(Top())
+    assert program.graph is None and not program.opaque
+    assert "cannot be used as inputs to control flow" in program.trace_error
+
+
+def test_nested_failure_makes_deepest_module_opaque():
+    """An untraceable module inside a traceable container: only the inner one is opaque, the
+    container's Linear layers stay traced (their own rules)."""
+    inner = Sandwich(Checked())
+    model = nn.Sequential(nn.Linear(3, 3), inner, nn.Tanh()).double()
+    program = trace_program(model)
+    assert list(program.opaque) == ["1.mid"]
+    kinds = {layer.path: layer.kind for layer in program.layers.values()}
+    assert kinds == {"0": "linear", "1.inp": "linear", "1.mid": "generic", "1.out": "linear"}
+
+
+# --------------------------------------------------------------------------- values
+
+
+@given(case=st.sampled_from(list(CASES)), n=st.integers(2, 3), seed=st.integers(0, 2**16),
+       ce=st.booleans(), sign=st.sampled_from([1.0, -1.0]))
+def test_every_exact_extension_matches_brute_force(case, n, seed, ce, sign):
+    """First order, GGN and Hessian diagonals (batch and per sample), square root, GGNMP, HMP,
+    PCHMP against float64 brute force, with the opaque modules as they are."""
+    model, lossfn, X, y = _problem(case, n, seed, ce, sign)
+    before = state_snapshot(model)
+    qs = _quiet_curvature(model, lossfn, exact_extensions())(X, y)
+    _assert_same_state(before, state_snapshot(model))
+    ref = reference(model, lossfn, X, y, hessian=True, pchmp=False)
+    assert_matches(qs, ref, case)
+    pch = pchmp_blocks(model, lossfn, X, y, "clip", leaves=CASES[case][2])
+    for name, block in pch.items():
+        got = product_matrix(qs["pchmp"][name], ref["grad"][name].shape)
+        scale = block.abs().max().item()
+        assert (got - block).abs().max().item() <= 1e-10 + 1e-7 * scale, f"{case} pchmp[{name}]"
+
+
+@given(case=st.sampled_from(list(CASES)), n=st.integers(2, 3), seed=st.integers(0, 2**16), ce=st.booleans())
+def test_kflr_exact_for_traced_layers(case, n, seed, ce):
+    """KFLR's factors of every Linear/Conv outside the opaque modules equal the oracle's
+    (parameters inside an opaque module frozen), next to the other exact extensions."""
+    model, lossfn, X, y = _problem(case, n, seed, ce)
+    _freeze_inside(model, case)
+    qs = _quiet_curvature(model, lossfn, exact_extensions(kflr=True))(X, y)
+    ref = reference(model, lossfn, X, y, hessian=False, kflr=kflr_map(model))
+    assert_matches(qs, ref, case)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kfac_input_factor_exact_for_traced_layers(case):
+    """KFAC (MC): the input factors of the traced layers are exact, the output factors symmetric."""
+    model, lossfn, X, y = _problem(case, 3, 1, True)
+    _freeze_inside(model, case)
+    qs = _quiet_curvature(model, lossfn, [KFAC()])(X, y)
+    for name, factors in qs["kfac"].items():
+        assert torch.allclose(factors[0], factors[0].T)
+        if len(factors) == 2:
+            module = name.rsplit(".", 1)[0]
+            torch.testing.assert_close(factors[1], kron_input_factor(model, X, module))
+
+
+@pytest.mark.parametrize("case", ["assert_isinstance", "value_branch"])
+@pytest.mark.parametrize("ext", [KFAC(), KFLR(), KFRA()])
+def test_kron_refused_inside_opaque_module(case, ext):
+    """Kronecker factors need the Linear layers inside: refused, naming the module, its
+    parameters and fx's reason; freezing them is the way out (tested above)."""
+    model, lossfn, X, y = _problem(case, 3, 0, False)
+    with pytest.raises(CurvatureError) as info:
+        _quiet_curvature(model, lossfn, [ext])(X, y)
+    msg = str(info.value)
+    if isinstance(ext, KFRA):
+        return  # KFRA: refused before (needs a chain of Linear layers) or here
+    assert type(ext).__name__ in msg and "'mid'" in msg and "torch.fx could not trace" in msg
+    assert "mid." in msg and "requires_grad=False" in msg
+
+
+@pytest.mark.parametrize("case", [
+    "free_activation", "backpack_parallel",
+    # generic layers take the MC root column by column (and the branching one sample by sample)
+    pytest.param("assert_isinstance", marks=pytest.mark.slow),
+    pytest.param("value_branch", marks=pytest.mark.slow),
+])
+def test_monte_carlo_extensions_converge(case):
+    """DiagGGNMC and SqrtGGNMC through opaque modules converge to the exact GGN (error ~ 1/√M)."""
+    model, lossfn, X, y = _problem(case, 2, 3, True)
+    Gn = {name: ggn_per_sample(model, lossfn, X, y, name) for name, _ in model.named_parameters()}
+    exact = {"diag_ggn_mc": {k: G.sum(0).diagonal() for k, G in Gn.items()}, "sqrt_ggn_mc": Gn}
+    errs = {key: {} for key in exact}
+    for m in (1, 100, 10000):
+        exts = [DiagGGNMC(mc_samples=m, generator=seeded(m)),
+                SqrtGGNMC(mc_samples=m, generator=seeded(m + 1))]
+        qs = _quiet_curvature(model, lossfn, exts)(X, y)
+        qs["diag_ggn_mc"] = {k: v.flatten() for k, v in qs["diag_ggn_mc"].items()}
+        for key in exact:
+            errs[key][m] = rel(mc_read(key, qs[key], model, X), exact[key])
+    assert_converges(errs)
+
+
+def test_value_branch_takes_each_branch():
+    """Both branches of the opaque module are exercised (results differ between them), so the
+    value tests above cover the piecewise function on either side."""
+    model, lossfn, X, y = _problem("value_branch", 3, 5, False)
+    qs_pos = _quiet_curvature(model, lossfn, exact_extensions(hessian=False))(X, y)
+    qs_neg = _quiet_curvature(model, lossfn, exact_extensions(hessian=False))(-X, y)
+    assert qs_pos["grad"]["mid.a.weight"].abs().sum() > 0 and qs_pos["grad"]["mid.b.weight"].abs().sum() == 0
+    assert qs_neg["grad"]["mid.b.weight"].abs().sum() > 0 and qs_neg["grad"]["mid.a.weight"].abs().sum() == 0
+
+
+@pytest.mark.parametrize("ext", [BatchGrad(), DiagGGNExact(), DiagHessian()])
+def test_branch_chosen_by_the_whole_batch_refused(ext):
+    """Samples on both sides of a batch-level branch: a sample alone takes another branch than
+    in the batch, so per-sample quantities are not defined: refused, naming the module (sample 0
+    agrees with the batch, so only the per-sample runs can see it)."""
+    model, lossfn, X, y = _problem("value_branch", 3, 0, False)
+    X = X.clone()
+    X[2] = -X[2] * 0.1  # the batch's sum stays positive; sample 2's is negative
+    assert X.sum() > 0 and X[0].sum() > 0 and X[2].sum() < 0
+    with pytest.raises(CurvatureError, match="'mid' \\(Branchy.*branches on tensor values"):
+        _quiet_curvature(model, lossfn, [ext])(X, y)

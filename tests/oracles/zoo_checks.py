@@ -1,0 +1,226 @@
+"""One check per (zoo model, extension group): curvlib against tests/oracles/zoo_reference.py (float64).
+
+``check(model_name, group)`` raises ``Wrong`` (an AssertionError) naming the quantity, the
+parameter and the relative error when values differ, lets curvlib's exceptions through,
+and returns ``{quantity: max relative error}`` when everything agrees. The relative error
+of a quantity is ``max|a - b| / max|b|`` with the maximum taken over the whole result
+(every parameter). ``PYTHONPATH=src:tests python -m oracles.zoo_checks [models...]`` prints a table for the report.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Dict
+
+import torch
+
+from oracles import zoo_reference as oz
+from oracles.on_device import seeded
+from oracles import zoo
+from curvlib import curvature
+from curvlib.extensions import (HMP, KFAC, KFLR, BatchDiagGGNExact, BatchDiagGGNMC, BatchDiagHessian, BatchGrad,
+                                BatchL2Grad, DiagGGNExact, DiagGGNMC, DiagHessian, GGNMP, SumGradSquared, Variance)
+
+GROUPS = ["first_order", "ggn", "hessian", "kflr", "products", "mc_ggn", "mc_kfac"]
+
+# 4 x 256 = 1024 draws per sample: an entry's MC standard error is ~ sqrt(var/mean^2 / 1024),
+# a few % of the largest entry for CE over 3-160 outputs; the max over thousands of entries
+# is a few of those. 8 / sqrt(1024) = 0.25 still catches any mis-scaling (>= 0.5 off).
+MC_DRAWS, MC_SAMPLES = 4, 256
+MC_RTOL = 8 / (MC_DRAWS * MC_SAMPLES) ** 0.5
+
+
+class Wrong(AssertionError):
+    pass
+
+
+PHASE = ["-"]  # what runs now: "curvlib" or "oracle" (named by a timeout)
+
+
+def _phase(what):
+    PHASE[0] = what
+
+
+def run(prob, extensions, **kw):
+    _phase("curvlib")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        f = curvature(prob.model, prob.lossfn, extensions, output=prob.output)
+        return f(prob.X, prob.y, **kw)
+
+
+def _relerr(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], what: str):
+    missing = [k for k in expected if k not in actual]
+    if missing:
+        raise Wrong(f"{what}: no entry for {missing[:3]}{'...' if len(missing) > 3 else ''}")
+    worst, where = 0.0, None
+    scale = max(float(v.abs().max()) for v in expected.values())
+    for k, e in expected.items():
+        a = actual[k]
+        if tuple(a.shape) != tuple(e.shape):
+            raise Wrong(f"{what}[{k}]: shape {tuple(a.shape)} != {tuple(e.shape)}")
+        err = float((a - e).abs().max()) / scale if scale > 0 else float((a - e).abs().max())
+        if not err <= worst and not (err == err):  # NaN
+            return float("nan"), k
+        if err > worst:
+            worst, where = err, k
+    return worst, where
+
+
+def compare(qs_key, actual, expected, rtol, errors):
+    err, where = _relerr(actual, expected, qs_key)
+    errors[qs_key] = err
+    if not err <= rtol:
+        raise Wrong(f"{qs_key}: rel. error {err:.2e} (at {where}) > {rtol:.0e}")
+
+
+def product_param(model) -> str:
+    """The parameter whose GGN/Hessian block products are checked: a weight of at most 300
+    entries in the middle of ``named_parameters()``."""
+    names = [k for k, p in oz.trainable(model).items() if p.dim() >= 2 and p.numel() <= 300]
+    return names[len(names) // 2]
+
+
+def check(name: str, group: str) -> Dict[str, float]:
+    prob = zoo.build(name)
+    rtol, errors = prob.rtol, {}
+    if group == "first_order":
+        qs = run(prob, [BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()])
+        _phase("oracle")
+        gb = oz.individual_gradients(prob)
+        n = gb[next(iter(gb))].shape[0]
+        loss = prob.lossfn(oz.forward(prob.model, prob.X, prob.output), prob.y)
+        compare("loss", {"": qs["loss"]}, {"": loss.detach()}, rtol, errors)
+        compare("grad", qs["grad"], {k: v.sum(0) for k, v in gb.items()}, rtol, errors)
+        compare("grad_batch", qs["grad_batch"], gb, rtol, errors)
+        compare("batch_l2", qs["batch_l2"], {k: (v**2).flatten(1).sum(1) for k, v in gb.items()}, rtol, errors)
+        compare("sum_grad_squared", qs["sum_grad_squared"], {k: (v**2).sum(0) for k, v in gb.items()}, rtol, errors)
+        compare("variance", qs["variance"], {k: (v**2).sum(0) / n - (v.sum(0) / n) ** 2 for k, v in gb.items()},
+                rtol, errors)
+    elif group == "ggn":
+        qs = run(prob, [DiagGGNExact(), BatchDiagGGNExact()])
+        _phase("oracle")
+        d = oz.ggn_diagonals(oz.ggn_parts(prob))
+        compare("diag_ggn_exact_batch", qs["diag_ggn_exact_batch"], d, rtol, errors)
+        compare("diag_ggn_exact", qs["diag_ggn_exact"], {k: v.sum(0) for k, v in d.items()}, rtol, errors)
+    elif group == "hessian":
+        qs = run(prob, [DiagHessian(), BatchDiagHessian()])
+        if rtol > 1e-8:
+            # float32 normalisations (Llama/Qwen2 RMSNorm, T5LayerNorm): the Hessian diagonal of
+            # the embedding rows amplifies their rounding to ~3e-6; the all-float64 twin
+            # (zoo "llama_f64norm") agrees to 2e-14, so this is float32 noise, not an error
+            rtol = 10 * rtol
+        _phase("oracle")
+        d = oz.hessian_diagonals(prob)
+        compare("diag_h_batch", qs["diag_h_batch"], d, rtol, errors)
+        compare("diag_h", qs["diag_h"], {k: v.sum(0) for k, v in d.items()}, rtol, errors)
+    elif group == "kflr":
+        qs = run(prob, [KFLR(kfac_approx="expand")])
+        sites = oz.kron_sites(prob.model)
+        params = oz.trainable(prob.model)
+        weights = [f"{k}.weight" if k else "weight" for k in sites]
+        weights = [w for w in weights if w in params]
+        # groups > 1 convolutions: one [B, A] pair per group, stacked ([G, O/G, O/G], [G, I/G·K, I/G·K])
+        ndim = {f"{k}.weight" if k else "weight": 3 if getattr(m, "groups", 1) > 1 else 2 for k, m in sites.items()}
+        # weight-standardised convolutions (timm's StdConv2d family) convolve a function of the weight,
+        # not the weight: docs/supported-models.md's fallback, the diagonal of the exact block
+        standardised = [f"{k}.weight" for k, m in sites.items() if "StdConv" in type(m).__name__]
+        not_two = {w: [tuple(f.shape) for f in qs["kflr"][w]] for w in weights if w not in standardised
+                   and w in qs["kflr"] and (len(qs["kflr"][w]) != 2 or any(f.dim() != ndim[w] for f in qs["kflr"][w]))}
+        missing = [w for w in weights if w not in qs["kflr"]]
+        if missing:
+            raise Wrong(f"kflr: no entry for {missing[:3]}")
+        if not_two:
+            some = dict(list(not_two.items())[:3])
+            raise Wrong(f"kflr: {len(not_two)} of {len(weights)} Linear/Conv weights lack two matrix factors, "
+                        f"e.g. {some}")
+        _phase("oracle")
+        if standardised:
+            diag = {k: v.sum(0) for k, v in oz.ggn_diagonals(oz.ggn_parts(prob)).items()}
+            compare("kflr (diagonal of a standardised weight)",
+                    {w: qs["kflr"][w][0].reshape(diag[w].shape) for w in standardised if len(qs["kflr"][w]) == 1},
+                    {w: diag[w] for w in standardised}, rtol, errors)
+        ref = oz.kflr_factors(prob, "expand")
+        compare("kflr", {k: oz.kron(qs["kflr"][k]) for k in ref}, {k: oz.kron(v) for k, v in ref.items()},
+                rtol, errors)
+        errors["kflr_sites_checked"] = f"{sum(k.endswith('weight') for k in ref)}/{len(weights)}"
+    elif group == "products":
+        p = product_param(prob.model)
+        qs = run(prob, [GGNMP(), HMP()])
+        shape = oz.trainable(prob.model)[p].shape
+        V = torch.randn(4, *shape, generator=seeded(3), dtype=torch.float64)
+        _phase("oracle")
+        G = oz.ggn_block(oz.ggn_parts(prob), p)
+        H = oz.hessian_block(prob, p)
+        compare("ggnmp", {p: qs["ggnmp"][p](V)}, {p: (V.flatten(1) @ G).reshape(V.shape)}, rtol, errors)
+        compare("hmp", {p: qs["hmp"][p](V)}, {p: (V.flatten(1) @ H).reshape(V.shape)}, rtol, errors)
+        errors["param"] = p
+    elif group == "mc_ggn":
+        _phase("oracle")
+        d = oz.ggn_diagonals(oz.ggn_parts(prob))
+        mean, bmean = None, None
+        for s in range(MC_DRAWS):
+            qs = run(prob, [DiagGGNMC(mc_samples=MC_SAMPLES), BatchDiagGGNMC(mc_samples=MC_SAMPLES)],
+                     generator=seeded(100 + s))
+            mean = {k: v / MC_DRAWS + (0 if mean is None else mean[k]) for k, v in qs["diag_ggn_mc"].items()}
+            bmean = {k: v / MC_DRAWS + (0 if bmean is None else bmean[k]) for k, v in qs["diag_ggn_mc_batch"].items()}
+        compare("diag_ggn_mc", mean, {k: v.sum(0) for k, v in d.items()}, MC_RTOL, errors)
+        compare("diag_ggn_mc_batch", bmean, d, MC_RTOL, errors)
+    elif group == "mc_kfac":
+        exact = run(prob, [KFLR(kfac_approx="expand")])["kflr"]
+        mean = None
+        for s in range(MC_DRAWS):
+            qs = run(prob, [KFAC(mc_samples=MC_SAMPLES, kfac_approx="expand")],
+                     generator=seeded(200 + s))
+            k_ = {k: oz.kron(v) / MC_DRAWS for k, v in qs["kfac"].items()}
+            mean = k_ if mean is None else {k: mean[k] + v for k, v in k_.items()}
+        # against curvlib's own KFLR (checked against the oracle by the "kflr" group)
+        compare("kfac", mean, {k: oz.kron(v) for k, v in exact.items()}, MC_RTOL, errors)
+    else:
+        raise KeyError(group)
+    return errors
+
+
+def _alarm(signum, frame):
+    raise TimeoutError("still running after the time limit")
+
+
+def outcome(name: str, group: str, limit: int = 0) -> str:
+    """``pass (...)`` / ``wrong: ...`` / ``error: Type: first line``, for the report."""
+    import signal
+
+    PHASE[0] = "build"
+    if limit:
+        signal.signal(signal.SIGALRM, _alarm)
+        signal.alarm(limit)
+    try:
+        errs = check(name, group)
+    except Wrong as e:
+        return f"wrong: {e}"
+    except Exception as e:  # noqa: BLE001 - the report lists it
+        first = (str(e).strip().splitlines() or [""])[0]
+        return f"error in {PHASE[0]}: {type(e).__name__}: {first[:300]}"
+    finally:
+        if limit:
+            signal.alarm(0)
+    nums = [v for v in errs.values() if isinstance(v, float)]
+    extra = "; ".join(f"{k}={v}" for k, v in errs.items() if not isinstance(v, float))
+    return f"pass (max rel. err {max(nums):.1e}{'; ' + extra if extra else ''})"
+
+
+if __name__ == "__main__":
+    import sys
+    import time
+
+    import torchvision_shim
+
+    torchvision_shim.install()
+    torch.set_num_threads(1)
+    args = sys.argv[1:]
+    limit = int(args.pop(0)[2:]) if args and args[0].startswith("-t") else 150
+    groups = [a for a in args if a in GROUPS] or GROUPS
+    names = [a for a in args if a not in GROUPS] or zoo.NAMES
+    for name in names:
+        for group in groups:
+            t = time.time()
+            print(f"{name}\t{group}\t{outcome(name, group, limit)}\t{time.time() - t:.1f}s", flush=True)

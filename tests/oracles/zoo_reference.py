@@ -1,0 +1,305 @@
+"""Brute-force float64 references for the model zoo (tests/oracles/zoo.py), from plain autograd.
+
+Nothing here batches samples: sample ``i``'s loss ``ℓ_i = c · lossfn(f(x_i), y_i)`` (``c = 1/N``
+for ``reduction="mean"``, so ``Σ_i ℓ_i`` is the batch loss and the individual gradients
+carry BackPACK's ``1/N``) is evaluated by running the model on that sample alone, and
+every derivative is a loop of ``torch.autograd.grad`` calls (``is_grads_batched`` where
+the model allows it, else one call per column), since these models' own Python (masks,
+``ModelOutput``s, keyword inputs) need not run under ``torch.func`` transforms.
+
+* ``individual_gradients``: ``{p: [N, *p]}``;
+* ``ggn_parts``: per sample, the output Jacobian ``J_i [C, *p]`` and ``H_i [C, C]``;
+  the GGN diagonal, its per-sample diagonals and dense blocks follow;
+* ``hessian_diagonals``: per-sample Hessian diagonals ``[N, *p]`` (one double backward
+  per parameter entry and sample);
+* ``hessian_block``: the batch loss's dense Hessian block of one parameter;
+* ``kflr_factors``: ``[B [O, O], A [I·K, I·K]]`` for every Linear / Conv2d (and GPT-2
+  ``Conv1D``) weight, as ``tests/oracles/compose_kron.py`` defines them (``A = (1/N)
+  Σ_{n,s} x xᵀ``, unfolded patches for convolutions; ``B`` the exact GGN block of an
+  offset added to the layer's output at every position, KFAC's "expand").
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Dict, List
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from oracles.zoo import select
+
+
+@contextmanager
+def _math():
+    """SDPA's math kernel (the fused ones lack double backward)."""
+    fast = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast)
+
+
+def sample(X, i: int):
+    return {k: v[i : i + 1] for k, v in X.items()} if isinstance(X, dict) else X[i : i + 1]
+
+
+def batch_size(X) -> int:
+    return next(iter(X.values())).shape[0] if isinstance(X, dict) else X.shape[0]
+
+
+def forward(model, X, output):
+    with _math():
+        o = model(**X) if isinstance(X, dict) else model(X)
+    return select(o, output)
+
+
+def scale(lossfn, n: int) -> float:
+    return 1.0 / n if getattr(lossfn, "reduction", "mean") == "mean" else 1.0
+
+
+def trainable(model) -> Dict[str, Tensor]:
+    return {k: p for k, p in model.named_parameters() if p.requires_grad}
+
+
+def _grads(out: Tensor, params: List[Tensor], cotangents: Tensor) -> List[Tensor]:
+    """``[K, *p]`` per parameter: the vector-Jacobian products of ``out`` with ``K`` cotangents."""
+    try:
+        gs = torch.autograd.grad(out, params, cotangents, retain_graph=True, allow_unused=True,
+                                 is_grads_batched=True)
+        return [torch.zeros(cotangents.shape[0], *p.shape, dtype=p.dtype) if g is None else g
+                for g, p in zip(gs, params)]
+    except Exception:
+        rows = [torch.autograd.grad(out, params, c, retain_graph=True, allow_unused=True) for c in cotangents]
+        return [torch.stack([torch.zeros_like(p) if r[j] is None else r[j] for r in rows])
+                for j, p in enumerate(params)]
+
+
+def individual_gradients(prob) -> Dict[str, Tensor]:
+    params = trainable(prob.model)
+    n, c = batch_size(prob.X), scale(prob.lossfn, batch_size(prob.X))
+    per = []
+    for i in range(n):
+        loss = c * prob.lossfn(forward(prob.model, sample(prob.X, i), prob.output), prob.y[i : i + 1])
+        gs = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+        per.append([torch.zeros_like(p) if g is None else g for g, p in zip(gs, params.values())])
+    return {k: torch.stack([g[j] for g in per]) for j, k in enumerate(params)}
+
+
+def ggn_parts(prob):
+    """``[(J_i {p: [C, *p]}, H_i [C, C])]`` per sample."""
+    params = trainable(prob.model)
+    n, c = batch_size(prob.X), scale(prob.lossfn, batch_size(prob.X))
+    parts = []
+    for i in range(n):
+        out = forward(prob.model, sample(prob.X, i), prob.output)
+        flat = out.reshape(-1)
+        eye = torch.eye(flat.numel(), dtype=flat.dtype)
+        J = dict(zip(params, _grads(flat, list(params.values()), eye)))
+        yi = prob.y[i : i + 1]
+        H = torch.func.hessian(lambda u: c * prob.lossfn(u.reshape(out.shape), yi))(flat.detach())
+        parts.append((J, H))
+    return parts
+
+
+def ggn_diagonals(parts) -> Dict[str, Tensor]:
+    """``{p: [N, *p]}``: per-sample GGN diagonals."""
+    return {k: torch.stack([((H @ J[k].flatten(1)) * J[k].flatten(1)).sum(0).reshape(J[k].shape[1:])
+                            for J, H in parts]) for k in parts[0][0]}
+
+
+def ggn_block(parts, name: str) -> Tensor:
+    return sum(J[name].flatten(1).T @ H @ J[name].flatten(1) for J, H in parts)
+
+
+class _Hardsigmoid(nn.Module):
+    def forward(self, x):
+        return torch.clamp(x / 6 + 0.5, 0.0, 1.0)
+
+
+class _Hardswish(nn.Module):
+    def forward(self, x):
+        return x * torch.clamp(x / 6 + 0.5, 0.0, 1.0)
+
+
+def twice_differentiable(prob):
+    """``prob`` with a copy of its model whose ``nn.Hardsigmoid``/``nn.Hardswish`` are written
+    with ``clamp`` (torch has no derivative of ``hardsigmoid_backward``); same values and,
+    away from the kinks, the same derivatives of every order."""
+    import copy
+
+    swaps = {nn.Hardsigmoid: _Hardsigmoid, nn.Hardswish: _Hardswish}
+    if not any(type(m) in swaps for m in prob.model.modules()):
+        return prob
+    model = copy.deepcopy(prob.model)
+    for name, m in list(model.named_modules()):
+        for child_name, child in list(m.named_children()):
+            if type(child) in swaps:
+                setattr(m, child_name, swaps[type(child)]())
+    return prob._replace(model=model)
+
+
+def hessian_diagonals(prob, names=None) -> Dict[str, Tensor]:
+    """``{p: [N, *p]}``: per-sample Hessian diagonals of ``ℓ_i``."""
+    prob = twice_differentiable(prob)
+    params = trainable(prob.model)
+    names = list(params) if names is None else names
+    plist = list(params.values())
+    n, c = batch_size(prob.X), scale(prob.lossfn, batch_size(prob.X))
+    result = {k: [] for k in names}
+    for i in range(n):
+        loss = c * prob.lossfn(forward(prob.model, sample(prob.X, i), prob.output), prob.y[i : i + 1])
+        gs = torch.autograd.grad(loss, plist, create_graph=True, allow_unused=True)
+        for k in names:
+            j = list(params).index(k)
+            g = gs[j]
+            if g is None or not g.requires_grad:
+                result[k].append(torch.zeros_like(params[k]))
+                continue
+            flat = g.reshape(-1)
+            diag = []
+            for start in range(0, flat.numel(), 256):
+                eye = torch.zeros(min(256, flat.numel() - start), flat.numel(), dtype=flat.dtype)
+                eye[torch.arange(eye.shape[0]), start + torch.arange(eye.shape[0])] = 1
+                rows = _grads(flat, [params[k]], eye)[0].flatten(1)
+                diag.append(rows[torch.arange(eye.shape[0]), start + torch.arange(eye.shape[0])])
+            result[k].append(torch.cat(diag).reshape(params[k].shape))
+    return {k: torch.stack(v) for k, v in result.items()}
+
+
+def hessian_block(prob, name: str) -> Tensor:
+    """``[P, P]``: the batch loss's Hessian block of parameter ``name``."""
+    prob = twice_differentiable(prob)
+    p = trainable(prob.model)[name]
+    loss = prob.lossfn(forward(prob.model, prob.X, prob.output), prob.y)
+    (g,) = torch.autograd.grad(loss, [p], create_graph=True)
+    flat = g.reshape(-1)
+    return _grads(flat, [p], torch.eye(flat.numel(), dtype=flat.dtype))[0].flatten(1)
+
+
+# ---------------------------------------------------------------------------------------- Kronecker
+
+
+def kron_sites(model: nn.Module) -> Dict[str, nn.Module]:
+    """``{module name: module}`` for the layers whose weight must get two Kronecker factors:
+    every ``nn.Linear`` / ``nn.Conv2d`` (subclasses included) and GPT-2's ``Conv1D``."""
+    from transformers.pytorch_utils import Conv1D
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d, Conv1D))}
+
+
+def plain(m: nn.Module) -> bool:
+    """A layer whose forward is its base class's (the oracle's ``A``/``B`` apply): not timm's
+    weight-standardised ``StdConv2d``/``ScaledStdConv2d`` or a ``Conv2dSame``."""
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(m, Conv1D):
+        return True
+    base = nn.Conv2d if isinstance(m, nn.Conv2d) else nn.Linear
+    return type(m).forward is base.forward and getattr(m, "padding_mode", "zeros") == "zeros"
+
+
+def _unfold(conv: nn.Conv2d, x: Tensor) -> Tensor:
+    """``[N, I·K, S]`` patches (as ``oracles.second_order.unfold_conv_input``, with groups=1)."""
+    return F.unfold(x, conv.kernel_size, dilation=conv.dilation, padding=conv.padding, stride=conv.stride)
+
+
+def _shared(model: nn.Module) -> set:
+    """ids of parameters owned by more than one module (tied weights: GPT-2's lm_head)."""
+    seen, shared = set(), set()
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                (shared if id(p) in seen else seen).add(id(p))
+    return shared
+
+
+def kflr_factors(prob, approx=None) -> Dict[str, List[Tensor]]:
+    """``{weight or bias name: factors}`` for the plain, untied sites of :func:`kron_sites`
+    (groups=1); a weight ``[B, A]`` (``Conv1D``'s ``[I, O]`` weight: ``[A, B]``, row-major), a
+    bias ``[B]``. ``approx=None`` (curvlib's default): ``B`` the exact GGN block of an offset
+    added at every position, ``A = (1/N) Σ_{n,s} x xᵀ``; ``"expand"`` (docs/conventions.md):
+    ``B = Σ_{n,s} J_sᵀ H J_s`` with ``J_s`` the Jacobian of an offset at position ``s`` alone,
+    ``A = (1/(N·S)) Σ_{n,s} x xᵀ``."""
+    from transformers.pytorch_utils import Conv1D
+
+    model, n = prob.model, batch_size(prob.X)
+    c = scale(prob.lossfn, n)
+    shared = _shared(model)
+    sites = {k: m for k, m in kron_sites(model).items()
+             if plain(m) and getattr(m, "groups", 1) == 1 and id(m.weight) not in shared}
+    inputs = {}
+    hooks = [m.register_forward_pre_hook(lambda mod, a, k=k: inputs.setdefault(k, a[0].detach().clone()))
+             for k, m in sites.items()]
+    try:
+        with torch.no_grad():
+            forward(model, prob.X, prob.output)
+    finally:
+        for h in hooks:
+            h.remove()
+    result = {}
+    for k, m in sites.items():
+        if k not in inputs:
+            continue
+        x = inputs[k]
+        if isinstance(m, nn.Conv2d):
+            u = _unfold(m, x)
+            A = torch.einsum("nis,njs->ij", u, u)
+            S, dim, O = u.shape[-1], 1, m.out_channels
+        else:
+            x = x.reshape(-1, x.shape[-1])
+            A = x.T @ x
+            S, dim, O = x.shape[0] // n, -1, (m.nf if isinstance(m, Conv1D) else m.out_features)
+        A = A / (n * S) if approx == "expand" else A / n
+        B = torch.zeros(O, O, dtype=A.dtype)
+        for i in range(n):
+            shapes = []
+            probe = m.register_forward_hook(lambda mod, a, o: shapes.append(o.shape))
+            try:
+                with torch.no_grad():
+                    forward(model, sample(prob.X, i), prob.output)
+            finally:
+                probe.remove()
+            oshape = list(shapes[0])
+            if approx == "expand":  # one offset per position
+                delta = torch.zeros(oshape, dtype=A.dtype, requires_grad=True)
+            else:
+                delta = torch.zeros(O, dtype=A.dtype, requires_grad=True)
+
+            def add(mod, a, o):
+                if approx == "expand":
+                    return o + delta
+                shape = [1] * o.dim()
+                shape[dim] = -1
+                return o + delta.reshape(shape)
+
+            h = m.register_forward_hook(add)
+            try:
+                out = forward(model, sample(prob.X, i), prob.output)
+            finally:
+                h.remove()
+            flat = out.reshape(-1)
+            J = _grads(flat, [delta], torch.eye(flat.numel(), dtype=flat.dtype))[0]  # [C, *delta]
+            yi = prob.y[i : i + 1]
+            H = torch.func.hessian(lambda u: c * prob.lossfn(u.reshape(out.shape), yi))(flat.detach())
+            if approx == "expand":
+                J = J.movedim(dim if dim < 0 else dim + 1, -1).reshape(J.shape[0], -1, O)  # [C, S, O]
+                B = B + torch.einsum("csi,cd,dsj->ij", J, H, J)
+            else:
+                B = B + J.T @ H @ J
+        pre = f"{k}." if k else ""
+        result[pre + "weight"] = [A, B] if isinstance(m, Conv1D) else [B, A]
+        if getattr(m, "bias", None) is not None:
+            result[pre + "bias"] = [B]
+    return result
+
+
+def kron(factors: List[Tensor]) -> Tensor:
+    out = torch.ones(1, 1, dtype=factors[0].dtype)
+    for f in factors:
+        out = torch.kron(out, torch.diag(f) if f.dim() == 1 else f)
+    return out
