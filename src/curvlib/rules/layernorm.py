@@ -146,7 +146,7 @@ def normalise(x: Tensor, shape: Tuple[int, ...], eps: float) -> Tensor:
     an ensemble's parameters or over tasks fails ("vmap: inplace arithmetic ..."); and its
     third derivative (the derivative of the double backward) is wrong: ``grad`` of a
     Hessian-vector product through it is 0.2-0.5 off finite differences
-    (``tests/test_compose_derivatives.py``), the primitives are exact.
+    (``tests/_transform/test_compose_derivatives.py``), the primitives are exact.
     """
     if not inside_transform():
         return F.layer_norm(x, shape, None, None, eps)
