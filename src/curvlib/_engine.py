@@ -35,7 +35,7 @@ from ._graph import run_graph
 from ._plan import Plan
 from .rules._site import Recorder, Site
 
-__all__ = ["Linearization", "forward_with_probes", "has_inplace"]
+__all__ = ["Linearization", "forward_with_probes", "has_inplace", "stream_sites"]
 
 
 @dataclass
@@ -275,11 +275,17 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
                  for g, i in zip(grads, inputs)]
         return grads[:n_sites], grads[n_sites:]
 
-    def pull_loss(loss_of: Callable[[Tensor], Tensor], retain: bool):
+    def pull_loss(loss_of: Callable[[Tensor], Tensor], retain: bool, read: Optional[Callable] = None):
         """The loss and its gradient at every site in *one* backward from the loss
-        (no separate backward for ``∂L/∂out``); ``retain=False`` frees the graph."""
+        (no separate backward for ``∂L/∂out``); ``retain=False`` frees the graph.
+        ``read(k, g_k)``: each site's gradient is handed to ``read`` as the backward
+        completes it and then dropped (:func:`stream_sites`); nothing is returned for the
+        sites then (``(loss, None)``)."""
         with torch.enable_grad():
             loss = loss_of(out)
+        if read is not None:
+            stream_sites(loss, inputs, n_sites, read, retain)
+            return loss.detach(), None
         if not inputs or not loss.requires_grad:
             grads = [None] * len(inputs)
         else:
@@ -294,3 +300,77 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
     lin.pull_loss = pull_loss
     lin.values = values
     return lin
+
+
+def stream_sites(loss: Tensor, targets: List[Optional[Tensor]], n_sites: int, read: Callable[[int, Tensor], None],
+                 retain: bool) -> None:
+    """One backward from ``loss`` that hands every site's output gradient ``g_k`` to
+    ``read(k, g_k)`` as soon as it is complete, then lets the backward free it.
+
+    A hook on each site's target runs when the backward reaches it (every use of the
+    output has contributed by then). The backward's inputs are only the *lowest* targets
+    (:func:`_lowest`): every other target lies on a path to one of them, so the backward
+    passes through it, but is not an input, so its gradient is not kept to the end. The
+    lowest ones' hooks hand on zeros (stride 0, no memory): nothing below them is needed.
+    So at most the gradients the backward itself holds are alive, never all ``g_k`` at
+    once (GPT-2-small: ~300 MB of ``[N, T, d]`` and ``[N, T, V]``). A site the loss does
+    not reach is read with zeros. ``retain=False`` frees the graph, and each target is
+    dropped from ``targets`` once read (its activation can go with the graph).
+    """
+    done = [False] * n_sites
+    lowest = _lowest(targets[:n_sites])
+
+    def hook(k: int):
+        def on_grad(g: Tensor) -> Optional[Tensor]:
+            read(k, g)
+            done[k] = True
+            if not retain and k not in lowest:
+                targets[k] = None
+            return g.new_zeros(()).expand_as(g) if k in lowest else None
+
+        return on_grad
+
+    handles = [targets[k].register_hook(hook(k)) for k in range(n_sites) if targets[k].requires_grad]
+    try:
+        if lowest and loss.requires_grad:
+            torch.autograd.grad(loss, [targets[k] for k in sorted(lowest)], retain_graph=retain, allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for k in range(n_sites):
+        if not done[k]:  # (unreached; before a site is freed its target is still listed)
+            read(k, torch.zeros_like(targets[k]))
+
+
+def _lowest(targets: Sequence[Tensor]) -> set:
+    """Indices of the targets with no other target below them in the autograd graph
+    (leaves, i.e. zero probes, and outputs computed from the input alone)."""
+    at = {(t.grad_fn, t.output_nr) for t in targets if t.grad_fn is not None}
+    at |= {id(t) for t in targets if t.grad_fn is None}  # a leaf's edge: its AccumulateGrad node's variable
+    reaches: Dict[object, bool] = {}  # graph node -> whether a target lies below it
+    for t in targets:
+        if t.grad_fn is not None:
+            _walk(t.grad_fn, at, reaches)
+    return {k for k, t in enumerate(targets) if t.requires_grad and (t.grad_fn is None or not reaches[t.grad_fn])}
+
+
+def _walk(root, at: set, reaches: Dict[object, bool]) -> None:
+    """Fill ``reaches[node]`` for ``root`` and every node below it, depth first without
+    recursion (graphs are thousands of nodes deep); each node is visited once."""
+    stack = [[root, iter(root.next_functions), False]]
+    while stack:
+        frame = stack[-1]
+        for nxt, nr in frame[1]:
+            if nxt is None:
+                continue
+            frame[2] = frame[2] or (nxt, nr) in at or id(getattr(nxt, "variable", None)) in at
+            if nxt in reaches:
+                frame[2] = frame[2] or reaches[nxt]
+                continue
+            stack.append([nxt, iter(nxt.next_functions), False])
+            break
+        else:
+            stack.pop()
+            reaches[frame[0]] = frame[2]
+            if stack:
+                stack[-1][2] = stack[-1][2] or frame[2]

@@ -29,7 +29,7 @@ from ._branches import BranchChanged, batch_guard_values, check_branches_per_sam
 from ._diagnose import forward_failure, forward_mode_failure
 from ._independence import refuse_mixing
 from ._engine import forward_with_probes
-from ._firstorder import FIRST_ORDER, first_order
+from ._firstorder import FIRST_ORDER, first_order, first_order_streamed, streams
 from ._graph import NodeFailure
 from ._plan import Plan, make_plan
 from ._errors import CurvatureError, CurvatureTypeError
@@ -359,21 +359,34 @@ class _Call:
             direct=traced.direct, keep_values=traced.direct and any(e.quantity == "kfra" for e in s.second),
             functorch=differentiable,
         )
+        wanted, n = [e.name for e in s.first], _inputs.batch_size(X)
+        if streams(lin, s.second):  # second order first: the loss's backward then frees the graph
+            second = self._second_order(traced, plan, lin, X, y, values, trainable, negative, rng, seed,
+                                        buffers, into, None, []) if s.second else {}
+            loss, first = first_order_streamed(lin, lambda out: _scalar_loss(s.spec, out, y), trainable, values,
+                                               wanted, n)
+            _check_generic(s.spec, lin, y, False)
+            return {"loss": loss, **first, **second}
         loss, gs, residual_grads = _loss_and_site_gradients(s.spec, lin, y, bool(s.second))
         result: Dict[str, object] = {"loss": loss}
-        result.update(first_order(lin.sites, gs, trainable, values, [e.name for e in s.first], _inputs.batch_size(X)))
+        result.update(first_order(lin.sites, gs, trainable, values, wanted, n))
         if s.second:
-            curv = losses.curvature_at(s.spec, lin.out, y, negative=negative)
-            product = products(traced.program, s.spec, y, curv, X, values, traced.residual_nodes, lin,
-                               residual_grads, rng, frozen_trainable, seed)
-            product = _buffers.bind_products(product, s.model, buffers)
-            kfra_factors = _kfra_factors(s, traced, lin, curv, X, y, trainable, values)
-            chunk = _budget.auto_chunk_size(plan, s.second, _inputs.first(X).device) if s.chunk_size == "auto" else s.chunk_size
-            result.update(second_order(
-                lin, curv, s.second, trainable, values, _inputs.batch_size(X), residual_grads, product,
-                kfra_factors, chunk_size=chunk, site_grads=gs, into=into,
-            ))
+            result.update(self._second_order(traced, plan, lin, X, y, values, trainable, negative, rng, seed,
+                                             buffers, into, gs, residual_grads))
         return result
+
+    def _second_order(self, traced, plan, lin, X, y, values, trainable, negative, rng, seed, buffers, into,
+                      gs, residual_grads) -> Dict[str, object]:
+        """Stage 6 (``gs``: the loss gradient at every site, for the empirical Fisher)."""
+        s = self.setup
+        curv = losses.curvature_at(s.spec, lin.out, y, negative=negative)
+        product = products(traced.program, s.spec, y, curv, X, values, traced.residual_nodes, lin,
+                           residual_grads, rng, frozenset(trainable), seed)
+        product = _buffers.bind_products(product, s.model, buffers)
+        kfra_factors = _kfra_factors(s, traced, lin, curv, X, y, trainable, values)
+        chunk = _budget.auto_chunk_size(plan, s.second, _inputs.first(X).device) if s.chunk_size == "auto" else s.chunk_size
+        return second_order(lin, curv, s.second, trainable, values, _inputs.batch_size(X), residual_grads, product,
+                            kfra_factors, chunk_size=chunk, site_grads=gs, into=into)
 
 
 def _loss_and_site_gradients(spec, lin, y: Tensor, keep_graph: bool):
@@ -383,9 +396,14 @@ def _loss_and_site_gradients(spec, lin, y: Tensor, keep_graph: bool):
     else:
         loss, pullback = torch.func.vjp(lambda o: _scalar_loss(spec, o, y), lin.out)
         gs, residual_grads = lin.pull(pullback(torch.ones_like(loss))[0])
+    _check_generic(spec, lin, y, keep_graph)
+    return loss, gs, residual_grads
+
+
+def _check_generic(spec, lin, y: Tensor, keep_graph: bool) -> None:
+    """A generic loss must sum or average per-sample terms (checked once the graph is spent)."""
     if spec.kind == "generic" and not keep_graph and is_concrete(lin.out):
         check_per_sample(lambda o: losses.loss_value(spec, o, y), lin.out.detach(), spec.name)
-    return loss, gs, residual_grads
 
 
 def _scalar_loss(spec, out: Tensor, y: Tensor) -> Tensor:
