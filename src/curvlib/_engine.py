@@ -27,6 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor, fx
+from torch.autograd.graph import get_gradient_edge
 from torch.func import vjp
 
 from . import _inputs, _residuals, _strategy
@@ -257,12 +258,15 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
     if direct and rec.overwritten():
         return None
     taps = [a for r in rec.residuals for a in r.inputs]
-    inputs = list(rec.targets) + (rprobes if residual_nodes else [])
+    lowest = _lowest(rec.targets)
+    inputs = _as_edges(rec.targets, lowest) + (rprobes if residual_nodes else [])
+    like = [(tuple(t.shape), t.dtype, t.device) for t in list(rec.targets) + (rprobes if residual_nodes else [])]
     n_sites = len(rec.targets)
+    held = [out]  # (dropped by a streamed backward that frees the graph)
 
     def pullback(cotangents, batched: bool = False):
         cot_out, cot_taps = cotangents
-        pairs = [(o, c) for o, c in zip([out] + taps, [cot_out] + list(cot_taps)) if o.requires_grad]
+        pairs = [(o, c) for o, c in zip(held + taps, [cot_out] + list(cot_taps)) if o.requires_grad]
         if not inputs or not pairs:
             grads = [None] * len(inputs)
         else:
@@ -271,8 +275,8 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
                 retain_graph=True, allow_unused=True, is_grads_batched=batched,
             )
         lead = (cot_out.shape[0],) if batched else ()
-        grads = [torch.zeros(lead + tuple(i.shape), dtype=i.dtype, device=i.device) if g is None else g
-                 for g, i in zip(grads, inputs)]
+        grads = [torch.zeros(lead + shape, dtype=dtype, device=device) if g is None else g
+                 for g, (shape, dtype, device) in zip(grads, like)]
         return grads[:n_sites], grads[n_sites:]
 
     def pull_loss(loss_of: Callable[[Tensor], Tensor], retain: bool, read: Optional[Callable] = None):
@@ -280,17 +284,20 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
         (no separate backward for ``∂L/∂out``); ``retain=False`` frees the graph.
         ``read(k, g_k)``: each site's gradient is handed to ``read`` as the backward
         completes it and then dropped (:func:`stream_sites`); nothing is returned for the
-        sites then (``(loss, None)``)."""
+        sites then (``(loss, None)``), and without ``retain`` the output is let go too."""
         with torch.enable_grad():
-            loss = loss_of(out)
+            loss = loss_of(held[0])
         if read is not None:
-            stream_sites(loss, inputs, n_sites, read, retain)
+            if not retain:
+                held.clear()  # the loss's graph keeps what it needs of the output (log-softmax)
+            stream_sites(loss, inputs[:n_sites], lowest, like, read, retain)
             return loss.detach(), None
         if not inputs or not loss.requires_grad:
             grads = [None] * len(inputs)
         else:
             grads = torch.autograd.grad(loss, inputs, retain_graph=retain, allow_unused=True)
-        grads = [torch.zeros_like(i) if g is None else g for g, i in zip(grads, inputs)]
+        grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+                 for g, (shape, dtype, device) in zip(grads, like)]
         return loss.detach(), (grads[:n_sites], grads[n_sites:])
 
     saved = [{k: v.detach() for k, v in site.saved.items()} for site in rec.sites]
@@ -302,44 +309,50 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
     return lin
 
 
-def stream_sites(loss: Tensor, targets: List[Optional[Tensor]], n_sites: int, read: Callable[[int, Tensor], None],
-                 retain: bool) -> None:
+def _as_edges(targets: Sequence[Tensor], lowest: set) -> list:
+    """The targets as the backward's inputs: the lowest as tensors (leaves, first layers),
+    every other one by its gradient edge (``(node, output_nr)``), which does not keep the
+    tensor alive: site outputs that only curvlib would keep (GPT-2-small: the head's logits
+    and each block's projections, ~230 MB) go as soon as the graph lets them."""
+    return [t if k in lowest or not t.requires_grad else get_gradient_edge(t) for k, t in enumerate(targets)]
+
+
+def stream_sites(loss: Tensor, targets: Sequence, lowest: set, like: Sequence[tuple],
+                 read: Callable[[int, Tensor], None], retain: bool) -> None:
     """One backward from ``loss`` that hands every site's output gradient ``g_k`` to
     ``read(k, g_k)`` as soon as it is complete, then lets the backward free it.
 
-    A hook on each site's target runs when the backward reaches it (every use of the
-    output has contributed by then). The backward's inputs are only the *lowest* targets
-    (:func:`_lowest`): every other target lies on a path to one of them, so the backward
-    passes through it, but is not an input, so its gradient is not kept to the end. The
-    lowest ones' hooks hand on zeros (stride 0, no memory): nothing below them is needed.
-    So at most the gradients the backward itself holds are alive, never all ``g_k`` at
-    once (GPT-2-small: ~300 MB of ``[N, T, d]`` and ``[N, T, V]``). A site the loss does
-    not reach is read with zeros. ``retain=False`` frees the graph, and each target is
-    dropped from ``targets`` once read (its activation can go with the graph).
+    ``targets[k]``: site ``k``'s tensor (``k`` in ``lowest``) or gradient edge
+    (:func:`_as_edges`); ``like[k]``: its ``(shape, dtype, device)``. A hook on each runs
+    when the backward reaches it (every use of the output has contributed by then). The
+    backward's inputs are only the *lowest* targets (:func:`_lowest`): every other one lies
+    on a path to one of them, so the backward passes through it, but is not an input, so
+    its gradient is not kept to the end; the lowest ones' hooks hand on zeros (stride 0, no
+    memory): nothing below them is needed. So at most the gradients the backward itself
+    holds are alive, never all ``g_k`` at once (GPT-2-small: ~300 MB of ``[N, T, d]`` and
+    ``[N, T, V]``). A site the loss does not reach is read with zeros.
     """
-    done = [False] * n_sites
-    lowest = _lowest(targets[:n_sites])
+    done = [False] * len(targets)
 
-    def hook(k: int):
-        def on_grad(g: Tensor) -> Optional[Tensor]:
+    def hook(k: int, t):
+        def on_grad(g: Tensor) -> None:
             read(k, g)
             done[k] = True
-            if not retain and k not in lowest:
-                targets[k] = None
-            return g.new_zeros(()).expand_as(g) if k in lowest else None
 
-        return on_grad
+        if isinstance(t, Tensor):  # (a lowest target)
+            return t.register_hook(lambda g: on_grad(g) or g.new_zeros(()).expand_as(g))
+        return t.node.register_prehook(lambda grads: None if grads[t.output_nr] is None else on_grad(grads[t.output_nr]))
 
-    handles = [targets[k].register_hook(hook(k)) for k in range(n_sites) if targets[k].requires_grad]
+    handles = [hook(k, t) for k, t in enumerate(targets) if not isinstance(t, Tensor) or t.requires_grad]
     try:
         if lowest and loss.requires_grad:
             torch.autograd.grad(loss, [targets[k] for k in sorted(lowest)], retain_graph=retain, allow_unused=True)
     finally:
         for handle in handles:
             handle.remove()
-    for k in range(n_sites):
-        if not done[k]:  # (unreached; before a site is freed its target is still listed)
-            read(k, torch.zeros_like(targets[k]))
+    for k, (shape, dtype, device) in enumerate(like):
+        if not done[k]:
+            read(k, torch.zeros(shape, dtype=dtype, device=device))
 
 
 def _lowest(targets: Sequence[Tensor]) -> set:

@@ -60,22 +60,28 @@ def first_order(
 _BEFORE_THE_LOSS = ("diag", "batch_diag", "sqrt", "kron")
 
 
-def streams(lin: Linearization, second: Sequence) -> bool:
+def streams(lin: Linearization, second: Sequence, generic: bool = False) -> bool:
     """Whether the first-order quantities can be read off site by site during the loss's
     backward (:func:`first_order_streamed`): plain autograd on real tensors (not under
     torch.func, not while ``compile=True`` traces), no residuals, and second-order
-    extensions that only pull back the loss Hessian's roots."""
+    extensions that only pull back the loss Hessian's roots (none with a ``generic`` loss,
+    whose value is checked, a scalar of per-sample terms, before its Hessian is formed)."""
     return (lin.pull_loss is not None and is_concrete(lin.out) and not lin.residuals
+            and not (generic and second)
             and all(e.root in ("exact", "mc") and e.quantity in _BEFORE_THE_LOSS for e in second))
 
 
 def first_order_streamed(lin: Linearization, loss_of: Callable[[Tensor], Tensor], names: Sequence[str],
-                         params: Mapping[str, Tensor], wanted: Sequence[str], batch_size: int):
+                         params: Mapping[str, Tensor], wanted: Sequence[str], batch_size: int,
+                         keep_output: bool = False):
     """``(loss, first_order(...))`` from one backward from the loss that reads every site
     as its output gradient ``g_k [N, *site_out]`` arrives and then drops it, together with
-    the site's saved inputs (:func:`curvlib._engine.stream_sites`). The graph is freed:
-    call it last. Same results as :func:`first_order` on all ``g_k`` at once."""
+    the site's saved inputs (:func:`curvlib._engine.stream_sites`). The graph is freed, and
+    ``lin.out`` too unless ``keep_output``: call it last. Same results as
+    :func:`first_order` on all ``g_k`` at once."""
     reader = FirstOrderReader(lin.sites, names, params, wanted, batch_size)
+    if not keep_output:
+        lin.out = None  # (a language model's logits: 103 MB on GPT-2-small)
     loss, _ = lin.pull_loss(loss_of, retain=False, read=lambda k, g: reader.read(lin.sites[k], g, streamed=True))
     return loss, reader.results()
 

@@ -360,11 +360,11 @@ class _Call:
             functorch=differentiable,
         )
         wanted, n = [e.name for e in s.first], _inputs.batch_size(X)
-        if streams(lin, s.second):  # second order first: the loss's backward then frees the graph
+        if streams(lin, s.second, s.spec.kind == "generic"):  # second order first: the loss's backward frees the graph
             second = self._second_order(traced, plan, lin, X, y, values, trainable, negative, rng, seed,
                                         buffers, into, None, []) if s.second else {}
             loss, first = first_order_streamed(lin, lambda out: _scalar_loss(s.spec, out, y), trainable, values,
-                                               wanted, n)
+                                               wanted, n, keep_output=s.spec.kind == "generic")
             _check_generic(s.spec, lin, y, False)
             return {"loss": loss, **first, **second}
         loss, gs, residual_grads = _loss_and_site_gradients(s.spec, lin, y, bool(s.second))
