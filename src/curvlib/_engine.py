@@ -261,8 +261,22 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
     lowest = _lowest(rec.targets)
     inputs = _as_edges(rec.targets, lowest) + (rprobes if residual_nodes else [])
     like = [(tuple(t.shape), t.dtype, t.device) for t in list(rec.targets) + (rprobes if residual_nodes else [])]
-    n_sites = len(rec.targets)
-    held = [out]  # (dropped by a streamed backward that frees the graph)
+    pullback, pull_loss = _pullbacks([out], taps, inputs, like, len(rec.targets), lowest)
+    saved = [{k: v.detach() for k, v in site.saved.items()} for site in rec.sites]
+    _finish(rec, plan, saved, [t.detach() for t in taps])
+    lin = Linearization(out=out.detach(), sites=rec.sites, residuals=rec.residuals, taps=[t.detach() for t in taps], pullback=pullback)
+    lin.batched_pullback = _batched(pullback, _inputs.first(X).device)
+    lin.pull_loss = pull_loss
+    lin.values = values
+    return lin
+
+
+def _pullbacks(held: List[Tensor], taps: List[Tensor], inputs: list, like: List[tuple], n_sites: int,
+               lowest: set):
+    """``(pullback, pull_loss)`` of :class:`Linearization` under plain autograd: ``held``,
+    ``[out]`` (let go by a streamed backward that frees the graph); ``inputs``, the sites'
+    targets (:func:`_as_edges`) and the residual probes, ``like`` their shapes."""
+
 
     def pullback(cotangents, batched: bool = False):
         cot_out, cot_taps = cotangents
@@ -300,13 +314,7 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
                  for g, (shape, dtype, device) in zip(grads, like)]
         return loss.detach(), (grads[:n_sites], grads[n_sites:])
 
-    saved = [{k: v.detach() for k, v in site.saved.items()} for site in rec.sites]
-    _finish(rec, plan, saved, [t.detach() for t in taps])
-    lin = Linearization(out=out.detach(), sites=rec.sites, residuals=rec.residuals, taps=[t.detach() for t in taps], pullback=pullback)
-    lin.batched_pullback = _batched(pullback, _inputs.first(X).device)
-    lin.pull_loss = pull_loss
-    lin.values = values
-    return lin
+    return pullback, pull_loss
 
 
 def _as_edges(targets: Sequence[Tensor], lowest: set) -> list:

@@ -349,7 +349,8 @@ class _Call:
     def _evaluate(self, traced, plan, X, y, values, trainable, differentiable, seed, into=None,
                   negative: Optional[bool] = None, buffers=None) -> Dict[str, object]:
         """Stages 3-6 (``buffers``: the caller's, in the model's slots for this call; the block
-        products put them there again whenever they are evaluated)."""
+        products put them there again whenever they are evaluated). Where it can, the first order
+        is read during the loss's backward, after the second order (:func:`streams`)."""
         s = self.setup
         frozen_trainable = frozenset(trainable)
         rng = rng_state(_inputs.first(X).device)
@@ -359,34 +360,28 @@ class _Call:
             direct=traced.direct, keep_values=traced.direct and any(e.quantity == "kfra" for e in s.second),
             functorch=differentiable,
         )
-        wanted, n = [e.name for e in s.first], _inputs.batch_size(X)
-        if streams(lin, s.second, s.spec.kind == "generic"):  # second order first: the loss's backward frees the graph
-            second = self._second_order(traced, plan, lin, X, y, values, trainable, negative, rng, seed,
-                                        buffers, into, None, []) if s.second else {}
-            loss, first = first_order_streamed(lin, lambda out: _scalar_loss(s.spec, out, y), trainable, values,
-                                               wanted, n, keep_output=s.spec.kind == "generic")
-            _check_generic(s.spec, lin, y, False)
-            return {"loss": loss, **first, **second}
-        loss, gs, residual_grads = _loss_and_site_gradients(s.spec, lin, y, bool(s.second))
-        result: Dict[str, object] = {"loss": loss}
-        result.update(first_order(lin.sites, gs, trainable, values, wanted, n))
-        if s.second:
-            result.update(self._second_order(traced, plan, lin, X, y, values, trainable, negative, rng, seed,
-                                             buffers, into, gs, residual_grads))
-        return result
+        wanted, n, generic = [e.name for e in s.first], _inputs.batch_size(X), s.spec.kind == "generic"
 
-    def _second_order(self, traced, plan, lin, X, y, values, trainable, negative, rng, seed, buffers, into,
-                      gs, residual_grads) -> Dict[str, object]:
-        """Stage 6 (``gs``: the loss gradient at every site, for the empirical Fisher)."""
-        s = self.setup
-        curv = losses.curvature_at(s.spec, lin.out, y, negative=negative)
-        product = products(traced.program, s.spec, y, curv, X, values, traced.residual_nodes, lin,
-                           residual_grads, rng, frozenset(trainable), seed)
-        product = _buffers.bind_products(product, s.model, buffers)
-        kfra_factors = _kfra_factors(s, traced, lin, curv, X, y, trainable, values)
-        chunk = _budget.auto_chunk_size(plan, s.second, _inputs.first(X).device) if s.chunk_size == "auto" else s.chunk_size
-        return second_order(lin, curv, s.second, trainable, values, _inputs.batch_size(X), residual_grads, product,
-                            kfra_factors, chunk_size=chunk, site_grads=gs, into=into)
+        def second(gs, residual_grads) -> Dict[str, object]:  # stage 6 (gs: the empirical Fisher's root)
+            if not s.second:
+                return {}
+            curv = losses.curvature_at(s.spec, lin.out, y, negative=negative)
+            product = _buffers.bind_products(products(traced.program, s.spec, y, curv, X, values, traced.residual_nodes,
+                                                      lin, residual_grads, rng, frozen_trainable, seed), s.model, buffers)
+            chunk = _budget.auto_chunk_size(plan, s.second, _inputs.first(X).device) if s.chunk_size == "auto" else s.chunk_size
+            return second_order(lin, curv, s.second, trainable, values, n, residual_grads, product,
+                                _kfra_factors(s, traced, lin, curv, X, y, trainable, values), chunk_size=chunk,
+                                site_grads=gs, into=into)
+
+        if streams(lin, s.second, generic):  # second order first: the loss's backward then frees the graph
+            later = second(None, [])
+            loss, first = first_order_streamed(lin, lambda out: _scalar_loss(s.spec, out, y), trainable, values,
+                                               wanted, n, keep_output=generic)
+            if generic:  # (checked once the graph is spent)
+                check_per_sample(lambda o: losses.loss_value(s.spec, o, y), lin.out.detach(), s.spec.name)
+            return {"loss": loss, **first, **later}
+        loss, gs, residual_grads = _loss_and_site_gradients(s.spec, lin, y, bool(s.second))
+        return {"loss": loss, **first_order(lin.sites, gs, trainable, values, wanted, n), **second(gs, residual_grads)}
 
 
 def _loss_and_site_gradients(spec, lin, y: Tensor, keep_graph: bool):
@@ -396,14 +391,9 @@ def _loss_and_site_gradients(spec, lin, y: Tensor, keep_graph: bool):
     else:
         loss, pullback = torch.func.vjp(lambda o: _scalar_loss(spec, o, y), lin.out)
         gs, residual_grads = lin.pull(pullback(torch.ones_like(loss))[0])
-    _check_generic(spec, lin, y, keep_graph)
-    return loss, gs, residual_grads
-
-
-def _check_generic(spec, lin, y: Tensor, keep_graph: bool) -> None:
-    """A generic loss must sum or average per-sample terms (checked once the graph is spent)."""
     if spec.kind == "generic" and not keep_graph and is_concrete(lin.out):
         check_per_sample(lambda o: losses.loss_value(spec, o, y), lin.out.detach(), spec.name)
+    return loss, gs, residual_grads
 
 
 def _scalar_loss(spec, out: Tensor, y: Tensor) -> Tensor:
