@@ -23,7 +23,9 @@ import curvlib._engine as engine
 import curvlib._firstorder as firstorder
 import curvlib._transform as transform
 from curvlib import curvature
-from curvlib.extensions import BatchGrad, BatchL2Grad, DiagGGNMC, SumGradSquared, Variance
+import curvlib._secondorder as secondorder
+from curvlib.extensions import (BatchDiagGGNMC, BatchGrad, BatchL2Grad, DiagGGNExact, DiagGGNMC, KFAC,
+                                SumGradSquared, Variance)
 from curvlib.rules import linear
 
 from helpers import FIRST_ORDER_EXTENSIONS, check_first_order
@@ -130,6 +132,40 @@ def test_with_mc_second_order_first(monkeypatch, spy):
     at_once = curvature(model, lossfn, exts)(X, y)
     for q in ("grad", "batch_l2", "variance", "diag_ggn_mc"):
         assert_close_dicts(streamed[q], at_once[q], q, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_one_mc_column_read_during_its_pullback(monkeypatch, spy, tied):
+    """One MC column (the default) is pulled back reading each parameter as soon as all its
+    sites are passed (``_secondorder._read_streamed``; the tied embedding waits for the head):
+    the same diagonals, per-sample diagonals and Kronecker factors as all sites at once."""
+    model, lossfn, X, y = _lm(7, 3, tied=tied)
+    exts = [BatchL2Grad(), DiagGGNMC(), BatchDiagGGNMC(), KFAC()]
+    torch.manual_seed(2)
+    streamed = curvature(model, lossfn, exts)(X, y)
+    assert spy["streams"] == 4  # each MC extension's column (its own draw), then the loss's backward
+    monkeypatch.setattr(transform, "streams", lambda *args: False)
+    monkeypatch.setattr(secondorder, "_streamed_reads", lambda *args: False)
+    torch.manual_seed(2)
+    at_once = curvature(model, lossfn, exts)(X, y)
+    for q in ("grad", "batch_l2", "diag_ggn_mc", "diag_ggn_mc_batch"):
+        assert_close_dicts(streamed[q], at_once[q], q, rtol=1e-12, atol=1e-14)
+    for name, factors in at_once["kfac"].items():
+        for a, b in zip(streamed["kfac"][name], factors):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_one_exact_column_against_the_oracle():
+    """A scalar output has a one-column exact root: its streamed GGN diagonal is the exact one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 1)).to(DT)
+    X, y = torch.randn(6, 4, dtype=DT), torch.randn(6, 1, dtype=DT)
+    qs = curvature(model, nn.MSELoss(), [DiagGGNExact()])(X, y)
+    params = dict(model.named_parameters())
+    for name, p in params.items():  # MSE "mean" over 6 entries: GGN = (2/6) Σ_n J_nᵀ J_n
+        jac = torch.func.vmap(torch.func.jacrev(
+            lambda v, x: torch.func.functional_call(model, {**params, name: v}, (x[None],))[0, 0]), (None, 0))(p, X)
+        torch.testing.assert_close(qs["diag_ggn_exact"][name], (2 / 6) * (jac**2).sum(0))
 
 
 def test_float_inputs_and_inplace_graphs():

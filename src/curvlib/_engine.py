@@ -58,6 +58,7 @@ class Linearization:
     pullback: Callable
     batched_pullback: Optional[Callable] = None
     pull_loss: Optional[Callable] = None
+    stream_pull: Optional[Callable] = None  # (cot_out, read): one column, read site by site
     values: Optional[Dict[fx.Node, object]] = None
 
     def pull(self, cot_out: Tensor, cot_taps: Optional[Sequence[Tensor]] = None):
@@ -261,19 +262,19 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
     lowest = _lowest(rec.targets)
     inputs = _as_edges(rec.targets, lowest) + (rprobes if residual_nodes else [])
     like = [(tuple(t.shape), t.dtype, t.device) for t in list(rec.targets) + (rprobes if residual_nodes else [])]
-    pullback, pull_loss = _pullbacks([out], taps, inputs, like, len(rec.targets), lowest)
+    pullback, pull_loss, stream_pull = _pullbacks([out], taps, inputs, like, len(rec.targets), lowest)
     saved = [{k: v.detach() for k, v in site.saved.items()} for site in rec.sites]
     _finish(rec, plan, saved, [t.detach() for t in taps])
     lin = Linearization(out=out.detach(), sites=rec.sites, residuals=rec.residuals, taps=[t.detach() for t in taps], pullback=pullback)
     lin.batched_pullback = _batched(pullback, _inputs.first(X).device)
-    lin.pull_loss = pull_loss
+    lin.pull_loss, lin.stream_pull = pull_loss, stream_pull
     lin.values = values
     return lin
 
 
 def _pullbacks(held: List[Tensor], taps: List[Tensor], inputs: list, like: List[tuple], n_sites: int,
                lowest: set):
-    """``(pullback, pull_loss)`` of :class:`Linearization` under plain autograd: ``held``,
+    """``(pullback, pull_loss, stream_pull)`` of :class:`Linearization` under plain autograd: ``held``,
     ``[out]`` (let go by a streamed backward that frees the graph); ``inputs``, the sites'
     targets (:func:`_as_edges`) and the residual probes, ``like`` their shapes."""
 
@@ -314,7 +315,12 @@ def _pullbacks(held: List[Tensor], taps: List[Tensor], inputs: list, like: List[
                  for g, (shape, dtype, device) in zip(grads, like)]
         return loss.detach(), (grads[:n_sites], grads[n_sites:])
 
-    return pullback, pull_loss
+    def stream_pull(cot_out: Tensor, read: Callable[[int, Tensor], None]) -> None:
+        """Pull one cotangent ``[*out]`` back, each site's ``[*site_out]`` handed to ``read``
+        as it is complete (:func:`stream_sites`); the graph is kept."""
+        stream_sites(held[0], inputs[:n_sites], lowest, like, read, True, cot_out)
+
+    return pullback, pull_loss, stream_pull
 
 
 def _as_edges(targets: Sequence[Tensor], lowest: set) -> list:
@@ -326,9 +332,10 @@ def _as_edges(targets: Sequence[Tensor], lowest: set) -> list:
 
 
 def stream_sites(loss: Tensor, targets: Sequence, lowest: set, like: Sequence[tuple],
-                 read: Callable[[int, Tensor], None], retain: bool) -> None:
-    """One backward from ``loss`` that hands every site's output gradient ``g_k`` to
-    ``read(k, g_k)`` as soon as it is complete, then lets the backward free it.
+                 read: Callable[[int, Tensor], None], retain: bool, cotangent: Optional[Tensor] = None) -> None:
+    """One backward from ``loss`` (or from the output ``loss`` seeded with ``cotangent``)
+    that hands every site's output gradient ``g_k`` to ``read(k, g_k)`` as soon as it is
+    complete, then lets the backward free it.
 
     ``targets[k]``: site ``k``'s tensor (``k`` in ``lowest``) or gradient edge
     (:func:`_as_edges`); ``like[k]``: its ``(shape, dtype, device)``. A hook on each runs
@@ -354,7 +361,8 @@ def stream_sites(loss: Tensor, targets: Sequence, lowest: set, like: Sequence[tu
     handles = [hook(k, t) for k, t in enumerate(targets) if not isinstance(t, Tensor) or t.requires_grad]
     try:
         if lowest and loss.requires_grad:
-            torch.autograd.grad(loss, [targets[k] for k in sorted(lowest)], retain_graph=retain, allow_unused=True)
+            torch.autograd.grad(loss, [targets[k] for k in sorted(lowest)], cotangent, retain_graph=retain,
+                                allow_unused=True)
     finally:
         for handle in handles:
             handle.remove()
