@@ -225,8 +225,10 @@ def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> Rol
     run = starts.cumsum(0) - 1
     rows = mc.new_zeros(c, keys.shape[0], mc.shape[-1]).index_add(1, run, mc[:, order])  # [C, N·P, D]
     squares = (rows**2).sum(0)[run] * starts.to(mc.dtype).unsqueeze(1)  # once per run, at its start
-    out = mc.new_zeros(v, mc.shape[-1]).index_add(0, keys % v, squares)
-    return {"weight": out.unsqueeze(0)}
+    out = mc.new_zeros(v, mc.shape[-1])
+    if squares.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(squares):
+        return {"weight": out.index_add(0, keys % v, squares).unsqueeze(0)}
+    return {"weight": out.index_add_(0, keys % v, squares).unsqueeze(0)}  # (no second [V, D])
 
 
 EMBEDDING = Rule(
