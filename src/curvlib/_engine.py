@@ -27,16 +27,16 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor, fx
-from torch.autograd.graph import get_gradient_edge
 from torch.func import vjp
 
 from . import _inputs, _residuals, _strategy
 from ._program import Program
 from ._graph import run_graph
 from ._plan import Plan
+from ._streamed import as_edges, lowest_targets, stream_sites
 from .rules._site import Recorder, Site
 
-__all__ = ["Linearization", "forward_with_probes", "has_inplace", "stream_sites"]
+__all__ = ["Linearization", "forward_with_probes", "has_inplace"]
 
 
 @dataclass
@@ -259,8 +259,8 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
     if direct and rec.overwritten():
         return None
     taps = [a for r in rec.residuals for a in r.inputs]
-    lowest = _lowest(rec.targets)
-    inputs = _as_edges(rec.targets, lowest) + (rprobes if residual_nodes else [])
+    lowest = lowest_targets(rec.targets)
+    inputs = as_edges(rec.targets, lowest) + (rprobes if residual_nodes else [])
     like = [(tuple(t.shape), t.dtype, t.device) for t in list(rec.targets) + (rprobes if residual_nodes else [])]
     pullback, pull_loss, stream_pull = _pullbacks([out], taps, inputs, like, len(rec.targets), lowest)
     saved = [{k: v.detach() for k, v in site.saved.items()} for site in rec.sites]
@@ -276,7 +276,7 @@ def _pullbacks(held: List[Tensor], taps: List[Tensor], inputs: list, like: List[
                lowest: set):
     """``(pullback, pull_loss, stream_pull)`` of :class:`Linearization` under plain autograd: ``held``,
     ``[out]`` (let go by a streamed backward that frees the graph); ``inputs``, the sites'
-    targets (:func:`_as_edges`) and the residual probes, ``like`` their shapes."""
+    targets (:func:`curvlib._streamed.as_edges`) and the residual probes, ``like`` their shapes."""
 
 
     def pullback(cotangents, batched: bool = False):
@@ -298,7 +298,7 @@ def _pullbacks(held: List[Tensor], taps: List[Tensor], inputs: list, like: List[
         """The loss and its gradient at every site in *one* backward from the loss
         (no separate backward for ``∂L/∂out``); ``retain=False`` frees the graph.
         ``read(k, g_k)``: each site's gradient is handed to ``read`` as the backward
-        completes it and then dropped (:func:`stream_sites`); nothing is returned for the
+        completes it and then dropped (:func:`curvlib._streamed.stream_sites`); nothing is returned for the
         sites then (``(loss, None)``), and without ``retain`` the output is let go too."""
         with torch.enable_grad():
             loss = loss_of(held[0])
@@ -317,89 +317,7 @@ def _pullbacks(held: List[Tensor], taps: List[Tensor], inputs: list, like: List[
 
     def stream_pull(cot_out: Tensor, read: Callable[[int, Tensor], None]) -> None:
         """Pull one cotangent ``[*out]`` back, each site's ``[*site_out]`` handed to ``read``
-        as it is complete (:func:`stream_sites`); the graph is kept."""
+        as it is complete (:func:`curvlib._streamed.stream_sites`); the graph is kept."""
         stream_sites(held[0], inputs[:n_sites], lowest, like, read, True, cot_out)
 
     return pullback, pull_loss, stream_pull
-
-
-def _as_edges(targets: Sequence[Tensor], lowest: set) -> list:
-    """The targets as the backward's inputs: the lowest as tensors (leaves, first layers),
-    every other one by its gradient edge (``(node, output_nr)``), which does not keep the
-    tensor alive: site outputs that only curvlib would keep (GPT-2-small: the head's logits
-    and each block's projections, ~230 MB) go as soon as the graph lets them."""
-    return [t if k in lowest or not t.requires_grad else get_gradient_edge(t) for k, t in enumerate(targets)]
-
-
-def stream_sites(loss: Tensor, targets: Sequence, lowest: set, like: Sequence[tuple],
-                 read: Callable[[int, Tensor], None], retain: bool, cotangent: Optional[Tensor] = None) -> None:
-    """One backward from ``loss`` (or from the output ``loss`` seeded with ``cotangent``)
-    that hands every site's output gradient ``g_k`` to ``read(k, g_k)`` as soon as it is
-    complete, then lets the backward free it.
-
-    ``targets[k]``: site ``k``'s tensor (``k`` in ``lowest``) or gradient edge
-    (:func:`_as_edges`); ``like[k]``: its ``(shape, dtype, device)``. A hook on each runs
-    when the backward reaches it (every use of the output has contributed by then). The
-    backward's inputs are only the *lowest* targets (:func:`_lowest`): every other one lies
-    on a path to one of them, so the backward passes through it, but is not an input, so
-    its gradient is not kept to the end; the lowest ones' hooks hand on zeros (stride 0, no
-    memory): nothing below them is needed. So at most the gradients the backward itself
-    holds are alive, never all ``g_k`` at once (GPT-2-small: ~300 MB of ``[N, T, d]`` and
-    ``[N, T, V]``). A site the loss does not reach is read with zeros.
-    """
-    done = [False] * len(targets)
-
-    def hook(k: int, t):
-        def on_grad(g: Tensor) -> None:
-            read(k, g)
-            done[k] = True
-
-        if isinstance(t, Tensor):  # (a lowest target)
-            return t.register_hook(lambda g: on_grad(g) or g.new_zeros(()).expand_as(g))
-        return t.node.register_prehook(lambda grads: None if grads[t.output_nr] is None else on_grad(grads[t.output_nr]))
-
-    handles = [hook(k, t) for k, t in enumerate(targets) if not isinstance(t, Tensor) or t.requires_grad]
-    try:
-        if lowest and loss.requires_grad:
-            torch.autograd.grad(loss, [targets[k] for k in sorted(lowest)], cotangent, retain_graph=retain,
-                                allow_unused=True)
-    finally:
-        for handle in handles:
-            handle.remove()
-    for k, (shape, dtype, device) in enumerate(like):
-        if not done[k]:
-            read(k, torch.zeros(shape, dtype=dtype, device=device))
-
-
-def _lowest(targets: Sequence[Tensor]) -> set:
-    """Indices of the targets with no other target below them in the autograd graph
-    (leaves, i.e. zero probes, and outputs computed from the input alone)."""
-    at = {(t.grad_fn, t.output_nr) for t in targets if t.grad_fn is not None}
-    at |= {id(t) for t in targets if t.grad_fn is None}  # a leaf's edge: its AccumulateGrad node's variable
-    reaches: Dict[object, bool] = {}  # graph node -> whether a target lies below it
-    for t in targets:
-        if t.grad_fn is not None:
-            _walk(t.grad_fn, at, reaches)
-    return {k for k, t in enumerate(targets) if t.requires_grad and (t.grad_fn is None or not reaches[t.grad_fn])}
-
-
-def _walk(root, at: set, reaches: Dict[object, bool]) -> None:
-    """Fill ``reaches[node]`` for ``root`` and every node below it, depth first without
-    recursion (graphs are thousands of nodes deep); each node is visited once."""
-    stack = [[root, iter(root.next_functions), False]]
-    while stack:
-        frame = stack[-1]
-        for nxt, nr in frame[1]:
-            if nxt is None:
-                continue
-            frame[2] = frame[2] or (nxt, nr) in at or id(getattr(nxt, "variable", None)) in at
-            if nxt in reaches:
-                frame[2] = frame[2] or reaches[nxt]
-                continue
-            stack.append([nxt, iter(nxt.next_functions), False])
-            break
-        else:
-            stack.pop()
-            reaches[frame[0]] = frame[2]
-            if stack:
-                stack[-1][2] = stack[-1][2] or frame[2]

@@ -51,6 +51,7 @@ from .rules._site import uses_of
 from ._batch_merges import per_sample
 from ._residual_math import factor
 from ._rootbuffers import RootBuffers, write_sqrt
+from ._streamed import read_when_passed
 from .rules import linear
 
 def _sqrt(uses, m_by_site, name) -> Tensor:
@@ -351,37 +352,21 @@ def _streamed_reads(lin, group, S: Tensor) -> bool:
 
 
 def _read_streamed(lin, uses, S: Tensor, group, names, params, batch_size: int, cache) -> Dict[object, dict]:
-    """``{ext: {name: part}}`` for the one column ``S [1, N, *out]``, read during its pullback
-    (:meth:`Linearization.stream_pull`): a site's ``m [1, *site_out]`` is kept only until
-    every parameter it reads is read (a parameter of several sites waits for all of them),
-    so the sites' pulled-back columns are never all alive at once (GPT-2-small: ~300 MB)."""
-    sites_of = {n: {site.key for site, _ in uses.get(n, ())} for n in names}
-    waiting = {n for n in names if sites_of[n]}
-    m: Dict[int, Tensor] = {}
+    """``{ext: {name: part}}`` for the one column ``S [1, N, *out]``, each parameter read
+    during the column's pullback as soon as it has passed all the parameter's sites
+    (:func:`curvlib._streamed.read_when_passed`): the sites' pulled-back columns are never
+    all alive at once (GPT-2-small: ~300 MB)."""
     parts: Dict[object, dict] = {ext: {} for ext in group}
 
-    def read_name(n: str) -> None:
+    def read(n: str, m: Dict[int, Tensor]) -> None:
+        m = {k: g.unsqueeze(0) for k, g in m.items()}  # [1, *site_out]: one column
         for ext in group:
             kron = (getattr(ext, "kfac_approx", None), getattr(ext, "max_factor_dim", None))
             parts[ext][n] = _read(_READ_AS.get(ext.quantity, ext.quantity), uses, m, n, params, batch_size, 1,
                                   cache, kron)
 
-    def read_ready(k: int) -> None:
-        for n in [n for n in waiting if k in sites_of[n] and sites_of[n] <= m.keys()]:
-            waiting.discard(n)
-            read_name(n)
-        for j in [j for j in m if not any(j in sites_of[n] for n in waiting)]:
-            del m[j]  # every parameter of site j is read
-
-    def read(k: int, g: Tensor) -> None:
-        shared = any(k in sites_of[n] and len(sites_of[n]) > 1 for n in waiting)
-        m[k] = (g.clone() if shared else g).unsqueeze(0)  # (a kept g: the backward may add into its buffer)
-        read_ready(k)
-
-    lin.stream_pull(S[0], read)
-    for n in names:
-        if not sites_of[n]:  # a parameter no site reads
-            read_name(n)
+    sites_of = {n: {site.key for site, _ in uses.get(n, ())} for n in names}
+    read_when_passed(lambda on_site: lin.stream_pull(S[0], on_site), sites_of, read)
     return {ext: {n: part[n] for n in names} for ext, part in parts.items()}
 
 
