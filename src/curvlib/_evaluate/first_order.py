@@ -10,14 +10,16 @@ sums its individual gradients over the sites before any square or norm is taken.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from .._core.site import Site, uses_of
+from .._core.tensors import is_concrete
+from .linearise import Linearization
 
-__all__ = ["FIRST_ORDER", "first_order"]
+__all__ = ["FIRST_ORDER", "FirstOrderReader", "first_order", "first_order_streamed", "streams"]
 
 
 FIRST_ORDER = ("grad_batch", "batch_l2", "sum_grad_squared", "variance")
@@ -46,65 +48,136 @@ def first_order(
         wanted quantity, each ``{name: tensor}`` in ``names``' order; per-sample
         ones are ``[N, *p]``, the others ``[*p]``.
     """
-    uses = uses_of(sites)
-    need = set(wanted)
-    if "variance" in need:
-        need.add("sum_grad_squared")
-    results: Dict[str, Dict[str, Tensor]] = {"grad": {}}
-    results.update({q: {} for q in need})
-    _single_use(results, uses, names, gs, need)
-    _shared(results, uses, names, gs, need, params, batch_size)
-    if "variance" in need:
-        _variance(results, names, batch_size, reuse="sum_grad_squared" not in wanted)
-        if "sum_grad_squared" not in wanted:
-            del results["sum_grad_squared"]
-    # Keep the model's parameter order in every dict.
-    return {q: {n: d[n] for n in names} for q, d in results.items()}
+    reader = FirstOrderReader(sites, names, params, wanted, batch_size)
+    for site in sites:
+        reader.read(site, gs[site.key])
+    return reader.results()
 
 
-def _single_use(results, uses, names, gs, need) -> None:
-    """Parameters read by one site: each site's rule is asked once for all its roles."""
-    single: Dict[int, List[str]] = defaultdict(list)
-    site_of: Dict[int, Site] = {}
-    for name in names:
-        if len(uses.get(name, ())) == 1:
-            site, role = uses[name][0]
-            single[id(site)].append(role)
-            site_of[id(site)] = site
-    for sid, roles in single.items():
-        site = site_of[sid]
-        rule, g = site.rule, gs[site.key]
+#: Second-order quantities that read nothing of the loss's backward (neither the site
+#: gradients nor the residuals') and are finished before it: with only these (or none), the
+#: first-order quantities are read during that backward, which then frees the graph.
+_BEFORE_THE_LOSS = ("diag", "batch_diag", "sqrt", "kron")
+
+
+def streams(lin: Linearization, second: Sequence, generic: bool = False) -> bool:
+    """Whether the first-order quantities can be read off site by site during the loss's
+    backward (:func:`first_order_streamed`): plain autograd on real tensors (not under
+    torch.func, not while ``compile=True`` traces), no residuals, and second-order
+    extensions that only pull back the loss Hessian's roots (none with a ``generic`` loss,
+    whose value is checked, a scalar of per-sample terms, before its Hessian is formed)."""
+    return (lin.pull_loss is not None and is_concrete(lin.out) and not lin.residuals
+            and not (generic and second)
+            and all(e.root in ("exact", "mc") and e.quantity in _BEFORE_THE_LOSS for e in second))
+
+
+def first_order_streamed(lin: Linearization, loss_of: Callable[[Tensor], Tensor], names: Sequence[str],
+                         params: Mapping[str, Tensor], wanted: Sequence[str], batch_size: int,
+                         keep_output: bool = False):
+    """``(loss, first_order(...))`` from one backward from the loss that reads every site
+    as its output gradient ``g_k [N, *site_out]`` arrives and then drops it, together with
+    the site's saved inputs (:func:`curvlib._engine.stream_sites`). The graph is freed, and
+    ``lin.out`` too unless ``keep_output``: call it last. Same results as
+    :func:`first_order` on all ``g_k`` at once."""
+    reader = FirstOrderReader(lin.sites, names, params, wanted, batch_size)
+    if not keep_output:
+        lin.out = None  # (a language model's logits: 103 MB on GPT-2-small)
+    loss, _ = lin.pull_loss(loss_of, retain=False, read=lambda k, g: reader.read(lin.sites[k], g, streamed=True))
+    return loss, reader.results()
+
+
+class FirstOrderReader:
+    """The first-order quantities, read off one site at a time.
+
+    :meth:`read` takes a site's output gradient ``g`` as soon as it is known (during the
+    backward: :func:`curvlib._engine.Linearization.stream_loss`) and keeps only the
+    parameters' results, so ``g`` can be freed at once. A parameter read by several sites
+    (tied weights, shared modules) keeps the running sum of its individual gradients
+    ``Σ_k g_{n,k}`` ``[N, *p]`` until its last site is read: squares and norms do not
+    distribute over that sum. :meth:`results` finishes (unused parameters, the variance).
+    """
+
+    def __init__(self, sites: Sequence[Site], names: Sequence[str], params: Mapping[str, Tensor],
+                 wanted: Sequence[str], batch_size: int):
+        self.names, self.params, self.batch_size = list(names), params, batch_size
+        self.wanted = set(wanted)
+        self.need = set(wanted) | ({"sum_grad_squared"} if "variance" in self.wanted else set())
+        self.out: Dict[str, Dict[str, Tensor]] = {"grad": {}}
+        self.out.update({q: {} for q in self.need})
+        uses = uses_of(sites)
+        wanted_names = set(names)
+        self.pending = {name: len(uses[name]) for name in names if len(uses.get(name, ())) > 1}
+        self.partial: Dict[str, Tensor] = {}  # shared parameters: Σ_k g_{n,k} so far
+        # site key -> roles of the parameters that site alone reads
+        self.single: Dict[int, List[str]] = defaultdict(list)
+        for name in names:
+            if len(uses.get(name, ())) == 1 and name in wanted_names:
+                site, role = uses[name][0]
+                self.single[site.key].append(role)
+
+    def read(self, site: Site, g: Tensor, streamed: bool = False) -> None:
+        """Read ``site``'s parameters off its output gradient ``g`` (kept nowhere).
+
+        ``streamed``: ``g`` is a running backward's own buffer, which the backward may
+        add into in place later: a result that shares its memory is copied. The site's
+        saved tensors are dropped after (nothing reads them again)."""
+        if site.key in self.single:
+            self._single_use(site, g, self.single[site.key])
+        for role, name in site.params.items():
+            if name not in self.pending:
+                continue
+            part = site.rule.grad_batch(site, g, [role])[role]
+            # out of place: a rule's result may be a view of g, which the backward still uses
+            self.partial[name] = part if name not in self.partial else self.partial[name] + part
+            self.pending[name] -= 1
+            if self.pending[name] == 0:
+                self._store(name, self.partial.pop(name), {q: None for q in ["grad", *self.need - {"grad_batch"}]})
+        if streamed:
+            self._unalias(site, g)
+            site.saved = {}
+
+    def _unalias(self, site: Site, g: Tensor) -> None:
+        """Copy every result of ``site``'s parameters that is a view of ``g`` (e.g. a bias's
+        individual gradients ``g`` itself)."""
+        ptr = g.untyped_storage().data_ptr()
+        for name in site.params.values():
+            for store in [self.partial, *self.out.values()]:
+                t = store.get(name)
+                if t is not None and t.untyped_storage().data_ptr() == ptr:
+                    store[name] = t.clone()
+
+    def results(self) -> Dict[str, Dict[str, Tensor]]:
+        """Every quantity, ``{q: {name: tensor}}`` in ``names``' order (see :func:`first_order`)."""
+        for name in self.names:
+            if name not in self.out["grad"]:  # read by no site: zero
+                p = self.params[name]
+                self._store(name, p.new_zeros((self.batch_size,) + tuple(p.shape)),
+                            {q: None for q in ["grad", *self.need - {"grad_batch"}]})
+        if "variance" in self.need:
+            reuse = "sum_grad_squared" not in self.wanted
+            _variance(self.out, self.names, self.batch_size, reuse=reuse)
+            if reuse:
+                del self.out["sum_grad_squared"]
+        return {q: {n: d[n] for n in self.names} for q, d in self.out.items()}
+
+    def _single_use(self, site: Site, g: Tensor, roles: List[str]) -> None:
+        """Parameters read by this site only: its rule is asked once for all their roles."""
+        rule, need = site.rule, self.need
         batch = rule.grad_batch(site, g, roles) if "grad_batch" in need else None
         summed = batch is not None and rule.grad_from_batch is not None and rule.grad_from_batch(site, g)
         per_q = {"grad": (rule.grad(site, g, roles) if rule.grad and not summed else None)}
         if "batch_l2" in need:
             per_q["batch_l2"] = rule.batch_l2(site, g, roles) if rule.batch_l2 else None
         if "sum_grad_squared" in need:
-            per_q["sum_grad_squared"] = (
-                rule.sum_grad_squared(site, g, roles) if rule.sum_grad_squared else None
-            )
+            per_q["sum_grad_squared"] = rule.sum_grad_squared(site, g, roles) if rule.sum_grad_squared else None
         if batch is None and any(v is None for v in per_q.values()):
             batch = rule.grad_batch(site, g, roles)
         for role in roles:
-            name = site.params[role]
             b = batch[role] if batch is not None else None
-            _store(results, name, b, {q: (v[role] if v is not None else None) for q, v in per_q.items()})
+            self._store(site.params[role], b, {q: (v[role] if v is not None else None) for q, v in per_q.items()})
 
-
-def _shared(results, uses, names, gs, need, params, batch_size: int) -> None:
-    """Parameters read by several sites (shared modules, tied weights) or none: the
-    individual gradients are summed over the sites first, ``g_n = Σ_k g_{n,k}``, since
-    squares and norms do not distribute over the sum."""
-    for name in names:
-        u = uses.get(name, ())
-        if len(u) == 1:
-            continue
-        if not u:
-            p = params[name]
-            b = p.new_zeros((batch_size,) + tuple(p.shape))
-        else:
-            b = sum(site.rule.grad_batch(site, gs[site.key], [role])[role] for site, role in u)
-        _store(results, name, b, {q: None for q in ["grad", *need - {"grad_batch", "variance"}]})
+    def _store(self, name: str, batch: Optional[Tensor], given: Dict[str, Optional[Tensor]]) -> None:
+        _store(self.out, name, batch, given)
 
 
 def _variance(results, names, batch_size: int, reuse: bool = False) -> None:

@@ -33,6 +33,7 @@ from .._trace.program import Program
 from .._interpret.graph import run_graph
 from .._plan.plan import Plan
 from .._core.site import Recorder, Site
+from .streamed import as_edges, lowest_targets, stream_sites
 
 __all__ = ["Linearization", "forward_with_probes"]
 
@@ -56,6 +57,7 @@ class Linearization:
     pullback: Callable
     batched_pullback: Optional[Callable] = None
     pull_loss: Optional[Callable] = None
+    stream_pull: Optional[Callable] = None  # (cot_out, read): one column, read site by site
     values: Optional[Dict[fx.Node, object]] = None
 
     def pull(self, cot_out: Tensor, cot_taps: Optional[Sequence[Tensor]] = None):
@@ -239,12 +241,29 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
     if direct and rec.overwritten():
         return None
     taps = [a for r in rec.residuals for a in r.inputs]
-    inputs = list(rec.targets) + (rprobes if residual_nodes else [])
-    n_sites = len(rec.targets)
+    lowest = lowest_targets(rec.targets)
+    inputs = as_edges(rec.targets, lowest) + (rprobes if residual_nodes else [])
+    like = [(tuple(t.shape), t.dtype, t.device) for t in list(rec.targets) + (rprobes if residual_nodes else [])]
+    pullback, pull_loss, stream_pull = _pullbacks([out], taps, inputs, like, len(rec.targets), lowest)
+    saved = [{k: v.detach() for k, v in site.saved.items()} for site in rec.sites]
+    _finish(rec, plan, saved, [t.detach() for t in taps])
+    lin = Linearization(out=out.detach(), sites=rec.sites, residuals=rec.residuals, taps=[t.detach() for t in taps], pullback=pullback)
+    lin.batched_pullback = _batched(pullback, _inputs.first(X).device)
+    lin.pull_loss, lin.stream_pull = pull_loss, stream_pull
+    lin.values = values
+    return lin
+
+
+def _pullbacks(held: List[Tensor], taps: List[Tensor], inputs: list, like: List[tuple], n_sites: int,
+               lowest: set):
+    """``(pullback, pull_loss, stream_pull)`` of :class:`Linearization` under plain autograd: ``held``,
+    ``[out]`` (let go by a streamed backward that frees the graph); ``inputs``, the sites'
+    targets (:func:`curvlib._streamed.as_edges`) and the residual probes, ``like`` their shapes."""
+
 
     def pullback(cotangents, batched: bool = False):
         cot_out, cot_taps = cotangents
-        pairs = [(o, c) for o, c in zip([out] + taps, [cot_out] + list(cot_taps)) if o.requires_grad]
+        pairs = [(o, c) for o, c in zip(held + taps, [cot_out] + list(cot_taps)) if o.requires_grad]
         if not inputs or not pairs:
             grads = [None] * len(inputs)
         else:
@@ -253,26 +272,34 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
                 retain_graph=True, allow_unused=True, is_grads_batched=batched,
             )
         lead = (cot_out.shape[0],) if batched else ()
-        grads = [torch.zeros(lead + tuple(i.shape), dtype=i.dtype, device=i.device) if g is None else g
-                 for g, i in zip(grads, inputs)]
+        grads = [torch.zeros(lead + shape, dtype=dtype, device=device) if g is None else g
+                 for g, (shape, dtype, device) in zip(grads, like)]
         return grads[:n_sites], grads[n_sites:]
 
-    def pull_loss(loss_of: Callable[[Tensor], Tensor], retain: bool):
+    def pull_loss(loss_of: Callable[[Tensor], Tensor], retain: bool, read: Optional[Callable] = None):
         """The loss and its gradient at every site in *one* backward from the loss
-        (no separate backward for ``∂L/∂out``); ``retain=False`` frees the graph."""
+        (no separate backward for ``∂L/∂out``); ``retain=False`` frees the graph.
+        ``read(k, g_k)``: each site's gradient is handed to ``read`` as the backward
+        completes it and then dropped (:func:`curvlib._streamed.stream_sites`); nothing is returned for the
+        sites then (``(loss, None)``), and without ``retain`` the output is let go too."""
         with torch.enable_grad():
-            loss = loss_of(out)
+            loss = loss_of(held[0])
+        if read is not None:
+            if not retain:
+                held.clear()  # the loss's graph keeps what it needs of the output (log-softmax)
+            stream_sites(loss, inputs[:n_sites], lowest, like, read, retain)
+            return loss.detach(), None
         if not inputs or not loss.requires_grad:
             grads = [None] * len(inputs)
         else:
             grads = torch.autograd.grad(loss, inputs, retain_graph=retain, allow_unused=True)
-        grads = [torch.zeros_like(i) if g is None else g for g, i in zip(grads, inputs)]
+        grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+                 for g, (shape, dtype, device) in zip(grads, like)]
         return loss.detach(), (grads[:n_sites], grads[n_sites:])
 
-    saved = [{k: v.detach() for k, v in site.saved.items()} for site in rec.sites]
-    _finish(rec, plan, saved, [t.detach() for t in taps])
-    lin = Linearization(out=out.detach(), sites=rec.sites, residuals=rec.residuals, taps=[t.detach() for t in taps], pullback=pullback)
-    lin.batched_pullback = _batched(pullback, _inputs.first(X).device)
-    lin.pull_loss = pull_loss
-    lin.values = values
-    return lin
+    def stream_pull(cot_out: Tensor, read: Callable[[int, Tensor], None]) -> None:
+        """Pull one cotangent ``[*out]`` back, each site's ``[*site_out]`` handed to ``read``
+        as it is complete (:func:`curvlib._streamed.stream_sites`); the graph is kept."""
+        stream_sites(held[0], inputs[:n_sites], lowest, like, read, True, cot_out)
+
+    return pullback, pull_loss, stream_pull

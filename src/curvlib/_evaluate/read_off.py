@@ -80,8 +80,12 @@ def diag(uses, m_by_site, name, params, cache=None) -> Tensor:
             per_role = _per_site(cache, site, uses, "diag", lambda roles: rule.sum_squares_over_columns(site, m, roles))
             return _column_sum(per_role[role])
         if rule.sum_grad_squared is not None:
-            # one column at a time: a rule may form [N, *p] per column (convolutions)
-            return sum(rule.sum_grad_squared(site, m[k], [role])[role] for k in range(m.shape[0]))
+            # one column at a time: a rule may form [N, *p] per column (convolutions); no
+            # `0 + first column` copy (an embedding's [V, D]: 154 MB on GPT-2-small)
+            total = rule.sum_grad_squared(site, m[0], [role])[role]
+            for k in range(1, m.shape[0]):
+                total = total + rule.sum_grad_squared(site, m[k], [role])[role]
+            return total
         if rule.vmap_columns:
             return (_site_columns(cache, site, uses, m)[role] ** 2).sum((0, 1))
     return (sqrt_columns(uses, m_by_site, name) ** 2).sum((0, 1))

@@ -48,6 +48,7 @@ from .._hessian.algebra import factor
 from . import read_off as _read_off
 from .read_off import batch_diag, diag, kronecker_factors, root_last, sqrt_columns
 from .root_buffers import RootBuffers, write_sqrt
+from .streamed import read_when_passed
 
 def second_order(
     lin: Linearization,
@@ -126,10 +127,17 @@ def _accumulate(lin, uses, S: Tensor, group, names, params, batch_size, chunk_si
         into = None
     elif into is None:
         into = RootBuffers()
+    streamed = _streamed_reads(lin, group, S)
     for start, S_chunk in _chunks(S, chunk_size):
-        m = lin.pull_batched(S_chunk)
         # per-site rule results shared by the site's parameters, per chunk
         cache: Dict[object, object] = {"static": static}
+        if streamed:
+            for ext, part in _read_streamed(lin, uses, S_chunk, group, names, params, batch_size, cache).items():
+                q = ext.read_as or ext.quantity
+                acc[ext.name] = part if ext.name not in acc else {
+                    n: _combine(q, acc[ext.name][n], part[n], owned, root_last(uses, n)) for n in names}
+            continue
+        m = lin.pull_batched(S_chunk)
         for ext in group:
             q = ext.read_as or ext.quantity
             if q == "sqrt" and into is not None:
@@ -144,6 +152,32 @@ def _accumulate(lin, uses, S: Tensor, group, names, params, batch_size, chunk_si
                 acc[ext.name] = {n: _combine(q, acc[ext.name][n], part[n], owned, root_last(uses, n))
                                  for n in names}
     return acc
+
+
+def _streamed_reads(lin, group, S: Tensor) -> bool:
+    """Whether the columns are pulled back one at a time, each parameter read as soon as the
+    pullback has passed all its sites (:func:`_read_streamed`): plain autograd on real
+    tensors, one column (the MC default), no square roots (written column by column)."""
+    return (lin.stream_pull is not None and is_concrete(S) and not S.requires_grad and S.shape[0] == 1
+            and all((e.read_as or e.quantity) in ("diag", "batch_diag", "kron") for e in group))
+
+
+def _read_streamed(lin, uses, S: Tensor, group, names, params, batch_size: int, cache) -> Dict[object, dict]:
+    """``{ext: {name: part}}`` for the one column ``S [1, N, *out]``, each parameter read
+    during the column's pullback as soon as it has passed all the parameter's sites
+    (:func:`curvlib._evaluate.streamed.read_when_passed`): the sites' pulled-back columns are
+    never all alive at once (GPT-2-small: ~300 MB)."""
+    parts: Dict[object, dict] = {ext: {} for ext in group}
+
+    def read(n: str, m: Dict[int, Tensor]) -> None:
+        m = {k: g.unsqueeze(0) for k, g in m.items()}  # [1, *site_out]: one column
+        for ext in group:
+            kron = (getattr(ext, "kfac_approx", None), getattr(ext, "max_factor_dim", None))
+            parts[ext][n] = _read(ext.read_as or ext.quantity, uses, m, n, params, batch_size, 1, cache, kron)
+
+    sites_of = {n: {site.key for site, _ in uses.get(n, ())} for n in names}
+    read_when_passed(lambda on_site: lin.stream_pull(S[0], on_site), sites_of, read)
+    return {ext: {n: part[n] for n in names} for ext, part in parts.items()}
 
 
 def _refuse_indefinite_sqrt(curv, roots, group) -> None:

@@ -16,7 +16,7 @@ from .. import losses
 from .._core import buffers as _buffers, inputs as _inputs
 from .._core.errors import CurvatureError
 from .._core.tensors import is_concrete
-from .._evaluate.first_order import first_order
+from .._evaluate.first_order import first_order, first_order_streamed, streams
 from .._evaluate.kfra import kfra
 from .._evaluate.linearise import forward_with_probes
 from .._evaluate.products import products, rng_state
@@ -33,37 +33,48 @@ __all__ = ["evaluate"]
 
 def evaluate(s, c: CallContext) -> Dict[str, object]:
     """Stages 3-6 for the setup ``s`` (:class:`curvlib._transform.entry._Setup`: the loss, the
-    extensions, the options) and the call ``c`` (the caller's buffers are in the model's slots for this call; the block
-    products put them there again whenever they are evaluated)."""
-    traced, X, y, device = c.traced, c.X, c.y, _inputs.first(c.X).device
+    extensions, the options) and the call ``c`` (the caller's buffers are in the model's slots for
+    this call; the block products put them there again whenever they are evaluated). Where it can,
+    the first order is read during the loss's backward, after the second order
+    (:func:`curvlib._evaluate.first_order.streams`)."""
+    traced, X, y, device = c.traced, c.X, c.y, c.device
     trainable, n = list(c.trainable), _inputs.batch_size(c.X)
     rng = rng_state(device)
-    dropout_seed = c.dropout_seed  # every forward run of the call: the same masks
     lin = forward_with_probes(
         traced.program, c.plan, X, c.values, frozenset(trainable), traced.residual_nodes, runner=traced.runner,
         # KFRA reuses the forward's node values, unless an in-place node overwrote its input
         direct=traced.direct, keep_values=traced.direct and any(e.quantity == "kfra" for e in s.second),
-        functorch=c.differentiable, dropout_seed=dropout_seed,
+        functorch=c.differentiable, dropout_seed=c.dropout_seed,
     )
+    wanted, generic = [e.name for e in s.first], s.spec.kind == "generic"
+    if streams(lin, s.second, generic):  # second order first: the loss's backward then frees the graph
+        later = _second_order(s, c, lin, rng, None, [])
+        loss, first = first_order_streamed(lin, lambda out: _scalar_loss(s.spec, out, y), trainable, c.values,
+                                           wanted, n, keep_output=generic)
+        if generic:  # (checked once the graph is spent)
+            check_per_sample(lambda o: losses.loss_value(s.spec, o, y), lin.out.detach(), s.spec.name)
+        return {"loss": loss, **first, **later}
     loss, gs, residual_grads = _loss_and_site_gradients(s.spec, lin, y, bool(s.second))
-    result: Dict[str, object] = {"loss": loss}
-    result.update(first_order(lin.sites, gs, trainable, c.values, [e.name for e in s.first], n))
+    return {"loss": loss, **first_order(lin.sites, gs, trainable, c.values, wanted, n),
+            **_second_order(s, c, lin, rng, gs, residual_grads)}
+
+
+def _second_order(s, c: CallContext, lin, rng, gs, residual_grads) -> Dict[str, object]:
+    """Stage 6 (``gs``: the loss gradient at every site, the empirical Fisher's root; ``None``
+    when the first order is read during the loss's backward, which then comes after)."""
     if not s.second:
-        return result
-    curv = losses.curvature_at(s.spec, lin.out, y, negative=c.negative)
+        return {}
+    trainable = list(c.trainable)
+    curv = losses.curvature_at(s.spec, lin.out, c.y, negative=c.negative)
     product = None
     if any(isinstance(e, BlockProduct) for e in s.second):  # (built only when asked for)
-        product = products(c, s.spec, curv, lin, residual_grads, rng)
-        product = _buffers.bind_products(product, s.model, c.buffers)
+        product = _buffers.bind_products(products(c, s.spec, curv, lin, residual_grads, rng), s.model, c.buffers)
     kfra_factors = None
     if any(e.quantity == "kfra" for e in s.second):  # (the recursion's closure only when asked for)
-        kfra_factors = _kfra_factors(s, traced, lin, curv, X, y, trainable, c.values, dropout_seed)
-    chunk = _budget.auto_chunk_size(c.plan, s.second, device) if s.chunk_size == "auto" else s.chunk_size
-    result.update(second_order(
-        lin, curv, s.second, trainable, c.values, n, residual_grads, product,
-        kfra_factors, chunk_size=chunk, site_grads=gs, into=c.into,
-    ))
-    return result
+        kfra_factors = _kfra_factors(s, c.traced, lin, curv, c.X, c.y, trainable, c.values, c.dropout_seed)
+    chunk = _budget.auto_chunk_size(c.plan, s.second, c.device) if s.chunk_size == "auto" else s.chunk_size
+    return second_order(lin, curv, s.second, trainable, c.values, _inputs.batch_size(c.X), residual_grads,
+                        product, kfra_factors, chunk_size=chunk, site_grads=gs, into=c.into)
 
 
 def _loss_and_site_gradients(spec, lin, y: Tensor, keep_graph: bool):

@@ -121,18 +121,16 @@ def aggregated(
         f: ``f(X, y, params=None)`` of ``curvlib.curvature`` without a group.
         spec: the loss (its reduction decides the rescaling).
         exts: the extensions ``f`` computes.
-        process_group: a ``torch.distributed`` process group (e.g.
-            ``torch.distributed.group.WORLD``) with this process as a member.
-        root_last: ``(X, params) -> {name: bool}``, whether a parameter's Kronecker root factor
-            is the last (needed when a side may be diagonal, ``max_factor_dim``).
+        process_group: a ``torch.distributed`` group (``dist.group.WORLD``) this process is in.
+        root_last: ``(X, params) -> {name: bool}``: a Kronecker root factor last (``max_factor_dim``).
 
     Returns:
         ``g(X_local, y_local, params=None)``: a collective call returning the
         quantities of the global batch (see the module doc).
 
     Raises:
-        CurvatureError: an extension that cannot be aggregated (KFRA, block
-            products), or torch.distributed is not initialised.
+        CurvatureError: an extension that cannot be aggregated (block products), or
+            torch.distributed is not initialised.
         CurvatureTypeError: ``process_group`` is not a process group.
 
     Examples::
@@ -167,8 +165,7 @@ def aggregated(
             local = f(X, y, params=params, generator=generator, buffers=buffers)
         n_local = _inputs.batch_size(X)
         m_local = normaliser(spec, _targets.prepare_targets(spec, y)) if mean else 1.0
-        roots = root_last(X, params) if root_last is not None else None
-        return aggregate(local, kinds, n_local, m_local, mean, process_group, roots)
+        return aggregate(local, kinds, n_local, m_local, mean, process_group, root_last and root_last(X, params))
 
     return g
 

@@ -71,10 +71,30 @@ def grad(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
     x, g = _flat(site, g)
     out = {}
     if "weight" in roles:  # one matrix product, as in a plain backward
-        out["weight"] = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        out["weight"] = _sum_outer(g, x)
     if "bias" in roles:
         out["bias"] = g.sum((0, 1))
     return out
+
+
+def _sum_outer(g: Tensor, x: Tensor) -> Tensor:
+    """``Σ_{n,s} g[n, s] x[n, s]ᵀ`` ``[O, I]`` for ``g [N, S, O]``, ``x [N, S, I]``: one matrix
+    product where ``g``'s positions flatten without a copy, else one per sample into the
+    sum (a language model's head: ``g`` is the logits' gradient seen through a transpose,
+    ``[N, T, V]`` with the positions innermost; ``g[n]ᵀ`` is then contiguous and
+    flattening would copy all of it, 103 MB on GPT-2-small)."""
+    n, s = g.shape[0], g.shape[1]
+    if n == 1 or s == 1 or g.stride(0) == g.stride(1) * s or not _plain(g, x):
+        return g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+    total = g[0].t() @ x[0]
+    for k in range(1, n):
+        total.addmm_(g[k].t(), x[k])
+    return total
+
+
+def _plain(*ts: Tensor) -> bool:
+    """Tensors that may be summed into in place (no autograd record, no torch.func wrapper)."""
+    return not any(t.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(t) for t in ts)
 
 
 def grad_from_batch(site: Site, g: Tensor) -> bool:
@@ -123,21 +143,37 @@ SQUARES_ENTRIES = 2**24
 
 def _sum_squared_outer(g: Tensor, x: Tensor) -> Tensor:
     """``Σ_n (Σ_s g[n, s] x[n, s]ᵀ)²`` ``[O, I]`` for ``g [N, S, O]``, ``x [N, S, I]``, the
-    individual gradients formed a block of samples at a time (:data:`SQUARES_ENTRIES`) and
-    squared in place: at most ``[n', O, I]`` beside the sum, never ``[N, O, I]`` and its square
-    (GPT-2's head: 154 MB a sample instead of 1.2 GB for N = 4)."""
+    individual gradients formed a block at a time (:data:`SQUARES_ENTRIES`) and squared into
+    the sum: a block of samples, or, for a layer larger than the block (a language model's
+    head, ``[50257, 768]``), a block of output rows of one sample. At most ``SQUARES_ENTRIES``
+    beside the sum, never ``[N, O, I]`` (GPT-2's head: 64 MB instead of 1.2 GB for N = 4)."""
+    n, o, i = g.shape[0], g.shape[2], x.shape[2]
+    if not _plain(g, x):
+        return _sum_squared_samples(g, x)
+    total = g.new_zeros(o, i)
+    rows = min(o, max(1, SQUARES_ENTRIES // max(i, 1)))
+    samples = max(1, SQUARES_ENTRIES // max(o * i, 1))
+    for start in range(0, n, samples):
+        gs, xs = g[start:start + samples], x[start:start + samples]
+        for r in range(0, o, rows):  # (one block of rows when the layer fits)
+            part = _per_sample_outer(gs[:, :, r:r + rows], xs)
+            if part.shape[0] == 1:
+                total[r:r + rows].addcmul_(part[0], part[0])
+            else:
+                total[r:r + rows].add_(square_fresh(part).sum(0))
+    return total
+
+
+def _sum_squared_samples(g: Tensor, x: Tensor) -> Tensor:
+    """:func:`_sum_squared_outer` under autograd or torch.func: a block of samples at a time,
+    summed out of place."""
     n, o, i = g.shape[0], g.shape[2], x.shape[2]
     step = max(1, SQUARES_ENTRIES // max(o * i, 1))
     total = None
     for start in range(0, n, step):
-        part = square_fresh(_per_sample_outer(g[start:start + step], x[start:start + step]))
-        part = part[0] if part.shape[0] == 1 else part.sum(0)
-        if total is None:
-            total = part
-        elif total.requires_grad or part.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(total):
-            total = total + part
-        else:  # (total is a fresh result of the first block)
-            total.add_(part)
+        part = _per_sample_outer(g[start:start + step], x[start:start + step]) ** 2
+        part = part.sum(0)
+        total = part if total is None else total + part
     return total if total is not None else g.new_zeros(o, i)
 
 
