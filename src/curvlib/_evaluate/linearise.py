@@ -287,7 +287,7 @@ def _pullbacks(held: List[Tensor], taps: List[Tensor], inputs: list, like: List[
         if read is not None:
             if not retain:
                 held.clear()  # the loss's graph keeps what it needs of the output (log-softmax)
-            stream_sites(loss, inputs[:n_sites], lowest, like, read, retain)
+            stream_sites(loss, inputs[:n_sites], lowest, like[:n_sites], read, retain)
             return loss.detach(), None
         if not inputs or not loss.requires_grad:
             grads = [None] * len(inputs)
@@ -300,6 +300,6 @@ def _pullbacks(held: List[Tensor], taps: List[Tensor], inputs: list, like: List[
     def stream_pull(cot_out: Tensor, read: Callable[[int, Tensor], None]) -> None:
         """Pull one cotangent ``[*out]`` back, each site's ``[*site_out]`` handed to ``read``
         as it is complete (:func:`curvlib._streamed.stream_sites`); the graph is kept."""
-        stream_sites(held[0], inputs[:n_sites], lowest, like, read, True, cot_out)
+        stream_sites(held[0], inputs[:n_sites], lowest, like[:n_sites], read, True, cot_out)
 
     return pullback, pull_loss, stream_pull
