@@ -61,6 +61,9 @@ class Rule:
     grad_from_batch: Optional[Callable[[Site, Tensor], bool]] = None
     batch_l2: Optional[RuleFn] = None
     sum_grad_squared: Optional[RuleFn] = None
+    # (site, g, roles) -> (grad, sum_grad_squared) from one pass over the individual
+    # gradients, or None where the two are cheaper apart (Linear over positions)
+    grad_with_squares: Optional[Callable[..., Optional[Tuple[RoleTensors, RoleTensors]]]] = None
     any_batch_dim: bool = False
     # (site, m [V, *out], roles) -> role -> [K, *p] whose sum over K is
     # Σ_v sum_grad_squared(m_v): a faster GGN diagonal where the layer allows.

@@ -165,11 +165,15 @@ class FirstOrderReader:
         rule, need = site.rule, self.need
         batch = rule.grad_batch(site, g, roles) if "grad_batch" in need else None
         summed = batch is not None and rule.grad_from_batch is not None and rule.grad_from_batch(site, g)
-        per_q = {"grad": (rule.grad(site, g, roles) if rule.grad and not summed else None)}
+        both = None  # (grad, sum_grad_squared) in one pass where the rule has it
+        if "sum_grad_squared" in need and batch is None and rule.grad_with_squares is not None:
+            both = rule.grad_with_squares(site, g, roles)
+        per_q = {"grad": both[0] if both else (rule.grad(site, g, roles) if rule.grad and not summed else None)}
         if "batch_l2" in need:
             per_q["batch_l2"] = rule.batch_l2(site, g, roles) if rule.batch_l2 else None
         if "sum_grad_squared" in need:
-            per_q["sum_grad_squared"] = rule.sum_grad_squared(site, g, roles) if rule.sum_grad_squared else None
+            per_q["sum_grad_squared"] = both[1] if both else (
+                rule.sum_grad_squared(site, g, roles) if rule.sum_grad_squared else None)
         if batch is None and any(v is None for v in per_q.values()):
             batch = rule.grad_batch(site, g, roles)
         for role in roles:

@@ -12,7 +12,9 @@ One evaluation is
    product seeded with ``∂L/∂output``;
 4. *read off*: each site's rule turns ``(saved inputs, g_k)`` into per-sample
    quantities; a parameter used by several sites sums its individual
-   gradients over the sites before any square or norm is taken.
+   gradients over the sites before any square or norm is taken. Under plain
+   autograd, 3 and 4 go together where they can: each site is read as the
+   backward completes its ``g_k``, which is then freed (:mod:`curvlib._streamed`).
 
 Everything here is a pure function of ``(params, X, y)``; it composes with
 :func:`torch.func.vmap` because it only uses torch.func transforms.
@@ -259,7 +261,6 @@ def _pullbacks(held: List[Tensor], taps: List[Tensor], inputs: list, like: List[
     """``(pullback, pull_loss, stream_pull)`` of :class:`Linearization` under plain autograd: ``held``,
     ``[out]`` (let go by a streamed backward that frees the graph); ``inputs``, the sites'
     targets (:func:`curvlib._streamed.as_edges`) and the residual probes, ``like`` their shapes."""
-
 
     def pullback(cotangents, batched: bool = False):
         cot_out, cot_taps = cotangents

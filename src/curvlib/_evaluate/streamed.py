@@ -54,7 +54,8 @@ def stream_sites(loss: Tensor, targets: Sequence, lowest: set, like: Sequence[tu
 
         if isinstance(t, Tensor):  # (a lowest target)
             return t.register_hook(lambda g: on_grad(g) or g.new_zeros(()).expand_as(g))
-        return t.node.register_prehook(lambda grads: None if grads[t.output_nr] is None else on_grad(grads[t.output_nr]))
+        nr = t.output_nr
+        return t.node.register_prehook(lambda grads: None if grads[nr] is None else on_grad(grads[nr]))
 
     handles = [hook(k, t) for k, t in enumerate(targets) if not isinstance(t, Tensor) or t.requires_grad]
     try:

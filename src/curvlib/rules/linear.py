@@ -136,17 +136,38 @@ def sum_grad_squared(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors
 
 
 
+def grad_with_squares(site: Site, g: Tensor, roles: Sequence[str]) -> Optional[Tuple[RoleTensors, RoleTensors]]:
+    """``(grad, sum_grad_squared)`` from one pass over the individual gradients, where a
+    weight is shared by positions (``s > 1``) and nothing is differentiated: the squares need
+    every ``Σ_s g[n, s] x[n, s]ᵀ`` anyway, and their sum is the gradient, so the gradient's
+    own product ``gᵀx`` (as costly: GPT-2's head, 40 GFLOP) is not run. ``None`` otherwise
+    (the caller asks :func:`grad` and :func:`sum_grad_squared`)."""
+    x, gf = _flat(site, g)
+    if x.shape[1] == 1 or not _plain(gf, x):
+        return None
+    grads, squares = {}, {}
+    if "weight" in roles:
+        grads["weight"] = gf.new_zeros(gf.shape[2], x.shape[2])
+        squares["weight"] = _sum_squared_outer(gf, x, sums=grads["weight"])
+    if "bias" in roles:
+        per_sample = gf.sum(1)
+        grads["bias"], squares["bias"] = per_sample.sum(0), (per_sample**2).sum(0)
+    return grads, squares
+
+
 #: Entries of individual gradients ``[n', O, I]`` formed at once by :func:`_sum_squared_outer`
 #: (64 MiB in float32): a language model's head ``[50257, 768]`` goes one sample at a time.
 SQUARES_ENTRIES = 2**24
 
 
-def _sum_squared_outer(g: Tensor, x: Tensor) -> Tensor:
+def _sum_squared_outer(g: Tensor, x: Tensor, sums: Optional[Tensor] = None) -> Tensor:
     """``Σ_n (Σ_s g[n, s] x[n, s]ᵀ)²`` ``[O, I]`` for ``g [N, S, O]``, ``x [N, S, I]``, the
     individual gradients formed a block at a time (:data:`SQUARES_ENTRIES`) and squared into
     the sum: a block of samples, or, for a layer larger than the block (a language model's
     head, ``[50257, 768]``), a block of output rows of one sample. At most ``SQUARES_ENTRIES``
-    beside the sum, never ``[N, O, I]`` (GPT-2's head: 64 MB instead of 1.2 GB for N = 4)."""
+    beside the sum, never ``[N, O, I]`` (GPT-2's head: 64 MB instead of 1.2 GB for N = 4).
+    ``sums [O, I]`` (zeros; plain tensors only): the individual gradients are added into it
+    too, which gives the gradient without a second product of the same cost."""
     n, o, i = g.shape[0], g.shape[2], x.shape[2]
     if not _plain(g, x):
         return _sum_squared_samples(g, x)
@@ -157,6 +178,8 @@ def _sum_squared_outer(g: Tensor, x: Tensor) -> Tensor:
         gs, xs = g[start:start + samples], x[start:start + samples]
         for r in range(0, o, rows):  # (one block of rows when the layer fits)
             part = _per_sample_outer(gs[:, :, r:r + rows], xs)
+            if sums is not None:  # (before the squares: they overwrite part)
+                sums[r:r + rows].add_(part[0] if part.shape[0] == 1 else part.sum(0))
             if part.shape[0] == 1:
                 total[r:r + rows].addcmul_(part[0], part[0])
             else:
@@ -271,6 +294,7 @@ LINEAR = Rule(
     kind="linear",
     grad_batch=grad_batch,
     grad=grad,
+    grad_with_squares=grad_with_squares,
     grad_from_batch=grad_from_batch,
     batch_l2=batch_l2,
     sum_grad_squared=sum_grad_squared,
