@@ -73,6 +73,10 @@ class Rule:
     # the columns of a square root go through one vmapped grad_batch, not a loop over them
     # (a rule whose grad_batch is itself a vmapped VJP of one op: one batched call is cheaper)
     vmap_columns: bool = False
+    # (site, role, m [V, *out]) -> (a, b) whose broadcast product is the per-sample gradients
+    # [V, N, *p] of ``role`` when each is one outer product (a Linear on one position per
+    # sample: g_vn x_nᵀ), else None: square roots are then written without forming them twice
+    outer_factors: Optional[Callable[["Site", str, Tensor], Optional[Tuple[Tensor, Tensor]]]] = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,13 @@ class Family:
             batch-averaged output matrix ``G``.
         kron_layout: ``"split"``: ``[B, A]`` with ``A`` from ``kron_input``; ``"own"``: the
             family's own layout (``kron`` only, :mod:`curvlib._core.kronlayout`); ``""``: none.
+        root_last: its Kronecker root factor comes last (Embedding's ``[A [V], B]``; a generic
+            parameter at fixed rows, :mod:`curvlib.rules.fixed_rows`).
+        row_map: ``site -> r [S]`` or ``None``: the parameter row each output position reads,
+            for a parameter added as a bias at fixed rows (learned positions).
+        kfra_pullback: ``(tensors, G [O, O]) -> Jᵀ G J [I, I]``: KFRA's batch-averaged matrix
+            passed back through the layer in closed form (``tensors``: role -> parameter); ``None``:
+            by autodiff, averaged over samples.
     """
 
     kind: str
@@ -110,6 +121,9 @@ class Family:
     weight_output_factor: Optional[Callable] = None
     kron_from_output_matrix: Optional[Callable] = None
     kron_layout: str = ""
+    kfra_pullback: Optional[Callable] = None
+    root_last: bool = False
+    row_map: Optional[Callable] = None
 
 
 @dataclass

@@ -28,7 +28,7 @@ from torch.func import vjp, vmap
 from .._core import dropout as _dropout
 from .._interpret.graph import run_graph
 from .._core.errors import CurvatureError
-from ..rules import kron_from_matrix
+from ..rules import FAMILY_OF, kron_from_matrix
 from .._core.site import Recorder, Site
 from .._trace.graph_facts import chain_nodes, is_inplace
 from ..rules.elementwise import ELEMENTWISE_MODULES
@@ -133,9 +133,9 @@ def _backprop(program, node: fx.Node, env, params, a: Tensor, z: Tensor, G: Tens
     f = _node_function(program, node, env, params)
     module = program.root.get_submodule(node.target) if node.op == "call_module" else None
     layer = program.layers.get(node.target) if module is not None else None
-    if layer is not None and layer.kind == "linear" and a.dim() == 2:
-        W = params[layer.names["weight"]]
-        return W.t() @ G @ W
+    family = FAMILY_OF.get(layer.kind) if layer is not None else None
+    if family is not None and family.kfra_pullback is not None and a.dim() == 2:
+        return family.kfra_pullback({r: params[n] for r, n in layer.names.items()}, G)
     flat_reshape = (isinstance(module, nn.Flatten) and module.start_dim == 1 and module.end_dim == -1) or (
         node.op != "call_module" and node.target in _RESHAPES and z.dim() >= 1 and z.shape[0] == a.shape[0]
         and node.target not in ("flatten", torch.flatten)

@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.func import vmap
 
 from .._core.tensors import is_concrete
-from ..rules import fixed_rows, kron_factors, kron_input_factor, kron_layout, kron_weight_output, linear
+from ..rules import FAMILY_OF, fixed_rows, kron_factors, kron_input_factor, kron_layout, kron_weight_output, linear
 from ..rules._gram import gram
 from ..rules.fixed_rows import tied_across_layers
 
@@ -28,7 +28,7 @@ def sqrt_columns(uses, m_by_site, name) -> Tensor:
     total = None
     for site, role in uses[name]:
         m = m_by_site[site.key]
-        if LOOP_SQRT_COLUMNS and is_concrete(m) and not _one_outer_product(site) and not site.rule.vmap_columns:
+        if LOOP_SQRT_COLUMNS and is_concrete(m) and not _one_outer_product(site, m) and not site.rule.vmap_columns:
             # column by column into one buffer: the rules' own batched kernels (e.g. the
             # grouped convolution of a convolution's per-sample gradients) instead of
             # their vmapped versions (a Linear without shared positions stays vmapped:
@@ -53,11 +53,16 @@ def sqrt_columns(uses, m_by_site, name) -> Tensor:
 LOOP_SQRT_COLUMNS = True
 
 
-def _one_outer_product(site) -> bool:
-    """A Linear site whose per-sample gradient is a single outer product ``g_n x_nᵀ``."""
-    if site.rule.kind != "linear":
-        return False
-    return linear._flat_input(site).shape[1] == 1
+def _one_outer_product(site, m: Tensor) -> bool:
+    """A site whose per-sample weight gradient is a single outer product (``g_n x_nᵀ``: the
+    rule's ``outer_factors``), which one batched product computes for all columns at once."""
+    return site.rule.outer_factors is not None and site.rule.outer_factors(site, "weight", m[:1]) is not None
+
+
+def _rows(site):
+    """The parameter row each output position reads, for a bias at fixed rows (else ``None``)."""
+    row_map = FAMILY_OF[site.rule.kind].row_map
+    return row_map(site) if row_map is not None else None
 
 
 def diag(uses, m_by_site, name, params, cache=None) -> Tensor:
@@ -73,7 +78,7 @@ def diag(uses, m_by_site, name, params, cache=None) -> Tensor:
         site, role = u[0]
         rule = site.rule
         m = m_by_site[site.key]
-        rows = fixed_rows.row_map(site) if rule.kind == "generic" else None
+        rows = _rows(site)
         if rows is not None:  # a bias-like parameter (learned positions): a scatter of m
             return fixed_rows.squares_per_sample(site, rows, m).sum(0)
         if rule.sum_squares_over_columns is not None:
@@ -125,7 +130,7 @@ def batch_diag(uses, m_by_site, name, params, n, cache=None) -> Tensor:
         return params[name].new_zeros((n,) + tuple(params[name].shape))
     if len(u) == 1:
         site, role = u[0]
-        rows = fixed_rows.row_map(site) if site.rule.kind == "generic" else None
+        rows = _rows(site)
         if rows is not None:  # a bias-like parameter (learned positions): a scatter of m
             return fixed_rows.squares_per_sample(site, rows, m_by_site[site.key])
         fast = getattr(site.rule, "batch_sum_squares_over_columns", None)
@@ -196,7 +201,7 @@ def root_last(uses, name: str) -> bool:
     u = uses.get(name, ())
     if len(u) == 1 and u[0][0].meta.get("transposed", False) and u[0][1] == "weight":
         return True
-    return any(site.rule.kind in ("embedding", "generic") for site, _ in u)
+    return any(FAMILY_OF[site.rule.kind].root_last for site, _ in u)
 
 
 def _cached(cache: dict, key, compute):

@@ -21,7 +21,6 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..rules import linear
 
 __all__ = ["RootBuffers", "write_sqrt"]
 
@@ -79,7 +78,7 @@ def sqrt_into(uses, m_by_site, name: str, dest: Callable[[Tuple[int, ...], torch
     out = None
     for i, (site, role) in enumerate(uses[name]):
         m = m_by_site[site.key]
-        outer = _outer_factors(site, role, m)
+        outer = site.rule.outer_factors(site, role, m) if site.rule.outer_factors is not None else None
         if outer is not None:
             if out is None:
                 shape = torch.broadcast_shapes(outer[0].shape, outer[1].shape)
@@ -99,19 +98,3 @@ def sqrt_into(uses, m_by_site, name: str, dest: Callable[[Tuple[int, ...], torch
                 out[v].copy_(col)
     return out
 
-
-def _outer_factors(site, role: str, m: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
-    """``(g [V, N, O, 1], x [1, N, 1, I])`` (transposed weight: ``(x [1, N, I, 1], g [V, N, 1, O])``)
-    whose product is a Linear weight's per-sample
-    gradients ``g_vn x_nᵀ`` for the columns ``m [V, *site_out]`` (one position per
-    sample), or ``None`` for any other site or role."""
-    if role != "weight" or site.rule.kind != "linear":
-        return None
-    x = linear._flat_input(site)
-    if x.shape[1] != 1:
-        return None
-    g = m.movedim(site.batch_dim + 1, 1)
-    g = g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])
-    if site.meta.get("transposed"):  # a weight stored [in, out] (rules.linear.LINEAR_TRANSPOSED): x_n g_vnᵀ
-        return x[None, :, 0, :, None], g[:, :, 0, None, :]
-    return g[:, :, 0, :, None], x[None, :, 0, None, :]

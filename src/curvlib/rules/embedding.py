@@ -258,4 +258,5 @@ def forward(module: nn.Embedding, where: str, names: dict, tensors: dict, args, 
 
 
 #: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.
-FAMILY = Family("embedding", (nn.Embedding,), forward, check, kron=kron, kron_input=kron_input, kron_layout="own")
+FAMILY = Family("embedding", (nn.Embedding,), forward, check, kron=kron, kron_input=kron_input, kron_layout="own",
+                root_last=True)

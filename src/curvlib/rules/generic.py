@@ -36,6 +36,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 from .._core.errors import CurvatureError
 from .._core.sync import LOCK
 from .._core.site import Family, Recorder, RoleTensors, Rule, Site
+from . import fixed_rows
 
 
 def math_hooks(module: nn.Module) -> list:
@@ -262,4 +263,4 @@ def refuse_buffer_updates(program, sites, exts) -> None:
 
 
 #: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.
-FAMILY = Family("generic", (), forward)
+FAMILY = Family("generic", (), forward, root_last=True, row_map=fixed_rows.row_map)

@@ -290,6 +290,20 @@ def batch_sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) 
     return out
 
 
+def outer_factors(site: Site, role: str, m: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+    """``(g [V, N, O, 1], x [1, N, 1, I])`` (transposed weight: ``(x [1, N, I, 1], g [V, N, 1, O])``)
+    whose product is the weight's per-sample gradients ``g_vn x_nᵀ`` for the columns
+    ``m [V, *site_out]``, when each sample has one position; ``None`` otherwise or for the bias."""
+    x = _flat_input(site)
+    if role != "weight" or x.shape[1] != 1:
+        return None
+    g = m.movedim(site.batch_dim + 1, 1)
+    g = g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])
+    if site.meta.get("transposed"):  # a weight stored [in, out] (LINEAR_TRANSPOSED): x_n g_vnᵀ
+        return x[None, :, 0, :, None], g[:, :, 0, None, :]
+    return g[:, :, 0, :, None], x[None, :, 0, None, :]
+
+
 LINEAR = Rule(
     kind="linear",
     grad_batch=grad_batch,
@@ -301,6 +315,7 @@ LINEAR = Rule(
     any_batch_dim=True,
     sum_squares_over_columns=sum_squares_over_columns,
     batch_sum_squares_over_columns=batch_sum_squares_over_columns,
+    outer_factors=outer_factors,
 )
 
 
@@ -329,6 +344,7 @@ LINEAR_TRANSPOSED = Rule(
     any_batch_dim=True,
     sum_squares_over_columns=_weight_transposed(sum_squares_over_columns),
     batch_sum_squares_over_columns=_weight_transposed(batch_sum_squares_over_columns),
+    outer_factors=outer_factors,
 )
 
 
@@ -349,4 +365,5 @@ def _bind_input(args, kwargs, name: str):
 
 #: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.
 FAMILY = Family("linear", (nn.Linear,), forward, kron=kron, kron_input=kron_input,
-                kron_from_output_matrix=kron_from_output_matrix, kron_layout="split")
+                kron_from_output_matrix=kron_from_output_matrix, kron_layout="split",
+                kfra_pullback=lambda tensors, G: tensors["weight"].t() @ G @ tensors["weight"])  # Wᵀ G W
