@@ -76,7 +76,7 @@ def first_order_streamed(lin: Linearization, loss_of: Callable[[Tensor], Tensor]
                          keep_output: bool = False):
     """``(loss, first_order(...))`` from one backward from the loss that reads every site
     as its output gradient ``g_k [N, *site_out]`` arrives and then drops it, together with
-    the site's saved inputs (:func:`curvlib._engine.stream_sites`). The graph is freed, and
+    the site's saved inputs (:func:`curvlib._evaluate.streamed.stream_sites`). The graph is freed, and
     ``lin.out`` too unless ``keep_output``: call it last. Same results as
     :func:`first_order` on all ``g_k`` at once."""
     reader = FirstOrderReader(lin.sites, names, params, wanted, batch_size)
@@ -90,7 +90,7 @@ class FirstOrderReader:
     """The first-order quantities, read off one site at a time.
 
     :meth:`read` takes a site's output gradient ``g`` as soon as it is known (during the
-    backward: :func:`curvlib._engine.Linearization.stream_loss`) and keeps only the
+    backward: :func:`curvlib._evaluate.linearise.Linearization.stream_loss`) and keeps only the
     parameters' results, so ``g`` can be freed at once. A parameter read by several sites
     (tied weights, shared modules) keeps the running sum of its individual gradients
     ``Σ_k g_{n,k}`` ``[N, *p]`` until its last site is read: squares and norms do not

@@ -14,7 +14,7 @@ One evaluation is
    quantities; a parameter used by several sites sums its individual
    gradients over the sites before any square or norm is taken. Under plain
    autograd, 3 and 4 go together where they can: each site is read as the
-   backward completes its ``g_k``, which is then freed (:mod:`curvlib._streamed`).
+   backward completes its ``g_k``, which is then freed (:mod:`curvlib._evaluate.streamed`).
 
 Everything here is a pure function of ``(params, X, y)``; it composes with
 :func:`torch.func.vmap` because it only uses torch.func transforms.
@@ -260,7 +260,7 @@ def _pullbacks(held: List[Tensor], taps: List[Tensor], inputs: list, like: List[
                lowest: set):
     """``(pullback, pull_loss, stream_pull)`` of :class:`Linearization` under plain autograd: ``held``,
     ``[out]`` (let go by a streamed backward that frees the graph); ``inputs``, the sites'
-    targets (:func:`curvlib._streamed.as_edges`) and the residual probes, ``like`` their shapes."""
+    targets (:func:`curvlib._evaluate.streamed.as_edges`) and the residual probes, ``like`` their shapes."""
 
     def pullback(cotangents, batched: bool = False):
         cot_out, cot_taps = cotangents
@@ -281,7 +281,7 @@ def _pullbacks(held: List[Tensor], taps: List[Tensor], inputs: list, like: List[
         """The loss and its gradient at every site in *one* backward from the loss
         (no separate backward for ``∂L/∂out``); ``retain=False`` frees the graph.
         ``read(k, g_k)``: each site's gradient is handed to ``read`` as the backward
-        completes it and then dropped (:func:`curvlib._streamed.stream_sites`); nothing is returned for the
+        completes it and then dropped (:func:`curvlib._evaluate.streamed.stream_sites`); nothing is returned for the
         sites then (``(loss, None)``), and without ``retain`` the output is let go too."""
         with torch.enable_grad():
             loss = loss_of(held[0])
@@ -300,7 +300,7 @@ def _pullbacks(held: List[Tensor], taps: List[Tensor], inputs: list, like: List[
 
     def stream_pull(cot_out: Tensor, read: Callable[[int, Tensor], None]) -> None:
         """Pull one cotangent ``[*out]`` back, each site's ``[*site_out]`` handed to ``read``
-        as it is complete (:func:`curvlib._streamed.stream_sites`); the graph is kept."""
+        as it is complete (:func:`curvlib._evaluate.streamed.stream_sites`); the graph is kept."""
         stream_sites(held[0], inputs[:n_sites], lowest, like[:n_sites], read, True, cot_out)
 
     return pullback, pull_loss, stream_pull
