@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from torch import nn
 
 import curvlib._evaluate.linearise as engine
+import curvlib._evaluate.streamed as streamed
 import curvlib._evaluate.first_order as firstorder
 import curvlib._transform.call as transform
 from curvlib import curvature
@@ -66,6 +67,16 @@ def _lm(seed: int, n: int, tied: bool = True, length: int = 5):
     return model, nn.CrossEntropyLoss(), X, y
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _stream_small_models():
+    """These models are tiny: stream them anyway (by default only sites of at least
+    ``streamed.STREAM_MIN_BYTES`` together are streamed)."""
+    default = streamed.STREAM_MIN_BYTES
+    streamed.STREAM_MIN_BYTES = 0
+    yield
+    streamed.STREAM_MIN_BYTES = default
+
+
 @pytest.fixture
 def spy(monkeypatch):
     """Records every streamed backward and, at each site read, how many of the earlier
@@ -105,6 +116,14 @@ def test_the_streamed_path_is_taken_and_frees_each_gradient(spy):
     # all at once, the last read would see every earlier gradient alive; streamed, only
     # the few the backward itself still holds (a residual stream's gradient, the probes')
     assert max(spy["alive"]) <= 3, spy["alive"]
+
+
+def test_small_sites_are_read_all_at_once(monkeypatch, spy):
+    """Below ``STREAM_MIN_BYTES`` of site outputs the hooks would cost more than the memory they
+    save: one backward returns every site's gradient, as before streaming; same results."""
+    monkeypatch.setattr(streamed, "STREAM_MIN_BYTES", 2**40)
+    check_first_order(*_lm(0, 3, tied=True, length=4))
+    assert spy["streams"] == 0
 
 
 def test_streamed_equals_all_at_once(monkeypatch):

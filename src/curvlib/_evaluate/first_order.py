@@ -63,10 +63,11 @@ _BEFORE_THE_LOSS = ("diag", "batch_diag", "sqrt", "kron")
 def streams(lin: Linearization, second: Sequence, generic: bool = False) -> bool:
     """Whether the first-order quantities can be read off site by site during the loss's
     backward (:func:`first_order_streamed`): plain autograd on real tensors (not under
-    torch.func, not while ``compile=True`` traces), no residuals, and second-order
+    torch.func, not while ``compile=True`` traces), sites large enough to be worth it
+    (:func:`curvlib._evaluate.streamed.worth_streaming`), no residuals, and second-order
     extensions that only pull back the loss Hessian's roots (none with a ``generic`` loss,
     whose value is checked, a scalar of per-sample terms, before its Hessian is formed)."""
-    return (lin.pull_loss is not None and is_concrete(lin.out) and not lin.residuals
+    return (lin.pull_loss is not None and lin.stream_pull is not None and is_concrete(lin.out) and not lin.residuals
             and not (generic and second)
             and all(e.root in ("exact", "mc") and e.quantity in _BEFORE_THE_LOSS for e in second))
 

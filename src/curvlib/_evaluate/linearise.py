@@ -35,7 +35,7 @@ from .._trace.program import Program
 from .._interpret.graph import run_graph
 from .._plan.plan import Plan
 from .._core.site import Recorder, Site
-from .streamed import as_edges, lowest_targets, stream_sites
+from .streamed import as_edges, lowest_targets, stream_sites, worth_streaming
 
 __all__ = ["Linearization", "forward_with_probes"]
 
@@ -243,7 +243,9 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
     if direct and rec.overwritten():
         return None
     taps = [a for r in rec.residuals for a in r.inputs]
-    lowest = lowest_targets(rec.targets)
+    # small sites: every target is an input, read all at once (streaming's hooks cost more)
+    stream = worth_streaming(plan.site_shapes, plan.site_dtypes)
+    lowest = lowest_targets(rec.targets) if stream else set(range(len(rec.targets)))
     inputs = as_edges(rec.targets, lowest) + (rprobes if residual_nodes else [])
     like = [(tuple(t.shape), t.dtype, t.device) for t in list(rec.targets) + (rprobes if residual_nodes else [])]
     pullback, pull_loss, stream_pull = _pullbacks([out], taps, inputs, like, len(rec.targets), lowest)
@@ -251,7 +253,7 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
     _finish(rec, plan, saved, [t.detach() for t in taps])
     lin = Linearization(out=out.detach(), sites=rec.sites, residuals=rec.residuals, taps=[t.detach() for t in taps], pullback=pullback)
     lin.batched_pullback = _batched(pullback, _inputs.first(X).device)
-    lin.pull_loss, lin.stream_pull = pull_loss, stream_pull
+    lin.pull_loss, lin.stream_pull = pull_loss, stream_pull if stream else None
     lin.values = values
     return lin
 

@@ -18,7 +18,23 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
-__all__ = ["as_edges", "lowest_targets", "read_when_passed", "stream_sites"]
+__all__ = ["as_edges", "lowest_targets", "read_when_passed", "stream_sites", "STREAM_MIN_BYTES", "worth_streaming"]
+
+#: Sites are streamed only when their outputs take at least this many bytes together: a hook per
+#: site and gradient edges cost ~100 µs a call (a 10-10-3 MLP: 1.3x its per-call time), worth it
+#: only where holding every site gradient at once would cost memory (GPT-2-small: ~300 MB).
+STREAM_MIN_BYTES = 16 * 2**20
+
+
+def worth_streaming(shapes: Sequence[tuple], dtypes: Sequence[torch.dtype]) -> bool:
+    """Whether sites with these output shapes and dtypes are read as the backward reaches them."""
+    total = 0
+    for shape, dtype in zip(shapes, dtypes):
+        n = 1
+        for s in shape:
+            n *= int(s)
+        total += n * dtype.itemsize
+    return total >= STREAM_MIN_BYTES
 
 
 def as_edges(targets: Sequence[Tensor], lowest: set) -> list:
