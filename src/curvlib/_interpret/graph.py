@@ -19,7 +19,7 @@ from .._core import dropout as _dropout, inputs as _inputs, outputs as _outputs
 from .._hessian import residuals as _residuals
 from .._core.errors import CurvatureError
 from .._trace.program import Program
-from ..rules import call_without_hooks, elementwise, functional, layernorm
+from ..rules import functional
 from .._core.site import Recorder
 from .._trace.graph_facts import is_inplace
 
@@ -107,10 +107,9 @@ def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, pres
         elif node.op == "call_module":
             env[node] = _call_module(program, node, load(node.args), load(node.kwargs), params, trainable, rec)
         elif node.op == "call_function":
-            env[node] = _function(node.target)(*load(node.args), **load(node.kwargs))
+            env[node] = program.apply(node, load(node.args), load(node.kwargs), params)
         elif node.op == "call_method":
-            self_obj, *rest = load(node.args)
-            env[node] = getattr(self_obj, node.target)(*rest, **load(node.kwargs))
+            env[node] = program.apply(node, load(node.args), load(node.kwargs), params)
         if node in program.functional:
             env[node] = _record_functional(program, program.functional[node], env[node], env, params, trainable, rec)
         if node in rec.residual_nodes:
@@ -152,20 +151,6 @@ def _record_functional(program, use, value, env, params, trainable, rec):
     return value
 
 
-def _function(target: Callable) -> Callable:
-    """A call_function node's function: a functional layer norm or hardsigmoid from primitives
-    inside torch.func transforms (:func:`curvlib.rules.layernorm.normalise`,
-    :func:`curvlib.rules.elementwise.hardsigmoid`), else ``target``."""
-    if target in _LAYER_NORMS and layernorm.inside_transform():
-        return layernorm.layer_norm
-    if target is torch.nn.functional.hardsigmoid and layernorm.inside_transform():
-        return elementwise.hardsigmoid
-    return target
-
-
-_LAYER_NORMS = (torch.nn.functional.layer_norm, torch.layer_norm)
-
-
 def _placeholder(node: fx.Node, X, seen: int):
     if seen == 0:
         return X
@@ -181,11 +166,8 @@ def _call_module(program, node: fx.Node, args, kwargs, params, trainable, rec):
     """A module node: a layer through its rule (recording its sites), any other module
     by its own ``forward`` (hooks are not part of the math and are not run)."""
     layer = program.layers.get(node.target)
-    if layer is None:
-        module = attrgetter(node.target)(program.root)
-        if type(module) is nn.Hardsigmoid and layernorm.inside_transform():
-            return elementwise.hardsigmoid(*args)  # (see _function)
-        return call_without_hooks(module, args, kwargs)
+    if layer is None:  # not a layer: nothing to record
+        return program.apply(node, args, kwargs, params)
     if program.dependent and node not in program.dependent:
         # a layer on constants (nanoGPT's wpe(torch.arange(T))): part of the parameter-only
         # chain of the op that uses its output, which records the site (rules.functional)

@@ -42,7 +42,7 @@ from torch import fx, nn
 from .. import rules
 from .._core.site import Recorder
 from .._core.sync import LOCK
-from ..rules import attention
+from ..rules import attention, elementwise, layernorm
 from .._core.inputs import with_defaults
 from ..rules.functional import FunctionalUse
 from .functional_uses import functional_uses, input_dependent
@@ -107,18 +107,32 @@ class Program:
     sibling: Optional["Program"] = None  # an ATen-level trace: the same model traced on a batch of N + 1
 
     def apply(self, node: fx.Node, args, kwargs, params: Dict[str, torch.Tensor]):
-        """The value of the call node ``node`` on given arguments, recording nothing: a layer by
-        its family's ``forward`` on ``params`` (name -> tensor), another module by its own
-        ``forward`` without hooks, a method or a function as it is."""
+        """The value of the call node ``node`` on given arguments, recording nothing: the one
+        evaluation of a node that the interpreter (for all but the layers it records), KFRA's
+        chain and the residuals' node functions share. A layer by its family's ``forward`` on
+        ``params`` (name -> tensor), another module by its own ``forward`` without hooks, a
+        method or a function as it is, except layer norm and hardsigmoid inside torch.func
+        transforms, which run from primitives (:func:`curvlib.rules.layernorm.normalise`,
+        :func:`curvlib.rules.elementwise.hardsigmoid`: torch's kernels' higher derivatives)."""
         if node.op == "call_module":
             layer = self.layers.get(node.target)
             if layer is None:
-                return rules.call_without_hooks(self.root.get_submodule(node.target), args, kwargs)
+                module = self.root.get_submodule(node.target)
+                if type(module) is nn.Hardsigmoid and layernorm.inside_transform():
+                    return elementwise.hardsigmoid(*args)
+                return rules.call_without_hooks(module, args, kwargs)
             tensors = {r: params[n] for r, n in layer.names.items()}
             return layer.forward(layer.module, layer.path, {}, tensors, args, kwargs, Recorder(None))
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
+        if node.target in _LAYER_NORMS and layernorm.inside_transform():
+            return layernorm.layer_norm(*args, **kwargs)
+        if node.target is F.hardsigmoid and layernorm.inside_transform():
+            return elementwise.hardsigmoid(*args, **kwargs)
         return node.target(*args, **kwargs)
+
+
+_LAYER_NORMS = (F.layer_norm, torch.layer_norm)
 
 
 def _owns_parameters(module: nn.Module) -> bool:
