@@ -10,7 +10,7 @@ from torch import nn
 from curvlib import CurvatureError, curvature
 from curvlib.extensions import BatchGrad, BatchL2Grad
 
-from oracles.checks import check_first_order, state_snapshot, _assert_same_state
+from oracles.checks import check_first_order, check_second_order, state_snapshot, _assert_same_state
 from oracles.on_device import seeded
 
 BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
@@ -94,6 +94,36 @@ def test_batchnorm_batch_not_in_dim0():
     model.eval()
     X = torch.randn(5, 3, 4, dtype=torch.float64, generator=gen)
     check_first_order(model, nn.MSELoss(), X, torch.randn(5, 2, dtype=torch.float64, generator=gen))
+
+
+class _BatchMoved(nn.Module):
+    """A BatchNorm2d on ``x [N, C, H, W]`` permuted by ``perm`` (its own inverse, channel kept in
+    dim 1), so that the layer sees the batch in dim ``perm[0]``."""
+
+    def __init__(self, c: int, h: int, w: int, perm):
+        super().__init__()
+        self.perm = perm
+        self.bn = nn.BatchNorm2d(c)
+        self.fc = nn.Linear(c * h * w, 2)
+
+    def forward(self, x):
+        h = self.bn(x.permute(self.perm)).permute(self.perm)
+        return self.fc(torch.tanh(h).flatten(1))
+
+
+@given(perm=st.sampled_from([(2, 1, 0, 3), (3, 1, 2, 0)]), n=st.integers(2, 4), c=st.integers(1, 3),
+       h=st.integers(1, 3), w=st.integers(2, 3), seed=st.integers(0, 2**16))
+def test_batchnorm_batch_in_spatial_dim_second_order(perm, n, c, h, w, seed):
+    """BatchNorm with the batch in dim 2 or 3 of its input (the recorder moves it to the front, the
+    channel axis kept at 1): first order and the exact GGN family against the oracles."""
+    gen = seeded(seed)
+    model = _BatchMoved(c, h, w, perm).double()
+    _randomise(model.bn, gen)
+    model.eval()
+    X = torch.randn(n, c, h, w, dtype=torch.float64, generator=gen)
+    y = torch.randn(n, 2, dtype=torch.float64, generator=gen)
+    check_first_order(model, nn.MSELoss(), X, y)
+    check_second_order(model, nn.MSELoss(), X, y, hessian=False, hmp=False)
 
 
 def _named_model(affine: bool, **bn_kwargs) -> nn.Module:

@@ -13,6 +13,12 @@ respect to the site's output, which holds every sample's own output gradient
 in its batch rows (samples never mix). A :class:`Rule` turns ``(saved, g)``
 into per-sample quantities of the site's parameters.
 
+One layout for every rule: a site's ``saved`` tensors and ``g`` are *batch first*,
+``[batch, shared..., features]`` (:func:`batch_first`). A layer that carries the batch
+elsewhere (a sequence-first ``[T, N, D]`` Linear, LayerNorm or Embedding) is moved there by
+the :class:`Recorder` as the site is recorded, from the batch dimension the planner found;
+its probe is batch first, so its gradient is too. No rule looks for the batch.
+
 Index letters used by the rules: ``n`` batch, ``s`` positions sharing the
 weight (sequence, spatial; flattened), ``i`` input features, ``o`` output
 features, ``v`` backpropagated vectors.
@@ -48,9 +54,11 @@ class Rule:
         batch_l2: role -> ``[N]``, squared norms (default: from ``grad_batch``).
         sum_grad_squared: role -> ``p.shape`` (default: from ``grad_batch``).
         sum_squares_over_columns: optional fast ``Σ_v sum_grad_squared(m_v)``.
-        any_batch_dim: the rule reads ``site.meta["batch_dim"]`` and so works
-            wherever the batch sits in its output (the planner fills it in);
-            otherwise the batch must be in dim 0 of the site's output.
+        any_batch_dim: the site's output may carry the batch in any dim (the planner finds
+            it); the recorder then hands the rule its tensors in the canonical layout
+            (:func:`batch_first`). Otherwise the batch must be in dim 0 of the site's output.
+        channel_axes: the axes right after the batch that the canonical layout keeps in
+            place (BatchNorm's channel axis 1); 0: the features are the trailing axes.
     """
 
     kind: str
@@ -65,6 +73,7 @@ class Rule:
     # gradients, or None where the two are cheaper apart (Linear over positions)
     grad_with_squares: Optional[Callable[..., Optional[Tuple[RoleTensors, RoleTensors]]]] = None
     any_batch_dim: bool = False
+    channel_axes: int = 0
     # (site, m [V, *out], roles) -> role -> [K, *p] whose sum over K is
     # Σ_v sum_grad_squared(m_v): a faster GGN diagonal where the layer allows.
     sum_squares_over_columns: Optional[RuleFn] = None
@@ -136,7 +145,8 @@ class Site:
             only for parameters whose quantities are wanted.
         where: path of the module in the model, for messages.
         meta: hyperparameters (no tensors), e.g. stride and groups.
-        saved: tensors the rule needs, e.g. ``{"x": layer input}``.
+        saved: tensors the rule needs, e.g. ``{"x": layer input}``, batch first
+            (:func:`batch_first`, applied by the :class:`Recorder`).
         key: index of the site's probe.
     """
 
@@ -147,11 +157,29 @@ class Site:
     saved: Dict[str, Tensor] = field(default_factory=dict)
     key: int = -1
 
-    @property
-    def batch_dim(self) -> int:
-        """The dimension of the site's output (and its saved tensors) that holds the batch: set
-        by the planner for rules that accept any (``Rule.any_batch_dim``), else 0."""
-        return self.meta.get("batch_dim", 0)
+
+def batch_first(t: Tensor, batch_dim: int, channel_axes: int = 0, lead: int = 0) -> Tensor:
+    """``t`` in the canonical layout ``[batch, *channels, shared..., features]``: the batch
+    moved from ``batch_dim`` to the front, the ``channel_axes`` after it kept in place
+    (:attr:`Rule.channel_axes`); ``lead`` leading dims (columns ``[V, ...]``) stay in front of
+    it all. A view; ``t`` itself when the batch is already in front."""
+    if batch_dim == 0:
+        return t
+    kept = tuple(range(lead + 1, lead + 1 + channel_axes))
+    return t.movedim((lead + batch_dim,) + kept, (lead,) + kept)
+
+
+def from_batch_first(t: Tensor, batch_dim: int, channel_axes: int = 0) -> Tensor:
+    """The inverse of :func:`batch_first`: a canonical tensor in the site's own layout."""
+    if batch_dim == 0:
+        return t
+    kept = tuple(range(1, 1 + channel_axes))
+    return t.movedim((0,) + kept, (batch_dim,) + kept)
+
+
+def batch_first_shape(shape: Sequence[int], batch_dim: int, channel_axes: int = 0) -> Tuple[int, ...]:
+    """The shape :func:`batch_first` gives a tensor of ``shape``."""
+    return tuple(batch_first(torch.empty(tuple(shape), device="meta"), batch_dim, channel_axes).shape)
 
 
 @dataclass
@@ -201,6 +229,14 @@ class Recorder:
     ``residual_nodes`` (graph node -> ``φ``) switches on the bookkeeping the
     Hessian needs: those nodes' inputs are recorded as taps and their
     outputs get probes from ``residual_probes``.
+
+    ``batch_dims[k]`` (the plan's; ``None`` in the planning passes, which find them) is where
+    the ``k``-th site's output carries the batch. The recorder puts every site in the canonical
+    layout (:func:`batch_first`) as it is recorded: its saved tensors are moved batch first,
+    and its probe is batch first (added to the output moved back into the site's layout), so
+    that the site's output gradient ``g`` arrives batch first too. A direct target keeps the
+    layer's layout (no probe, no copy): ``layouts[k]`` says how its gradient is moved batch
+    first (:meth:`batch_first_grad`), ``(0, 0)`` for a probe. Rules never look for the batch.
     """
 
     def __init__(
@@ -210,13 +246,16 @@ class Recorder:
         residual_nodes: Optional[Mapping[Any, Any]] = None,
         direct: bool = False,
         dropout_seed: Optional[Tuple[int, torch.device]] = None,
+        batch_dims: Optional[Sequence[int]] = None,
     ):
         self.probes = probes
+        self.batch_dims = batch_dims
         # the call's dropout seed (curvlib._core.dropout.DropoutSeed): every forward run of the
         # call draws the same masks from it; None without active dropout
         self.dropout_seed = dropout_seed
         self.direct = direct
         self.targets: List[Tensor] = []
+        self.layouts: List[Tuple[int, int]] = []  # per target: (batch dim, channel axes) of its gradient
         self.versions: List[Optional[int]] = []  # of direct targets, to detect in-place changes
         self.residual_probes = residual_probes
         self.residual_nodes = residual_nodes or {}
@@ -257,16 +296,35 @@ class Recorder:
         self.sites.append(site)
         self.out_shapes.append(tuple(out.shape))
         self.out_dtypes.append(out.dtype)
+        bdim = self.batch_dim(site.key)
+        if bdim:
+            axes = site.rule.channel_axes
+            site.saved = {k: batch_first(v, bdim, axes) if isinstance(v, Tensor) else v for k, v in site.saved.items()}
         if self.probes is None:
             return out
         if self.direct and out.requires_grad and not out.is_leaf and all(out is not t for t in self.targets):
             self.targets.append(out)
+            self.layouts.append((bdim, site.rule.channel_axes))
             self.versions.append(out._version)
             return out
-        probe = self.probes[site.key]
+        probe = self.probes[site.key]  # batch first: its gradient is g in the canonical layout
         self.targets.append(probe)
+        self.layouts.append((0, 0))
         self.versions.append(None)
-        return out + probe
+        return out + from_batch_first(probe, bdim, site.rule.channel_axes)
+
+    def batch_first_grad(self, k: int, g: Tensor, lead: int = 0) -> Tensor:
+        """The gradient of the ``k``-th target (``lead`` column dims in front) batch first."""
+        bdim, axes = self.layouts[k]
+        return batch_first(g, bdim, axes, lead)
+
+    def batch_dim(self, k: int) -> int:
+        """Where the ``k``-th site's output carries the batch (0 while planning)."""
+        return self.batch_dims[k] if self.batch_dims is not None else 0
+
+    def probe_shape(self, site: Site, k: int, shape: Sequence[int]) -> Tuple[int, ...]:
+        """The shape of the ``k``-th probe for a site whose output has ``shape``."""
+        return batch_first_shape(shape, self.batch_dim(k), site.rule.channel_axes)
 
     def open(self, site: Site, out_shape: Tuple[int, ...], dtype: torch.dtype) -> Optional[Tensor]:
         """Record a site whose output is built piecewise (RNN steps).
@@ -281,9 +339,13 @@ class Recorder:
         self.sites.append(site)
         self.out_shapes.append(tuple(out_shape))
         self.out_dtypes.append(dtype)
+        if self.batch_dim(site.key):  # pragma: no cover - piecewise outputs are built [N, steps, out]
+            raise RuntimeError(f"curvlib internal error: site '{site.where}' is built piecewise "
+                               f"with the batch in dim {self.batch_dim(site.key)}")
         if self.probes is None:
             return None
         self.targets.append(self.probes[site.key])
+        self.layouts.append((0, 0))
         self.versions.append(None)
         return self.probes[site.key]
 

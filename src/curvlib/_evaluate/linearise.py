@@ -166,7 +166,6 @@ def _finish(rec: Recorder, plan: Plan, saved, taps) -> None:
         raise RuntimeError("curvlib internal error: the forward recorded a different set of sites")
     for site, s in zip(rec.sites, saved):
         site.saved = s
-        site.meta["batch_dim"] = plan.batch_dims[site.key]
     merges = plan.residual_merges or (None,) * len(rec.residuals)
     for r, (in_dims, out_dim), merge in zip(rec.residuals, plan.residual_dims, merges):
         r.meta["merge"] = merge
@@ -182,7 +181,8 @@ def _forward_functorch(program, plan, X, params, trainable, residual_nodes, runn
     recorded: List[Recorder] = []
 
     def forward(probes_, rprobes_):
-        rec = Recorder(probes_, rprobes_ if residual_nodes else None, residual_nodes, dropout_seed=dropout_seed)
+        rec = Recorder(probes_, rprobes_ if residual_nodes else None, residual_nodes, dropout_seed=dropout_seed,
+                       batch_dims=plan.batch_dims)
         out = (runner or run_graph)(program, X, params, trainable, rec)
         recorded.append(rec)
         return (out, [a for r in rec.residuals for a in r.inputs]), [s.saved for s in rec.sites]
@@ -233,7 +233,7 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
     operation overwrote a site's output: the caller then runs it with probes)."""
     probes, rprobes, X = _autograd_probes(plan, X, direct)
     rec = Recorder(probes, rprobes if residual_nodes else None, residual_nodes, direct=direct,
-                   dropout_seed=dropout_seed)
+                   dropout_seed=dropout_seed, batch_dims=plan.batch_dims)
     values: Optional[Dict[fx.Node, object]] = {} if keep_values and runner is None else None
     with torch.enable_grad():
         if values is not None:
@@ -248,7 +248,8 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
     lowest = lowest_targets(rec.targets) if stream else set(range(len(rec.targets)))
     inputs = as_edges(rec.targets, lowest) + (rprobes if residual_nodes else [])
     like = [(tuple(t.shape), t.dtype, t.device) for t in list(rec.targets) + (rprobes if residual_nodes else [])]
-    pullback, pull_loss, stream_pull = _pullbacks([out], taps, inputs, like, len(rec.targets), lowest)
+    pullback, pull_loss, stream_pull = _pullbacks([out], taps, inputs, like, len(rec.targets), lowest,
+                                                  rec.batch_first_grad)
     saved = [{k: v.detach() for k, v in site.saved.items()} for site in rec.sites]
     _finish(rec, plan, saved, [t.detach() for t in taps])
     lin = Linearization(out=out.detach(), sites=rec.sites, residuals=rec.residuals, taps=[t.detach() for t in taps], pullback=pullback)
@@ -259,10 +260,18 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
 
 
 def _pullbacks(held: List[Tensor], taps: List[Tensor], inputs: list, like: List[tuple], n_sites: int,
-               lowest: set):
+               lowest: set, canon: Callable[[int, Tensor, int], Tensor]):
     """``(pullback, pull_loss, stream_pull)`` of :class:`Linearization` under plain autograd: ``held``,
     ``[out]`` (let go by a streamed backward that frees the graph); ``inputs``, the sites'
-    targets (:func:`curvlib._evaluate.streamed.as_edges`) and the residual probes, ``like`` their shapes."""
+    targets (:func:`curvlib._evaluate.streamed.as_edges`) and the residual probes, ``like`` their shapes.
+    ``canon(k, g, lead)``: site ``k``'s gradient batch first (``Recorder.batch_first_grad``: a direct
+    target's gradient comes in the layer's own layout)."""
+
+    def sites_first(grads: list, lead: int) -> list:
+        return [canon(k, g, lead) for k, g in enumerate(grads[:n_sites])]
+
+    def read_first(read: Callable[[int, Tensor], None]) -> Callable[[int, Tensor], None]:
+        return lambda k, g: read(k, canon(k, g, 0))
 
     def pullback(cotangents, batched: bool = False):
         cot_out, cot_taps = cotangents
@@ -277,7 +286,7 @@ def _pullbacks(held: List[Tensor], taps: List[Tensor], inputs: list, like: List[
         lead = (cot_out.shape[0],) if batched else ()
         grads = [torch.zeros(lead + shape, dtype=dtype, device=device) if g is None else g
                  for g, (shape, dtype, device) in zip(grads, like)]
-        return grads[:n_sites], grads[n_sites:]
+        return sites_first(grads, len(lead)), grads[n_sites:]
 
     def pull_loss(loss_of: Callable[[Tensor], Tensor], retain: bool, read: Optional[Callable] = None):
         """The loss and its gradient at every site in *one* backward from the loss
@@ -290,7 +299,7 @@ def _pullbacks(held: List[Tensor], taps: List[Tensor], inputs: list, like: List[
         if read is not None:
             if not retain:
                 held.clear()  # the loss's graph keeps what it needs of the output (log-softmax)
-            stream_sites(loss, inputs[:n_sites], lowest, like[:n_sites], read, retain)
+            stream_sites(loss, inputs[:n_sites], lowest, like[:n_sites], read_first(read), retain)
             return loss.detach(), None
         if not inputs or not loss.requires_grad:
             grads = [None] * len(inputs)
@@ -298,11 +307,11 @@ def _pullbacks(held: List[Tensor], taps: List[Tensor], inputs: list, like: List[
             grads = torch.autograd.grad(loss, inputs, retain_graph=retain, allow_unused=True)
         grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
                  for g, (shape, dtype, device) in zip(grads, like)]
-        return loss.detach(), (grads[:n_sites], grads[n_sites:])
+        return loss.detach(), (sites_first(grads, 0), grads[n_sites:])
 
     def stream_pull(cot_out: Tensor, read: Callable[[int, Tensor], None]) -> None:
         """Pull one cotangent ``[*out]`` back, each site's ``[*site_out]`` handed to ``read``
         as it is complete (:func:`curvlib._evaluate.streamed.stream_sites`); the graph is kept."""
-        stream_sites(held[0], inputs[:n_sites], lowest, like[:n_sites], read, True, cot_out)
+        stream_sites(held[0], inputs[:n_sites], lowest, like[:n_sites], read_first(read), True, cot_out)
 
     return pullback, pull_loss, stream_pull

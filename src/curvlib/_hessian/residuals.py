@@ -60,7 +60,7 @@ from torch import Tensor, fx, nn
 from .._core.errors import CurvatureError
 from .._trace.program import Program
 from ..rules import functional
-from .._core.site import Recorder
+from .._core.site import Recorder, from_batch_first
 from ..rules.elementwise import classify
 from ..rules.rnn_steps import Coupling
 
@@ -283,7 +283,10 @@ def _record_structured(program: Program, node: fx.Node, kind: str, phi, env, env
         site = rec.sites[-1] if rec.sites and _site_of(rec.sites[-1], program, node) else None
         if site is None or "weight" not in site.params:
             return True
-        env_out[node] = rec.residual(node.name, kind, None, [site.saved["x"]], z, site=site)
+        # the Linear's input in the layer's own layout (the plan's residual dims describe that;
+        # the site keeps it batch first)
+        x = from_batch_first(site.saved["x"], rec.batch_dim(site.key))
+        env_out[node] = rec.residual(node.name, kind, None, [x], z, site=site)
         return True
     return False
 

@@ -301,12 +301,12 @@ def untraced_problem(program, plan, X: Tensor, params, trainable, runner) -> Opt
 def _probe_leak(program, plan, X, params, trainable, runner, base, j, n, gen, only) -> float:
     """Leak of noise added to sample ``j``'s rows of every layer output (or of layer ``only``)."""
     probes: List[Tensor] = []
-    for k, (shape, dtype, bdim) in enumerate(zip(plan.site_shapes, plan.site_dtypes, plan.batch_dims)):
+    for k, (shape, dtype) in enumerate(zip(plan.site_shapes, plan.site_dtypes)):  # probes: batch first
         p = torch.zeros(shape, dtype=dtype, device=_inputs.first(X).device)
         if only is None or k == only:  # unit noise on sample j's rows
-            mine = _rows(shape[bdim], Batch(bdim), n, j, _inputs.first(X).device).reshape([-1] + [1] * (len(shape) - bdim - 1))
+            mine = _rows(shape[0], Batch(0), n, j, _inputs.first(X).device).reshape([-1] + [1] * (len(shape) - 1))
             p = torch.randn(shape, generator=gen, dtype=dtype, device="cpu").to(_inputs.first(X).device) * mine
         probes.append(p)
     with _seeded(_inputs.first(X).device, _SEED):
-        out = runner(program, X, params, trainable, Recorder(probes))
+        out = runner(program, X, params, trainable, Recorder(probes, batch_dims=plan.batch_dims))
     return _leak(base, out, [Batch(0)], j, n)

@@ -24,7 +24,7 @@ from .._core import inputs as _inputs
 from .._core.errors import CurvatureError
 from .batch_merges import residual_merges, split_merged_batches
 from .._trace.program import Program
-from .._core.site import Recorder, Site
+from .._core.site import Recorder, Site, batch_first_shape
 
 from .._interpret.graph import run_graph
 from ..rules import checker_for
@@ -42,9 +42,10 @@ class Plan:
 
     Attributes:
         out_shape: the model output's shape.
-        site_shapes: output shape of every site, in recording order.
+        site_shapes: output shape of every site, in recording order, batch first
+            (:func:`curvlib._core.site.batch_first`: the shapes of the probes and of ``g``).
         site_dtypes: their dtypes.
-        batch_dims: the batch dimension of every site's output.
+        batch_dims: the batch dimension of every site's output as the layer produces it.
     """
 
     out_shape: Tuple[int, ...]
@@ -222,7 +223,8 @@ def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=Non
     return Plan(
         out_shape=tuple(out_a.shape),
         out_dtype=out_a.dtype,
-        site_shapes=tuple(rec_a.out_shapes),
+        site_shapes=tuple(batch_first_shape(shape, d, site.rule.channel_axes)
+                          for site, shape, d in zip(rec_a.sites, rec_a.out_shapes, batch_dims)),
         site_dtypes=tuple(rec_a.out_dtypes),
         batch_dims=tuple(batch_dims),
         residual_shapes=tuple(rec_a.residual_shapes),

@@ -203,7 +203,7 @@ class _CheckedRecorder:
         if rec.probes is None or not site.params:
             return
         k = len(rec.sites)
-        if k >= len(rec.probes) or tuple(rec.probes[k].shape) != tuple(shape):
+        if k >= len(rec.probes) or tuple(rec.probes[k].shape) != rec.probe_shape(site, k, shape):
             raise CurvatureError(_path_changed(rec, site.where, shape))
 
     def add(self, site, out):
@@ -321,7 +321,8 @@ def _run_eager(program: Program, X: Tensor, params: Mapping[str, Tensor], traina
                 slots.pop("forward", None)
             else:  # pragma: no cover - refused above
                 slots["forward"] = old
-    if rec.probes is not None and [tuple(p.shape) for p in rec.probes] != list(rec.out_shapes):
+    if rec.probes is not None and [tuple(p.shape) for p in rec.probes] != [
+            rec.probe_shape(site, k, shape) for k, (site, shape) in enumerate(zip(rec.sites, rec.out_shapes))]:
         raise CurvatureError(_path_changed(rec))
     if not isinstance(out, Tensor):  # a ModelOutput, tuple, dict: the tensor curvature(..., output=) names
         out = select(out, program.selector)[0]

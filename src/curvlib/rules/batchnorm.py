@@ -70,18 +70,16 @@ def check(module: nn.modules.batchnorm._BatchNorm, where: str) -> None:
 
 
 def _flat(site: Site, g: Tensor):
-    """``x̂ [n, c, s]`` (or ``None`` when not saved) and ``g [n, c, s]``, batch in front.
+    """``x̂ [n, c, s]`` (or ``None`` when not saved) and ``g [n, c, s]``.
 
-    The channel axis is dim 1 of the layer's output; the batch is wherever the
-    planner found it (dim 0 for ordinary use, never dim 1).
+    The site is batch first with its channel axis kept at 1 (``channel_axes=1``: wherever
+    the planner found the batch, never dim 1, the recorder moved it to the front).
     """
-    bdim = site.batch_dim
     xhat = site.saved.get("xhat")
 
     def canon(t: Tensor) -> Tensor:
         if t.dim() == 2:  # [N, C]
             return t.unsqueeze(-1)
-        t = t.movedim((bdim, 1), (0, 1)) if bdim != 0 else t
         return t.flatten(2)
 
     return (canon(xhat) if xhat is not None else None), canon(g)
@@ -115,10 +113,7 @@ def sum_grad_squared(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors
 
 def _column_grads(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
     """``[V, N, C]`` per role for root columns ``m [V, *out]``: all columns in one
-    product with ``x̂`` (batch in dim 0), else column by column."""
-    if site.batch_dim != 0:
-        per = [grad_batch(site, m[k], roles) for k in range(m.shape[0])]
-        return {role: torch.stack([p[role] for p in per]) for role in roles}
+    product with ``x̂``."""
     mm = m.reshape(m.shape[0], m.shape[1], m.shape[2], -1)  # [V, N, C, s]
     out = {}
     if "weight" in roles:
@@ -148,6 +143,7 @@ BATCHNORM = Rule(
     sum_squares_over_columns=sum_squares_over_columns,
     batch_sum_squares_over_columns=batch_sum_squares_over_columns,
     any_batch_dim=True,
+    channel_axes=1,
 )
 
 
@@ -176,7 +172,7 @@ def forward(module: nn.modules.batchnorm._BatchNorm, where: str, names: dict, te
     if "weight" in names:
         shape = (1, -1) + (1,) * (x.dim() - 2)
         saved["xhat"] = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + module.eps)
-    return rec.add(Site(BATCHNORM, names, where, saved=saved, meta={"batch_dim": 0}), out)
+    return rec.add(Site(BATCHNORM, names, where, saved=saved, ), out)
 
 
 #: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.

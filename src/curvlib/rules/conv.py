@@ -385,7 +385,6 @@ def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwa
         "out_channels": module.out_channels,
         "pad": pad,
         "mode": mode,
-        "batch_dim": 0,
     }
     if module.groups != 1:  # KFAC/KFLR: per-group factors (kron); KFRA's recursion has none
         meta["kfra_error"] = (

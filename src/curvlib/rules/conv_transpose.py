@@ -166,7 +166,6 @@ def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwa
         "groups": module.groups,
         "output_padding": tuple(output_padding),
         "out_channels": module.out_channels,
-        "batch_dim": 0,
     }
     if module.groups != 1:  # KFAC/KFLR: per-group factors (kron); KFRA's recursion has none
         meta["kfra_error"] = f"KFRA's factors need groups=1 (as in BackPACK), got groups={module.groups}."

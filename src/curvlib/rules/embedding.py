@@ -69,11 +69,8 @@ def check(module: nn.Embedding, where: str) -> None:
 
 
 def _flat(site: Site, g: Tensor) -> Tuple[Tensor, Tensor]:
-    """``idx [n, p]`` and ``g̃ [n, p, d]`` (padding rows zeroed), batch in front."""
+    """``idx [n, p]`` and ``g̃ [n, p, d]`` (padding rows zeroed; the site is batch first)."""
     idx = site.saved["idx"]
-    bdim = site.batch_dim
-    if bdim != 0:
-        idx, g = idx.movedim(bdim, 0), g.movedim(bdim, 0)
     n = idx.shape[0]
     idx, g = idx.reshape(n, -1), g.reshape(n, -1, g.shape[-1])
     pad = site.meta["padding_idx"]
@@ -129,7 +126,7 @@ def batch_l2(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
     if "weight" not in roles:
         return {}
     first, sample, _, rows = _runs(site, g)
-    n = site.saved["idx"].shape[site.batch_dim]
+    n = site.saved["idx"].shape[0]
     return {"weight": g.new_zeros(n).index_add(0, sample, (rows**2).sum(1) * first)}
 
 
@@ -173,8 +170,6 @@ def kron(site: Site, role: str, m: Tensor, approx: Optional[str] = None,
 
 def _root_rows(site: Site, m: Tensor) -> Tuple[Tensor, Tensor]:
     """``idx [N, P]`` and the root ``m [V', N, P, D]`` with padding positions zeroed."""
-    bdim = site.batch_dim
-    m = m.movedim(bdim + 1, 1) if bdim != 0 else m
     idx = _flat_index(site)
     m = m.reshape(m.shape[0], idx.shape[0], idx.shape[1], m.shape[-1])
     pad = site.meta["padding_idx"]
@@ -184,10 +179,8 @@ def _root_rows(site: Site, m: Tensor) -> Tuple[Tensor, Tensor]:
 
 
 def _flat_index(site: Site) -> Tensor:
-    """``idx [N, P]``, batch in front."""
+    """``idx [N, P]``."""
     idx = site.saved["idx"]
-    bdim = site.batch_dim
-    idx = idx.movedim(bdim, 0) if bdim != 0 else idx
     return idx.reshape(idx.shape[0], -1)
 
 
@@ -211,9 +204,8 @@ def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> Rol
     over the columns, then added into row ``v``)."""
     if "weight" not in roles:
         return {}
-    bdim = site.batch_dim
     idx, _ = _flat(site, m[0])
-    mc = m.movedim(bdim + 1, 1) if bdim != 0 else m
+    mc = m
     c, n, v = m.shape[0], idx.shape[0], site.meta["num_embeddings"]
     mc = mc.reshape(c, n * idx.shape[1], m.shape[-1])
     pad = site.meta["padding_idx"]
@@ -252,7 +244,7 @@ def forward(module: nn.Embedding, where: str, names: dict, tensors: dict, args, 
         # forward agree, so that forward-mode derivatives (block products) do too.
         pad = module.padding_idx % module.num_embeddings
         out = torch.where((idx == pad).unsqueeze(-1), out.detach(), out)
-    meta = {"batch_dim": 0, "padding_idx": module.padding_idx, "num_embeddings": module.num_embeddings,
+    meta = {"padding_idx": module.padding_idx, "num_embeddings": module.num_embeddings,
             "dtype": out.dtype, "index_dims": idx.dim()}
     return rec.add(Site(EMBEDDING, names, where, saved={"idx": idx}, meta=meta), out)
 

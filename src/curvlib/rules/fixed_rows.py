@@ -103,7 +103,7 @@ def kron(site: Site, rows: Tensor, m: Tensor, approx: Optional[str], max_dim: Op
     name = site.meta["use"].params[0]
     p = site.saved[f"param:{name}"]
     lookup = Site(site.rule, site.params, site.where, saved={"idx": rows.unsqueeze(0).expand(n, -1)},
-                  meta={"batch_dim": 0, "padding_idx": None, "num_embeddings": p.shape[:-1].numel(),
+                  meta={"padding_idx": None, "num_embeddings": p.shape[:-1].numel(),
                         "dtype": m.dtype})
     m = m.reshape(m.shape[0], n, rows.shape[0], m.shape[-1])
     return embedding.kron(lookup, "weight", m, approx, max_dim)

@@ -210,7 +210,7 @@ def record(use: FunctionalUse, root: nn.Module, param_names: Dict[int, str], nam
     the values of the chain's nodes that read no parameter)."""
     saved = {f"param:{k}": v for k, v in tensors.items()}
     saved.update({f"in{i}": x for i, x in enumerate(inputs)})
-    meta = {"use": use, "root": root, "param_names": param_names, "batch_dim": 0, "constants": constants or {},
+    meta = {"use": use, "root": root, "param_names": param_names, "constants": constants or {},
             "batch_sized_chain": batch_sized_chain}
     where = f"{use.node.name} (op in forward using {', '.join(use.params)})"
     return rec.add(Site(FUNCTIONAL, names, where, meta=meta, saved=saved), out)
@@ -283,5 +283,5 @@ def record_linear(use: FunctionalUse, names: Dict[str, str], x: Tensor, out: Ten
     """Record ``F.linear(x, W, b)`` on parameters as a Linear site (``names``: trainable roles)."""
     where = f"{use.node.name} (F.linear on {use.linear['weight']}{'ᵀ' if use.transposed else ''})"
     rule = LINEAR_TRANSPOSED if use.transposed else LINEAR
-    return rec.add(Site(rule, names, where, saved={"x": x}, meta={"batch_dim": 0, "family": "linear",
+    return rec.add(Site(rule, names, where, saved={"x": x}, meta={"family": "linear",
                                                                    "node": use.node.name, "transposed": use.transposed}), out)

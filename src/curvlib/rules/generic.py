@@ -219,7 +219,7 @@ def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwa
         )
     saved, pos_static, kw_static = _split_args(args, kwargs)
     saved.update({f"param:{r}": t for r, t in tensors.items()})
-    meta = {"module": module, "pos_static": pos_static, "kw_static": kw_static, "batch_dim": 0,
+    meta = {"module": module, "pos_static": pos_static, "kw_static": kw_static,
             "out": out.detach()}  # (a branching module's per-sample runs are checked against it)
     return rec.add(Site(GENERIC, names, where, meta=meta, saved=saved), out)
 

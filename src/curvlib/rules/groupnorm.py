@@ -119,7 +119,7 @@ def forward(module: nn.GroupNorm, where: str, names: dict, tensors: dict, args, 
     else:
         out = torch.addcmul(bias.view(shape), xhat, weight.view(shape))
     saved = {"xhat": xhat} if "weight" in names else {}
-    return rec.add(Site(GROUPNORM, names, where, saved=saved, meta={"batch_dim": 0}), out)
+    return rec.add(Site(GROUPNORM, names, where, saved=saved), out)
 
 
 #: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.

@@ -52,18 +52,8 @@ from .._core.site import Family, Recorder, RoleTensors, Rule, Site
 
 
 def _canon(site: Site, t: Tensor) -> Tensor:
-    """``t [*L, *D]`` -> ``[n, s, d]``, batch in front, ``*D`` flattened into ``d``."""
-    k = site.meta["norm_dims"]
-    bdim = site.batch_dim
-    lead = t.dim() - k
-    if bdim >= lead:  # pragma: no cover - the planner cannot find the batch there
-        raise CurvatureError(
-            f"LayerNorm '{site.where}': the batch is in dim {bdim} of its input, one of the "
-            f"normalised axes (the last {k}); samples would be mixed. Normalise over "
-            "per-sample axes only."
-        )
-    if bdim != 0:
-        t = t.movedim(bdim, 0)
+    """``t [n, *L', *D]`` (batch first: the recorder's layout; the planner never finds the batch
+    among the normalised axes ``*D``, which would mix samples) -> ``[n, s, d]``, ``*D`` flattened."""
     return t.reshape(t.shape[0], -1, site.meta["norm_numel"])
 
 
@@ -111,9 +101,7 @@ def sum_grad_squared(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors
 def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
     """``[1, *D]`` per role: ``Σ_c Σ_n (∂ℓ_n/∂p)²`` for a root ``m [C, *out]`` in one pass."""
     c = m.shape[0]
-    bdim = site.batch_dim
-    mc = m.movedim(bdim + 1, 1) if bdim != 0 else m
-    mc = mc.reshape((c * mc.shape[1],) + tuple(mc.shape[2:]))  # columns folded into the batch
+    mc = m.reshape((c * m.shape[1],) + tuple(m.shape[2:]))  # columns folded into the batch
     gc = mc.reshape(mc.shape[0], -1, site.meta["norm_numel"])
     out = {}
     if "weight" in roles:
@@ -192,7 +180,7 @@ def forward(module: nn.LayerNorm, where: str, names: dict, tensors: dict, args, 
     numel = 1
     for s in shape:
         numel *= s
-    meta = {"batch_dim": 0, "norm_dims": k, "norm_shape": shape, "norm_numel": numel}
+    meta = {"norm_dims": k, "norm_shape": shape, "norm_numel": numel}
     return rec.add(Site(LAYERNORM, names, where, saved=saved, meta=meta), out)
 
 

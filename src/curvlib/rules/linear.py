@@ -39,19 +39,13 @@ def _per_sample_outer(g: Tensor, x: Tensor) -> Tensor:
 
 
 def _flat(site: Site, g: Tensor) -> Tuple[Tensor, Tensor]:
-    """``x [n, s, i]`` and ``g [n, s, o]`` with the batch moved to the front."""
-    bdim = site.batch_dim
-    if bdim != 0:
-        g = g.movedim(bdim, 0)
+    """``x [n, s, i]`` and ``g [n, s, o]`` (the site is batch first: :class:`~curvlib._core.site.Recorder`)."""
     return _flat_input(site), g.reshape(g.shape[0], -1, g.shape[-1])
 
 
 def _flat_input(site: Site) -> Tensor:
-    """``x [n, s, i]`` with the batch moved to the front."""
+    """``x [n, s, i]``."""
     x = site.saved["x"]
-    bdim = site.batch_dim
-    if bdim != 0:
-        x = x.movedim(bdim, 0)
     return x.reshape(x.shape[0], -1, x.shape[-1])
 
 
@@ -202,8 +196,6 @@ def _sum_squared_samples(g: Tensor, x: Tensor) -> Tensor:
 
 def kron_output_sum(site: Site, m: Tensor) -> Tensor:
     """``Σ_s m[v, n, s]`` ``[V, N, O]``: the root summed over the positions sharing the weight."""
-    bdim = site.batch_dim
-    m = m.movedim(bdim + 1, 1) if bdim != 0 else m
     return m.reshape(m.shape[0], m.shape[1], -1, m.shape[-1]).sum(2)
 
 
@@ -222,8 +214,6 @@ def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> Rol
             part = sum_grad_squared(site, m[v], roles)
             total = {r: part[r] + total[r] if r in total else part[r] for r in part}
         return {r: t.unsqueeze(0) for r, t in total.items()}
-    bdim = site.batch_dim
-    m = m.movedim(bdim + 1, 1) if bdim != 0 else m
     m2 = (m**2).sum(0).reshape(x.shape[0], -1)  # [N, O]
     out = {}
     if "weight" in roles:
@@ -279,8 +269,6 @@ def batch_sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) 
             part = grad_batch(site, m[k], roles)
             out = {r: part[r] ** 2 + out.get(r, 0) for r in part}
         return out
-    bdim = site.batch_dim
-    m = m.movedim(bdim + 1, 1) if bdim != 0 else m
     m2 = (m**2).sum(0).reshape(x.shape[0], -1)  # [N, O]
     out = {}
     if "weight" in roles:
@@ -297,8 +285,7 @@ def outer_factors(site: Site, role: str, m: Tensor) -> Optional[Tuple[Tensor, Te
     x = _flat_input(site)
     if role != "weight" or x.shape[1] != 1:
         return None
-    g = m.movedim(site.batch_dim + 1, 1)
-    g = g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])
+    g = m.reshape(m.shape[0], m.shape[1], -1, m.shape[-1])
     if site.meta.get("transposed"):  # a weight stored [in, out] (LINEAR_TRANSPOSED): x_n g_vnᵀ
         return x[None, :, 0, :, None], g[:, :, 0, None, :]
     return g[:, :, 0, :, None], x[None, :, 0, None, :]
@@ -352,8 +339,7 @@ def forward(module: nn.Linear, where: str, names: dict, tensors: dict, args, kwa
     """Run ``nn.Linear`` functionally and record its site."""
     (x,) = _bind_input(args, kwargs, "input")
     out = F.linear(x, tensors["weight"], tensors.get("bias"))
-    meta = {"batch_dim": 0}
-    return rec.add(Site(LINEAR, names, where, saved={"x": x}, meta=meta), out)
+    return rec.add(Site(LINEAR, names, where, saved={"x": x}), out)
 
 
 def _bind_input(args, kwargs, name: str):

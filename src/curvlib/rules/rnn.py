@@ -223,16 +223,16 @@ def _direction(
 
     site_ih = Site(
         LINEAR, _roles(names, "weight_ih" + sfx, bname("bias_ih")), where,
-        saved={"x": inp}, meta={"batch_dim": 0},
+        saved={"x": inp},
     )
     pre_ih = rec.add(site_ih, F.linear(inp, w_ih, b_ih))  # [N, T, G·H]
     pre_ih = nodes.bilinear("ih", site_ih, inp, pre_ih, site_ih.params.get("weight") in reach_x)
-    site_hh = Site(LINEAR, _roles(names, "weight_hh" + sfx, bname("bias_hh")), where, meta={"batch_dim": 0})
+    site_hh = Site(LINEAR, _roles(names, "weight_hh" + sfx, bname("bias_hh")), where)
     hh = _Recurrent(site_hh, w_hh, b_hh, rec.open(site_hh, (n, steps, w_hh.shape[0]), pre_ih.dtype))
     hr = None
     if mode == "LSTM" and module.proj_size > 0:
         w_hr = tensors["weight_hr" + sfx]
-        site_hr = Site(LINEAR, _roles(names, "weight_hr" + sfx, None), where, meta={"batch_dim": 0})
+        site_hr = Site(LINEAR, _roles(names, "weight_hr" + sfx, None), where)
         hr = _Recurrent(site_hr, w_hr, None, rec.open(site_hr, (n, steps, w_hr.shape[0]), pre_ih.dtype))
     outs: List[Optional[Tensor]] = [None] * steps
     h_prevs: List[Optional[Tensor]] = [None] * steps
