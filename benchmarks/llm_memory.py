@@ -5,7 +5,8 @@ and the model-size sweep ``gpt-sweep-d{D}-l{L}`` (``problems.LLM_PROBLEMS``).
     python benchmarks/llm_memory.py --methods DiagGGNMC KFAC[max_factor_dim=4096] --rounds 2
     python benchmarks/llm_memory.py --problems sweep --rounds 2        # the diagonal, SWEEP_METHODS
     python benchmarks/llm_memory.py --problems gpt-sweep-d128-l2 --methods backward opacus:ghost-norms \
-        curvlinops:KFAC[mlp] --rounds 2                                # peers (PEERS)
+        opacus:clipping-step curvlinops:KFAC[mlp] --rounds 2           # peers (PEERS)
+    python benchmarks/llm_memory.py --check                            # opacus:clipping-step's .grad
     git archive b0adc77 src | tar -x -C /tmp/before                    # another tree as well:
     python benchmarks/llm_memory.py --tree before=/tmp/before/src --tree after=src
 
@@ -27,6 +28,14 @@ an allocation past it fails in that process instead of pressing the machine):
 * **time**: another process sets the method and a backward up, calls each once untimed
   (tracing, allocator warm-up), then alternates ``--rounds`` timed calls of each; the
   ratio is the method's median over the backward's median in that process.
+
+Peers (``PEERS``): ``opacus:backward`` (a plain backward of Opacus' copy of the GPT),
+``opacus:ghost-norms`` (ghost clipping's per-sample gradient norms alone, one backward),
+``opacus:clipping-step`` (Opacus' whole ghost-clipping DP step up to the clipped summed
+gradient, set up by ``PrivacyEngine.make_private(..., grad_sample_mode="ghost")``: norms,
+clipping factors, the reweighted second backward; no ``optimizer.step()``; ``--check`` compares
+its ``.grad`` with ``Σ_n min(1, C/‖g_n‖) g_n`` from curvlib's ``BatchGrad`` in float64),
+``curvlinops:KFAC[mlp]`` and ``[mlp+head]`` (curvlinops' KFAC factors); see their functions.
 
 A method refused by curvlib (``CurvatureError``, before any work) is reported with the
 first line of its message and the seconds until it was raised; a peer's exception with its
@@ -59,7 +68,12 @@ SWEEP_METHODS = ("backward", "BatchL2Grad", "SumGradSquared", "Variance", "DiagG
 
 
 #: Peers (issue 23 item 5), on request: ``llm_memory.py --methods backward opacus:ghost-norms ...``.
-PEERS = ("opacus:backward", "opacus:ghost-norms", "curvlinops:KFAC[mlp]", "curvlinops:KFAC[mlp+head]")
+PEERS = ("opacus:backward", "opacus:ghost-norms", "opacus:clipping-step", "curvlinops:KFAC[mlp]",
+         "curvlinops:KFAC[mlp+head]")
+#: ``opacus:clipping-step``'s clipping bound C (``max_grad_norm``).
+MAX_GRAD_NORM = 1.0
+#: ``--check``'s tolerance on the relative errors (float64).
+CHECK_TOL = 1e-10
 
 
 def _opacus(problem, norms: bool):
@@ -98,6 +112,140 @@ def _opacus(problem, norms: bool):
     return run
 
 
+class PerSequenceCrossEntropy:
+    """``CrossEntropyLoss`` of logits ``[N, V, T]`` against ``[N, T]`` as Opacus' ghost-clipping loss
+    wrapper needs it: ``reduction="none"`` gives the per-sequence losses ``ℓ_n`` ``[N]`` (the mean
+    over the T positions: the privacy unit is the sequence), ``"mean"`` their mean (the problem's
+    ``CrossEntropyLoss()``, every sequence has T positions), ``"sum"`` their sum.
+    ``DPLossFastGradientClipping`` switches ``reduction`` to ``"none"`` for its call. Its own
+    ``shape=`` route reaches the same ``[N]`` from logits flattened to ``[N·T, V]``, which for this
+    model's ``[N, V, T]`` (a view of ``[T, N, V]``) would copy the 103 MB logits first."""
+
+    def __init__(self, reduction: str = "mean"):
+        self.reduction = reduction
+
+    def __call__(self, logits, y):
+        import torch
+
+        per_sequence = torch.nn.functional.cross_entropy(logits, y, reduction="none").mean(dim=1)
+        return {"none": per_sequence, "mean": per_sequence.mean(), "sum": per_sequence.sum()}[self.reduction]
+
+
+def _make_private_ghost(problem, max_grad_norm: float = MAX_GRAD_NORM):
+    """Opacus 1.6's ghost-clipping DP-SGD set up by its own entry point, ``PrivacyEngine().make_private(
+    ..., grad_sample_mode="ghost")``, on ``sequence_models.opacus_copy`` of the GPT: returns the copy,
+    the ``GradSampleModuleFastGradientClipping(use_ghost_clipping=True, max_grad_norm=C)``, the
+    ``DPOptimizerFastGradientClipping`` (over ``SGD(lr=0)``, ``noise_multiplier=0``) and the
+    ``DPLossFastGradientClipping`` around :class:`PerSequenceCrossEntropy` (``loss_reduction="mean"``).
+    The data loader ``make_private`` requires holds the one batch ``(X, y)`` and is not used
+    (``poisson_sampling=False``: left as given)."""
+    import warnings
+
+    import torch
+    from opacus import PrivacyEngine
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+    from sequence_models import opacus_copy
+    from torch.utils.data import DataLoader, TensorDataset
+
+    warnings.filterwarnings("ignore", module="opacus")
+    _model, _lossfn, X, y = problem
+    copied = opacus_copy(_model)
+    loader = DataLoader(TensorDataset(X, y), batch_size=X.shape[0])
+    gsm, optimizer, criterion, _ = PrivacyEngine().make_private(
+        module=copied, optimizer=torch.optim.SGD(copied.parameters(), lr=0.0),
+        criterion=PerSequenceCrossEntropy(), data_loader=loader, noise_multiplier=0.0,
+        max_grad_norm=max_grad_norm, batch_first=copied.batch_first, loss_reduction="mean",
+        poisson_sampling=False, grad_sample_mode="ghost")
+    assert isinstance(gsm, GradSampleModuleFastGradientClipping) and gsm.use_ghost_clipping
+    assert isinstance(optimizer, DPOptimizerFastGradientClipping)
+    assert isinstance(criterion, DPLossFastGradientClipping)
+    return copied, gsm, optimizer, criterion
+
+
+def _opacus_clipping_step(problem, max_grad_norm: float = MAX_GRAD_NORM):
+    """Opacus 1.6's whole ghost-clipping DP step up to the clipped summed gradient (what
+    ``loss.backward()`` does under ``make_private(..., grad_sample_mode="ghost")``, set up by
+    :func:`_make_private_ghost`): ``optimizer.zero_grad(set_to_none=True)``, the forward of the
+    copy, the per-sequence losses ``ℓ_n`` ``[N]``, then ``DPTensorFastGradientClipping.backward()``:
+    (1) a backward of ``mean_n ℓ_n`` with the ghost-clipping hooks, which leaves the per-sample
+    gradient norms ``‖g_n‖`` (``g_n = ∇ℓ_n``: Linear and Embedding by ghost norms, LayerNorm through
+    its per-sample gradient ``[N, d]``) and retains the graph; ``optimizer.zero_grad()`` (the grads
+    zeroed, kept allocated); (2) the clipping factors ``c_n = min(1, C / (‖g_n‖ + 1e-6))``;
+    (3) a second backward, hooks off, of ``Σ_n c_n ℓ_n`` through the retained graph, which leaves
+    the clipped summed gradient ``Σ_n c_n g_n`` in each ``.grad``. Returns the norms ``[N]``.
+
+    No ``optimizer.step()``: what it adds (``summed_grad``, a copy of each ``.grad``; Gaussian noise
+    of std ``σ C``; the division by the expected batch size N; the SGD update) is elementwise on
+    parameter-sized tensors, the same for any way of getting the clipped sum, and not part of the
+    gradient computation compared here; with ``noise_multiplier=0`` its noise would be a zeros
+    tensor per parameter, not what a DP user's noise costs either. :func:`check_clipping_step`
+    checks the ``.grad`` this leaves."""
+    _model, _lossfn, X, y = problem
+    copied, gsm, optimizer, criterion = _make_private_ghost(problem, max_grad_norm)
+
+    def run():
+        optimizer.zero_grad(set_to_none=True)
+        loss = criterion(gsm(X), y)  # DPTensorFastGradientClipping over ℓ [N]
+        loss.backward()  # the two backwards and the clipping factors between them
+        return gsm.per_sample_gradient_norms
+
+    run.copied = copied  # for check_clipping_step: its parameters' .grad after a call
+    return run
+
+
+def check_clipping_step(problem: str = "gpt-sweep-d128-l2", n: int = 2, dtype: str = "float64") -> dict:
+    """``opacus:clipping-step`` computes what it should: on ``problem``'s first ``n`` sequences (in
+    ``dtype``), the ``.grad`` its call leaves on the copy, mapped back to the original's parameters
+    (``sequence_models.opacus_to_original``), equals ``Σ_n c_n g_n`` with ``g_n = n · BatchGrad[n]``
+    (curvlib's rows carry the ``1/n`` of the mean: ``g_n = ∇ℓ_n`` of the per-sequence loss) and
+    ``c_n = min(1, C / (‖g_n‖ + 1e-6))`` (Opacus' ``get_clipping_coef``), for three bounds C: 1.0
+    (the one measured), the mean of the norms (clips some sequences, not others) and 1e6 (clips
+    none: ``Σ_n g_n``). Returns, per C, the factors, Opacus' norms' largest relative error against
+    curvlib's and the clipped sum's (largest over parameters of ``max|Δ| / max|reference|``), and how
+    far the reference is from the unclipped sum ``Σ_n g_n`` by the same measure (the margin that an
+    unclipped or wrongly clipped gradient would show). The copy is called twice per C and the
+    second call's ``.grad`` is the one checked (the timed rounds call it repeatedly)."""
+    import torch
+    from curvlib import curvature
+    from curvlib.extensions import BatchGrad
+    from problems import PROBLEMS
+    from sequence_models import opacus_to_original
+
+    dtype = getattr(torch, dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # Opacus' DPMultiheadAttention is built in the default dtype
+    try:
+        model, lossfn, X, y = PROBLEMS[problem](dtype=dtype)
+        X, y = X[:n], y[:n]
+        qs = curvature(model, lossfn, [BatchGrad()])(X, y)
+        g = {name: n * gb for name, gb in qs["grad_batch"].items()}  # g_n = ∇ℓ_n, [n, *p]
+        norms = sum(gn.flatten(1).pow(2).sum(1) for gn in g.values()).sqrt()
+        out = {"problem": problem, "n": n, "dtype": str(dtype), "norms": norms.tolist(), "bounds": {}}
+        for bound in (1.0, norms.mean().item(), 1e6):
+            run = _opacus_clipping_step((model, lossfn, X, y), bound)
+            run()
+            opacus_norms = run()  # the second call's: nothing carries over between calls (timed rounds)
+            factors = (bound / (norms + 1e-6)).clamp(max=1.0)
+            # The copy's .grad as a batch of one, so opacus_to_original's q/k/v concatenation
+            # (along dim 1 of per-sample gradients) stacks the rows of in_proj_weight/bias.
+            grads = opacus_to_original(model, {k: p.grad[None] for k, p in run.copied.named_parameters()})
+            grads = {k: v[0] for k, v in grads.items()}
+            clipped = {k: torch.einsum("n,n...->...", factors, gk) for k, gk in g.items()}
+            err = max(((grads[k] - c).abs().max() / c.abs().max()).item() for k, c in clipped.items())
+            # The margin: how far the reference is from the unclipped sum Σ_n g_n (0 when C clips none).
+            unclipped = max(((gk.sum(0) - c).abs().max() / c.abs().max()).item() for gk, c in
+                            zip(g.values(), clipped.values()))
+            out["bounds"][f"{bound:.6g}"] = {
+                "factors": factors.tolist(),
+                "norms_rel_err": ((opacus_norms - norms).abs() / norms).max().item(),
+                "clipped_sum_rel_err": err, "unclipped_sum_rel_diff": unclipped, "parameters": len(grads)}
+        return out
+    finally:
+        torch.set_default_dtype(default)
+
+
 def _curvlinops(problem, head: bool):
     """curvlinops' ``KFACLinearOperator`` (MC Fisher, one sample), factors computed once per call
     (``compute_kronecker_factors()``) on the GPT itself (no copy). curvlinops refuses Embedding,
@@ -127,6 +275,8 @@ def _runner(problem, method: str):
 
     if method == "backward":
         return backward(problem)
+    if method == "opacus:clipping-step":
+        return _opacus_clipping_step(problem)
     if method.startswith("opacus:"):
         return _opacus(problem, norms=method == "opacus:ghost-norms")
     if method.startswith("curvlinops:"):
@@ -315,7 +465,18 @@ def main(argv=None) -> int:
     parser.add_argument("--name", default=None, help="output stem (default llm-memory-<problem>, or llm-sweep)")
     parser.add_argument("--max-gib", type=float, default=16.0,
                         help="address-space limit of each child (RLIMIT_AS): an allocation past it fails there")
+    parser.add_argument("--check", nargs="?", const="gpt-sweep-d128-l2", default=None, metavar="PROBLEM",
+                        help="only check opacus:clipping-step's clipped gradient against curvlib's BatchGrad "
+                             "(check_clipping_step: first 2 sequences of PROBLEM, default gpt-sweep-d128-l2, "
+                             "float64); fails past CHECK_TOL")
     args = parser.parse_args(argv)
+    if args.check is not None:
+        result = check_clipping_step(args.check)
+        print(json.dumps(result, indent=1))
+        worst = max(max(b["norms_rel_err"], b["clipped_sum_rel_err"]) for b in result["bounds"].values())
+        ok = worst <= CHECK_TOL
+        print(f"largest relative error {worst:.2e} (tolerance {CHECK_TOL:.0e}): {'ok' if ok else 'FAILED'}")
+        return 0 if ok else 1
     if args.threads is not None:
         import torch
 
