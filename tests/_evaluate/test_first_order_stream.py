@@ -19,6 +19,7 @@ import torch
 from hypothesis import given, settings
 from torch import nn
 
+import curvlib
 import curvlib._evaluate.linearise as engine
 import curvlib._evaluate.streamed as streamed
 import curvlib._evaluate.first_order as firstorder
@@ -145,7 +146,7 @@ def test_with_mc_second_order_first(monkeypatch, spy):
     exts = [BatchL2Grad(), Variance(), DiagGGNMC(mc_samples=2)]
     torch.manual_seed(1)  # (the draws come from the global random state)
     streamed = curvature(model, lossfn, exts)(X, y)
-    assert spy["streams"] == 1
+    assert spy["streams"] == 2 + 1  # each MC column (looped strategy), then the loss's backward
     monkeypatch.setattr(transform, "streams", lambda *args: False)
     torch.manual_seed(1)
     at_once = curvature(model, lossfn, exts)(X, y)
@@ -236,3 +237,30 @@ def test_linear_ghost_norm(monkeypatch, length, features):
     qs = curvature(model, nn.MSELoss(), [BatchL2Grad()])(X, y)
     ref = first_order_reference(model, nn.MSELoss(), X, y)
     assert_close_dicts(qs["batch_l2"], ref["batch_l2"], "batch_l2")
+
+
+def test_several_mc_columns_read_one_at_a_time(monkeypatch, spy):
+    """``mc_samples > 1`` under the looped strategy (CPU): each column is pulled back on its
+    own, its sites read as they are passed (never all columns' site gradients at once), with
+    the same results as all columns pulled back together; under the batched strategy (CUDA)
+    the columns keep their one fused pullback."""
+    model, lossfn, X, y = _lm(9, 3, tied=True)
+    exts = [DiagGGNMC(mc_samples=3), BatchDiagGGNMC(mc_samples=2), KFAC(mc_samples=2)]
+    with curvlib.strategy("looped"):
+        torch.manual_seed(4)
+        streamed = curvature(model, lossfn, exts)(X, y)
+    assert spy["streams"] == 3 + 2 + 2 + 1  # one per column, then the loss's backward
+    with curvlib.strategy("batched"):
+        torch.manual_seed(4)
+        fused = curvature(model, lossfn, exts)(X, y)
+    assert spy["streams"] == 8 + 1  # the columns pulled back together (no stream), then the loss's backward
+    monkeypatch.setattr(transform, "streams", lambda *args: False)
+    monkeypatch.setattr(secondorder, "_streamed_reads", lambda *args: False)
+    torch.manual_seed(4)
+    at_once = curvature(model, lossfn, exts)(X, y)
+    for result in (streamed, fused):
+        for q in ("grad", "diag_ggn_mc", "diag_ggn_mc_batch"):
+            assert_close_dicts(result[q], at_once[q], q, rtol=1e-12, atol=1e-14)
+        for name, factors in at_once["kfac"].items():
+            for a, b in zip(result["kfac"][name], factors):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

@@ -37,6 +37,7 @@ from typing import Callable, Dict, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .._core import strategy as _strategy
 from .._core.tensors import is_concrete
 from .linearise import Linearization
 from .._core.errors import CurvatureError
@@ -128,7 +129,7 @@ def _accumulate(lin, uses, S: Tensor, group, names, params, batch_size, chunk_si
     elif into is None:
         into = RootBuffers()
     streamed = _streamed_reads(lin, group, S)
-    for start, S_chunk in _chunks(S, chunk_size):
+    for start, S_chunk in _chunks(S, 1 if streamed else chunk_size):
         # per-site rule results shared by the site's parameters, per chunk
         cache: Dict[object, object] = {"static": static}
         if streamed:
@@ -157,8 +158,14 @@ def _accumulate(lin, uses, S: Tensor, group, names, params, batch_size, chunk_si
 def _streamed_reads(lin, group, S: Tensor) -> bool:
     """Whether the columns are pulled back one at a time, each parameter read as soon as the
     pullback has passed all its sites (:func:`_read_streamed`): plain autograd on real
-    tensors, one column (the MC default), no square roots (written column by column)."""
-    return (lin.stream_pull is not None and is_concrete(S) and not S.requires_grad and S.shape[0] == 1
+    tensors, no square roots (written column by column), and one column (the MC default) or
+    the looped strategy (:mod:`curvlib._core.strategy`, the CPU default), whose batched pullback
+    runs the backward's kernels once per column anyway (``mc_samples > 1``: the sites' columns of
+    one sample at a time instead of all ``M``). The batched strategy (CUDA) keeps its fused
+    pullback of several columns."""
+    if S.shape[0] > 1 and _strategy.batched(S.device):
+        return False
+    return (lin.stream_pull is not None and is_concrete(S) and not S.requires_grad
             and all((e.read_as or e.quantity) in ("diag", "batch_diag", "kron") for e in group))
 
 
