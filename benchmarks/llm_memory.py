@@ -384,14 +384,19 @@ def measure(src: str, problem: str, method: str, args) -> dict:
     call's peak above the memory just before it (``call_above_mib``), and the process's peak
     above a process that only builds the problem (``above_mib``, once per tree and problem)."""
     job = {"problem": problem, "seed": args.seed, "mode": "memory", "method": None, "max_gib": args.max_gib}
-    if (src, problem) not in _BASES:
-        _BASES[src, problem] = spawn(src, job, args.threads, script=__file__)
-    base = _BASES[src, problem]
-    mem = spawn(src, {**job, "method": method}, args.threads, script=__file__)
-    print(f"{problem} {method}: {json.dumps(mem)[:300]}", file=sys.stderr, flush=True)
-    row = {"problem": problem, "method": method, "base_mib": base.get("peak_mib"), **mem}
-    if "peak_mib" in mem and "peak_mib" in base:
-        row["above_mib"] = mem["peak_mib"] - base["peak_mib"]
+    earlier = (args.memory_from or {}).get(problem, {}).get(method)
+    if earlier is not None:  # --memory-from: this run only times
+        row = {k: v for k, v in earlier.items() if k not in ("ratio", "ms", "first_ms")}
+    else:
+        if (src, problem) not in _BASES:
+            _BASES[src, problem] = spawn(src, job, args.threads, script=__file__)
+        base = _BASES[src, problem]
+        mem = spawn(src, {**job, "method": method}, args.threads, script=__file__)
+        print(f"{problem} {method}: {json.dumps(mem)[:300]}", file=sys.stderr, flush=True)
+        row = {"problem": problem, "method": method, "base_mib": base.get("peak_mib"), **mem}
+        if "peak_mib" in mem and "peak_mib" in base:
+            row["above_mib"] = mem["peak_mib"] - base["peak_mib"]
+    mem = row
     if "refused" not in mem and "error" not in mem and args.rounds > 0:
         tim = spawn(src, {**job, "mode": "time", "method": method, "rounds": args.rounds}, args.threads,
                     script=__file__)
@@ -469,7 +474,14 @@ def main(argv=None) -> int:
                         help="only check opacus:clipping-step's clipped gradient against curvlib's BatchGrad "
                              "(check_clipping_step: first 2 sequences of PROBLEM, default gpt-sweep-d128-l2, "
                              "float64); fails past CHECK_TOL")
+    parser.add_argument("--memory-from", default=None, metavar="JSON",
+                        help="take the memory figures from an earlier run's JSON (one tree) and only time now "
+                             "(memory does not suffer from a busy machine; time does: measure it idle)")
     args = parser.parse_args(argv)
+    if args.memory_from is not None:
+        with open(args.memory_from) as f:
+            earlier_rows = json.load(f)["rows"]
+        args.memory_from = next(iter(earlier_rows.values()))
     if args.check is not None:
         result = check_clipping_step(args.check)
         print(json.dumps(result, indent=1))

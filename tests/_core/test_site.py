@@ -71,6 +71,7 @@ def test_direct_target_gradient_moved_batch_first():
     assert rec.add(Site(LINEAR, {"weight": "w"}, "a", saved={"x": x}), out) is out
     assert rec.targets[0] is out
     g = torch.randn(3, 5, 4, dtype=torch.float64)
-    assert torch.equal(rec.batch_first_grad(0, g), g.transpose(0, 1))
+    assert rec.layouts == [(1, 0)]
+    assert torch.equal(batch_first(g, *rec.layouts[0]), g.transpose(0, 1))
     cols = torch.randn(2, 3, 5, 4, dtype=torch.float64)
-    assert torch.equal(rec.batch_first_grad(0, cols, lead=1), cols.transpose(1, 2))
+    assert torch.equal(batch_first(cols, *rec.layouts[0], lead=1), cols.transpose(1, 2))

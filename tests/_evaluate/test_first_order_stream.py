@@ -264,3 +264,44 @@ def test_several_mc_columns_read_one_at_a_time(monkeypatch, spy):
         for name, factors in at_once["kfac"].items():
             for a, b in zip(result["kfac"][name], factors):
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_site_outputs_only_the_graph_needs_are_not_kept(monkeypatch):
+    """After the forward, a site output that no backward node saves (a Linear feeding a residual
+    addition, above another site) is held by nobody: the pullbacks keep the sites' layouts, not
+    the recorder, whose targets would keep every site output alive (GPT-2-small: ~230 MB)."""
+    import gc
+
+    from curvlib._core.site import Recorder
+
+    outputs, alive = [], []
+    add, forward = Recorder.add, transform.forward_with_probes
+
+    def spy_add(self, site, out):
+        outputs.append(weakref.ref(out))
+        return add(self, site, out)
+
+    def spy_forward(*args, **kwargs):
+        lin = forward(*args, **kwargs)
+        gc.collect()
+        alive.append([r() is not None for r in outputs])
+        return lin
+
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.inner, self.head = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+        def forward(self, x):
+            h = self.first(x)
+            return self.head(torch.tanh(h + self.inner(h)))
+
+    torch.manual_seed(0)
+    model = Residual().to(DT)
+    X, y = torch.randn(4, 6, dtype=DT), torch.randint(0, 3, (4,))
+    f = curvature(model, nn.CrossEntropyLoss(), [BatchL2Grad()])
+    f(X, y)  # planned: the spies see the linearising forward alone
+    monkeypatch.setattr(Recorder, "add", spy_add)
+    monkeypatch.setattr(transform, "forward_with_probes", spy_forward)
+    f(X, y)
+    assert len(outputs) == 3 and alive == [[True, False, True]]  # `inner`'s output: only a gradient edge

@@ -236,7 +236,7 @@ class Recorder:
     and its probe is batch first (added to the output moved back into the site's layout), so
     that the site's output gradient ``g`` arrives batch first too. A direct target keeps the
     layer's layout (no probe, no copy): ``layouts[k]`` says how its gradient is moved batch
-    first (:meth:`batch_first_grad`), ``(0, 0)`` for a probe. Rules never look for the batch.
+    first (``batch_first(g, *layouts[k])``), ``(0, 0)`` for a probe. Rules never look for the batch.
     """
 
     def __init__(
@@ -312,11 +312,6 @@ class Recorder:
         self.layouts.append((0, 0))
         self.versions.append(None)
         return out + from_batch_first(probe, bdim, site.rule.channel_axes)
-
-    def batch_first_grad(self, k: int, g: Tensor, lead: int = 0) -> Tensor:
-        """The gradient of the ``k``-th target (``lead`` column dims in front) batch first."""
-        bdim, axes = self.layouts[k]
-        return batch_first(g, bdim, axes, lead)
 
     def batch_dim(self, k: int) -> int:
         """Where the ``k``-th site's output carries the batch (0 while planning)."""

@@ -24,7 +24,7 @@ Everything here is a pure function of ``(params, X, y)``; it composes with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, fx
@@ -34,7 +34,7 @@ from .._core import inputs as _inputs, strategy as _strategy
 from .._trace.program import Program
 from .._interpret.graph import run_graph
 from .._plan.plan import Plan
-from .._core.site import Recorder, Site
+from .._core.site import Recorder, Site, batch_first
 from .streamed import as_edges, lowest_targets, stream_sites, worth_streaming
 
 __all__ = ["Linearization", "forward_with_probes"]
@@ -249,7 +249,7 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
     inputs = as_edges(rec.targets, lowest) + (rprobes if residual_nodes else [])
     like = [(tuple(t.shape), t.dtype, t.device) for t in list(rec.targets) + (rprobes if residual_nodes else [])]
     pullback, pull_loss, stream_pull = _pullbacks([out], taps, inputs, like, len(rec.targets), lowest,
-                                                  rec.batch_first_grad)
+                                                  list(rec.layouts))  # (not rec: it holds the targets)
     saved = [{k: v.detach() for k, v in site.saved.items()} for site in rec.sites]
     _finish(rec, plan, saved, [t.detach() for t in taps])
     lin = Linearization(out=out.detach(), sites=rec.sites, residuals=rec.residuals, taps=[t.detach() for t in taps], pullback=pullback)
@@ -260,12 +260,15 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
 
 
 def _pullbacks(held: List[Tensor], taps: List[Tensor], inputs: list, like: List[tuple], n_sites: int,
-               lowest: set, canon: Callable[[int, Tensor, int], Tensor]):
+               lowest: set, layouts: List[Tuple[int, int]]):
     """``(pullback, pull_loss, stream_pull)`` of :class:`Linearization` under plain autograd: ``held``,
     ``[out]`` (let go by a streamed backward that frees the graph); ``inputs``, the sites'
     targets (:func:`curvlib._evaluate.streamed.as_edges`) and the residual probes, ``like`` their shapes.
-    ``canon(k, g, lead)``: site ``k``'s gradient batch first (``Recorder.batch_first_grad``: a direct
+    ``layouts[k]``: how site ``k``'s gradient is moved batch first (``Recorder.layouts``: a direct
     target's gradient comes in the layer's own layout)."""
+
+    def canon(k: int, g: Tensor, lead: int) -> Tensor:
+        return batch_first(g, *layouts[k], lead=lead)
 
     def sites_first(grads: list, lead: int) -> list:
         return [canon(k, g, lead) for k, g in enumerate(grads[:n_sites])]
