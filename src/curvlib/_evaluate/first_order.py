@@ -15,6 +15,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .._core.scratch import reusing
 from .._core.site import Site, uses_of
 from .._core.tensors import is_concrete
 from .linearise import Linearization
@@ -83,7 +84,8 @@ def first_order_streamed(lin: Linearization, loss_of: Callable[[Tensor], Tensor]
     reader = FirstOrderReader(lin.sites, names, params, wanted, batch_size)
     if not keep_output:
         lin.out = None  # (a language model's logits: 103 MB on GPT-2-small)
-    loss, _ = lin.pull_loss(loss_of, retain=False, read=lambda k, g: reader.read(lin.sites[k], g, streamed=True))
+    with reusing():  # (one buffer for the rules' per-sample blocks during the backward)
+        loss, _ = lin.pull_loss(loss_of, retain=False, read=lambda k, g: reader.read(lin.sites[k], g, streamed=True))
     return loss, reader.results()
 
 
