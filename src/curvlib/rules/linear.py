@@ -32,8 +32,7 @@ from .._core.site import Family, Recorder, RoleTensors, Rule, Site
 
 
 def _per_sample_outer(g: Tensor, x: Tensor, out: Optional[Tensor] = None) -> Tensor:
-    """``Σ_s g[n, s] x[n, s]ᵀ`` ``[N, O, I]`` for ``g [N, S, O]``, ``x [N, S, I]`` (into ``out``
-    where given, for shared positions)."""
+    """``Σ_s g[n, s] x[n, s]ᵀ`` ``[N, O, I]`` for ``g [N, S, O]``, ``x [N, S, I]`` (into ``out``, if S > 1)."""
     if g.shape[1] == 1:  # no shared positions: a broadcast product, no reduction
         return g[:, 0, :, None] * x[:, 0, None, :]
     return torch.bmm(g.transpose(1, 2), x, out=out)
@@ -135,8 +134,6 @@ def sum_grad_squared(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors
     return out
 
 
-
-
 def grad_with_squares(site: Site, g: Tensor, roles: Sequence[str]) -> Optional[Tuple[RoleTensors, RoleTensors]]:
     """``(grad, sum_grad_squared)`` from one pass over the individual gradients, where a
     weight is shared by positions (``s > 1``) and nothing is differentiated: the squares need
@@ -161,22 +158,22 @@ def grad_with_squares(site: Site, g: Tensor, roles: Sequence[str]) -> Optional[T
 #: (:func:`sum_squares_over_columns`), and the bound on :data:`CACHE_ENTRIES`.
 SQUARES_ENTRIES = 2**24
 
-#: Entries of the blocks ``[n', o', I]`` of :func:`_sum_squared_outer` on plain tensors (4 MiB in
+#: Entries of the blocks ``[n', o', I]`` of :func:`_sum_squared_outer` on plain tensors (16 MiB in
 #: float32): a block stays in cache from the product that writes it to the sums that read it.
-#: Measured on one thread against 2**24: ``[4, 3072, 768]`` from ``T = 128`` positions 20.0 ms
-#: instead of 26.7 (the gradient's own product: 12.7), GPT-2's head 330 instead of 382 (223).
-CACHE_ENTRIES = 2**20
+#: One thread, ``T = 128``, N = 4: ``[3072, 768]`` 20.4 ms, 21.0 with 2**20, 23.0 with 2**24 (the
+#: gradient's product alone: 13.2); GPT-2's head 338, 352, 391 (228). Not smaller: on two threads of
+#: a loaded machine each kernel waits for its other thread (2**20: 2.7x as long as 2**22).
+CACHE_ENTRIES = 2**22
 
 
 def _sum_squared_outer(g: Tensor, x: Tensor, sums: Optional[Tensor] = None) -> Tensor:
     """``Σ_n (Σ_s g[n, s] x[n, s]ᵀ)²`` ``[O, I]`` for ``g [N, S, O]``, ``x [N, S, I]``, the
     individual gradients formed a block at a time and squared into the sum: a block of output
     rows of every sample (:data:`CACHE_ENTRIES`; one row of a block of samples if even that is
-    larger), never ``[N, O, I]`` (GPT-2's head: 4 MB instead of 618 MB for N = 4), in one reused
-    buffer (:func:`curvlib._core.scratch.scratch`: no page faults), each row of the results
-    written once per block of samples. ``sums [O, I]`` (uninitialised; plain tensors only):
-    filled with the individual gradients' sum too, which gives the gradient without a second
-    product of the same cost (GPT-2's head: 40 GFLOP)."""
+    larger), never ``[N, O, I]`` (GPT-2's head: 16 MB, not 618 MB), in one reused buffer
+    (:func:`curvlib._core.scratch.scratch`: no page faults). ``sums [O, I]`` (uninitialised;
+    plain tensors only): filled with the individual gradients' sum too, the gradient without a
+    second product of the same cost (GPT-2's head: 40 GFLOP)."""
     n, o, i = g.shape[0], g.shape[2], x.shape[2]
     if not _plain(g, x):
         return _sum_squared_samples(g, x)
@@ -192,9 +189,8 @@ def _sum_squared_outer(g: Tensor, x: Tensor, sums: Optional[Tensor] = None) -> T
     return total
 
 
-#: Up to this many samples in a block, :func:`_add_samples` squares them one at a time into the
-#: sum (``addcmul_``: one pass over each piece, no squared copy); more (small layers, large
-#: batches): two kernels, not one call per sample.
+#: Up to this many samples in a block, :func:`_add_samples` squares them one at a time into the sum
+#: (``addcmul_``: no squared copy); more (small layers, large batches): two kernels, not one per sample.
 _ONE_AT_A_TIME = 8
 
 
