@@ -153,24 +153,20 @@ def grad_with_squares(site: Site, g: Tensor, roles: Sequence[str]) -> Optional[T
     return grads, squares
 
 
-#: Entries of individual gradients ``[n', O, I]`` formed at once (64 MiB in float32): under
-#: autograd or torch.func (:func:`_sum_squared_samples`), by the GGN's columns at once
-#: (:func:`sum_squares_over_columns`), and the bound on :data:`CACHE_ENTRIES`.
+#: Entries of individual gradients ``[n', o', I]`` formed at once (64 MiB in float32): by
+#: :func:`_sum_squared_outer` (rows of every sample), under autograd or torch.func
+#: (:func:`_sum_squared_samples`), and by the GGN's columns at once (:func:`sum_squares_over_columns`).
+#: Smaller blocks stay in cache (one thread, N = 4, T = 128: ``[3072, 768]`` 20.4 ms with 2**22,
+#: 23.0 with 2**24; GPT-2's head 338 and 391), but on two threads of a loaded machine each kernel
+#: waits for its other thread: 2**22's four times as many kernels took twice as long as 2**24's.
 SQUARES_ENTRIES = 2**24
-
-#: Entries of the blocks ``[n', o', I]`` of :func:`_sum_squared_outer` on plain tensors (16 MiB in
-#: float32): a block stays in cache from the product that writes it to the sums that read it.
-#: One thread, ``T = 128``, N = 4: ``[3072, 768]`` 20.4 ms, 21.0 with 2**20, 23.0 with 2**24 (the
-#: gradient's product alone: 13.2); GPT-2's head 338, 352, 391 (228). Not smaller: on two threads of
-#: a loaded machine each kernel waits for its other thread (2**20: 2.7x as long as 2**22).
-CACHE_ENTRIES = 2**22
 
 
 def _sum_squared_outer(g: Tensor, x: Tensor, sums: Optional[Tensor] = None) -> Tensor:
     """``Σ_n (Σ_s g[n, s] x[n, s]ᵀ)²`` ``[O, I]`` for ``g [N, S, O]``, ``x [N, S, I]``, the
     individual gradients formed a block at a time and squared into the sum: a block of output
-    rows of every sample (:data:`CACHE_ENTRIES`; one row of a block of samples if even that is
-    larger), never ``[N, O, I]`` (GPT-2's head: 16 MB, not 618 MB), in one reused buffer
+    rows of every sample (:data:`SQUARES_ENTRIES`; one row of a block of samples if even that is
+    larger), never ``[N, O, I]`` (GPT-2's head: 64 MB, not 618 MB), in one reused buffer
     (:func:`curvlib._core.scratch.scratch`: no page faults). ``sums [O, I]`` (uninitialised;
     plain tensors only): filled with the individual gradients' sum too, the gradient without a
     second product of the same cost (GPT-2's head: 40 GFLOP)."""
@@ -178,9 +174,8 @@ def _sum_squared_outer(g: Tensor, x: Tensor, sums: Optional[Tensor] = None) -> T
     if not _plain(g, x):
         return _sum_squared_samples(g, x)
     total = g.new_empty(o, i)
-    entries = min(SQUARES_ENTRIES, CACHE_ENTRIES)
-    rows = min(o, max(1, entries // max(n * i, 1)))
-    samples = min(n, max(1, entries // max(rows * i, 1)))
+    rows = min(o, max(1, SQUARES_ENTRIES // max(n * i, 1)))
+    samples = min(n, max(1, SQUARES_ENTRIES // max(rows * i, 1)))
     for r in range(0, o, rows):
         for start in range(0, n, samples):  # (one block of samples unless one row of each is too large)
             block, xs = g[start:start + samples, :, r:r + rows], x[start:start + samples]
