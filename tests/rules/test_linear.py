@@ -97,3 +97,38 @@ def test_linear_over_positions_gradient_summed_from_individual_ones(n, positions
     qs = check_first_order(model, nn.MSELoss(), X, y, exts)
     for name, g in qs["grad"].items():
         torch.testing.assert_close(g, qs["grad_batch"][name].sum(0))
+
+
+@given(
+    n=st.integers(1, 12),
+    positions=st.integers(2, 4),
+    i=st.integers(1, 4),
+    o=st.integers(1, 5),
+    entries=st.sampled_from([1, 3, 16, 2**24]),
+    reuse=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_squares_in_blocks_with_the_gradient(n, positions, i, o, entries, reuse, seed):
+    """``grad_with_squares`` and ``sum_grad_squared`` of a Linear over positions, formed in blocks
+    of samples or rows (``SQUARES_ENTRIES``), squared one sample at a time or (more than 8 per
+    block) in two kernels, into a reused scratch buffer or fresh ones, twice in a row with
+    different sizes: ``Σ_n (Σ_s g xᵀ)²`` and ``Σ_n Σ_s g xᵀ`` against the per-sample float64 oracle."""
+    from unittest import mock
+
+    import curvlib.rules.linear as linear
+    from curvlib._core.scratch import reusing
+    from curvlib._core.site import Site
+
+    gen = seeded(seed)
+    with mock.patch.object(linear, "SQUARES_ENTRIES", entries), (reusing() if reuse else mock.MagicMock()):
+        for o_k in (o, o + 2):
+            x = torch.randn(n, positions, i, generator=gen, dtype=torch.float64)
+            g = torch.randn(n, positions, o_k, generator=gen, dtype=torch.float64)
+            site = Site(linear.LINEAR, {"weight": "w", "bias": "b"}, "fc", meta={"batch_dim": 0}, saved={"x": x})
+            per_sample = torch.einsum("nso,nsi->noi", g, x)
+            grads, squares = linear.grad_with_squares(site, g, ["weight", "bias"])
+            alone = linear.sum_grad_squared(site, g, ["weight"])
+            torch.testing.assert_close(grads["weight"], per_sample.sum(0))
+            torch.testing.assert_close(squares["weight"], (per_sample**2).sum(0))
+            torch.testing.assert_close(alone["weight"], (per_sample**2).sum(0))
+            torch.testing.assert_close(squares["bias"], (g.sum(1) ** 2).sum(0))

@@ -15,6 +15,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .._core.scratch import reusing
 from .._core.site import Site, uses_of
 from .._core.tensors import is_concrete
 from .linearise import Linearization
@@ -83,7 +84,8 @@ def first_order_streamed(lin: Linearization, loss_of: Callable[[Tensor], Tensor]
     reader = FirstOrderReader(lin.sites, names, params, wanted, batch_size)
     if not keep_output:
         lin.out = None  # (a language model's logits: 103 MB on GPT-2-small)
-    loss, _ = lin.pull_loss(loss_of, retain=False, read=lambda k, g: reader.read(lin.sites[k], g, streamed=True))
+    with reusing():  # (one buffer for the rules' per-sample blocks during the backward)
+        loss, _ = lin.pull_loss(loss_of, retain=False, read=lambda k, g: reader.read(lin.sites[k], g, streamed=True))
     return loss, reader.results()
 
 
@@ -154,11 +156,8 @@ class FirstOrderReader:
                 p = self.params[name]
                 self._store(name, p.new_zeros((self.batch_size,) + tuple(p.shape)),
                             {q: None for q in ["grad", *self.need - {"grad_batch"}]})
-        if "variance" in self.need:
-            reuse = "sum_grad_squared" not in self.wanted
-            _variance(self.out, self.names, self.batch_size, reuse=reuse)
-            if reuse:
-                del self.out["sum_grad_squared"]
+        if "variance" in self.need and "sum_grad_squared" not in self.wanted:
+            del self.out["sum_grad_squared"]  # (overwritten by the variance)
         return {q: {n: d[n] for n in self.names} for q, d in self.out.items()}
 
     def _single_use(self, site: Site, g: Tensor, roles: List[str]) -> None:
@@ -183,6 +182,8 @@ class FirstOrderReader:
 
     def _store(self, name: str, batch: Optional[Tensor], given: Dict[str, Optional[Tensor]]) -> None:
         _store(self.out, name, batch, given)
+        if "variance" in self.need:  # at once: a layer's [O, I] just written may still be in cache
+            _variance(self.out, [name], self.batch_size, reuse="sum_grad_squared" not in self.wanted)
 
 
 def _variance(results, names, batch_size: int, reuse: bool = False) -> None:

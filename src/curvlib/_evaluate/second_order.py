@@ -43,6 +43,7 @@ from .linearise import Linearization
 from .._core.errors import CurvatureError
 from ..extensions import SecondOrder
 from .._core.kronlayout import add_root_factor
+from .._core.scratch import reusing
 from .._core.site import uses_of
 from .._plan.batch_merges import per_sample
 from .._hessian.algebra import factor
@@ -183,7 +184,8 @@ def _read_streamed(lin, uses, S: Tensor, group, names, params, batch_size: int, 
             parts[ext][n] = _read(ext.read_as or ext.quantity, uses, m, n, params, batch_size, 1, cache, kron)
 
     sites_of = {n: {site.key for site, _ in uses.get(n, ())} for n in names}
-    read_when_passed(lambda on_site: lin.stream_pull(S[0], on_site), sites_of, read)
+    with reusing():  # (one buffer for the rules' per-sample blocks during the pullback)
+        read_when_passed(lambda on_site: lin.stream_pull(S[0], on_site), sites_of, read)
     return {ext: {n: part[n] for n in names} for ext, part in parts.items()}
 
 

@@ -26,16 +26,16 @@ from opt_einsum import contract
 from torch import Tensor, nn
 from torch.func import vmap
 
-from ._conv_correlation import square_fresh
 from ._gram import gram
+from .._core.scratch import scratch
 from .._core.site import Family, Recorder, RoleTensors, Rule, Site
 
 
-def _per_sample_outer(g: Tensor, x: Tensor) -> Tensor:
-    """``Σ_s g[n, s] x[n, s]ᵀ`` ``[N, O, I]`` for ``g [N, S, O]``, ``x [N, S, I]``."""
+def _per_sample_outer(g: Tensor, x: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """``Σ_s g[n, s] x[n, s]ᵀ`` ``[N, O, I]`` for ``g [N, S, O]``, ``x [N, S, I]`` (into ``out``, if S > 1)."""
     if g.shape[1] == 1:  # no shared positions: a broadcast product, no reduction
         return g[:, 0, :, None] * x[:, 0, None, :]
-    return torch.bmm(g.transpose(1, 2), x)
+    return torch.bmm(g.transpose(1, 2), x, out=out)
 
 
 def _flat(site: Site, g: Tensor) -> Tuple[Tensor, Tensor]:
@@ -128,8 +128,6 @@ def sum_grad_squared(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors
     return out
 
 
-
-
 def grad_with_squares(site: Site, g: Tensor, roles: Sequence[str]) -> Optional[Tuple[RoleTensors, RoleTensors]]:
     """``(grad, sum_grad_squared)`` from one pass over the individual gradients, where a
     weight is shared by positions (``s > 1``) and nothing is differentiated: the squares need
@@ -141,7 +139,7 @@ def grad_with_squares(site: Site, g: Tensor, roles: Sequence[str]) -> Optional[T
         return None
     grads, squares = {}, {}
     if "weight" in roles:
-        grads["weight"] = gf.new_zeros(gf.shape[2], x.shape[2])
+        grads["weight"] = gf.new_empty(gf.shape[2], x.shape[2])
         squares["weight"] = _sum_squared_outer(gf, x, sums=grads["weight"])
     if "bias" in roles:
         per_sample = gf.sum(1)
@@ -149,36 +147,63 @@ def grad_with_squares(site: Site, g: Tensor, roles: Sequence[str]) -> Optional[T
     return grads, squares
 
 
-#: Entries of individual gradients ``[n', O, I]`` formed at once by :func:`_sum_squared_outer`
-#: (64 MiB in float32): a language model's head ``[50257, 768]`` goes one sample at a time.
+#: Entries of individual gradients ``[n', o', I]`` formed at once (64 MiB in float32): by
+#: :func:`_sum_squared_outer` (rows of every sample), under autograd or torch.func
+#: (:func:`_sum_squared_samples`), and by the GGN's columns at once (:func:`sum_squares_over_columns`).
+#: Smaller blocks stay in cache (one thread, N = 4, T = 128: ``[3072, 768]`` 20.4 ms with 2**22,
+#: 23.0 with 2**24; GPT-2's head 338 and 391), but on two threads of a loaded machine each kernel
+#: waits for its other thread: 2**22's four times as many kernels took twice as long as 2**24's.
 SQUARES_ENTRIES = 2**24
 
 
 def _sum_squared_outer(g: Tensor, x: Tensor, sums: Optional[Tensor] = None) -> Tensor:
     """``Σ_n (Σ_s g[n, s] x[n, s]ᵀ)²`` ``[O, I]`` for ``g [N, S, O]``, ``x [N, S, I]``, the
-    individual gradients formed a block at a time (:data:`SQUARES_ENTRIES`) and squared into
-    the sum: a block of samples, or, for a layer larger than the block (a language model's
-    head, ``[50257, 768]``), a block of output rows of one sample. At most ``SQUARES_ENTRIES``
-    beside the sum, never ``[N, O, I]`` (GPT-2's head: 64 MB instead of 1.2 GB for N = 4).
-    ``sums [O, I]`` (zeros; plain tensors only): the individual gradients are added into it
-    too, which gives the gradient without a second product of the same cost."""
+    individual gradients formed a block at a time and squared into the sum: a block of output
+    rows of every sample (:data:`SQUARES_ENTRIES`; one row of a block of samples if even that is
+    larger), never ``[N, O, I]`` (GPT-2's head: 64 MB, not 618 MB), in one reused buffer
+    (:func:`curvlib._core.scratch.scratch`: no page faults). ``sums [O, I]`` (uninitialised;
+    plain tensors only): filled with the individual gradients' sum too, the gradient without a
+    second product of the same cost (GPT-2's head: 40 GFLOP)."""
     n, o, i = g.shape[0], g.shape[2], x.shape[2]
     if not _plain(g, x):
         return _sum_squared_samples(g, x)
-    total = g.new_zeros(o, i)
-    rows = min(o, max(1, SQUARES_ENTRIES // max(i, 1)))
-    samples = max(1, SQUARES_ENTRIES // max(o * i, 1))
-    for start in range(0, n, samples):
-        gs, xs = g[start:start + samples], x[start:start + samples]
-        for r in range(0, o, rows):  # (one block of rows when the layer fits)
-            part = _per_sample_outer(gs[:, :, r:r + rows], xs)
-            if sums is not None:  # (before the squares: they overwrite part)
-                sums[r:r + rows].add_(part[0] if part.shape[0] == 1 else part.sum(0))
-            if part.shape[0] == 1:
-                total[r:r + rows].addcmul_(part[0], part[0])
-            else:
-                total[r:r + rows].add_(square_fresh(part).sum(0))
+    total = g.new_empty(o, i)
+    rows = min(o, max(1, SQUARES_ENTRIES // max(n * i, 1)))
+    samples = min(n, max(1, SQUARES_ENTRIES // max(rows * i, 1)))
+    for r in range(0, o, rows):
+        for start in range(0, n, samples):  # (one block of samples unless one row of each is too large)
+            block, xs = g[start:start + samples, :, r:r + rows], x[start:start + samples]
+            part = _per_sample_outer(block, xs, out=scratch((block.shape[0], block.shape[2], i), g))
+            _add_samples(part, total[r:r + rows], None if sums is None else sums[r:r + rows], first=start == 0)
     return total
+
+
+#: Up to this many samples in a block, :func:`_add_samples` squares them one at a time into the sum
+#: (``addcmul_``: no squared copy); more (small layers, large batches): two kernels, not one per sample.
+_ONE_AT_A_TIME = 8
+
+
+def _add_samples(part: Tensor, squares: Tensor, sums: Optional[Tensor], first: bool) -> None:
+    """``squares += Σ_n part[n]²`` and ``sums += Σ_n part[n]`` for a block ``part [n', o, i]``
+    (a scratch buffer, overwritten); ``first``: ``=`` instead of ``+=`` (the targets are
+    uninitialised, so they are written once rather than zeroed and then added into)."""
+    if sums is not None:  # (before the squares, which may overwrite part)
+        if first:
+            torch.sum(part, 0, out=sums)
+        else:
+            for k in range(part.shape[0]):  # (no [o', I] temporary)
+                sums.add_(part[k])
+    if part.shape[0] > _ONE_AT_A_TIME:
+        if first:
+            torch.sum(part.square_(), 0, out=squares)
+        else:
+            squares.add_(part.square_().sum(0))
+        return
+    for k in range(part.shape[0]):
+        if first and k == 0:
+            torch.mul(part[0], part[0], out=squares)
+        else:
+            squares.addcmul_(part[k], part[k])
 
 
 def _sum_squared_samples(g: Tensor, x: Tensor) -> Tensor:
@@ -206,9 +231,10 @@ def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> Rol
     so ``Σ_v`` moves inside: one matrix product ``(Σ_v m²)ᵀ (x²)``.
     """
     x = _flat_input(site)
-    if x.shape[1] != 1 and m.shape[0] * x.shape[0] * x.shape[2] * m.shape[-1] <= SQUARES_ENTRIES:
+    if x.shape[1] != 1 and 1 < m.shape[0] and m.shape[0] * x.shape[0] * x.shape[2] * m.shape[-1] <= SQUARES_ENTRIES:
         return vmap(lambda mv: sum_grad_squared(site, mv, roles))(m)  # summed by the caller
-    if x.shape[1] != 1:  # a large layer (a language model's head): one column at a time, summed here
+    if x.shape[1] != 1:  # one column (MC), or a large layer (a language model's head): one column at
+        # a time, summed here, on plain tensors where they are (vmap's would allocate every block)
         total: RoleTensors = {}
         for v in range(m.shape[0]):
             part = sum_grad_squared(site, m[v], roles)
