@@ -100,8 +100,8 @@ def residual_plan(program: Program) -> Dict[fx.Node, Planned]:
     upstream = _upstream_parameters(program)
     plan: Dict[fx.Node, Planned] = {}
     for node in graph.nodes:
-        if node not in dependent or node.op in ("placeholder", "output"):
-            continue
+        if node not in dependent or node.op in ("placeholder", "output") or node.meta.get("no_grad"):
+            continue  # (inside the model's no_grad region: no gradient reaches it, no residual)
         reach = frozenset().union(*(upstream[a] for a in node.all_input_nodes if a in dependent))
         layer = program.layers.get(node.target) if node.op == "call_module" else None
         if layer is not None:

@@ -145,7 +145,7 @@ class _Walk:
 
     def kind(self, node) -> Tuple[str, str, object]:
         """``(kind, name, detail)``: for modules ``detail`` is the module (and its kind's detail)."""
-        if node.op != "call_module":
+        if node.op != "call_module" or node.meta.get("no_grad"):
             return ops.kind_of(node, self.env_a) + (None,)
         module = attrgetter(node.target)(self.program.root)
         layer = self.program.layers.get(node.target)

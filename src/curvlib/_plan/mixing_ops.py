@@ -148,7 +148,8 @@ _DIM: Dict[str, Tuple[Optional[int], str, object]] = {
     "msort": (None, "", 0),
     "unfold": (1, "dimension", _REQUIRED),  # Tensor.unfold (sliding windows); F.unfold is "leading"
 }
-_OPERATOR_NAMES = {"and_": "and", "or_": "or", "not_": "not", "getitem": "getitem"}
+_OPERATOR_NAMES = {"and_": "and", "or_": "or", "not_": "not", "getitem": "getitem",
+                   "iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "truediv"}  # (h += p: in place)
 
 
 def _name_of_function(target) -> Optional[str]:
@@ -166,6 +167,8 @@ def _name_of_function(target) -> Optional[str]:
 
 def kind_of(node: fx.Node, env_a) -> Tuple[str, str]:
     """``(kind, name)`` of a ``call_function``/``call_method`` node (see the module doc)."""
+    if node.meta.get("no_grad") or getattr(node.target, "curvlib_cut", False):
+        return "cut", "no_grad"  # run without autograd by the model: constant for every derivative
     if node.op == "call_method":
         name = node.target
         name = name[:-1] if name.endswith("_") and not name.endswith("__") else name

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
@@ -48,7 +49,7 @@ from ..rules.functional import FunctionalUse
 from .functional_uses import functional_uses, input_dependent
 from .._core.inputs import trace_structure
 
-__all__ = ["Program", "Layer", "Tracer", "trace_program", "assemble", "function_apply"]
+__all__ = ["Program", "Layer", "Tracer", "trace_program", "assemble", "function_apply", "stop_gradient"]
 
 
 @dataclass
@@ -203,6 +204,15 @@ class Tracer(fx.Tracer):
                 self.failed = m
             raise
 
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _InPlaceProxy(node, self)
+
+    def create_node(self, *args, **kwargs):
+        node = super().create_node(*args, **kwargs)
+        if not torch.is_grad_enabled():  # (inference mode disables grad mode too)
+            node.meta["no_grad"] = True  # the model runs this node without autograd
+        return node
+
     def create_proxy(self, kind, target, args, kwargs, *rest, **more):
         if kind == "call_function" and target is F.scaled_dot_product_attention:
             return attention.scaled_dot_product_attention(*args, **kwargs)  # inlined as its math
@@ -217,8 +227,58 @@ class Tracer(fx.Tracer):
                 return tracer.create_proxy("call_function", function_call(cls), args, kwargs)
             return original.__func__(cls, *args, **kwargs)
 
-        with function_apply(apply):
-            return super().trace(root, concrete_args)
+        # (traced with grad mode on, so that a node records the model's own ``no_grad`` regions
+        # and not the caller's; a trace that fails inside one leaves the mode as it found it)
+        with function_apply(apply), torch.enable_grad():
+            graph = super().trace(root, concrete_args)
+        cut_no_grad_regions(graph)
+        return graph
+
+
+def stop_gradient(value):
+    """``value`` with every tensor in it detached: where a ``torch.no_grad()`` region of the
+    model's ``forward`` hands a value to code that runs with autograd."""
+    return fx.node.map_aggregate(value, lambda v: v.detach() if isinstance(v, torch.Tensor) else v)
+
+
+stop_gradient.curvlib_linear = True  # the identity on values: no second derivative (curvlib.rules.elementwise)
+stop_gradient.curvlib_cut = True  # no gradient flows through it (curvlib._plan.mixing_ops)
+
+
+def cut_no_grad_regions(graph: fx.Graph) -> None:
+    """Make the model's ``torch.no_grad()`` / ``torch.inference_mode()`` regions constant for
+    every derivative, as they are for the model's own backward: each value computed inside one
+    (a node with ``meta["no_grad"]``) and read outside it passes through :func:`stop_gradient`.
+    Without the cut, curvlib would differentiate through the region, which the model's
+    autograd does not (the region's parameters have no gradient there)."""
+    for node in list(graph.nodes):
+        if not node.meta.get("no_grad") or node.op in ("placeholder", "get_attr", "output"):
+            continue
+        readers = [u for u in node.users if not u.meta.get("no_grad")]
+        if not readers:
+            continue
+        with graph.inserting_after(node):
+            cut = graph.call_function(stop_gradient, (node,))
+        for user in readers:
+            user.replace_input_with(node, cut)
+
+
+def _augmented(op: Callable) -> Callable:
+    def method(self, other):
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+
+    return method
+
+
+class _InPlaceProxy(fx.Proxy):
+    """fx's proxy with the augmented assignments recorded as such (``h += p`` as
+    ``operator.iadd(h, p)``): fx's own proxy falls back to ``h = h + p``, and a later read of the
+    overwritten tensor under another name would see its old value, not eager PyTorch's."""
+
+    __iadd__ = _augmented(operator.iadd)
+    __isub__ = _augmented(operator.isub)
+    __imul__ = _augmented(operator.imul)
+    __itruediv__ = _augmented(operator.itruediv)
 
 
 @contextlib.contextmanager
