@@ -17,7 +17,7 @@ from torch import nn
 
 from curvlib import CurvatureError, curvature
 from curvlib.extensions import (
-    BatchDiagGGNExact, BatchDiagGGNMC, BatchDiagHessian, DiagGGNExact, DiagGGNMC, DiagHessian, KFLR, KFRA,
+    BatchDiagGGNExact, BatchDiagGGNMC, BatchDiagHessian, DiagGGNExact, DiagGGNMC, DiagHessian, KFAC, KFACEmpirical, KFLR, KFRA,
     SqrtGGNExact, SqrtGGNMC,
 )
 
@@ -241,7 +241,8 @@ def test_recurrent_ggn(kind, n, t, h, layers, batch_first, bidirectional, loss, 
 
 
 def test_unused_parameter():
-    """A parameter the forward never uses: zero curvature of the right shape; KFLR refuses it."""
+    """A parameter the forward never uses: zero curvature of the right shape, Kronecker factors
+    included (in a generic parameter's layout), and one note naming it."""
 
     class Unused(nn.Module):
         def __init__(self):
@@ -261,8 +262,17 @@ def test_unused_parameter():
     assert qs["sqrt_ggn_mc"]["b.weight"].shape == (2, 4, 2, 3)
     for ext in exts:
         assert not qs[ext.name]["b.weight"].any()
-    with pytest.raises(CurvatureError, match=r"'b\.weight'"):
-        curvature(model, lossfn, [KFLR()])(X, y)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        f = curvature(model, lossfn, [KFLR(), KFAC(mc_samples=2), KFACEmpirical()])
+        qs, again = f(X, y), f(X, y)
+    notes = [w for w in caught if "does not use the parameters 'b.weight', 'b.bias'" in str(w.message)]
+    assert len(notes) == 1  # once per input signature, not per call
+    for key in ("kflr", "kfac", "kfac_empirical"):
+        assert [tuple(f.shape) for f in qs[key]["b.weight"]] == [(6,)]
+        assert [tuple(f.shape) for f in again[key]["b.bias"]] == [(2, 2)]
+        assert not any(f.any() for f in qs[key]["b.weight"] + qs[key]["b.bias"])
+        assert qs[key]["a.weight"][0].any()
 
 
 def _backpack_models():

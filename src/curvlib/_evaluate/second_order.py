@@ -43,6 +43,7 @@ from .linearise import Linearization
 from .._core.errors import CurvatureError
 from ..extensions import SecondOrder
 from .._core.kronlayout import add_root_factor
+from ..rules.fixed_rows import unused_block
 from .._core.scratch import reusing
 from .._core.site import uses_of
 from .._plan.batch_merges import per_sample
@@ -101,7 +102,8 @@ def second_order(
         elif ext.root == "grad":  # one column per sample: its own loss gradient, already at every site
             m = [g.unsqueeze(0) for g in site_grads]
             cache: Dict[object, object] = {"static": {}}
-            results[ext.name] = {n: kronecker_factors(uses, m, n, cache, ext.kfac_approx, ext.max_factor_dim) for n in names}
+            kron = (ext.kfac_approx, ext.max_factor_dim)
+            results[ext.name] = {n: _read("kron", uses, m, n, params, batch_size, 1, cache, kron) for n in names}
         elif q in ("hessian_diag", "hessian_batch_diag"):
             results[ext.name] = _hessian_diag(
                 lin, uses, results[ext.name], names, params, batch_size, residual_grads,
@@ -243,6 +245,8 @@ def _read(q: str, uses, m, name: str, params, n: int, v: int, cache=None, kron=(
         if uses.get(name):
             return sqrt_columns(uses, m, name)
         return params[name].new_zeros((v, n) + tuple(params[name].shape))
+    if not uses.get(name):  # read by no site: a zero block in a generic parameter's layout
+        return unused_block(params[name], kron[1])
     return kronecker_factors(uses, m, name, cache, *kron)  # "kron"
 
 

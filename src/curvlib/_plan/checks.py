@@ -28,7 +28,7 @@ from ..rules.generic import refuse_buffer_updates
 from . import arguments as _arguments, budget as _budget
 from .independence import refuse_mixing
 from .plan import Plan, make_plan
-from .support import check_second_order
+from .support import check_second_order, note_unused
 from .traces import Traced
 
 __all__ = ["Request", "CallContext", "plan_call"]
@@ -123,6 +123,7 @@ def plan_call(request: Request, traced: Traced, X, values: Mapping[str, Tensor],
         if first:  # (after the roots: an exact root too large for the device is the first fix)
             _budget.check_factor_sizes(second, plan.sites, trainable, values)
     if first:
+        note_unused(plan.sites, trainable)
         # samples mixed inside the model: refuse what needs them independent
         refuse_mixing(plan, request.computed, traced.program, X, values, frozenset(trainable), traced.runner,
                       request.chunked)

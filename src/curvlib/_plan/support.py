@@ -12,6 +12,7 @@ weight and input, which curvlib has for :data:`SHARED_HESSIAN_KINDS`.
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from typing import Dict, List, Mapping, Optional, Sequence
 
@@ -21,7 +22,7 @@ from ..rules import fixed_rows
 from ..rules.fixed_rows import tied_across_layers
 from .._core.site import Site, uses_of
 
-__all__ = ["check_second_order"]
+__all__ = ["check_second_order", "note_unused"]
 
 # Families whose parameters get their exact curvature block (any parameter of the
 # normalisations; 1-D parameters only for "generic").
@@ -104,10 +105,7 @@ def _check_kron_uses(ext, name: str, u, family_of, param_dims) -> None:
     """A Kronecker factor of parameter ``name``, used by the sites ``u``."""
     label = type(ext).__name__
     if not u:
-        raise CurvatureError(
-            f"{label} is not defined for parameter '{name}': the model's forward "
-            "does not use it. Set requires_grad=False on it or leave it out of params."
-        )
+        return  # not used by the forward: zero factors (curvlib.rules.fixed_rows.unused_block)
     families = {family_of[s.where] for s, _ in u}
     if ext.quantity != "kfra" and families <= set(EXACT_BLOCK_KINDS):
         _check_exact_block(label, name, u, families, param_dims, getattr(ext, "kfac_approx", None))
@@ -169,3 +167,17 @@ def _check_hessian_uses(ext, uses, family_of) -> None:
                 "Hessian's weight-input coupling between uses is supported for: "
                 f"{', '.join(SHARED_HESSIAN_KINDS)}. Use HMP for exact Hessian products."
             )
+
+
+def note_unused(sites: Sequence[Site], names: Sequence[str]) -> None:
+    """Say which trainable parameters the forward does not use on this input (a language model
+    class that owns cross-attention weights it never calls): their gradient is zero, so every
+    quantity of theirs is zero (factors: :func:`curvlib.rules.fixed_rows.unused_block`)."""
+    uses = uses_of(sites)
+    unused = [n for n in names if not uses.get(n)]
+    if unused:
+        shown = ", ".join(f"'{n}'" for n in unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+        warnings.warn(
+            f"curvlib: the model's forward does not use the parameters {shown} on this input: their "
+            "gradient is zero, and so is every quantity of theirs. Leave them out of params= (or set "
+            "requires_grad=False) to skip them.", UserWarning, stacklevel=2)

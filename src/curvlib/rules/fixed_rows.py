@@ -35,7 +35,7 @@ from . import embedding, functional
 from ._gram import gram
 from .._core.site import Site
 
-__all__ = ["BIAS_OPS", "bias_like", "row_map", "kron", "squares_per_sample", "diagonal_block", "tied_across_layers", "generic_block"]
+__all__ = ["unused_block", "BIAS_OPS", "bias_like", "row_map", "kron", "squares_per_sample", "diagonal_block", "tied_across_layers", "generic_block"]
 
 #: Ops ``h ± p`` that can make a parameter bias-like.
 BIAS_OPS = (operator.add, operator.sub, torch.add, torch.sub, operator.iadd, operator.isub)
@@ -121,6 +121,15 @@ def squares_per_sample(site: Site, rows: Tensor, m: Tensor) -> Tensor:
     m = m.reshape(v, n, rows.shape[0], m.shape[-1])
     g = m.new_zeros(v, n, p.shape[:-1].numel(), m.shape[-1]).index_add(2, rows, m)
     return (g**2).sum(0).reshape((n,) + tuple(p.shape))
+
+
+def unused_block(p: Tensor, max_dim: Optional[int] = None) -> List[Tensor]:
+    """The factors of a parameter the forward does not use: its gradient, and so its every
+    curvature block, is zero. In the layout a generic parameter of its shape gets
+    (:func:`generic_block`): ``[F [P]]`` for ``≥ 2`` dims, else ``[F [P, P]]`` (diagonal when
+    ``P > max_dim``)."""
+    S = p.new_zeros((1, 1) + tuple(p.shape))
+    return diagonal_block(S) if S.dim() > 3 else [gram(S.reshape(-1, max(p.numel(), 1)), max_dim)]
 
 
 def diagonal_block(sqrt: Tensor) -> List[Tensor]:
