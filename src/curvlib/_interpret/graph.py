@@ -21,7 +21,7 @@ from .._core.errors import CurvatureError
 from .._trace.program import Program
 from ..rules import functional
 from .._core.site import Recorder
-from .._trace.graph_facts import is_inplace
+from .._trace.graph_facts import overwrites_input
 
 __all__ = ["NodeFailure", "run_graph"]
 
@@ -85,11 +85,14 @@ def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, pres
         where[0] = node
         load = lambda a: fx.node.map_arg(a, lambda n: env[n])  # noqa: E731
         before = None
-        if node in rec.residual_nodes and is_inplace(program, node):
+        if node in rec.residual_nodes and overwrites_input(program, node):
             # The node overwrites its input: keep the value it is a function of.
             before = {a: env[a].clone() for a in node.all_input_nodes if isinstance(env.get(a), Tensor)}
         dropout_kind = _dropout.node_dropout(program, node) if dropout is not None else None
-        if preserve_inputs and node.op != "placeholder" and is_inplace(program, node):
+        # (a parameter use that writes into its input, ``h += self.pos``, runs on a copy: the
+        # functional rule needs the input as it was; later reads of ``h`` see the output, below)
+        if (preserve_inputs or node in program.functional) and node.op != "placeholder" \
+                and overwrites_input(program, node):
             load = lambda a: fx.node.map_arg(a, lambda n: env[n].clone() if isinstance(env[n], Tensor) else env[n])  # noqa: E731
         if node.op == "placeholder":
             env[node] = (leaves[placeholders_seen] if leaves is not None and placeholders_seen < len(leaves)
@@ -112,6 +115,8 @@ def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, pres
             env[node] = program.apply(node, load(node.args), load(node.kwargs), params)
         if node in program.functional:
             env[node] = _record_functional(program, program.functional[node], env[node], env, params, trainable, rec)
+            if overwrites_input(program, node) and isinstance(node.args[0], fx.Node):
+                env[node.args[0]] = env[node]  # (``h += p``: a later read of ``h`` sees the site's output)
         if node in rec.residual_nodes:
             _residuals.record(program, node, rec.residual_nodes[node], env, params, trainable, rec,
                               program.dependent, before)

@@ -14,7 +14,7 @@ from torch import fx
 from .._core.errors import CurvatureError
 from .program import Program
 
-__all__ = ["is_inplace", "has_inplace", "chain_nodes"]
+__all__ = ["is_inplace", "overwrites_input", "has_inplace", "chain_nodes"]
 
 
 def is_inplace(program: Program, node: fx.Node) -> bool:
@@ -35,18 +35,19 @@ _INPLACE_OPERATORS = frozenset(
 )
 
 
+def overwrites_input(program: Program, node: fx.Node) -> bool:
+    """Whether the node writes its result into its first input (``x.add_(y)``, ``x += y``)."""
+    return is_inplace(program, node) or (node.op == "call_function" and node.target in _INPLACE_OPERATORS)
+
+
 def has_inplace(program: Program) -> bool:
     """Whether any node of the graph may overwrite a tensor (``inplace=True``,
     ``x.relu_()``, ``x += y``). Such graphs keep the zero probes, which in-place
     operations cannot disturb (and a version check catches anything missed here)."""
     if program.graph is None:
         return True
-    return any(
-        is_inplace(program, node)
-        or (node.op == "call_function" and node.target in _INPLACE_OPERATORS)
-        for node in program.graph.nodes
-        if node.op in ("call_module", "call_method", "call_function")
-    )
+    return any(overwrites_input(program, node) for node in program.graph.nodes
+               if node.op in ("call_module", "call_method", "call_function"))
 
 
 def chain_nodes(program) -> List[fx.Node]:

@@ -81,6 +81,9 @@ def hardsigmoid(x: Tensor, inplace: bool = False) -> Tensor:
     ``hardsigmoid_backward``, which the block products and Hessian diagonals take through it."""
     return F.relu6(x + 3.0) / 6.0
 _ELEMENTWISE_METHODS = {"sigmoid", "tanh", "exp", "sin", "cos", "log1p"}
+# ``h += p`` and the like (curvlib._trace.program records them in place): their out-of-place twins
+_AUGMENTED = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+              operator.itruediv: operator.truediv}
 _SCALAR_ARITHMETIC = {operator.mul, operator.truediv, torch.mul, torch.div, "mul", "div"}
 
 
@@ -136,6 +139,8 @@ def _out_of_place(node: fx.Node):
     target = node.target
     if node.op == "call_method" and target.endswith("_") and not target.endswith("__"):
         return target[:-1]
+    if target in _AUGMENTED:
+        return _AUGMENTED[target]
     name = getattr(target, "__name__", "") if node.op == "call_function" else ""
     if name.endswith("_") and not name.endswith("__"):
         for namespace in (F, torch):

@@ -73,6 +73,19 @@ def evaluate(use: FunctionalUse, root: nn.Module, param_names: Dict[int, str],
     return env[use.node]
 
 
+_INPLACE_OPERATORS = frozenset(getattr(operator, name) for name in (
+    "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul"))
+
+
+def _overwrites_first(node: fx.Node) -> bool:
+    """``x.add_(y)``, ``x += y``, ``torch.ops.aten.add_``: the node writes into its first argument."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    name = getattr(node.target, "__name__", "").split(".")[0]
+    return node.target in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__")
+                                                 and not name.startswith("_"))
+
+
 def run_nodes(nodes: Sequence[fx.Node], env: Dict, root: nn.Module, param_names: Optional[Dict[int, str]] = None,
               tensors: Optional[Dict[str, Tensor]] = None) -> Dict:
     """Run ``nodes`` (in graph order) into ``env``, skipping those it holds; parameters read by
@@ -87,11 +100,18 @@ def run_nodes(nodes: Sequence[fx.Node], env: Dict, root: nn.Module, param_names:
             if tensors is not None and isinstance(value, nn.Parameter):
                 value = tensors[param_names[id(value)]]
             env[node] = value
-        elif node.op == "call_function":
-            env[node] = node.target(*load(node.args), **load(node.kwargs))
-        elif node.op == "call_method":
-            self_obj, *rest = load(node.args)
-            env[node] = getattr(self_obj, node.target)(*rest, **load(node.kwargs))
+        elif node.op in ("call_function", "call_method"):
+            args, kwargs = load(node.args), load(node.kwargs)
+            if _overwrites_first(node) and args and isinstance(args[0], Tensor):
+                # (under torch.func an in-place update of a captured tensor is refused: update a
+                # copy, and let later readers of the overwritten input see the result, as in eager)
+                args = (args[0].clone(),) + tuple(args[1:])
+            if node.op == "call_function":
+                env[node] = node.target(*args, **kwargs)
+            else:
+                env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
+            if _overwrites_first(node) and isinstance(node.args[0], fx.Node):
+                env[node.args[0]] = env[node]
         else:  # call_module on parameters or constants (wpe(arange(T))), with the given parameters
             module = attrgetter(node.target)(root)
             own = {k: tensors[param_names[id(p)]] for k, p in module.named_parameters()
