@@ -104,10 +104,10 @@ def assert_close(actual: Tensor, expected: Tensor, what: str, rtol: float = 1e-7
     assert err <= atol + rtol * scale, f"{what}: max error {err:.3g} at scale {scale:.3g}"
 
 
-def product_matrix(product, shape) -> Tensor:
+def product_matrix(product, shape, dtype=torch.float64) -> Tensor:
     """``[P, P]``: a block product applied to the identity (row ``i``: the product of ``e_i``)."""
     P = int(torch.Size(shape).numel())
-    return product(torch.eye(P, dtype=torch.float64).reshape((P,) + tuple(shape))).reshape(P, P)
+    return product(torch.eye(P, dtype=dtype).reshape((P,) + tuple(shape))).reshape(P, P)
 
 
 def assert_matches(qs: dict, ref: dict, what: str = "", rtol: float = 1e-7) -> None:
@@ -125,7 +125,7 @@ def assert_matches(qs: dict, ref: dict, what: str = "", rtol: float = 1e-7) -> N
         for name, w in want.items():
             label = f"{what} {key}[{name}]"
             if key in PRODUCTS:
-                assert_close(product_matrix(got[name], ref["grad"][name].shape), w, label, rtol)
+                assert_close(product_matrix(got[name], ref["grad"][name].shape, ref["grad"][name].dtype), w, label, rtol)
             elif key == "sqrt_ggn_exact":
                 S = got[name].reshape(got[name].shape[0], got[name].shape[1], -1)
                 assert_close(torch.einsum("vnp,vnq->npq", S, S), w, label, rtol)

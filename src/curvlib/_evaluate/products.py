@@ -25,7 +25,7 @@ from .. import losses
 from .._core.sync import LOCK
 from .._interpret.diagnose import forward_mode_failure
 from .._interpret.graph import NodeFailure, run_graph
-from .._core.errors import CurvatureError
+from .._core.errors import CurvatureError, CurvatureTypeError
 from .._hessian.smooth import derivatives_requested, refuse_pchmp
 from .._core.site import Recorder
 
@@ -201,6 +201,12 @@ def _check_directions(ext, name: str, p0: Tensor, V) -> None:
             f"{type(ext).__name__} product for '{name}' needs a tensor [V, *p.shape] = "
             f"[V, {', '.join(map(str, p0.shape))}], got "
             f"{tuple(V.shape) if isinstance(V, Tensor) else type(V).__name__}."
+        )
+    if V.dtype != p0.dtype or V.device != p0.device:
+        raise CurvatureTypeError(
+            f"{type(ext).__name__} product for '{name}' needs directions of the parameter's dtype and "
+            f"device ({p0.dtype}, {p0.device}), got {V.dtype} on {V.device}: convert them with "
+            f"V.to(p), where p is the parameter."
         )
 
 

@@ -381,9 +381,13 @@ def _dense_operator(res, g: Tensor, clip: bool, view: Optional[str], memo: dict)
             for k in names
         ]
         t_in = [_front(t, dim).reshape(n, -1) for t, dim in zip(taps, res.in_dims)]
-        c = torch.einsum("nij,nj->ni", M, torch.cat(t_theta + t_in, dim=1))
+        # (a node the model computes in another dtype than its parameters, a float32 RMSNorm in
+        # a float64 model: R is applied in R's dtype, each part returned in its tangent's dtype)
+        c = torch.einsum("nij,nj->ni", M, torch.cat(t_theta + t_in, dim=1).to(M.dtype))
         parts = torch.split(c, sizes_p + sizes_in, dim=1)
-        theta_c = {k: p.sum(0).reshape(res.params[k].shape) for k, p in zip(names, parts[: len(names)]) if k in theta}
-        return _split_taps(res, parts[len(names):], ()), theta_c
+        theta_c = {k: p.sum(0).reshape(res.params[k].shape).to(res.params[k].dtype)
+                   for k, p in zip(names, parts[: len(names)]) if k in theta}
+        tap_parts = [p.to(t.dtype) for p, t in zip(parts[len(names):], taps)]
+        return _split_taps(res, tap_parts, ()), theta_c
 
     return apply
