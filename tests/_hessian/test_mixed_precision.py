@@ -9,6 +9,7 @@ node sits and which way it casts.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from torch import nn
@@ -70,3 +71,27 @@ def test_every_extension_through_a_cast_node(outer, where, seed):
     assert qs["pchmp"]["a.weight"](V).dtype == outer
     ref = reference(model, lossfn, X, y, hessian=True, pchmp=False)
     assert_matches({k: v for k, v in qs.items() if k != "pchmp"}, ref, f"{outer}/{where}", rtol=2e-4)
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_half_precision_model_with_float32_norm(half):
+    """A bfloat16 / float16 model whose norm computes in float32: every extension runs (the
+    residuals' eigendecompositions and SVDs, which LAPACK lacks in half precision, run in
+    float32), results in the model's dtype, near the float64 twin's oracle values."""
+    torch.manual_seed(0)
+    model = Model(torch.float32, "before_activation").to(half)
+    g = seeded(1)
+    X, y = torch.randn(4, 3, generator=g).to(half), torch.randint(0, 3, (4,), generator=g)
+    lossfn = nn.CrossEntropyLoss()
+    qs = curvature(model, lossfn, exact_extensions(hessian=True))(X, y)
+    twin = Model(torch.float64, "before_activation").to(torch.float64)
+    twin.load_state_dict({k: v.to(torch.float64) for k, v in model.state_dict().items()})
+    ref = reference(twin, lossfn, X.to(torch.float64), y, hessian=True, pchmp=False)
+    for key in ("grad_batch", "diag_ggn_exact", "diag_h", "diag_h_batch"):
+        for name, want in ref[key].items():
+            got = qs[key][name]
+            assert got.dtype == half
+            scale = float(want.abs().max())
+            assert float((got.to(torch.float64) - want).abs().max()) <= 0.05 * scale + 1e-3, (key, name)
+    V = torch.randn(2, 4, 3, generator=g).to(half)
+    assert qs["pchmp"]["a.weight"](V).dtype == half

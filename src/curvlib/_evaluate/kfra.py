@@ -32,6 +32,7 @@ from ..rules import FAMILY_OF, kron_from_matrix
 from .._core.site import Recorder, Site
 from .._trace.graph_facts import chain_nodes, is_inplace
 from ..rules.elementwise import ELEMENTWISE_MODULES
+from .._core import linalg
 
 # D² · N entries above which the dense recursion is refused (memory guard).
 MAX_ENTRIES = 2**27
@@ -68,7 +69,7 @@ def _average_congruence(f, a: Tensor, G: Tensor) -> Tensor:
             f"inputs and {d_z} outputs per sample (N={n}) needs more than {MAX_ENTRIES} "
             "entries; use KFAC or KFLR for this model."
         )
-    evals, evecs = torch.linalg.eigh(G)
+    evals, evecs = linalg.eigh(G)
     z, pull = vjp(f, a)
     cols = evecs.t().reshape((-1, 1) + tuple(z.shape[1:])).expand((-1, n) + tuple(z.shape[1:]))
     w = vmap(lambda c: pull(c)[0])(cols).reshape(evecs.shape[1], n, d_a)  # [K, N, Da]

@@ -29,6 +29,7 @@ from .smooth import diag_pair, flows, polarised, product_pair, row_scale
 from .._core.sync import LOCK
 from ..rules.elementwise import second_derivative
 from ..rules.generic import map_samples
+from .._core import linalg
 
 Columns = List[Tuple[float, Dict[int, Tensor], Dict[str, Tensor]]]
 
@@ -163,7 +164,7 @@ def _dense_columns(res, g: Tensor) -> Columns:
             sub = R.index_select(1, idx).index_select(2, idx)
         if is_concrete(sub) and not sub.any():
             continue  # exactly zero (an input the node is linear in): no columns, no eigh
-        evals, evecs = torch.linalg.eigh(sub)
+        evals, evecs = linalg.eigh(sub)
         scaled = []
         for lam in (evals, -evals):
             keep = _needed(lam, evals)
@@ -270,7 +271,7 @@ def _dense_matrix(res, g: Tensor) -> Tensor:
 
 def _modified(R: Tensor, clip: bool) -> Tensor:
     """``R [N, D, D]`` with its eigenvalues clipped at zero or in absolute value."""
-    evals, evecs = torch.linalg.eigh(R)
+    evals, evecs = linalg.eigh(R)
     evals = evals.clamp(min=0) if clip else evals.abs()
     return (evecs * evals.unsqueeze(1)) @ evecs.transpose(1, 2)
 
@@ -338,7 +339,7 @@ def _bilinear_operator(res, g: Tensor, clip: bool) -> Callable:
     d = res.in_dims[0]
     shape_c = tuple(_front(res.inputs[0], d).shape)
     # from the SVD G = U Σ Vᵀ (not eigh of GᵀG, whose round-off √ would amplify)
-    U, sigma, Vh = torch.linalg.svd(G, full_matrices=False)
+    U, sigma, Vh = linalg.svd(G)
     root_w = (Vh.transpose(1, 2) * sigma.unsqueeze(1)) @ Vh  # √(GᵀG) = V Σ Vᵀ [N, O, O]
     root_x = (U * sigma.unsqueeze(1)) @ U.transpose(1, 2)  # √(GGᵀ) = U Σ Uᵀ [N, S, S]
 

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from .._core.errors import CurvatureError
 from .smooth import flows, polarised, row_scale
+from .._core import linalg
 
 
 def _front(t: Tensor, dim: int, lead: int = 0) -> Tensor:
@@ -101,7 +102,7 @@ def row_columns(layout, R: Tensor):
     if flows(R):  # eigh's and √'s derivatives are not finite everywhere: αI ± R/(4α)
         scaled = polarised(R)
     else:
-        evals, evecs = torch.linalg.eigh(R)  # [N, rows, S], [N, rows, S, S]
+        evals, evecs = linalg.eigh(R)  # [N, rows, S], [N, rows, S, S]
         scaled = [evecs * lam.sqrt().unsqueeze(-2) for lam in (evals.clamp(min=0), (-evals).clamp(min=0))]
     sets = []
     for sign, w in zip((1.0, -1.0), scaled):  # column j of row r: w[:, r, :, j]
@@ -121,7 +122,7 @@ def row_columns(layout, R: Tensor):
 
 def row_operator(layout, R: Tensor, clip: bool) -> Callable:
     """``mod(R)`` of block-diagonal residuals ``R [N, rows, S, S]``, row by row."""
-    evals, evecs = torch.linalg.eigh(R)
+    evals, evecs = linalg.eigh(R)
     evals = evals.clamp(min=0) if clip else evals.abs()
     M = (evecs * evals.unsqueeze(-2)) @ evecs.transpose(-1, -2)  # [N, rows, S, S]
 
@@ -168,7 +169,7 @@ def matmul_columns(res, g: Tensor):
     X, Y, G, shape_x, shape_y = _blocks(res, g)
     n, nb, t, k = X.shape
     s = Y.shape[-1]
-    U, sigma, Vh = torch.linalg.svd(G, full_matrices=False)  # [N, B, T, r], [N, B, r], [N, B, r, S]
+    U, sigma, Vh = linalg.svd(G)  # [N, B, T, r], [N, B, r], [N, B, r, S]
     r = sigma.shape[-1]
     m = (sigma / 2).sqrt().unsqueeze(-2)
     ux, vy = U * m, Vh * m.transpose(-1, -2)  # scaled u_j (columns), v_j (rows)
@@ -240,7 +241,7 @@ def matmul_operator(res, g: Tensor, clip: bool) -> Callable:
     """``mod(R)`` per leading index: ``|R| = diag(√(GGᵀ) ⊗ I, √(GᵀG) ⊗ I)``, ``clip = (|R| + R)/2``."""
     X, Y, G, shape_x, shape_y = _blocks(res, g)
     dx, dy = res.in_dims
-    U, sigma, Vh = torch.linalg.svd(G, full_matrices=False)  # (SVD, not eigh of GGᵀ: no √ of round-off)
+    U, sigma, Vh = linalg.svd(G)  # (SVD, not eigh of GGᵀ: no √ of round-off)
     root_x = (U * sigma.unsqueeze(-2)) @ U.transpose(-1, -2)  # √(GGᵀ) [N, B, T, T]
     root_y = (Vh.transpose(-1, -2) * sigma.unsqueeze(-2)) @ Vh  # √(GᵀG) [N, B, S, S]
 

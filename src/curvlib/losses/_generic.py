@@ -36,6 +36,7 @@ from torch.func import grad, vjp, vmap
 from .._core import draws as _draws
 from .._core.tensors import is_concrete
 from .._core.errors import CurvatureError
+from .._core import linalg
 
 __all__ = ["GenericCurvature", "check_per_sample"]
 
@@ -76,7 +77,7 @@ class GenericCurvature:
     def _eigh(self) -> Tuple[Tensor, Tensor]:
         """Eigenvalues ``[N, C]`` (within rounding of zero set to zero) and vectors ``[N, C, C]``."""
         if self._eig is None:
-            evals, evecs = torch.linalg.eigh(self.blocks())
+            evals, evecs = linalg.eigh(self.blocks())
             c = evals.shape[1]
             tol = evals.abs().amax(1, keepdim=True) * c * torch.finfo(evals.dtype).eps * 10
             self._eig = torch.where(evals.abs() > tol, evals, torch.zeros_like(evals)), evecs
