@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from .. import rules
+from .._core.errors import CurvatureError
 from .._core.site import Recorder
 from .._core.sync import LOCK
 from ..rules import attention, elementwise, layernorm
@@ -211,6 +212,9 @@ class Tracer(fx.Tracer):
         node = super().create_node(*args, **kwargs)
         if not torch.is_grad_enabled():  # (inference mode disables grad mode too)
             node.meta["no_grad"] = True  # the model runs this node without autograd
+        autocast = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
+        if autocast:
+            node.meta["autocast"] = autocast[0]
         return node
 
     def create_proxy(self, kind, target, args, kwargs, *rest, **more):
@@ -229,10 +233,39 @@ class Tracer(fx.Tracer):
 
         # (traced with grad mode on, so that a node records the model's own ``no_grad`` regions
         # and not the caller's; a trace that fails inside one leaves the mode as it found it)
-        with function_apply(apply), torch.enable_grad():
+        with function_apply(apply), torch.enable_grad(), _no_autocast():
             graph = super().trace(root, concrete_args)
         cut_no_grad_regions(graph)
         return graph
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _no_autocast() -> contextlib.ExitStack:
+    """The caller's ``torch.autocast`` switched off, so that a node records the model's own."""
+    stack = contextlib.ExitStack()
+    for device in _AUTOCAST_DEVICES:
+        if torch.is_autocast_enabled(device):
+            stack.enter_context(torch.autocast(device, enabled=False))
+    return stack
+
+
+def refuse_autocast(graph: fx.Graph, root: nn.Module, prefix: str = "") -> None:
+    """Refuse a model whose ``forward`` opens ``torch.autocast``: curvlib runs every node in its
+    inputs' dtypes, not in autocast's, so its results would differ from the model's."""
+    for node in graph.nodes:
+        if node.meta.get("autocast"):
+            what = (f"module '{node.target[len(prefix):] if node.target.startswith(prefix) else node.target}' "
+                    f"({type(root.get_submodule(node.target)).__name__})"
+                    if node.op == "call_module" else f"'{getattr(node.target, '__name__', node.target)}'")
+            raise CurvatureError(
+                f"The model's forward runs graph node '{node.name}' ({what}) under "
+                f"torch.autocast('{node.meta['autocast']}'): curvlib computes every node in its inputs' "
+                "dtypes, not in autocast's, so its results would differ from the model's. Cast the "
+                "model instead (model.to(torch.bfloat16), explicit .to() calls inside forward), or "
+                "call it without autocast."
+            )
 
 
 def stop_gradient(value):
@@ -372,6 +405,8 @@ def trace_program(model: nn.Module, example=None) -> Program:
 
 def assemble(root, prefix, graph, error, opaque, param_names, leaf_inputs: bool) -> Program:
     """The :class:`Program` of a graph (or of no graph): its layers and functional uses."""
+    if graph is not None:
+        refuse_autocast(graph, root, prefix)
     layers: Dict[str, Layer] = {}
     modules = dict(root.named_modules(remove_duplicate=False))
     targets = (
