@@ -198,6 +198,8 @@ def torch_level(target, args, kwargs):
         return args[0][args[1]]
     name = target.__name__.split(".")[0] if isinstance(target, torch._ops.OpOverload) else ""
     special = _SPECIAL.get(name)
+    if name == "to":
+        args, kwargs = _named(target, args, kwargs)
     if special is not None:
         return special(*args, **kwargs)
     if name in _SAME_ARGS:
@@ -243,7 +245,20 @@ def _constant_pad(x, pad, value=0.0):
 def _to(x, *args, **kwargs):
     kwargs.pop("layout", None)
     kwargs.pop("pin_memory", None)
-    return x.to(*args, **kwargs)
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    other = kwargs.pop("other", None)
+    return x.to(other, *args, **kwargs) if other is not None else x.to(*args, **kwargs)
+
+
+def _named(target, args, kwargs):
+    """``(args[:1], kwargs)``: the op's arguments after the first by their schema names
+    (``aten.to.dtype(x, float64, False, True, None)``: ``Tensor.to`` takes ``memory_format``
+    only as a keyword, and no overload takes all of them positionally)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return args, kwargs
+    names = [a.name for a in schema.arguments]
+    return args[:1], {**dict(zip(names[1:], args[1:])), **kwargs}
 
 
 _SPECIAL: Dict[str, Callable] = {
