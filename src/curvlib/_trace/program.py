@@ -183,8 +183,6 @@ class Tracer(fx.Tracer):
         self.installed: set = set()  # ids of the root's submodules (set by trace)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if id(m) not in self.installed:
-            return False  # built inside forward (``ACT2FN[name](x)``): no path to call it by; its ops are traced
         if attention.traced_forward(m) is not None:
             return False  # traced as its math (curvlib.rules.attention)
         if id(m) in self.opaque:
@@ -198,6 +196,8 @@ class Tracer(fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward, args, kwargs):
+        if id(m) not in self.installed:
+            return forward(*args, **kwargs)  # built inside forward (``ACT2FN[name](x)``): no path to call it by; its ops are traced
         math = attention.traced_forward(m)
         try:
             return super().call_module(m, math if math is not None else forward, args, kwargs)
