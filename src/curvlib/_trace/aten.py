@@ -21,7 +21,9 @@ vocabulary of a symbolically traced model:
   ``Tensor.view``, ...) where one takes the same arguments, so curvature rules classify it,
   else it stays the ATen op; ``scaled_dot_product_attention`` becomes its math
   (:mod:`curvlib.rules.attention`: forward-mode AD and batching rules exist);
-* ops on constants only (a causal mask from ``arange``) are evaluated once: constants.
+* ops on constants only (a causal mask from ``arange``) are evaluated once: constants;
+* a custom ``autograd.Function`` is one node (:mod:`curvlib._trace.functions`): ``Fn.apply``,
+  differentiated by its own ``backward``.
 
 Parameter uses left (a ``weight * x`` RMSNorm, a layer-scale ``gamma``, a class token
 concatenated) are functional sites (:mod:`curvlib.rules.functional`), exact per sample.
