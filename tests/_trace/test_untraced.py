@@ -552,18 +552,20 @@ class _NoMakeFx(nn.Module):
     def __init__(self):
         super().__init__()
         self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+        self.branch = True
 
     def forward(self, input_ids, mask):
         from torch.fx.experimental.proxy_tensor import get_proxy_mode  # (what the test needs of torch, once)
 
         if get_proxy_mode() is not None:
             raise RuntimeError("this forward does not run under make_fx")
-        if bool(mask.sum() > -1):  # (a value the Python reads: no torch.fx graph either)
+        if self.branch and bool(mask.sum() > -1):  # (a value the Python reads: no torch.fx graph either)
             return self.b(torch.tanh(self.a(input_ids)) * mask)
-        return self.b(self.a(input_ids))
+        return self.b(torch.tanh(self.a(input_ids)) * mask)
 
 
-def test_keyword_inputs_reach_an_eager_model_as_keywords():
+@pytest.mark.parametrize("branch", [True, False])
+def test_keyword_inputs_reach_an_eager_model_as_keywords(branch):
     """First order of a model neither front end traces, with dict ``X``: ``model(**X)``, exact;
     second order refused, saying why the ATen trace failed."""
     from oracles import zoo_reference as oz
@@ -571,6 +573,7 @@ def test_keyword_inputs_reach_an_eager_model_as_keywords():
 
     g = seeded(3)
     model = _NoMakeFx().to(torch.float64)
+    model.branch = branch  # False: torch.fx traces it, but with the whole dict as its first argument
     X = {"input_ids": torch.randn(5, 4, generator=g, dtype=torch.float64),
          "mask": torch.rand(5, 5, generator=g, dtype=torch.float64)}
     y = torch.randint(0, 3, (5,), generator=g)
