@@ -152,7 +152,13 @@ class _Replay(nn.Module):
                 env[node] = getattr(self._gm, node.target)
             elif node.op == "call_function":
                 load = lambda a: fx.node.map_arg(a, lambda n: env[n])  # noqa: E731
-                env[node] = self._replay(node, load(node.args), load(node.kwargs), names, env)
+                try:
+                    env[node] = self._replay(node, load(node.args), load(node.kwargs), names, env)
+                except CurvatureError:
+                    raise
+                except Exception as exc:  # (the fallback says why the ATen trace failed: name the node)
+                    raise RuntimeError(f"replaying ATen graph node '{node.name}' ({node.target}): "
+                                       f"{type(exc).__name__}: {exc}") from exc
             elif node.op == "output":
                 out = fx.node.map_arg(node.args[0], lambda n: env[n])
                 return out[0] if isinstance(out, (list, tuple)) else out
