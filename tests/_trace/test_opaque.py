@@ -2,7 +2,7 @@
 
 Since issue 21 such models are traced at the ATen level instead (``curvlib._trace.aten``,
 ``tests/_trace/test_aten.py``); the opaque leaves remain the fallback where that front end cannot
-run (a custom ``autograd.Function`` in the model's code). This file tests the fallback: the
+run (a model whose forward fails under ``make_fx``). This file tests the fallback: the
 ATen front end is switched off for every test here (``_opaque_fallback``).
 
 A model whose submodule's ``forward`` fails under fx (assertions or ``isinstance``

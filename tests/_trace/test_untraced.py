@@ -543,3 +543,43 @@ def test_bilinear_exact_without_torch_warnings(seed, n):
         qs = curvature(model, nn.CrossEntropyLoss(), exact_extensions())(X, y)
     assert not [w for w in caught if "performance drop" in str(w.message)]
     assert_matches(qs, reference(model, nn.CrossEntropyLoss(), X, y, hessian=True, pchmp=False), "bilinear")
+
+
+class _NoMakeFx(nn.Module):
+    """Keyword inputs and a forward that refuses to run under ``make_fx`` (neither front end
+    traces it): run eagerly, called with ``X`` as keywords."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+        self.branch = True
+
+    def forward(self, input_ids, mask):
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode  # (what the test needs of torch, once)
+
+        if get_proxy_mode() is not None:
+            raise RuntimeError("this forward does not run under make_fx")
+        if self.branch and bool(mask.sum() > -1):  # (a value the Python reads: no torch.fx graph either)
+            return self.b(torch.tanh(self.a(input_ids)) * mask)
+        return self.b(torch.tanh(self.a(input_ids)) * mask)
+
+
+@pytest.mark.parametrize("branch", [True, False])
+def test_keyword_inputs_reach_an_eager_model_as_keywords(branch):
+    """First order of a model neither front end traces, with dict ``X``: ``model(**X)``, exact;
+    second order refused, saying why the ATen trace failed."""
+    from oracles import zoo_reference as oz
+    from oracles.zoo import Problem
+
+    g = seeded(3)
+    model = _NoMakeFx().to(torch.float64)
+    model.branch = branch  # False: torch.fx traces it, but with the whole dict as its first argument
+    X = {"input_ids": torch.randn(5, 4, generator=g, dtype=torch.float64),
+         "mask": torch.rand(5, 5, generator=g, dtype=torch.float64)}
+    y = torch.randint(0, 3, (5,), generator=g)
+    qs = curvature(model, nn.CrossEntropyLoss(), [BatchGrad()])(X, y)
+    expected = oz.individual_gradients(Problem(model, X, y, nn.CrossEntropyLoss(), None, ""))
+    for k, v in expected.items():
+        assert torch.allclose(qs["grad_batch"][k], v, rtol=1e-10, atol=1e-12), k
+    with pytest.raises(CurvatureError, match="does not run under make_fx"):
+        curvature(model, nn.CrossEntropyLoss(), [DiagGGNExact()])(X, y)

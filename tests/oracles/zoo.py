@@ -308,3 +308,30 @@ def select(out, output=None):
 
 def n_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+class OneLine(nn.Module):
+    """The one-line wrapper users write around a library model: ``forward(ids)`` calls it with
+    keywords and returns the loss's tensor (``self.hf(input_ids=ids).logits``); with several
+    keyword inputs it takes the dict as one argument; a tensor model's output comes back in a
+    dict (another container than the library's)."""
+
+    def __init__(self, model: nn.Module, output, key: Optional[str]):
+        super().__init__()
+        self.hf, self.output, self.key = model, output, key
+
+    def forward(self, inputs):
+        if self.key is not None:
+            return select(self.hf(**{self.key: inputs}), self.output)
+        if isinstance(inputs, dict):
+            return select(self.hf(**inputs), self.output)
+        return {"scores": select(self.hf(inputs), self.output)}
+
+
+def wrapped(prob: Problem) -> Problem:
+    """``prob`` with its model behind :class:`OneLine` (the same model object: parameters
+    are named ``hf.<name>``) and ``output="scores"`` or the default."""
+    key = next(iter(prob.X)) if isinstance(prob.X, dict) and len(prob.X) == 1 else None
+    X = prob.X[key] if key is not None else prob.X
+    output = "scores" if not isinstance(prob.X, dict) else None
+    return prob._replace(model=OneLine(prob.model, prob.output, key), X=X, output=output)

@@ -224,3 +224,20 @@ if __name__ == "__main__":
         for group in groups:
             t = time.time()
             print(f"{name}\t{group}\t{outcome(name, group, limit)}\t{time.time() - t:.1f}s", flush=True)
+
+
+def check_exact(prob, rtol: float = 1e-9, kflr_skip: tuple = ()) -> None:
+    """BatchGrad, DiagGGNExact and KFLR of ``prob`` (a :class:`oracles.zoo.Problem`) equal the
+    float64 brute force of tests/oracles/zoo_reference.py (the model's own autograd, every
+    sample alone); raises :class:`Wrong` naming the quantity and parameter. ``kflr_skip``:
+    prefixes of layers whose Kronecker factors the oracle does not define as curvlib does
+    (a layer on constants is a functional site: its exact block, not ``B ⊗ A``)."""
+    errors: Dict[str, float] = {}
+    compare("grad_batch", run(prob, [BatchGrad()])["grad_batch"], oz.individual_gradients(prob), rtol, errors)
+    ggn = {k: v.sum(0) for k, v in oz.ggn_diagonals(oz.ggn_parts(prob)).items()}
+    compare("diag_ggn_exact", run(prob, [DiagGGNExact()])["diag_ggn_exact"], ggn, rtol, errors)
+    expected = {k: v for k, v in oz.kflr_factors(prob).items() if not k.startswith(kflr_skip)}
+    if expected:
+        kflr = run(prob, [KFLR()])["kflr"]
+        compare("kflr", {k: oz.kron(kflr[k]) for k in expected if k in kflr},
+                {k: oz.kron(v) for k, v in expected.items()}, rtol, errors)

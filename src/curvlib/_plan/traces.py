@@ -26,7 +26,7 @@ from .._trace.branches import keyword_inputs
 from .._core.inputs import batch_size, structure_key, tensors, with_batch
 from .._core.outputs import say_choice
 from .._core.sync import LOCK
-from .._trace.program import Program, trace_program
+from .._trace.program import Program, assemble, trace_program
 from .._trace.untraced import run_eager
 from ..extensions import SecondOrder
 from ..rules import math_hooks
@@ -167,7 +167,7 @@ def trace(model: nn.Module, second: Sequence[SecondOrder], X=None, output=None, 
         except CurvatureError:
             raise
         except Exception as exc:  # noqa: BLE001 - the model's forward or make_fx failed: keep fx's trace
-            program.aten_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            program = _fallback(program, model, X, f"{type(exc).__name__}: {exc}".splitlines()[0])
     if pending and not real_input:
         return Traced(program=program, runner=None, checks=[], direct=True, residual_nodes={}, dropout=[],
                       pending=True)
@@ -193,6 +193,17 @@ def trace(model: nn.Module, second: Sequence[SecondOrder], X=None, output=None, 
         residual_nodes=_residuals.residual_plan(program) if hessian else {},
         dropout=_dropout.active(program),
     )
+
+
+def _fallback(program: Program, model: nn.Module, X, aten_error: str) -> Program:
+    """The symbolic trace to keep when the ATen-level trace failed. With keyword inputs it has
+    no graph (torch.fx gave the whole dict to the first argument): the model then runs eagerly,
+    called with ``X`` as keywords (first order only)."""
+    if keyword_inputs(model, X) and program.graph is not None:
+        program = assemble(program.root, program.prefix, None, "X holds keyword inputs, which only the ATen-level "
+                           "front end traces", {}, program.param_names, program.leaf_inputs)
+    program.aten_error = aten_error
+    return program
 
 
 def _structure_only(X):

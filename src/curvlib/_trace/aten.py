@@ -21,7 +21,9 @@ vocabulary of a symbolically traced model:
   ``Tensor.view``, ...) where one takes the same arguments, so curvature rules classify it,
   else it stays the ATen op; ``scaled_dot_product_attention`` becomes its math
   (:mod:`curvlib.rules.attention`: forward-mode AD and batching rules exist);
-* ops on constants only (a causal mask from ``arange``) are evaluated once: constants.
+* ops on constants only (a causal mask from ``arange``) are evaluated once: constants;
+* a custom ``autograd.Function`` is one node (:mod:`curvlib._trace.functions`): ``Fn.apply``,
+  differentiated by its own ``backward``.
 
 Parameter uses left (a ``weight * x`` RMSNorm, a layer-scale ``gamma``, a class token
 concatenated) are functional sites (:mod:`curvlib.rules.functional`), exact per sample.
@@ -44,13 +46,15 @@ from .._core.errors import CurvatureError
 from .aten_ops import INPUT_ARG, conv1d_linear, owner_call, owners, torch_level, view_of
 from .branches import input_branch, keyword_inputs, without_hooks
 from .._core.inputs import as_pytree, trace_structure
-from .program import Program, Tracer, assemble, function_apply
+from .functions import forget, recorded_functions, replay
+from .program import Program, Tracer, assemble
 from .._core.sync import LOCK
 from ..rules.generic import restored
 
 __all__ = ["trace_aten_program", "trace_graph"]
 
 aten = torch.ops.aten
+APPLIED_OP = torch.ops.curvlib.autograd_function.default
 torch.fx.wrap("input_branch")  # the replay's guards stay calls (fx.wrap patches this module's globals)
 
 
@@ -80,9 +84,10 @@ def _aten_graph(model: nn.Module, X, output) -> Tuple[fx.GraphModule, List[str],
     inputs = (params, buffers, *[leaves[i] for i in tensor_at])
     # (a value the Python reads from a tensor, ``if mask.all()``, is taken as it is for this input
     # and becomes a guard of the graph: see :func:`input_branch`)
-    with _no_custom_functions(), LOCK, restored(model), without_hooks(model), _inference_as_no_grad(), \
+    with recorded_functions() as keys, LOCK, restored(model), without_hooks(model), _inference_as_no_grad(), \
             torch.enable_grad():  # (the model's own no_grad regions are recorded, not the caller's)
         gm = make_fx(run, pre_dispatch=True, _error_on_data_dependent_ops=False)(*inputs)
+    gm.curvlib_functions = keys
     gm.curvlib_reads = _read_values(gm, pytree.tree_leaves(inputs))
     return gm, list(params), list(buffers), tensor_at, chosen[0]
 
@@ -108,21 +113,6 @@ def _inference_as_no_grad():
         yield
     finally:
         cls.__enter__, cls.__exit__ = enter, exit_
-
-
-class CustomFunction(Exception):
-    """The model applies a custom ``autograd.Function``: make_fx would record its ``forward``'s ops
-    and the graph would differentiate those instead of its ``backward`` (a straight-through
-    estimator would be silently wrong). The symbolic front end keeps it; this one refuses."""
-
-
-def _no_custom_functions():
-    """Raise :class:`CustomFunction` when the traced code applies a custom ``autograd.Function``."""
-
-    def apply(cls, *args, **kwargs):
-        raise CustomFunction(f"the model applies the custom autograd.Function {cls.__name__}")
-
-    return function_apply(apply)
 
 
 _READS = (aten.item.default, aten._local_scalar_dense.default, aten.is_nonzero.default)
@@ -187,7 +177,13 @@ class _Replay(nn.Module):
                 env[node] = getattr(self._gm, node.target)
             elif node.op == "call_function":
                 load = lambda a: fx.node.map_arg(a, lambda n: env[n])  # noqa: E731
-                env[node] = self._replay(node, load(node.args), load(node.kwargs), names, env)
+                try:
+                    env[node] = self._replay(node, load(node.args), load(node.kwargs), names, env)
+                except CurvatureError:
+                    raise
+                except Exception as exc:  # (the fallback says why the ATen trace failed: name the node)
+                    raise RuntimeError(f"replaying ATen graph node '{node.name}' ({node.target}): "
+                                       f"{type(exc).__name__}: {exc}") from exc
             elif node.op == "output":
                 out = fx.node.map_arg(node.args[0], lambda n: env[n])
                 return out[0] if isinstance(out, (list, tuple)) else out
@@ -198,6 +194,8 @@ class _Replay(nn.Module):
         target = node.target
         if not _has_proxy((args, kwargs)):
             return target(*args, **kwargs)  # constants only (a causal mask): evaluated once
+        if target is APPLIED_OP:
+            return replay(*args, **kwargs)  # a custom autograd.Function: one node, run by Fn.apply
         if target in _READS:
             return input_branch(args[0], self._gm.curvlib_reads[node.name], node.name)
         if _same_dtype_copy(node):
@@ -261,6 +259,9 @@ def trace_graph(model: nn.Module, X, output) -> Tuple[nn.Module, fx.Graph, str]:
     container = not isinstance(X, Tensor)
     root = _Replay(model, gm, params, buffers, tensor_at, container)
     concrete = {"X": trace_structure(X)} if container else None
-    graph = Tracer().trace(root, concrete_args=concrete)
+    try:
+        graph = Tracer().trace(root, concrete_args=concrete)
+    finally:
+        forget(gm.curvlib_functions)
     graph.curvlib_guarded = bool(gm.curvlib_reads)
     return root, graph, chosen

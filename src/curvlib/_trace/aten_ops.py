@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
+from torch.nn.utils import parametrize
 
 __all__ = ["owners", "owner_call", "view_of", "INPUT_ARG", "conv1d_linear", "torch_level"]
 
@@ -73,7 +74,7 @@ def _matches(node: fx.Node, m: nn.Module, names, canonical) -> bool:
     own = lambda role: m._parameters.get(role)  # noqa: E731  (not getattr: fx's tracer would record it)
     if t is aten.linear.default and _family_type(m) is nn.Linear:
         return _same(_arg(node, 2, "bias"), own("bias"), names, canonical)
-    if _CONV.get(t) is _family_type(m):
+    if t in _CONV and _CONV[t] is _family_type(m):
         hyper = [_arg(node, i, k) for i, k in ((3, "stride"), (4, "padding"), (5, "dilation"), (6, "groups"))]
         mine = [list(m.stride), m.padding if isinstance(m.padding, str) else list(m.padding), list(m.dilation), m.groups]
         norm = lambda v: list(v) if isinstance(v, (list, tuple)) else v  # noqa: E731
@@ -124,7 +125,10 @@ def view_of(m: nn.Module) -> Optional[nn.Module]:
     shallow copy, its class set to the family's: ``m`` is not changed), run by the family's rule
     where an op is exactly that class's forward. ``None`` for the class itself."""
     base = _family_type(m)
-    if base is None or type(m) is base:
+    if base is None or type(m) is base or parametrize.is_parametrized(m):
+        # (a parametrized layer's weight is a function of original0/original1: its op reads a
+        # computed weight, never the module's own parameter, so it is a functional site; and
+        # torch forbids copying such a module)
         return None
     view = copy.copy(m)  # (shares m's _parameters and _buffers dicts: buffers swapped in are seen)
     view.__class__ = base
@@ -194,6 +198,8 @@ def torch_level(target, args, kwargs):
         return args[0][args[1]]
     name = target.__name__.split(".")[0] if isinstance(target, torch._ops.OpOverload) else ""
     special = _SPECIAL.get(name)
+    if name == "to":
+        args, kwargs = _named(target, args, kwargs)
     if special is not None:
         return special(*args, **kwargs)
     if name in _SAME_ARGS:
@@ -239,7 +245,20 @@ def _constant_pad(x, pad, value=0.0):
 def _to(x, *args, **kwargs):
     kwargs.pop("layout", None)
     kwargs.pop("pin_memory", None)
-    return x.to(*args, **kwargs)
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    other = kwargs.pop("other", None)
+    return x.to(other, *args, **kwargs) if other is not None else x.to(*args, **kwargs)
+
+
+def _named(target, args, kwargs):
+    """``(args[:1], kwargs)``: the op's arguments after the first by their schema names
+    (``aten.to.dtype(x, float64, False, True, None)``: ``Tensor.to`` takes ``memory_format``
+    only as a keyword, and no overload takes all of them positionally)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return args, kwargs
+    names = [a.name for a in schema.arguments]
+    return args[:1], {**dict(zip(names[1:], args[1:])), **kwargs}
 
 
 _SPECIAL: Dict[str, Callable] = {

@@ -45,6 +45,9 @@ def functional_uses(graph: fx.Graph, root: nn.Module, param_names: Dict[int, str
     for node in graph.nodes:
         if node in dependent:
             continue
+        if shape_query(node):  # (a parameter's ``.device``/``.shape``: metadata, constant for the derivatives)
+            reads[node] = frozenset()
+            continue
         names = set()
         if node.op == "get_attr":
             value = root
@@ -71,7 +74,8 @@ def functional_uses(graph: fx.Graph, root: nn.Module, param_names: Dict[int, str
             a = stack.pop()
             if a not in chain_set:
                 chain_set.add(a)
-                stack.extend(a.all_input_nodes)
+                if not shape_query(a):  # (``x.shape`` of a computed x: a fixed value, not x's ancestry)
+                    stack.extend(a.all_input_nodes)
         chain = tuple(n for n in graph.nodes if n in chain_set)
         inputs = tuple(a for a in node.all_input_nodes if a in dependent)
         fixed = tuple(n for n in chain if not reads.get(n))  # (index computations, the input's shape)

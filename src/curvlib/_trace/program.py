@@ -182,6 +182,7 @@ class Tracer(fx.Tracer):
         super().__init__()
         self.opaque = opaque or {}  # id(module) -> why: modules traced as leaves
         self.failed: Optional[nn.Module] = None  # the deepest module whose forward raised
+        self.installed: set = set()  # ids of the root's submodules (set by trace)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if attention.traced_forward(m) is not None:
@@ -197,11 +198,13 @@ class Tracer(fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward, args, kwargs):
+        if id(m) not in self.installed:
+            return forward(*args, **kwargs)  # built inside forward (``ACT2FN[name](x)``): no path to call it by; its ops are traced
         math = attention.traced_forward(m)
         try:
             return super().call_module(m, math if math is not None else forward, args, kwargs)
         except Exception:
-            if self.failed is None:  # the first to see the error is the innermost module
+            if self.failed is None and id(m) in self.installed:  # the first to see the error is the innermost module
                 self.failed = m
             raise
 
@@ -224,6 +227,7 @@ class Tracer(fx.Tracer):
 
     def trace(self, root, concrete_args=None):
         tracer = self
+        self.installed = {id(m) for m in root.modules()}
         original = torch.autograd.Function.__dict__["apply"]
 
         def apply(cls, *args, **kwargs):
@@ -466,4 +470,5 @@ def _trace_with_opaque_leaves(root: nn.Module, concrete) -> "tuple[Optional[fx.G
         targets = {n.target: opaque[id(modules[n.target])] for n in graph.nodes
                    if n.op == "call_module" and id(modules[n.target]) in opaque}
         return graph, None, targets
-    raise AssertionError("unreachable: every retry makes one more module a leaf")  # pragma: no cover
+    # (each retry adds one installed module, so this is not reached; were it, the model has no graph)
+    return None, "torch.fx kept failing with every submodule it could not trace made a leaf", {}  # pragma: no cover

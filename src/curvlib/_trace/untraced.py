@@ -55,6 +55,7 @@ from torch.overrides import TorchFunctionMode
 from .._core import dropout as _dropout
 from .._core.errors import CurvatureError
 from .._core.outputs import select
+from .branches import keyword_inputs
 from .program import Layer, Program
 from .._core.sync import LOCK
 from ..rules import check_module
@@ -312,7 +313,8 @@ def _run_eager(program: Program, X: Tensor, params: Mapping[str, Tensor], traina
         handle = nn.modules.module.register_module_forward_pre_hook(check)
         masks = _dropout.new_generator(rec.dropout_seed)  # this call's dropout masks (None without dropout)
         with _ParameterGuard(run), (_dropout.DropoutMode(masks) if masks is not None else contextlib.nullcontext()):
-            out = program.root(X)
+            model = program.root.get_submodule(program.prefix[:-1]) if program.prefix else program.root
+            out = model(**X) if keyword_inputs(model, X) else program.root(X)  # (keyword inputs as keywords)
     finally:
         if handle is not None:
             handle.remove()

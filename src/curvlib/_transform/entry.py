@@ -35,6 +35,7 @@ from .._plan.checks import Request, cached_plan, plan_call
 from .._evaluate.read_off import root_last
 from .._core.site import uses_of
 from .._plan.traces import Traced, Traces, warn_hooks
+from .failures import internal_failure
 from .._trace.branches import BranchChanged, batch_guard_values, check_branches_per_sample, guard_values_per_sample
 from ..distributed import aggregated
 from ..extensions import Extension, SecondOrder, SumGradSquared
@@ -159,7 +160,13 @@ class _Setup:
         self.traces = Traces(self.model, self.second, self.output)
         self.dropout_warned = False
         warn_hooks(self.model)
-        self.traced()  # trace now: untraceable models and unsupported graphs fail at once
+        try:
+            self.traced()  # trace now: untraceable models and unsupported graphs fail at once
+        except Exception as exc:
+            failure = internal_failure(exc, self.model)
+            if failure is None:
+                raise
+            raise failure from exc
 
     def _computed(self, batch_chunk_size) -> tuple:
         exts = self.exts
@@ -188,12 +195,18 @@ class _Call:
                  _into=None) -> Dict[str, object]:
         """``_into``: the batch's square-root buffers when this is a slice of it (:mod:`curvlib._transform.chunking`)."""
         try:
-            return self._run(X, y, params, generator, buffers, _into)
-        except BranchChanged:
-            # the model's code took another branch on this input's values than on the traced
-            # one's (curvlib._trace.branches.input_branch): trace it again on this input
-            self.setup.traces.forget_aten()
-            return self._run(X, y, params, generator, buffers, _into)
+            try:
+                return self._run(X, y, params, generator, buffers, _into)
+            except BranchChanged:
+                # the model's code took another branch on this input's values than on the traced
+                # one's (curvlib._trace.branches.input_branch): trace it again on this input
+                self.setup.traces.forget_aten()
+                return self._run(X, y, params, generator, buffers, _into)
+        except Exception as exc:
+            failure = internal_failure(exc, self.setup.model)
+            if failure is None:
+                raise
+            raise failure from exc
 
     def _run(self, X, y, params, generator, buffers, _into) -> Dict[str, object]:
         s = self.setup

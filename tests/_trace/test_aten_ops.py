@@ -1,0 +1,97 @@
+"""The ATen graph's vocabulary (src/curvlib/_trace/aten_ops.py) on parameter uses that are no module's forward.
+
+Models that need the ATen-level front end (keyword inputs) and
+
+* own a parameter that ``F.linear``/``F.conv1d`` uses although the module is no Linear/Conv
+  (transformers 5's MoE router applying its own weight, returning a tuple): a Linear or
+  functional site, never a crash;
+* hold a ``weight_norm``-parametrized layer (wav2vec2's positional convolution: parameters
+  ``original0``/``original1``, the weight a function of them): a functional site (torch
+  forbids copying such a module);
+* call ``Tensor.to`` with its full argument list (``dtype=``, ``device=``, ``copy=``,
+  ``memory_format=``, another tensor).
+
+BatchGrad, DiagGGNExact and KFLR against the float64 brute force of
+tests/oracles/zoo_reference.py, over drawn layouts and wrappers (hypothesis).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+from torch import nn
+from torch.nn.utils.parametrizations import weight_norm
+
+from oracles.on_device import seeded
+from oracles.zoo import Problem
+from oracles.zoo_checks import check_exact
+
+DT = torch.float64
+
+
+class Router(nn.Module):
+    """Owns ``weight`` and applies it with ``F.linear`` (or ``F.conv1d`` over tokens); returns a tuple."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+        self.weight = nn.Parameter(torch.randn(4, 4, 1 if op == "conv1d" else 4)[..., 0] if op != "conv1d"
+                                   else torch.randn(4, 4, 1))
+
+    def forward(self, h):
+        if self.op == "conv1d":
+            logits = F.conv1d(h.transpose(1, 2), self.weight).transpose(1, 2)
+        else:
+            logits = F.linear(h, self.weight)
+        return logits, logits.softmax(-1)
+
+
+class Net(nn.Module):
+    def __init__(self, op, part):
+        super().__init__()
+        self.emb, self.head, self.part = nn.Linear(3, 4), nn.Linear(4, 3), part
+        self.router = Router(op)
+        self.conv = weight_norm(nn.Conv1d(4, 4, 3, padding=1))
+
+    def forward(self, inp, scale):
+        scale = scale.to(dtype=inp.dtype, device=inp.device) * scale.to(torch.float64, copy=True,
+                                                                        memory_format=torch.contiguous_format)
+        h = self.emb(inp) * scale  # [N, T, 4]
+        logits, probs = self.router(h)
+        h = h + (probs if self.part == "probs" else logits)
+        h = h + self.conv(h.transpose(1, 2)).transpose(1, 2).to(h, copy=True)
+        return self.head(h).mean(1)
+
+
+class Wrapper(nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, inp, scale):
+        return {"out": self.net(inp=inp, scale=scale)}
+
+
+@settings(max_examples=6, deadline=None)
+@given(op=st.sampled_from(["linear", "conv1d"]), part=st.sampled_from(["logits", "probs"]),
+       wrap=st.booleans(), seed=st.integers(0, 50))
+def test_parameter_uses_that_are_no_modules_forward(op, part, wrap, seed):
+    torch.manual_seed(seed)
+    g = seeded(seed)
+    net = Net(op, part).to(DT).eval()
+    X = {"inp": torch.randn(3, 5, 3, generator=g, dtype=DT), "scale": torch.rand(3, 5, 1, generator=g) + 0.5}
+    y = torch.randint(0, 3, (3,), generator=g)
+    check_exact(Problem(Wrapper(net) if wrap else net, X, y, nn.CrossEntropyLoss(), "out" if wrap else None, ""))
+
+
+def test_weight_norm_layer_is_not_copied_nor_changed():
+    """The parametrized convolution's parameters get entries; the model keeps its parametrization."""
+    from curvlib import curvature
+    from curvlib.extensions import BatchGrad
+
+    net = Net("linear", "logits").to(DT).eval()
+    X = {"inp": torch.randn(3, 5, 3, dtype=DT), "scale": torch.rand(3, 5, 1)}
+    qs = curvature(net, nn.CrossEntropyLoss(), [BatchGrad()])(X, torch.tensor([0, 1, 2]))
+    assert {"conv.parametrizations.weight.original0", "conv.parametrizations.weight.original1"} <= set(qs["grad_batch"])
+    assert type(net.conv).__name__ == "ParametrizedConv1d" and "weight" not in net.conv._parameters

@@ -1,0 +1,68 @@
+"""The symbolic front end (src/curvlib/_trace/program.py) on modules built inside ``forward``.
+
+A transformers model builds its activation module on every call (``ACT2FN[name](x)``): the
+module is no submodule of the model, so torch.fx has no path to call it by. Its ops are
+traced (it owns no parameters): the model gets a complete graph, with no retry loop over
+opaque leaves, wherever the built module sits and whatever wraps the model (hypothesis);
+BatchGrad, DiagGGNExact and KFLR against the float64 brute force.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings, strategies as st
+from torch import nn
+
+from curvlib._trace.program import trace_program
+from oracles.on_device import seeded
+from oracles.zoo import Problem
+from oracles.zoo_checks import check_exact
+
+DT = torch.float64
+BUILT = {"gelu": nn.GELU, "tanh": nn.Tanh, "silu": nn.SiLU}
+
+
+class Block(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.fc, self.act = nn.Linear(4, 4), act
+
+    def forward(self, h):
+        return BUILT[self.act]()(self.fc(h)) + h  # a new module per call
+
+
+class Net(nn.Module):
+    def __init__(self, acts):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(a) for a in acts)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, input_ids):
+        h = input_ids
+        for block in self.blocks:
+            h = block(h)
+        return {"logits": self.head(h)}
+
+
+class OneLine(nn.Module):
+    def __init__(self, hf):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, ids):
+        return self.hf(input_ids=ids)["logits"]
+
+
+@settings(max_examples=6, deadline=None)
+@given(acts=st.lists(st.sampled_from(sorted(BUILT)), min_size=1, max_size=3), wrap=st.booleans(),
+       seed=st.integers(0, 50))
+def test_module_built_inside_forward(acts, wrap, seed):
+    torch.manual_seed(seed)
+    g = seeded(seed)
+    net = Net(acts).to(DT)
+    model = OneLine(net) if wrap else net
+    program = trace_program(model)
+    assert program.graph is not None and not program.opaque, (program.trace_error, program.opaque)
+    X = torch.randn(4, 4, generator=g, dtype=DT)
+    check_exact(Problem(model, X, torch.randint(0, 3, (4,), generator=g), nn.CrossEntropyLoss(),
+                        None if wrap else "logits", ""))
