@@ -4,7 +4,7 @@
 ``forward`` stop the model's own backward there: parameters used only inside get no gradient,
 and nothing upstream of the region is reached through it. curvlib records the grad mode of
 every traced node (both front ends: torch.fx's symbolic trace and the ATen-level trace) and
-cuts each value that leaves such a region (:func:`curvlib._trace.program.cut_no_grad_regions`),
+cuts each value that leaves such a region (:func:`curvlib._trace.modes.cut_no_grad_regions`),
 so first order, the GGN and the Hessian family agree with the model's own autograd. Checked
 with hypothesis over where the region sits, how it is opened and which front end traces it,
 against the brute-force oracles, which run the model itself.
@@ -19,7 +19,7 @@ from torch import nn
 
 from curvlib import curvature
 from curvlib.extensions import BatchGrad, DiagGGNExact
-from curvlib._trace.program import stop_gradient
+from curvlib._trace.modes import stop_gradient
 
 from oracles.reference import assert_matches, exact_extensions, reference
 from oracles.on_device import seeded

@@ -102,8 +102,7 @@ def second_order(
         elif ext.root == "grad":  # one column per sample: its own loss gradient, already at every site
             m = [g.unsqueeze(0) for g in site_grads]
             cache: Dict[object, object] = {"static": {}}
-            kron = (ext.kfac_approx, ext.max_factor_dim)
-            results[ext.name] = {n: _read("kron", uses, m, n, params, batch_size, 1, cache, kron) for n in names}
+            results[ext.name] = {n: _read("kron", uses, m, n, params, batch_size, 1, cache, _kron_options(ext)) for n in names}
         elif q in ("hessian_diag", "hessian_batch_diag"):
             results[ext.name] = _hessian_diag(
                 lin, uses, results[ext.name], names, params, batch_size, residual_grads,
@@ -148,7 +147,7 @@ def _accumulate(lin, uses, S: Tensor, group, names, params, batch_size, chunk_si
                 cols = into.at(ext.name, total, start, S_chunk.shape[0])
                 acc[ext.name] = {n: write_sqrt(uses, m, n, params[n], batch_size, cols) for n in names}
                 continue
-            kron = (getattr(ext, "kfac_approx", None), getattr(ext, "max_factor_dim", None))
+            kron = _kron_options(ext)
             part = {n: _read(q, uses, m, n, params, batch_size, S_chunk.shape[0], cache, kron) for n in names}
             if ext.name not in acc:
                 acc[ext.name] = part
@@ -182,7 +181,7 @@ def _read_streamed(lin, uses, S: Tensor, group, names, params, batch_size: int, 
     def read(n: str, m: Dict[int, Tensor]) -> None:
         m = {k: g.unsqueeze(0) for k, g in m.items()}  # [1, *site_out]: one column
         for ext in group:
-            kron = (getattr(ext, "kfac_approx", None), getattr(ext, "max_factor_dim", None))
+            kron = _kron_options(ext)
             parts[ext][n] = _read(ext.read_as or ext.quantity, uses, m, n, params, batch_size, 1, cache, kron)
 
     sites_of = {n: {site.key for site, _ in uses.get(n, ())} for n in names}
@@ -232,6 +231,11 @@ def _chunks(S: Tensor, chunk_size: Optional[int]):
         return
     for start in range(0, S.shape[0], chunk_size):
         yield start, S[start:start + chunk_size]
+
+
+def _kron_options(ext) -> tuple:
+    """A Kronecker extension's ``(kfac_approx, max_factor_dim)`` (``None`` for the others)."""
+    return getattr(ext, "kfac_approx", None), getattr(ext, "max_factor_dim", None)
 
 
 def _read(q: str, uses, m, name: str, params, n: int, v: int, cache=None, kron=(None, None)):

@@ -89,10 +89,7 @@ def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, pres
             # The node overwrites its input: keep the value it is a function of.
             before = {a: env[a].clone() for a in node.all_input_nodes if isinstance(env.get(a), Tensor)}
         dropout_kind = _dropout.node_dropout(program, node) if dropout is not None else None
-        # (a parameter use that writes into its input, ``h += self.pos``, runs on a copy: the
-        # functional rule needs the input as it was; later reads of ``h`` see the output, below)
-        if (preserve_inputs or node in program.functional) and node.op != "placeholder" \
-                and overwrites_input(program, node):
+        if _on_copies(program, node, preserve_inputs):
             load = lambda a: fx.node.map_arg(a, lambda n: env[n].clone() if isinstance(env[n], Tensor) else env[n])  # noqa: E731
         if node.op == "placeholder":
             env[node] = (leaves[placeholders_seen] if leaves is not None and placeholders_seen < len(leaves)
@@ -136,6 +133,14 @@ def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, pres
             _outputs.say_choice(program.output_choice)
         result = chosen
     return result
+
+
+def _on_copies(program, node: fx.Node, preserve_inputs: bool) -> bool:
+    """Whether ``node`` writes into its input and must run on copies: when the caller's inputs
+    are preserved, and for a parameter use (``h += self.pos``), whose functional rule needs the
+    input as it was (later reads of ``h`` see the site's output)."""
+    return ((preserve_inputs or node in program.functional) and node.op != "placeholder"
+            and overwrites_input(program, node))
 
 
 def _record_functional(program, use, value, env, params, trainable, rec):

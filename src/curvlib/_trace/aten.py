@@ -33,7 +33,6 @@ signature (shapes, dtypes, devices): :mod:`curvlib._transform.entry` keys it so.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Dict, List, Tuple
 
 import torch
@@ -47,6 +46,7 @@ from .aten_ops import INPUT_ARG, conv1d_linear, owner_call, owners, torch_level,
 from .branches import input_branch, keyword_inputs, without_hooks
 from .._core.inputs import as_pytree, trace_structure
 from .functions import forget, recorded_functions, replay
+from .modes import inference_as_no_grad
 from .program import Program, Tracer, assemble
 from .._core.sync import LOCK
 from ..rules.generic import restored
@@ -84,35 +84,12 @@ def _aten_graph(model: nn.Module, X, output) -> Tuple[fx.GraphModule, List[str],
     inputs = (params, buffers, *[leaves[i] for i in tensor_at])
     # (a value the Python reads from a tensor, ``if mask.all()``, is taken as it is for this input
     # and becomes a guard of the graph: see :func:`input_branch`)
-    with recorded_functions() as keys, LOCK, restored(model), without_hooks(model), _inference_as_no_grad(), \
+    with recorded_functions() as keys, LOCK, restored(model), without_hooks(model), inference_as_no_grad(), \
             torch.enable_grad():  # (the model's own no_grad regions are recorded, not the caller's)
         gm = make_fx(run, pre_dispatch=True, _error_on_data_dependent_ops=False)(*inputs)
     gm.curvlib_functions = keys
     gm.curvlib_reads = _read_values(gm, pytree.tree_leaves(inputs))
     return gm, list(params), list(buffers), tensor_at, chosen[0]
-
-
-@contextlib.contextmanager
-def _inference_as_no_grad():
-    """``torch.inference_mode()`` inside the traced code switches grad mode off like
-    ``torch.no_grad()`` (make_fx records grad-mode changes as graph nodes, not inference mode),
-    so that the region is cut as the model's own backward cuts it
-    (:func:`curvlib._trace.program.cut_no_grad_regions`)."""
-    cls = torch.autograd.grad_mode.inference_mode
-    enter, exit_ = cls.__enter__, cls.__exit__
-
-    def enter_as_no_grad(self):
-        self._curvlib_prev = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(self._curvlib_prev and not self.mode)
-
-    def exit_as_no_grad(self, *exc):
-        torch._C._set_grad_enabled(self._curvlib_prev)
-
-    cls.__enter__, cls.__exit__ = enter_as_no_grad, exit_as_no_grad
-    try:
-        yield
-    finally:
-        cls.__enter__, cls.__exit__ = enter, exit_
 
 
 _READS = (aten.item.default, aten._local_scalar_dense.default, aten.is_nonzero.default)

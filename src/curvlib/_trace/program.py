@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import operator
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
@@ -48,9 +47,10 @@ from ..rules import attention, elementwise, layernorm
 from .._core.inputs import with_defaults
 from ..rules.functional import FunctionalUse
 from .functional_uses import functional_uses, input_dependent
+from .modes import InPlaceProxy, cut_no_grad_regions, no_autocast, record_modes, refuse_autocast
 from .._core.inputs import trace_structure
 
-__all__ = ["Program", "Layer", "Tracer", "trace_program", "assemble", "function_apply", "stop_gradient"]
+__all__ = ["Program", "Layer", "Tracer", "trace_program", "assemble", "function_apply"]
 
 
 @dataclass
@@ -209,15 +209,11 @@ class Tracer(fx.Tracer):
             raise
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
-        return _InPlaceProxy(node, self)
+        return InPlaceProxy(node, self)
 
     def create_node(self, *args, **kwargs):
         node = super().create_node(*args, **kwargs)
-        if not torch.is_grad_enabled():  # (inference mode disables grad mode too)
-            node.meta["no_grad"] = True  # the model runs this node without autograd
-        autocast = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
-        if autocast:
-            node.meta["autocast"] = autocast[0]
+        record_modes(node)
         return node
 
     def create_proxy(self, kind, target, args, kwargs, *rest, **more):
@@ -237,85 +233,10 @@ class Tracer(fx.Tracer):
 
         # (traced with grad mode on, so that a node records the model's own ``no_grad`` regions
         # and not the caller's; a trace that fails inside one leaves the mode as it found it)
-        with function_apply(apply), torch.enable_grad(), _no_autocast():
+        with function_apply(apply), torch.enable_grad(), no_autocast():
             graph = super().trace(root, concrete_args)
         cut_no_grad_regions(graph)
         return graph
-
-
-_AUTOCAST_DEVICES = ("cpu", "cuda")
-
-
-def _no_autocast() -> contextlib.ExitStack:
-    """The caller's ``torch.autocast`` switched off, so that a node records the model's own."""
-    stack = contextlib.ExitStack()
-    for device in _AUTOCAST_DEVICES:
-        if torch.is_autocast_enabled(device):
-            stack.enter_context(torch.autocast(device, enabled=False))
-    return stack
-
-
-def refuse_autocast(graph: fx.Graph, root: nn.Module, prefix: str = "") -> None:
-    """Refuse a model whose ``forward`` opens ``torch.autocast``: curvlib runs every node in its
-    inputs' dtypes, not in autocast's, so its results would differ from the model's."""
-    for node in graph.nodes:
-        if node.meta.get("autocast"):
-            what = (f"module '{node.target[len(prefix):] if node.target.startswith(prefix) else node.target}' "
-                    f"({type(root.get_submodule(node.target)).__name__})"
-                    if node.op == "call_module" else f"'{getattr(node.target, '__name__', node.target)}'")
-            raise CurvatureError(
-                f"The model's forward runs graph node '{node.name}' ({what}) under "
-                f"torch.autocast('{node.meta['autocast']}'): curvlib computes every node in its inputs' "
-                "dtypes, not in autocast's, so its results would differ from the model's. Cast the "
-                "model instead (model.to(torch.bfloat16), explicit .to() calls inside forward), or "
-                "call it without autocast."
-            )
-
-
-def stop_gradient(value):
-    """``value`` with every tensor in it detached: where a ``torch.no_grad()`` region of the
-    model's ``forward`` hands a value to code that runs with autograd."""
-    return fx.node.map_aggregate(value, lambda v: v.detach() if isinstance(v, torch.Tensor) else v)
-
-
-stop_gradient.curvlib_linear = True  # the identity on values: no second derivative (curvlib.rules.elementwise)
-stop_gradient.curvlib_cut = True  # no gradient flows through it (curvlib._plan.mixing_ops)
-
-
-def cut_no_grad_regions(graph: fx.Graph) -> None:
-    """Make the model's ``torch.no_grad()`` / ``torch.inference_mode()`` regions constant for
-    every derivative, as they are for the model's own backward: each value computed inside one
-    (a node with ``meta["no_grad"]``) and read outside it passes through :func:`stop_gradient`.
-    Without the cut, curvlib would differentiate through the region, which the model's
-    autograd does not (the region's parameters have no gradient there)."""
-    for node in list(graph.nodes):
-        if not node.meta.get("no_grad") or node.op in ("placeholder", "get_attr", "output"):
-            continue
-        readers = [u for u in node.users if not u.meta.get("no_grad")]
-        if not readers:
-            continue
-        with graph.inserting_after(node):
-            cut = graph.call_function(stop_gradient, (node,))
-        for user in readers:
-            user.replace_input_with(node, cut)
-
-
-def _augmented(op: Callable) -> Callable:
-    def method(self, other):
-        return self.tracer.create_proxy("call_function", op, (self, other), {})
-
-    return method
-
-
-class _InPlaceProxy(fx.Proxy):
-    """fx's proxy with the augmented assignments recorded as such (``h += p`` as
-    ``operator.iadd(h, p)``): fx's own proxy falls back to ``h = h + p``, and a later read of the
-    overwritten tensor under another name would see its old value, not eager PyTorch's."""
-
-    __iadd__ = _augmented(operator.iadd)
-    __isub__ = _augmented(operator.isub)
-    __imul__ = _augmented(operator.imul)
-    __itruediv__ = _augmented(operator.itruediv)
 
 
 @contextlib.contextmanager
