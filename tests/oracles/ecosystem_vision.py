@@ -26,7 +26,7 @@ from torch import nn
 
 from oracles.zoo import CLASSES, N
 
-MAX_VISION_PARAMS = 12_000_000
+MAX_VISION_PARAMS = 6_000_000  # float64 oracles and traces of larger CNNs take minutes on a shared 2-core CPU
 _SIZE_WORDS = ["atto", "femto", "pico", "nano", "micro", "tiny", "xxs", "xs", "mini", "small", "s", "b0", "10t",
                "18", "lite0", "050", "100"]
 
