@@ -55,7 +55,14 @@ def preload(libraries):
             ecosystem_checks.call_times(ecosystem.build("peft/lora_gpt2", "wrapped"), 120)
 
 
+MEMORY_GB = [8]  # address-space limit of each case's process (--memory-gb)
+
+
 def _child(conn, name, variant, groups, limit):
+    import resource  # POSIX only, as the fork itself
+
+    cap = MEMORY_GB[0] * 2**30
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))  # a brute force past it fails alone, not the machine
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     try:
@@ -132,11 +139,17 @@ def main(argv=None):
     ap.add_argument("--limit", type=int, default=0)
     ap.add_argument("--timeout", type=int, default=120)
     ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--memory-gb", type=float, default=8, help="address-space limit per case (default 8)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "cpu", "ecosystem-sweep.md"))
+    ap.add_argument("--resume", action="store_true",
+                    help="keep <out>.partial.jsonl and skip the cases it has")
+    ap.add_argument("--interleave", action="store_true",
+                    help="take the classes round-robin over libraries and mappings (a stopped run samples each)")
     ap.add_argument("--report-from", default=None, metavar="JSONL",
                     help="only write the report from the cases a (possibly stopped) run logged, <out>.partial.jsonl")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    MEMORY_GB[0] = args.memory_gb
     partial = os.path.splitext(args.out)[0] + ".partial.jsonl"
     if args.report_from:
         with open(args.report_from) as fh:
@@ -147,12 +160,31 @@ def main(argv=None):
         some = [n for n in ecosystem.names(lib) if args.only is None or args.only in n]
         names += some[: args.limit] if args.limit else some
     preload(args.libraries)
+    names = _round_robin(names) if args.interleave else names
     tasks = [(n, v) for n in names for v in args.variants]
-    t = time.time()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    open(partial, "w").close()
+    done = []
+    if args.resume and os.path.exists(partial):
+        with open(partial) as fh:
+            done = [json.loads(line) for line in fh if line.strip()]
+        tasks = [t for t in tasks if t not in {(r["name"], r["variant"]) for r in done}]
+    else:
+        open(partial, "w").close()
+    t = time.time()
     results = run_all(tasks, args.groups, args.timeout, args.jobs, lambda r: _log(r, partial))
-    _write(args, argv, results, round(time.time() - t))
+    _write(args, argv, done + results, round(time.time() - t))
+
+
+def _round_robin(names):
+    """``names`` reordered one library/mapping at a time."""
+    by = {}
+    for n in names:
+        parts = n.split("/")
+        by.setdefault("/".join(parts[:2]) if parts[0] == "transformers" else parts[0], []).append(n)
+    out, lists = [], list(by.values())
+    while any(lists):
+        out += [lst.pop(0) for lst in lists if lst]
+    return out
 
 
 def _write(args, argv, results, wall_s):

@@ -120,7 +120,14 @@ def run_case(name: str, variant: str, groups: List[str], limit: int = 120) -> Di
     """Eligibility, call times and every group's outcome for one (problem, variant)."""
     res: Dict[str, Any] = {"name": name, "variant": variant, "groups": {}}
     t = time.perf_counter()
-    res["ineligible"], prob = ecosystem.eligible_problem(name, variant)
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(limit)
+    try:
+        res["ineligible"], prob = ecosystem.eligible_problem(name, variant)
+    except TimeoutError:
+        res["ineligible"], prob = f"build: still building after {limit} s", None
+    finally:
+        signal.alarm(0)
     res["build_s"] = round(time.perf_counter() - t, 2)
     if res["ineligible"] is not None:
         return res
