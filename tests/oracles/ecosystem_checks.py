@@ -64,7 +64,7 @@ def classify(e: BaseException) -> Dict[str, str]:
     """``{"outcome", "detail"}`` for an exception raised by a check."""
     if isinstance(e, zoo_checks.Wrong):
         return {"outcome": "wrong", "detail": _first_line(e)}
-    if isinstance(e, TimeoutError) and "time limit" in str(e):
+    if isinstance(e, CaseTimeout):
         return {"outcome": "timeout", "detail": f"in {zoo_checks.PHASE[0]}"}
     if zoo_checks.PHASE[0] == "oracle":
         return {"outcome": "oracle", "detail": f"{type(e).__name__}: {_first_line(e)}"}
@@ -72,8 +72,13 @@ def classify(e: BaseException) -> Dict[str, str]:
     return {"outcome": kind, "detail": f"{type(e).__name__}: {_first_line(e)}"}
 
 
+class CaseTimeout(BaseException):
+    """Raised by the alarm; a BaseException, so that no ``except Exception`` fallback inside a
+    model, a builder or an oracle swallows it."""
+
+
 def _alarm(signum, frame):
-    raise TimeoutError("still running after the time limit")
+    raise CaseTimeout("still running after the time limit")
 
 
 def check_group(prob, group: str, limit: int) -> Dict[str, Any]:
@@ -86,7 +91,7 @@ def check_group(prob, group: str, limit: int) -> Dict[str, Any]:
         errs = zoo_checks.check_problem(prob, group)
         nums = [v for v in errs.values() if isinstance(v, float)]
         res = {"outcome": "exact", "detail": f"{max(nums):.1e}" if nums else ""}
-    except Exception as e:  # noqa: BLE001 - classified for the report
+    except (Exception, CaseTimeout) as e:  # noqa: BLE001 - classified for the report
         res = classify(e)
     finally:
         signal.alarm(0)
@@ -109,7 +114,7 @@ def call_times(prob, limit: int) -> Dict[str, Any]:
                 t = time.perf_counter()
                 f(prob.X, prob.y)
                 out[key] = round(time.perf_counter() - t, 3)
-    except Exception:  # noqa: BLE001 - the first_order group reports why
+    except (Exception, CaseTimeout):  # noqa: BLE001 - the first_order group reports why
         pass
     finally:
         signal.alarm(0)
@@ -124,7 +129,7 @@ def run_case(name: str, variant: str, groups: List[str], limit: int = 120) -> Di
     signal.alarm(limit)
     try:
         res["ineligible"], prob = ecosystem.eligible_problem(name, variant)
-    except TimeoutError:
+    except CaseTimeout:
         res["ineligible"], prob = f"build: still building after {limit} s", None
     finally:
         signal.alarm(0)
