@@ -127,12 +127,16 @@ def write_report(path: str, meta: Dict[str, Any], results: List[Dict[str, Any]])
         "# Ecosystem sweep", "",
         f"`{meta['command']}` ({meta['date']}; {meta.get('wall_s', '?')} s; timeout {meta['timeout_s']} s per group; "
         f"versions {meta['versions']}).", "",
+        *([meta["note"], ""] if meta.get("note") else []),
         "Every class a library exposes, built from a tiny config (random weights, float64, eval mode, parameters "
         "offset from their initialisation), checked against float64 brute force (`tests/oracles/zoo_checks.py`): "
         "**direct** (the library's model, dict `X` of keyword inputs, `output=`) and **wrapped** (a one-line "
         "`nn.Module` taking one tensor). Eligible: builds and runs a float64 forward and backward. Outcomes per "
-        "group: exact; R refused (`CurvatureError`); W wrong (values off the oracle); C crash (any other "
-        "exception); O the oracle failed; T timeout. Cells count (class, group) pairs.", "",
+        "group: exact; R refused (`CurvatureError`); W wrong (values off the oracle, or a Linear/Conv weight "
+        "without two Kronecker factors); C crash (any other exception); O the oracle failed; T timeout. Cells "
+        "count (class, group) pairs. Tolerance: 1e-6 relative to the largest entry for transformers and the LoRA "
+        "models (norms and softmax compute in float32 inside a float64 model), 1e-8 otherwise; the JSON has "
+        "each check's error.", "",
         "## Summary", "", *summary(results, groups), "",
         "## Failure causes", "", "Grouped by outcome and message; the class table's cells carry the cause's number.", "",
         *_cause_lines(cs), "",

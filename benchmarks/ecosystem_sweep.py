@@ -145,6 +145,7 @@ def main(argv=None):
                     help="keep <out>.partial.jsonl and skip the cases it has")
     ap.add_argument("--interleave", action="store_true",
                     help="take the classes round-robin over libraries and mappings (a stopped run samples each)")
+    ap.add_argument("--note", default="", help="a paragraph for the report's header (e.g. what a stopped run covers)")
     ap.add_argument("--report-from", default=None, metavar="JSONL",
                     help="only write the report from the cases a (possibly stopped) run logged, <out>.partial.jsonl")
     args = ap.parse_args(argv)
@@ -190,7 +191,8 @@ def _round_robin(names):
 def _write(args, argv, results, wall_s):
     meta = {"command": "python benchmarks/ecosystem_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "groups": args.groups,
-            "timeout_s": args.timeout, "wall_s": wall_s, "cases": len(results), "versions": _versions()}
+            "timeout_s": args.timeout, "wall_s": wall_s, "cases": len(results), "versions": _versions(),
+            "note": args.note}
     with open(os.path.splitext(args.out)[0] + ".json", "w") as fh:
         json.dump({"meta": meta, "results": results}, fh, indent=1)
     write_report(args.out, meta, results)
