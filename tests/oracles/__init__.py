@@ -27,7 +27,8 @@ Checks (run curvlib against the oracles):
 * ``attention``: every exact extension on attention models, oracles in ``oracle_mode``;
 * ``compose_cells``: one cell (model x extension x transform) of the composition matrix,
   and the refusals each cell must raise;
-* ``zoo_checks``: one check per (zoo model, extension group).
+* ``zoo_checks``: one check per (zoo model, extension group), ``check_problem`` for any ``Problem``;
+* ``ecosystem_checks``: one ecosystem-sweep case (eligibility, call times, each group's outcome).
 
 Models and cases:
 
@@ -35,7 +36,10 @@ Models and cases:
 * ``models``: small non-Sequential architectures (ResNet, transformer block, ...);
 * ``compose_models``: the models of the composition matrix;
 * ``zoo``: tiny Hugging Face / timm / torchvision models (import after ``conftest.py``,
-  which installs ``torchvision_shim``).
+  which installs ``torchvision_shim``);
+* ``ecosystem`` (with ``ecosystem_hf``, ``ecosystem_vision``): every class of transformers' four
+  auto mappings from a generically shrunk config, one timm model per family, every torchvision
+  builder, PEFT LoRA and parametrized layers, direct and wrapped.
 
 Test infrastructure and scripts:
 

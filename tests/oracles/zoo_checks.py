@@ -1,6 +1,6 @@
 """One check per (zoo model, extension group): curvlib against tests/oracles/zoo_reference.py (float64).
 
-``check(model_name, group)`` raises ``Wrong`` (an AssertionError) naming the quantity, the
+``check(model_name, group)`` (``check_problem(problem, group)`` for any ``zoo.Problem``) raises ``Wrong`` (an AssertionError) naming the quantity, the
 parameter and the relative error when values differ, lets curvlib's exceptions through,
 and returns ``{quantity: max relative error}`` when everything agrees. The relative error
 of a quantity is ``max|a - b| / max|b|`` with the maximum taken over the whole result
@@ -10,7 +10,7 @@ of a quantity is ``max|a - b| / max|b|`` with the maximum taken over the whole r
 from __future__ import annotations
 
 import warnings
-from typing import Dict
+from typing import Callable, Dict
 
 import torch
 
@@ -82,7 +82,12 @@ def product_param(model) -> str:
 
 
 def check(name: str, group: str) -> Dict[str, float]:
-    prob = zoo.build(name)
+    """``check_problem`` on the zoo model ``name``."""
+    return check_problem(zoo.build(name), group)
+
+
+def check_problem(prob: zoo.Problem, group: str) -> Dict[str, float]:
+    """Curvlib against the oracles for one ``Problem`` and one group of :data:`GROUPS`."""
     rtol, errors = prob.rtol, {}
     if group == "first_order":
         qs = run(prob, [BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()])
@@ -187,6 +192,11 @@ def _alarm(signum, frame):
 
 def outcome(name: str, group: str, limit: int = 0) -> str:
     """``pass (...)`` / ``wrong: ...`` / ``error: Type: first line``, for the report."""
+    return outcome_of(lambda: check(name, group), limit)
+
+
+def outcome_of(run_check: Callable[[], Dict[str, float]], limit: int = 0) -> str:
+    """``outcome`` of ``run_check()`` (a ``check`` or ``check_problem`` call)."""
     import signal
 
     PHASE[0] = "build"
@@ -194,7 +204,7 @@ def outcome(name: str, group: str, limit: int = 0) -> str:
         signal.signal(signal.SIGALRM, _alarm)
         signal.alarm(limit)
     try:
-        errs = check(name, group)
+        errs = run_check()
     except Wrong as e:
         return f"wrong: {e}"
     except Exception as e:  # noqa: BLE001 - the report lists it

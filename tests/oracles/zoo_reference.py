@@ -231,7 +231,10 @@ def kflr_factors(prob, approx=None) -> Dict[str, List[Tensor]]:
     c = scale(prob.lossfn, n)
     shared = _shared(model)
     sites = {k: m for k, m in kron_sites(model).items()
-             if plain(m) and getattr(m, "groups", 1) == 1 and id(m.weight) not in shared}
+             if plain(m) and getattr(m, "groups", 1) == 1 and id(m.weight) not in shared
+             and m.weight.requires_grad and "weight" in m._parameters}
+    # frozen layers (a LoRA adapter's base) have no factors; a parametrized weight (weight_norm)
+    # is a function of its parameters, not a parameter
     inputs = {}
     hooks = [m.register_forward_pre_hook(lambda mod, a, k=k: inputs.setdefault(k, a[0].detach().clone()))
              for k, m in sites.items()]

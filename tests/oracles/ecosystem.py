@@ -1,0 +1,141 @@
+"""The ecosystem sweep's problems: every architecture a library exposes, built tiny.
+
+Names are ``library/...``:
+
+* ``transformers/<mapping>/<model_type>`` for every class of transformers'
+  ``MODEL_FOR_{CAUSAL_LM, SEQUENCE_CLASSIFICATION, IMAGE_CLASSIFICATION, MASKED_LM}_MAPPING_NAMES``
+  (mappings ``causal_lm``, ``seq_cls``, ``image_cls``, ``masked_lm``; ``ecosystem_hf``);
+* ``timm/<family>``: one model per module of ``timm.models`` (``ecosystem_vision``);
+* ``torchvision/<builder>``: every classification builder of ``torchvision.models``;
+* ``peft/lora_llama``, ``peft/lora_gpt2``, ``peft/weight_norm``, ``peft/spectral_norm``.
+
+``build(name, variant)`` gives a ``zoo.Problem`` (float64, eval mode, offset parameters,
+``N = 3`` samples) in one of two variants: ``"direct"`` (the library's model with a dict
+``X`` of keyword inputs, or a tensor, and an ``output=`` selector) or ``"wrapped"`` (a
+one-line ``nn.Module`` around it taking one tensor and returning the loss's input).
+``eligibility(name)`` says whether a plain float64 forward and backward runs, and why not.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from oracles import ecosystem_hf as eh
+from oracles import ecosystem_vision as ev
+from oracles.on_device import seeded
+from oracles.zoo import CLASSES, N, Problem, _finish, _lm_output
+
+LIBRARIES = ["transformers", "timm", "torchvision", "peft"]
+VARIANTS = ["direct", "wrapped"]
+PEFT = ["lora_llama", "lora_gpt2", "weight_norm", "spectral_norm"]
+
+
+def names(library: str) -> List[str]:
+    """Every problem name of ``library`` (one of :data:`LIBRARIES`)."""
+    if library == "transformers":
+        from transformers.models.auto import modeling_auto  # optional dependency
+
+        return [f"transformers/{m}/{t}" for m, attr in eh.MAPPINGS.items() for t in getattr(modeling_auto, attr)]
+    if library == "timm":
+        return [f"timm/{f}" for f in ev.timm_families()]
+    if library == "torchvision":
+        import torchvision.models as tv  # optional dependency
+
+        return [f"torchvision/{b}" for b in tv.list_models(module=tv)]
+    if library == "peft":
+        return [f"peft/{p}" for p in PEFT]
+    raise KeyError(f"unknown library {library!r}; one of {LIBRARIES}")
+
+
+class Wrapped(nn.Module):
+    """A user's one-line wrapper around a model that takes one tensor."""
+
+    def __init__(self, inner: nn.Module, lm: bool = False):
+        super().__init__()
+        self.inner, self.lm = inner, lm
+
+    def forward(self, x):
+        out = self.inner(x) if not self.lm else self.inner(input_ids=x).logits.transpose(1, 2)
+        return out
+
+
+def _vision(name: str, variant: str, seed: int) -> Problem:
+    library, what = name.split("/", 1)
+    g = seeded(seed)
+    if library == "timm":
+        model, X, notes = ev.timm_model(what, ev.timm_families()[what], g)
+    elif library == "torchvision":
+        model, X, notes = ev.tv_model(what, g)
+    elif what.startswith("lora_"):
+        model, X, notes = ev.peft_model(what[len("lora_"):], g)
+        model = _finish(model, seed)
+        y = torch.randint(0, 64, X.shape, generator=g)
+        if variant == "wrapped":
+            return Problem(Wrapped(model, lm=True), X, y, nn.CrossEntropyLoss(), None, notes, eh.RTOL)
+        return Problem(model, {"input_ids": X}, y, nn.CrossEntropyLoss(), _lm_output, notes, eh.RTOL)
+    else:
+        model, X, notes = ev.parametrized_model(what, g)
+    model = _finish(model, seed)
+    y = torch.randint(0, CLASSES, (N,), generator=g)
+    return Problem(Wrapped(model) if variant == "wrapped" else model, X, y, nn.CrossEntropyLoss(), None, notes)
+
+
+def build(name: str, variant: str = "direct", seed: int = 0) -> Problem:
+    """The problem ``name`` (see the module docstring) in ``variant`` "direct" or "wrapped"."""
+    torch.manual_seed(seed)
+    if name.startswith("transformers/"):
+        _, mapping, model_type = name.split("/", 2)
+        return eh.hf_problem(mapping, model_type, variant, seed)
+    return _vision(name, variant, seed)
+
+
+def _forward_backward(prob: Problem) -> None:
+    from oracles.zoo_reference import forward
+
+    loss = prob.lossfn(forward(prob.model, prob.X, prob.output), prob.y)
+    loss.backward()
+
+
+def _float32_runs(prob: Problem) -> bool:
+    cast = lambda t: t.float() if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
+    X = {k: cast(v) for k, v in prob.X.items()} if isinstance(prob.X, dict) else cast(prob.X)
+    try:
+        _forward_backward(prob._replace(model=prob.model.float(), X=X))
+        return True
+    except Exception:  # noqa: BLE001 - not float32-only either
+        return False
+
+
+def eligibility(name: str, variant: str = "direct") -> Optional[str]:
+    """``None`` if the problem builds and a float64 forward + backward runs, else why not:
+    ``"too large: ..."``, ``"build: Type: message"``, ``"float32-only: message"`` (runs in
+    float32, not in float64) or ``"forward: Type: message"``."""
+    return eligible_problem(name, variant)[0]
+
+
+def eligible_problem(name: str, variant: str = "direct") -> Tuple[Optional[str], Optional[Problem]]:
+    """``(eligibility(name, variant), the problem if eligible)``; the forward + backward's
+    gradients are cleared again."""
+    try:
+        prob = build(name, variant)
+    except (eh.TooLarge, ev.TooLarge) as e:
+        return f"too large: {e}", None
+    except Exception as e:  # noqa: BLE001 - the reason is the report's
+        return f"build: {type(e).__name__}: {_first_line(e)}", None
+    try:
+        _forward_backward(prob)
+    except Exception as e:  # noqa: BLE001 - the reason is the report's
+        if _float32_runs(prob):
+            return f"float32-only: {type(e).__name__}: {_first_line(e)}", None
+        return f"forward: {type(e).__name__}: {_first_line(e)}", None
+    for p in prob.model.parameters():
+        p.grad = None
+    return None, prob
+
+
+def _first_line(e: BaseException, limit: int = 200) -> str:
+    lines = [s for s in str(e).strip().splitlines() if s.strip()]
+    return (lines[0] if lines else "")[:limit]

@@ -1,0 +1,189 @@
+"""Tiny timm, torchvision and PEFT models for the ecosystem sweep (random weights, no download).
+
+* timm: one model per family (the module of ``timm.models`` that defines it): the variant with
+  the fewest parameters among the smallest-named ones, built with ``pretrained=False``,
+  ``num_classes=3``, ``img_size=32`` where accepted, and shrinking keyword arguments of the
+  model class (``embed_dim``, ``depth(s)``, ``dims``, ``num_heads``, ...) where they build;
+* torchvision: every classification builder, ``num_classes=3`` and ``width_mult``/``alpha``
+  0.25 where the builder's class accepts it, the smallest image size of 32, 64, 96, 299 px
+  that runs;
+* PEFT: LoRA adapters (rank 2) on a tiny Llama and a tiny GPT-2, the base frozen; and a
+  two-layer network whose last ``Linear`` is parametrized by ``weight_norm`` or
+  ``spectral_norm`` (``torch.nn.utils.parametrizations``).
+
+Each builder returns ``(model, X, notes)``; ``ecosystem.build`` finishes the problem.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+from typing import Any, Dict, List, Tuple
+
+import torch
+from torch import nn
+
+from oracles.zoo import CLASSES, N
+
+MAX_VISION_PARAMS = 6_000_000  # float64 oracles and traces of larger CNNs take minutes on a shared 2-core CPU
+_SIZE_WORDS = ["atto", "femto", "pico", "nano", "micro", "tiny", "xxs", "xs", "mini", "small", "s", "b0", "10t",
+               "18", "lite0", "050", "100"]
+
+
+class TooLarge(Exception):
+    """The smallest buildable variant still has more than ``MAX_VISION_PARAMS`` parameters."""
+
+
+def _images(g, px: int) -> torch.Tensor:
+    return torch.randn(N, 3, px, px, generator=g, dtype=torch.float64)
+
+
+def _size_rank(name: str) -> Tuple[int, int]:
+    parts = re.split(r"[_.\-]", name)
+    ranks = [i for i, w in enumerate(_SIZE_WORDS) if w in parts]
+    return (min(ranks) if ranks else len(_SIZE_WORDS), len(name))
+
+
+@functools.lru_cache(maxsize=None)
+def timm_families() -> Dict[str, List[str]]:
+    """``{module: [model names, smallest-named first]}`` over ``timm.list_models()``."""
+    import timm  # optional dependency
+
+    fams = {}
+    for mod in timm.list_modules():
+        names = timm.list_models(module=mod)
+        if names:
+            fams[mod] = sorted(names, key=_size_rank)
+    return fams
+
+
+def _meta_params(build) -> Tuple[int, type]:
+    with torch.device("meta"):
+        m = build()
+    return sum(p.numel() for p in m.parameters()), type(m)
+
+
+def _shrink_kwargs(cls) -> Dict[str, Any]:
+    """Small values for the model class's size arguments, by name and default's length."""
+    out = {}
+    for name, p in inspect.signature(cls.__init__).parameters.items():
+        d = p.default
+        L = len(d) if isinstance(d, (tuple, list)) else 0
+        if name in ("embed_dim", "hidden_dim") and isinstance(d, int):
+            out[name] = 16
+        elif name == "depth" and isinstance(d, int):
+            out[name] = 1
+        elif name == "num_heads":
+            out[name] = (2,) * L if L else 2
+        elif name in ("depths", "layers") and L:
+            out[name] = (1,) * L
+        elif name in ("dims", "embed_dims", "channels", "widths", "embed_dim") and L:
+            out[name] = (16,) * L
+        elif name in ("stem_width", "stem_chs") and isinstance(d, int):
+            out[name] = 8
+    return out
+
+
+def _runs(model: nn.Module, px: int) -> bool:
+    try:
+        with torch.no_grad():
+            model.eval()(torch.randn(1, 3, px, px))
+        return True
+    except Exception:  # noqa: BLE001 - a size the model does not take
+        return False
+
+
+def timm_model(family: str, names: List[str], g) -> Tuple[nn.Module, torch.Tensor, str]:
+    """One tiny model of a timm family (see the module docstring)."""
+    import timm  # optional dependency
+
+    counted = []
+    for name in names[:6]:
+        try:
+            counted.append((_meta_params(lambda: timm.create_model(name, num_classes=CLASSES))[0], name))
+        except Exception:  # noqa: BLE001 - a variant that does not build is not the smallest
+            continue
+    if not counted:
+        raise RuntimeError(f"no variant of {family} builds: {names[:3]}")
+    _, name = min(counted)
+    cls = _meta_params(lambda: timm.create_model(name, num_classes=CLASSES))[1]
+    accepts = inspect.signature(cls.__init__).parameters
+    base = dict(pretrained=False, num_classes=CLASSES)
+    tries = [dict(base, img_size=32, **_shrink_kwargs(cls)), dict(base, **_shrink_kwargs(cls)),
+             dict(base, img_size=32), base]
+    for kw in tries:
+        if "img_size" in kw and "img_size" not in accepts:
+            continue
+        try:
+            model = timm.create_model(name, **kw)
+        except Exception:  # noqa: BLE001 - fall back to fewer overrides
+            continue
+        for px in (32, 64, 96):
+            if _runs(model, px):
+                n = sum(p.numel() for p in model.parameters())
+                if n > MAX_VISION_PARAMS:
+                    raise TooLarge(f"{name}: {n} parameters (> {MAX_VISION_PARAMS})")
+                shown = {k: v for k, v in kw.items() if k not in base}
+                return model, _images(g, px), f"{name} {shown} {px} px, {n} params"
+    raise RuntimeError(f"{name}: no setting builds and runs at 32-96 px")
+
+
+def tv_model(builder: str, g) -> Tuple[nn.Module, torch.Tensor, str]:
+    """One torchvision classification builder, tiny where its class allows (module docstring)."""
+    import torchvision.models as tv  # optional dependency
+
+    build = tv.get_model_builder(builder)
+    try:
+        n, cls = _meta_params(lambda: build(weights=None, num_classes=CLASSES))
+    except Exception:  # noqa: BLE001 - initialisers that copy tensors do not run on meta
+        model = build(weights=None, num_classes=CLASSES)
+        n, cls = sum(p.numel() for p in model.parameters()), type(model)
+    if n > MAX_VISION_PARAMS:
+        raise TooLarge(f"{builder}: {n} parameters (> {MAX_VISION_PARAMS})")
+    accepts = inspect.signature(cls.__init__).parameters
+    kw = dict(weights=None, num_classes=CLASSES)
+    if "aux_logits" in accepts:
+        kw.update(aux_logits=False, init_weights=False)
+    kw.update({k: v for k, v in (("dropout", 0.0), ("image_size", 32)) if k in accepts})
+    narrow = {k: 0.25 for k in ("width_mult", "alpha") if k in accepts}
+    try:
+        model = build(**kw, **narrow)
+        kw.update(narrow)
+    except TypeError:  # the builder fixes the width itself (mnasnet's alpha)
+        model = build(**kw)
+    n = sum(p.numel() for p in model.parameters())
+    for px in (32, 64, 96, 299):
+        if _runs(model, px):
+            shown = {k: v for k, v in kw.items() if k not in ("weights", "num_classes")}
+            return model, _images(g, px), f"{builder} {shown} {px} px, {n} params"
+    raise RuntimeError(f"{builder}: runs at none of 32, 64, 96, 299 px")
+
+
+def peft_model(base: str, g) -> Tuple[nn.Module, torch.Tensor, str]:
+    """A LoRA adapter (rank 2) on a tiny ``llama`` or ``gpt2`` causal LM; ``X`` token ids."""
+    import peft  # optional dependency
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    if base == "llama":
+        cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32, pad_token_id=0)
+        model, targets = LlamaForCausalLM._from_config(cfg, attn_implementation="eager"), ["q_proj", "v_proj"]
+    else:
+        cfg = GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=32,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)
+        model, targets = GPT2LMHeadModel._from_config(cfg, attn_implementation="eager"), ["c_attn"]
+    lora = peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=targets,
+                           fan_in_fan_out=base == "gpt2")
+    model = peft.get_peft_model(model, lora)
+    ids = torch.randint(3, 64, (N, 5), generator=g)
+    return model, ids, f"peft LoRA r=2 on {targets} of a tiny {base}, base frozen"
+
+
+def parametrized_model(kind: str, g) -> Tuple[nn.Module, torch.Tensor, str]:
+    """``Linear(6, 8) - tanh - Linear(8, 3)``, the last ``Linear`` parametrized by ``kind``."""
+    from torch.nn.utils import parametrizations
+
+    last = getattr(parametrizations, kind)(nn.Linear(8, CLASSES))
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), last)
+    return model, torch.randn(N, 6, generator=g, dtype=torch.float64), f"{kind}-parametrized Linear(8, 3)"
