@@ -33,9 +33,7 @@ FAST = [
     pytest.param("transformers/masked_lm/bert", "direct", "ggn"),
     pytest.param("timm/convit", "wrapped", "first_order"),
     pytest.param("torchvision/mobilenet_v3_small", "direct", "ggn"),
-    pytest.param("peft/lora_gpt2", "direct", "first_order", marks=_xfail(
-        "refused: PeftModel's ATen trace fails, the dict X then reaches it as one positional argument "
-        "(\"'dict' object has no attribute 'size'\")")),
+    pytest.param("peft/lora_gpt2", "direct", "first_order"),
     pytest.param("peft/lora_gpt2", "wrapped", "ggn"),
     pytest.param("peft/weight_norm", "direct", "kflr"),
 ]

@@ -37,9 +37,10 @@ aten = torch.ops.aten
 
 
 def keyword_inputs(model: nn.Module, X) -> bool:
-    """A mapping ``X`` whose keys all name parameters of ``model.forward`` is passed as keyword
-    arguments (``model(**X)``: ``input_ids``, ``attention_mask``, ``pixel_values``); any other
-    ``X`` as the single argument."""
+    """A mapping ``X`` whose keys all name parameters of ``model.forward`` (or, for a forward
+    taking ``**kwargs``, include every argument it requires) is passed as keyword arguments
+    (``model(**X)``: ``input_ids``, ``attention_mask``, ``pixel_values``); any other ``X`` as
+    the single argument."""
     if not isinstance(X, Mapping) or not X:
         return False
     try:
@@ -47,7 +48,15 @@ def keyword_inputs(model: nn.Module, X) -> bool:
     except (TypeError, ValueError):
         return False
     named = {k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return all(isinstance(k, str) for k in X) and set(X) <= named
+    if not all(isinstance(k, str) for k in X):
+        return False
+    if set(X) <= named:
+        return True
+    # a forward that passes ``**kwargs`` on (PeftModel, other wrappers): keywords, when every
+    # argument it requires is among the keys (else ``X`` is its one required argument)
+    required = {k for k, p in params.items() if p.default is p.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return any(p.kind == p.VAR_KEYWORD for p in params.values()) and required <= set(X)
 
 
 @contextlib.contextmanager
