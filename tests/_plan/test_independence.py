@@ -62,7 +62,7 @@ MIXING = {
     "take_along_dim": (lambda h: torch.take_along_dim(h, torch.zeros_like(h, dtype=torch.long), 0),
                        r"take_along_dim along"),
     "perm": (lambda h: h[torch.arange(h.shape[0]).flip(0)], r"indexes the batch dim 0 with a tensor"),
-    "mask": (lambda h: h[h[:, 0] > -1e9], r"boolean mask"),
+    "mask_drops_a_sample": (lambda h: h + h[torch.arange(h.shape[0]) > 0].sum(0), r"indexing of 'a'.*not a multiple of N"),
     "batch_norm": (lambda h: F.batch_norm(h, None, None, training=True),
                    r"F\.batch_norm normalises 'a' with the statistics of the batch"),
     "regroup": (lambda h: h.reshape(-1).reshape(4, -1).t(), r"regroups entries of different samples"),

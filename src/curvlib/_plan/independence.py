@@ -54,7 +54,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from torch import Tensor, fx, nn
 
 from .._core.errors import CurvatureError
-from . import mixing_checks as checks, mixing_ops as ops
+from . import mixing_checks as checks, mixing_index as index, mixing_ops as ops
 from .mixing_ops import Batch
 from . import mixing_numeric as _mixing_numeric
 
@@ -79,11 +79,16 @@ class Independence:
     layouts: Dict[fx.Node, list] = field(default_factory=dict)
     untraced: bool = False
     numeric_problem: object = _UNSET
+    gathers: Tuple[index.GatherCheck, ...] = ()  # indexing by the input's values: tested per call
 
     def numeric(self, program, plan, X, params, trainable, runner) -> Optional[str]:
         """The numeric tests' verdict, computed on first use (for a graph, once per plan)."""
         if self.untraced:
             return _mixing_numeric.untraced_problem(program, plan, X, params, trainable, runner)
+        if self.gathers:
+            problem = _mixing_numeric.gather_problem(program, self.gathers, X, params, trainable)
+            if problem:
+                return problem
         if self.numeric_problem is _UNSET:
             self.numeric_problem = _mixing_numeric.pending_problem(program, self, X, params, trainable)
         return self.numeric_problem
@@ -108,7 +113,7 @@ def analyse(program, env_a: Dict, env_b: Dict, n: int, trainable) -> Independenc
         problem = walk.visit(node)
         if problem:
             return Independence(problem=problem)
-    return Independence(pending=tuple(walk.pending), layouts=walk.layouts)
+    return Independence(pending=tuple(walk.pending), layouts=walk.layouts, gathers=tuple(walk.gathers))
 
 
 def _guard_only(graph) -> set:
@@ -132,6 +137,10 @@ class _Walk:
         self.layouts: Dict[fx.Node, list] = {}
         self.hot: set = set()
         self.pending: List[fx.Node] = []
+        # indexing along the batch decided on values (mixing_index): node -> why it mixes, or None
+        self.verdicts: Dict[fx.Node, Optional[str]] = {}
+        self.gathers: List[index.GatherCheck] = []
+        self.values = (index.Values(program.root, env_a), index.Values((program.sibling or program).root, env_b))
 
     def batch(self, a) -> Optional[Batch]:
         leaves = self.layouts.get(a, []) if isinstance(a, fx.Node) else []
@@ -180,11 +189,47 @@ class _Walk:
         hot = kind not in ("meta", "cut") and (own or any(a in self.hot for a in node.all_input_nodes))
         if hot:
             self.hot.add(node)
+        self.gather(node, kind, name, hot_in)
         problem = self.refine(node, kind, name, hot_in)
         if problem or not (hot_in or (hot and batched)):
             return problem
         # a hot output computed from batched values (hot or not) must keep their batch
         return self.check(node, kind, name, detail, hot_in, hot_in or batched)
+
+    # -- indexing along the batch, decided on values ----------------------------------
+    def gather(self, node, kind, name, hot_in) -> None:
+        """Run :mod:`curvlib._plan.mixing_index`'s sample-id test on an op indexing the batch dim:
+        in both planning passes when the index is a constant (or shapes), else per call."""
+        name = name.split(".")[0]  # (an ATen overload: index_select.default)
+        if node.op == "call_module" or not (kind == "index" or name in index.GATHERS):
+            return
+        src, b = node.args[0], self.batch(node.args[0])
+        if b is None or b.s is None:
+            return  # (an order curvlib cannot follow: refused as before)
+        values = self.load(node.args)
+        found = index.gather_slots(name, node, values, b, self.env_a[src].dim())
+        leaves = self.layouts[node]
+        if found is None or len(leaves) != 1:
+            return
+        items, needed = found
+        layout = leaves[0]
+        for k, (env, n) in enumerate(((self.env_a, self.n), (self.env_b, self.n + 1))):
+            flat = index.needed_values(items, needed, self.values[k].get)
+            if flat is None:  # depends on the input's values: decided on every call
+                if src in hot_in:
+                    self.gathers.append(index.GatherCheck(node, src, b, tuple(needed), layout))
+                self.verdicts[node] = None
+                return
+            args = fx.node.map_arg(node.args, env.get)
+            out = index.run_check(name, node, args, tuple(env[src].shape), b, flat, n)
+            why, layout = index.sample_check(out, layout, n)
+            if why:
+                self.verdicts[node] = (f"of '{src.name}' indexes the batch dim {b.dim} with a tensor that {why}"
+                                       if kind == "index" else f"along the batch dim {b.dim} of '{src.name}' {why}")
+                return
+        if isinstance(layout, Batch):
+            leaves[0] = layout
+        self.verdicts[node] = None
 
     # -- layouts of merged batches ------------------------------------------------
     def refine(self, node, kind, name, hot_in) -> Optional[str]:

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, fx
 
 from .._core import inputs as _inputs
+from . import mixing_index as _index
 from .mixing_ops import Batch, leaves_of
 from .._core.sync import LOCK
 from .mixing_checks import label
@@ -38,7 +39,7 @@ from .._core.site import Recorder
 from ..rules.generic import join_args, stateless_call
 from .._interpret.graph import run_graph
 
-__all__ = ["pending_problem", "untraced_problem"]
+__all__ = ["gather_problem", "pending_problem", "untraced_problem"]
 
 _SEED, _OTHER_SEED = 20240601, 7
 
@@ -310,3 +311,34 @@ def _probe_leak(program, plan, X, params, trainable, runner, base, j, n, gen, on
     with _seeded(_inputs.first(X).device, _SEED):
         out = runner(program, X, params, trainable, Recorder(probes, batch_dims=plan.batch_dims))
     return _leak(base, out, [Batch(0)], j, n)
+
+
+@outside_transforms
+def gather_problem(program, gathers, X: Tensor, params, trainable) -> Optional[str]:
+    """The sample-id test (:mod:`curvlib._plan.mixing_index`) of every indexing node whose
+    batch-dim index depends on the input's values, on this call's values (one forward)."""
+    n = _inputs.batch_size(X)
+    env: dict = {}
+    with _seeded(_inputs.first(X).device, _SEED):
+        run_graph(program, X, params, trainable, Recorder(None), env=env)
+    for check in gathers:
+        node = check.node
+        name = "getitem" if getattr(node.target, "__name__", "") == "getitem" else _index_name(node)
+        args = fx.node.map_arg(node.args, lambda a: env[a])
+        found = _index.gather_slots(name, node, args, check.batch, env[check.source].dim())
+        if found is None:
+            continue
+        items, needed = found
+        flat = _index.needed_values(items, needed, lambda a: env[a])
+        out = _index.run_check(name, node, args, tuple(env[check.source].shape), check.batch,
+                               [v.cpu() if isinstance(v, Tensor) else v for v in flat], n)
+        why, _ = _index.sample_check(out, check.layout, n)
+        if why:
+            return (f"graph node '{node.name}' ({label(node, name)} of '{check.source.name}' {why} on this "
+                    "input: its index depends on the input's values, tested on every call)")
+    return None
+
+
+def _index_name(node: fx.Node) -> str:
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return name.split(".")[0]
