@@ -122,6 +122,9 @@ def plan_call(request: Request, traced: Traced, X, values: Mapping[str, Tensor],
         _budget.check_roots(second, plan.out_shape, plan.out_dtype, _inputs.first(X).device)
         if first:  # (after the roots: an exact root too large for the device is the first fix)
             _budget.check_factor_sizes(second, plan.sites, trainable, values)
+    if not first:  # indexing by the input's values: its verdict is this call's
+        refuse_mixing(plan, request.computed, traced.program, X, values, frozenset(trainable), traced.runner,
+                      request.chunked, per_call_only=True)
     if first:
         # samples mixed inside the model: refuse what needs them independent
         refuse_mixing(plan, request.computed, traced.program, X, values, frozenset(trainable), traced.runner,

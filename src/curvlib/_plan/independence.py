@@ -81,14 +81,14 @@ class Independence:
     numeric_problem: object = _UNSET
     gathers: Tuple[index.GatherCheck, ...] = ()  # indexing by the input's values: tested per call
 
+    def per_call(self, program, X, params, trainable) -> Optional[str]:
+        """The verdict on indexing by the input's values, for this call's ``X``."""
+        return _mixing_numeric.gather_problem(program, self.gathers, X, params, trainable) if self.gathers else None
+
     def numeric(self, program, plan, X, params, trainable, runner) -> Optional[str]:
         """The numeric tests' verdict, computed on first use (for a graph, once per plan)."""
         if self.untraced:
             return _mixing_numeric.untraced_problem(program, plan, X, params, trainable, runner)
-        if self.gathers:
-            problem = _mixing_numeric.gather_problem(program, self.gathers, X, params, trainable)
-            if problem:
-                return problem
         if self.numeric_problem is _UNSET:
             self.numeric_problem = _mixing_numeric.pending_problem(program, self, X, params, trainable)
         return self.numeric_problem
@@ -298,18 +298,23 @@ class _Walk:
 
 
 def refuse_mixing(plan, extensions: Sequence, program, X: Tensor, params, trainable, runner=None,
-                  chunked: bool = False) -> None:
+                  chunked: bool = False, per_call_only: bool = False) -> None:
     """Raise :class:`CurvatureError` if the model mixes samples and an extension (or
     ``batch_chunk_size``, which splits the batch) needs them independent.
 
     Called before any work; the structural verdict is cached with the plan, the
-    numeric one is computed on first use.
+    numeric one is computed on first use; indexing by the input's values is tested on every
+    call (``per_call_only``: only that, for a plan already checked).
     """
     found = getattr(plan, "independence", None)
     wanted = [e for e in extensions if type(e).independent_samples]
     if found is None or not (wanted or chunked):
         return
-    problem = found.problem or found.numeric(program, plan, X, params, trainable, runner)
+    if per_call_only:
+        problem = found.per_call(program, X, params, trainable)
+    else:
+        problem = (found.problem or found.per_call(program, X, params, trainable)
+                   or found.numeric(program, plan, X, params, trainable, runner))
     if problem:
         raise CurvatureError(_message(problem, wanted, chunked))
 
