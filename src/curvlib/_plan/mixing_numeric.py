@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from typing import Callable, List, Optional
 
 import torch
@@ -48,9 +49,29 @@ _SEED, _OTHER_SEED = 20240601, 7
 def _seeded(device: torch.device, seed: int):
     """Same random numbers for every run of a test; the caller's random state untouched
     (the global state is process-wide: other threads wait, :data:`curvlib._core.sync.LOCK`)."""
-    with LOCK, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+    with LOCK, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad(), \
+            _filled_memory():
         torch.manual_seed(seed)
         yield
+
+
+@contextlib.contextmanager
+def _filled_memory():
+    """Uninitialised tensors (``empty``, ``new_empty``, ``empty_like``) filled with NaN (integers:
+    their largest value), so that entries a model never writes read the same in every run of a
+    test (torch's deterministic mode fills them; its checks only warn, and are silenced here)."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=not deterministic or warn_only)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def _plain(t):
@@ -115,8 +136,11 @@ def _perturbed(j: int, n: int, gen: torch.Generator) -> Callable:
             shape = [1] * v.dim()
             shape[leaf.dim] = -1
             noise = torch.randn(v.shape, generator=gen, dtype=v.dtype, device="cpu").to(v.device)
-            scale = float(v.abs().max().nan_to_num(0.0)) or 1.0
-            return v + noise * scale * mine.reshape(shape).to(v.dtype)
+            finite = v.isfinite()
+            # the scale of the finite entries; infinite entries (-inf masks) stay as they are, and
+            # other samples' entries are kept, not multiplied by zero (inf · 0 is NaN)
+            scale = float(v.abs().masked_fill(~finite, 0).max()) or 1.0
+            return torch.where(mine.reshape(shape) & finite, v + noise * scale, v)
         other = j + 1 if j + 1 < n else j - 1  # integers (indices): another sample's rows
         pos = torch.arange(v.shape[leaf.dim], device=v.device)
         return v.index_select(leaf.dim, torch.where(mine, pos + (other - j) * leaf.s, pos))
