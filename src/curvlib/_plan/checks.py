@@ -26,7 +26,7 @@ from ..extensions import SecondOrder
 from ..losses import LossSpec
 from ..rules.generic import refuse_buffer_updates
 from . import arguments as _arguments, budget as _budget
-from .independence import refuse_mixing
+from .independence import refuse_mixing, refuse_mixing_per_call
 from .plan import Plan, make_plan
 from .support import check_second_order
 from .traces import Traced
@@ -123,8 +123,8 @@ def plan_call(request: Request, traced: Traced, X, values: Mapping[str, Tensor],
         if first:  # (after the roots: an exact root too large for the device is the first fix)
             _budget.check_factor_sizes(second, plan.sites, trainable, values)
     if not first:  # indexing by the input's values: its verdict is this call's
-        refuse_mixing(plan, request.computed, traced.program, X, values, frozenset(trainable), traced.runner,
-                      request.chunked, per_call_only=True)
+        refuse_mixing_per_call(plan, request.computed, traced.program, X, values, frozenset(trainable),
+                               request.chunked)
     if first:
         # samples mixed inside the model: refuse what needs them independent
         refuse_mixing(plan, request.computed, traced.program, X, values, frozenset(trainable), traced.runner,

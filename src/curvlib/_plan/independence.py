@@ -58,7 +58,7 @@ from . import mixing_checks as checks, mixing_index as index, mixing_ops as ops
 from .mixing_ops import Batch
 from . import mixing_numeric as _mixing_numeric
 
-__all__ = ["Independence", "analyse", "refuse_mixing"]
+__all__ = ["Independence", "analyse", "refuse_mixing", "refuse_mixing_per_call"]
 
 _UNSET = object()
 
@@ -298,25 +298,38 @@ class _Walk:
 
 
 def refuse_mixing(plan, extensions: Sequence, program, X: Tensor, params, trainable, runner=None,
-                  chunked: bool = False, per_call_only: bool = False) -> None:
+                  chunked: bool = False) -> None:
     """Raise :class:`CurvatureError` if the model mixes samples and an extension (or
     ``batch_chunk_size``, which splits the batch) needs them independent.
 
     Called before any work; the structural verdict is cached with the plan, the
-    numeric one is computed on first use; indexing by the input's values is tested on every
-    call (``per_call_only``: only that, for a plan already checked).
+    numeric one is computed on first use.
     """
-    found = getattr(plan, "independence", None)
-    wanted = [e for e in extensions if type(e).independent_samples]
-    if found is None or not (wanted or chunked):
+    found, wanted = _wanted(plan, extensions, chunked)
+    if found is None:
         return
-    if per_call_only:
-        problem = found.per_call(program, X, params, trainable)
-    else:
-        problem = (found.problem or found.per_call(program, X, params, trainable)
-                   or found.numeric(program, plan, X, params, trainable, runner))
+    problem = (found.problem or found.per_call(program, X, params, trainable)
+               or found.numeric(program, plan, X, params, trainable, runner))
     if problem:
         raise CurvatureError(_message(problem, wanted, chunked))
+
+
+def refuse_mixing_per_call(plan, extensions: Sequence, program, X: Tensor, params, trainable,
+                           chunked: bool = False) -> None:
+    """:func:`refuse_mixing` for a plan already checked: only indexing by the input's values,
+    whose verdict is this call's (:mod:`curvlib._plan.mixing_index`)."""
+    found, wanted = _wanted(plan, extensions, chunked)
+    problem = found.per_call(program, X, params, trainable) if found is not None else None
+    if problem:
+        raise CurvatureError(_message(problem, wanted, chunked))
+
+
+def _wanted(plan, extensions: Sequence, chunked: bool):
+    """``(found, wanted)``: the plan's verdicts (``None``: nothing to check) and the extensions
+    that need independent samples."""
+    found = getattr(plan, "independence", None)
+    wanted = [e for e in extensions if type(e).independent_samples]
+    return (found if found is not None and (wanted or chunked) else None), wanted
 
 
 def _message(problem: str, wanted: Sequence, chunked: bool) -> str:
