@@ -148,8 +148,9 @@ def _unmerge(program, name: str, positions, outer: int, inner: int, channels: bo
         back = graph.create_node("call_method", "movedim", (out, 0, 1), name=f"{name}_batch_back")
     with graph.inserting_after(back):
         merged = graph.create_node("call_method", "flatten", (back, 0, 2), name=f"{name}_merge_batch")
-    node.replace_all_uses_with(merged, delete_user_cb=lambda user: user is not first)
-    program.dependent = frozenset(program.dependent) | {first, out, back, merged}
+    consumer = first if channels else back  # (the one user of the node's own value)
+    node.replace_all_uses_with(merged, delete_user_cb=lambda user: user is not consumer)
+    program.dependent = frozenset(program.dependent) | {first, out, back, merged} - {node}
 
 
 def residual_merges(program, residuals, dims, independence, n: int) -> Tuple[Optional[Tuple[int, int]], ...]:

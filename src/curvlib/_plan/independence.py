@@ -32,6 +32,11 @@ constant for every gradient, which is then exact). Merging the batch with
 another dim and splitting it again is allowed (no values mix); a merge whose
 order curvlib cannot follow is refused, not guessed.
 
+Indexing along the batch dim (``h[idx]``, ``h[mask]``, ``index_select``/``gather`` along
+it) is decided on the index's values (:mod:`curvlib._plan.mixing_index`): in the planning
+passes when it is built from constants and shapes, on every call when it depends on the
+input's values.
+
 Operations outside the tables, parametrized modules without a hand-written
 rule and unknown parameter-free modules are *pending*: tested numerically
 once per plan, on first use (:mod:`curvlib._plan.mixing_numeric`). Models without

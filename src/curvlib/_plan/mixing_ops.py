@@ -17,8 +17,9 @@ operation can mix the samples of a *batched* input:
 * ``contract``: sums over the contracted dims (``@``, ``einsum``, ``F.linear``);
 * ``view``: regroups entries; must keep every sample's entries together;
 * ``cat``/``repeat``: stack samples' rows; layouts must agree;
-* ``index``: ``h[idx]`` with a tensor index in the batch position gathers rows
-  of other samples (the identity ``torch.arange(N)`` excepted);
+* ``index``: ``h[idx]`` with a tensor index in the batch position: decided on the
+  index's values (:mod:`curvlib._plan.mixing_index`); where the batch's order is not
+  known, only the identity ``torch.arange(N)`` is accepted;
 * ``leading``: treats dim 0 as the batch (conv, group/instance norm, ...);
 * ``pool``: mixes along its last ``k`` dims;
 * ``meta``: reads shapes only (``size``, ``new_zeros``, ``zeros_like``);
