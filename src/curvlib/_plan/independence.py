@@ -222,7 +222,7 @@ class _Walk:
             flat = index.needed_values(items, needed, self.values[k].get)
             if flat is None:  # depends on the input's values: decided on every call
                 if src in hot_in:
-                    self.gathers.append(index.GatherCheck(node, src, b, tuple(needed), layout))
+                    self.gathers.append(index.gather_check(node, b, layout, values, items, needed))
                 self.verdicts[node] = None
                 return
             args = fx.node.map_arg(node.args, env.get)

@@ -26,9 +26,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, fx, nn
 
+from .._core import inputs as _inputs
 from .mixing_ops import Batch
 
-__all__ = ["GATHERS", "GatherCheck", "MISSING", "Values", "gather_slots", "needed_values", "run_check", "sample_check"]
+__all__ = ["GATHERS", "input_values", "GatherCheck", "gather_check", "MISSING", "Values", "gather_slots", "needed_values", "run_check", "sample_check"]
 
 MISSING = object()
 ZERO = object()  # an index within rows, replaced by zeros
@@ -135,14 +136,25 @@ def _stand_in(value):
 class GatherCheck:
     """An indexing node whose batch-dim index depends on the input's values: tested per call.
 
-    ``slots``: positions (in :func:`gather_slots`' flat list) of the index values needed;
-    ``layout``: the output batch the analysis assumed from the planning passes."""
+    ``args``: the node's arguments in the planning pass, tensors as ``meta`` tensors (their
+    shapes); ``shape``: the source's shape; ``inputs``: the index nodes whose values the test
+    needs; ``layout``: the output batch the analysis assumed from the planning passes."""
 
     node: fx.Node
     source: fx.Node
     batch: Batch
-    slots: Tuple[int, ...]
     layout: Batch
+    args: tuple
+    shape: Tuple[int, ...]
+    inputs: Tuple[fx.Node, ...]
+
+
+def gather_check(node: fx.Node, batch: Batch, layout, values, items: list, needed: list) -> GatherCheck:
+    """The :class:`GatherCheck` of ``node`` (``values``: its arguments' planning values)."""
+    meta = fx.node.map_aggregate(values, lambda v: torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
+                                 if isinstance(v, Tensor) else v)
+    inputs = tuple(items[k] for k in needed if isinstance(items[k], fx.Node))
+    return GatherCheck(node, node.args[0], batch, layout, tuple(meta), tuple(values[0].shape), inputs)
 
 
 def _width(v) -> int:
@@ -242,3 +254,37 @@ def needed_values(index: Sequence, needed: Sequence[int], get) -> Optional[list]
 
 
 GATHERS = frozenset(["index_select", "gather", "take_along_dim"])  # (and getitem with a tensor index)
+
+
+def input_values(program, X, nodes: Sequence[fx.Node]) -> Optional[Dict[fx.Node, object]]:
+    """The values of ``nodes`` on input ``X`` from their ancestors alone (a mask or an index
+    computed from the input: a few cheap ops, not the model's forward); ``None`` when an
+    ancestor runs a module or reads a parameter (then the caller runs the forward)."""
+    seen, stack = set(), list(nodes)
+    while stack:
+        m = stack.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        if m.op == "call_module" or m in program.functional:
+            return None
+        stack.extend(m.all_input_nodes)
+    leaves = _inputs.trace_leaves(X) if program.leaf_inputs else None
+    env: Dict[fx.Node, object] = {}
+    placeholders = 0
+    for node in program.graph.nodes:
+        if node.op == "placeholder":
+            value = (leaves[placeholders] if leaves is not None and placeholders < len(leaves)
+                     else X if placeholders == 0 else (node.args[0] if node.args else MISSING))
+            placeholders += 1
+        elif node not in seen:
+            continue
+        elif node.op == "get_attr":
+            value = attrgetter(node.target)(program.root)
+            if isinstance(value, nn.Parameter):
+                return None
+        else:
+            load = lambda a: env[a]  # noqa: E731
+            value = program.apply(node, fx.node.map_arg(node.args, load), fx.node.map_arg(node.kwargs, load), {})
+        env[node] = value
+    return env

@@ -340,22 +340,26 @@ def _probe_leak(program, plan, X, params, trainable, runner, base, j, n, gen, on
 @outside_transforms
 def gather_problem(program, gathers, X: Tensor, params, trainable) -> Optional[str]:
     """The sample-id test (:mod:`curvlib._plan.mixing_index`) of every indexing node whose
-    batch-dim index depends on the input's values, on this call's values (one forward)."""
+    batch-dim index depends on the input's values, on this call's values (computed from the
+    input alone where the index allows, else by one forward)."""
     n = _inputs.batch_size(X)
-    env: dict = {}
     with _seeded(_inputs.first(X).device, _SEED):
-        run_graph(program, X, params, trainable, Recorder(None), env=env)
+        env = _index.input_values(program, X, [a for check in gathers for a in check.inputs])
+        if env is None:  # the index needs the model's layers: the whole forward
+            env = {}
+            run_graph(program, X, params, trainable, Recorder(None), env=env)
     for check in gathers:
         node = check.node
         name = "getitem" if getattr(node.target, "__name__", "") == "getitem" else _index_name(node)
-        args = fx.node.map_arg(node.args, lambda a: env[a])
-        found = _index.gather_slots(name, node, args, check.batch, env[check.source].dim())
+        found = _index.gather_slots(name, node, check.args, check.batch, len(check.shape))
         if found is None:
             continue
         items, needed = found
-        flat = _index.needed_values(items, needed, lambda a: env[a])
-        out = _index.run_check(name, node, args, tuple(env[check.source].shape), check.batch,
-                               [v.cpu() if isinstance(v, Tensor) else v for v in flat], n)
+        flat = _index.needed_values(items, needed, lambda a: env.get(a, _index.MISSING))
+        if flat is None:
+            return f"graph node '{node.name}' ({label(node, name)}: its index could not be computed on this input)"
+        flat = [v.cpu() if isinstance(v, Tensor) else v for v in flat]
+        out = _index.run_check(name, node, check.args, check.shape, check.batch, flat, n)
         why, _ = _index.sample_check(out, check.layout, n)
         if why:
             return (f"graph node '{node.name}' ({label(node, name)} of '{check.source.name}' {why} on this "
