@@ -191,15 +191,12 @@ class _Walk:
         batched = [a for a in node.all_input_nodes if self.batch_of_any(a)]
         # A layer with trainable parameters mixes them into whatever it mixes: all its inputs count.
         hot_in = batched if own else [a for a in batched if a in self.hot]
-        # integer and boolean outputs (indices, counts, masks) carry no derivative: never hot, and
-        # what they mix is a constant for every gradient (as detach); an index they feed is checked
-        floating = any(t.is_floating_point() or t.is_complex() for t in ops.leaves_of(self.env_a.get(node)))
-        hot = kind not in ("meta", "cut") and (own or any(a in self.hot for a in node.all_input_nodes)) and floating
+        hot = kind not in ("meta", "cut") and (own or any(a in self.hot for a in node.all_input_nodes))
         if hot:
             self.hot.add(node)
         self.gather(node, kind, name, hot_in)
         problem = self.refine(node, kind, name, hot_in)
-        if problem or not floating or not (hot_in or (hot and batched)):
+        if problem or not (hot_in or (hot and batched)):
             return problem
         # a hot output computed from batched values (hot or not) must keep their batch
         return self.check(node, kind, name, detail, hot_in, hot_in or batched)
