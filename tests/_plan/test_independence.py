@@ -18,13 +18,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from curvlib import CurvatureError, curvature, extensions as E
 
 from oracles import models
-from oracles.checks import _assert_same_state, check_first_order, state_snapshot
+from oracles.checks import _assert_same_state, check_first_order, check_ggn_columns, state_snapshot
 from oracles.first_order import assert_close_dicts, first_order_reference
 from oracles.second_order import ggn_block, hessian_block, trainable_names
 from oracles.cases import HotNet, hot_data
@@ -62,7 +62,7 @@ MIXING = {
     "take_along_dim": (lambda h: torch.take_along_dim(h, torch.zeros_like(h, dtype=torch.long), 0),
                        r"take_along_dim along"),
     "perm": (lambda h: h[torch.arange(h.shape[0]).flip(0)], r"indexes the batch dim 0 with a tensor"),
-    "mask": (lambda h: h[h[:, 0] > -1e9], r"boolean mask"),
+    "mask_drops_a_sample": (lambda h: h + h[torch.arange(h.shape[0]) > 0].sum(0), r"indexing of 'a'.*not a multiple of N"),
     "batch_norm": (lambda h: F.batch_norm(h, None, None, training=True),
                    r"F\.batch_norm normalises 'a' with the statistics of the batch"),
     "regroup": (lambda h: h.reshape(-1).reshape(4, -1).t(), r"regroups entries of different samples"),
@@ -302,3 +302,49 @@ def test_placed_ops_refused_iff_they_mix_trainable_values(op, axis, batch_at, wh
         ref = first_order_reference(model, nn.MSELoss(), X, y)
     assert_close_dicts(qs["grad_batch"], ref["grad_batch"], "grad_batch")
 
+
+
+# ----------------------------------------------------------------------------- a per-sample bias in baddbmm (ALiBi)
+
+
+class Alibi(nn.Module):
+    """ALiBi attention on ``[N, T, 3]``: scores ``baddbmm(alibi, q, kᵀ)`` over ``[N·H, T, T]`` with
+    ``alibi [N·H, 1, T]`` built per sample (head slopes times the sample's own positions, counted
+    over its unpadded tokens); ``shuffle`` rolls the bias across the batch (it then depends on
+    ``a``'s output: samples mixed)."""
+
+    def __init__(self, heads: int, shuffle: bool = False):
+        super().__init__()
+        self.h, self.shuffle = heads, shuffle
+        self.qkv, self.act, self.out = nn.Linear(3, 3 * heads * 2), nn.Tanh(), nn.Linear(heads * 2, 2)
+        # [1, H, 1]: (indexing a buffer in forward leaves a folded constant on the model: a front-end issue)
+        self.register_buffer("slopes", 2.0 ** -torch.arange(1, heads + 1, dtype=torch.float64)[None, :, None])
+
+    def forward(self, x):
+        n, t, _ = x.shape
+        pos = (x[..., 0] > -1).to(x.dtype).cumsum(1) - 1
+        alibi = (self.slopes * pos[:, None, :]).reshape(n * self.h, 1, t)
+        q, k, v = self.qkv(x).view(n, t, 3, self.h, 2).permute(2, 0, 3, 1, 4).reshape(3, n * self.h, t, 2)
+        if self.shuffle:
+            alibi = alibi + q[:, :1, :1].transpose(1, 2).roll(self.h, 0)
+        scores = torch.baddbmm(alibi, q, k.transpose(1, 2), beta=1.0, alpha=0.7)
+        o = torch.bmm(torch.softmax(scores, -1), v).view(n, self.h, t, 2).permute(0, 2, 1, 3)
+        return self.out(self.act(o.reshape(n, t, self.h * 2)).mean(1))
+
+
+@settings(max_examples=6)
+@given(n=st.integers(2, 4), t=st.integers(2, 4), heads=st.integers(1, 3), seed=st.integers(0, 50))
+def test_alibi_bias_per_sample_in_baddbmm_is_exact(n, t, heads, seed):
+    g = seeded(seed)
+    X, y = torch.randn(n, t, 3, generator=g, dtype=DT), torch.randn(n, 2, generator=g, dtype=DT)
+    model = Alibi(heads).to(DT)
+    check_first_order(model, nn.MSELoss(), X, y)
+    check_ggn_columns(model, nn.MSELoss(), X, y)
+    qs = curvature(model, nn.MSELoss(), [E.KFLR()])(X, y)
+    assert all(bool(f.isfinite().all()) for fs in qs["kflr"].values() for f in fs)
+
+
+def test_alibi_bias_shuffled_across_the_batch_is_refused():
+    X, y = torch.randn(4, 3, 3, generator=seeded(1), dtype=DT), torch.randn(4, 2, generator=seeded(2), dtype=DT)
+    with pytest.raises(CurvatureError, match="Samples are mixed inside the model: graph node 'roll'"):
+        curvature(Alibi(2, shuffle=True).to(DT), nn.MSELoss(), [E.BatchGrad()])(X, y)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from curvlib import CurvatureError, curvature, extensions as E
@@ -202,3 +203,50 @@ def test_a_batch_merged_by_an_unknown_operation_is_refused_conservatively():
     X, y = hot_data()
     with pytest.raises(CurvatureError, match="merged with another dim by an operation curvlib cannot follow"):
         curvature(HotNet(Folded()).to(DT), nn.MSELoss(), [E.BatchGrad()])(X, y)
+
+
+# ----------------------------------------------------------------------------- -inf masks, uninitialised memory
+
+
+def masked_reductions(m):
+    """A leaf of the trace (tested numerically) whose input holds ``-inf`` (a masked column):
+    its max, logsumexp, top-2 and softmax over features, and the masked column itself."""
+    top = m.topk(2, dim=1).values
+    return torch.cat([m.amax(1, keepdim=True), torch.logsumexp(m, 1, keepdim=True), top,
+                      torch.softmax(m, 1)[:, 1:], m[:, :1]], 1)
+
+
+def half_filled(h):
+    """A leaf that returns a ``new_empty`` buffer of which it writes only the first columns."""
+    out = h.new_empty(h.shape[0], h.shape[1] + 3)
+    out[:, : h.shape[1]] = h
+    return out
+
+
+torch.fx.wrap("masked_reductions")
+torch.fx.wrap("half_filled")
+
+
+class Leaves(nn.Module):
+    """``[N, 4]`` -> Linear -> a numerically tested leaf -> Linear."""
+
+    def __init__(self, which: str):
+        super().__init__()
+        self.a, self.b, self.which = nn.Linear(3, 4), nn.Linear(4, 2), which
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.which == "masked":
+            m = h.masked_fill(torch.arange(h.shape[1]) == 0, float("-inf"))
+            z = masked_reductions(m)[:, :4]
+        else:
+            z = half_filled(h)[:, :4]
+        return self.b(torch.tanh(z))
+
+
+@pytest.mark.parametrize("which", ["masked", "uninitialised"])
+@given(seed=st.integers(0, 20), n=st.integers(2, 5))
+@settings(max_examples=5)
+def test_numeric_probe_ignores_equal_infinities_and_unwritten_memory(which, seed, n):
+    X, y = hot_data(seed, n=n)
+    check_first_order(Leaves(which).to(DT), nn.MSELoss(), X, y)

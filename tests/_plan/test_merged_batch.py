@@ -124,3 +124,57 @@ def test_residual_on_merged_rows(seed, n):
     X = torch.randn(n, 4, 2, generator=gen, dtype=DT)
     check_second_order(MergedActivation().to(DT), nn.CrossEntropyLoss(), X, torch.randint(0, 3, (n,), generator=gen),
                        hessian=True, hmp=True)
+
+
+# ----------------------------------------------------------------------------- BatchNorm1d on merged rows
+
+
+class RowNorm(nn.Module):
+    """``[N, T, 3]`` -> Linear -> rows ``[N·T, 4]`` (batch-major, or token-major with
+    ``token_major``) -> BatchNorm1d -> back to ``[N, T, 4]`` -> Tanh -> mean over T -> Linear."""
+
+    def __init__(self, token_major: bool):
+        super().__init__()
+        self.a, self.bn, self.act, self.b = nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2)
+        self.token_major = token_major
+
+    def forward(self, x):
+        n, t, _ = x.shape
+        h = self.a(x)
+        if self.token_major:
+            h = self.bn(h.transpose(0, 1).reshape(t * n, 4)).reshape(t, n, 4).transpose(0, 1)
+        else:
+            h = self.bn(h.reshape(n * t, 4)).reshape(n, t, 4)
+        return self.b(self.act(h).mean(1))
+
+
+def _row_norm(seed: int, token_major: bool, training: bool) -> RowNorm:
+    model = RowNorm(token_major).to(DT).train(training)
+    g = seeded(seed + 100)
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-1, 1, generator=g)
+        model.bn.running_var.uniform_(0.5, 2, generator=g)
+        model.bn.weight.uniform_(0.5, 1.5, generator=g)
+        model.bn.bias.uniform_(-0.5, 0.5, generator=g)
+    return model
+
+
+@settings(max_examples=8)
+@given(n=st.integers(2, 4), t=st.integers(1, 4), token_major=st.booleans(), seed=st.integers(0, 50))
+def test_eval_batch_norm_on_rows_merging_batch_and_tokens_is_exact(n, t, token_major, seed):
+    """Running statistics normalise each row alone: the rows stay apart, every quantity exact."""
+    g = seeded(seed)
+    X, y = torch.randn(n, t, 3, generator=g, dtype=DT), torch.randn(n, 2, generator=g, dtype=DT)
+    model = _row_norm(seed, token_major, training=False)
+    check_first_order(model, nn.MSELoss(), X, y)
+    check_second_order(model, nn.MSELoss(), X, y, hmp=False, seed=seed)
+    qs = curvature(model, nn.MSELoss(), [KFLR()])(X, y)
+    assert all(bool(f.isfinite().all()) for fs in qs["kflr"].values() for f in fs)
+
+
+@pytest.mark.parametrize("token_major", [False, True])
+def test_train_batch_norm_on_merged_rows_stays_refused(token_major):
+    g = seeded(3)
+    X, y = torch.randn(4, 3, 3, generator=g, dtype=DT), torch.randn(4, 2, generator=g, dtype=DT)
+    with pytest.raises(CurvatureError, match="bn"):
+        curvature(_row_norm(0, token_major, training=True), nn.MSELoss(), [BatchGrad()])(X, y)

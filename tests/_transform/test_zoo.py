@@ -30,7 +30,7 @@ import torch
 from oracles import zoo
 from oracles import zoo_checks
 
-FAST = {("gpt2_eager", "first_order"), ("bert", "ggn"), ("tv_resnet18", "kflr")}
+FAST = {("gpt2_eager", "first_order"), ("bert", "ggn"), ("tv_resnet18", "kflr"), ("llama_cls_left", "first_order")}
 
 # (model, group) -> what goes wrong today (strict: a fix makes the case XPASS -> remove it here)
 KNOWN: dict = {}

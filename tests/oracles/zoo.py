@@ -86,6 +86,8 @@ def _hf(name: str, g):
     causal = dict(vocab_size=VOCAB, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
                   tie_word_embeddings=False)
+    if name.endswith(("_cls_right", "_cls_left")):
+        return _decoder_classifier(name, g, causal)
     if name.startswith("gpt2"):
         impl = name.split("_")[1]
         cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=8, n_layer=1, n_head=2,
@@ -119,6 +121,8 @@ def _hf(name: str, g):
         # Qwen2RMSNorm computes in float32 inside a float64 model: 1e-6.
         return model, _ids(g), _ids(g), nn.CrossEntropyLoss(), _lm_output, \
             "Qwen2 (q/k/v biases, RMSNorm, RoPE, GQA); RMSNorm casts to float32", 1e-6
+    if name == "bart_cls":
+        return _bart_classifier(g)
     if name == "bert":
         cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                                       intermediate_size=16, max_position_embeddings=16, type_vocab_size=2,
@@ -157,6 +161,54 @@ def _hf(name: str, g):
         return model, _ids(g), y, nn.MSELoss(), "last_hidden_state", \
             "T5 encoder (T5LayerNorm = RMSNorm, variance in float32; relative position bias), MSE on last_hidden_state", 1e-6
     raise KeyError(name)
+
+
+def _decoder_classifier(name: str, g, causal: dict):
+    """A decoder's ``*ForSequenceClassification``: pooled at each sample's last non-pad token
+    (``logits[arange(N), last]``), padded on the right or the left (``attention_mask``)."""
+    import transformers
+
+    pad, left = 0, name.endswith("_left")
+    if name.startswith("gpt2"):
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=8, n_layer=1, n_head=2, n_inner=16,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, num_labels=CLASSES,
+                                      pad_token_id=pad, attn_implementation="eager")
+        model = transformers.GPT2ForSequenceClassification(cfg)
+    else:
+        cfg = transformers.LlamaConfig(**causal, num_labels=CLASSES, pad_token_id=pad, attn_implementation="sdpa")
+        model = transformers.LlamaForSequenceClassification(cfg)
+        for m in model.modules():  # float64 throughout (the float32 cast removed): compared at 1e-8
+            if type(m).__name__.endswith("RMSNorm"):
+                m.__class__ = _float64_norm(type(m))
+    ids = torch.randint(1, VOCAB, (N, T), generator=g)
+    mask = torch.ones(N, T, dtype=torch.long)
+    for i, k in ((1, 2), (2, 1)):  # samples 1 and 2 padded by 2 and 1 tokens
+        where = slice(0, k) if left else slice(T - k, T)
+        ids[i, where], mask[i, where] = pad, 0
+    X = {"input_ids": ids, "attention_mask": mask}
+    side = "left" if left else "right"
+    return model, X, _labels(g), nn.CrossEntropyLoss(), None, \
+        f"{type(model).__name__}: last non-pad token pooling, padding on the {side}", 1e-8
+
+
+def _bart_classifier(g):
+    """BART's sequence classifier: pooled at each sample's end-of-sequence token through a boolean
+    mask (``hidden[eos_mask].view(N, -1, H)[:, -1]``), one eos per sample, sample 1 padded after it."""
+    import transformers
+
+    cfg = transformers.BartConfig(vocab_size=VOCAB, d_model=8, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=16,
+                                  decoder_ffn_dim=16, max_position_embeddings=16, num_labels=CLASSES, pad_token_id=1,
+                                  eos_token_id=2, bos_token_id=0, dropout=0.0, attention_dropout=0.0,
+                                  activation_dropout=0.0, classifier_dropout=0.0)
+    model = transformers.BartForSequenceClassification(cfg)
+    ids = torch.randint(3, VOCAB, (N, T), generator=g)
+    mask = torch.ones(N, T, dtype=torch.long)
+    ids[:, -1] = 2
+    ids[1, -3], ids[1, -2:], mask[1, -2:] = 2, 1, 0
+    X = {"input_ids": ids, "attention_mask": mask}
+    return model, X, _labels(g), nn.CrossEntropyLoss(), None, \
+        "BART classifier: end-of-sequence pooling through a boolean mask, one eos per sample", 1e-8
 
 
 # ----------------------------------------------------------------------------------------
@@ -269,7 +321,8 @@ def _tv(name: str, g):
     raise KeyError(name)
 
 
-HF = ["gpt2_eager", "gpt2_sdpa", "llama_eager", "llama_sdpa", "llama_f64norm", "qwen2", "bert", "distilbert", "vit_hf", "t5_encoder"]
+HF = ["gpt2_eager", "gpt2_sdpa", "llama_eager", "llama_sdpa", "llama_f64norm", "qwen2", "bert", "distilbert", "vit_hf", "t5_encoder",
+      "gpt2_cls_right", "gpt2_cls_left", "llama_cls_right", "llama_cls_left", "bart_cls"]
 TIMM = ["timm_vit_tiny", "timm_convnext_atto", "timm_resnet10t", "timm_efficientnet", "timm_nfnet", "timm_mixer", "timm_swin"]
 TV = ["tv_resnet18", "tv_mobilenet_v3_small", "tv_efficientnet_b0", "tv_convnext_tiny", "tv_vit", "tv_swin_t"]
 NAMES = HF + TIMM + TV

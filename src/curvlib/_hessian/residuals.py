@@ -235,6 +235,8 @@ def record(program: Program, node: fx.Node, planned: Planned, env: Dict[fx.Node,
         env = {**env, **before}
         if phi is not None:
             phi = _out_of_place(phi)
+    if not isinstance(z, Tensor) and not any(t.is_floating_point() or t.is_complex() for t in _leaves(z)):
+        return  # integer or boolean outputs only (indices, counts): not differentiable
     if not isinstance(z, Tensor):
         raise CurvatureError(
             f"The Hessian extensions need the second derivative of graph node '{node.name}' "
@@ -246,6 +248,12 @@ def record(program: Program, node: fx.Node, planned: Planned, env: Dict[fx.Node,
     if _record_structured(program, node, kind, phi, env, env_out, params, rec, z):
         return
     _record_dense(program, node, env, env_out, params, trainable, coupled, rec, dependent, inplace, z)
+
+
+def _leaves(value) -> List[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    return [t for v in value for t in _leaves(v)] if isinstance(value, (tuple, list)) else []
 
 
 def _record_structured(program: Program, node: fx.Node, kind: str, phi, env, env_out,

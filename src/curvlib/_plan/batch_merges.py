@@ -18,7 +18,7 @@ import operator
 from typing import Optional, Tuple
 
 import torch
-from torch import Tensor, fx
+from torch import Tensor, fx, nn
 
 from . import independence as _independence
 from .._hessian import structured as _residual_structured
@@ -57,7 +57,7 @@ def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable)
     windows become positions sharing the weight) and its output is merged back the same way.
     A merge whose order is not known stays refused (:func:`_batch_dim`)."""
     where = {_site_node_name(site) for site, sa, sb in zip(rec_a.sites, rec_a.out_shapes, rec_b.out_shapes)
-             if _merged(sa, sb, n) and (site.rule.kind in _ROW_WISE or _broadcasting(site))}
+             if _merged(sa, sb, n) and (site.rule.kind in _ROW_WISE or _broadcasting(site) or _rows_apart(program, site, sa))}
     if not where or program.graph is None:
         return False
     found = _independence.analyse(program, env_a, env_b, n, trainable)
@@ -75,11 +75,25 @@ def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable)
         batch = layouts.pop()
         if not batch.s or batch.c % batch.s:
             continue  # an order the analysis could not follow: refused below
+        rows = _rows_apart(program, None, env_a[node].shape, node)
         for graph_program in (program, program.sibling):
             if graph_program is not None:
-                _unmerge(graph_program, node.name, sorted(merged), batch.c // batch.s, batch.s)
+                _unmerge(graph_program, node.name, sorted(merged), batch.c // batch.s, batch.s, channels=rows)
         done = True
     return done
+
+
+def _rows_apart(program, site: Optional[Site], shape, node: Optional[fx.Node] = None) -> bool:
+    """An eval-mode BatchNorm (running statistics) on rows ``[R, C]``: each row normalised alone,
+    so merged rows stay apart (in training mode the batch statistics mix them: not split,
+    refused as before)."""
+    if site is not None:
+        node = next((m for m in program.graph.nodes if m.name == _site_node_name(site)), None) \
+            if program.graph is not None else None
+    layer = program.layers.get(node.target) if node is not None and node.op == "call_module" else None
+    module = layer.module if layer is not None else None
+    return (isinstance(module, nn.modules.batchnorm._BatchNorm) and len(shape) == 2
+            and not module.training and module.running_mean is not None)
 
 
 def _site_node_name(site: Site) -> str:
@@ -99,10 +113,11 @@ def _site_path(program, node: fx.Node) -> Optional[str]:
     return node.name if node in program.functional else None
 
 
-def _unmerge(program, name: str, positions, outer: int, inner: int) -> None:
+def _unmerge(program, name: str, positions, outer: int, inner: int, channels: bool = False) -> None:
     """Run graph node ``name`` on its inputs at ``positions`` with the batch split off dim 0
     (``[outer, N, inner]``, the batch in front), and merge its output back, so that its users
-    see the same values."""
+    see the same values. ``channels``: rows ``[R, C]`` of a layer that wants its channels in
+    dim 1 (BatchNorm): it runs on ``[N, C, outer·inner]``."""
     graph = program.graph
     node = next(m for m in graph.nodes if m.name == name)
     args = list(node.args)
@@ -111,18 +126,31 @@ def _unmerge(program, name: str, positions, outer: int, inner: int) -> None:
             split = graph.create_node("call_method", "unflatten", (args[k], 0, (outer, -1, inner)),
                                       name=f"{name}_split_batch{k}")
             args[k] = graph.create_node("call_method", "movedim", (split, 1, 0), name=f"{name}_batch_first{k}")
-        program.dependent = frozenset(program.dependent) | {split, args[k]}
+            made = {split, args[k]}
+            if channels:  # [N, outer, inner, C] -> [N, C, outer·inner]
+                args[k] = graph.create_node("call_method", "flatten", (args[k], 1, 2), name=f"{name}_rows{k}")
+                made.add(args[k])
+                args[k] = graph.create_node("call_method", "transpose", (args[k], 1, 2), name=f"{name}_channels{k}")
+                made.add(args[k])
+        program.dependent = frozenset(program.dependent) | made
     swapped = {old: new for old, new in zip(node.args, args) if old is not new}
     node.args = tuple(args)
     use = program.functional.get(node)
     if use is not None:  # (its per-sample recomputation reads these inputs)
         program.functional[node] = dataclasses.replace(use, inputs=tuple(swapped.get(a, a) for a in use.inputs))
-    with graph.inserting_after(node):
-        back = graph.create_node("call_method", "movedim", (node, 0, 1), name=f"{name}_batch_back")
+    first = out = node
+    if channels:  # [N, C, outer·inner] -> [N, outer, inner, C]
+        with graph.inserting_after(out):
+            first = out = graph.create_node("call_method", "transpose", (out, 1, 2), name=f"{name}_rows_back")
+        with graph.inserting_after(out):
+            out = graph.create_node("call_method", "unflatten", (out, 1, (outer, inner)), name=f"{name}_split_rows")
+    with graph.inserting_after(out):
+        back = graph.create_node("call_method", "movedim", (out, 0, 1), name=f"{name}_batch_back")
     with graph.inserting_after(back):
         merged = graph.create_node("call_method", "flatten", (back, 0, 2), name=f"{name}_merge_batch")
-    node.replace_all_uses_with(merged, delete_user_cb=lambda user: user is not back)
-    program.dependent = frozenset(program.dependent) | {back, merged}
+    consumer = first if channels else back  # (the one user of the node's own value)
+    node.replace_all_uses_with(merged, delete_user_cb=lambda user: user is not consumer)
+    program.dependent = frozenset(program.dependent) | {first, out, back, merged} - {node}
 
 
 def residual_merges(program, residuals, dims, independence, n: int) -> Tuple[Optional[Tuple[int, int]], ...]:

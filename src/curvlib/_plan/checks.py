@@ -26,7 +26,7 @@ from ..extensions import SecondOrder
 from ..losses import LossSpec
 from ..rules.generic import refuse_buffer_updates
 from . import arguments as _arguments, budget as _budget
-from .independence import refuse_mixing
+from .independence import refuse_mixing, refuse_mixing_per_call
 from .plan import Plan, make_plan
 from .support import check_second_order, note_unused
 from .traces import Traced
@@ -122,6 +122,9 @@ def plan_call(request: Request, traced: Traced, X, values: Mapping[str, Tensor],
         _budget.check_roots(second, plan.out_shape, plan.out_dtype, _inputs.first(X).device)
         if first:  # (after the roots: an exact root too large for the device is the first fix)
             _budget.check_factor_sizes(second, plan.sites, trainable, values)
+    if not first:  # indexing by the input's values: its verdict is this call's
+        refuse_mixing_per_call(plan, request.computed, traced.program, X, values, frozenset(trainable),
+                               request.chunked)
     if first:
         note_unused(plan.sites, trainable)
         # samples mixed inside the model: refuse what needs them independent

@@ -32,6 +32,11 @@ constant for every gradient, which is then exact). Merging the batch with
 another dim and splitting it again is allowed (no values mix); a merge whose
 order curvlib cannot follow is refused, not guessed.
 
+Indexing along the batch dim (``h[idx]``, ``h[mask]``, ``index_select``/``gather`` along
+it) is decided on the index's values (:mod:`curvlib._plan.mixing_index`): in the planning
+passes when it is built from constants and shapes, on every call when it depends on the
+input's values.
+
 Operations outside the tables, parametrized modules without a hand-written
 rule and unknown parameter-free modules are *pending*: tested numerically
 once per plan, on first use (:mod:`curvlib._plan.mixing_numeric`). Models without
@@ -54,11 +59,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from torch import Tensor, fx, nn
 
 from .._core.errors import CurvatureError
-from . import mixing_checks as checks, mixing_ops as ops
+from . import mixing_checks as checks, mixing_index as index, mixing_ops as ops
 from .mixing_ops import Batch
 from . import mixing_numeric as _mixing_numeric
 
-__all__ = ["Independence", "analyse", "refuse_mixing"]
+__all__ = ["Independence", "analyse", "refuse_mixing", "refuse_mixing_per_call"]
 
 _UNSET = object()
 
@@ -79,6 +84,11 @@ class Independence:
     layouts: Dict[fx.Node, list] = field(default_factory=dict)
     untraced: bool = False
     numeric_problem: object = _UNSET
+    gathers: Tuple[index.GatherCheck, ...] = ()  # indexing by the input's values: tested per call
+
+    def per_call(self, program, X, params, trainable) -> Optional[str]:
+        """The verdict on indexing by the input's values, for this call's ``X``."""
+        return _mixing_numeric.gather_problem(program, self.gathers, X, params, trainable) if self.gathers else None
 
     def numeric(self, program, plan, X, params, trainable, runner) -> Optional[str]:
         """The numeric tests' verdict, computed on first use (for a graph, once per plan)."""
@@ -108,7 +118,7 @@ def analyse(program, env_a: Dict, env_b: Dict, n: int, trainable) -> Independenc
         problem = walk.visit(node)
         if problem:
             return Independence(problem=problem)
-    return Independence(pending=tuple(walk.pending), layouts=walk.layouts)
+    return Independence(pending=tuple(walk.pending), layouts=walk.layouts, gathers=tuple(walk.gathers))
 
 
 def _guard_only(graph) -> set:
@@ -132,6 +142,10 @@ class _Walk:
         self.layouts: Dict[fx.Node, list] = {}
         self.hot: set = set()
         self.pending: List[fx.Node] = []
+        # indexing along the batch decided on values (mixing_index): node -> why it mixes, or None
+        self.verdicts: Dict[fx.Node, Optional[str]] = {}
+        self.gathers: List[index.GatherCheck] = []
+        self.values = (index.Values(program.root, env_a), index.Values((program.sibling or program).root, env_b))
 
     def batch(self, a) -> Optional[Batch]:
         leaves = self.layouts.get(a, []) if isinstance(a, fx.Node) else []
@@ -180,11 +194,47 @@ class _Walk:
         hot = kind not in ("meta", "cut") and (own or any(a in self.hot for a in node.all_input_nodes))
         if hot:
             self.hot.add(node)
+        self.gather(node, kind, name, hot_in)
         problem = self.refine(node, kind, name, hot_in)
         if problem or not (hot_in or (hot and batched)):
             return problem
         # a hot output computed from batched values (hot or not) must keep their batch
         return self.check(node, kind, name, detail, hot_in, hot_in or batched)
+
+    # -- indexing along the batch, decided on values ----------------------------------
+    def gather(self, node, kind, name, hot_in) -> None:
+        """Run :mod:`curvlib._plan.mixing_index`'s sample-id test on an op indexing the batch dim:
+        in both planning passes when the index is a constant (or shapes), else per call."""
+        name = name.split(".")[0]  # (an ATen overload: index_select.default)
+        if node.op == "call_module" or not (kind == "index" or name in index.GATHERS):
+            return
+        src, b = node.args[0], self.batch(node.args[0])
+        if b is None or b.s is None:
+            return  # (an order curvlib cannot follow: refused as before)
+        values = self.load(node.args)
+        found = index.gather_slots(name, node, values, b, self.env_a[src].dim())
+        leaves = self.layouts[node]
+        if found is None or len(leaves) != 1:
+            return
+        items, needed = found
+        layout = leaves[0]
+        for k, (env, n) in enumerate(((self.env_a, self.n), (self.env_b, self.n + 1))):
+            flat = index.needed_values(items, needed, self.values[k].get)
+            if flat is None:  # depends on the input's values: decided on every call
+                if src in hot_in:
+                    self.gathers.append(index.gather_check(node, b, layout, values, items, needed))
+                self.verdicts[node] = None
+                return
+            args = fx.node.map_arg(node.args, env.get)
+            out = index.run_check(name, node, args, tuple(env[src].shape), b, flat, n)
+            why, layout = index.sample_check(out, layout, n)
+            if why:
+                self.verdicts[node] = (f"of '{src.name}' indexes the batch dim {b.dim} with a tensor that {why}"
+                                       if kind == "index" else f"along the batch dim {b.dim} of '{src.name}' {why}")
+                return
+        if isinstance(layout, Batch):
+            leaves[0] = layout
+        self.verdicts[node] = None
 
     # -- layouts of merged batches ------------------------------------------------
     def refine(self, node, kind, name, hot_in) -> Optional[str]:
@@ -260,13 +310,31 @@ def refuse_mixing(plan, extensions: Sequence, program, X: Tensor, params, traina
     Called before any work; the structural verdict is cached with the plan, the
     numeric one is computed on first use.
     """
-    found = getattr(plan, "independence", None)
-    wanted = [e for e in extensions if type(e).independent_samples]
-    if found is None or not (wanted or chunked):
+    found, wanted = _wanted(plan, extensions, chunked)
+    if found is None:
         return
-    problem = found.problem or found.numeric(program, plan, X, params, trainable, runner)
+    problem = (found.problem or found.per_call(program, X, params, trainable)
+               or found.numeric(program, plan, X, params, trainable, runner))
     if problem:
         raise CurvatureError(_message(problem, wanted, chunked))
+
+
+def refuse_mixing_per_call(plan, extensions: Sequence, program, X: Tensor, params, trainable,
+                           chunked: bool = False) -> None:
+    """:func:`refuse_mixing` for a plan already checked: only indexing by the input's values,
+    whose verdict is this call's (:mod:`curvlib._plan.mixing_index`)."""
+    found, wanted = _wanted(plan, extensions, chunked)
+    problem = found.per_call(program, X, params, trainable) if found is not None else None
+    if problem:
+        raise CurvatureError(_message(problem, wanted, chunked))
+
+
+def _wanted(plan, extensions: Sequence, chunked: bool):
+    """``(found, wanted)``: the plan's verdicts (``None``: nothing to check) and the extensions
+    that need independent samples."""
+    found = getattr(plan, "independence", None)
+    wanted = [e for e in extensions if type(e).independent_samples]
+    return (found if found is not None and (wanted or chunked) else None), wanted
 
 
 def _message(problem: str, wanted: Sequence, chunked: bool) -> str:

@@ -42,6 +42,8 @@ def specific(walk, node: fx.Node, kind: str, name: str, detail, hot_in) -> Optio
     """The kind-specific check (see :mod:`curvlib._plan.mixing_ops` for the kinds)."""
     if node.op == "call_module":
         return _module(walk, node, kind, detail, hot_in)
+    if node in walk.verdicts:  # indexing along the batch, decided on values (mixing_index)
+        return walk.verdicts[node]
     args, kwargs = walk.load(node.args), walk.load(node.kwargs)
     if kind == "dim":
         return _dim(walk, name, args, kwargs, hot_in)

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from typing import Callable, List, Optional
 
 import torch
 from torch import Tensor, fx
 
 from .._core import inputs as _inputs
+from . import mixing_index as _index
 from .mixing_ops import Batch, leaves_of
 from .._core.sync import LOCK
 from .mixing_checks import label
@@ -38,7 +40,7 @@ from .._core.site import Recorder
 from ..rules.generic import join_args, stateless_call
 from .._interpret.graph import run_graph
 
-__all__ = ["pending_problem", "untraced_problem"]
+__all__ = ["gather_problem", "pending_problem", "untraced_problem"]
 
 _SEED, _OTHER_SEED = 20240601, 7
 
@@ -47,9 +49,29 @@ _SEED, _OTHER_SEED = 20240601, 7
 def _seeded(device: torch.device, seed: int):
     """Same random numbers for every run of a test; the caller's random state untouched
     (the global state is process-wide: other threads wait, :data:`curvlib._core.sync.LOCK`)."""
-    with LOCK, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+    with LOCK, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad(), \
+            _filled_memory():
         torch.manual_seed(seed)
         yield
+
+
+@contextlib.contextmanager
+def _filled_memory():
+    """Uninitialised tensors (``empty``, ``new_empty``, ``empty_like``) filled with NaN (integers:
+    their largest value), so that entries a model never writes read the same in every run of a
+    test (torch's deterministic mode fills them; its checks only warn, and are silenced here)."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=not deterministic or warn_only)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def _plain(t):
@@ -114,8 +136,11 @@ def _perturbed(j: int, n: int, gen: torch.Generator) -> Callable:
             shape = [1] * v.dim()
             shape[leaf.dim] = -1
             noise = torch.randn(v.shape, generator=gen, dtype=v.dtype, device="cpu").to(v.device)
-            scale = float(v.abs().max().nan_to_num(0.0)) or 1.0
-            return v + noise * scale * mine.reshape(shape).to(v.dtype)
+            finite = v.isfinite()
+            # the scale of the finite entries; infinite entries (-inf masks) stay as they are, and
+            # other samples' entries are kept, not multiplied by zero (inf · 0 is NaN)
+            scale = float(v.abs().masked_fill(~finite, 0).max()) or 1.0
+            return torch.where(mine.reshape(shape) & finite, v + noise * scale, v)
         other = j + 1 if j + 1 < n else j - 1  # integers (indices): another sample's rows
         pos = torch.arange(v.shape[leaf.dim], device=v.device)
         return v.index_select(leaf.dim, torch.where(mine, pos + (other - j) * leaf.s, pos))
@@ -310,3 +335,38 @@ def _probe_leak(program, plan, X, params, trainable, runner, base, j, n, gen, on
     with _seeded(_inputs.first(X).device, _SEED):
         out = runner(program, X, params, trainable, Recorder(probes, batch_dims=plan.batch_dims))
     return _leak(base, out, [Batch(0)], j, n)
+
+
+@outside_transforms
+def gather_problem(program, gathers, X: Tensor, params, trainable) -> Optional[str]:
+    """The sample-id test (:mod:`curvlib._plan.mixing_index`) of every indexing node whose
+    batch-dim index depends on the input's values, on this call's values (computed from the
+    input alone where the index allows, else by one forward)."""
+    n = _inputs.batch_size(X)
+    with _seeded(_inputs.first(X).device, _SEED):
+        env = _index.input_values(program, X, [a for check in gathers for a in check.inputs])
+        if env is None:  # the index needs the model's layers: the whole forward
+            env = {}
+            run_graph(program, X, params, trainable, Recorder(None), env=env)
+    for check in gathers:
+        node = check.node
+        name = "getitem" if getattr(node.target, "__name__", "") == "getitem" else _index_name(node)
+        found = _index.gather_slots(name, node, check.args, check.batch, len(check.shape))
+        if found is None:
+            continue
+        items, needed = found
+        flat = _index.needed_values(items, needed, lambda a: env.get(a, _index.MISSING))
+        if flat is None:
+            return f"graph node '{node.name}' ({label(node, name)}: its index could not be computed on this input)"
+        flat = [v.cpu() if isinstance(v, Tensor) else v for v in flat]
+        out = _index.run_check(name, node, check.args, check.shape, check.batch, flat, n)
+        why, _ = _index.sample_check(out, check.layout, n)
+        if why:
+            return (f"graph node '{node.name}' ({label(node, name)} of '{check.source.name}' {why} on this "
+                    "input: its index depends on the input's values, tested on every call)")
+    return None
+
+
+def _index_name(node: fx.Node) -> str:
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return name.split(".")[0]

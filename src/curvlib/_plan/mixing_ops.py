@@ -17,8 +17,9 @@ operation can mix the samples of a *batched* input:
 * ``contract``: sums over the contracted dims (``@``, ``einsum``, ``F.linear``);
 * ``view``: regroups entries; must keep every sample's entries together;
 * ``cat``/``repeat``: stack samples' rows; layouts must agree;
-* ``index``: ``h[idx]`` with a tensor index in the batch position gathers rows
-  of other samples (the identity ``torch.arange(N)`` excepted);
+* ``index``: ``h[idx]`` with a tensor index in the batch position: decided on the
+  index's values (:mod:`curvlib._plan.mixing_index`); where the batch's order is not
+  known, only the identity ``torch.arange(N)`` is accepted;
 * ``leading``: treats dim 0 as the batch (conv, group/instance norm, ...);
 * ``pool``: mixes along its last ``k`` dims;
 * ``meta``: reads shapes only (``size``, ``new_zeros``, ``zeros_like``);
@@ -102,7 +103,7 @@ sinh cosh asin acos atan atan2 arcsin arccos arctan sigmoid relu relu6 gelu silu
 softplus softsign hardtanh hardswish hardsigmoid mish logsigmoid tanhshrink softshrink hardshrink threshold
 rrelu prelu erf erfc erfinv clamp clip clamp_min clamp_max where maximum minimum fmax fmin sign sgn square
 reciprocal lerp addcmul addcdiv nan_to_num floor ceil round trunc frac eq ne lt le gt ge and or xor invert
-not logical_and logical_or logical_not logical_xor bitwise_and bitwise_or bitwise_xor bitwise_not isnan
+not isneginf isposinf logical_and logical_or logical_not logical_xor bitwise_and bitwise_or bitwise_xor bitwise_not isnan
 isinf isfinite masked_fill type_as float double half bfloat16 int long bool to contiguous clone cpu cuda
 dropout alpha_dropout feature_alpha_dropout dropout1d dropout2d dropout3d real imag conj hypot logaddexp
 logit heaviside copysign xlogy embedding one_hot layer_norm rms_norm iadd isub imul itruediv ifloordiv

@@ -136,10 +136,18 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     scores = torch.matmul(q, key.transpose(-2, -1))
     if attn_mask is not None or is_causal:
         scores = _sdpa_masked_scores(scores, attn_mask, is_causal)
-    weights = torch.softmax(scores, dim=-1)
+    weights = torch.softmax(scores, dim=-1) if attn_mask is None else _safe_softmax(scores)
     if not isinstance(dropout_p, (int, float)) or dropout_p > 0:
         weights = F.dropout(weights, p=dropout_p, training=True)
     return torch.matmul(weights, value)
+
+
+def _safe_softmax(scores: Tensor) -> Tensor:
+    """Softmax over the last dim, zero on rows whose scores are all ``-inf`` (a query that may
+    attend to nothing: a left-padded position), as PyTorch's own attention math computes it;
+    the masked rows' scores are replaced before the softmax, so that no NaN reaches a backward."""
+    empty = torch.isneginf(scores).all(-1, keepdim=True)
+    return torch.where(empty, 0.0, torch.softmax(torch.where(empty, 0.0, scores), dim=-1))
 
 
 def _projections(m: nn.MultiheadAttention, query, key, value):

@@ -55,7 +55,8 @@ _LINEAR_FUNCTIONS = {
     torch.add, torch.sub, torch.neg, torch.flatten, torch.reshape, torch.cat, torch.stack,
     torch.transpose, torch.permute, torch.squeeze, torch.unsqueeze, torch.sum, torch.mean,
     torch.movedim, torch.swapaxes, torch.narrow, torch.select, torch.chunk, torch.split, torch.unbind,
-    torch.relu, torch.flip, torch.roll,
+    torch.relu, torch.flip, torch.roll, torch.index_select, torch.gather, torch.take_along_dim, torch.tensor_split,
+    torch.hsplit, torch.vsplit, torch.dsplit, torch.split_with_sizes, torch.unique_consecutive,
     F.relu, F.leaky_relu, F.relu6, F.hardtanh, F.hardsigmoid, F.pad, F.dropout, F.dropout1d, F.dropout2d,
     F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d,
     F.avg_pool3d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d,
@@ -66,8 +67,15 @@ _LINEAR_METHODS = {
     "contiguous", "mean", "sum", "size", "dim", "expand", "expand_as", "repeat", "chunk",
     "split", "unbind", "__getitem__", "t", "neg", "relu", "narrow", "select", "to", "type_as",
     "float", "double", "flip", "roll", "movedim", "view_as", "reshape_as", "clone",
-    "add", "sub", "unflatten",
+    "add", "sub", "unflatten", "index_select", "gather", "split_with_sizes", "tensor_split", "take_along_dim",
+    "unique_consecutive",
 }
+# ATen operators (an ATen trace keeps some as they are) that select, split or regroup entries of
+# their tensor input: linear in it (``unique_consecutive`` returns a subset of its values; its
+# indices and counts are integers, not differentiated)
+_LINEAR_ATEN = frozenset("""split split_with_sizes unbind chunk tensor_split index_select gather take_along_dim
+select slice narrow view _unsafe_view reshape expand permute transpose squeeze unsqueeze cat stack clone
+index unique_consecutive alias""".split())
 _ELEMENTWISE_FUNCTIONS = {
     torch.sigmoid, torch.tanh, torch.exp, torch.sin, torch.cos, torch.log1p,
     F.sigmoid, F.tanh, F.gelu, F.silu, F.softplus, F.elu, F.selu, F.celu, F.logsigmoid,
@@ -160,7 +168,8 @@ def _classify_from_tables(node: fx.Node, target, dependent: set) -> Optional[Tup
             return "elementwise", (lambda a, t=target, r=rest, k=kwargs: getattr(a, t)(*r, **k))
     if node.op != "call_function":
         return None
-    if target in _LINEAR_FUNCTIONS:
+    if target in _LINEAR_FUNCTIONS or (isinstance(target, torch._ops.OpOverload)
+                                       and target.overloadpacket.__name__ in _LINEAR_ATEN):
         return "linear", None
     first_only = _depends_on_input(node.args[0], dependent) and not any(
         _depends_on_input(a, dependent) for a in node.args[1:])
