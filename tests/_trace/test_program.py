@@ -9,10 +9,12 @@ BatchGrad, DiagGGNExact and KFLR against the float64 brute force.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
+from curvlib import curvature
 from curvlib._trace.program import trace_program
 from oracles.on_device import seeded
 from oracles.zoo import Problem
@@ -66,3 +68,30 @@ def test_module_built_inside_forward(acts, wrap, seed):
     X = torch.randn(4, 4, generator=g, dtype=DT)
     check_exact(Problem(model, X, torch.randint(0, 3, (4,), generator=g), nn.CrossEntropyLoss(),
                         None if wrap else "logits", ""))
+
+
+@pytest.mark.parametrize("aten", [False, True])
+def test_tensors_the_forward_creates_do_not_touch_the_model(aten):
+    """A tensor created in ``forward`` (``torch.tensor([...])``) is held by its graph node; fx
+    would store it as a new ``_tensor_constant`` attribute of the traced module, the user's
+    model. Results stay exact; the model keeps exactly its attributes."""
+    from oracles.reference import assert_matches, exact_extensions, reference
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 3)
+
+        def forward(self, x):
+            if aten and bool(x.abs().sum() >= 0):  # a branch on values: the ATen front end
+                x = x * 1.0
+            h = torch.tanh(self.a(x)) * torch.tensor([1.0, 2.0, 0.5, -1.0], dtype=x.dtype)
+            return self.b(h) + torch.tensor([0.1, 0.0, -0.1], dtype=x.dtype)
+
+    torch.manual_seed(0)
+    model = Scaled().double()
+    before = dict(vars(model))
+    X, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 3, (4,))
+    qs = curvature(model, nn.CrossEntropyLoss(), exact_extensions(hessian=True, kflr=True))(X, y)
+    assert set(vars(model)) == set(before)
+    assert_matches(qs, reference(model, nn.CrossEntropyLoss(), X, y, hessian=True, pchmp=False), f"aten={aten}")

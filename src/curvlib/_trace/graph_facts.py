@@ -12,7 +12,7 @@ from typing import List
 from torch import fx
 
 from .._core.errors import CurvatureError
-from .program import Program
+from .program import Program, TensorConstant
 
 __all__ = ["is_inplace", "overwrites_input", "has_inplace", "chain_nodes"]
 
@@ -62,13 +62,15 @@ def chain_nodes(program) -> List[fx.Node]:
             "weights are shared over its unrolled time steps (a loop, not a chain). Use KFLR or "
             "KFAC (Kronecker factors with the time steps as shared positions)."
         )
-    nodes = [n for n in program.graph.nodes if n.op not in ("output", "get_attr")]
+    nodes = [n for n in program.graph.nodes
+             if n.op not in ("output", "get_attr") and not isinstance(n.target, TensorConstant)]
     placeholders = [n for n in nodes if n.op == "placeholder"]
     chain = [placeholders[0]]
     for node in nodes:
         if node.op == "placeholder":
             continue
-        tensor_inputs = [a for a in node.all_input_nodes if a.op != "get_attr"]
+        tensor_inputs = [a for a in node.all_input_nodes
+                         if a.op != "get_attr" and not isinstance(a.target, TensorConstant)]
         if tensor_inputs != [chain[-1]]:
             raise CurvatureError(
                 f"KFRA needs a chain of operations (a Sequential-like model); graph node "
