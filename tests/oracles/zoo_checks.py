@@ -130,6 +130,10 @@ def check_problem(prob: zoo.Problem, group: str) -> Dict[str, float]:
         # weight-standardised convolutions (timm's StdConv2d family) convolve a function of the weight,
         # not the weight: docs/supported-models.md's fallback, the diagonal of the exact block
         standardised = [f"{k}.weight" for k, m in sites.items() if "StdConv" in type(m).__name__]
+        # a Linear weight tied to an Embedding's (RoBERTa's decoder, named first): tied across
+        # layers, the same fallback (docs/supported-models.md)
+        embedded = {id(m.weight) for m in prob.model.modules() if isinstance(m, torch.nn.Embedding)}
+        standardised += [w for w in weights if id(params[w]) in embedded and w not in standardised]
         not_two = {w: [tuple(f.shape) for f in qs["kflr"][w]] for w in weights if w not in standardised
                    and w in qs["kflr"] and (len(qs["kflr"][w]) != 2 or any(f.dim() != ndim[w] for f in qs["kflr"][w]))}
         missing = [w for w in weights if w not in qs["kflr"]]
@@ -142,7 +146,7 @@ def check_problem(prob: zoo.Problem, group: str) -> Dict[str, float]:
         _phase("oracle")
         if standardised:
             diag = {k: v.sum(0) for k, v in oz.ggn_diagonals(oz.ggn_parts(prob)).items()}
-            compare("kflr (diagonal of a standardised weight)",
+            compare("kflr (diagonal of a standardised or tied weight)",
                     {w: qs["kflr"][w][0].reshape(diag[w].shape) for w in standardised if len(qs["kflr"][w]) == 1},
                     {w: diag[w] for w in standardised}, rtol, errors)
         ref = oz.kflr_factors(prob, "expand")
