@@ -282,7 +282,16 @@ def check_residual_sizes(residuals, dims, n: int) -> None:
 
     ``dims``: :func:`residual_batch_dims` of ``residuals``."""
     for res, (in_dims, _) in zip(residuals, dims):
-        per_sample = [a.numel() // max(a.shape[k], 1) for a, k in zip(res.inputs, in_dims)]
+        whole = [a for a, k in zip(res.inputs, in_dims) if k >= a.dim()]
+        if whole and res.kind in ("dense", "bilinear"):
+            raise CurvatureError(
+                f"The Hessian extensions need the second derivative of graph node '{res.where}' per "
+                f"sample, but its input of shape {list(whole[0].shape)} has no batch dimension (a value "
+                "computed from the whole batch, e.g. a max over samples), so it does not split per "
+                "sample. Use the GGN extensions (DiagGGNExact, BatchDiagGGNExact) or HMP for this model."
+            )
+        per_sample = [a.numel() // max(a.shape[k], 1) if k < a.dim() else a.numel()
+                      for a, k in zip(res.inputs, in_dims)]
         if res.kind == "dense":
             d = sum(per_sample) + sum(p.numel() for p in res.params.values())
         elif res.kind == "bilinear":
