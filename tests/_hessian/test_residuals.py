@@ -58,8 +58,8 @@ def test_selecting_ops_have_no_residual_and_the_hessian_is_exact(how, n, seed):
 class DictPicked(Picked):
     """The same behind a dict input (traced at the ATen level, where the ops stay ATen overloads)."""
 
-    def forward(self, x):  # noqa: D102 - as Picked, on x["x"]
-        return super().forward(x["x"])
+    def forward(self, x):  # noqa: D102 - as Picked: X = {"x": ...} reaches it as a keyword (the ATen front end)
+        return super().forward(x)
 
 
 @pytest.mark.parametrize("how", HOW)

@@ -22,14 +22,8 @@ pytest.importorskip("peft")
 from oracles import ecosystem, ecosystem_checks  # noqa: E402
 
 
-def _xfail(reason: str):
-    return pytest.mark.xfail(strict=True, reason=reason)
-
-
 FAST = [
-    pytest.param("transformers/seq_cls/llama", "direct", "first_order", marks=_xfail(
-        "refused: \"Samples are mixed inside the model: graph node 'getitem_4' (indexing of 'model_score' indexes "
-        "the batch dim 0 with a tensor (gathers rows of other samples ...\": last-token pooling")),
+    pytest.param("transformers/seq_cls/llama", "direct", "first_order"),
     pytest.param("transformers/masked_lm/bert", "direct", "ggn"),
     pytest.param("timm/convit", "wrapped", "first_order"),
     pytest.param("torchvision/mobilenet_v3_small", "direct", "ggn"),

@@ -1,7 +1,8 @@
 """An internal failure as a :class:`CurvatureError` naming where in the model it happened.
 
-A ``KeyError``, ``AssertionError``, ``AttributeError``... raised by curvlib's own code (the
-innermost frame of its traceback is in the package) is a curvlib bug, not bad input; the
+A ``KeyError``, ``AssertionError``, ``AttributeError``, ``IndexError``, ``TypeError``... raised by
+curvlib's own code (the innermost frame of its traceback is in the package) is a curvlib bug,
+not bad input; the
 user still gets a :class:`CurvatureError` saying which module and graph node (or site)
 curvlib was working on, read off the frames' locals (``node``: an fx node, ``site``: a
 recorded site, ``layer``/``module``: a layer), with the original exception chained. Errors
@@ -20,12 +21,17 @@ from .._core.errors import CurvatureError
 
 __all__ = ["internal_failure"]
 
+# Exceptions that are programming errors when curvlib's own line raises them. A RuntimeError
+# (torch's errors: vmap's randomness mode the caller chose) and a warning turned into an
+# error by the caller's filters are the caller's to see as they are.
+_BUGS = (AssertionError, KeyError, AttributeError, IndexError, NameError, TypeError, ZeroDivisionError)
+
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def internal_failure(exc: BaseException, model: nn.Module) -> Optional[CurvatureError]:
     """The :class:`CurvatureError` to raise for ``exc`` when curvlib's own code raised it, else ``None``."""
-    if isinstance(exc, CurvatureError) or not isinstance(exc, Exception):
+    if isinstance(exc, CurvatureError) or not isinstance(exc, _BUGS):
         return None
     frames = list(traceback.walk_tb(exc.__traceback__))
     if not frames or not os.path.abspath(frames[-1][0].f_code.co_filename).startswith(_PACKAGE):
