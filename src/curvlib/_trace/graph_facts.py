@@ -12,7 +12,8 @@ from typing import List
 from torch import fx
 
 from .._core.errors import CurvatureError
-from .program import Program, TensorConstant
+from .modes import TensorConstant
+from .program import Program
 
 __all__ = ["is_inplace", "overwrites_input", "has_inplace", "chain_nodes"]
 

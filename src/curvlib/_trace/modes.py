@@ -6,6 +6,8 @@
   constant for every derivative, as for the model's own backward;
 * **autocast**: a node run under ``torch.autocast`` gets ``meta["autocast"]`` and the model is
   refused (curvlib computes in the inputs' dtypes, not autocast's);
+* **tensors it creates** (``torch.tensor([...])``): held by their node (:class:`TensorConstant`),
+  not stored on the traced module (the user's model) as fx would;
 * **augmented assignments**: ``h += p`` is recorded as ``operator.iadd`` (fx's own proxy
   rebinds it to ``h = h + p``).
 
@@ -25,16 +27,17 @@ from torch import fx, nn
 from .._core.errors import CurvatureError
 
 __all__ = ["record_modes", "no_autocast", "refuse_autocast", "stop_gradient", "cut_no_grad_regions",
-           "InPlaceProxy", "inference_as_no_grad"]
+           "InPlaceProxy", "TensorConstant", "inference_as_no_grad"]
 
 
-def record_modes(node: fx.Node) -> None:
-    """Stamp ``node`` with the grad mode and autocast state it is created in."""
+def record_modes(node: fx.Node) -> fx.Node:
+    """``node``, stamped with the grad mode and autocast state it is created in."""
     if not torch.is_grad_enabled():  # (inference mode disables grad mode too)
         node.meta["no_grad"] = True  # the model runs this node without autograd
     autocast = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
     if autocast:
         node.meta["autocast"] = autocast[0]
+    return node
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -132,3 +135,16 @@ def inference_as_no_grad():
         yield
     finally:
         cls.__enter__, cls.__exit__ = enter, exit_
+
+
+class TensorConstant:
+    """The graph target of a tensor the traced code creates (``torch.tensor([1., 2.])``, a
+    causal mask the ATen replay evaluated once): called with no arguments, returns it."""
+
+    __name__ = "tensor_constant"
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+    def __call__(self) -> torch.Tensor:
+        return self.value

@@ -47,10 +47,10 @@ from ..rules import attention, elementwise, layernorm
 from .._core.inputs import with_defaults
 from ..rules.functional import FunctionalUse
 from .functional_uses import functional_uses, input_dependent
-from .modes import InPlaceProxy, cut_no_grad_regions, no_autocast, record_modes, refuse_autocast
+from .modes import InPlaceProxy, TensorConstant, cut_no_grad_regions, no_autocast, record_modes, refuse_autocast
 from .._core.inputs import trace_structure
 
-__all__ = ["Program", "Layer", "Tracer", "TensorConstant", "trace_program", "assemble", "function_apply"]
+__all__ = ["Program", "Layer", "Tracer", "trace_program", "assemble", "function_apply"]
 
 
 @dataclass
@@ -210,9 +210,7 @@ class Tracer(fx.Tracer):
 
     def create_arg(self, a):
         if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter) and self.tensor_attrs.get(a) is None \
-                and not any(a is b for _, b in self.root.named_buffers()):
-            # (fx would store a tensor the code creates, ``torch.tensor([...])``, as a new
-            # attribute of the traced module: the user's model; the node holds it instead)
+                and not any(a is b for _, b in self.root.named_buffers()):  # (not stored on the model)
             return self.create_node("call_function", TensorConstant(a), (), {})
         return super().create_arg(a)
 
@@ -220,9 +218,7 @@ class Tracer(fx.Tracer):
         return InPlaceProxy(node, self)
 
     def create_node(self, *args, **kwargs):
-        node = super().create_node(*args, **kwargs)
-        record_modes(node)
-        return node
+        return record_modes(super().create_node(*args, **kwargs))
 
     def create_proxy(self, kind, target, args, kwargs, *rest, **more):
         if kind == "call_function" and target is F.scaled_dot_product_attention:
@@ -245,19 +241,6 @@ class Tracer(fx.Tracer):
             graph = super().trace(root, concrete_args)
         cut_no_grad_regions(graph)
         return graph
-
-
-class TensorConstant:
-    """The graph target of a tensor the traced code creates (``torch.tensor([1., 2.])``, a
-    causal mask the ATen replay evaluated once): called with no arguments, returns it."""
-
-    __name__ = "tensor_constant"
-
-    def __init__(self, value: torch.Tensor):
-        self.value = value
-
-    def __call__(self) -> torch.Tensor:
-        return self.value
 
 
 @contextlib.contextmanager
