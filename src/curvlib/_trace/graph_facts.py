@@ -6,12 +6,12 @@ by the interpreter; they depend only on the graph, so they live with the trace.
 
 from __future__ import annotations
 
-import operator
 from typing import List
 
 from torch import fx
 
 from .._core.errors import CurvatureError
+from ..rules.functional import INPLACE_OPERATORS
 from .modes import TensorConstant
 from .program import Program
 
@@ -28,17 +28,9 @@ def is_inplace(program: Program, node: fx.Node) -> bool:
     return bool(node.kwargs.get("inplace", False)) or (name.endswith("_") and not name.endswith("__"))
 
 
-_INPLACE_OPERATORS = frozenset(
-    getattr(operator, name) for name in (
-        "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul",
-        "iand", "ior", "ixor", "ilshift", "irshift",
-    )
-)
-
-
 def overwrites_input(program: Program, node: fx.Node) -> bool:
     """Whether the node writes its result into its first input (``x.add_(y)``, ``x += y``)."""
-    return is_inplace(program, node) or (node.op == "call_function" and node.target in _INPLACE_OPERATORS)
+    return is_inplace(program, node) or (node.op == "call_function" and node.target in INPLACE_OPERATORS)
 
 
 def has_inplace(program: Program) -> bool:

@@ -73,8 +73,10 @@ def evaluate(use: FunctionalUse, root: nn.Module, param_names: Dict[int, str],
     return env[use.node]
 
 
-_INPLACE_OPERATORS = frozenset(getattr(operator, name) for name in (
-    "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul"))
+#: ``x += y`` and the other augmented assignments: they write into their first argument
+INPLACE_OPERATORS = frozenset(getattr(operator, name) for name in (
+    "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul",
+    "iand", "ior", "ixor", "ilshift", "irshift"))
 
 
 def _overwrites_first(node: fx.Node) -> bool:
@@ -82,7 +84,7 @@ def _overwrites_first(node: fx.Node) -> bool:
     if node.op == "call_method":
         return node.target.endswith("_") and not node.target.endswith("__")
     name = getattr(node.target, "__name__", "").split(".")[0]
-    return node.target in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__")
+    return node.target in INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__")
                                                  and not name.startswith("_"))
 
 
