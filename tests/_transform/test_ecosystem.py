@@ -99,3 +99,36 @@ def test_shrunk_config_is_tiny():
     assert cfg.num_key_value_heads == 1 and cfg.head_dim == 8 and cfg.intermediate_size == 32
     assert cfg.num_labels == 3 and cfg.pad_token_id == 0
     assert torch.get_num_threads() == 1
+
+
+def test_narrowing_divides_widths_and_restores_the_layers():
+    """``narrowing.narrowed(k)`` builds a hard-coded-width network at 1/k of its widths (its
+    forward runs, fewer parameters) and leaves every layer class as it was."""
+    from torch import nn
+
+    from oracles.narrowing import LAYERS, narrowed, parameter_count
+
+    class Fixed(nn.Module):  # widths written into the class, as torchvision's builders do
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 64, 3, padding=1)
+            self.dw = nn.Conv2d(64, 64, 3, padding=1, groups=64)
+            self.norm = nn.BatchNorm2d(64)
+            self.scale = nn.Parameter(torch.ones(64, 1, 1))
+            self.head = nn.Linear(64 * 2 * 2, 3)
+
+        def forward(self, x):
+            h = self.norm(self.dw(self.conv(x))) * self.scale
+            return self.head(torch.nn.functional.adaptive_avg_pool2d(h, 2).flatten(1))
+
+    inits = {cls: cls.__dict__.get("__init__") for cls in LAYERS}
+    new = nn.Parameter.__dict__["__new__"]
+    wide = Fixed()
+    with narrowed(4):
+        narrow = Fixed()
+    assert narrow.conv.out_channels == 16 and narrow.dw.groups == 16 and narrow.scale.shape == (16, 1, 1)
+    assert narrow.head.in_features == 64 and narrow.head.out_features == 3
+    assert parameter_count(narrow) * 3 < parameter_count(wide)
+    assert narrow(torch.randn(2, 3, 8, 8)).shape == (2, 3)
+    assert {cls: cls.__dict__.get("__init__") for cls in LAYERS} == inits
+    assert nn.Parameter.__dict__["__new__"] is new and Fixed().conv.out_channels == 64

@@ -4,9 +4,11 @@
   the fewest parameters among the smallest-named ones, built with ``pretrained=False``,
   ``num_classes=3``, ``img_size=32`` where accepted, and shrinking keyword arguments of the
   model class (``embed_dim``, ``depth(s)``, ``dims``, ``num_heads``, ...) where they build;
-* torchvision: every classification builder, ``num_classes=3`` and ``width_mult``/``alpha``
-  0.25 where the builder's class accepts it, the smallest image size of 32, 64, 96, 299 px
-  that runs;
+  narrowed as torchvision's where it is still larger than ``MAX_VISION_PARAMS``;
+* torchvision: every classification builder, ``num_classes=3``, every width divided by 4 (or
+  8, 16, 2, 32: the first that builds, runs and stays under ``MAX_VISION_PARAMS``;
+  ``narrowing.narrowed``), ``image_size=32`` where the class takes it, the smallest image size
+  of 32, 64, 96, 224, 299 px that runs;
 * PEFT: LoRA adapters (rank 2) on a tiny Llama and a tiny GPT-2, the base frozen; and a
   two-layer network whose last ``Linear`` is parametrized by ``weight_norm`` or
   ``spectral_norm`` (``torch.nn.utils.parametrizations``).
@@ -17,6 +19,7 @@ Each builder returns ``(model, X, notes)``; ``ecosystem.build`` finishes the pro
 from __future__ import annotations
 
 import functools
+import itertools
 import inspect
 import re
 from typing import Any, Dict, List, Tuple
@@ -24,9 +27,11 @@ from typing import Any, Dict, List, Tuple
 import torch
 from torch import nn
 
+from oracles.narrowing import narrowed, parameter_count
 from oracles.zoo import CLASSES, N
 
 MAX_VISION_PARAMS = 6_000_000  # float64 oracles and traces of larger CNNs take minutes on a shared 2-core CPU
+WIDTH_DIVISORS = (4, 8, 16, 2, 32)  # narrowing.narrowed's k, tried in turn (2: widths that are split in halves)
 _SIZE_WORDS = ["atto", "femto", "pico", "nano", "micro", "tiny", "xxs", "xs", "mini", "small", "s", "b0", "10t",
                "18", "lite0", "050", "100"]
 
@@ -115,49 +120,76 @@ def timm_model(family: str, names: List[str], g) -> Tuple[nn.Module, torch.Tenso
     for kw in tries:
         if "img_size" in kw and "img_size" not in accepts:
             continue
+        shown = {k: v for k, v in kw.items() if k not in base}
         try:
-            model = timm.create_model(name, **kw)
+            return _narrowest_that_runs(lambda: timm.create_model(name, **kw), name, shown, g, (32, 64, 96),
+                                        divisors=(1,) + WIDTH_DIVISORS)
+        except TooLarge:
+            raise
         except Exception:  # noqa: BLE001 - fall back to fewer overrides
             continue
-        for px in (32, 64, 96):
-            if _runs(model, px):
-                n = sum(p.numel() for p in model.parameters())
-                if n > MAX_VISION_PARAMS:
-                    raise TooLarge(f"{name}: {n} parameters (> {MAX_VISION_PARAMS})")
-                shown = {k: v for k, v in kw.items() if k not in base}
-                return model, _images(g, px), f"{name} {shown} {px} px, {n} params"
     raise RuntimeError(f"{name}: no setting builds and runs at 32-96 px")
 
 
 def tv_model(builder: str, g) -> Tuple[nn.Module, torch.Tensor, str]:
-    """One torchvision classification builder, tiny where its class allows (module docstring)."""
+    """One torchvision classification builder at reduced width (module docstring)."""
     import torchvision.models as tv  # optional dependency
 
     build = tv.get_model_builder(builder)
-    try:
-        n, cls = _meta_params(lambda: build(weights=None, num_classes=CLASSES))
-    except Exception:  # noqa: BLE001 - initialisers that copy tensors do not run on meta
-        model = build(weights=None, num_classes=CLASSES)
-        n, cls = sum(p.numel() for p in model.parameters()), type(model)
-    if n > MAX_VISION_PARAMS:
-        raise TooLarge(f"{builder}: {n} parameters (> {MAX_VISION_PARAMS})")
-    accepts = inspect.signature(cls.__init__).parameters
     kw = dict(weights=None, num_classes=CLASSES)
+    cls = type(_build_on_meta(lambda: build(**kw)))
+    accepts = inspect.signature(cls.__init__).parameters
     if "aux_logits" in accepts:
         kw.update(aux_logits=False, init_weights=False)
-    kw.update({k: v for k, v in (("dropout", 0.0), ("image_size", 32)) if k in accepts})
-    narrow = {k: 0.25 for k in ("width_mult", "alpha") if k in accepts}
+    kw.update({k: v for k, v in (("dropout", 0.0),) if k in accepts})
+    if "image_size" not in accepts:
+        shown = {k: v for k, v in kw.items() if k not in ("weights", "num_classes")}
+        return _narrowest_that_runs(lambda: build(**kw), builder, shown, g, (32, 64, 96, 224, 299), models=(cls,))
+    for px in (32, 28, 64):  # a transformer built for the image size; 28: patches of 14 px
+        sized = dict(kw, image_size=px)
+        shown = {k: v for k, v in sized.items() if k not in ("weights", "num_classes")}
+        try:
+            return _narrowest_that_runs(lambda: build(**sized), builder, shown, g, (px,), models=(cls,))
+        except TooLarge:
+            raise
+        except RuntimeError:
+            continue
+    raise RuntimeError(f"{builder}: builds and runs at no image_size of 32, 28, 64 px")
+
+
+def _build_on_meta(build) -> nn.Module:
     try:
-        model = build(**kw, **narrow)
-        kw.update(narrow)
-    except TypeError:  # the builder fixes the width itself (mnasnet's alpha)
-        model = build(**kw)
-    n = sum(p.numel() for p in model.parameters())
-    for px in (32, 64, 96, 299):
-        if _runs(model, px):
-            shown = {k: v for k, v in kw.items() if k not in ("weights", "num_classes")}
-            return model, _images(g, px), f"{builder} {shown} {px} px, {n} params"
-    raise RuntimeError(f"{builder}: runs at none of 32, 64, 96, 299 px")
+        with torch.device("meta"):
+            return build()
+    except Exception:  # noqa: BLE001 - initialisers that copy tensors do not run on meta
+        return build()
+
+
+def _narrowest_that_runs(build, name: str, shown: Dict[str, Any], g, sizes,
+                         divisors=WIDTH_DIVISORS, models=()) -> Tuple[nn.Module, torch.Tensor, str]:
+    """The model ``build()`` makes at the first width divisor of ``divisors`` that builds, runs
+    at one of ``sizes`` px and has at most ``MAX_VISION_PARAMS`` parameters; at each divisor
+    the classes ``models`` are first narrowed by their arguments, then every layer is
+    (``narrowing.narrowed``)."""
+    why = "no width divisor builds"
+    for k, by_arguments in itertools.product(divisors, (() if not models else (models,)) + ((),)):
+        try:
+            with narrowed(k, by_arguments):
+                model = build()
+        except Exception as e:  # noqa: BLE001 - another divisor may build
+            why = f"width / {k}: {type(e).__name__}: {e}"
+            continue
+        n = parameter_count(model)
+        if n > MAX_VISION_PARAMS:
+            why = f"{name}: {n} parameters at width / {k} (> {MAX_VISION_PARAMS})"
+            continue
+        for px in sizes:
+            if _runs(model, px):
+                return model, _images(g, px), f"{name} {shown} width / {k}, {px} px, {n} params"
+        why = f"{name}: runs at none of {sizes} px at width / {k}"
+    if "parameters" in why:
+        raise TooLarge(why)
+    raise RuntimeError(why)
 
 
 def peft_model(base: str, g) -> Tuple[nn.Module, torch.Tensor, str]:
