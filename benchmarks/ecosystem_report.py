@@ -2,8 +2,8 @@
 
 Sections: a summary per library (per mapping for transformers) and variant; the failure
 causes grouped by message (numbers masked) with counts and example classes; why classes are
-not eligible; one row per class with every group's outcome (direct | wrapped) and the first-
-and second-call seconds of the first-order extensions.
+not eligible; the first-order call's cost as multiples of a plain backward; one row per class
+with every group's outcome (direct | wrapped) and the backward, first- and second-call seconds.
 """
 
 from __future__ import annotations
@@ -103,20 +103,50 @@ def _cell(res, group, index):
     return f"{SHORT[c['outcome']]}{index.get((c['outcome'], _mask(c.get('detail', ''))), '')}"
 
 
+def _ratio(res, key):
+    """A call's seconds over the plain backward's, or ``None`` where either is missing."""
+    if not res or not res.get(key) or not res.get("backward_s"):
+        return None
+    return res[key] / res["backward_s"]
+
+
+def _seconds(res, key) -> str:
+    r = _ratio(res, key)
+    return f"{res.get(key)}" + (f" ({r:.0f}x)" if r is not None else "")
+
+
+def cost_lines(results: List[Dict[str, Any]]) -> List[str]:
+    """Median and largest first- and second-call cost of the first-order extensions, as
+    multiples of a plain forward + backward, per library and mapping (direct runs)."""
+    lines = ["| where | classes timed | 1st call median | 1st call max | 2nd call median | 2nd call max |",
+             "|---|---:|---:|---:|---:|---:|"]
+    by = defaultdict(list)
+    for r in results:
+        if r["variant"] == "direct" and _ratio(r, "second_call_s") is not None:
+            by[_where(r["name"])].append(r)
+    for where, rs in sorted(by.items()):
+        first = sorted(_ratio(r, "first_call_s") for r in rs)
+        second = sorted(_ratio(r, "second_call_s") for r in rs)
+        lines.append(f"| {where} | {len(rs)} | {first[len(first) // 2]:.0f}x | {first[-1]:.0f}x | "
+                     f"{second[len(second) // 2]:.0f}x | {second[-1]:.0f}x |")
+    return lines
+
+
 def class_rows(results: List[Dict[str, Any]], groups: List[str], cs) -> List[str]:
     index = {(c["outcome"], c["message"]): i for i, c in enumerate(cs, 1)}
     by = defaultdict(dict)
     for r in results:
         by[r["name"]][r["variant"]] = r
-    head = ["class"] + [f"{g} d\\|w" for g in groups] + ["params", "1st call s", "2nd call s", "ineligible / notes"]
+    head = ["class"] + [f"{g} d\\|w" for g in groups] + ["params", "backward s", "1st call s (x)", "2nd call s (x)",
+                                                           "ineligible / notes"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in sorted(by):
         d, w = by[name].get("direct"), by[name].get("wrapped")
         cells = [f"{_cell(d, g, index)} \\| {_cell(w, g, index)}" for g in groups]
         first = d or w
         note = (first.get("ineligible") or first.get("notes") or "").replace("|", "/")[:140]
-        lines.append("| " + " | ".join([name] + cells + [str(first.get("params", "")), str(first.get("first_call_s")),
-                                                          str(first.get("second_call_s")), note]) + " |")
+        times = [str(first.get("backward_s", "")), _seconds(first, "first_call_s"), _seconds(first, "second_call_s")]
+        lines.append("| " + " | ".join([name] + cells + [str(first.get("params", ""))] + times + [note]) + " |")
     return lines
 
 
@@ -141,8 +171,13 @@ def write_report(path: str, meta: Dict[str, Any], results: List[Dict[str, Any]])
         "## Failure causes", "", "Grouped by outcome and message; the class table's cells carry the cause's number.", "",
         *_cause_lines(cs), "",
         "## Not eligible", "", *_ineligible_lines(results), "",
+        "## Cost of a call", "", "The first-order extensions (BatchGrad, BatchL2Grad, SumGradSquared, Variance) in one "
+        "call, direct variant, as multiples of a plain forward + `loss.backward()` timed in the same process: the "
+        "first call traces and plans, the second reuses the plan. Only classes whose backward was timed.", "",
+        *cost_lines(results), "",
         "## Every class", "", "Cells: direct \\| wrapped; n/e not eligible. Call times: the first-order extensions "
-        "(BatchGrad, BatchL2Grad, SumGradSquared, Variance), direct variant, first call (trace + plan) and second.", "",
+        "(BatchGrad, BatchL2Grad, SumGradSquared, Variance), direct variant: a plain forward + backward, the first "
+        "call (trace + plan) and the second, with their multiple of the backward.", "",
         *class_rows(results, groups, cs), "",
     ]
     with open(path, "w") as fh:

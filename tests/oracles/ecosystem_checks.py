@@ -1,7 +1,8 @@
 """One ecosystem-sweep case: a problem of ``oracles.ecosystem`` checked group by group.
 
 ``run_case(name, variant, groups, limit)`` builds the problem, says whether it is eligible
-(``ecosystem.eligibility``), times a first and a second ``first_order`` call, then runs
+(``ecosystem.eligibility``), times a plain backward and a first and a second ``first_order``
+call, then runs
 ``zoo_checks.check_problem`` per group and classifies each result:
 
 * ``exact``: every quantity agrees with the float64 oracle (``detail`` the max rel. error);
@@ -99,18 +100,32 @@ def check_group(prob, group: str, limit: int) -> Dict[str, Any]:
     return res
 
 
+def _backward_seconds(prob) -> float:
+    """Seconds of a plain forward + ``loss.backward()`` (the second of two, gradients cleared)."""
+    from oracles.zoo_reference import forward
+
+    for _ in range(2):
+        t = time.perf_counter()
+        prob.lossfn(forward(prob.model, prob.X, prob.output), prob.y).backward()
+        seconds = time.perf_counter() - t
+    for p in prob.model.parameters():
+        p.grad = None
+    return seconds
+
+
 def call_times(prob, limit: int) -> Dict[str, Any]:
-    """Seconds of the first (trace + plan + evaluate) and second call of the first-order
-    extensions; ``None`` where the call fails."""
+    """Seconds of a plain forward + backward and of the first (trace + plan + evaluate) and
+    second call of the first-order extensions; ``None`` where the call fails."""
     signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(limit)
-    out = {"first_call_s": None, "second_call_s": None}
+    out = {"backward_s": None, "first_call_s": None, "second_call_s": None}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            out["backward_s"] = round(_backward_seconds(prob), 4)
             f = curvature(prob.model, prob.lossfn, [BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()],
                           output=prob.output)
-            for key in out:
+            for key in ("first_call_s", "second_call_s"):
                 t = time.perf_counter()
                 f(prob.X, prob.y)
                 out[key] = round(time.perf_counter() - t, 3)
