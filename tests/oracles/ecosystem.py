@@ -78,7 +78,7 @@ def _vision(name: str, variant: str, seed: int) -> Problem:
         return Problem(model, {"input_ids": X}, y, nn.CrossEntropyLoss(), _lm_output, notes, eh.RTOL)
     else:
         model, X, notes = ev.parametrized_model(what, g)
-    model = _finish(model, seed)
+    model = _finish(model, seed, relative=library in ("timm", "torchvision"))
     y = torch.randint(0, CLASSES, (N,), generator=g)
     return Problem(Wrapped(model) if variant == "wrapped" else model, X, y, nn.CrossEntropyLoss(), None, notes)
 

@@ -40,12 +40,17 @@ def _lm_output(o):
     return o.logits.transpose(1, 2)
 
 
-def _finish(model: nn.Module, seed: int) -> nn.Module:
+def _finish(model: nn.Module, seed: int, relative: bool = False) -> nn.Module:
+    """``model`` in float64, eval mode, every parameter offset from its initialisation by
+    ``0.1 · randn`` (``relative``: times the parameter's own spread, 0.1 for a constant one,
+    so that deep unnormalised networks keep their logits in softmax's sensitive range)."""
     g = seeded(seed + 1000)
     model = model.to(torch.float64).eval()
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+            spread = p.std().item() if relative and p.numel() > 1 else 1.0
+            scale = 0.1 * (spread if spread > 0 else 0.1)
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
         for m in model.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None:
                 m.running_mean.uniform_(-0.5, 0.5, generator=g)
