@@ -156,7 +156,7 @@ def _record_functional(program, use, value, env, params, trainable, rec):
             {n: n for n in use.params if n in trainable},
             {n: params[n] for n in use.params},
             [env[a] for a in use.inputs], value, rec, {a: env[a] for a in use.fixed},
-            batch_sized_chain=value.dim() > 0 and functional.batch_sized(use, env, value.shape[0]),
+            batch_sized_chain=value.dim() > 0 and functional.batch_sized(use, env, value.shape[rec.batch_dim(len(rec.sites))]),
         )
     return value
 
