@@ -172,3 +172,40 @@ def test_kflr_blocks_of_generic_parameters(kind, a, b, n, seed):
         (factor,) = got[name]
         want = G if factor.dim() == 2 else G.diagonal()
         torch.testing.assert_close(factor.reshape(want.shape), want, rtol=1e-7, atol=1e-10, msg=name)
+
+
+class Positions(nn.Module):
+    """Token embedding plus learned positions ``pos [T, D]``, batch first or sequence first
+    (``h [T, N, D] + pos[:, None]``): the same function of the parameters."""
+
+    def __init__(self, sequence_first: bool, v: int = 5, d: int = 3, t: int = 3):
+        super().__init__()
+        self.sequence_first = sequence_first
+        self.tok, self.out = nn.Embedding(v, d), nn.Linear(d, 3)
+        self.pos = nn.Parameter(torch.randn(t, d, generator=seeded(6)))
+
+    def forward(self, x):
+        h = self.tok(x)
+        if self.sequence_first:
+            h = torch.tanh(h.transpose(0, 1) + self.pos[:, None]).transpose(0, 1)
+        else:
+            h = torch.tanh(h + self.pos)
+        return self.out(h.mean(1))
+
+
+@settings(max_examples=4, deadline=None)
+@given(n=st.integers(1, 3), approx=st.sampled_from([None, "expand"]), seed=st.integers(0, 2**16))
+def test_positions_sequence_first_keep_their_factors(n, approx, seed):
+    """Learned positions added to a sequence-first ``[T, N, D]`` get the embedding layout
+    ``[A [R], B [D, D]]`` (rows read off the op in its own layout), equal to those of the same
+    model batch first (checked against their definitions in ``test_kron_fixed_rows``)."""
+    X, y = torch.randint(0, 5, (n, 3), generator=seeded(seed)), torch.randint(0, 3, (n,), generator=seeded(seed + 1))
+    got = {}
+    for sequence_first in (False, True):
+        torch.manual_seed(seed)
+        model = Positions(sequence_first).to(DT)
+        got[sequence_first] = curvature(model, nn.CrossEntropyLoss(), [KFLR(kfac_approx=approx)])(X, y)["kflr"]
+    for name, factors in got[False].items():
+        assert len(got[True][name]) == len(factors), name
+        for a, b in zip(got[True][name], factors):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=name)
