@@ -173,7 +173,8 @@ def _conv_grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> Optional[Ro
             for k, (name, default) in enumerate(_CONV_ARGS)}
     computed = [a for a in (args["weight"], args["bias"]) if a is not None]
     x = site.saved["in0"]
-    if (args["input"] is not use.inputs[0] or site.meta.get("in_dims", {}).get("in0", 0) != 0 or site.meta.get("out_dim") or isinstance(args["padding"], str) or x.shape[0] != g.shape[0]
+    batch_apart = site.meta.get("in_dims", {}).get("in0", 0) != 0 or site.meta.get("out_dim")  # (conv: both 0)
+    if (args["input"] is not use.inputs[0] or batch_apart or isinstance(args["padding"], str) or x.shape[0] != g.shape[0]
             or not all(isinstance(a, fx.Node) and a in use.chain for a in computed)):
         return None
     per_dim = lambda v: (v,) * dims if isinstance(v, int) else tuple(v)  # noqa: E731
@@ -213,8 +214,8 @@ def _grad_batch_masked(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTenso
     keys = [f"in{i}" for i in range(len(site.meta["use"].inputs))]
     own, out_dim = sample_layout(site, {k: site.saved[k] for k in keys}, n)
     # the whole op runs in its own layout: inputs and g moved back from batch first
-    f, free = _of_free_parameters(site, roles, [site.saved[k] if own[k] is None else from_batch_first(site.saved[k], own[k])
-                                                for k in keys])
+    inputs = [site.saved[k] if own[k] is None else from_batch_first(site.saved[k], own[k]) for k in keys]
+    f, free = _of_free_parameters(site, roles, inputs)
     pull = vjp(f, free)[1]
     rows = torch.eye(n, dtype=g.dtype, device=g.device).reshape((n, n) + (1,) * (g.dim() - 1))
     return vmap(lambda row: pull(from_batch_first(g * row, out_dim))[0])(rows)
