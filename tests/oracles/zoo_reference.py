@@ -204,7 +204,14 @@ def plain(m: nn.Module) -> bool:
 
 
 def _unfold(conv: nn.Conv2d, x: Tensor) -> Tensor:
-    """``[N, I·K, S]`` patches (as ``oracles.second_order.unfold_conv_input``, with groups=1)."""
+    """``[N, I·K, S]`` patches (as ``oracles.second_order.unfold_conv_input``, with groups=1);
+    ``padding="valid"`` is none, ``"same"`` pads ``d·(k − 1)`` per dim, the odd one at the end."""
+    if conv.padding == "valid":
+        return F.unfold(x, conv.kernel_size, dilation=conv.dilation, stride=conv.stride)
+    if conv.padding == "same":
+        total = [d * (k - 1) for d, k in zip(conv.dilation, conv.kernel_size)]
+        x = F.pad(x, [p for t in reversed(total) for p in (t // 2, t - t // 2)])
+        return F.unfold(x, conv.kernel_size, dilation=conv.dilation, stride=conv.stride)
     return F.unfold(x, conv.kernel_size, dilation=conv.dilation, padding=conv.padding, stride=conv.stride)
 
 

@@ -59,6 +59,12 @@ class Rule:
             (:func:`batch_first`). Otherwise the batch must be in dim 0 of the site's output.
         channel_axes: the axes right after the batch that the canonical layout keeps in
             place (BatchNorm's channel axis 1); 0: the features are the trailing axes.
+        saved_batch_dims: every saved tensor carries the batch in a dim of its own, or not
+            at all, found by the planner (rules that re-run the layer's op on one sample: a
+            generic module or op after a transpose, ``[T, N, D]``). The recorder moves each
+            batch first too and records the layer's own layout in ``site.meta``:
+            ``"in_dims"`` (saved key -> dim, ``None``: the same for every sample) and
+            ``"out_dim"``. Implies ``any_batch_dim``.
     """
 
     kind: str
@@ -74,6 +80,7 @@ class Rule:
     grad_with_squares: Optional[Callable[..., Optional[Tuple[RoleTensors, RoleTensors]]]] = None
     any_batch_dim: bool = False
     channel_axes: int = 0
+    saved_batch_dims: bool = False
     # (site, m [V, *out], roles) -> role -> [K, *p] whose sum over K is
     # Σ_v sum_grad_squared(m_v): a faster GGN diagonal where the layer allows.
     sum_squares_over_columns: Optional[RuleFn] = None
@@ -182,6 +189,17 @@ def batch_first_shape(shape: Sequence[int], batch_dim: int, channel_axes: int = 
     return tuple(batch_first(torch.empty(tuple(shape), device="meta"), batch_dim, channel_axes).shape)
 
 
+def sample_layout(site: Site, inputs: Dict[str, Tensor], n: int):
+    """``(in_dims, out_dim)``: where each of ``site``'s saved ``inputs`` carried the batch in the
+    layer (``None``: not batched) and where its output does, as the recorder put them in
+    ``site.meta`` from the plan (:attr:`Rule.saved_batch_dims`); the saved
+    tensors themselves are batch first. A site recorded outside a plan (none is read off)
+    has its batched inputs told by a dim 0 of size ``n``."""
+    if "in_dims" in site.meta:
+        return {k: site.meta["in_dims"].get(k) for k in inputs}, site.meta["out_dim"]
+    return {k: 0 if (v.dim() > 0 and v.shape[0] == n) else None for k, v in inputs.items()}, 0
+
+
 @dataclass
 class Residual:
     """A graph node whose second derivative enters the Hessian (see :mod:`curvlib._hessian.residuals`).
@@ -237,6 +255,8 @@ class Recorder:
     that the site's output gradient ``g`` arrives batch first too. A direct target keeps the
     layer's layout (no probe, no copy): ``layouts[k]`` says how its gradient is moved batch
     first (``batch_first(g, *layouts[k])``), ``(0, 0)`` for a probe. Rules never look for the batch.
+    ``saved_dims[k]`` (the plan's, for a rule with :attr:`Rule.saved_batch_dims`): the batch
+    dim of each of the site's saved tensors, which then move batch first by their own dims.
     """
 
     def __init__(
@@ -247,9 +267,11 @@ class Recorder:
         direct: bool = False,
         dropout_seed: Optional[Tuple[int, torch.device]] = None,
         batch_dims: Optional[Sequence[int]] = None,
+        saved_dims: Optional[Sequence[Optional[Mapping[str, Optional[int]]]]] = None,
     ):
         self.probes = probes
         self.batch_dims = batch_dims
+        self.saved_dims = saved_dims
         # the call's dropout seed (curvlib._core.dropout.DropoutSeed): every forward run of the
         # call draws the same masks from it; None without active dropout
         self.dropout_seed = dropout_seed
@@ -297,7 +319,9 @@ class Recorder:
         self.out_shapes.append(tuple(out.shape))
         self.out_dtypes.append(out.dtype)
         bdim = self.batch_dim(site.key)
-        if bdim:
+        if site.rule.saved_batch_dims:
+            self._own_dims(site, bdim)
+        elif bdim:
             axes = site.rule.channel_axes
             site.saved = {k: batch_first(v, bdim, axes) if isinstance(v, Tensor) else v for k, v in site.saved.items()}
         if self.probes is None:
@@ -312,6 +336,16 @@ class Recorder:
         self.layouts.append((0, 0))
         self.versions.append(None)
         return out + from_batch_first(probe, bdim, site.rule.channel_axes)
+
+    def _own_dims(self, site: Site, bdim: int) -> None:
+        """Each saved tensor of ``site`` moved batch first by its own batch dim (the plan's),
+        the layer's own layout kept in its meta (:attr:`Rule.saved_batch_dims`); nothing while
+        planning, which finds the dims."""
+        if self.saved_dims is None:
+            return
+        dims = dict(self.saved_dims[site.key])
+        site.meta["in_dims"], site.meta["out_dim"] = dims, bdim
+        site.saved = {k: batch_first(v, dims[k]) if dims.get(k) else v for k, v in site.saved.items()}
 
     def batch_dim(self, k: int) -> int:
         """Where the ``k``-th site's output carries the batch (0 while planning)."""

@@ -182,7 +182,7 @@ def _forward_functorch(program, plan, X, params, trainable, residual_nodes, runn
 
     def forward(probes_, rprobes_):
         rec = Recorder(probes_, rprobes_ if residual_nodes else None, residual_nodes, dropout_seed=dropout_seed,
-                       batch_dims=plan.batch_dims)
+                       batch_dims=plan.batch_dims, saved_dims=plan.saved_dims)
         out = (runner or run_graph)(program, X, params, trainable, rec)
         recorded.append(rec)
         return (out, [a for r in rec.residuals for a in r.inputs]), [s.saved for s in rec.sites]
@@ -233,7 +233,7 @@ def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runne
     operation overwrote a site's output: the caller then runs it with probes)."""
     probes, rprobes, X = _autograd_probes(plan, X, direct)
     rec = Recorder(probes, rprobes if residual_nodes else None, residual_nodes, direct=direct,
-                   dropout_seed=dropout_seed, batch_dims=plan.batch_dims)
+                   dropout_seed=dropout_seed, batch_dims=plan.batch_dims, saved_dims=plan.saved_dims)
     values: Optional[Dict[fx.Node, object]] = {} if keep_values and runner is None else None
     with torch.enable_grad():
         if values is not None:

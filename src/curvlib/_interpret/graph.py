@@ -156,9 +156,15 @@ def _record_functional(program, use, value, env, params, trainable, rec):
             {n: n for n in use.params if n in trainable},
             {n: params[n] for n in use.params},
             [env[a] for a in use.inputs], value, rec, {a: env[a] for a in use.fixed},
-            batch_sized_chain=value.dim() > 0 and functional.batch_sized(use, env, value.shape[0]),
+            batch_sized_chain=value.dim() > 0 and functional.batch_sized(use, env, _batch_size(value, rec)),
         )
     return value
+
+
+def _batch_size(value: Tensor, rec) -> int:
+    """The batch size of the output ``value`` of the site ``rec`` records next, read in the dim
+    the plan found for it (dim 0 while planning)."""
+    return value.shape[rec.batch_dim(len(rec.sites))]
 
 
 def _placeholder(node: fx.Node, X, seen: int):

@@ -34,7 +34,10 @@ _ROW_WISE = frozenset({"linear", "layernorm", "embedding"})
 #: Ops on parameters (functional sites) that broadcast over leading dims: one more leading dim
 #: on their batched operands leaves every entry's value as it was.
 _BROADCASTING = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub,
-                           torch.mul, torch.div, operator.matmul, torch.matmul})
+                           torch.mul, torch.div, operator.matmul, torch.matmul, torch.bmm})
+#: Ops that take 3-D operands only (``bmm``: entry ``i`` of dim 0 multiplied alone), run on the
+#: split operands ``[N, outer, inner, ...]`` as the op that broadcasts over leading dims.
+_BROADCASTING_TWIN = {torch.bmm: torch.matmul}
 
 
 def _merged(shape_a, shape_b, n: int) -> int:
@@ -121,6 +124,8 @@ def _unmerge(program, name: str, positions, outer: int, inner: int, channels: bo
     graph = program.graph
     node = next(m for m in graph.nodes if m.name == name)
     args = list(node.args)
+    use = program.functional.get(node)
+    chain = list(use.chain) if use is not None else []
     for k in positions:
         with graph.inserting_before(node):
             split = graph.create_node("call_method", "unflatten", (args[k], 0, (outer, -1, inner)),
@@ -132,12 +137,17 @@ def _unmerge(program, name: str, positions, outer: int, inner: int, channels: bo
                 made.add(args[k])
                 args[k] = graph.create_node("call_method", "transpose", (args[k], 1, 2), name=f"{name}_channels{k}")
                 made.add(args[k])
-        program.dependent = frozenset(program.dependent) | made
+        if node.args[k] in chain:  # a parameter-only operand built for the batch (a query repeated N times)
+            chain += sorted(made, key=lambda m: list(graph.nodes).index(m))
+        else:
+            program.dependent = frozenset(program.dependent) | made
     swapped = {old: new for old, new in zip(node.args, args) if old is not new}
     node.args = tuple(args)
-    use = program.functional.get(node)
+    if node.op == "call_function":
+        node.target = _BROADCASTING_TWIN.get(node.target, node.target)
     if use is not None:  # (its per-sample recomputation reads these inputs)
-        program.functional[node] = dataclasses.replace(use, inputs=tuple(swapped.get(a, a) for a in use.inputs))
+        program.functional[node] = dataclasses.replace(use, inputs=tuple(swapped.get(a, a) for a in use.inputs),
+                                                       chain=tuple(chain))
     first = out = node
     if channels:  # [N, C, outer·inner] -> [N, outer, inner, C]
         with graph.inserting_after(out):

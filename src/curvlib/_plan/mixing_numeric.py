@@ -333,7 +333,8 @@ def _probe_leak(program, plan, X, params, trainable, runner, base, j, n, gen, on
             p = torch.randn(shape, generator=gen, dtype=dtype, device="cpu").to(_inputs.first(X).device) * mine
         probes.append(p)
     with _seeded(_inputs.first(X).device, _SEED):
-        out = runner(program, X, params, trainable, Recorder(probes, batch_dims=plan.batch_dims))
+        rec = Recorder(probes, batch_dims=plan.batch_dims, saved_dims=plan.saved_dims)
+        out = runner(program, X, params, trainable, rec)
     return _leak(base, out, [Batch(0)], j, n)
 
 

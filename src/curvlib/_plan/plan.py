@@ -13,7 +13,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -46,6 +46,8 @@ class Plan:
             (:func:`curvlib._core.site.batch_first`: the shapes of the probes and of ``g``).
         site_dtypes: their dtypes.
         batch_dims: the batch dimension of every site's output as the layer produces it.
+        saved_dims: per site with :attr:`~curvlib._core.site.Rule.saved_batch_dims` (else
+            ``None``), the batch dimension of each saved input (:func:`saved_batch_dims`).
     """
 
     out_shape: Tuple[int, ...]
@@ -53,6 +55,8 @@ class Plan:
     site_shapes: Tuple[Tuple[int, ...], ...]
     site_dtypes: Tuple[torch.dtype, ...]
     batch_dims: Tuple[int, ...]
+    # per site whose rule re-runs its op per sample (else None): saved key -> batch dim or None
+    saved_dims: Tuple[Optional[Dict[str, Optional[int]]], ...] = ()
     residual_shapes: Tuple[Tuple[int, ...], ...] = ()
     sites: Tuple[Site, ...] = ()
     # per residual: the batch dim of each input and of the output
@@ -163,21 +167,28 @@ def _batch_dim(shape_a, shape_b, n_a, n_b, where: str) -> int:
     )
 
 
-def _check_generic_inputs(site: Site, site_b: Site, n: int) -> None:
-    """Generic sites slice their inputs per sample along dim 0: check that is the batch."""
+def saved_batch_dims(site: Site, site_b: Site, n: int) -> Dict[str, Optional[int]]:
+    """The batch dim of each saved input tensor of a site whose rule re-runs its op per sample
+    (:attr:`curvlib._core.site.Rule.saved_batch_dims`), from its planning passes at ``N`` and
+    ``N + 1`` (``site_b``): the one dim whose size follows the batch size; ``None`` for a tensor
+    the same in both, passed unchanged to every sample."""
+    dims: Dict[str, Optional[int]] = {}
     for key, a in site.saved.items():
         b = site_b.saved.get(key)
         if key.startswith("param:") or not isinstance(a, Tensor) or not isinstance(b, Tensor):
             continue
-        if tuple(a.shape) == tuple(b.shape):
-            continue  # not batched: passed unchanged to every sample
-        if a.shape[0] == n and b.shape[0] == n + 1 and tuple(a.shape[1:]) == tuple(b.shape[1:]):
-            continue
-        raise CurvatureError(
-            f"Layer '{site.where}': an input of shape {list(a.shape)} (for N={n}) does not "
-            "carry the batch in dim 0, which curvlib's generic rule needs to split it per "
-            "sample. Move the batch to dim 0 before this operation."
-        )
+        changed = [d for d, (p, q) in enumerate(zip(a.shape, b.shape)) if p != q]
+        if a.dim() == b.dim() and not changed:
+            dims[key] = None
+        elif a.dim() == b.dim() and len(changed) == 1 and (a.shape[changed[0]], b.shape[changed[0]]) == (n, n + 1):
+            dims[key] = changed[0]
+        else:
+            raise CurvatureError(
+                f"Layer '{site.where}': an input of shape {list(a.shape)} (for N={n}; {list(b.shape)} for "
+                f"N={n + 1}) does not carry the batch in exactly one dim, which curvlib's generic rule "
+                "needs to split it per sample. Keep the batch in one dim of its own before this operation."
+            )
+    return dims
 
 
 def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=None, runner=None) -> Plan:
@@ -217,9 +228,8 @@ def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=Non
     residual_dims = residual_batch_dims(rec_a, rec_b)
     independence = _independence.analyse(program, env_a, env_b, n, trainable)
     check_residual_sizes(rec_a.residuals, residual_dims, n)
-    for site, site_b in zip(rec_a.sites, rec_b.sites):
-        if site.rule.kind == "generic":
-            _check_generic_inputs(site, site_b, n)
+    saved_dims = tuple(saved_batch_dims(site, site_b, n) if site.rule.saved_batch_dims else None
+                       for site, site_b in zip(rec_a.sites, rec_b.sites))
     return Plan(
         out_shape=tuple(out_a.shape),
         out_dtype=out_a.dtype,
@@ -227,6 +237,7 @@ def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=Non
                           for site, shape, d in zip(rec_a.sites, rec_a.out_shapes, batch_dims)),
         site_dtypes=tuple(rec_a.out_dtypes),
         batch_dims=tuple(batch_dims),
+        saved_dims=saved_dims,
         residual_shapes=tuple(rec_a.residual_shapes),
         residual_dims=residual_dims,
         independence=independence,  # samples mixed?

@@ -43,8 +43,9 @@ def owners(model: nn.Module) -> Tuple[Dict[str, List[Tuple[str, nn.Module]]], Di
 
 # op -> position of the module's input among its arguments
 INPUT_ARG = {aten.linear.default: 0, aten.conv1d.default: 0, aten.conv2d.default: 0, aten.conv3d.default: 0,
-              aten.embedding.default: 1, aten.layer_norm.default: 0, aten.group_norm.default: 0,
-              aten.batch_norm.default: 0}
+             aten.conv1d.padding: 0, aten.conv2d.padding: 0, aten.conv3d.padding: 0,
+             aten.embedding.default: 1, aten.layer_norm.default: 0, aten.group_norm.default: 0,
+             aten.batch_norm.default: 0}
 
 
 def _param(arg, names) -> Optional[str]:
@@ -64,7 +65,9 @@ def _arg(node: fx.Node, i: int, name: str, default=None):
     return default
 
 
-_CONV = {aten.conv1d.default: nn.Conv1d, aten.conv2d.default: nn.Conv2d, aten.conv3d.default: nn.Conv3d}
+# (the ``padding`` overloads take ``padding="valid"``/``"same"`` as a string)
+_CONV = {aten.conv1d.default: nn.Conv1d, aten.conv2d.default: nn.Conv2d, aten.conv3d.default: nn.Conv3d,
+         aten.conv1d.padding: nn.Conv1d, aten.conv2d.padding: nn.Conv2d, aten.conv3d.padding: nn.Conv3d}
 
 
 def _matches(node: fx.Node, m: nn.Module, names, canonical) -> bool:
@@ -104,6 +107,7 @@ def _same(arg, p: Optional[Tensor], names, canonical) -> bool:
 
 
 _WEIGHT_ARG = {aten.linear.default: 1, aten.conv1d.default: 1, aten.conv2d.default: 1, aten.conv3d.default: 1,
+               aten.conv1d.padding: 1, aten.conv2d.padding: 1, aten.conv3d.padding: 1,
                aten.embedding.default: 0, aten.layer_norm.default: 2, aten.group_norm.default: 2,
                aten.batch_norm.default: 1}
 

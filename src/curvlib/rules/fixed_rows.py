@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from . import embedding, functional
 from ._gram import gram
-from .._core.site import Site
+from .._core.site import Site, batch_first, from_batch_first, sample_layout
 
 __all__ = ["unused_block", "BIAS_OPS", "bias_like", "row_map", "kron", "squares_per_sample", "diagonal_block", "tied_across_layers", "generic_block"]
 
@@ -71,13 +71,16 @@ def row_map(site: Site) -> Optional[Tensor]:
     if p.dim() < 2:
         return None
     rows, cols = p.shape[:-1].numel(), p.shape[-1]
-    x = site.saved["in0"]
-    zero = x.new_zeros((1,) + tuple(x.shape[1:]), dtype=torch.float64)
+    x = site.saved["in0"]  # batch first; the op runs in its own layout (sample_layout)
+    in_dims, out_dim = sample_layout(site, {"in0": x}, x.shape[0] if x.dim() else 0)
+    zero = x.new_zeros((1,) + tuple(x.shape[1:]) if in_dims["in0"] is not None else x.shape, dtype=torch.float64)
+    zero = from_batch_first(zero, in_dims["in0"]) if in_dims["in0"] else zero
     ids = torch.arange(1, rows + 1, dtype=torch.float64, device=p.device).reshape(p.shape[:-1] + (1,))
     row_ids = _run(site, ids.expand(p.shape), zero)
     col_ids = _run(site, torch.arange(1, cols + 1, dtype=torch.float64, device=p.device).expand(p.shape), zero)
     if row_ids is None or col_ids is None or col_ids.shape[-1] != cols:
         return None
+    row_ids, col_ids = batch_first(row_ids, out_dim), batch_first(col_ids, out_dim)
     if not bool((col_ids.abs() == torch.arange(1, cols + 1, dtype=torch.float64, device=p.device)).all()):
         return None
     if not bool((row_ids == row_ids[..., :1]).all()):

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.func import vjp, vmap
 
-from .._core.site import Recorder, RoleTensors, Rule, Site
+from .._core.site import Recorder, RoleTensors, Rule, Site, from_batch_first, sample_layout
 from ._conv_correlation import Correlation
 from ._conv_unfold import unfold
 from .conv import per_sample_weight_grad
@@ -142,15 +142,16 @@ def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
     conv = _conv_grad_batch(site, g, roles)
     if conv is not None:
         return conv
-    n = g.shape[0]
-    inputs = [site.saved[f"in{i}"] for i in range(len(site.meta["use"].inputs))]
-    in_dims = [0 if (x.dim() > 0 and x.shape[0] == n) else None for x in inputs]
+    keys = [f"in{i}" for i in range(len(site.meta["use"].inputs))]
+    own, out_dim = sample_layout(site, {k: site.saved[k] for k in keys}, g.shape[0])
+    own = [own[k] for k in keys]  # each input's batch dim in the op's own layout (saved: batch first)
 
     def one_sample(inputs_n: List[Tensor], g_n: Tensor) -> Dict[str, Tensor]:
-        f, free = _of_free_parameters(site, roles, [x.unsqueeze(0) if d == 0 else x for x, d in zip(inputs_n, in_dims)])
-        return vjp(f, free)[1](g_n.unsqueeze(0))[0]
+        f, free = _of_free_parameters(site, roles, [x if d is None else x.unsqueeze(d) for x, d in zip(inputs_n, own)])
+        return vjp(f, free)[1](g_n.unsqueeze(out_dim))[0]
 
-    return vmap(one_sample, in_dims=(in_dims, 0))(inputs, g)
+    in_dims = [None if d is None else 0 for d in own]
+    return vmap(one_sample, in_dims=(in_dims, 0))([site.saved[k] for k in keys], g)
 
 
 _CONV_DIMS = {torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3, F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
@@ -172,7 +173,8 @@ def _conv_grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> Optional[Ro
             for k, (name, default) in enumerate(_CONV_ARGS)}
     computed = [a for a in (args["weight"], args["bias"]) if a is not None]
     x = site.saved["in0"]
-    if (args["input"] is not use.inputs[0] or isinstance(args["padding"], str) or x.shape[0] != g.shape[0]
+    batch_apart = site.meta.get("in_dims", {}).get("in0", 0) != 0 or site.meta.get("out_dim")  # (conv: both 0)
+    if (args["input"] is not use.inputs[0] or batch_apart or isinstance(args["padding"], str) or x.shape[0] != g.shape[0]
             or not all(isinstance(a, fx.Node) and a in use.chain for a in computed)):
         return None
     per_dim = lambda v: (v,) * dims if isinstance(v, int) else tuple(v)  # noqa: E731
@@ -209,20 +211,24 @@ def _grad_batch_masked(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTenso
     sample, so each sample's gradient is the full node's vector-Jacobian product with the output
     gradient of that sample alone, ``g_n = vjp(op)(g · e_n)`` (N products of the whole node)."""
     n = g.shape[0]
-    f, free = _of_free_parameters(site, roles, [site.saved[f"in{i}"] for i in range(len(site.meta["use"].inputs))])
+    keys = [f"in{i}" for i in range(len(site.meta["use"].inputs))]
+    own, out_dim = sample_layout(site, {k: site.saved[k] for k in keys}, n)
+    # the whole op runs in its own layout: inputs and g moved back from batch first
+    inputs = [site.saved[k] if own[k] is None else from_batch_first(site.saved[k], own[k]) for k in keys]
+    f, free = _of_free_parameters(site, roles, inputs)
     pull = vjp(f, free)[1]
     rows = torch.eye(n, dtype=g.dtype, device=g.device).reshape((n, n) + (1,) * (g.dim() - 1))
-    return vmap(lambda row: pull(g * row)[0])(rows)
+    return vmap(lambda row: pull(from_batch_first(g * row, out_dim))[0])(rows)
 
 
 def batch_sized(use: FunctionalUse, env: Dict, n: int) -> bool:
-    """Whether a value of the use's parameter-only chain has the batch size in dim 0 (see
-    :func:`_grad_batch_masked`); a parameter whose dim 0 happens to equal ``N`` only costs time."""
-    return any(isinstance(env.get(c), Tensor) and env[c].dim() > 0 and env[c].shape[0] == n and n > 1
-               for c in use.chain if c.op != "get_attr")
+    """Whether a value of the use's parameter-only chain has the batch size ``n`` in some dim (see
+    :func:`_grad_batch_masked`; a constant built for the batch, such as XLNet's position encoding
+    expanded to ``[2T, N, D]``); a dim that happens to equal ``N`` only costs time."""
+    return n > 1 and any(isinstance(env.get(c), Tensor) and n in env[c].shape for c in use.chain if c.op != "get_attr")
 
 
-FUNCTIONAL = Rule(kind="generic", grad_batch=grad_batch, vmap_columns=True)
+FUNCTIONAL = Rule(kind="generic", grad_batch=grad_batch, vmap_columns=True, any_batch_dim=True, saved_batch_dims=True)
 
 
 def record(use: FunctionalUse, root: nn.Module, param_names: Dict[int, str], names: Dict[str, str],

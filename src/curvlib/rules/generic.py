@@ -8,8 +8,11 @@ gradient of sample ``n`` is the vector-Jacobian product
 computed with :func:`torch.func.vjp` on the module run on sample ``n`` alone
 (batch of one) and vectorised over ``n`` with :func:`torch.func.vmap`.
 Correct for any module that treats samples independently, slower than a
-hand-written rule. Tensor arguments whose dim 0 has the batch size are taken
-as batched; all others are passed unchanged to every sample.
+hand-written rule. The batch may be in any dim of each tensor argument and
+of the output (a sequence-first ``[T, N, D]`` layer): the planner finds each
+(:attr:`curvlib._core.site.Rule.saved_batch_dims`), and sample ``n`` runs as a
+batch of one in the layer's own layout. Tensor arguments without the batch are
+passed unchanged to every sample.
 
 A module whose forward branches on tensor values (``if x.sum() > 0``), which
 ``vmap`` cannot run, is run sample by sample instead (:func:`map_samples`):
@@ -35,7 +38,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from .._core.errors import CurvatureError
 from .._core.sync import LOCK
-from .._core.site import Family, Recorder, RoleTensors, Rule, Site
+from .._core.site import Family, Recorder, RoleTensors, Rule, Site, sample_layout
 from . import fixed_rows
 
 
@@ -161,17 +164,20 @@ def map_samples(fn, in_dims, key=None):
 
 
 def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``∂ℓ_n/∂θ``: the module's vjp run on each sample alone, a batch of one in the
+    module's own layout (the batch dim of each input and of the output kept where it is)."""
     module = site.meta["module"]
     n = g.shape[0]
     params = {k[6:]: v for k, v in site.saved.items() if k.startswith("param:")}
     inputs = {k: v for k, v in site.saved.items() if not k.startswith("param:")}
-    in_dims = {k: 0 if (v.dim() > 0 and v.shape[0] == n) else None for k, v in inputs.items()}
+    own, out_dim = sample_layout(site, inputs, n)
+    in_dims = {k: None if d is None else 0 for k, d in own.items()}  # saved batch first
     wanted = set(roles)
 
-    batch_out = site.meta.get("out")
+    batch_out = site.meta.get("out")  # the layer's output in its own layout
 
     def one_sample(inputs_n: Dict[str, Tensor], g_n: Tensor, out_n: Tensor) -> Dict[str, Tensor]:
-        inputs_n = {k: v.unsqueeze(0) if in_dims[k] == 0 else v for k, v in inputs_n.items()}
+        inputs_n = {k: v if own[k] is None else v.unsqueeze(own[k]) for k, v in inputs_n.items()}
         args, kwargs = join_args(inputs_n, site.meta["pos_static"], site.meta["kw_static"])
         free = {r: p for r, p in params.items() if r in wanted}
         fixed = {r: p for r, p in params.items() if r not in wanted}
@@ -181,11 +187,12 @@ def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
 
         alone, pullback = vjp(f, free)
         if getattr(_LOOPING, "on", False) and batch_out is not None:
-            _check_same_branch(site, alone.squeeze(0), out_n)
-        return pullback(g_n.unsqueeze(0))[0]
+            _check_same_branch(site, alone.squeeze(out_dim), out_n)
+        return pullback(g_n.unsqueeze(out_dim))[0]
 
     out_rows = batch_out if batch_out is not None else g
-    return map_samples(one_sample, (in_dims, 0, 0), key=module)(inputs, g, out_rows)
+    out_rows_dim = out_dim if batch_out is not None else 0
+    return map_samples(one_sample, (in_dims, 0, out_rows_dim), key=module)(inputs, g, out_rows)
 
 
 def _check_same_branch(site: Site, alone: Tensor, in_batch: Tensor) -> None:
@@ -203,7 +210,7 @@ def _check_same_branch(site: Site, alone: Tensor, in_batch: Tensor) -> None:
         )
 
 
-GENERIC = Rule(kind="generic", grad_batch=grad_batch)
+GENERIC = Rule(kind="generic", grad_batch=grad_batch, any_batch_dim=True, saved_batch_dims=True)
 
 
 def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
