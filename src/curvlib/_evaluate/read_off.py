@@ -28,7 +28,9 @@ def sqrt_columns(uses, m_by_site, name) -> Tensor:
     total = None
     for site, role in uses[name]:
         m = m_by_site[site.key]
-        if LOOP_SQRT_COLUMNS and is_concrete(m) and not _one_outer_product(site, m) and not site.rule.vmap_columns:
+        if site.rule.grad_batch_columns is not None:  # all columns in one batched call
+            part = site.rule.grad_batch_columns(site, m, [role]).get(role)
+        elif LOOP_SQRT_COLUMNS and is_concrete(m) and not _one_outer_product(site, m) and not site.rule.vmap_columns:
             # column by column into one buffer: the rules' own batched kernels (e.g. the
             # grouped convolution of a convolution's per-sample gradients) instead of
             # their vmapped versions (a Linear without shared positions stays vmapped:
