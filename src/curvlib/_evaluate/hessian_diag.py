@@ -10,9 +10,9 @@ The column sets of one sign are *packed*: the columns of several nodes are stack
 batch (each column zero at the other nodes' inputs, as every input outside a set already is)
 and pulled back in one batched vector-Jacobian product, then read once per parameter. A
 batch holds up to ``chunk_size`` columns, or, without one, as many as the largest single
-set (so the memory of a pullback stays that of the largest set's) but at least
-:data:`PACKED_COLUMNS`; a set larger than that is split. Exact for any packing: each
-column's pulled-back square is the same, and the read-offs sum over columns.
+set (so the memory of a pullback stays that of the largest set's) or
+:data:`PACKED_COLUMNS`, whichever is more; a set larger than that is split. Exact for any
+packing: each column's pulled-back square is the same, and the read-offs sum over columns.
 """
 
 from __future__ import annotations
@@ -22,15 +22,17 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .._core.tensors import is_concrete
 from .._hessian.algebra import factor
 from .._plan.batch_merges import per_sample
 from .read_off import batch_diag, diag, sqrt_columns
 
 __all__ = ["hessian_diag", "PACKED_COLUMNS"]
 
-#: Columns pulled back at once at least (small models: one pullback for most nodes instead of
-#: one per node and sign), unless ``chunk_size`` bounds them.
-PACKED_COLUMNS = 4096
+#: Columns pulled back at once at least, unless ``chunk_size`` bounds them. 0: no more than the
+#: largest set's (larger batches measured no faster on the tiny language models of
+#: ``benchmarks/hessian_cost.py``, so the memory of the unpacked pullbacks decides).
+PACKED_COLUMNS = 0
 
 # One node's column set: (node's residual, {input index: columns [V, *a]}, {param: [V, N, *p]}, V)
 _Entry = Tuple[object, Dict[int, object], Dict[str, Tensor], int]
@@ -57,7 +59,7 @@ def hessian_diag(lin, uses, ggn: Dict[str, Tensor], names, params, n: int, resid
             for name in names:
                 if name in direct:
                     pulled = sqrt_columns(uses, m, name) if uses.get(name) else 0.0
-                    part = _square_sum(direct[name] + pulled, batch)
+                    part = _square_sum(direct[name] + pulled, batch, fresh=True)
                 elif batch:
                     part = batch_diag(uses, m, name, params, n, cache)
                 else:
@@ -66,9 +68,12 @@ def hessian_diag(lin, uses, ggn: Dict[str, Tensor], names, params, n: int, resid
     return total
 
 
-def _square_sum(cols: Tensor, batch: bool) -> Tensor:
-    """``Σ_v cols²`` per sample (``batch``) or ``Σ_v Σ_n cols²``, for ``cols [V, N, *p]``."""
-    return (cols**2).sum(0) if batch else (cols**2).sum((0, 1))
+def _square_sum(cols: Tensor, batch: bool, fresh: bool = False) -> Tensor:
+    """``Σ_v cols²`` per sample (``batch``) or ``Σ_v Σ_n cols²``, for ``cols [V, N, *p]``
+    (``fresh``: made for this sum, squared in place where nothing differentiates it)."""
+    plain = fresh and not cols.requires_grad and is_concrete(cols)
+    squares = cols.square_() if plain else cols**2
+    return squares.sum(0) if batch else squares.sum((0, 1))
 
 
 def _signed_entries(lin, residual_grads, n: int) -> Dict[float, List[_Entry]]:

@@ -105,7 +105,11 @@ def grad_batch_columns(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTenso
     n, e, d = idx.shape[0], site.meta["num_embeddings"], g.shape[-1]
     block = torch.arange(cols * n, device=idx.device).reshape(cols, n, 1)
     keys = (block * e + idx).reshape(-1)
-    out = g.new_zeros(cols * n * e, d).index_add(0, keys, g.reshape(-1, d))
+    out = g.new_zeros(cols * n * e, d)
+    if g.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(g):  # (see grad)
+        out = out.index_add(0, keys, g.reshape(-1, d))
+    else:
+        out.index_add_(0, keys, g.reshape(-1, d))  # (no second [V, N, E, D])
     return {"weight": out.view(cols, n, e, d)}
 
 
