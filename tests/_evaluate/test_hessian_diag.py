@@ -1,7 +1,7 @@
-"""The Hessian diagonal's packed pullbacks (``curvlib._evaluate.hessian_diag``) and the column
-read-offs they use, against ``torch.func`` Hessians and per-column brute force (float64): a tiny
+"""The Hessian diagonal's packed pullbacks (``curvlib._evaluate.hessian_diag``), against ``torch.func`` Hessians and per-column brute force (float64): a tiny
 language model with a tied embedding and head, LayerNorm, a tanh MLP, a softmax and a product,
-for every packing of the residual columns (``PACKED_COLUMNS``, ``chunk_size``)."""
+for every packing of the residual columns (``PACKED_COLUMNS``, ``chunk_size``); RMSNorm's
+``rsqrt`` and other element-wise roots and logarithms (diagonal residuals)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,8 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from curvlib import curvature
-from curvlib._core.site import Site
 from curvlib._evaluate import hessian_diag as hd
 from curvlib.extensions import BatchDiagHessian, DiagHessian, SqrtGGNExact
-from curvlib.rules import embedding, linear
 
 from oracles.checks import check_close, check_hessian_diagonals
 from oracles.second_order import ggn_per_sample
@@ -76,49 +74,6 @@ def test_tied_language_model_sqrt_ggn():
         check_close(torch.einsum("vnp,vnq->npq", S, S), G, f"sqrt ggn [{name}]")
 
 
-def _linear_site(x, transposed):
-    site = Site(linear.LINEAR_TRANSPOSED if transposed else linear.LINEAR, {"weight": "w", "bias": "b"}, "lin",
-                saved={"x": x}, meta={"transposed": transposed})
-    return site
-
-
-@settings(max_examples=25, deadline=None)
-@given(v=st.integers(1, 40), n=st.integers(1, 3), s=st.integers(1, 6), i=st.integers(1, 9), o=st.integers(1, 5),
-       transposed=st.booleans(), seed=st.integers(0, 2**16))
-def test_linear_column_read_offs(v, n, s, i, o, transposed, seed):
-    """Linear's all-columns read-offs (Gram matrices over positions, one batched product) equal
-    the per-column ``grad_batch`` squared and summed."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, s, i, generator=g, dtype=torch.float64)
-    m = torch.randn(v, n, s, o, generator=g, dtype=torch.float64)
-    site = _linear_site(x, transposed)
-    rule, roles = site.rule, ["weight", "bias"]
-    cols = {r: torch.stack([rule.grad_batch(site, m[k], roles)[r] for k in range(v)]) for r in roles}
-    got = rule.grad_batch_columns(site, m, roles)
-    diag = rule.sum_squares_over_columns(site, m, roles)
-    batch = rule.batch_sum_squares_over_columns(site, m, roles)
-    for r in roles:
-        check_close(got[r], cols[r], f"grad_batch_columns[{r}]")
-        check_close(diag[r].sum(0), (cols[r] ** 2).sum((0, 1)), f"sum_squares_over_columns[{r}]")
-        check_close(batch[r], (cols[r] ** 2).sum(0), f"batch_sum_squares_over_columns[{r}]")
-
-
-@settings(max_examples=20, deadline=None)
-@given(v=st.integers(1, 12), n=st.integers(1, 3), p=st.integers(1, 5), e=st.integers(1, 6), d=st.integers(1, 4),
-       pad=st.booleans(), seed=st.integers(0, 2**16))
-def test_embedding_grad_batch_columns(v, n, p, e, d, pad, seed):
-    """Embedding's all-columns per-sample gradients (one scatter) equal ``grad_batch`` per column,
-    repeated indices and the padding row included."""
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, e, (n, p), generator=g)
-    m = torch.randn(v, n, p, d, generator=g, dtype=torch.float64)
-    site = Site(embedding.EMBEDDING, {"weight": "w"}, "emb", saved={"idx": idx},
-                meta={"padding_idx": 0 if pad else None, "num_embeddings": e})
-    got = embedding.grad_batch_columns(site, m, ["weight"])["weight"]
-    want = torch.stack([embedding.grad_batch(site, m[k], ["weight"])["weight"] for k in range(v)])
-    check_close(got, want, "embedding grad_batch_columns")
-
-
 @pytest.mark.parametrize("cap", [1, 3, 10])
 def test_packing_covers_every_column_once(cap):
     """``_packed``: every column of every set exactly once, in order, at most ``cap`` per batch."""
@@ -127,3 +82,31 @@ def test_packing_covers_every_column_once(cap):
     assert all(sum(stop - start for _, start, stop in b) <= cap for b in batches)
     seen = [(e[0], c) for b in batches for e, start, stop in b for c in range(start, stop)]
     assert seen == [(k, c) for k, v in enumerate([4, 1, 7, 2]) for c in range(v)]
+
+
+class RMSNormNet(nn.Module):
+    """Llama's RMSNorm (``x · rsqrt(mean x² + ε) · w``) and ``sqrt``/``log``/``reciprocal`` nodes:
+    element-wise, with diagonal residuals."""
+
+    def __init__(self, which: str):
+        super().__init__()
+        self.which, self.a, self.w, self.b = which, nn.Linear(3, 4), nn.Parameter(torch.randn(4)), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.which == "rsqrt":
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+        elif self.which == "sqrt":
+            h = (h * h + 1.0).sqrt() * self.w
+        elif self.which == "log":
+            h = torch.log(h * h + 1.0) + torch.reciprocal(h * h + 2.0)
+        return self.b(h)
+
+
+@pytest.mark.parametrize("which", ["rsqrt", "sqrt", "log"])
+def test_rms_norm_and_elementwise_roots(which):
+    torch.manual_seed(0)
+    model = RMSNormNet(which).double()
+    X = torch.randn(3, 3, dtype=torch.float64)
+    y = torch.randint(0, 2, (3,))
+    check_hessian_diagonals(model, nn.CrossEntropyLoss(), X, y)

@@ -26,6 +26,7 @@ from opt_einsum import contract
 from torch import Tensor, nn
 from torch.func import vmap
 
+from . import _linear_columns
 from ._gram import gram
 from .._core.scratch import scratch
 from .._core.site import Family, Recorder, RoleTensors, Rule, Site
@@ -58,19 +59,6 @@ def grad_batch(site: Site, g: Tensor, roles: Sequence[str], transposed: bool = F
         out["weight"] = _per_sample_outer(x, g) if transposed else _per_sample_outer(g, x)
     if "bias" in roles:
         out["bias"] = g.sum(1)
-    return out
-
-
-def grad_batch_columns(site: Site, m: Tensor, roles: Sequence[str], transposed: bool = False) -> RoleTensors:
-    """:func:`grad_batch` of every column of ``m [V, *out]`` at once: weight ``[V, N, O, I]``
-    (``transposed``: ``[V, N, I, O]``), bias ``[V, N, O]``; one batched product over the samples."""
-    x = _flat_input(site)
-    g = m.reshape(m.shape[0], x.shape[0], -1, m.shape[-1])  # [V, N, S, O]
-    out = {}
-    if "weight" in roles:
-        out["weight"] = torch.einsum("nsi,vnso->vnio", x, g) if transposed else torch.einsum("vnso,nsi->vnoi", g, x)
-    if "bias" in roles:
-        out["bias"] = g.sum(2)
     return out
 
 
@@ -243,18 +231,11 @@ def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> Rol
     Without shared positions the square separates, ``(m_vn x_nᵀ)² = m_vn² (x_n²)ᵀ``,
     so ``Σ_v`` moves inside: one matrix product ``(Σ_v m²)ᵀ (x²)``. With positions,
     the columns' Gram matrices over positions where they are cheaper
-    (:func:`_column_grams`), else the individual gradients.
+    (:mod:`curvlib.rules._linear_columns`), else the individual gradients.
     """
     x = _flat_input(site)
-    if x.shape[1] != 1 and _grams_cheaper(m, x):
-        M = _column_grams(m, x)  # [N, S, S, O]
-        out = {}
-        if "weight" in roles:  # Σ_{n,s,t} M[n,s,t,o] x[n,s,i] x[n,t,i]
-            xx = (x.unsqueeze(2) * x.unsqueeze(1)).reshape(-1, x.shape[-1])
-            out["weight"] = (M.reshape(-1, M.shape[-1]).t() @ xx).unsqueeze(0)
-        if "bias" in roles:  # Σ_n (Σ_s m)² = Σ_{n,s,t} M[n,s,t]
-            out["bias"] = M.sum((0, 1, 2)).unsqueeze(0)
-        return out
+    if _linear_columns.cheaper(m, x, SQUARES_ENTRIES):
+        return _linear_columns.squares(m, x, roles, per_sample=False)
     if x.shape[1] != 1 and 1 < m.shape[0] and m.shape[0] * x.shape[0] * x.shape[2] * m.shape[-1] <= SQUARES_ENTRIES:
         return vmap(lambda mv: sum_grad_squared(site, mv, roles))(m)  # summed by the caller
     if x.shape[1] != 1:  # one column (MC), or a large layer (a language model's head): one column at
@@ -271,23 +252,6 @@ def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> Rol
     if "bias" in roles:
         out["bias"] = m2.sum(0).unsqueeze(0)
     return out
-
-
-def _grams_cheaper(m: Tensor, x: Tensor) -> bool:
-    """Whether :func:`_column_grams` (``V·N·S²·O`` products, then ``N·S²·O·I``) costs less than
-    forming every column's individual gradients (``V·N·S·O·I``), and its ``[N, S, S, O]`` and
-    ``[N, S, S, I]`` fit in :data:`SQUARES_ENTRIES`: ``S (V + I) < V·I``, positions fewer than the
-    columns and the input features (a language model's layers under the Hessian's residual
-    columns, ``V`` = a sample's activations)."""
-    v, (n, s, i), o = m.shape[0], x.shape, m.shape[-1]
-    return v > 1 and s * (v + i) < v * i and n * s * s * max(o, i) <= SQUARES_ENTRIES
-
-
-def _column_grams(m: Tensor, x: Tensor) -> Tensor:
-    """``M[n, s, t, o] = Σ_v m[v, n, s, o] m[v, n, t, o]`` ``[N, S, S, O]`` for ``m [V, *out]``,
-    so that ``Σ_v (Σ_s m[v, n, s, o] x[n, s, i])² = Σ_{s,t} M[n, s, t, o] x[n, s, i] x[n, t, i]``."""
-    mf = m.reshape(m.shape[0], x.shape[0], x.shape[1], m.shape[-1])
-    return torch.einsum("vnso,vnto->nsto", mf, mf)
 
 
 def kron(site: Site, role: str, m: Tensor, approx: Optional[str] = None, max_dim: Optional[int] = None) -> list:
@@ -330,18 +294,10 @@ def kron_from_output_matrix(site: Site, role: str, G: Tensor) -> list:
 def batch_sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
     """``Σ_v (J_pᵀ m_v)²`` per sample ``[N, *p]``: with one position, ``(Σ_v m_v²) ⊗ x²``; with
     positions, from the columns' Gram matrices over positions where they are cheaper
-    (:func:`_column_grams`), else one column at a time."""
+    (:mod:`curvlib.rules._linear_columns`), else one column at a time."""
     x = _flat_input(site)
-    if x.shape[1] != 1 and _grams_cheaper(m, x):
-        M = _column_grams(m, x)  # [N, S, S, O]
-        n, s = x.shape[0], x.shape[1]
-        out = {}
-        if "weight" in roles:  # Σ_{s,t} M[n,s,t,o] x[n,s,i] x[n,t,i], one product per sample
-            xx = (x.unsqueeze(2) * x.unsqueeze(1)).reshape(n, s * s, -1)
-            out["weight"] = torch.bmm(M.reshape(n, s * s, -1).transpose(1, 2), xx)
-        if "bias" in roles:
-            out["bias"] = M.sum((1, 2))
-        return out
+    if _linear_columns.cheaper(m, x, SQUARES_ENTRIES):
+        return _linear_columns.squares(m, x, roles, per_sample=True)
     if x.shape[1] != 1:
         out = {}
         for k in range(m.shape[0]):
@@ -382,7 +338,7 @@ LINEAR = Rule(
     sum_squares_over_columns=sum_squares_over_columns,
     batch_sum_squares_over_columns=batch_sum_squares_over_columns,
     outer_factors=outer_factors,
-    grad_batch_columns=grad_batch_columns,
+    grad_batch_columns=_linear_columns.grad_batch_columns,
 )
 
 
@@ -412,7 +368,7 @@ LINEAR_TRANSPOSED = Rule(
     sum_squares_over_columns=_weight_transposed(sum_squares_over_columns),
     batch_sum_squares_over_columns=_weight_transposed(batch_sum_squares_over_columns),
     outer_factors=outer_factors,
-    grad_batch_columns=functools.partial(grad_batch_columns, transposed=True),
+    grad_batch_columns=functools.partial(_linear_columns.grad_batch_columns, transposed=True),
 )
 
 
