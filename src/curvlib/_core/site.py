@@ -86,6 +86,9 @@ class Rule:
     sum_squares_over_columns: Optional[RuleFn] = None
     # (site, m [V, *out], roles) -> role -> [N, *p]: Σ_v grad_batch(m_v)².
     batch_sum_squares_over_columns: Optional[RuleFn] = None
+    # (site, m [V, *out], roles) -> role -> [V, N, *p]: grad_batch of every column in one
+    # batched call (no loop over columns, no vmap)
+    grad_batch_columns: Optional[RuleFn] = None
     # the columns of a square root go through one vmapped grad_batch, not a loop over them
     # (a rule whose grad_batch is itself a vmapped VJP of one op: one batched call is cheaper)
     vmap_columns: bool = False

@@ -78,12 +78,15 @@ class Linearization:
         batched_out = cot_out is not None
         if self.batched_pullback is not None:  # plain autograd: is_grads_batched
             v = (cot_out if batched_out else next(iter(cot_taps.values()))).shape[0]
+            # (None: no cotangent there, the backward starts only where there is one; the
+            # batched strategy's vmap takes tensors: zeros)
+            zeros = (lambda t: None) if v == 1 or not _strategy.batched(self.out.device) else \
+                (lambda t: t.new_zeros((v,) + tuple(t.shape)))
+            c_out = cot_out if batched_out else zeros(self.out)
+            c_taps = [cot_taps[i] if i in cot_taps else zeros(t) for i, t in enumerate(self.taps)]
             if v == 1:  # one column: a plain backward is cheaper than a batched one
-                c_out = cot_out[0] if batched_out else torch.zeros_like(self.out)
-                c_taps = [cot_taps[i][0] if i in cot_taps else torch.zeros_like(t) for i, t in enumerate(self.taps)]
-                return [g.unsqueeze(0) for g in self.pullback((c_out, c_taps))[0]]
-            c_out = cot_out if batched_out else self.out.new_zeros((v,) + tuple(self.out.shape))
-            c_taps = [cot_taps[i] if i in cot_taps else t.new_zeros((v,) + tuple(t.shape)) for i, t in enumerate(self.taps)]
+                first = lambda c: None if c is None else c[0]  # noqa: E731
+                return [g.unsqueeze(0) for g in self.pullback((first(c_out), [first(c) for c in c_taps]))[0]]
             return self.batched_pullback(c_out, c_taps)
         out_arg = cot_out if batched_out else torch.zeros_like(self.out)
         tap_args = [cot_taps.get(i, torch.zeros_like(t)) for i, t in enumerate(self.taps)]
@@ -277,8 +280,8 @@ def _pullbacks(held: List[Tensor], taps: List[Tensor], inputs: list, like: List[
         return lambda k, g: read(k, canon(k, g, 0))
 
     def pullback(cotangents, batched: bool = False):
-        cot_out, cot_taps = cotangents
-        pairs = [(o, c) for o, c in zip(held + taps, [cot_out] + list(cot_taps)) if o.requires_grad]
+        cot_out, cot_taps = cotangents  # (None where there is no cotangent: a zero one)
+        pairs = [(o, c) for o, c in zip(held + taps, [cot_out] + list(cot_taps)) if c is not None and o.requires_grad]
         if not inputs or not pairs:
             grads = [None] * len(inputs)
         else:
@@ -286,7 +289,7 @@ def _pullbacks(held: List[Tensor], taps: List[Tensor], inputs: list, like: List[
                 [o for o, _ in pairs], inputs, [c for _, c in pairs],
                 retain_graph=True, allow_unused=True, is_grads_batched=batched,
             )
-        lead = (cot_out.shape[0],) if batched else ()
+        lead = (next(c for c in [cot_out, *cot_taps] if c is not None).shape[0],) if batched else ()
         grads = [torch.zeros(lead + shape, dtype=dtype, device=device) if g is None else g
                  for g, (shape, dtype, device) in zip(grads, like)]
         return sites_first(grads, len(lead)), grads[n_sites:]

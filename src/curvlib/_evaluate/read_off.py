@@ -28,7 +28,9 @@ def sqrt_columns(uses, m_by_site, name) -> Tensor:
     total = None
     for site, role in uses[name]:
         m = m_by_site[site.key]
-        if LOOP_SQRT_COLUMNS and is_concrete(m) and not _one_outer_product(site, m) and not site.rule.vmap_columns:
+        if site.rule.grad_batch_columns is not None:  # all columns in one batched call
+            part = site.rule.grad_batch_columns(site, m, [role]).get(role)
+        elif LOOP_SQRT_COLUMNS and is_concrete(m) and not _one_outer_product(site, m) and not site.rule.vmap_columns:
             # column by column into one buffer: the rules' own batched kernels (e.g. the
             # grouped convolution of a convolution's per-sample gradients) instead of
             # their vmapped versions (a Linear without shared positions stays vmapped:
@@ -93,7 +95,29 @@ def diag(uses, m_by_site, name, params, cache=None) -> Tensor:
             return total
         if rule.vmap_columns:
             return (_site_columns(cache, site, uses, m)[role] ** 2).sum((0, 1))
-    return (sqrt_columns(uses, m_by_site, name) ** 2).sum((0, 1))
+    return _column_squares(uses, m_by_site, name, params[name].numel(), (0, 1))
+
+
+def _column_squares(uses, m_by_site, name, numel: int, dims) -> Tensor:
+    """``Σ_dims (Σ_sites J_pᵀ m_v)²`` (``dims``: ``(0, 1)``, columns and samples, or ``0``) from
+    :func:`sqrt_columns` of blocks of columns, each ``[v, N, *p]`` at most
+    :data:`~curvlib.rules.linear.SQUARES_ENTRIES` entries (one column if even that is larger)."""
+    m0 = m_by_site[uses[name][0][0].key]
+    step = max(1, linear.SQUARES_ENTRIES // max(m0.shape[1] * numel, 1)) if m0.dim() > 1 else m0.shape[0]
+    total = None
+    for a in range(0, m0.shape[0], step):
+        block = {site.key: m_by_site[site.key][a:a + step] for site, _ in uses[name]}
+        part = _squares(sqrt_columns(uses, block, name)).sum(dims)
+        total = part if total is None else total + part
+    return total
+
+
+def _squares(cols: Tensor) -> Tensor:
+    """``cols²`` for columns :func:`sqrt_columns` formed, squared in place where nothing
+    differentiates them (no second ``[V, N, *p]``)."""
+    if cols.requires_grad or not is_concrete(cols):
+        return cols**2
+    return cols.square_()
 
 
 def _site_columns(cache, site, uses, m: Tensor) -> Dict[str, Tensor]:
@@ -139,8 +163,8 @@ def batch_diag(uses, m_by_site, name, params, n, cache=None) -> Tensor:
             return _per_site(cache, site, uses, "batch_diag", lambda roles: fast(site, m, roles))[role]
         if site.rule.vmap_columns:
             return (_site_columns(cache, site, uses, m_by_site[site.key])[role] ** 2).sum(0)
-    if all(site.rule.vmap_columns for site, _ in u):
-        return (sqrt_columns(uses, m_by_site, name) ** 2).sum(0)
+    if all(site.rule.vmap_columns or site.rule.grad_batch_columns is not None for site, _ in u):
+        return _column_squares(uses, m_by_site, name, params[name].numel(), 0)
     v = m_by_site[u[0][0].key].shape[0]
     total = None
     for k in range(v):  # one column at a time: memory [N, *p]

@@ -7,8 +7,9 @@ by ``torch.cat``, holding every part and the joined result at once. Here each
 column is written where it belongs as soon as it is formed: one buffer per
 (result, parameter), allocated when its first column is known, so that neither
 knob raises peak memory above the unchunked call's (a column ``[N, *p]`` at a
-time is the only temporary, as without chunks; a Linear layer's outer product
-``g_n x_nᵀ`` is written with no temporary at all).
+time is the only temporary, as without chunks, or a block of columns up to
+:data:`COLUMN_BLOCK_ENTRIES` where a rule forms them in one batched call; a Linear
+layer's outer product ``g_n x_nᵀ`` is written with no temporary at all).
 
 Only for plain tensors outside autograd and ``torch.func`` (the common case);
 otherwise the parts are joined as before.
@@ -65,16 +66,18 @@ def write_sqrt(uses, m_by_site, name: str, p: Tensor, n: int, columns: _Columns)
     """Parameter ``name``'s square root for the columns ``m_by_site`` (``[v, *site_out]``)
     written into ``columns``; returns the whole root written so far (``[V, n, *p]``)."""
     if uses.get(name):
-        sqrt_into(uses, m_by_site, name, lambda shape, dtype: columns(name, shape, dtype, p.device))
+        sqrt_into(uses, m_by_site, name, lambda shape, dtype: columns(name, shape, dtype, p.device), p.numel())
     else:  # a parameter no site uses
         columns(name, (n,) + tuple(p.shape), p.dtype, p.device).zero_()
     return columns.roots.view(columns.key, name, n)
 
 
-def sqrt_into(uses, m_by_site, name: str, dest: Callable[[Tuple[int, ...], torch.dtype], Tensor]) -> Tensor:
+def sqrt_into(uses, m_by_site, name: str, dest: Callable[[Tuple[int, ...], torch.dtype], Tensor],
+              numel: int = 1) -> Tensor:
     """``[V, N, *p]``: ``Σ_sites J_pᵀ m_v`` per sample (:func:`curvlib._evaluate.second_order._sqrt`),
     written into ``dest(shape, dtype)`` (``[V, *shape]`` for a column ``shape = (N, *p)``):
-    a Linear weight's outer products all at once, any other site column by column."""
+    a Linear weight's outer products all at once, any other site a block of columns at a time
+    (``numel``: the parameter's, which sizes the blocks)."""
     out = None
     for i, (site, role) in enumerate(uses[name]):
         m = m_by_site[site.key]
@@ -88,13 +91,36 @@ def sqrt_into(uses, m_by_site, name: str, dest: Callable[[Tuple[int, ...], torch
             else:
                 torch.mul(*outer, out=out)
             continue
-        for v in range(m.shape[0]):
-            col = site.rule.grad_batch(site, m[v], [role])[role]
+        step = _columns_at_once(site, m, numel)
+        for v in range(0, m.shape[0], step):
+            cols = _columns(site, m[v:v + step], role, step)
             if out is None:
-                out = dest(tuple(col.shape), col.dtype)
+                out = dest(tuple(cols.shape[1:]), cols.dtype)
             if i:
-                out[v].add_(col)
+                out[v:v + step].add_(cols)
             else:
-                out[v].copy_(col)
+                out[v:v + step].copy_(cols)
     return out
+
+
+def _columns_at_once(site, m: Tensor, numel: int) -> int:
+    """How many columns a rule with :attr:`~curvlib._core.site.Rule.grad_batch_columns` forms at
+    once (``m [V, N, ...]``, a parameter of ``numel`` entries): a block of at most
+    :data:`COLUMN_BLOCK_ENTRIES` entries (1 for the other rules)."""
+    if site.rule.grad_batch_columns is None or m.dim() < 2:
+        return 1
+    return max(1, COLUMN_BLOCK_ENTRIES // max(m.shape[1] * numel, 1))
+
+
+def _columns(site, m: Tensor, role: str, step: int) -> Tensor:
+    """``[v, N, *p]`` for the columns ``m [v, *site_out]``: one batched call, or one column."""
+    if step > 1:
+        return site.rule.grad_batch_columns(site, m, [role])[role]
+    return site.rule.grad_batch(site, m[0], [role])[role].unsqueeze(0)
+
+
+#: The largest block of per-sample gradients ``[v, N, *p]`` formed at once beside the result
+#: (16 Mi entries), when a rule forms all columns in one batched call (a Linear shared by
+#: positions, an Embedding): fewer, larger kernels than one per column.
+COLUMN_BLOCK_ENTRIES = 2**24
 

@@ -17,12 +17,8 @@ per-sample parameter factor ``J_pᵀ m_v`` (its ``grad_batch`` applied to
 A parameter used by several sites sums ``J_pᵀ m`` over its sites before any
 square is taken.
 
-Hessian diagonal. ``∇²L = G + Σ_a J_aᵀ diag(φ''(a) ⊙ g_z) J_a`` over the
-element-wise nonlinearities ``z = φ(a)`` (``g_z = ∂L/∂z``), for graphs whose
-other nodes are piecewise linear. Each residual is split into its positive
-and negative parts, ``r = r₊ − r₋``; the columns ``e_d √r±[n, d]`` (one per
-feature ``d`` of ``a``) are pulled back from ``a`` like ``S``, and their
-``diag``/``batch_diag`` are added with the sign.
+Hessian diagonal: the GGN's plus every nonlinear node's signed residual columns, pulled
+back like ``S`` (:mod:`curvlib._evaluate.hessian_diag`).
 
 Products (``GGNMP``, ``HMP``, ``PCHMP``) return callables that re-run the
 forward with the parameter as the only variable (same random state, so the
@@ -46,9 +42,8 @@ from .._core.kronlayout import add_root_factor
 from ..rules.fixed_rows import unused_block
 from .._core.scratch import reusing
 from .._core.site import uses_of
-from .._plan.batch_merges import per_sample
-from .._hessian.algebra import factor
 from . import read_off as _read_off
+from .hessian_diag import hessian_diag
 from .read_off import batch_diag, diag, kronecker_factors, root_last, sqrt_columns
 from .root_buffers import RootBuffers, write_sqrt
 from .streamed import read_when_passed
@@ -104,7 +99,7 @@ def second_order(
             cache: Dict[object, object] = {"static": {}}
             results[ext.name] = {n: _read("kron", uses, m, n, params, batch_size, 1, cache, _kron_options(ext)) for n in names}
         elif q in ("hessian_diag", "hessian_batch_diag"):
-            results[ext.name] = _hessian_diag(
+            results[ext.name] = hessian_diag(
                 lin, uses, results[ext.name], names, params, batch_size, residual_grads,
                 batch=(q == "hessian_batch_diag"), chunk_size=chunk_size,
             )
@@ -277,33 +272,3 @@ def _sum_into(acc: Tensor, part: Tensor, owned: Optional[set]) -> Tensor:
             owned.add(id(total))
         return total
     return acc.add_(part)
-
-
-def _hessian_diag(lin, uses, ggn, names, params, n, residual_grads, batch: bool, chunk_size=None):
-    """GGN diagonal plus every residual's signed columns (see :mod:`curvlib._hessian.residuals`)."""
-    read = (lambda m, name, cache: batch_diag(uses, m, name, params, n, cache)) if batch else (
-        lambda m, name, cache: diag(uses, m, name, params, cache))
-    total = dict(ggn)
-    for res, g_z in zip(lin.residuals, residual_grads):
-        for sign, tap_cols, direct in per_sample(res, factor(res, g_z), n):
-            if not tap_cols and not direct:
-                continue  # nothing trainable reached: no columns
-            # a node without float inputs (an opaque layer on token ids): direct columns only
-            v = next(iter(tap_cols.values() if tap_cols else direct.values())).shape[0]
-            step = max(1, v if chunk_size is None else chunk_size)
-            for start in range(0, v, step):
-                sl = slice(start, start + step)
-                m = lin.pull_batched(None, {res.taps[j]: cols[sl] for j, cols in tap_cols.items()}) if tap_cols \
-                    else None
-                cache: Dict[tuple, object] = {}
-                for name in names:
-                    if name in direct:
-                        pulled = sqrt_columns(uses, m, name) if m is not None and uses.get(name) else 0.0
-                        sq = direct[name][sl] + pulled
-                        part = (sq**2).sum(0) if batch else (sq**2).sum((0, 1))
-                    elif m is None:
-                        continue  # no tap: nothing reaches the other parameters
-                    else:
-                        part = read(m, name, cache)
-                    total[name] = total[name] + sign * part
-    return total

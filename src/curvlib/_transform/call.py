@@ -27,6 +27,11 @@ from .._plan.traces import Traced
 from ..distributed import kfra_reducer
 from ..extensions.products import BlockProduct
 from ..losses._generic import check_per_sample
+from ..rules.layernorm import from_primitives
+
+#: Quantities whose columns are pulled back many at once (the Hessian's residual columns, square
+#: roots): their forward writes LayerNorm from primitives (:func:`curvlib.rules.layernorm.from_primitives`).
+BATCHED_PULLBACKS = ("hessian_diag", "hessian_batch_diag", "sqrt")
 
 __all__ = ["evaluate"]
 
@@ -40,12 +45,13 @@ def evaluate(s, c: CallContext) -> Dict[str, object]:
     traced, X, y, device = c.traced, c.X, c.y, c.device
     trainable, n = list(c.trainable), _inputs.batch_size(c.X)
     rng = rng_state(device)
-    lin = forward_with_probes(
-        traced.program, c.plan, X, c.values, frozenset(trainable), traced.residual_nodes, runner=traced.runner,
-        # KFRA reuses the forward's node values, unless an in-place node overwrote its input
-        direct=traced.direct, keep_values=traced.direct and any(e.quantity == "kfra" for e in s.second),
-        functorch=c.differentiable, dropout_seed=c.dropout_seed,
-    )
+    with from_primitives(any(e.quantity in BATCHED_PULLBACKS for e in s.second)):
+        lin = forward_with_probes(
+            traced.program, c.plan, X, c.values, frozenset(trainable), traced.residual_nodes, runner=traced.runner,
+            # KFRA reuses the forward's node values, unless an in-place node overwrote its input
+            direct=traced.direct, keep_values=traced.direct and any(e.quantity == "kfra" for e in s.second),
+            functorch=c.differentiable, dropout_seed=c.dropout_seed,
+        )
     wanted, generic = [e.name for e in s.first], s.spec.kind == "generic"
     if streams(lin, s.second, generic):  # second order first: the loss's backward then frees the graph
         later = _second_order(s, c, lin, rng, None, [])

@@ -78,6 +78,7 @@ select slice narrow view _unsafe_view reshape expand permute transpose squeeze u
 index unique_consecutive alias""".split())
 _ELEMENTWISE_FUNCTIONS = {
     torch.sigmoid, torch.tanh, torch.exp, torch.sin, torch.cos, torch.log1p,
+    torch.rsqrt, torch.sqrt, torch.log, torch.reciprocal,  # (RMSNorm's 1/√(mean x² + ε))
     F.sigmoid, F.tanh, F.gelu, F.silu, F.softplus, F.elu, F.selu, F.celu, F.logsigmoid,
     F.mish, F.softsign, F.tanhshrink, F.hardswish,
 }
@@ -88,7 +89,7 @@ def hardsigmoid(x: Tensor, inplace: bool = False) -> Tensor:
     (no second derivative; classified ``"linear"``), and torch has no forward-mode derivative of
     ``hardsigmoid_backward``, which the block products and Hessian diagonals take through it."""
     return F.relu6(x + 3.0) / 6.0
-_ELEMENTWISE_METHODS = {"sigmoid", "tanh", "exp", "sin", "cos", "log1p"}
+_ELEMENTWISE_METHODS = {"sigmoid", "tanh", "exp", "sin", "cos", "log1p", "rsqrt", "sqrt", "log", "reciprocal"}
 # ``h += p`` and the like (curvlib._trace.program records them in place): their out-of-place twins
 _AUGMENTED = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
               operator.itruediv: operator.truediv}

@@ -91,6 +91,28 @@ def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
     return {"weight": out.view(n, v, d)}
 
 
+def grad_batch_columns(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """:func:`grad_batch` of every column of ``m [V, *out]`` at once, ``{"weight": [V, N, E, D]}``:
+    one scatter, each (column, sample) pair its own block of rows."""
+    if "weight" not in roles:
+        return {}
+    cols = m.shape[0]
+    idx = site.saved["idx"].reshape(site.saved["idx"].shape[0], -1)  # [N, P]
+    g = m.reshape(cols, idx.shape[0], idx.shape[1], m.shape[-1])  # [V, N, P, D]
+    pad = site.meta["padding_idx"]
+    if pad is not None:
+        g = g * (idx != pad).unsqueeze(-1).to(g.dtype)
+    n, e, d = idx.shape[0], site.meta["num_embeddings"], g.shape[-1]
+    block = torch.arange(cols * n, device=idx.device).reshape(cols, n, 1)
+    keys = (block * e + idx).reshape(-1)
+    out = g.new_zeros(cols * n * e, d)
+    if g.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(g):  # (see grad)
+        out = out.index_add(0, keys, g.reshape(-1, d))
+    else:
+        out.index_add_(0, keys, g.reshape(-1, d))  # (no second [V, N, E, D])
+    return {"weight": out.view(cols, n, e, d)}
+
+
 def grad(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
     """``{"weight": [V, D]}``: ``Σ_{n,p} e_{idx[n, p]} g̃[n, p]ᵀ``."""
     if "weight" not in roles:
@@ -230,6 +252,7 @@ EMBEDDING = Rule(
     batch_l2=batch_l2,
     sum_grad_squared=sum_grad_squared,
     sum_squares_over_columns=sum_squares_over_columns,
+    grad_batch_columns=grad_batch_columns,
     any_batch_dim=True,
 )
 

@@ -41,7 +41,9 @@ product are exact.
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+import contextlib
+import contextvars
+from typing import Iterator, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -124,6 +126,24 @@ LAYERNORM = Rule(
 )
 
 
+#: Whether :func:`normalise` writes ``x̂`` from primitives outside transforms too (see
+#: :func:`from_primitives`).
+_PRIMITIVES = contextvars.ContextVar("curvlib_layernorm_primitives", default=False)
+
+
+@contextlib.contextmanager
+def from_primitives(on: bool = True) -> Iterator[None]:
+    """While active (``on``), :func:`normalise` uses primitives outside transforms too: for a
+    forward whose graph is pulled back with many columns at once (``is_grads_batched``), where
+    the fused ``layer_norm`` backward has no batching rule and runs once per column (tiny
+    GPT-2's Hessian diagonal: 9720 calls of it)."""
+    token = _PRIMITIVES.set(on)
+    try:
+        yield
+    finally:
+        _PRIMITIVES.reset(token)
+
+
 def normalise(x: Tensor, shape: Tuple[int, ...], eps: float) -> Tensor:
     """``x̂ = (x - mean_D(x)) / √(var_D(x) + ε)`` over the trailing axes ``shape``, ``x [*L, *D]``.
 
@@ -136,7 +156,7 @@ def normalise(x: Tensor, shape: Tuple[int, ...], eps: float) -> Tensor:
     Hessian-vector product through it is 0.2-0.5 off finite differences
     (``tests/_transform/test_compose_derivatives.py``), the primitives are exact.
     """
-    if not inside_transform():
+    if not inside_transform() and not _PRIMITIVES.get():
         return F.layer_norm(x, shape, None, None, eps)
     dims = tuple(range(x.dim() - len(shape), x.dim()))
     centred = x - x.mean(dims, keepdim=True)

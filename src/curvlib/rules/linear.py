@@ -26,6 +26,7 @@ from opt_einsum import contract
 from torch import Tensor, nn
 from torch.func import vmap
 
+from . import _linear_columns
 from ._gram import gram
 from .._core.scratch import scratch
 from .._core.site import Family, Recorder, RoleTensors, Rule, Site
@@ -228,9 +229,13 @@ def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> Rol
     """``Σ_v Σ_n (J_pᵀ m_v)²`` for a root ``m [V, *out]`` (the GGN diagonal).
 
     Without shared positions the square separates, ``(m_vn x_nᵀ)² = m_vn² (x_n²)ᵀ``,
-    so ``Σ_v`` moves inside: one matrix product ``(Σ_v m²)ᵀ (x²)``.
+    so ``Σ_v`` moves inside: one matrix product ``(Σ_v m²)ᵀ (x²)``. With positions,
+    the columns' Gram matrices over positions where they are cheaper
+    (:mod:`curvlib.rules._linear_columns`), else the individual gradients.
     """
     x = _flat_input(site)
+    if _linear_columns.cheaper(m, x, SQUARES_ENTRIES):
+        return _linear_columns.squares(m, x, roles, per_sample=False)
     if x.shape[1] != 1 and 1 < m.shape[0] and m.shape[0] * x.shape[0] * x.shape[2] * m.shape[-1] <= SQUARES_ENTRIES:
         return vmap(lambda mv: sum_grad_squared(site, mv, roles))(m)  # summed by the caller
     if x.shape[1] != 1:  # one column (MC), or a large layer (a language model's head): one column at
@@ -287,8 +292,12 @@ def kron_from_output_matrix(site: Site, role: str, G: Tensor) -> list:
 
 
 def batch_sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
-    """``Σ_v (J_pᵀ m_v)²`` per sample ``[N, *p]``: with one position, ``(Σ_v m_v²) ⊗ x²``."""
+    """``Σ_v (J_pᵀ m_v)²`` per sample ``[N, *p]``: with one position, ``(Σ_v m_v²) ⊗ x²``; with
+    positions, from the columns' Gram matrices over positions where they are cheaper
+    (:mod:`curvlib.rules._linear_columns`), else one column at a time."""
     x = _flat_input(site)
+    if _linear_columns.cheaper(m, x, SQUARES_ENTRIES):
+        return _linear_columns.squares(m, x, roles, per_sample=True)
     if x.shape[1] != 1:
         out = {}
         for k in range(m.shape[0]):
@@ -329,6 +338,7 @@ LINEAR = Rule(
     sum_squares_over_columns=sum_squares_over_columns,
     batch_sum_squares_over_columns=batch_sum_squares_over_columns,
     outer_factors=outer_factors,
+    grad_batch_columns=_linear_columns.grad_batch_columns,
 )
 
 
@@ -358,6 +368,7 @@ LINEAR_TRANSPOSED = Rule(
     sum_squares_over_columns=_weight_transposed(sum_squares_over_columns),
     batch_sum_squares_over_columns=_weight_transposed(batch_sum_squares_over_columns),
     outer_factors=outer_factors,
+    grad_batch_columns=functools.partial(_linear_columns.grad_batch_columns, transposed=True),
 )
 
 

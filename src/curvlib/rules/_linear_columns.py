@@ -1,0 +1,60 @@
+"""A Linear layer's per-sample quantities for all columns ``m [V, *out]`` of a root at once.
+
+:func:`grad_batch_columns`: the per-sample gradients of every column in one batched product.
+:func:`squares`: their squares summed over the columns, from the columns' Gram matrices over
+the positions that share the weight: for columns ``m [V, N, S, O]`` and the layer input ``x [N, S, I]``,
+
+    Σ_v (Σ_s m[v, n, s, o] x[n, s, i])² = Σ_{s,t} M[n, s, t, o] x[n, s, i] x[n, t, i],
+    M[n, s, t, o] = Σ_v m[v, n, s, o] m[v, n, t, o],
+
+``V·N·S²·O`` products for ``M`` and ``N·S²·O·I`` for the rest, against ``V·N·S·O·I`` for the
+individual gradients: fewer where ``S (V + I) < V·I`` (a language model's layers under the
+Hessian's residual columns, ``V`` a sample's activations). The bias's is ``Σ_{s,t} M``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from .._core.site import RoleTensors, Site
+
+
+def grad_batch_columns(site: Site, m: Tensor, roles: Sequence[str], transposed: bool = False) -> RoleTensors:
+    """``grad_batch`` of every column of ``m [V, *out]``: weight ``[V, N, O, I]`` (``transposed``:
+    ``[V, N, I, O]``), bias ``[V, N, O]``; one batched product over the samples."""
+    x = site.saved["x"]
+    x = x.reshape(x.shape[0], -1, x.shape[-1])  # [N, S, I]
+    g = m.reshape(m.shape[0], x.shape[0], -1, m.shape[-1])  # [V, N, S, O]
+    out = {}
+    if "weight" in roles:
+        out["weight"] = torch.einsum("nsi,vnso->vnio", x, g) if transposed else torch.einsum("vnso,nsi->vnoi", g, x)
+    if "bias" in roles:
+        out["bias"] = g.sum(2)
+    return out
+
+
+def cheaper(m: Tensor, x: Tensor, entries: int) -> bool:
+    """Whether the Gram matrices cost less than the individual gradients for ``m [V, *out]`` and
+    ``x [N, S, I]`` (``S > 1``), and ``[N, S, S, max(O, I)]`` fits in ``entries``."""
+    v, (n, s, i), o = m.shape[0], x.shape, m.shape[-1]
+    return s > 1 and v > 1 and s * (v + i) < v * i and n * s * s * max(o, i) <= entries
+
+
+def squares(m: Tensor, x: Tensor, roles: Sequence[str], per_sample: bool) -> RoleTensors:
+    """``Σ_v (J_pᵀ m_v)²`` per sample (``per_sample``: weight ``[N, O, I]``, bias ``[N, O]``) or
+    also summed over the samples (weight ``[1, O, I]``, bias ``[1, O]``: one block of columns)."""
+    n, s = x.shape[0], x.shape[1]
+    mf = m.reshape(m.shape[0], n, s, m.shape[-1])
+    M = torch.einsum("vnso,vnto->nsto", mf, mf)  # [N, S, S, O]
+    out = {}
+    if "weight" in roles:
+        xx = (x.unsqueeze(2) * x.unsqueeze(1)).reshape(n, s * s, -1)  # [N, S·S, I]
+        Mf = M.reshape(n, s * s, -1)
+        out["weight"] = torch.bmm(Mf.transpose(1, 2), xx) if per_sample else \
+            (Mf.reshape(n * s * s, -1).t() @ xx.reshape(n * s * s, -1)).unsqueeze(0)
+    if "bias" in roles:
+        out["bias"] = M.sum((1, 2)) if per_sample else M.sum((0, 1, 2)).unsqueeze(0)
+    return out
