@@ -1,0 +1,76 @@
+"""Mixture-of-experts layers on the batch's tokens flattened to rows ``[N·T, D]``: a router
+``Linear`` on the rows, a top-k choice (discrete: constant under differentiation, as in the
+model's own backward) and every expert run on every row, its output weighted by the router's
+score (zero where the expert was not chosen), with the expert weights batched ``[E, D, H]``
+and applied by ``bmm`` to ``[E, N·T, D]`` (Llama 4's experts). The planner splits the batch off
+the merged dim of each layer (:func:`curvlib._plan.batch_merges.split_merged_batches`): every
+row is one sample's token, a position sharing the weights, so every quantity equals the
+float64 brute force."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings, strategies as st
+from torch import nn
+
+from curvlib import curvature
+from curvlib.extensions import KFLR
+
+from oracles.checks import check_first_order, check_second_order
+from oracles.on_device import seeded
+
+DT = torch.float64
+
+
+class DenseExpertsMoE(nn.Module):
+    """``[N, T, D]`` -> rows ``[N·T, D]`` -> router top-k scores ``[N·T, E]`` (zero off the top k)
+    -> experts ``bmm([E, N·T, D], [E, D, H])``, tanh, ``bmm(·, [E, H, D])`` -> weighted sum over
+    experts -> Linear head on the mean over tokens."""
+
+    def __init__(self, dim: int, experts: int, k: int, hidden: int = 3, classes: int = 3):
+        super().__init__()
+        self.k = k
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.up = nn.Parameter(0.5 * torch.randn(experts, dim, hidden))
+        self.down = nn.Parameter(0.5 * torch.randn(experts, hidden, dim))
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x):
+        n, t, d = x.shape
+        rows = x.reshape(-1, d)
+        logits = self.router(rows)
+        top, idx = torch.topk(logits, self.k, dim=-1)
+        scores = torch.zeros_like(logits).scatter(1, idx, torch.sigmoid(top))  # [N·T, E]
+        routed = rows.repeat(scores.shape[1], 1).view(scores.shape[1], -1, d)  # [E, N·T, D]
+        h = torch.bmm(torch.tanh(torch.bmm(routed, self.up)), self.down)       # [E, N·T, D]
+        out = (h * scores.t().unsqueeze(-1)).sum(0)                             # [N·T, D]
+        return self.head((rows + out).reshape(n, t, d).mean(1))
+
+
+def _case(seed: int, n: int, t: int, experts: int, k: int):
+    torch.manual_seed(seed)
+    model = DenseExpertsMoE(4, experts, k).to(DT)
+    gen = seeded(seed)
+    X = torch.randn(n, t, 4, generator=gen, dtype=DT)
+    return model, nn.CrossEntropyLoss(), X, torch.randint(0, 3, (n,), generator=gen)
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 4), t=st.integers(2, 4), experts=st.integers(2, 4),
+       k=st.integers(1, 2))
+def test_dense_experts_first_order(seed, n, t, experts, k):
+    check_first_order(*_case(seed, n, t, experts, min(k, experts)))
+
+
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(2, 3), t=st.integers(2, 3), k=st.integers(1, 2))
+def test_dense_experts_ggn(seed, n, t, k):
+    check_second_order(*_case(seed, n, t, 3, k), hessian=False, hmp=False)
+
+
+def test_dense_experts_router_kflr_rows_are_positions():
+    """KFLR "expand" of the router on the rows: ``A = Σ x xᵀ / (N·T)`` over every token row."""
+    model, lossfn, X, y = _case(0, 3, 4, 3, 2)
+    factors = curvature(model, lossfn, [KFLR(kfac_approx="expand")])(X, y)["kflr"]
+    rows = X.reshape(-1, 4)
+    torch.testing.assert_close(factors["router.weight"][1], rows.t() @ rows / rows.shape[0])
