@@ -2,7 +2,9 @@
 ``Linear`` on the rows, a top-k choice (discrete: constant under differentiation, as in the
 model's own backward) and every expert run on every row, its output weighted by the router's
 score (zero where the expert was not chosen), with the expert weights batched ``[E, D, H]``
-and applied by ``bmm`` to ``[E, N·T, D]`` (Llama 4's experts). The planner splits the batch off
+and applied by ``bmm`` to ``[E, N·T, D]`` (Llama 4's experts); or each row repeated once per
+chosen expert (``repeat_interleave``) and multiplied by the chosen experts' weights
+``W[ids]`` (transformers' ``batched_mm`` experts). The planner splits the batch off
 the merged dim of each layer (:func:`curvlib._plan.batch_merges.split_merged_batches`): every
 row is one sample's token, a position sharing the weights, so every quantity equals the
 float64 brute force."""
@@ -47,9 +49,26 @@ class DenseExpertsMoE(nn.Module):
         return self.head((rows + out).reshape(n, t, d).mean(1))
 
 
-def _case(seed: int, n: int, t: int, experts: int, k: int):
+class PickedExpertsMoE(DenseExpertsMoE):
+    """As :class:`DenseExpertsMoE`, the experts run only on the rows that chose them: rows
+    repeated ``k`` times ``[N·T·k, D]``, each multiplied by its expert's weights
+    ``up.transpose(1, 2)[ids]`` ``[N·T·k, H, D]`` by ``bmm``, summed back over the ``k`` choices."""
+
+    def forward(self, x):
+        n, t, d = x.shape
+        rows = x.reshape(-1, d)
+        top, idx = torch.topk(self.router(rows), self.k, dim=-1)
+        ids = idx.reshape(-1)                                                   # [N·T·k]
+        picked = rows.repeat_interleave(self.k, dim=0)                          # [N·T·k, D]
+        h = torch.tanh(torch.bmm(self.up.transpose(1, 2)[ids], picked.unsqueeze(-1)).squeeze(-1))
+        h = torch.bmm(self.down.transpose(1, 2)[ids], h.unsqueeze(-1)).squeeze(-1)
+        out = (h * torch.sigmoid(top).reshape(-1, 1)).view(-1, self.k, d).sum(1)
+        return self.head((rows + out).reshape(n, t, d).mean(1))
+
+
+def _case(seed: int, n: int, t: int, experts: int, k: int, picked: bool = False):
     torch.manual_seed(seed)
-    model = DenseExpertsMoE(4, experts, k).to(DT)
+    model = (PickedExpertsMoE if picked else DenseExpertsMoE)(4, experts, k).to(DT)
     gen = seeded(seed)
     X = torch.randn(n, t, 4, generator=gen, dtype=DT)
     return model, nn.CrossEntropyLoss(), X, torch.randint(0, 3, (n,), generator=gen)
@@ -57,15 +76,16 @@ def _case(seed: int, n: int, t: int, experts: int, k: int):
 
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 2**16), n=st.integers(1, 4), t=st.integers(2, 4), experts=st.integers(2, 4),
-       k=st.integers(1, 2))
-def test_dense_experts_first_order(seed, n, t, experts, k):
-    check_first_order(*_case(seed, n, t, experts, min(k, experts)))
+       k=st.integers(1, 2), picked=st.booleans())
+def test_experts_first_order(seed, n, t, experts, k, picked):
+    check_first_order(*_case(seed, n, t, experts, min(k, experts), picked))
 
 
-@settings(max_examples=3, deadline=None)
-@given(seed=st.integers(0, 2**16), n=st.integers(2, 3), t=st.integers(2, 3), k=st.integers(1, 2))
-def test_dense_experts_ggn(seed, n, t, k):
-    check_second_order(*_case(seed, n, t, 3, k), hessian=False, hmp=False)
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(2, 3), t=st.integers(2, 3), k=st.integers(1, 2),
+       picked=st.booleans())
+def test_experts_ggn(seed, n, t, k, picked):
+    check_second_order(*_case(seed, n, t, 3, k, picked), hessian=False, hmp=False)
 
 
 def test_dense_experts_router_kflr_rows_are_positions():

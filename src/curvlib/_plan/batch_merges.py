@@ -93,7 +93,8 @@ def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable)
 def _split_of(program, node: fx.Node, found, out_dim: int):
     """``(positions of the merged operands, their Batch)`` when ``node``'s batched operands are
     merged alike in the dim its output is merged in, in a known order; else ``None``."""
-    merged = {k: (found.layouts.get(a) or [None])[0] for k, a in enumerate(node.args) if isinstance(a, fx.Node)}
+    args = (node.args[0], _lone_index(node)) if node.op == "call_function" and _lone_index(node) else node.args
+    merged = {k: (found.layouts.get(a) or [None])[0] for k, a in enumerate(args) if isinstance(a, fx.Node)}
     merged = {k: b for k, b in merged.items() if isinstance(b, Batch) and b.c > 1}
     layouts = set(merged.values())
     if len(layouts) != 1 or (node.op == "call_module" and set(merged) != {0}):
@@ -123,8 +124,23 @@ def _site_node_name(site: Site) -> str:
 
 
 def _broadcasting(site: Site) -> bool:
+    """An op on parameters that broadcasts over leading dims of its batched operands, or
+    ``p[idx]`` with one index tensor (a batched expert choice picking expert weights): the
+    index's dims lead the output, so one more leading dim of ``idx`` is one more of the output."""
     use = site.meta.get("use")
-    return use is not None and use.node.op == "call_function" and use.node.target in _BROADCASTING
+    if use is None or use.node.op != "call_function":
+        return False
+    node = use.node
+    return node.target in _BROADCASTING or _lone_index(node) is not None
+
+
+def _lone_index(node: fx.Node) -> Optional[fx.Node]:
+    """The index tensor of ``p[idx]`` (also written ``p[(idx,)]``), else ``None``."""
+    if node.target is not operator.getitem or len(node.args) != 2:
+        return None
+    idx = node.args[1]
+    idx = idx[0] if isinstance(idx, tuple) and len(idx) == 1 else idx
+    return idx if isinstance(idx, fx.Node) else None
 
 
 def _site_path(program, node: fx.Node) -> Optional[str]:
@@ -145,6 +161,8 @@ def _unmerge(program, name: str, positions, split: Tuple[int, int, int], channel
     outer, inner, d = split
     graph = program.graph
     node = next(m for m in graph.nodes if m.name == name)
+    if node.op == "call_function" and _lone_index(node) is not None:
+        node.args = (node.args[0], _lone_index(node))  # p[(idx,)] is p[idx]: the index as an operand
     args, made = list(node.args), []
 
     def add(at, method, *rest, tag):  # one call_method node inserted at ``at``

@@ -255,7 +255,7 @@ class _Walk:
             out = leaves[i]
             if kind == "repeat" and len(ins) == 1:
                 # tiles keep the stride; repeat_interleave of single rows repeats each sample c times
-                s = ins[0].s if name != "repeat_interleave" else (out.c if ins[0].c == 1 else None)
+                s = ins[0].s if name != "repeat_interleave" else _interleaved_stride(node, ins[0], out)
                 leaves[i] = Batch(out.dim, out.c, s)
                 continue
             same = [b for b in ins if b.c == out.c] if kind != "cat" or sum(b.c for b in ins) != out.c else ins
@@ -353,3 +353,13 @@ def _message(problem: str, wanted: Sequence, chunked: bool) -> str:
         "LayerNorm/GroupNorm), the batch in its own dim (e.g. batch_first=True), and no "
         "reduction, sort, softmax, indexing or attention across the batch dim."
     )
+
+
+def _interleaved_stride(node: fx.Node, src: Batch, out: Batch) -> Optional[int]:
+    """``s`` of ``repeat_interleave`` along the batch dim: output entry ``i`` is input entry
+    ``i // r`` (``r = out.c / src.c`` repeats), of sample ``(i // (r·s)) % N``; ``None`` when
+    the op repeats along another dim of a merged batch or flattens a tensor of several dims."""
+    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
+    if src.s is None or out.c % src.c or (dim is None and src.c > 1) or (dim is not None and dim != src.dim):
+        return out.c if src.c == 1 else None
+    return src.s * (out.c // src.c)
