@@ -11,12 +11,13 @@ float64 brute force."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
-from curvlib import curvature
-from curvlib.extensions import KFLR
+from curvlib import CurvatureError, curvature
+from curvlib.extensions import KFLR, BatchGrad
 
 from oracles.checks import check_first_order, check_second_order
 from oracles.on_device import seeded
@@ -94,3 +95,55 @@ def test_dense_experts_router_kflr_rows_are_positions():
     factors = curvature(model, lossfn, [KFLR(kfac_approx="expand")])(X, y)["kflr"]
     rows = X.reshape(-1, 4)
     torch.testing.assert_close(factors["router.weight"][1], rows.t() @ rows / rows.shape[0])
+
+
+class GatheredExpertsMoE(nn.Module):
+    """Each expert an ``nn.Linear`` on the rows routed to it, ``rows[tok]`` with ``tok`` from
+    ``torch.where(idx == e)`` (a variable number of rows per sample), added back by
+    ``index_add``: Mixtral's and JetMoE's own experts."""
+
+    def __init__(self, dim: int = 4, experts: int = 3, k: int = 2):
+        super().__init__()
+        self.k = k
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(dim, dim) for _ in range(experts))
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x):
+        n, t, d = x.shape
+        rows = x.reshape(-1, d)
+        top, idx = torch.topk(self.router(rows), self.k, dim=-1)
+        out = torch.zeros_like(rows)
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.where(idx == e)
+            out = out.index_add(0, tok, expert(rows[tok]) * torch.sigmoid(top[tok, slot]).unsqueeze(-1))
+        return self.head((rows + out).reshape(n, t, d).mean(1))
+
+
+def test_gathered_experts_are_refused_naming_the_selection():
+    """Rows picked by the data: which sample each row belongs to changes per call and is not
+    followed, so every extension is refused before any work, naming the selection."""
+    torch.manual_seed(0)
+    model = GatheredExpertsMoE().to(DT)
+    X, y = torch.randn(3, 5, 4, dtype=DT), torch.randint(0, 3, (3,))
+    with pytest.raises(CurvatureError, match="where.*not supported"):
+        curvature(model, nn.CrossEntropyLoss(), [BatchGrad()])(X, y)
+
+
+def test_rows_that_mix_samples_are_refused():
+    """Token rows sorted by their router score across the whole batch, an expert on them and a
+    running sum over the sorted rows: one row's output holds other samples' rows, so samples
+    mix and curvlib refuses."""
+
+    class SortedRows(DenseExpertsMoE):
+        def forward(self, x):
+            n, t, d = x.shape
+            rows = x.reshape(-1, d)
+            order = torch.argsort(self.router(rows)[:, 0])
+            h = torch.tanh(rows[order] @ self.up[0]).cumsum(0)[torch.argsort(order)]
+            return self.head(h @ self.down[0]).reshape(n, t, -1).mean(1)
+
+    torch.manual_seed(0)
+    X, y = torch.randn(3, 2, 4, dtype=DT), torch.randint(0, 3, (3,))
+    with pytest.raises(CurvatureError, match="sample"):
+        curvature(SortedRows(4, 2, 1).to(DT), nn.CrossEntropyLoss(), [BatchGrad()])(X, y)
