@@ -66,7 +66,7 @@ def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable)
     where = {}
     for site, sa, sb in zip(rec_a.sites, rec_a.out_shapes, rec_b.out_shapes):
         d, c = _merged(sa, sb, n)
-        if c and (site.rule.kind in _ROW_WISE or _broadcasting(site) or _rows_apart(program, site, sa)):
+        if c and (site.rule.kind in _ROW_WISE or _broadcasting(site) or (d == 0 and _rows_apart(program, site, sa))):
             where[_site_node_name(site)] = d
     if not where or program.graph is None:
         return False
