@@ -43,7 +43,8 @@ class DenseExpertsMoE(nn.Module):
         rows = x.reshape(-1, d)
         logits = self.router(rows)
         top, idx = torch.topk(logits, self.k, dim=-1)
-        scores = torch.zeros_like(logits).scatter(1, idx, torch.sigmoid(top))  # [N·T, E]
+        # (a zero tensor made from the rows' count: one value, so any order of its rows fits)
+        scores = torch.zeros(rows.shape[0], logits.shape[1], dtype=x.dtype).scatter(1, idx, torch.sigmoid(top))
         routed = rows.repeat(scores.shape[1], 1).view(scores.shape[1], -1, d)  # [E, N·T, D]
         h = torch.bmm(torch.tanh(torch.bmm(routed, self.up)), self.down)       # [E, N·T, D]
         out = (h * scores.t().unsqueeze(-1)).sum(0)                             # [N·T, D]

@@ -246,11 +246,15 @@ class _Walk:
                 leaves[0] = src[node.args[1]]
             return None
         open_ = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Batch) and leaf.s is None]
+        if open_ and self.filled(node):  # one value: read in the batch-major order, as any other fits
+            leaves[:] = [Batch(b.dim, b.c, b.c) if i in open_ else b for i, b in enumerate(leaves)]
+            return None
         if kind == "view":
             return self._view(node, name, hot_in)
         if not open_:
             return None
-        ins = [b for a in node.all_input_nodes for b in self.layouts.get(a, []) if isinstance(b, Batch)]
+        ins = [b for a in node.all_input_nodes if not self.filled(a)
+               for b in self.layouts.get(a, []) if isinstance(b, Batch)]
         for i in open_:
             out = leaves[i]
             if kind == "repeat" and len(ins) == 1:
@@ -267,6 +271,16 @@ class _Walk:
                         "whose batch is merged with another dim in different orders, so it pairs entries "
                         "of different samples)")
         return None
+
+    def filled(self, a) -> bool:
+        """A tensor filled with one value (``zeros([N·T, E])``, ``ones_like``): every order of its
+        merged batch is the same tensor, so it fits any operand's."""
+        if not isinstance(a, fx.Node) or a.op not in ("call_function", "call_method"):
+            return False
+        value = getattr(a.target, "value", None)  # a constant the ATen replay evaluated (modes.TensorConstant)
+        if isinstance(value, Tensor) and not a.all_input_nodes:
+            return value.numel() > 0 and bool((value == value.flatten()[0]).all())
+        return ops.kind_of(a, self.env_a)[1] in _FILLS
 
     def _view(self, node, name, hot_in) -> Optional[str]:
         leaves = self.layouts[node]
@@ -300,6 +314,11 @@ class _Walk:
             if what is None and pending:
                 self.pending.append(node)
         return f"graph node '{node.name}' ({checks.label(node, name, module)} {what})" if what else None
+
+
+#: ops that create a tensor of one value
+_FILLS = frozenset("zeros ones full empty zeros_like ones_like full_like empty_like new_zeros new_ones new_full "
+                   "new_empty".split())
 
 
 def refuse_mixing(plan, extensions: Sequence, program, X: Tensor, params, trainable, runner=None,
