@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from torch import nn
+from torch.nn import functional as F
 
 from curvlib import CurvatureError, curvature
 from curvlib.extensions import KFLR, BatchGrad
@@ -54,12 +55,13 @@ class DenseExpertsMoE(nn.Module):
 class PickedExpertsMoE(DenseExpertsMoE):
     """As :class:`DenseExpertsMoE`, the experts run only on the rows that chose them: rows
     repeated ``k`` times ``[N·T·k, D]``, each multiplied by its expert's weights
-    ``up.transpose(1, 2)[ids]`` ``[N·T·k, H, D]`` by ``bmm``, summed back over the ``k`` choices."""
+    ``up.transpose(1, 2)[ids]`` ``[N·T·k, H, D]`` by ``bmm``, summed back over the ``k`` choices;
+    the router an ``F.linear`` on its weight cast to the rows' dtype (as transformers' routers)."""
 
     def forward(self, x):
         n, t, d = x.shape
         rows = x.reshape(-1, d)
-        top, idx = torch.topk(self.router(rows), self.k, dim=-1)
+        top, idx = torch.topk(F.linear(rows, self.router.weight.to(rows.dtype)), self.k, dim=-1)
         ids = idx.reshape(-1)                                                   # [N·T·k]
         picked = rows.repeat_interleave(self.k, dim=0)                          # [N·T·k, D]
         h = torch.tanh(torch.bmm(self.up.transpose(1, 2)[ids], picked.unsqueeze(-1)).squeeze(-1))

@@ -19,6 +19,7 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, fx, nn
+from torch.nn import functional as F
 
 from . import independence as _independence
 from .._hessian import structured as _residual_structured
@@ -34,7 +35,7 @@ _ROW_WISE = frozenset({"linear", "layernorm", "embedding"})
 #: Ops on parameters (functional sites) that broadcast over leading dims: one more leading dim
 #: on their batched operands leaves every entry's value as it was.
 _BROADCASTING = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub,
-                           torch.mul, torch.div, operator.matmul, torch.matmul, torch.bmm})
+                           torch.mul, torch.div, operator.matmul, torch.matmul, torch.bmm, F.linear})
 #: Ops that take no extra leading dim, run as the op that does and computes the same values
 #: (``bmm`` on ``[B, R, K] @ [B, K, M]`` is ``matmul``, which broadcasts over a leading batch dim).
 _BROADCASTING_FORM = {torch.bmm: torch.matmul}
