@@ -135,7 +135,10 @@ def main(argv=None):
     ap.add_argument("--libraries", nargs="+", default=ecosystem.LIBRARIES, choices=ecosystem.LIBRARIES)
     ap.add_argument("--groups", nargs="+", default=["first_order", "ggn", "kflr"])
     ap.add_argument("--variants", nargs="+", default=ecosystem.VARIANTS, choices=ecosystem.VARIANTS)
-    ap.add_argument("--only", default=None)
+    ap.add_argument("--float64-experts", action="store_true",
+                    help="check a float32-only model on its float64 experts path (transformers' batched_mm or "
+                         "eager) at the float64 tolerance, instead of its float32 original against that path")
+    ap.add_argument("--only", nargs="+", default=None, help="the classes whose name holds one of these strings")
     ap.add_argument("--limit", type=int, default=0)
     ap.add_argument("--timeout", type=int, default=120)
     ap.add_argument("--jobs", type=int, default=1)
@@ -151,6 +154,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     MEMORY_GB[0] = args.memory_gb
+    ecosystem.TWIN[0] = "float64" if args.float64_experts else "float32"  # (the forked cases inherit it)
     partial = os.path.splitext(args.out)[0] + ".partial.jsonl"
     if args.report_from:
         with open(args.report_from) as fh:
@@ -158,7 +162,7 @@ def main(argv=None):
         return _write(args, argv, results, None)
     names = []
     for lib in args.libraries:
-        some = [n for n in ecosystem.names(lib) if args.only is None or args.only in n]
+        some = [n for n in ecosystem.names(lib) if args.only is None or any(o in n for o in args.only)]
         names += some[: args.limit] if args.limit else some
     preload(args.libraries)
     names = _round_robin(names) if args.interleave else names

@@ -64,6 +64,24 @@ def test_sweep(library, variant):
     assert not bad, f"{len(bad)} failing (class, group) pairs:\n" + "\n".join(bad)
 
 
+def test_float32_only_experts_get_float64_references():
+    """Mixtral's default experts (``grouped_mm``) run only in float32: the problem is the float64
+    model on transformers' ``batched_mm`` experts (the references), curvlib's the float32
+    original, compared at ``F32_RTOL``; with ``TWIN = "float64"`` curvlib runs on the float64
+    ``batched_mm`` experts itself and is exact there (each token row's chosen expert weights)."""
+    reason, prob = ecosystem.eligible_problem("transformers/seq_cls/mixtral", "direct")
+    assert reason is None and prob.rtol == ecosystem.F32_RTOL
+    assert prob.model.config._experts_implementation == "batched_mm"
+    assert prob.computed.model.config._experts_implementation == "grouped_mm"
+    assert {p.dtype for p in prob.computed.model.parameters()} == {torch.float32}
+    ecosystem.TWIN[0] = "float64"
+    try:
+        res = _check("transformers/seq_cls/mixtral", "direct", "first_order")
+    finally:
+        ecosystem.TWIN[0] = "float32"
+    assert res["outcome"] == "exact", res
+
+
 def test_names():
     """Every class of the four transformers mappings is enumerated."""
     assert len(ecosystem.names("transformers")) >= 400

@@ -14,10 +14,15 @@ Names are ``library/...``:
 ``X`` of keyword inputs, or a tensor, and an ``output=`` selector) or ``"wrapped"`` (a
 one-line ``nn.Module`` around it taking one tensor and returning the loss's input).
 ``eligibility(name)`` says whether a plain float64 forward and backward runs, and why not.
+A model whose forward runs only in float32 (transformers' ``grouped_mm`` experts) is checked
+in float32 against float64 references where transformers offers an experts implementation
+that runs in float64 (``batched_mm``, then ``eager``): the problem is that float64 model, its
+``computed`` twin the float32 original (``float32_twin``), compared at :data:`F32_RTOL`.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import List, Optional, Tuple
 
 import torch
@@ -31,6 +36,14 @@ from oracles.zoo import CLASSES, N, Problem, _finish, _lm_output
 LIBRARIES = ["transformers", "timm", "torchvision", "peft"]
 VARIANTS = ["direct", "wrapped"]
 PEFT = ["lora_llama", "lora_gpt2", "weight_norm", "spectral_norm"]
+#: experts implementations of transformers tried, in order, for a float64 reference
+EXPERT_PATHS = ("batched_mm", "eager")
+#: a float32 result against a float64 reference: relative to the reference's largest entry
+F32_RTOL = 1e-4
+#: what a float32-only model with a float64 experts path is checked as: ``"float32"`` (curvlib on
+#: the float32 original against the float64 references) or ``"float64"`` (curvlib on the float64
+#: experts path itself, at the problem's own tolerance); the sweep's ``--float64-experts``
+TWIN = ["float32"]
 
 
 def names(library: str) -> List[str]:
@@ -99,14 +112,39 @@ def _forward_backward(prob: Problem) -> None:
     loss.backward()
 
 
-def _float32_runs(prob: Problem) -> bool:
+def _as_float32(prob: Problem) -> Problem:
     cast = lambda t: t.float() if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
     X = {k: cast(v) for k, v in prob.X.items()} if isinstance(prob.X, dict) else cast(prob.X)
+    return prob._replace(model=copy.deepcopy(prob.model).float(), X=X)
+
+
+def _float32_runs(prob: Problem) -> bool:
     try:
-        _forward_backward(prob._replace(model=prob.model.float(), X=X))
+        _forward_backward(_as_float32(prob))
         return True
     except Exception:  # noqa: BLE001 - not float32-only either
         return False
+
+
+def float32_twin(prob: Problem) -> Optional[Problem]:
+    """For a model whose forward runs only in float32: the float64 problem on the first of
+    :data:`EXPERT_PATHS` whose forward and backward run in float64, with the float32 original
+    as ``computed`` and ``rtol`` :data:`F32_RTOL`; ``None`` if the model has no such path."""
+    if not hasattr(prob.model, "set_experts_implementation"):
+        return None
+    twin = _as_float32(prob)
+    for path in EXPERT_PATHS:
+        ref = prob._replace(model=copy.deepcopy(prob.model))
+        try:
+            ref.model.set_experts_implementation(path)
+            _forward_backward(ref)
+        except Exception:  # noqa: BLE001 - this path does not run in float64 either
+            continue
+        for p in list(ref.model.parameters()) + list(twin.model.parameters()):
+            p.grad = None
+        notes = f"{prob.notes}; float32 ({twin.model.config._experts_implementation}) vs float64 ({path}) references"
+        return ref._replace(computed=twin, rtol=F32_RTOL, notes=notes)
+    return None
 
 
 def eligibility(name: str, variant: str = "direct") -> Optional[str]:
@@ -129,6 +167,12 @@ def eligible_problem(name: str, variant: str = "direct") -> Tuple[Optional[str],
         _forward_backward(prob)
     except Exception as e:  # noqa: BLE001 - the reason is the report's
         if _float32_runs(prob):
+            twin = float32_twin(prob)
+            if twin is not None and TWIN[0] == "float64":
+                return None, twin._replace(computed=None, rtol=prob.rtol, notes=twin.notes.split(";")[0]
+                                           + "; float64 experts path " + twin.notes.rsplit("(", 1)[1].split(")")[0])
+            if twin is not None:
+                return None, twin
             return f"float32-only: {type(e).__name__}: {_first_line(e)}", None
         return f"forward: {type(e).__name__}: {_first_line(e)}", None
     for p in prob.model.parameters():

@@ -119,6 +119,7 @@ def call_times(prob, limit: int) -> Dict[str, Any]:
     signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(limit)
     out = {"backward_s": None, "first_call_s": None, "second_call_s": None}
+    prob = prob.computed if prob.computed is not None else prob
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -33,6 +33,9 @@ class Problem(NamedTuple):
     output: Union[None, str, int, Callable]
     notes: str
     rtol: float = 1e-8          # relative to the largest entry of the reference
+    # the problem curvlib runs on when it is not this one (the references'): a float32 twin of a
+    # model whose own forward runs only in float32 (``oracles.ecosystem.float32_twin``)
+    computed: Any = None
 
 
 def _lm_output(o):

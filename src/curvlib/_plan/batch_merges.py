@@ -19,6 +19,7 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, fx, nn
+from torch.nn import functional as F
 
 from . import independence as _independence
 from .._hessian import structured as _residual_structured
@@ -34,33 +35,40 @@ _ROW_WISE = frozenset({"linear", "layernorm", "embedding"})
 #: Ops on parameters (functional sites) that broadcast over leading dims: one more leading dim
 #: on their batched operands leaves every entry's value as it was.
 _BROADCASTING = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub,
-                           torch.mul, torch.div, operator.matmul, torch.matmul, torch.bmm})
-#: Ops that take 3-D operands only (``bmm``: entry ``i`` of dim 0 multiplied alone), run on the
-#: split operands ``[N, outer, inner, ...]`` as the op that broadcasts over leading dims.
-_BROADCASTING_TWIN = {torch.bmm: torch.matmul}
+                           torch.mul, torch.div, operator.matmul, torch.matmul, torch.bmm, F.linear})
+#: Ops that take no extra leading dim, run as the op that does and computes the same values
+#: (``bmm`` on ``[B, R, K] @ [B, K, M]`` is ``matmul``, which broadcasts over a leading batch dim).
+_BROADCASTING_FORM = {torch.bmm: torch.matmul}
 
 
-def _merged(shape_a, shape_b, n: int) -> int:
-    """``c > 1`` when only dim 0 changes with the batch, from ``c·N`` to ``c·(N + 1)`` entries
-    (the batch merged with ``c`` windows or heads); else 0."""
+def _merged(shape_a, shape_b, n: int) -> Tuple[int, int]:
+    """``(d, c)`` with ``c > 1`` when only dim ``d`` changes with the batch, from ``c·N`` to
+    ``c·(N + 1)`` entries (the batch merged with ``c`` windows, heads or tokens); else ``(0, 0)``."""
     dims = [d for d, (a, b) in enumerate(zip(shape_a, shape_b)) if a != b]
-    if dims != [0] or len(shape_a) != len(shape_b) or shape_a[0] % n or shape_b[0] - shape_a[0] != shape_a[0] // n:
-        return 0
-    return shape_a[0] // n if shape_a[0] // n > 1 else 0
+    if len(dims) != 1 or len(shape_a) != len(shape_b):
+        return 0, 0
+    d = dims[0]
+    if shape_a[d] % n or shape_b[d] - shape_a[d] != shape_a[d] // n or shape_a[d] // n < 2:
+        return 0, 0
+    return d, shape_a[d] // n
 
 
 def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable) -> bool:
-    """Give each row-wise site whose input has the batch merged into dim 0 (window attention:
-    ``[N·W, S, C]`` into ``qkv``) the batch as a dim of its own, by a rewrite of the graph
-    around it; whether anything was rewritten (the plan is then made again).
+    """Give each row-wise site whose input has the batch merged into one dim (window attention:
+    ``[N·W, S, C]`` into ``qkv``; a mixture of experts' tokens ``[N·T, D]`` into its router, or
+    ``[E, N·T, D]`` into a batched expert product) the batch as a dim of its own, by a rewrite of
+    the graph around it; whether anything was rewritten (the plan is then made again).
 
-    Entry ``i`` of a merged dim belongs to sample ``(i // s) % N`` (the layout the
+    Entry ``i`` of a merged dim ``d`` belongs to sample ``(i // s) % N`` (the layout the
     sample-independence analysis follows, :class:`curvlib._plan.mixing_ops.Batch`), so the dim is
-    ``[c/s, N, s]``: the site runs on ``x.unflatten(0, (c/s, -1, s)).movedim(1, 0)`` (its
-    windows become positions sharing the weight) and its output is merged back the same way.
-    A merge whose order is not known stays refused (:func:`_batch_dim`)."""
-    where = {_site_node_name(site) for site, sa, sb in zip(rec_a.sites, rec_a.out_shapes, rec_b.out_shapes)
-             if _merged(sa, sb, n) and (site.rule.kind in _ROW_WISE or _broadcasting(site) or _rows_apart(program, site, sa))}
+    ``[c/s, N, s]``: the site runs on ``x.unflatten(d, (c/s, -1, s)).movedim(d + 1, 0)`` (its
+    windows or tokens become positions sharing the weight) and its output is merged back the same
+    way. A merge whose order is not known stays refused (:func:`_batch_dim`)."""
+    where = {}
+    for site, sa, sb in zip(rec_a.sites, rec_a.out_shapes, rec_b.out_shapes):
+        d, c = _merged(sa, sb, n)
+        if c and (site.rule.kind in _ROW_WISE or _broadcasting(site) or (d == 0 and _rows_apart(program, site, sa))):
+            where[_site_node_name(site)] = d
     if not where or program.graph is None:
         return False
     found = _independence.analyse(program, env_a, env_b, n, trainable)
@@ -68,22 +76,34 @@ def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable)
         return False
     done = False
     for node in list(program.graph.nodes):
-        if _site_path(program, node) not in where:
+        path = _site_path(program, node)
+        if path not in where:
             continue
-        merged = {k: (found.layouts.get(a) or [None])[0] for k, a in enumerate(node.args) if isinstance(a, fx.Node)}
-        merged = {k: b for k, b in merged.items() if isinstance(b, Batch) and b.dim == 0 and b.c > 1}
-        layouts = set(merged.values())
-        if len(layouts) != 1 or (node.op == "call_module" and set(merged) != {0}):
-            continue  # (a module's batched input is its first; operands merged alike)
-        batch = layouts.pop()
-        if not batch.s or batch.c % batch.s:
-            continue  # an order the analysis could not follow: refused below
-        rows = _rows_apart(program, None, env_a[node].shape, node)
+        split = _split_of(program, node, found, where[path])
+        if split is None:
+            continue
+        positions, batch = split
+        rows = batch.dim == 0 and _rows_apart(program, None, env_a[node].shape, node)
         for graph_program in (program, program.sibling):
             if graph_program is not None:
-                _unmerge(graph_program, node.name, sorted(merged), batch.c // batch.s, batch.s, channels=rows)
+                _unmerge(graph_program, node.name, positions, (batch.c // batch.s, batch.s, batch.dim), channels=rows)
         done = True
     return done
+
+
+def _split_of(program, node: fx.Node, found, out_dim: int):
+    """``(positions of the merged operands, their Batch)`` when ``node``'s batched operands are
+    merged alike in the dim its output is merged in, in a known order; else ``None``."""
+    args = (node.args[0], _lone_index(node)) if node.op == "call_function" and _lone_index(node) else node.args
+    merged = {k: (found.layouts.get(a) or [None])[0] for k, a in enumerate(args) if isinstance(a, fx.Node)}
+    merged = {k: b for k, b in merged.items() if isinstance(b, Batch) and b.c > 1}
+    layouts = set(merged.values())
+    if len(layouts) != 1 or (node.op == "call_module" and set(merged) != {0}):
+        return None  # (a module's batched input is its first; operands merged alike)
+    batch = layouts.pop()
+    if batch.dim != out_dim or not batch.s or batch.c % batch.s:
+        return None  # an order the analysis could not follow: refused by the planner
+    return sorted(merged), batch
 
 
 def _rows_apart(program, site: Optional[Site], shape, node: Optional[fx.Node] = None) -> bool:
@@ -105,8 +125,23 @@ def _site_node_name(site: Site) -> str:
 
 
 def _broadcasting(site: Site) -> bool:
+    """An op on parameters that broadcasts over leading dims of its batched operands, or
+    ``p[idx]`` with one index tensor (a batched expert choice picking expert weights): the
+    index's dims lead the output, so one more leading dim of ``idx`` is one more of the output."""
     use = site.meta.get("use")
-    return use is not None and use.node.op == "call_function" and use.node.target in _BROADCASTING
+    if use is None or use.node.op != "call_function":
+        return False
+    node = use.node
+    return node.target in _BROADCASTING or _lone_index(node) is not None
+
+
+def _lone_index(node: fx.Node) -> Optional[fx.Node]:
+    """The index tensor of ``p[idx]`` (also written ``p[(idx,)]``), else ``None``."""
+    if node.target is not operator.getitem or len(node.args) != 2:
+        return None
+    idx = node.args[1]
+    idx = idx[0] if isinstance(idx, tuple) and len(idx) == 1 else idx
+    return idx if isinstance(idx, fx.Node) else None
 
 
 def _site_path(program, node: fx.Node) -> Optional[str]:
@@ -116,51 +151,53 @@ def _site_path(program, node: fx.Node) -> Optional[str]:
     return node.name if node in program.functional else None
 
 
-def _unmerge(program, name: str, positions, outer: int, inner: int, channels: bool = False) -> None:
-    """Run graph node ``name`` on its inputs at ``positions`` with the batch split off dim 0
-    (``[outer, N, inner]``, the batch in front), and merge its output back, so that its users
-    see the same values. ``channels``: rows ``[R, C]`` of a layer that wants its channels in
-    dim 1 (BatchNorm): it runs on ``[N, C, outer·inner]``."""
+def _unmerge(program, name: str, positions, split: Tuple[int, int, int], channels: bool = False) -> None:
+    """Run graph node ``name`` on its inputs at ``positions`` with the batch split off dim ``d``
+    (``split = (outer, inner, d)``: the dim is ``[outer, N, inner]``): the batch goes in front
+    and dim ``d`` keeps the ``outer·inner`` rows of one sample, so the operand's rank grows by
+    one leading dim and every other dim stays where it was. Its output is merged back, so that
+    its users see the same values. An op that takes no extra leading dim runs as its
+    broadcasting form (``bmm`` as ``matmul``). ``channels``: rows ``[R, C]`` of a layer that
+    wants its channels in dim 1 (BatchNorm): it runs on ``[N, C, outer·inner]``."""
+    outer, inner, d = split
     graph = program.graph
     node = next(m for m in graph.nodes if m.name == name)
-    args = list(node.args)
+    if node.op == "call_function" and _lone_index(node) is not None:
+        node.args = (node.args[0], _lone_index(node))  # p[(idx,)] is p[idx]: the index as an operand
+    args, made = list(node.args), []
     use = program.functional.get(node)
     chain = list(use.chain) if use is not None else []
+
+    def add(at, method, *rest, tag):  # one call_method node inserted at ``at``
+        with at:
+            made.append(graph.create_node("call_method", method, rest, name=f"{name}_{tag}"))
+        return made[-1]
+
     for k in positions:
-        with graph.inserting_before(node):
-            split = graph.create_node("call_method", "unflatten", (args[k], 0, (outer, -1, inner)),
-                                      name=f"{name}_split_batch{k}")
-            args[k] = graph.create_node("call_method", "movedim", (split, 1, 0), name=f"{name}_batch_first{k}")
-            made = {split, args[k]}
-            if channels:  # [N, outer, inner, C] -> [N, C, outer·inner]
-                args[k] = graph.create_node("call_method", "flatten", (args[k], 1, 2), name=f"{name}_rows{k}")
-                made.add(args[k])
-                args[k] = graph.create_node("call_method", "transpose", (args[k], 1, 2), name=f"{name}_channels{k}")
-                made.add(args[k])
+        start = len(made)
+        at = graph.inserting_before(node)
+        x = add(at, "unflatten", args[k], d, (outer, -1, inner), tag=f"split_batch{k}")
+        x = add(graph.inserting_before(node), "movedim", x, d + 1, 0, tag=f"batch_first{k}")
+        args[k] = x = add(graph.inserting_before(node), "flatten", x, d + 1, d + 2, tag=f"rows{k}")
+        if channels:  # [N, R, C] -> [N, C, R]
+            args[k] = add(graph.inserting_before(node), "transpose", x, 1, 2, tag=f"channels{k}")
         if node.args[k] in chain:  # a parameter-only operand built for the batch (a query repeated N times)
-            chain += sorted(made, key=lambda m: list(graph.nodes).index(m))
-        else:
-            program.dependent = frozenset(program.dependent) | made
+            chain += made[start:]
+            del made[start:]
     swapped = {old: new for old, new in zip(node.args, args) if old is not new}
     node.args = tuple(args)
     if node.op == "call_function":
-        node.target = _BROADCASTING_TWIN.get(node.target, node.target)
+        node.target = _BROADCASTING_FORM.get(node.target, node.target)
     if use is not None:  # (its per-sample recomputation reads these inputs)
         program.functional[node] = dataclasses.replace(use, inputs=tuple(swapped.get(a, a) for a in use.inputs),
                                                        chain=tuple(chain))
-    first = out = node
-    if channels:  # [N, C, outer·inner] -> [N, outer, inner, C]
-        with graph.inserting_after(out):
-            first = out = graph.create_node("call_method", "transpose", (out, 1, 2), name=f"{name}_rows_back")
-        with graph.inserting_after(out):
-            out = graph.create_node("call_method", "unflatten", (out, 1, (outer, inner)), name=f"{name}_split_rows")
-    with graph.inserting_after(out):
-        back = graph.create_node("call_method", "movedim", (out, 0, 1), name=f"{name}_batch_back")
-    with graph.inserting_after(back):
-        merged = graph.create_node("call_method", "flatten", (back, 0, 2), name=f"{name}_merge_batch")
-    consumer = first if channels else back  # (the one user of the node's own value)
-    node.replace_all_uses_with(merged, delete_user_cb=lambda user: user is not consumer)
-    program.dependent = frozenset(program.dependent) | {first, out, back, merged} - {node}
+    out = add(graph.inserting_after(node), "transpose", node, 1, 2, tag="rows_back") if channels else node
+    first = add(graph.inserting_after(out), "unflatten", out, d + 1, (outer, inner), tag="split_rows")
+    first = first if not channels else out  # (the one user of the node's own value)
+    back = add(graph.inserting_after(made[-1]), "movedim", made[-1], 0, d + 1, tag="batch_back")
+    merged = add(graph.inserting_after(back), "flatten", back, d, d + 2, tag="merge_batch")
+    node.replace_all_uses_with(merged, delete_user_cb=lambda user: user is not first)
+    program.dependent = frozenset(program.dependent) | set(made)
 
 
 def residual_merges(program, residuals, dims, independence, n: int) -> Tuple[Optional[Tuple[int, int]], ...]:

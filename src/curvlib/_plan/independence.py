@@ -246,16 +246,20 @@ class _Walk:
                 leaves[0] = src[node.args[1]]
             return None
         open_ = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Batch) and leaf.s is None]
+        if open_ and self.filled(node):  # one value: read in the batch-major order, as any other fits
+            leaves[:] = [Batch(b.dim, b.c, b.c) if i in open_ else b for i, b in enumerate(leaves)]
+            return None
         if kind == "view":
             return self._view(node, name, hot_in)
         if not open_:
             return None
-        ins = [b for a in node.all_input_nodes for b in self.layouts.get(a, []) if isinstance(b, Batch)]
+        ins = [b for a in node.all_input_nodes if not self.filled(a)
+               for b in self.layouts.get(a, []) if isinstance(b, Batch)]
         for i in open_:
             out = leaves[i]
             if kind == "repeat" and len(ins) == 1:
                 # tiles keep the stride; repeat_interleave of single rows repeats each sample c times
-                s = ins[0].s if name != "repeat_interleave" else (out.c if ins[0].c == 1 else None)
+                s = ins[0].s if name != "repeat_interleave" else _interleaved_stride(node, ins[0], out)
                 leaves[i] = Batch(out.dim, out.c, s)
                 continue
             same = [b for b in ins if b.c == out.c] if kind != "cat" or sum(b.c for b in ins) != out.c else ins
@@ -267,6 +271,16 @@ class _Walk:
                         "whose batch is merged with another dim in different orders, so it pairs entries "
                         "of different samples)")
         return None
+
+    def filled(self, a) -> bool:
+        """A tensor filled with one value (``zeros([N·T, E])``, ``ones_like``): every order of its
+        merged batch is the same tensor, so it fits any operand's."""
+        if not isinstance(a, fx.Node) or a.op not in ("call_function", "call_method"):
+            return False
+        value = getattr(a.target, "value", None)  # a constant the ATen replay evaluated (modes.TensorConstant)
+        if isinstance(value, Tensor) and not a.all_input_nodes:
+            return value.numel() > 0 and bool((value == value.flatten()[0]).all())
+        return ops.kind_of(a, self.env_a)[1] in _FILLS
 
     def _view(self, node, name, hot_in) -> Optional[str]:
         leaves = self.layouts[node]
@@ -300,6 +314,11 @@ class _Walk:
             if what is None and pending:
                 self.pending.append(node)
         return f"graph node '{node.name}' ({checks.label(node, name, module)} {what})" if what else None
+
+
+#: ops that create a tensor of one value
+_FILLS = frozenset("zeros ones full empty zeros_like ones_like full_like empty_like new_zeros new_ones new_full "
+                   "new_empty".split())
 
 
 def refuse_mixing(plan, extensions: Sequence, program, X: Tensor, params, trainable, runner=None,
@@ -353,3 +372,13 @@ def _message(problem: str, wanted: Sequence, chunked: bool) -> str:
         "LayerNorm/GroupNorm), the batch in its own dim (e.g. batch_first=True), and no "
         "reduction, sort, softmax, indexing or attention across the batch dim."
     )
+
+
+def _interleaved_stride(node: fx.Node, src: Batch, out: Batch) -> Optional[int]:
+    """``s`` of ``repeat_interleave`` along the batch dim: output entry ``i`` is input entry
+    ``i // r`` (``r = out.c / src.c`` repeats), of sample ``(i // (r·s)) % N``; ``None`` when
+    the op repeats along another dim of a merged batch or flattens a tensor of several dims."""
+    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
+    if src.s is None or out.c % src.c or (dim is None and src.c > 1) or (dim is not None and dim != src.dim):
+        return out.c if src.c == 1 else None
+    return src.s * (out.c // src.c)

@@ -150,11 +150,21 @@ def _quiet_fake_tensor_log():
         _FakeTensorNoise.active.on = before
 
 
-def _batch_dim(shape_a, shape_b, n_a, n_b, where: str) -> int:
-    """The one dimension whose size is the batch size in both passes."""
+def _batch_dim(shape_a, shape_b, n_a, n_b, where: str, mixing: Optional[str] = None) -> int:
+    """The one dimension whose size is the batch size in both passes. ``mixing``: the graph's
+    first node that does not keep samples apart in a known layout, which stopped the batch
+    being split off merged rows (:func:`curvlib._plan.batch_merges.split_merged_batches`)."""
     dims = [d for d, (a, b) in enumerate(zip(shape_a, shape_b)) if a != b]
     if len(dims) == 1 and shape_a[dims[0]] == n_a and shape_b[dims[0]] == n_b:
         return dims[0]
+    if mixing and dims:
+        raise CurvatureError(
+            f"Layer '{where}': its output (shape {list(shape_a)} for N={n_a}) holds the batch merged with "
+            f"another dim, and curvlib cannot follow which sample each row belongs to: {mixing}. A layer on "
+            "rows picked by the data (a mixture of experts' gather of the tokens routed to one expert, a "
+            "variable number per sample) is not supported; experts run on every token row (weighted by "
+            "the router's scores, as in Llama 4) or on each row's chosen expert weights (transformers' "
+            "experts_implementation=\"batched_mm\") are.")
     if not dims:
         why = "does not change with the batch size"
     else:
@@ -217,8 +227,9 @@ def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=Non
     if split_merged_batches(program, rec_a, rec_b, env_a, env_b, n, trainable):
         return make_plan(program, X, params, trainable, residual_nodes, runner)
     batch_dims = []
+    independence = _independence.analyse(program, env_a, env_b, n, trainable)
     for site, sa, sb in zip(rec_a.sites, rec_a.out_shapes, rec_b.out_shapes):
-        d = _batch_dim(sa, sb, n, n + 1, site.where)
+        d = _batch_dim(sa, sb, n, n + 1, site.where, independence.problem)
         if d != 0 and not site.rule.any_batch_dim:
             raise CurvatureError(
                 f"Layer '{site.where}' ({site.rule.kind}): the batch is in dim {d} of its "
@@ -226,7 +237,6 @@ def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=Non
             )
         batch_dims.append(d)
     residual_dims = residual_batch_dims(rec_a, rec_b)
-    independence = _independence.analyse(program, env_a, env_b, n, trainable)
     check_residual_sizes(rec_a.residuals, residual_dims, n)
     saved_dims = tuple(saved_batch_dims(site, site_b, n) if site.rule.saved_batch_dims else None
                        for site, site_b in zip(rec_a.sites, rec_b.sites))
