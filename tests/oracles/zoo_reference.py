@@ -99,11 +99,16 @@ def ggn_parts(prob):
         out = forward(prob.model, sample(prob.X, i), prob.output)
         flat = out.reshape(-1)
         eye = torch.eye(flat.numel(), dtype=flat.dtype)
-        J = dict(zip(params, _grads(flat, list(params.values()), eye)))
-        yi = prob.y[i : i + 1]
-        H = torch.func.hessian(lambda u: c * prob.lossfn(u.reshape(out.shape), yi))(flat.detach())
-        parts.append((J, H))
+        J = dict(zip(params, (j.double() for j in _grads(flat, list(params.values()), eye))))
+        parts.append((J, loss_hessian(prob, out, prob.y[i : i + 1], c)))
     return parts
+
+
+def loss_hessian(prob, out: Tensor, y: Tensor, c: float) -> Tensor:
+    """``[C, C]``: the Hessian of ``c · lossfn(out, y)`` in float64 at ``out``'s values (a model
+    may return float32 logits from float64 weights; the loss's curvature is still taken exactly)."""
+    flat = out.detach().reshape(-1).double()
+    return torch.func.hessian(lambda u: c * prob.lossfn(u.reshape(out.shape), y))(flat)
 
 
 def ggn_diagonals(parts) -> Dict[str, Tensor]:
@@ -248,7 +253,7 @@ def kflr_factors(prob, approx=None) -> Dict[str, List[Tensor]]:
     for k, m in sites.items():
         if k not in inputs:
             continue
-        x = inputs[k]
+        x = inputs[k].double()
         if isinstance(m, nn.Conv2d):
             u = _unfold(m, x)
             A = torch.einsum("nis,njs->ij", u, u)
@@ -261,17 +266,14 @@ def kflr_factors(prob, approx=None) -> Dict[str, List[Tensor]]:
         B = torch.zeros(O, O, dtype=A.dtype)
         for i in range(n):
             shapes = []
-            probe = m.register_forward_hook(lambda mod, a, o: shapes.append(o.shape))
+            probe = m.register_forward_hook(lambda mod, a, o: shapes.append((o.shape, o.dtype)))
             try:
                 with torch.no_grad():
                     forward(model, sample(prob.X, i), prob.output)
             finally:
                 probe.remove()
-            oshape = list(shapes[0])
-            if approx == "expand":  # one offset per position
-                delta = torch.zeros(oshape, dtype=A.dtype, requires_grad=True)
-            else:
-                delta = torch.zeros(O, dtype=A.dtype, requires_grad=True)
+            oshape, odtype = list(shapes[0][0]), shapes[0][1]  # the offset in the layer's own dtype
+            delta = torch.zeros(oshape if approx == "expand" else [O], dtype=odtype, requires_grad=True)
 
             def add(mod, a, o):
                 if approx == "expand":
@@ -286,9 +288,8 @@ def kflr_factors(prob, approx=None) -> Dict[str, List[Tensor]]:
             finally:
                 h.remove()
             flat = out.reshape(-1)
-            J = _grads(flat, [delta], torch.eye(flat.numel(), dtype=flat.dtype))[0]  # [C, *delta]
-            yi = prob.y[i : i + 1]
-            H = torch.func.hessian(lambda u: c * prob.lossfn(u.reshape(out.shape), yi))(flat.detach())
+            J = _grads(flat, [delta], torch.eye(flat.numel(), dtype=flat.dtype))[0].double()  # [C, *delta]
+            H = loss_hessian(prob, out, prob.y[i : i + 1], c)
             if approx == "expand":
                 J = J.movedim(dim if dim < 0 else dim + 1, -1).reshape(J.shape[0], -1, O)  # [C, S, O]
                 B = B + torch.einsum("csi,cd,dsj->ij", J, H, J)
