@@ -88,9 +88,26 @@ def _aten_graph(model: nn.Module, X, output) -> Tuple[fx.GraphModule, List[str],
     with recorded_functions() as keys, LOCK, restored(model), without_hooks(model), inference_as_no_grad(), \
             torch.enable_grad():  # (the model's own no_grad regions are recorded, not the caller's)
         gm = make_fx(run, pre_dispatch=True, _error_on_data_dependent_ops=False)(*inputs)
+    _refuse_escaped_transforms(gm, model)
     gm.curvlib_functions = keys
     gm.curvlib_reads = _read_values(gm, pytree.tree_leaves(inputs))
     return gm, list(params), list(buffers), tensor_at, chosen[0]
+
+
+def _refuse_escaped_transforms(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Refuse a graph holding a functorch-wrapped constant: the model calls ``torch.vmap`` in
+    ``forward`` (transformers builds attention masks with ``torch.vmap`` when a model combines
+    mask functions), and ``make_fx(pre_dispatch=True)`` records the ops inside it on the
+    transform's batched tensors, which exist only while it runs: the graph cannot be replayed."""
+    for node in gm.graph.nodes:
+        value = getattr(gm, node.target, None) if node.op == "get_attr" else None
+        if isinstance(value, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(value):
+            users = ", ".join(f"'{u.name}' ({u.target})" for u in list(node.users)[:2])
+            raise CurvatureError(
+                f"Model {type(model).__name__} calls torch.vmap (or another torch.func transform) inside "
+                f"its forward, at graph node {users}: curvlib's ATen-level trace cannot record the ops "
+                "inside it (they run on the transform's batched tensors). transformers does so to build "
+                "attention masks from combined mask functions.")
 
 
 _READS = (aten.item.default, aten._local_scalar_dense.default, aten.is_nonzero.default)
