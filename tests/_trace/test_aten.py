@@ -295,7 +295,8 @@ class VmappedMask(nn.Module):
 
 def test_torch_vmap_inside_forward_is_refused_by_name():
     """make_fx(pre_dispatch=True) records the ops inside a model's own ``torch.vmap`` on batched
-    tensors that do not outlive it: a CurvatureError naming torch.vmap, never functorch's."""
+    tensors that do not outlive it: the ATen trace fails naming torch.vmap (never functorch's
+    replay error), so a second-order extension is refused with that reason."""
     model = VmappedMask().to(DT)
     X, y = _data((2, 4, 3))
     with pytest.raises(CurvatureError, match="torch.vmap"):

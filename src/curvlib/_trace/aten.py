@@ -95,7 +95,7 @@ def _aten_graph(model: nn.Module, X, output) -> Tuple[fx.GraphModule, List[str],
 
 
 def _refuse_escaped_transforms(gm: fx.GraphModule, model: nn.Module) -> None:
-    """Refuse a graph holding a functorch-wrapped constant: the model calls ``torch.vmap`` in
+    """Fail on a graph holding a functorch-wrapped constant: the model calls ``torch.vmap`` in
     ``forward`` (transformers builds attention masks with ``torch.vmap`` when a model combines
     mask functions), and ``make_fx(pre_dispatch=True)`` records the ops inside it on the
     transform's batched tensors, which exist only while it runs: the graph cannot be replayed."""
@@ -103,7 +103,9 @@ def _refuse_escaped_transforms(gm: fx.GraphModule, model: nn.Module) -> None:
         value = getattr(gm, node.target, None) if node.op == "get_attr" else None
         if isinstance(value, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(value):
             users = ", ".join(f"'{u.name}' ({u.target})" for u in list(node.users)[:2])
-            raise CurvatureError(
+            # (not a CurvatureError: the ATen trace failed, the caller keeps fx's trace, and first-order
+            # extensions run the model eagerly)
+            raise RuntimeError(
                 f"Model {type(model).__name__} calls torch.vmap (or another torch.func transform) inside "
                 f"its forward, at graph node {users}: curvlib's ATen-level trace cannot record the ops "
                 "inside it (they run on the transform's batched tensors). transformers does so to build "
