@@ -274,3 +274,30 @@ def test_a_branch_that_changes_a_sample_in_a_mixed_batch_is_refused():
     f = curvature(Branches().to(DT), nn.CrossEntropyLoss(), [BatchGrad()])
     with pytest.raises(CurvatureError, match="reads tensor values to choose a branch"):
         f(X, torch.tensor([0, 1, 2, 0]))
+
+
+class VmappedMask(nn.Module):
+    """A mask built with ``torch.vmap`` over position indices inside ``forward`` (transformers'
+    mask expansion for combined mask functions), applied to a Linear's output."""
+
+    def __init__(self, d=3, c=3):
+        super().__init__()
+        self.fc = nn.Linear(d, c)
+
+    def forward(self, x):
+        if not isinstance(x.shape[-1], int):  # pragma: no cover - fx gives a proxy: make_fx traces
+            raise TypeError
+        rows = torch.arange(x.shape[1])
+        mask = torch.vmap(torch.vmap(lambda a, b: (a >= b) | a.new_ones((), dtype=torch.bool), in_dims=(None, 0)),
+                          in_dims=(0, None))(rows, rows)
+        return (self.fc(x) * mask.to(x.dtype).sum(-1, keepdim=True)).sum(1)
+
+
+def test_torch_vmap_inside_forward_is_refused_by_name():
+    """make_fx(pre_dispatch=True) records the ops inside a model's own ``torch.vmap`` on batched
+    tensors that do not outlive it: the ATen trace fails naming torch.vmap (never functorch's
+    replay error), so a second-order extension is refused with that reason."""
+    model = VmappedMask().to(DT)
+    X, y = _data((2, 4, 3))
+    with pytest.raises(CurvatureError, match="torch.vmap"):
+        curvature(model, nn.CrossEntropyLoss(), [DiagGGNExact()])(X, y)

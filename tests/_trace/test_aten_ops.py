@@ -95,3 +95,60 @@ def test_weight_norm_layer_is_not_copied_nor_changed():
     qs = curvature(net, nn.CrossEntropyLoss(), [BatchGrad()])(X, torch.tensor([0, 1, 2]))
     assert {"conv.parametrizations.weight.original0", "conv.parametrizations.weight.original1"} <= set(qs["grad_batch"])
     assert type(net.conv).__name__ == "ParametrizedConv1d" and "weight" not in net.conv._parameters
+
+
+class MatmulLinear(nn.Module):
+    """``lin``'s weight applied by a ``matmul`` instead of ``lin(x)``: ``x @ W.T`` (Falcon's
+    ``FalconLinear``), ``x @ Wᵀ`` with ``Wᵀ`` stored ``[in, out]`` (``"x_w"``), or ``W @ h`` with the
+    features in dim -2 and the positions last (Mamba's ``dt_proj.weight @ h``); ``use_module``:
+    the twin calling ``lin(x)``. An assertion on the input's shape keeps torch.fx out."""
+
+    def __init__(self, form, d, h, c=3, use_module=False):
+        super().__init__()
+        self.form, self.use_module = form, use_module
+        self.lin, self.head = nn.Linear(d, h), nn.Linear(h, c)
+        self.w = nn.Parameter(self.lin.weight.detach().t().clone()) if form == "x_w" else None
+
+    def _apply_lin(self, x):
+        if self.use_module:
+            return self.lin(x)
+        if self.form == "x_wt":
+            return x @ self.lin.weight.T + self.lin.bias
+        if self.form == "x_w":
+            return x @ self.w + self.lin.bias
+        return (self.lin.weight @ x.transpose(1, 2)).transpose(1, 2) + self.lin.bias
+
+    def forward(self, x):
+        if not isinstance(x.shape[-1], int):  # pragma: no cover - fx gives a proxy: make_fx traces
+            raise TypeError
+        return self.head(torch.tanh(self._apply_lin(x))).sum(1)
+
+
+@settings(max_examples=8, deadline=None)
+@given(form=st.sampled_from(["x_wt", "x_w", "w_x"]), n=st.integers(1, 3), s=st.integers(1, 3),
+       approx=st.sampled_from([None, "expand"]), seed=st.integers(0, 2**16))
+def test_a_weight_applied_by_matmul_has_the_kronecker_factors_of_its_linear(form, n, s, approx, seed):
+    """``x @ W.T``, ``x @ Wᵀ`` and ``W @ x`` are ``F.linear`` sites: ``W``'s KFLR factors are the
+    brute-force ``B`` (per-position output offsets) and ``A`` (the inputs) of the ``nn.Linear`` twin
+    (oracles.kron), ``[A, B]`` for the weight stored ``[in, out]``."""
+    from curvlib import curvature
+    from curvlib.extensions import KFLR
+    from oracles.kron import input_factors, output_factors
+    from oracles.reference import assert_close
+
+    g = seeded(seed)
+    torch.manual_seed(seed)
+    model = MatmulLinear(form, 3, 4).to(DT)
+    twin = MatmulLinear(form, 3, 4, use_module=True).to(DT)
+    twin.load_state_dict(model.state_dict())
+    X, y = torch.randn(n, s, 3, generator=g, dtype=DT), torch.randint(0, 3, (n,), generator=g)
+    lossfn = nn.CrossEntropyLoss()
+    got = curvature(model, lossfn, [KFLR(kfac_approx=approx)])(X, y)["kflr"]
+    B_expand, B_reduce = output_factors(twin, lossfn, X, y, "lin")
+    A_backpack, A_expand, _ = input_factors(twin, X, "lin")
+    B, A = (B_expand, A_expand) if approx == "expand" else (B_reduce, A_backpack)
+    factors = got["w"] if form == "x_w" else got["lin.weight"]
+    want = [A, B] if form == "x_w" else [B, A]
+    assert [tuple(f.shape) for f in factors] == [tuple(f.shape) for f in want]
+    for f, w, what in zip(factors, want, "12"):
+        assert_close(f, w, f"{form} factor {what}")

@@ -22,7 +22,7 @@ the model allows it, else one call per column), since these models' own Python (
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -99,11 +99,16 @@ def ggn_parts(prob):
         out = forward(prob.model, sample(prob.X, i), prob.output)
         flat = out.reshape(-1)
         eye = torch.eye(flat.numel(), dtype=flat.dtype)
-        J = dict(zip(params, _grads(flat, list(params.values()), eye)))
-        yi = prob.y[i : i + 1]
-        H = torch.func.hessian(lambda u: c * prob.lossfn(u.reshape(out.shape), yi))(flat.detach())
-        parts.append((J, H))
+        J = dict(zip(params, (j.double() for j in _grads(flat, list(params.values()), eye))))
+        parts.append((J, loss_hessian(prob, out, prob.y[i : i + 1], c)))
     return parts
+
+
+def loss_hessian(prob, out: Tensor, y: Tensor, c: float) -> Tensor:
+    """``[C, C]``: the Hessian of ``c · lossfn(out, y)`` in float64 at ``out``'s values (a model
+    may return float32 logits from float64 weights; the loss's curvature is still taken exactly)."""
+    flat = out.detach().reshape(-1).double()
+    return torch.func.hessian(lambda u: c * prob.lossfn(u.reshape(out.shape), y))(flat)
 
 
 def ggn_diagonals(parts) -> Dict[str, Tensor]:
@@ -192,15 +197,22 @@ def kron_sites(model: nn.Module) -> Dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d, Conv1D))}
 
 
-def plain(m: nn.Module) -> bool:
-    """A layer whose forward is its base class's (the oracle's ``A``/``B`` apply): not timm's
+def plain(m: nn.Module, x: Optional[Tensor] = None) -> bool:
+    """A layer that computes its base class's map (the oracle's ``A``/``B`` apply): its forward
+    is the base class's, or (given its input ``x``) a Linear subclass's own forward that equals
+    ``F.linear(x, W, b)`` there (Falcon's ``FalconLinear``: ``x @ W.T + b``); not timm's
     weight-standardised ``StdConv2d``/``ScaledStdConv2d`` or a ``Conv2dSame``."""
     from transformers.pytorch_utils import Conv1D
 
     if isinstance(m, Conv1D):
         return True
     base = nn.Conv2d if isinstance(m, nn.Conv2d) else nn.Linear
-    return type(m).forward is base.forward and getattr(m, "padding_mode", "zeros") == "zeros"
+    if type(m).forward is base.forward:
+        return getattr(m, "padding_mode", "zeros") == "zeros"
+    if base is not nn.Linear or x is None:
+        return False
+    with torch.no_grad():
+        return bool(torch.allclose(m(x), F.linear(x, m.weight, m.bias), rtol=1e-12, atol=1e-12))
 
 
 def _unfold(conv: nn.Conv2d, x: Tensor) -> Tensor:
@@ -225,86 +237,111 @@ def _shared(model: nn.Module) -> set:
     return shared
 
 
-def kflr_factors(prob, approx=None) -> Dict[str, List[Tensor]]:
-    """``{weight or bias name: factors}`` for the plain, untied sites of :func:`kron_sites`
-    (groups=1); a weight ``[B, A]`` (``Conv1D``'s ``[I, O]`` weight: ``[A, B]``, row-major), a
-    bias ``[B]``. ``approx=None`` (curvlib's default): ``B`` the exact GGN block of an offset
-    added at every position, ``A = (1/N) Σ_{n,s} x xᵀ``; ``"expand"`` (docs/conventions.md):
-    ``B = Σ_{n,s} J_sᵀ H J_s`` with ``J_s`` the Jacobian of an offset at position ``s`` alone,
-    ``A = (1/(N·S)) Σ_{n,s} x xᵀ``."""
-    from transformers.pytorch_utils import Conv1D
-
-    model, n = prob.model, batch_size(prob.X)
-    c = scale(prob.lossfn, n)
-    shared = _shared(model)
-    sites = {k: m for k, m in kron_sites(model).items()
-             if plain(m) and getattr(m, "groups", 1) == 1 and id(m.weight) not in shared
-             and m.weight.requires_grad and "weight" in m._parameters}
-    # frozen layers (a LoRA adapter's base) have no factors; a parametrized weight (weight_norm)
-    # is a function of its parameters, not a parameter
+def site_inputs(prob) -> Dict[str, Tensor]:
+    """``{module name: its input on the batch}`` for the untied, trainable, groups=1 sites of
+    :func:`kron_sites` the forward calls (a frozen LoRA base has no factors; a parametrized
+    weight, ``weight_norm``'s, is a function of its parameters, not a parameter)."""
+    shared = _shared(prob.model)
+    sites = {k: m for k, m in kron_sites(prob.model).items()
+             if getattr(m, "groups", 1) == 1 and "weight" in m._parameters and id(m.weight) not in shared
+             and m.weight.requires_grad}
     inputs = {}
     hooks = [m.register_forward_pre_hook(lambda mod, a, k=k: inputs.setdefault(k, a[0].detach().clone()))
              for k, m in sites.items()]
     try:
         with torch.no_grad():
-            forward(model, prob.X, prob.output)
+            forward(prob.model, prob.X, prob.output)
     finally:
         for h in hooks:
             h.remove()
+    return inputs
+
+
+def constant_input(x: Tensor) -> bool:
+    """The layer's input is the same for every sample (MarkupLM's xpath layers on the default
+    xpath ids): a layer on constants, part of a parameter-only chain (docs/supported-models.md:
+    the diagonal of its exact block), not a site of its own."""
+    # (to rounding: a batched matmul may round rows differently)
+    return x.shape[0] > 1 and float((x - x[:1]).abs().max()) <= 1e-12 * max(float(x.abs().max()), 1e-300)
+
+
+def kflr_sites(prob) -> Dict[str, Tensor]:
+    """The sites :func:`kflr_factors` defines factors for, with their inputs: plain layers
+    (:func:`plain`) on inputs that vary with the sample."""
+    return {k: x for k, x in site_inputs(prob).items()
+            if plain(prob.model.get_submodule(k), x) and not constant_input(x)}
+
+
+def _input_factor(m: nn.Module, x: Tensor, n: int, approx) -> Tuple[Tensor, int, int, int]:
+    """``(A, S, dim, O)``: ``A = (1/N) Σ_{n,s} x xᵀ`` (``"expand"``: ``/ (N·S)``), the positions
+    ``S``, the output's feature dim and size."""
+    from transformers.pytorch_utils import Conv1D
+
+    x = x.double()
+    if isinstance(m, nn.Conv2d):
+        u = _unfold(m, x)
+        A, S, dim, O = torch.einsum("nis,njs->ij", u, u), u.shape[-1], 1, m.out_channels
+    else:
+        x = x.reshape(-1, x.shape[-1])
+        A, S, dim, O = x.T @ x, x.shape[0] // n, -1, (m.nf if isinstance(m, Conv1D) else m.out_features)
+    return (A / (n * S) if approx == "expand" else A / n), S, dim, O
+
+
+def _output_factor(prob, m: nn.Module, i: int, dim: int, O: int, approx) -> Tensor:
+    """Sample ``i``'s ``Σ J_sᵀ H J_s`` (``"expand"``, per position ``s``) or ``Jᵀ H J`` of one offset
+    added at every position; float64, the offset in the layer's output dtype."""
+    c = scale(prob.lossfn, batch_size(prob.X))
+    shapes = []
+    probe = m.register_forward_hook(lambda mod, a, o: shapes.append((o.shape, o.dtype)))
+    try:
+        with torch.no_grad():
+            forward(prob.model, sample(prob.X, i), prob.output)
+    finally:
+        probe.remove()
+    oshape, odtype = list(shapes[0][0]), shapes[0][1]
+    delta = torch.zeros(oshape if approx == "expand" else [O], dtype=odtype, requires_grad=True)
+
+    def add(mod, a, o):
+        if approx == "expand":
+            return o + delta
+        shape = [1] * o.dim()
+        shape[dim] = -1
+        return o + delta.reshape(shape)
+
+    h = m.register_forward_hook(add)
+    try:
+        out = forward(prob.model, sample(prob.X, i), prob.output)
+    finally:
+        h.remove()
+    flat = out.reshape(-1)
+    J = _grads(flat, [delta], torch.eye(flat.numel(), dtype=flat.dtype))[0].double()  # [C, *delta]
+    H = loss_hessian(prob, out, prob.y[i : i + 1], c)
+    if approx == "expand":
+        J = J.movedim(dim if dim < 0 else dim + 1, -1).reshape(J.shape[0], -1, O)  # [C, S, O]
+        return torch.einsum("csi,cd,dsj->ij", J, H, J)
+    return J.T @ H @ J
+
+
+def kflr_factors(prob, approx=None) -> Dict[str, List[Tensor]]:
+    """``{weight or bias name: factors}`` for :func:`kflr_sites` (named as ``named_parameters``
+    names them: a bias tied to another module's, LUKE's ``lm_head.decoder.bias``, by its first
+    name); a weight ``[B, A]`` (``Conv1D``'s ``[I, O]`` weight: ``[A, B]``, row-major), a bias
+    ``[B]``. ``approx=None`` (curvlib's default): ``B`` the exact GGN block of an offset added at
+    every position, ``A = (1/N) Σ_{n,s} x xᵀ``; ``"expand"`` (docs/conventions.md): ``B = Σ_{n,s}
+    J_sᵀ H J_s`` with ``J_s`` the Jacobian of an offset at position ``s`` alone, ``A = (1/(N·S))
+    Σ_{n,s} x xᵀ``."""
+    from transformers.pytorch_utils import Conv1D
+
+    model, n = prob.model, batch_size(prob.X)
+    names = {id(p): k for k, p in model.named_parameters()}
     result = {}
-    for k, m in sites.items():
-        if k not in inputs:
-            continue
-        x = inputs[k]
-        if isinstance(m, nn.Conv2d):
-            u = _unfold(m, x)
-            A = torch.einsum("nis,njs->ij", u, u)
-            S, dim, O = u.shape[-1], 1, m.out_channels
-        else:
-            x = x.reshape(-1, x.shape[-1])
-            A = x.T @ x
-            S, dim, O = x.shape[0] // n, -1, (m.nf if isinstance(m, Conv1D) else m.out_features)
-        A = A / (n * S) if approx == "expand" else A / n
-        B = torch.zeros(O, O, dtype=A.dtype)
-        for i in range(n):
-            shapes = []
-            probe = m.register_forward_hook(lambda mod, a, o: shapes.append(o.shape))
-            try:
-                with torch.no_grad():
-                    forward(model, sample(prob.X, i), prob.output)
-            finally:
-                probe.remove()
-            oshape = list(shapes[0])
-            if approx == "expand":  # one offset per position
-                delta = torch.zeros(oshape, dtype=A.dtype, requires_grad=True)
-            else:
-                delta = torch.zeros(O, dtype=A.dtype, requires_grad=True)
-
-            def add(mod, a, o):
-                if approx == "expand":
-                    return o + delta
-                shape = [1] * o.dim()
-                shape[dim] = -1
-                return o + delta.reshape(shape)
-
-            h = m.register_forward_hook(add)
-            try:
-                out = forward(model, sample(prob.X, i), prob.output)
-            finally:
-                h.remove()
-            flat = out.reshape(-1)
-            J = _grads(flat, [delta], torch.eye(flat.numel(), dtype=flat.dtype))[0]  # [C, *delta]
-            yi = prob.y[i : i + 1]
-            H = torch.func.hessian(lambda u: c * prob.lossfn(u.reshape(out.shape), yi))(flat.detach())
-            if approx == "expand":
-                J = J.movedim(dim if dim < 0 else dim + 1, -1).reshape(J.shape[0], -1, O)  # [C, S, O]
-                B = B + torch.einsum("csi,cd,dsj->ij", J, H, J)
-            else:
-                B = B + J.T @ H @ J
-        pre = f"{k}." if k else ""
-        result[pre + "weight"] = [A, B] if isinstance(m, Conv1D) else [B, A]
-        if getattr(m, "bias", None) is not None:
-            result[pre + "bias"] = [B]
+    for k, x in kflr_sites(prob).items():
+        m = model.get_submodule(k)
+        A, S, dim, O = _input_factor(m, x, n, approx)
+        B = sum(_output_factor(prob, m, i, dim, O, approx) for i in range(n))
+        result[names[id(m.weight)]] = [A, B] if isinstance(m, Conv1D) else [B, A]
+        if getattr(m, "bias", None) is not None and m.bias.requires_grad and id(m.bias) in names:
+            result[names[id(m.bias)]] = [B]
     return result
 
 

@@ -16,7 +16,8 @@ vocabulary of a symbolically traced model:
   ``aten.batch_norm``) becomes a ``call_module`` node, run by the module's hand-written
   rule (individual gradients by einsum, Kronecker factors, ...);
 * GPT-2's ``Conv1D`` (``addmm(b, x.view(-1, k), W)``) becomes ``F.linear(x, Wᵀ, b)`` on the
-  unflattened input (per-sample rows stay per sample): a transposed Linear site;
+  unflattened input (per-sample rows stay per sample): a transposed Linear site; a ``matmul``
+  with a 2-D parameter (``x @ W.T``, ``x @ W``, ``W @ x``) becomes the ``F.linear`` it is;
 * every other op maps to its torch-level function (``F.gelu``, ``torch.softmax``,
   ``Tensor.view``, ...) where one takes the same arguments, so curvature rules classify it,
   else it stays the ATen op; ``scaled_dot_product_attention`` becomes its math
@@ -42,7 +43,7 @@ from torch.utils import _pytree as pytree
 
 from .._core import outputs as _outputs
 from .._core.errors import CurvatureError
-from .aten_ops import INPUT_ARG, conv1d_linear, owner_call, owners, torch_level, view_of
+from .aten_ops import INPUT_ARG, conv1d_linear, matmul_linear, owner_call, owners, torch_level, view_of
 from .branches import input_branch, keyword_inputs, without_hooks
 from .._core.inputs import as_pytree, trace_structure
 from .functions import forget, recorded_functions, replay
@@ -87,9 +88,28 @@ def _aten_graph(model: nn.Module, X, output) -> Tuple[fx.GraphModule, List[str],
     with recorded_functions() as keys, LOCK, restored(model), without_hooks(model), inference_as_no_grad(), \
             torch.enable_grad():  # (the model's own no_grad regions are recorded, not the caller's)
         gm = make_fx(run, pre_dispatch=True, _error_on_data_dependent_ops=False)(*inputs)
+    _refuse_escaped_transforms(gm, model)
     gm.curvlib_functions = keys
     gm.curvlib_reads = _read_values(gm, pytree.tree_leaves(inputs))
     return gm, list(params), list(buffers), tensor_at, chosen[0]
+
+
+def _refuse_escaped_transforms(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Fail on a graph holding a functorch-wrapped constant: the model calls ``torch.vmap`` in
+    ``forward`` (transformers builds attention masks with ``torch.vmap`` when a model combines
+    mask functions), and ``make_fx(pre_dispatch=True)`` records the ops inside it on the
+    transform's batched tensors, which exist only while it runs: the graph cannot be replayed."""
+    for node in gm.graph.nodes:
+        value = getattr(gm, node.target, None) if node.op == "get_attr" else None
+        if isinstance(value, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(value):
+            users = ", ".join(f"'{u.name}' ({u.target})" for u in list(node.users)[:2])
+            # (not a CurvatureError: the ATen trace failed, the caller keeps fx's trace, and first-order
+            # extensions run the model eagerly)
+            raise RuntimeError(
+                f"Model {type(model).__name__} calls torch.vmap (or another torch.func transform) inside "
+                f"its forward, at graph node {users}: curvlib's ATen-level trace cannot record the ops "
+                "inside it (they run on the transform's batched tensors). transformers does so to build "
+                "attention masks from combined mask functions.")
 
 
 _READS = (aten.item.default, aten._local_scalar_dense.default, aten.is_nonzero.default)
@@ -181,9 +201,11 @@ class _Replay(nn.Module):
         module = self._views.get(id(module), module)
         if module is not None:
             return module(args[INPUT_ARG[target]])
-        conv1d = conv1d_linear(node, names, env)
-        if conv1d is not None:
-            return conv1d
+        linear = conv1d_linear(node, names, env)
+        if linear is None:
+            linear = matmul_linear(node, names, env)
+        if linear is not None:
+            return linear
         return torch_level(target, args, kwargs)
 
 

@@ -7,6 +7,7 @@
   as that module's call (its hand-written rule);
 * :func:`conv1d_linear`: GPT-2's ``Conv1D``, ``addmm(b, x.view(-1, k), W)``, as
   ``F.linear(x, Wᵀ, b)`` on the unflattened input (a transposed Linear site);
+* :func:`matmul_linear`: ``x @ W.T``, ``x @ W`` and ``W @ x`` on a 2-D parameter as ``F.linear``;
 * :func:`torch_level`: any other op as its torch-level function where one takes the same
   arguments (``F.gelu``, ``torch.softmax``, ``Tensor.view``, ...), so the curvature rules
   classify it; else the ATen op itself.
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.nn.utils import parametrize
 
-__all__ = ["owners", "owner_call", "view_of", "INPUT_ARG", "conv1d_linear", "torch_level"]
+__all__ = ["owners", "owner_call", "view_of", "INPUT_ARG", "conv1d_linear", "matmul_linear", "torch_level"]
 
 aten = torch.ops.aten
 
@@ -167,6 +168,45 @@ def conv1d_linear(node: fx.Node, names, env) -> Optional[fx.Proxy]:
         return None
     x = env[flat.args[0]]
     return F.linear(x, env[weight].t(), env[bias])
+
+
+_TRANSPOSES = (aten.t.default, aten.numpy_T.default)
+
+
+def _weight_operand(arg, names) -> Optional[Tuple[fx.Node, bool]]:
+    """``(W's placeholder, transposed)`` for a 2-D parameter ``W`` or ``W.t()`` / ``W.T``."""
+    if not isinstance(arg, fx.Node):
+        return None
+    transposed = arg.target in _TRANSPOSES
+    w = arg.args[0] if transposed else arg
+    val = getattr(w, "meta", {}).get("val")
+    if _param(w, names) is None or not isinstance(val, Tensor) or val.dim() != 2:
+        return None
+    return w, transposed
+
+
+def _ndim(arg) -> int:
+    val = getattr(arg, "meta", {}).get("val") if isinstance(arg, fx.Node) else None
+    return val.dim() if isinstance(val, Tensor) else -1
+
+
+def matmul_linear(node: fx.Node, names, env) -> Optional[fx.Proxy]:
+    """``matmul`` of an input-dependent tensor and a 2-D parameter ``W [O, I]``, as ``F.linear``
+    (a Linear site with two Kronecker factors): ``x @ W.T`` is ``F.linear(x, W)``, ``x @ W``
+    (``W`` stored ``[I, O]``) ``F.linear(x, Wᵀ)``, and ``W @ x`` on ``x [N, ..., I, S]`` (features
+    in dim -2, FalconMamba's ``dt_proj.weight @ h``) ``F.linear(xᵀ, W)ᵀ`` over the last two dims:
+    the same linear map, applied at every position."""
+    if node.target is not aten.matmul.default or len(node.args) != 2 or node.kwargs:
+        return None
+    a, b = node.args
+    right, left = _weight_operand(b, names), _weight_operand(a, names)
+    if right is not None and left is None and _ndim(a) >= 2:
+        (w, transposed), x = right, env[a]
+        return F.linear(x, env[w] if transposed else env[w].t())
+    if left is not None and right is None and _ndim(b) >= 3:
+        (w, transposed), x = left, env[b]
+        return F.linear(x.transpose(-1, -2), env[w].t() if transposed else env[w]).transpose(-1, -2)
+    return None
 
 
 # ----------------------------------------------------------------------------- torch-level ops
