@@ -32,6 +32,14 @@ constant for every gradient, which is then exact). Merging the batch with
 another dim and splitting it again is allowed (no values mix); a merge whose
 order curvlib cannot follow is refused, not guessed.
 
+A tensor that holds no sample's values (*data-free*: made from shapes, dtypes and
+constants alone, ``h.new_ones(N, N)``, ``zeros_like``, an ALiBi bias ``[N·H, 1, T]`` built
+from ``arange`` and evaluated once by the ATen trace) and no parameter is a constant,
+whatever its shape: its batch-sized dims are not a batch, so it mixes nothing. Rows of a
+data-free tensor that depends on a parameter (a learned bias expanded to ``[N·H, 1, T]``)
+belong to no sample: they pair with any sample's rows in any order, so they take no part in
+the check that merged inputs agree in order.
+
 Indexing along the batch dim (``h[idx]``, ``h[mask]``, ``index_select``/``gather`` along
 it) is decided on the index's values (:mod:`curvlib._plan.mixing_index`): in the planning
 passes when it is built from constants and shapes, on every call when it depends on the
@@ -141,6 +149,7 @@ class _Walk:
         self.program, self.env_a, self.env_b, self.n, self.trainable = program, env_a, env_b, n, trainable
         self.layouts: Dict[fx.Node, list] = {}
         self.hot: set = set()
+        self.data: set = set()  # nodes whose values depend on the input's values (sample data)
         self.pending: List[fx.Node] = []
         # indexing along the batch decided on values (mixing_index): node -> why it mixes, or None
         self.verdicts: Dict[fx.Node, Optional[str]] = {}
@@ -186,14 +195,23 @@ class _Walk:
         if node.op in ("placeholder", "get_attr"):
             if own:
                 self.hot.add(node)
+            if node.op == "placeholder":
+                self.data.add(node)
             return None
         kind, name, detail = self.kind(node)
+        if kind != "meta" and any(a in self.data for a in node.all_input_nodes):
+            self.data.add(node)
         batched = [a for a in node.all_input_nodes if self.batch_of_any(a)]
         # A layer with trainable parameters mixes them into whatever it mixes: all its inputs count.
         hot_in = batched if own else [a for a in batched if a in self.hot]
         hot = kind not in ("meta", "cut") and (own or any(a in self.hot for a in node.all_input_nodes))
         if hot:
             self.hot.add(node)
+        elif node not in self.data:
+            # neither a sample's values nor a parameter (``h.new_ones(N, N)``, a mask or an ALiBi
+            # bias built from shapes): a constant, whatever its shape; it cannot mix samples
+            self.layouts[node] = [None] * len(self.layouts[node])
+            return None
         self.gather(node, kind, name, hot_in)
         problem = self.refine(node, kind, name, hot_in)
         if problem or not (hot_in or (hot and batched)):
@@ -250,7 +268,10 @@ class _Walk:
             return self._view(node, name, hot_in)
         if not open_:
             return None
-        ins = [b for a in node.all_input_nodes for b in self.layouts.get(a, []) if isinstance(b, Batch)]
+        # rows of inputs without sample data (a parameter expanded to the batch's shape) belong to
+        # no sample: any order pairs them with the same values
+        ins = [b for a in node.all_input_nodes if a in self.data
+               for b in self.layouts.get(a, []) if isinstance(b, Batch)]
         for i in open_:
             out = leaves[i]
             if kind == "repeat" and len(ins) == 1:
@@ -279,7 +300,7 @@ class _Walk:
             leaves[0] = new
             return None
         leaves[0] = Batch(leaves[0].dim, leaves[0].c, None)
-        if src not in hot_in:
+        if src not in hot_in or src not in self.data:  # (no sample data to regroup)
             return None
         module = attrgetter(node.target)(self.program.root) if node.op == "call_module" else None
         what = (f"{checks.label(node, name, module)} of '{src.name}' from {list(shape_in)} to {list(shape_out)}")
