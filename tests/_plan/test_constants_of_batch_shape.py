@@ -95,6 +95,40 @@ def test_same_shape_from_every_sample_stays_refused(aten):
         curvature(CreatedMask("new_ones", True, aten, mixing=True).to(DT), nn.MSELoss(), [BatchGrad()])(X, y)
 
 
+class FilledBuffer(nn.Module):
+    """``buf = h.new_zeros(N, T, 4)`` filled in place with a Linear's output (``add_``, ``+=``, or
+    ``buf[:, 1:] = h[:, 1:]``), then read: the buffer holds sample data from the write on;
+    ``mixing`` takes a softmax of it over the batch dim."""
+
+    def __init__(self, how: str, aten: bool, mixing: bool = False):
+        super().__init__()
+        self.a, self.act, self.b = nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)
+        self.how, self.aten, self.mixing = how, aten, mixing
+
+    def forward(self, x):
+        if self.aten and bool(x.abs().sum() >= 0):  # a branch on values: the ATen front end
+            x = x + 0
+        h = self.a(x)
+        buf = h.new_zeros(h.shape)
+        if self.how == "add_":
+            buf.add_(h)
+        elif self.how == "setitem":
+            buf[:, 1:] = h[:, 1:]
+        else:
+            buf += h
+        return self.b(self.act(buf.softmax(0) if self.mixing else buf).mean(1))
+
+
+@pytest.mark.parametrize("aten", [False, True])
+@pytest.mark.parametrize("how", ["add_", "setitem", "iadd"])
+def test_buffer_filled_in_place_holds_sample_data(how, aten):
+    g = seeded(5)
+    X, y = torch.randn(3, 3, 3, generator=g, dtype=DT), torch.randn(3, 2, generator=g, dtype=DT)
+    check_first_order(FilledBuffer(how, aten).to(DT), nn.MSELoss(), X, y)
+    with pytest.raises(CurvatureError, match="Samples are mixed"):
+        curvature(FilledBuffer(how, aten, mixing=True).to(DT), nn.MSELoss(), [BatchGrad()])(X, y)
+
+
 # ----------------------------------------------------------------------------- ALiBi on merged heads
 
 H, DH = 2, 2

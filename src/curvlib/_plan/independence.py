@@ -60,6 +60,7 @@ come from whole-batch autodiff and stay exact, like ``loss`` and ``grad``.
 
 from __future__ import annotations
 
+import operator
 from operator import attrgetter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -67,6 +68,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from torch import Tensor, fx, nn
 
 from .._core.errors import CurvatureError
+from .._trace import graph_facts
 from . import mixing_checks as checks, mixing_index as index, mixing_ops as ops
 from .mixing_ops import Batch
 from . import mixing_numeric as _mixing_numeric
@@ -208,16 +210,38 @@ class _Walk:
         if hot:
             self.hot.add(node)
         elif node not in self.data:
-            # neither a sample's values nor a parameter (``h.new_ones(N, N)``, a mask or an ALiBi
-            # bias built from shapes): a constant, whatever its shape; it cannot mix samples
+            # no sample's values, no parameter (``h.new_ones(N, N)``, an ALiBi bias): a constant
             self.layouts[node] = [None] * len(self.layouts[node])
             return None
         self.gather(node, kind, name, hot_in)
         problem = self.refine(node, kind, name, hot_in)
+        self.written(node, hot)
         if problem or not (hot_in or (hot and batched)):
             return problem
         # a hot output computed from batched values (hot or not) must keep their batch
         return self.check(node, kind, name, detail, hot_in, hot_in or batched)
+
+    def written(self, node, hot: bool) -> None:
+        """An in-place write (``buf.add_(h)``, ``buf[:, 1:] = h``) leaves its values in its first
+        input and, through views, in their bases: a buffer made from shapes then holds sample data
+        (batched as its shapes say, in the order of what was written), hot from a hot write."""
+        target = node.args[0] if node.args else None
+        if not isinstance(target, fx.Node) or not (node.target is operator.setitem
+                                                   or graph_facts.overwrites_input(self.program, node)):
+            return
+        src = self.batch(node.args[-1]) if isinstance(node.args[-1], fx.Node) else None
+        while isinstance(target, fx.Node):
+            if node in self.data and target not in self.data:
+                self.data.add(target)
+                leaves = ops.layout_of(self.env_a.get(target), self.env_b.get(target), self.n)
+                b = leaves[0] if len(leaves) == 1 else None
+                if isinstance(b, Batch) and b.s is None and src is not None and (src.dim, src.c) == (b.dim, b.c):
+                    leaves = [src]
+                self.layouts[target] = leaves
+            if hot:
+                self.hot.add(target)
+            views = target.op in ("call_function", "call_method") and index.op_name(target) in index.VIEWS
+            target = target.args[0] if views and target.args else None
 
     # -- indexing along the batch, decided on values ----------------------------------
     def gather(self, node, kind, name, hot_in) -> None:
@@ -268,8 +292,7 @@ class _Walk:
             return self._view(node, name, hot_in)
         if not open_:
             return None
-        # rows of inputs without sample data (a parameter expanded to the batch's shape) belong to
-        # no sample: any order pairs them with the same values
+        # (rows without sample data, a parameter expanded to the batch's shape, pair in any order)
         ins = [b for a in node.all_input_nodes if a in self.data
                for b in self.layouts.get(a, []) if isinstance(b, Batch)]
         for i in open_:
