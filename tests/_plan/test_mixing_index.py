@@ -112,3 +112,32 @@ def test_input_dependent_index_is_tested_on_every_call():
     f(X, y)
     with pytest.raises(CurvatureError, match="reads rows of other samples .* on this input"):
         f(X.flip(0), y)
+
+
+class WrittenMask(nn.Module):
+    """Longformer's global attention: ``m = zeros_like(x[..., 0])``, ``m[:, 0] = 1`` written in
+    place, then ``h[m.nonzero(as_tuple=True)]`` picks each sample's first token (``flip``:
+    the sample indices reversed, other samples' tokens). The index's value is the write's, not
+    the ``zeros_like``'s."""
+
+    def __init__(self, aten: bool, flip: bool = False):
+        super().__init__()
+        self.a, self.b, self.aten, self.flip = nn.Linear(3, 4), nn.Linear(4, 2), aten, flip
+
+    def forward(self, x):
+        if self.aten and bool(x.abs().sum() >= 0):  # a branch on values: the ATen front end
+            x = x + 0
+        h = torch.tanh(self.a(x))
+        m = torch.zeros_like(x[..., 0])
+        m[:, 0] = 1
+        i, j = m.nonzero(as_tuple=True)
+        return self.b(h[i.flip(0) if self.flip else i, j])
+
+
+@pytest.mark.parametrize("aten", [False, True])
+def test_index_from_a_mask_written_in_place(aten):
+    g = seeded(6)
+    X, y = torch.randn(3, 4, 3, generator=g, dtype=DT), torch.randn(3, 2, generator=g, dtype=DT)
+    check_first_order(WrittenMask(aten).to(DT), nn.MSELoss(), X, y)
+    with pytest.raises(CurvatureError, match="Samples are mixed"):
+        curvature(WrittenMask(aten, flip=True).to(DT), nn.MSELoss(), [E.BatchGrad()])(X, y)

@@ -32,6 +32,14 @@ constant for every gradient, which is then exact). Merging the batch with
 another dim and splitting it again is allowed (no values mix); a merge whose
 order curvlib cannot follow is refused, not guessed.
 
+A tensor that holds no sample's values (*data-free*: made from shapes, dtypes and
+constants alone, ``h.new_ones(N, N)``, ``zeros_like``, an ALiBi bias ``[N·H, 1, T]`` built
+from ``arange`` and evaluated once by the ATen trace) and no parameter is a constant,
+whatever its shape: its batch-sized dims are not a batch, so it mixes nothing. Rows of a
+data-free tensor that depends on a parameter (a learned bias expanded to ``[N·H, 1, T]``)
+belong to no sample: they pair with any sample's rows in any order, so they take no part in
+the check that merged inputs agree in order.
+
 Indexing along the batch dim (``h[idx]``, ``h[mask]``, ``index_select``/``gather`` along
 it) is decided on the index's values (:mod:`curvlib._plan.mixing_index`): in the planning
 passes when it is built from constants and shapes, on every call when it depends on the
@@ -52,6 +60,7 @@ come from whole-batch autodiff and stay exact, like ``loss`` and ``grad``.
 
 from __future__ import annotations
 
+import operator
 from operator import attrgetter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -59,6 +68,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from torch import Tensor, fx, nn
 
 from .._core.errors import CurvatureError
+from .._trace import graph_facts
 from . import mixing_checks as checks, mixing_index as index, mixing_ops as ops
 from .mixing_ops import Batch
 from . import mixing_numeric as _mixing_numeric
@@ -141,6 +151,7 @@ class _Walk:
         self.program, self.env_a, self.env_b, self.n, self.trainable = program, env_a, env_b, n, trainable
         self.layouts: Dict[fx.Node, list] = {}
         self.hot: set = set()
+        self.data: set = set()  # nodes whose values depend on the input's values (sample data)
         self.pending: List[fx.Node] = []
         # indexing along the batch decided on values (mixing_index): node -> why it mixes, or None
         self.verdicts: Dict[fx.Node, Optional[str]] = {}
@@ -186,20 +197,51 @@ class _Walk:
         if node.op in ("placeholder", "get_attr"):
             if own:
                 self.hot.add(node)
+            if node.op == "placeholder":
+                self.data.add(node)
             return None
         kind, name, detail = self.kind(node)
+        if kind != "meta" and any(a in self.data for a in node.all_input_nodes):
+            self.data.add(node)
         batched = [a for a in node.all_input_nodes if self.batch_of_any(a)]
         # A layer with trainable parameters mixes them into whatever it mixes: all its inputs count.
         hot_in = batched if own else [a for a in batched if a in self.hot]
         hot = kind not in ("meta", "cut") and (own or any(a in self.hot for a in node.all_input_nodes))
         if hot:
             self.hot.add(node)
+        elif node not in self.data:
+            # no sample's values, no parameter (``h.new_ones(N, N)``, an ALiBi bias): a constant
+            self.layouts[node] = [None] * len(self.layouts[node])
+            return None
         self.gather(node, kind, name, hot_in)
         problem = self.refine(node, kind, name, hot_in)
+        self.written(node, hot)
         if problem or not (hot_in or (hot and batched)):
             return problem
         # a hot output computed from batched values (hot or not) must keep their batch
         return self.check(node, kind, name, detail, hot_in, hot_in or batched)
+
+    def written(self, node, hot: bool) -> None:
+        """An in-place write (``buf.add_(h)``, ``buf[:, 1:] = h``) leaves its values in its first
+        input and, through views, in their bases: a buffer made from shapes then holds sample data
+        (batched as its shapes say, in the order of what was written), hot from a hot write."""
+        target = node.args[0] if node.args else None
+        if not isinstance(target, fx.Node) or not (node.target is operator.setitem
+                                                   or graph_facts.overwrites_input(self.program, node)):
+            return
+        src = self.batch(node.args[-1]) if isinstance(node.args[-1], fx.Node) else None
+        while isinstance(target, fx.Node):
+            if node in self.data and target not in self.data:
+                self.data.add(target)
+                leaves = ops.layout_of(self.env_a.get(target), self.env_b.get(target), self.n)
+                b = leaves[0] if len(leaves) == 1 else None
+                if isinstance(b, Batch) and b.s is None and src is not None and (src.dim, src.c) == (b.dim, b.c):
+                    leaves = [src]
+                self.layouts[target] = leaves
+            if hot:
+                self.hot.add(target)
+            views = target.op in ("call_function", "call_method") and index.op_name(target) in index.VIEWS
+            target = target.args[0] if views and target.args else None
 
     # -- indexing along the batch, decided on values ----------------------------------
     def gather(self, node, kind, name, hot_in) -> None:
@@ -253,7 +295,8 @@ class _Walk:
             return self._view(node, name, hot_in)
         if not open_:
             return None
-        ins = [b for a in node.all_input_nodes if not self.filled(a)
+        # (rows without sample data, one value, a parameter expanded to the batch's shape: pair in any order)
+        ins = [b for a in node.all_input_nodes if a in self.data and not self.filled(a)
                for b in self.layouts.get(a, []) if isinstance(b, Batch)]
         for i in open_:
             out = leaves[i]
@@ -293,7 +336,7 @@ class _Walk:
             leaves[0] = new
             return None
         leaves[0] = Batch(leaves[0].dim, leaves[0].c, None)
-        if src not in hot_in:
+        if src not in hot_in or src not in self.data:  # (no sample data to regroup)
             return None
         module = attrgetter(node.target)(self.program.root) if node.op == "call_module" else None
         what = (f"{checks.label(node, name, module)} of '{src.name}' from {list(shape_in)} to {list(shape_out)}")

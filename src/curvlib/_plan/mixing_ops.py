@@ -8,7 +8,8 @@ batch); entry ``i`` along the dim then belongs to sample ``(i // s) % N``,
 where ``s`` (the stride of the batch inside the merged dim) is followed
 through the operations that create it (reshapes, ``cat``, ``repeat``).
 
-Operations are classified by name (``kind_of``); each kind says how an
+Operations are classified by name (``kind_of``; an ATen op the front end kept, such as
+``aten.new_ones.default``, by its packet's name); each kind says how an
 operation can mix the samples of a *batched* input:
 
 * ``elementwise``/``move``/``reduce``/``pick``: never along a surviving batch
@@ -22,7 +23,8 @@ operation can mix the samples of a *batched* input:
   known, only the identity ``torch.arange(N)`` is accepted;
 * ``leading``: treats dim 0 as the batch (conv, group/instance norm, ...);
 * ``pool``: mixes along its last ``k`` dims;
-* ``meta``: reads shapes only (``size``, ``new_zeros``, ``zeros_like``);
+* ``meta``: reads shapes only (``size``, ``new_zeros``, ``zeros_like``): its output holds no
+  sample's values;
 * ``unknown``: anything else; tested numerically (:mod:`curvlib._plan.mixing_numeric`).
 """
 
@@ -155,6 +157,8 @@ _OPERATOR_NAMES = {"and_": "and", "or_": "or", "not_": "not", "getitem": "getite
 
 def _name_of_function(target) -> Optional[str]:
     """A torch/operator function's name, or ``None`` for a user function (unknown)."""
+    if isinstance(target, torch._ops.OpOverload):  # an ATen op the replay kept: its packet's name
+        return target.overloadpacket.__name__  # (aten.new_ones.default: new_ones)
     name = getattr(target, "__name__", None)
     module = getattr(target, "__module__", None) or ""
     if name is None:
@@ -181,8 +185,8 @@ def kind_of(node: fx.Node, env_a) -> Tuple[str, str]:
             return "unknown", getattr(node.target, "__name__", str(node.target))
         if name == "getattr":
             name = node.args[1]
-        elif name == "unfold":
-            return "leading", name  # F.unfold: im2col over dim 0's samples
+        elif name == "unfold":  # F.unfold: im2col over dim 0's samples; aten.unfold: Tensor.unfold
+            return ("dim" if isinstance(node.target, torch._ops.OpOverload) else "leading"), name
         elif name == "getitem":
             first = env_a.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None
             return ("index" if isinstance(first, Tensor) else "pick"), name
