@@ -56,6 +56,8 @@ def _selects(node, root) -> bool:
         return True
     if node.op == "call_module":
         return isinstance(root.get_submodule(node.target), nn.Embedding)
+    if not node.all_input_nodes and isinstance(getattr(node.target, "value", None), Tensor):
+        return True  # a tensor created in forward from constants (``arange(T)`` as a traced constant)
     return node.target in _INDEXING
 
 
