@@ -3,7 +3,8 @@
 import torch
 from hypothesis import given, strategies as st
 
-from curvlib._core.site import Recorder, Site, batch_first, batch_first_shape, from_batch_first
+from curvlib._core.batch_layout import batch_first, batch_first_shape, from_batch_first
+from curvlib._core.site import Recorder, Site
 from curvlib.rules.batchnorm import BATCHNORM
 from curvlib.rules.linear import LINEAR
 

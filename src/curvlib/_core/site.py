@@ -33,6 +33,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from .batch_layout import batch_first, batch_first_shape, from_batch_first
+
 # role -> tensor, e.g. {"weight": [N, *w.shape], "bias": [N, *b.shape]}
 RoleTensors = Dict[str, Tensor]
 RuleFn = Callable[["Site", Tensor, Sequence[str]], RoleTensors]
@@ -166,30 +168,6 @@ class Site:
     meta: Dict[str, Any] = field(default_factory=dict)
     saved: Dict[str, Tensor] = field(default_factory=dict)
     key: int = -1
-
-
-def batch_first(t: Tensor, batch_dim: int, channel_axes: int = 0, lead: int = 0) -> Tensor:
-    """``t`` in the canonical layout ``[batch, *channels, shared..., features]``: the batch
-    moved from ``batch_dim`` to the front, the ``channel_axes`` after it kept in place
-    (:attr:`Rule.channel_axes`); ``lead`` leading dims (columns ``[V, ...]``) stay in front of
-    it all. A view; ``t`` itself when the batch is already in front."""
-    if batch_dim == 0:
-        return t
-    kept = tuple(range(lead + 1, lead + 1 + channel_axes))
-    return t.movedim((lead + batch_dim,) + kept, (lead,) + kept)
-
-
-def from_batch_first(t: Tensor, batch_dim: int, channel_axes: int = 0) -> Tensor:
-    """The inverse of :func:`batch_first`: a canonical tensor in the site's own layout."""
-    if batch_dim == 0:
-        return t
-    kept = tuple(range(1, 1 + channel_axes))
-    return t.movedim((0,) + kept, (batch_dim,) + kept)
-
-
-def batch_first_shape(shape: Sequence[int], batch_dim: int, channel_axes: int = 0) -> Tuple[int, ...]:
-    """The shape :func:`batch_first` gives a tensor of ``shape``."""
-    return tuple(batch_first(torch.empty(tuple(shape), device="meta"), batch_dim, channel_axes).shape)
 
 
 def sample_layout(site: Site, inputs: Dict[str, Tensor], n: int):

@@ -34,7 +34,8 @@ from .._core import inputs as _inputs, strategy as _strategy
 from .._trace.program import Program
 from .._interpret.graph import run_graph
 from .._plan.plan import Plan
-from .._core.site import Recorder, Site, batch_first
+from .._core.batch_layout import batch_first
+from .._core.site import Recorder, Site
 from .streamed import as_edges, lowest_targets, stream_sites, worth_streaming
 
 __all__ = ["Linearization", "forward_with_probes"]

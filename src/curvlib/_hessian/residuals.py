@@ -60,7 +60,8 @@ from torch import Tensor, fx, nn
 from .._core.errors import CurvatureError
 from .._trace.program import Program
 from ..rules import functional
-from .._core.site import Recorder, from_batch_first
+from .._core.batch_layout import from_batch_first
+from .._core.site import Recorder
 from ..rules.elementwise import classify
 from ..rules.rnn_steps import Coupling
 

@@ -3,7 +3,8 @@
 - ``arguments``: checks of ``curvature``'s and ``f``'s arguments;
 - ``traces``: one trace per ``training`` flags and input structure, and its refusals;
 - ``plan``: shapes, batch dimensions and per-site checks from fake runs;
-- ``independence``, ``mixing_*``: where samples mix inside the model;
+- ``independence``, ``mixing_*``: where samples mix inside the model (``mixing_refusals``: the
+  refusal and its message);
 - ``batch_merges``: the batch merged with windows or heads, split off;
 - ``support``, ``budget``: refusals of extensions and memory the call would need.
 """

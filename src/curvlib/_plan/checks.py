@@ -26,7 +26,7 @@ from ..extensions import SecondOrder
 from ..losses import LossSpec
 from ..rules.generic import refuse_buffer_updates
 from . import arguments as _arguments, budget as _budget
-from .independence import refuse_mixing, refuse_mixing_per_call
+from .mixing_refusals import refuse_mixing, refuse_mixing_per_call
 from .plan import Plan, make_plan
 from .support import check_second_order, note_unused
 from .traces import Traced

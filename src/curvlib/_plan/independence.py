@@ -63,11 +63,10 @@ from __future__ import annotations
 import operator
 from operator import attrgetter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from torch import Tensor, fx, nn
 
-from .._core.errors import CurvatureError
 from .._trace import graph_facts
 from . import mixing_checks as checks, mixing_index as index, mixing_ops as ops
 from .mixing_ops import Batch
@@ -362,59 +361,6 @@ class _Walk:
 #: ops that create a tensor of one value
 _FILLS = frozenset("zeros ones full empty zeros_like ones_like full_like empty_like new_zeros new_ones new_full "
                    "new_empty".split())
-
-
-def refuse_mixing(plan, extensions: Sequence, program, X: Tensor, params, trainable, runner=None,
-                  chunked: bool = False) -> None:
-    """Raise :class:`CurvatureError` if the model mixes samples and an extension (or
-    ``batch_chunk_size``, which splits the batch) needs them independent.
-
-    Called before any work; the structural verdict is cached with the plan, the
-    numeric one is computed on first use.
-    """
-    found, wanted = _wanted(plan, extensions, chunked)
-    if found is None:
-        return
-    problem = (found.problem or found.per_call(program, X, params, trainable)
-               or found.numeric(program, plan, X, params, trainable, runner))
-    if problem:
-        raise CurvatureError(_message(problem, wanted, chunked))
-
-
-def refuse_mixing_per_call(plan, extensions: Sequence, program, X: Tensor, params, trainable,
-                           chunked: bool = False) -> None:
-    """:func:`refuse_mixing` for a plan already checked: only indexing by the input's values,
-    whose verdict is this call's (:mod:`curvlib._plan.mixing_index`)."""
-    found, wanted = _wanted(plan, extensions, chunked)
-    problem = found.per_call(program, X, params, trainable) if found is not None else None
-    if problem:
-        raise CurvatureError(_message(problem, wanted, chunked))
-
-
-def _wanted(plan, extensions: Sequence, chunked: bool):
-    """``(found, wanted)``: the plan's verdicts (``None``: nothing to check) and the extensions
-    that need independent samples."""
-    found = getattr(plan, "independence", None)
-    wanted = [e for e in extensions if type(e).independent_samples]
-    return (found if found is not None and (wanted or chunked) else None), wanted
-
-
-def _message(problem: str, wanted: Sequence, chunked: bool) -> str:
-    names = ", ".join(type(e).__name__ for e in wanted)
-    refused = f"curvlib refuses {names}" + (" and batch_chunk_size" if chunked and names else "")
-    if chunked and not names:
-        refused = "curvlib refuses batch_chunk_size (slices of the batch would give other results than the whole batch)"
-    return (
-        f"Samples are mixed inside the model: {problem}. One sample's output then depends on "
-        "other samples' values that depend on trainable parameters, so per-sample quantities "
-        "(individual gradients, their norms, variance, per-sample and GGN/Hessian curvature read "
-        "off per sample) are not defined: they would depend on which samples share the batch. "
-        f"{refused}. Still exact on this model: loss, grad, and the products HMP and GGNMP "
-        "(whole-batch autodiff). For per-sample quantities make each sample's computation its "
-        "own: running or per-sample statistics instead of batch statistics (model.eval(), "
-        "LayerNorm/GroupNorm), the batch in its own dim (e.g. batch_first=True), and no "
-        "reduction, sort, softmax, indexing or attention across the batch dim."
-    )
 
 
 def _interleaved_stride(node: fx.Node, src: Batch, out: Batch) -> Optional[int]:

@@ -24,7 +24,8 @@ from .._core import inputs as _inputs
 from .._core.errors import CurvatureError
 from .batch_merges import residual_merges, split_merged_batches
 from .._trace.program import Program
-from .._core.site import Recorder, Site, batch_first_shape
+from .._core.batch_layout import batch_first_shape
+from .._core.site import Recorder, Site
 
 from .._interpret.graph import run_graph
 from ..rules import checker_for
@@ -43,7 +44,7 @@ class Plan:
     Attributes:
         out_shape: the model output's shape.
         site_shapes: output shape of every site, in recording order, batch first
-            (:func:`curvlib._core.site.batch_first`: the shapes of the probes and of ``g``).
+            (:func:`curvlib._core.batch_layout.batch_first`: the shapes of the probes and of ``g``).
         site_dtypes: their dtypes.
         batch_dims: the batch dimension of every site's output as the layer produces it.
         saved_dims: per site with :attr:`~curvlib._core.site.Rule.saved_batch_dims` (else

@@ -33,7 +33,8 @@ from torch import Tensor, nn
 
 from . import embedding, functional
 from ._gram import gram
-from .._core.site import Site, batch_first, from_batch_first, sample_layout
+from .._core.batch_layout import batch_first, from_batch_first
+from .._core.site import Site, sample_layout
 
 __all__ = ["unused_block", "BIAS_OPS", "bias_like", "row_map", "kron", "squares_per_sample", "diagonal_block", "tied_across_layers", "generic_block"]
 

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.func import vjp, vmap
 
-from .._core.site import Recorder, RoleTensors, Rule, Site, from_batch_first, sample_layout
+from .._core.batch_layout import from_batch_first
+from .._core.site import Recorder, RoleTensors, Rule, Site, sample_layout
 from ._conv_correlation import Correlation
 from ._conv_unfold import unfold
 from .conv import per_sample_weight_grad
