@@ -152,3 +152,54 @@ def test_a_weight_applied_by_matmul_has_the_kronecker_factors_of_its_linear(form
     assert [tuple(f.shape) for f in factors] == [tuple(f.shape) for f in want]
     for f, w, what in zip(factors, want, "12"):
         assert_close(f, w, f"{form} factor {what}")
+
+
+class ComputedBiasLinear(nn.Module):
+    """``F.linear(x, lin.weight, b)`` with the bias computed in ``forward`` from a smaller parameter
+    and zeros (BEiT's ``cat((q_bias, zeros, v_bias))``); ``use_module``: the twin ``lin(x) + b``."""
+
+    def __init__(self, d, h, c=3, use_module=False):
+        super().__init__()
+        self.use_module = use_module
+        self.lin, self.head = nn.Linear(d, h, bias=False), nn.Linear(h, c)
+        self.q_bias = nn.Parameter(torch.randn(h // 2 + 1))
+
+    def forward(self, x):
+        if not isinstance(x.shape[-1], int):  # pragma: no cover - fx gives a proxy: make_fx traces
+            raise TypeError
+        b = torch.cat((self.q_bias, self.q_bias.new_zeros(self.lin.out_features - self.q_bias.numel())))
+        h = self.lin(x) + b if self.use_module else F.linear(x, self.lin.weight, b)
+        return self.head(torch.tanh(h)).sum(1)
+
+
+@settings(max_examples=6, deadline=None)
+@given(n=st.integers(1, 3), s=st.integers(1, 3), h=st.integers(2, 5), approx=st.sampled_from([None, "expand"]),
+       seed=st.integers(0, 2**16))
+def test_a_linear_with_a_computed_bias_keeps_the_kronecker_factors_of_its_weight(n, s, h, approx, seed):
+    """``F.linear(x, W, cat(q, 0))``: ``W``'s KFLR factors are the ``nn.Linear`` twin's brute-force
+    ``[B, A]`` (oracles.kron); the bias's parameter gets the GGN's exact block, its diagonal the
+    brute-force GGN diagonal."""
+    from curvlib import curvature
+    from curvlib.extensions import KFLR, DiagGGNExact
+    from oracles.kron import input_factors, output_factors
+    from oracles.reference import assert_close, reference
+
+    g = seeded(seed)
+    torch.manual_seed(seed)
+    model = ComputedBiasLinear(3, h).to(DT)
+    twin = ComputedBiasLinear(3, h, use_module=True).to(DT)
+    twin.load_state_dict(model.state_dict())
+    X, y = torch.randn(n, s, 3, generator=g, dtype=DT), torch.randint(0, 3, (n,), generator=g)
+    lossfn = nn.CrossEntropyLoss()
+    got = curvature(model, lossfn, [KFLR(kfac_approx=approx), DiagGGNExact()])(X, y)
+    B_expand, B_reduce = output_factors(twin, lossfn, X, y, "lin")
+    A_backpack, A_expand, _ = input_factors(twin, X, "lin")
+    want = [B_expand, A_expand] if approx == "expand" else [B_reduce, A_backpack]
+    factors = got["kflr"]["lin.weight"]
+    assert [tuple(f.shape) for f in factors] == [tuple(f.shape) for f in want]
+    for f, w, what in zip(factors, want, "BA"):
+        assert_close(f, w, f"factor {what}")
+    ref = reference(model, lossfn, X, y, hessian=False)["diag_ggn_exact"]
+    for name in ("q_bias", "lin.weight"):
+        assert_close(got["diag_ggn_exact"][name], ref[name], f"{name} GGN diagonal")
+    assert_close(got["kflr"]["q_bias"][0].diagonal(), ref["q_bias"], "q_bias block's diagonal")

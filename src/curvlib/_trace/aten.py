@@ -17,7 +17,9 @@ vocabulary of a symbolically traced model:
   rule (individual gradients by einsum, Kronecker factors, ...);
 * GPT-2's ``Conv1D`` (``addmm(b, x.view(-1, k), W)``) becomes ``F.linear(x, Wᵀ, b)`` on the
   unflattened input (per-sample rows stay per sample): a transposed Linear site; a ``matmul``
-  with a 2-D parameter (``x @ W.T``, ``x @ W``, ``W @ x``) becomes the ``F.linear`` it is;
+  with a 2-D parameter (``x @ W.T``, ``x @ W``, ``W @ x``) becomes the ``F.linear`` it is; an
+  ``aten.linear`` on a parameter weight with a bias computed in ``forward`` becomes
+  ``F.linear(x, W) + b``;
 * every other op maps to its torch-level function (``F.gelu``, ``torch.softmax``,
   ``Tensor.view``, ...) where one takes the same arguments, so curvature rules classify it,
   else it stays the ATen op; ``scaled_dot_product_attention`` becomes its math
@@ -43,7 +45,8 @@ from torch.utils import _pytree as pytree
 
 from .._core import outputs as _outputs
 from .._core.errors import CurvatureError
-from .aten_ops import INPUT_ARG, conv1d_linear, matmul_linear, owner_call, owners, torch_level, view_of
+from .aten_ops import (INPUT_ARG, conv1d_linear, linear_computed_bias, matmul_linear, owner_call, owners, torch_level,
+                       view_of)
 from .branches import input_branch, keyword_inputs, without_hooks
 from .._core.inputs import as_pytree, trace_structure
 from .functions import forget, recorded_functions, replay
@@ -201,11 +204,10 @@ class _Replay(nn.Module):
         module = self._views.get(id(module), module)
         if module is not None:
             return module(args[INPUT_ARG[target]])
-        linear = conv1d_linear(node, names, env)
-        if linear is None:
-            linear = matmul_linear(node, names, env)
-        if linear is not None:
-            return linear
+        for rewrite in (conv1d_linear, matmul_linear, linear_computed_bias):
+            linear = rewrite(node, names, env)
+            if linear is not None:
+                return linear
         return torch_level(target, args, kwargs)
 
 

@@ -209,6 +209,20 @@ def matmul_linear(node: fx.Node, names, env) -> Optional[fx.Proxy]:
     return None
 
 
+def linear_computed_bias(node: fx.Node, names, env) -> Optional[fx.Proxy]:
+    """``F.linear(x, W, b)`` on a parameter ``W`` whose bias is computed in ``forward`` (BEiT's
+    ``cat((q_bias, zeros, v_bias))``), as ``F.linear(x, W) + b``: the same values, with ``W`` a
+    Linear site (two Kronecker factors) and the bias's parameters generic uses of the sum."""
+    if node.target is not aten.linear.default or len(node.args) != 3 or node.kwargs:
+        return None
+    x, weight, bias = node.args
+    if _weight_operand(weight, names) != (weight, False) or not isinstance(bias, fx.Node):
+        return None
+    if _param(bias, names) is not None:
+        return None
+    return F.linear(env[x], env[weight]) + env[bias]
+
+
 # ----------------------------------------------------------------------------- torch-level ops
 
 
