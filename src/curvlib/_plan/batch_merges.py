@@ -93,16 +93,21 @@ def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable)
 
 def _split_of(program, node: fx.Node, found, out_dim: int):
     """``(positions of the merged operands, their Batch)`` when ``node``'s batched operands are
-    merged alike in the dim its output is merged in, in a known order; else ``None``."""
+    merged alike in the dim its output is merged in, in a known order (operands holding no
+    sample data fit any order); else ``None``."""
     args = (node.args[0], _lone_index(node)) if node.op == "call_function" and _lone_index(node) else node.args
     merged = {k: (found.layouts.get(a) or [None])[0] for k, a in enumerate(args) if isinstance(a, fx.Node)}
     merged = {k: b for k, b in merged.items() if isinstance(b, Batch) and b.c > 1}
-    layouts = set(merged.values())
+    # rows without sample data in no known order (a learned query repeated N times) fit the others' order
+    free = {k for k, b in merged.items() if b.s is None and args[k] not in found.data}
+    layouts = {b for k, b in merged.items() if k not in free}
     if len(layouts) != 1 or (node.op == "call_module" and set(merged) != {0}):
         return None  # (a module's batched input is its first; operands merged alike)
     batch = layouts.pop()
     if batch.dim != out_dim or not batch.s or batch.c % batch.s:
         return None  # an order the analysis could not follow: refused by the planner
+    if any((merged[k].dim, merged[k].c) != (batch.dim, batch.c) for k in free):
+        return None
     return sorted(merged), batch
 
 

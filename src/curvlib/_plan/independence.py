@@ -85,6 +85,7 @@ class Independence:
         problem: the first mixing node, in words (``None``: none found in the graph).
         pending: nodes to test numerically (generic layers, unknown operations).
         layouts: node -> per tensor leaf :class:`~curvlib._plan.mixing_ops.Batch` or ``None``.
+        data: the nodes whose values hold sample data.
         untraced: the model has no graph (tested numerically on every call).
     """
 
@@ -94,6 +95,7 @@ class Independence:
     untraced: bool = False
     numeric_problem: object = _UNSET
     gathers: Tuple[index.GatherCheck, ...] = ()  # indexing by the input's values: tested per call
+    data: frozenset = frozenset()  # nodes holding sample data (the others fit any order of a merged batch)
 
     def per_call(self, program, X, params, trainable) -> Optional[str]:
         """The verdict on indexing by the input's values, for this call's ``X``."""
@@ -127,7 +129,8 @@ def analyse(program, env_a: Dict, env_b: Dict, n: int, trainable) -> Independenc
         problem = walk.visit(node)
         if problem:
             return Independence(problem=problem)
-    return Independence(pending=tuple(walk.pending), layouts=walk.layouts, gathers=tuple(walk.gathers))
+    return Independence(pending=tuple(walk.pending), layouts=walk.layouts, gathers=tuple(walk.gathers),
+                        data=frozenset(walk.data))
 
 
 def _guard_only(graph) -> set:
