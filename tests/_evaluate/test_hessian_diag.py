@@ -15,6 +15,7 @@ from curvlib._evaluate import hessian_diag as hd
 from curvlib.extensions import BatchDiagHessian, DiagHessian, SqrtGGNExact
 
 from oracles.checks import check_close, check_hessian_diagonals
+from oracles.on_device import seeded
 from oracles.second_order import ggn_per_sample
 
 
@@ -33,7 +34,7 @@ class TiedLM(nn.Module):
 
 
 def _problem(seed, n, t):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     torch.manual_seed(seed)
     model = TiedLM().double()
     ids = torch.randint(0, 7, (n, t), generator=g)

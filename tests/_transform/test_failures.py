@@ -44,8 +44,8 @@ def test_rule_bug_names_the_site(monkeypatch):
 
 
 def test_trace_bug_at_setup(monkeypatch):
-    monkeypatch.setattr(traces, "needs_aten", functional.batch_sized)
-    with pytest.raises(CurvatureError, match="internally on model Scaled: AttributeError"):
+    monkeypatch.setattr(traces, "needs_aten", functional.batch_sized)  # a bug at setup: called with the wrong arguments
+    with pytest.raises(CurvatureError, match="internally on model Scaled: TypeError"):
         curvature(Scaled(), nn.CrossEntropyLoss(), [BatchGrad()])
 
 

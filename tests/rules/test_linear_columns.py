@@ -11,6 +11,7 @@ from curvlib._core.site import Site
 from curvlib.rules import embedding, linear
 
 from oracles.checks import check_close
+from oracles.on_device import seeded
 
 
 def _linear_site(x, transposed):
@@ -25,7 +26,7 @@ def _linear_site(x, transposed):
 def test_linear_column_read_offs(v, n, s, i, o, transposed, seed):
     """Linear's all-columns read-offs (Gram matrices over positions, one batched product) equal
     the per-column ``grad_batch`` squared and summed."""
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     x = torch.randn(n, s, i, generator=g, dtype=torch.float64)
     m = torch.randn(v, n, s, o, generator=g, dtype=torch.float64)
     site = _linear_site(x, transposed)
@@ -46,7 +47,7 @@ def test_linear_column_read_offs(v, n, s, i, o, transposed, seed):
 def test_embedding_grad_batch_columns(v, n, p, e, d, pad, seed):
     """Embedding's all-columns per-sample gradients (one scatter) equal ``grad_batch`` per column,
     repeated indices and the padding row included."""
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     idx = torch.randint(0, e, (n, p), generator=g)
     m = torch.randn(v, n, p, d, generator=g, dtype=torch.float64)
     site = Site(embedding.EMBEDDING, {"weight": "w"}, "emb", saved={"idx": idx},
