@@ -74,17 +74,26 @@ class GenericNet(nn.Module):
         return self.head(h.movedim(self.dim_out, 0).sum((1, 2)))
 
 
-class SequenceFirstAttention(nn.Module):
-    """``nn.MultiheadAttention(batch_first=False)`` on ``[T, N, E]``, with a learned query token
-    concatenated in front (a parameter chain expanded to the batch: ``tok.expand(1, N, E)``)."""
+class _LearnedQuery(nn.Module):
+    """``inp`` Linear, a learned ``[1, 1, E]`` token ``tok``, ``nn.MultiheadAttention`` with the
+    batch first or not, a ``head``; the subclass's forward says how the token queries."""
 
-    def __init__(self, aten: bool, e: int = 4, heads: int = 2, c: int = 3):
+    batch_first = True
+
+    def __init__(self, aten: bool, e: int = 4, heads: int = 2, c: int = 3, seed: int = 4):
         super().__init__()
         self.aten = aten
         self.inp = nn.Linear(3, e)
-        self.tok = nn.Parameter(torch.randn(1, 1, e, generator=seeded(4), dtype=DT))
-        self.attn = nn.MultiheadAttention(e, heads, batch_first=False, dtype=DT)
+        self.tok = nn.Parameter(torch.randn(1, 1, e, generator=seeded(seed), dtype=DT))
+        self.attn = nn.MultiheadAttention(e, heads, batch_first=self.batch_first, dtype=DT)
         self.head = nn.Linear(e, c)
+
+
+class SequenceFirstAttention(_LearnedQuery):
+    """``nn.MultiheadAttention(batch_first=False)`` on ``[T, N, E]``, with a learned query token
+    concatenated in front (a parameter chain expanded to the batch: ``tok.expand(1, N, E)``)."""
+
+    batch_first = False
 
     def forward(self, x):
         x = _opaque(x) if self.aten else x
@@ -94,23 +103,18 @@ class SequenceFirstAttention(nn.Module):
         return self.head(torch.tanh(out[0]))
 
 
-class PooledByProbe(nn.Module):
-    """SigLIP's pooling head: a learned probe repeated to the batch queries the sequence
+class PooledByProbe(_LearnedQuery):
+    """SigLIP's pooling head: a learned probe (``tok``) repeated to the batch queries the sequence
     (``nn.MultiheadAttention(batch_first=True)``; on the ATen front end its heads are merged with
     the batch into dim 0 of a ``bmm`` whose query is a parameter chain)."""
 
-    def __init__(self, aten: bool, e: int = 4, heads: int = 2, c: int = 3):
-        super().__init__()
-        self.aten = aten
-        self.inp = nn.Linear(3, e)
-        self.probe = nn.Parameter(torch.randn(1, 1, e, generator=seeded(5), dtype=DT))
-        self.attn = nn.MultiheadAttention(e, heads, batch_first=True, dtype=DT)
-        self.head = nn.Linear(e, c)
+    def __init__(self, aten: bool):
+        super().__init__(aten, seed=5)
 
     def forward(self, x):
         x = _opaque(x) if self.aten else x
         h = self.inp(x)
-        q = self.probe.repeat(h.shape[0], 1, 1)
+        q = self.tok.repeat(h.shape[0], 1, 1)
         return self.head(torch.tanh(self.attn(q, h, h)[0][:, 0]))
 
 
