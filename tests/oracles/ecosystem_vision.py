@@ -4,9 +4,9 @@
   the fewest parameters among the smallest-named ones, built with ``pretrained=False``,
   ``num_classes=3``, ``img_size=32`` where accepted, and shrinking keyword arguments of the
   model class (``embed_dim``, ``depth(s)``, ``dims``, ``num_heads``, ...) where they build;
-  narrowed as torchvision's where it is still larger than ``MAX_VISION_PARAMS``;
-* torchvision: every classification builder, ``num_classes=3``, every width divided by 4 (or
-  8, 16, 2, 32: the first that builds, runs and stays under ``MAX_VISION_PARAMS``;
+  narrowed as torchvision's where it is still larger than ``SMALL_VISION_PARAMS`` (``MAX_VISION_PARAMS`` at most);
+* torchvision: every classification builder, ``num_classes=3``, every width divided by 16 (or
+  8, 4, 32, 2: the first that builds, runs and stays under ``MAX_VISION_PARAMS``;
   ``narrowing.narrowed``), ``image_size=32`` where the class takes it, the smallest image size
   of 32, 64, 96, 224, 299 px that runs;
 * PEFT: LoRA adapters (rank 2) on a tiny Llama and a tiny GPT-2, the base frozen; and a
@@ -31,7 +31,8 @@ from oracles.narrowing import narrowed, parameter_count
 from oracles.zoo import CLASSES, N
 
 MAX_VISION_PARAMS = 6_000_000  # float64 oracles and traces of larger CNNs take minutes on a shared 2-core CPU
-WIDTH_DIVISORS = (4, 8, 16, 2, 32)  # narrowing.narrowed's k, tried in turn (2: widths that are split in halves)
+SMALL_VISION_PARAMS = 1_000_000  # a timm model is narrowed below this where a divisor allows (coat: 5.3 M at width / 1)
+WIDTH_DIVISORS = (16, 8, 4, 32, 2)  # narrowing.narrowed's k, tried in turn (2: widths that are split in halves)
 _SIZE_WORDS = ["atto", "femto", "pico", "nano", "micro", "tiny", "xxs", "xs", "mini", "small", "s", "b0", "10t",
                "18", "lite0", "050", "100"]
 
@@ -121,13 +122,15 @@ def timm_model(family: str, names: List[str], g) -> Tuple[nn.Module, torch.Tenso
         if "img_size" in kw and "img_size" not in accepts:
             continue
         shown = {k: v for k, v in kw.items() if k not in base}
-        try:
-            return _narrowest_that_runs(lambda: timm.create_model(name, **kw), name, shown, g, (32, 64, 96),
-                                        divisors=(1,) + WIDTH_DIVISORS)
-        except TooLarge:
-            raise
-        except Exception:  # noqa: BLE001 - fall back to fewer overrides
-            continue
+        for max_params in (SMALL_VISION_PARAMS, MAX_VISION_PARAMS):
+            try:
+                return _narrowest_that_runs(lambda: timm.create_model(name, **kw), name, shown, g, (32, 64, 96),
+                                            divisors=(1,) + WIDTH_DIVISORS, max_params=max_params)
+            except TooLarge:
+                if max_params == MAX_VISION_PARAMS:
+                    raise
+            except Exception:  # noqa: BLE001 - fall back to fewer overrides
+                break
     raise RuntimeError(f"{name}: no setting builds and runs at 32-96 px")
 
 
@@ -165,10 +168,10 @@ def _build_on_meta(build) -> nn.Module:
         return build()
 
 
-def _narrowest_that_runs(build, name: str, shown: Dict[str, Any], g, sizes,
-                         divisors=WIDTH_DIVISORS, models=()) -> Tuple[nn.Module, torch.Tensor, str]:
+def _narrowest_that_runs(build, name: str, shown: Dict[str, Any], g, sizes, divisors=WIDTH_DIVISORS, models=(),
+                         max_params: int = MAX_VISION_PARAMS) -> Tuple[nn.Module, torch.Tensor, str]:
     """The model ``build()`` makes at the first width divisor of ``divisors`` that builds, runs
-    at one of ``sizes`` px and has at most ``MAX_VISION_PARAMS`` parameters; at each divisor
+    at one of ``sizes`` px and has at most ``max_params`` parameters; at each divisor
     the classes ``models`` are first narrowed by their arguments, then every layer is
     (``narrowing.narrowed``)."""
     why = "no width divisor builds"
@@ -180,8 +183,8 @@ def _narrowest_that_runs(build, name: str, shown: Dict[str, Any], g, sizes,
             why = f"width / {k}: {type(e).__name__}: {e}"
             continue
         n = parameter_count(model)
-        if n > MAX_VISION_PARAMS:
-            why = f"{name}: {n} parameters at width / {k} (> {MAX_VISION_PARAMS})"
+        if n > max_params:
+            why = f"{name}: {n} parameters at width / {k} (> {max_params})"
             continue
         for px in sizes:
             if _runs(model, px):
