@@ -209,9 +209,16 @@ def check_problem(prob: zoo.Problem, group: str) -> Dict[str, float]:
                   and qs["kflr"][w][0].numel() == params[w].numel() and not qs["kflr"][w][0].any()]
         standardised += unused
         # a layer on an input that is the same for every sample (MarkupLM's xpath layers on the
-        # default ids) is part of a parameter-only chain: the same fallback (docs/supported-models.md)
-        standardised += [f"{k}.weight" for k, x in oz.site_inputs(prob).items()
-                         if oz.constant_input(x) and f"{k}.weight" in params and f"{k}.weight" not in standardised]
+        # default ids) is part of a parameter-only chain: the same fallback (docs/supported-models.md);
+        # where the constant reaches the layer through a tensor that also holds data (CaiT's class
+        # token, row 0 of a LayerNorm over [class token, patches]), curvlib reads it as a site of its
+        # own, and its two factors are checked against the oracle's like every other site's
+        inputs = oz.site_inputs(prob)
+        constant = {f"{k}.weight": k for k, x in inputs.items()
+                    if oz.constant_input(x) and f"{k}.weight" in params and f"{k}.weight" not in standardised}
+        as_site = {k: inputs[k] for w, k in constant.items() if w in qs["kflr"] and len(qs["kflr"][w]) == 2
+                   and oz.plain(prob.model.get_submodule(k), inputs[k])}
+        standardised += [w for w, k in constant.items() if k not in as_site]
         not_two = {w: [tuple(f.shape) for f in qs["kflr"][w]] for w in weights if w not in standardised
                    and w in qs["kflr"] and (len(qs["kflr"][w]) != 2 or any(f.dim() != ndim[w] for f in qs["kflr"][w]))}
         missing = [w for w in weights if w not in qs["kflr"]]
@@ -227,7 +234,7 @@ def check_problem(prob: zoo.Problem, group: str) -> Dict[str, float]:
             compare("kflr (diagonal of a standardised or tied weight)",
                     {w: qs["kflr"][w][0].reshape(diag[w].shape) for w in standardised if len(qs["kflr"][w]) == 1},
                     {w: diag[w] for w in standardised}, rtol, errors)
-        ref = oz.kflr_factors(prob, "expand")
+        ref = oz.kflr_factors(prob, "expand", {**oz.kflr_sites(prob), **as_site})
         compare_kron({k: qs["kflr"][k] for k in ref if k in qs["kflr"]}, ref, rtol, errors)
         errors["kflr_sites_checked"] = f"{sum(k.endswith('weight') for k in ref)}/{len(weights)}"
     elif group == "products":

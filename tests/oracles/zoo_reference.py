@@ -322,8 +322,9 @@ def _output_factor(prob, m: nn.Module, i: int, dim: int, O: int, approx) -> Tens
     return J.T @ H @ J
 
 
-def kflr_factors(prob, approx=None) -> Dict[str, List[Tensor]]:
-    """``{weight or bias name: factors}`` for :func:`kflr_sites` (named as ``named_parameters``
+def kflr_factors(prob, approx=None, sites: Optional[Dict[str, Tensor]] = None) -> Dict[str, List[Tensor]]:
+    """``{weight or bias name: factors}`` for ``sites`` (``{module name: its input}``, default
+    :func:`kflr_sites`; named as ``named_parameters``
     names them: a bias tied to another module's, LUKE's ``lm_head.decoder.bias``, by its first
     name); a weight ``[B, A]`` (``Conv1D``'s ``[I, O]`` weight: ``[A, B]``, row-major), a bias
     ``[B]``. ``approx=None`` (curvlib's default): ``B`` the exact GGN block of an offset added at
@@ -335,7 +336,7 @@ def kflr_factors(prob, approx=None) -> Dict[str, List[Tensor]]:
     model, n = prob.model, batch_size(prob.X)
     names = {id(p): k for k, p in model.named_parameters()}
     result = {}
-    for k, x in kflr_sites(prob).items():
+    for k, x in (kflr_sites(prob) if sites is None else sites).items():
         m = model.get_submodule(k)
         A, S, dim, O = _input_factor(m, x, n, approx)
         B = sum(_output_factor(prob, m, i, dim, O, approx) for i in range(n))
