@@ -2,7 +2,7 @@
 
 * timm: one model per family (the module of ``timm.models`` that defines it): the variant with
   the fewest parameters among the smallest-named ones, built with ``pretrained=False``,
-  ``num_classes=3``, ``img_size=32`` where accepted, and shrinking keyword arguments of the
+  ``num_classes=3``, ``img_size=32`` where accepted (the smallest of 32-256 px that runs), and shrinking keyword arguments of the
   model class (``embed_dim``, ``depth(s)``, ``dims``, ``num_heads``, ...) where they build;
   narrowed as torchvision's where it is still larger than ``SMALL_VISION_PARAMS`` (``MAX_VISION_PARAMS`` at most);
 * torchvision: every classification builder, ``num_classes=3``, every width divided by 16 (or
@@ -124,14 +124,14 @@ def timm_model(family: str, names: List[str], g) -> Tuple[nn.Module, torch.Tenso
         shown = {k: v for k, v in kw.items() if k not in base}
         for max_params in (SMALL_VISION_PARAMS, MAX_VISION_PARAMS):
             try:
-                return _narrowest_that_runs(lambda: timm.create_model(name, **kw), name, shown, g, (32, 64, 96),
+                return _narrowest_that_runs(lambda: timm.create_model(name, **kw), name, shown, g, (32, 64, 96, 128, 256),
                                             divisors=(1,) + WIDTH_DIVISORS, max_params=max_params)
             except TooLarge:
                 if max_params == MAX_VISION_PARAMS:
                     raise
             except Exception:  # noqa: BLE001 - fall back to fewer overrides
                 break
-    raise RuntimeError(f"{name}: no setting builds and runs at 32-96 px")
+    raise RuntimeError(f"{name}: no setting builds and runs at 32-256 px")
 
 
 def tv_model(builder: str, g) -> Tuple[nn.Module, torch.Tensor, str]:
