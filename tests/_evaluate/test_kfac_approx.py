@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from curvlib import CurvatureError, curvature
 from curvlib.extensions import KFAC, KFLR
 
-from oracles.kron import input_factors, output_factors
+from oracles.kron import input_factors, output_factors, shared_factors
 from oracles.on_device import seeded
 
 DT = torch.float64
@@ -111,20 +112,6 @@ def test_kfac_approx_refusals():
     with pytest.raises(CurvatureError, match=r"KFAC\(kfac_approx='sum'\)"):
         KFAC(kfac_approx="sum")
 
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(3, 3)
-
-        def forward(self, x):
-            return self.lin(torch.tanh(self.lin(x)))
-
-    X, y = torch.randn(4, 3, dtype=DT), torch.randint(0, 3, (4,))
-    model = Tied().to(DT)
-    curvature(model, LOSSES["ce"], [KFLR()])(X, y)  # BackPACK's: the uses as positions
-    with pytest.raises(CurvatureError, match=r"KFLR\(kfac_approx='expand'\) is not defined for parameter "
-                       r"'lin.weight': it is used by several layers"):
-        curvature(model, LOSSES["ce"], [KFLR(kfac_approx="expand")])(X, y)
 
 
 @pytest.mark.parametrize("approx", ["expand", "reduce"])
@@ -138,3 +125,36 @@ def test_kfac_approx_with_chunks(approx):
         for name in whole:
             for a, b in zip(parts[name], whole[name]):
                 torch.testing.assert_close(a, b)
+
+
+class Shared(nn.Module):
+    """One Linear applied three times with different numbers of positions: on ``[N, T, D]``, on
+    the mean over positions ``[N, D]`` and on the first ``K`` positions of its own output."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.lin, self.head, self.k = nn.Linear(3, 3), nn.Linear(3, 3), k
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        pooled = torch.tanh(self.lin(h.mean(1)))
+        again = torch.tanh(self.lin(h[:, : self.k])).sum(1)
+        return self.head(pooled * again)
+
+
+@settings(max_examples=6, deadline=None)
+@given(positions=st.integers(1, 4), k=st.integers(1, 4), loss=st.sampled_from(sorted(LOSSES)),
+       seed=st.integers(0, 2**16))
+@pytest.mark.parametrize("approx", [None, "expand", "reduce"])
+def test_weight_applied_by_several_calls(approx, positions, k, loss, seed):
+    """A weight applied by several calls: every call's positions are more positions sharing the
+    weight (``S = Σ_u S_u``), for each approximation (oracle: per-(call, position) offsets)."""
+    torch.manual_seed(seed)
+    model = Shared(min(k, positions)).to(DT)
+    X = torch.randn(4, positions, 3, dtype=DT)
+    y = torch.randint(0, 3, (4,)) if loss == "ce" else torch.randn(4, 3, dtype=DT)
+    got = curvature(model, LOSSES[loss], [KFLR(kfac_approx=approx)])(X, y)["kflr"]
+    B, A = shared_factors(model, LOSSES[loss], X, y, model.lin, approx)
+    torch.testing.assert_close(got["lin.weight"][0], B)
+    torch.testing.assert_close(got["lin.weight"][1], A)
+    torch.testing.assert_close(got["lin.bias"][0], B)

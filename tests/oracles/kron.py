@@ -5,7 +5,8 @@
   per-position output offset ``δ [N, O, S]``;
 * :func:`input_factors`: ``(A_backpack, A_expand, A_reduce)`` from the layer's unfolded
   inputs ``u [N, I, S]``;
-* :func:`kron_reference_shared`: KFLR's factors of a Linear over all its calls and positions.
+* :func:`kron_reference_shared`: KFLR's factors of a Linear over all its calls and positions;
+* :func:`shared_factors`: the three approximations' factors of a Linear applied by several calls.
 """
 
 from __future__ import annotations
@@ -118,3 +119,50 @@ def kron_reference_shared(model, lossfn, X, y, module):
     calls = inputs[: len(inputs) // 2]  # the first (hook-free) forward's calls
     A = sum(torch.einsum("nsi,nsj->ij", x.reshape(n, -1, x.shape[-1]), x.reshape(n, -1, x.shape[-1])) for x in calls) / n
     return B, A
+
+
+def shared_factors(model, lossfn, X, y, module, approx=None):
+    """KFLR's ``(B, A)`` of a Linear applied by several calls, each call's positions read as more
+    positions sharing the weight (``S`` in all), from per-(call, position) output offsets
+    ``δ_{u,s}``: ``"expand"``: ``B = Σ_{n,u,s} J_{n,δ_{u,s}}ᵀ H_n J_{n,δ_{u,s}}``,
+    ``A = (1/(N·S)) Σ_{n,u,s} x xᵀ``; ``None`` and ``"reduce"``: ``B`` from the summed offset
+    ``Σ_{u,s} δ_{u,s}``, ``A = (1/N) Σ_{n,u,s} x xᵀ`` (``None``) or ``(1/N) Σ_n x̄ x̄ᵀ``, ``x̄`` the
+    mean over all ``S`` positions (``"reduce"``)."""
+    inputs, state = [], {"deltas": None, "call": 0}
+
+    def hook(mod, args, out):
+        if state["deltas"] is None:
+            inputs.append(args[0].detach())
+            return out
+        d = state["deltas"][state["call"]]  # [N, S_u, O]
+        state["call"] += 1
+        return out + d.reshape(out.shape)
+
+    handle = module.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            out = model(X)
+        n, o = X.shape[0], module.out_features
+        xs = [x.reshape(n, -1, x.shape[-1]) for x in inputs]
+
+        def f(*deltas):
+            state["deltas"], state["call"] = deltas, 0
+            return model(X)
+
+        zeros = tuple(torch.zeros(n, x.shape[1], o, dtype=X.dtype) for x in xs)
+        Js = torch.func.jacrev(f, argnums=tuple(range(len(zeros))))(*zeros)
+    finally:
+        handle.remove()
+    # per sample n its own offsets: J [N, C, S, O], the calls' positions concatenated
+    J = torch.cat([j.reshape(n, -1, n, x.shape[1], o) for j, x in zip(Js, xs)], dim=3)
+    Jn = torch.stack([J[i, :, i] for i in range(n)])
+    H = loss_hessian_blocks(lossfn, out, y)
+    x = torch.cat(xs, dim=1)  # [N, S, I]
+    if approx == "expand":
+        return torch.einsum("ncso,ncd,ndsq->oq", Jn, H, Jn), torch.einsum("nsi,nsj->ij", x, x) / (n * x.shape[1])
+    summed = Jn.sum(2)
+    B = torch.einsum("nco,ncd,ndq->oq", summed, H, summed)
+    if approx == "reduce":
+        xbar = x.mean(1)
+        return B, xbar.T @ xbar / n
+    return B, torch.einsum("nsi,nsj->ij", x, x) / n

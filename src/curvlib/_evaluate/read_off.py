@@ -17,7 +17,6 @@ from torch.func import vmap
 
 from .._core.tensors import is_concrete
 from ..rules import FAMILY_OF, fixed_rows, kron_factors, kron_input_factor, kron_layout, kron_weight_output, linear
-from ..rules._gram import gram
 from ..rules.fixed_rows import tied_across_layers
 
 __all__ = ["sqrt_columns", "diag", "batch_diag", "kronecker_factors", "root_last", "LOOP_SQRT_COLUMNS"]
@@ -188,12 +187,12 @@ def kronecker_factors(uses, m_by_site, name, cache=None, approx=None, max_dim=No
 
 def _kron_stored(uses, m_by_site, name, cache=None, approx=None, max_dim=None) -> List[Tensor]:
     """Kronecker factors in the sites' own layout; a Linear weight used by several sites treats the uses like
-    positions sharing the weight (roots summed in ``B``, inputs' outer products in ``A``).
+    positions sharing the weight (:func:`curvlib.rules._linear_kron.kron_shared`).
 
     With a ``cache``, a site's output factor ``B`` (the same for its weight and bias)
     is formed once per chunk of columns, and its input factor ``A`` (independent of
     the columns) once per call. ``approx``: ``None``, ``"expand"`` or ``"reduce"``
-    (single-use parameters only, see :func:`check_second_order`).
+    (for every use of a shared Linear weight, as positions).
     """
     u = uses[name]
     if not all(kron_layout(site) for site, _ in u) or (len(u) > 1 and tied_across_layers(u)):
@@ -211,11 +210,7 @@ def _kron_stored(uses, m_by_site, name, cache=None, approx=None, max_dim=None) -
         static = cache.setdefault("static", {})
         return [kron_weight_output(site, B), _cached(static, ("kron_A", site.key, approx, max_dim),
                                                      lambda: kron_input_factor(site, approx, max_dim))]
-    s = sum(linear.kron_output_sum(site, m_by_site[site.key]) for site, _ in u)
-    B = gram(s.reshape(-1, s.shape[-1]), max_dim)
-    if u[0][1] == "bias":
-        return [B]
-    return [B, sum(linear.kron_input(site, None, max_dim) for site, _ in u)]
+    return linear.kron_shared([(site, m_by_site[site.key]) for site, _ in u], u[0][1], approx, max_dim)
 
 
 def root_last(uses, name: str) -> bool:

@@ -123,12 +123,6 @@ def _check_kron_uses(ext, name: str, u, family_of, param_dims) -> None:
             "weights of Linear and recurrent layers (KFAC, KFLR) only. Use DiagGGNExact or "
             "SqrtGGNExact, or untie the weights."
         )
-    if len(u) > 1 and getattr(ext, "kfac_approx", None) is not None:
-        raise CurvatureError(
-            f"{label}(kfac_approx={ext.kfac_approx!r}) is not defined for parameter "
-            f"'{name}': it is used by several layers ({', '.join(s.where for s, _ in u)}). "
-            f"Use {label}() (BackPACK's factors, uses treated as positions)."
-        )
     site = u[0][0]
     error = site.meta.get("kron_error") or (site.meta.get("kfra_error") if ext.quantity == "kfra" else None)
     if error:

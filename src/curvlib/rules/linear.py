@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.func import vmap
 
 from . import _linear_columns
-from ._gram import gram
+from ._linear_kron import flat_input, kron, kron_from_output_matrix, kron_input, kron_shared
 from .._core.scratch import scratch
 from .._core.site import Family, Recorder, RoleTensors, Rule, Site
 
@@ -41,13 +41,7 @@ def _per_sample_outer(g: Tensor, x: Tensor, out: Optional[Tensor] = None) -> Ten
 
 def _flat(site: Site, g: Tensor) -> Tuple[Tensor, Tensor]:
     """``x [n, s, i]`` and ``g [n, s, o]`` (the site is batch first: :class:`~curvlib._core.site.Recorder`)."""
-    return _flat_input(site), g.reshape(g.shape[0], -1, g.shape[-1])
-
-
-def _flat_input(site: Site) -> Tensor:
-    """``x [n, s, i]``."""
-    x = site.saved["x"]
-    return x.reshape(x.shape[0], -1, x.shape[-1])
+    return flat_input(site), g.reshape(g.shape[0], -1, g.shape[-1])
 
 
 def grad_batch(site: Site, g: Tensor, roles: Sequence[str], transposed: bool = False) -> RoleTensors:
@@ -97,7 +91,7 @@ def grad_from_batch(site: Site, g: Tensor) -> bool:
     ``gᵀx`` (2·N·S·O·I flops) when the weight is shared by ``S >= 8`` positions: measured
     8-12% of a BatchGrad on the GPT benchmark (S = 64; the transformer one, S = 32, within
     the noise); slower on an MLP or a convolution, where the product is one efficient kernel."""
-    return _flat_input(site).shape[1] >= 8
+    return flat_input(site).shape[1] >= 8
 
 
 def batch_l2(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
@@ -220,11 +214,6 @@ def _sum_squared_samples(g: Tensor, x: Tensor) -> Tensor:
     return total if total is not None else g.new_zeros(o, i)
 
 
-def kron_output_sum(site: Site, m: Tensor) -> Tensor:
-    """``Σ_s m[v, n, s]`` ``[V, N, O]``: the root summed over the positions sharing the weight."""
-    return m.reshape(m.shape[0], m.shape[1], -1, m.shape[-1]).sum(2)
-
-
 def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
     """``Σ_v Σ_n (J_pᵀ m_v)²`` for a root ``m [V, *out]`` (the GGN diagonal).
 
@@ -233,7 +222,7 @@ def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> Rol
     the columns' Gram matrices over positions where they are cheaper
     (:mod:`curvlib.rules._linear_columns`), else the individual gradients.
     """
-    x = _flat_input(site)
+    x = flat_input(site)
     if _linear_columns.cheaper(m, x, SQUARES_ENTRIES):
         return _linear_columns.squares(m, x, roles, per_sample=False)
     if x.shape[1] != 1 and 1 < m.shape[0] and m.shape[0] * x.shape[0] * x.shape[2] * m.shape[-1] <= SQUARES_ENTRIES:
@@ -254,48 +243,11 @@ def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> Rol
     return out
 
 
-def kron(site: Site, role: str, m: Tensor, approx: Optional[str] = None, max_dim: Optional[int] = None) -> list:
-    """Kronecker factors from the pulled-back root ``m [V, N, *S, O]``.
-
-    ``approx=None`` (BackPACK's): ``B = Σ_{v,n} (Σ_s m)(Σ_s m)ᵀ [O, O]`` and
-    ``A = (1/N) Σ_{n,s} x xᵀ [I, I]``; weight: ``[B, A]``, bias: ``[B]``. For 2d
-    inputs this is BackPACK's KFAC/KFLR; with positions ``s`` (sequences) it is
-    BackPACK's convolution convention, which BackPACK itself refuses for Linear.
-    ``"expand"``/``"reduce"``: Eschenhagen et al. (2023), as curvlinops computes
-    them: ``B = Σ_{v,n,s} m mᵀ``, ``A = (1/(N·S)) Σ_{n,s} x xᵀ`` (expand) and
-    ``B`` as above, ``A = (1/N) Σ_n x̄ x̄ᵀ`` with ``x̄`` the mean over positions
-    (reduce). Without positions all three agree. ``max_dim``: a side larger than it
-    gets its diagonal, ``B [O]`` / ``A [I]`` (:func:`curvlib.rules._gram.gram`).
-    """
-    s = m if approx == "expand" else kron_output_sum(site, m)  # expand: every position a row
-    B = gram(s.reshape(-1, s.shape[-1]), max_dim)
-    return [B] if role == "bias" else [B, kron_input(site, approx, max_dim)]
-
-
-def kron_input(site: Site, approx: Optional[str] = None, max_dim: Optional[int] = None) -> Tensor:
-    """Input-side Kronecker factor ``A [I, I]`` (``[I]`` when ``I > max_dim``; see :func:`kron`)."""
-    x = _flat_input(site)
-    n, positions = x.shape[0], x.shape[1]
-    if approx == "reduce":
-        x = x.mean(1)
-    else:
-        x = x.reshape(-1, x.shape[-1])
-    return gram(x, max_dim, 1.0 / (n * positions) if approx == "expand" else 1.0 / n)
-
-
-def kron_from_output_matrix(site: Site, role: str, G: Tensor) -> list:
-    """KFRA factors from the batch-averaged output matrix ``G [S·O, S·O]`` (positions summed)."""
-    out_features = G.shape[0] // _flat_input(site).shape[1]
-    s = G.shape[0] // out_features
-    B = G.reshape(s, out_features, s, out_features).sum((0, 2))
-    return [B] if role == "bias" else [B, kron_input(site)]
-
-
 def batch_sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
     """``Σ_v (J_pᵀ m_v)²`` per sample ``[N, *p]``: with one position, ``(Σ_v m_v²) ⊗ x²``; with
     positions, from the columns' Gram matrices over positions where they are cheaper
     (:mod:`curvlib.rules._linear_columns`), else one column at a time."""
-    x = _flat_input(site)
+    x = flat_input(site)
     if _linear_columns.cheaper(m, x, SQUARES_ENTRIES):
         return _linear_columns.squares(m, x, roles, per_sample=True)
     if x.shape[1] != 1:
@@ -317,7 +269,7 @@ def outer_factors(site: Site, role: str, m: Tensor) -> Optional[Tuple[Tensor, Te
     """``(g [V, N, O, 1], x [1, N, 1, I])`` (transposed weight: ``(x [1, N, I, 1], g [V, N, 1, O])``)
     whose product is the weight's per-sample gradients ``g_vn x_nᵀ`` for the columns
     ``m [V, *site_out]``, when each sample has one position; ``None`` otherwise or for the bias."""
-    x = _flat_input(site)
+    x = flat_input(site)
     if role != "weight" or x.shape[1] != 1:
         return None
     g = m.reshape(m.shape[0], m.shape[1], -1, m.shape[-1])
