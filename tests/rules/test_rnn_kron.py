@@ -333,8 +333,8 @@ def test_chunks_and_batch_slices(approx):
 
 def test_module_applied_twice_is_positions():
     """A recurrent module used twice (on its own output): ``kfac_approx=None`` treats the
-    uses like more positions (roots summed in ``B``, inputs' outer products in ``A``);
-    "expand"/"reduce" refuse, as for a shared Linear weight."""
+    uses like more positions (roots summed in ``B``, inputs' outer products in ``A``), and so do
+    "expand" and "reduce", as for a shared Linear weight."""
 
     class Twice(nn.Module):
         def __init__(self):
@@ -371,8 +371,15 @@ def test_module_applied_twice_is_positions():
     A = (torch.einsum("nti,ntj->ij", X, X) + torch.einsum("nti,ntj->ij", o1, o1)) / n
     _close(got["rnn.weight_ih_l0"][0], B, "B")
     _close(got["rnn.weight_ih_l0"][1], A, "A")
-    with pytest.raises(CurvatureError, match=r"kfac_approx='expand'\) is not defined for parameter 'rnn.weight_ih_l0'"):
-        curvature(model, lossfn, [KFLR(kfac_approx="expand")])(X, y)
+    # "expand"/"reduce": the same positions, each (use, step) a row of B resp. x̄ their mean
+    per_step = torch.stack([torch.cat([J1[i, :, i], J2[i, :, i]], 1) for i in range(n)])  # [N, C, 2T, O]
+    x = torch.cat([X, o1], 1)  # [N, 2T, I]
+    expand = curvature(model, lossfn, [KFLR(kfac_approx="expand")])(X, y)["kflr"]["rnn.weight_ih_l0"]
+    _close(expand[0], torch.einsum("ncso,ncd,ndsq->oq", per_step, H, per_step).detach(), "B expand")
+    _close(expand[1], torch.einsum("nti,ntj->ij", x, x) / (n * x.shape[1]), "A expand")
+    reduce = curvature(model, lossfn, [KFLR(kfac_approx="reduce")])(X, y)["kflr"]["rnn.weight_ih_l0"]
+    _close(reduce[0], B, "B reduce")
+    _close(reduce[1], x.mean(1).T @ x.mean(1) / n, "A reduce")
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
