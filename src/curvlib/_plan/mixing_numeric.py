@@ -90,7 +90,9 @@ def outside_transforms(test: Callable) -> Callable:
 
     @functools.wraps(test)
     def run(program, found_or_plan, X, params, *rest):
-        with torch._C._DisableFuncTorch():
+        # (only under a transform: a model calling torch.vmap itself cannot run with functorch disabled)
+        transformed = torch._C._functorch.maybe_current_level() is not None
+        with torch._C._DisableFuncTorch() if transformed else contextlib.nullcontext():
             plain = {name: _plain(v) for name, v in params.items()}
             return test(program, found_or_plan, _inputs.map_tensors(_plain, X), plain, *rest)
 
