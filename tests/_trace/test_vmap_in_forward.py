@@ -3,15 +3,20 @@ T5Gemma2), without a graph: run eagerly (:mod:`curvlib._trace.untraced`), its nu
 (:mod:`curvlib._plan.mixing_numeric`) runs the model outside curvlib's transforms without
 switching functorch off (the model's own vmap needs it), and a generic layer that writes by a
 boolean mask (``h[mask] = p``, which vmap cannot batch) is run sample by sample
-(:func:`curvlib.rules.generic.map_samples`). First order equals the float64 brute force."""
+(:func:`curvlib.rules.generic.map_samples`). First order equals the float64 brute force. Called
+inside a torch.func transform, where the test must switch functorch off, such a model is refused
+with a CurvatureError naming it, not a torch error."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
+from curvlib import CurvatureError, curvature
 from curvlib._trace.program import trace_program
+from curvlib.extensions import BatchGrad
 
 from oracles.checks import check_first_order
 from oracles.on_device import seeded
@@ -68,3 +73,14 @@ def test_vmap_in_forward_first_order(seed, n, t, marked):
     g = seeded(seed)
     X, y = torch.randn(n, t, 3, generator=g, dtype=DT), torch.randn(n, 2, generator=g, dtype=DT)
     check_first_order(model, nn.MSELoss(), X, y)
+
+
+def test_vmap_in_forward_inside_a_transform_is_refused_clearly():
+    torch.manual_seed(0)
+    model = VmapMask(False).to(DT)
+    g = seeded(0)
+    X, y = torch.randn(3, 3, 3, generator=g, dtype=DT), torch.randn(3, 2, generator=g, dtype=DT)
+    f = curvature(model, nn.MSELoss(), [BatchGrad()])
+    ws = torch.randn(2, 2, 4, dtype=DT)
+    with pytest.raises(CurvatureError, match="VmapMask.*calls torch.vmap .* in its forward is not supported"):
+        torch.func.vmap(lambda w: f(X, y, {"b.weight": w})["grad_batch"]["b.weight"])(ws)
