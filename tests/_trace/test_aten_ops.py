@@ -247,3 +247,33 @@ def test_a_subclassed_embedding_with_a_parametrized_submodule(layer_norm, n, see
     net = EmbeddingNet(layer_norm).to(DT)
     X, y = torch.randint(0, 7, (n, 5), generator=g), torch.randint(0, 3, (n,), generator=g)
     check_exact(Problem(net, X, y, nn.CrossEntropyLoss(), None, ""))
+
+
+class ScoringLinear(nn.Linear):
+    """A Linear subclass returning a tuple (Llama 4's router: sigmoid scores and the logits)."""
+
+    def forward(self, x):
+        logits = super().forward(x)
+        return torch.sigmoid(logits), logits
+
+
+class ScoredNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.router, self.head = nn.Linear(3, 4), ScoringLinear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.emb(x)
+        scores, logits = self.router(h)
+        return self.head(torch.tanh(h * scores + 0.1 * logits)).mean(1)
+
+
+@settings(max_examples=3, deadline=None)
+@given(n=st.integers(2, 4), seed=st.integers(0, 50))
+def test_a_linear_subclass_returning_a_tuple(n, seed):
+    """The KFLR oracle takes such a layer for no plain Linear (its output is no ``F.linear``);
+    curvlib's other layers, and every BatchGrad and GGN diagonal, equal the brute force."""
+    torch.manual_seed(seed)
+    g = seeded(seed)
+    X, y = torch.randn(n, 5, 3, generator=g, dtype=DT), torch.randint(0, 3, (n,), generator=g)
+    check_exact(Problem(ScoredNet().to(DT), X, y, nn.CrossEntropyLoss(), None, ""))
