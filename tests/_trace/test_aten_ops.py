@@ -203,3 +203,77 @@ def test_a_linear_with_a_computed_bias_keeps_the_kronecker_factors_of_its_weight
     for name in ("q_bias", "lin.weight"):
         assert_close(got["diag_ggn_exact"][name], ref[name], f"{name} GGN diagonal")
     assert_close(got["kflr"]["q_bias"][0].diagonal(), ref["q_bias"], "q_bias block's diagonal")
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(d))
+
+    def forward(self, h):
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class NormedEmbedding(nn.Embedding):
+    """An Embedding subclass with its own forward and a norm submodule with a parameter (Inkling's
+    ``InklingNormedEmbedding``): the ATen front end runs its ``embedding`` op by the Embedding
+    rule on a view of it, whose parameters are the Embedding's own (the norm's weight is a
+    functional site of its own, not also a role of the embedding's site)."""
+
+    def __init__(self, n: int, d: int, layer_norm: bool):
+        super().__init__(n, d)
+        self.embed_norm = nn.LayerNorm(d) if layer_norm else _RMSNorm(d)
+
+    def forward(self, ids):
+        return self.embed_norm(super().forward(ids))
+
+
+class EmbeddingNet(nn.Module):
+    def __init__(self, layer_norm: bool):
+        super().__init__()
+        self.emb, self.head = NormedEmbedding(7, 4, layer_norm), nn.Linear(4, 3)
+
+    def forward(self, ids):
+        if bool((ids >= 0).all()):  # a branch on values: the ATen front end
+            ids = ids + 0
+        return self.head(torch.tanh(self.emb(ids)).mean(1))
+
+
+@settings(max_examples=4, deadline=None)
+@given(layer_norm=st.booleans(), n=st.integers(2, 4), seed=st.integers(0, 50))
+def test_a_subclassed_embedding_with_a_parametrized_submodule(layer_norm, n, seed):
+    torch.manual_seed(seed)
+    g = seeded(seed)
+    net = EmbeddingNet(layer_norm).to(DT)
+    X, y = torch.randint(0, 7, (n, 5), generator=g), torch.randint(0, 3, (n,), generator=g)
+    check_exact(Problem(net, X, y, nn.CrossEntropyLoss(), None, ""))
+
+
+class ScoringLinear(nn.Linear):
+    """A Linear subclass returning a tuple (Llama 4's router: sigmoid scores and the logits)."""
+
+    def forward(self, x):
+        logits = super().forward(x)
+        return torch.sigmoid(logits), logits
+
+
+class ScoredNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.router, self.head = nn.Linear(3, 4), ScoringLinear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.emb(x)
+        scores, logits = self.router(h)
+        return self.head(torch.tanh(h * scores + 0.1 * logits)).mean(1)
+
+
+@settings(max_examples=3, deadline=None)
+@given(n=st.integers(2, 4), seed=st.integers(0, 50))
+def test_a_linear_subclass_returning_a_tuple(n, seed):
+    """The KFLR oracle takes such a layer for no plain Linear (its output is no ``F.linear``);
+    curvlib's other layers, and every BatchGrad and GGN diagonal, equal the brute force."""
+    torch.manual_seed(seed)
+    g = seeded(seed)
+    X, y = torch.randn(n, 5, 3, generator=g, dtype=DT), torch.randint(0, 3, (n,), generator=g)
+    check_exact(Problem(ScoredNet().to(DT), X, y, nn.CrossEntropyLoss(), None, ""))

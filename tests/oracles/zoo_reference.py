@@ -200,7 +200,8 @@ def kron_sites(model: nn.Module) -> Dict[str, nn.Module]:
 def plain(m: nn.Module, x: Optional[Tensor] = None) -> bool:
     """A layer that computes its base class's map (the oracle's ``A``/``B`` apply): its forward
     is the base class's, or (given its input ``x``) a Linear subclass's own forward that equals
-    ``F.linear(x, W, b)`` there (Falcon's ``FalconLinear``: ``x @ W.T + b``); not timm's
+    ``F.linear(x, W, b)`` there (Falcon's ``FalconLinear``: ``x @ W.T + b``); not a subclass that
+    returns a tuple (Llama 4's router), not timm's
     weight-standardised ``StdConv2d``/``ScaledStdConv2d`` or a ``Conv2dSame``."""
     from transformers.pytorch_utils import Conv1D
 
@@ -212,7 +213,10 @@ def plain(m: nn.Module, x: Optional[Tensor] = None) -> bool:
     if base is not nn.Linear or x is None:
         return False
     with torch.no_grad():
-        return bool(torch.allclose(m(x), F.linear(x, m.weight, m.bias), rtol=1e-12, atol=1e-12))
+        out = m(x)
+        # (a subclass returning more than the map, Llama 4's router ``(scores, logits)``: no plain Linear)
+        return isinstance(out, Tensor) and bool(torch.allclose(out, F.linear(x, m.weight, m.bias),
+                                                               rtol=1e-12, atol=1e-12))
 
 
 def _unfold(conv: nn.Conv2d, x: Tensor) -> Tensor:

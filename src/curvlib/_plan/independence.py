@@ -154,6 +154,7 @@ class _Walk:
         self.layouts: Dict[fx.Node, list] = {}
         self.hot: set = set()
         self.data: set = set()  # nodes whose values depend on the input's values (sample data)
+        self.writes: set = set()  # buffers (and views of them) an in-place write filled with sample data
         self.pending: List[fx.Node] = []
         # indexing along the batch decided on values (mixing_index): node -> why it mixes, or None
         self.verdicts: Dict[fx.Node, Optional[str]] = {}
@@ -235,6 +236,7 @@ class _Walk:
         while isinstance(target, fx.Node):
             if node in self.data and target not in self.data:
                 self.data.add(target)
+                self.writes.add(target)
                 leaves = ops.layout_of(self.env_a.get(target), self.env_b.get(target), self.n)
                 b = leaves[0] if len(leaves) == 1 else None
                 if isinstance(b, Batch) and b.s is None and src is not None and (src.dim, src.c) == (b.dim, b.c):
@@ -297,8 +299,9 @@ class _Walk:
             return self._view(node, name, hot_in)
         if not open_:
             return None
-        # (rows without sample data, one value, a parameter expanded to the batch's shape: pair in any order)
-        ins = [b for a in node.all_input_nodes if a in self.data and not self.filled(a)
+        # (rows without sample data, one value, a parameter expanded to the batch's shape: pair in any
+        # order; a buffer written into holds the written order, and a view of it keeps that order)
+        ins = [b for a in node.all_input_nodes if a in self.data and not self.blank(a)
                for b in self.layouts.get(a, []) if isinstance(b, Batch)]
         for i in open_:
             out = leaves[i]
@@ -316,6 +319,10 @@ class _Walk:
                         "whose batch is merged with another dim in different orders, so it pairs entries "
                         "of different samples)")
         return None
+
+    def blank(self, a) -> bool:
+        """A tensor of one value that no in-place write has filled with sample data since."""
+        return self.filled(a) and a not in self.writes
 
     def filled(self, a) -> bool:
         """A tensor filled with one value (``zeros([N·T, E])``, ``ones_like``): every order of its

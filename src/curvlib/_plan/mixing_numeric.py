@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, fx
 
 from .._core import inputs as _inputs
+from .._core.errors import CurvatureError
 from . import mixing_index as _index
 from .mixing_ops import Batch, leaves_of
 from .._core.sync import LOCK
@@ -90,11 +91,27 @@ def outside_transforms(test: Callable) -> Callable:
 
     @functools.wraps(test)
     def run(program, found_or_plan, X, params, *rest):
+        # (only under a transform: a model calling torch.vmap itself cannot run with functorch disabled)
+        if torch._C._functorch.maybe_current_level() is None:
+            return test(program, found_or_plan, X, params, *rest)
         with torch._C._DisableFuncTorch():
             plain = {name: _plain(v) for name, v in params.items()}
-            return test(program, found_or_plan, _inputs.map_tensors(_plain, X), plain, *rest)
+            try:
+                return test(program, found_or_plan, _inputs.map_tensors(_plain, X), plain, *rest)
+            except RuntimeError as exc:
+                raise CurvatureError(_outside_failed(program, exc)) from exc
 
     return run
+
+
+def _outside_failed(program, exc: Exception) -> str:
+    model = program.root.get_submodule(program.prefix[:-1]) if program.prefix else program.root
+    why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (f"Model {type(model).__name__} could not run outside the enclosing torch.func transform for "
+            f"curvlib's numeric test of sample mixing (torch: {why}). A model that calls torch.vmap (or "
+            "another torch.func transform) in its forward is not supported when curvature is itself "
+            "called inside a torch.func transform (vmap, grad, jacrev): there it must run with functorch "
+            "switched off. Call curvature outside the transform, or build the model's masks without vmap.")
 
 
 def _map_leaves(value, leaves: list, fn: Callable):

@@ -128,7 +128,7 @@ def view_of(m: nn.Module) -> Optional[nn.Module]:
     ``permute``, ``layer_norm``, ``permute``; ``BatchNormAct2d``), whose ops the ATen graph
     spells out: a module *of the family's class* sharing ``m``'s parameter and buffer slots (a
     shallow copy, its class set to the family's: ``m`` is not changed), run by the family's rule
-    where an op is exactly that class's forward. ``None`` for the class itself."""
+    where an op is exactly that class's forward, without ``m``'s submodules. ``None`` for the class itself."""
     base = _family_type(m)
     if base is None or type(m) is base or parametrize.is_parametrized(m):
         # (a parametrized layer's weight is a function of original0/original1: its op reads a
@@ -137,6 +137,9 @@ def view_of(m: nn.Module) -> Optional[nn.Module]:
         return None
     view = copy.copy(m)  # (shares m's _parameters and _buffers dicts: buffers swapped in are seen)
     view.__class__ = base
+    # The family's class has no submodules: ``m``'s (Inkling's embedding norm) run as their own ops, and
+    # their parameters are not the view's (its layer's roles are what the family's rule reads).
+    view._modules = {}
     return view
 
 

@@ -130,6 +130,9 @@ def join_args(saved: Dict[str, Tensor], pos_static: list, kw_static: dict):
 
 # Functions (by a key, e.g. the module) seen to branch on tensor values: looped at once.
 _BRANCHING: "weakref.WeakSet" = weakref.WeakSet()
+# vmap's refusals of a function that a loop over samples runs: a branch on values, ``.item()``,
+# an output whose shape depends on values (``h[mask]``, ``nonzero``)
+_UNMAPPABLE = ("data-dependent control flow", "batching operators that can support dynamic shape")
 _LOOPING = threading.local()  # .on: map_samples runs its function sample by sample (values readable)
 
 
@@ -145,7 +148,7 @@ def map_samples(fn, in_dims, key=None):
             try:
                 return vmap(fn, in_dims=in_dims)(*args)
             except RuntimeError as exc:
-                if "data-dependent control flow" not in str(exc):
+                if not any(why in str(exc) for why in _UNMAPPABLE):
                     raise
                 if key is not None:
                     _BRANCHING.add(key)
