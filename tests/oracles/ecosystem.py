@@ -92,6 +92,8 @@ def _vision(name: str, variant: str, seed: int) -> Problem:
     else:
         model, X, notes = ev.parametrized_model(what, g)
     model = _finish(model, seed, relative=library in ("timm", "torchvision"))
+    if library in ("timm", "torchvision"):
+        model = ev.calibrated(model, X)
     y = torch.randint(0, CLASSES, (N,), generator=g)
     return Problem(Wrapped(model) if variant == "wrapped" else model, X, y, nn.CrossEntropyLoss(), None, notes)
 

@@ -222,3 +222,40 @@ def parametrized_model(kind: str, g) -> Tuple[nn.Module, torch.Tensor, str]:
     last = getattr(parametrizations, kind)(nn.Linear(8, CLASSES))
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), last)
     return model, torch.randn(N, 6, generator=g, dtype=torch.float64), f"{kind}-parametrized Linear(8, 3)"
+
+
+LOGIT_SCALE = 4.0  # logits kept within ±4: softmax unsaturated (p_max < 1 - 1e-4 for 3 classes)
+
+
+def calibrated(model: nn.Module, X: torch.Tensor) -> nn.Module:
+    """``model`` (float64, eval mode) with logits in softmax's sensitive range, as a trained
+    network has them: its batch norms' running statistics set to those of ``X`` (one
+    train-mode pass, as calibrating a trained network's statistics does), then its last
+    layer with ``CLASSES`` outputs scaled so that the largest logit is ``LOGIT_SCALE``.
+    A deep narrowed network with arbitrary statistics has logits of ±60: its softmax
+    saturates (``p = 1 - 1e-11``), and the loss Hessian ``diag(p) - p pᵀ`` then holds
+    differences of numbers near 1, so any two float64 computations of the GGN differ by
+    ~1e-7 relative: a problem that cannot tell right from wrong at the 1e-8 tolerance."""
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+             and m.running_mean is not None]
+    momenta = [m.momentum for m in norms]
+    try:
+        with torch.no_grad():
+            for m in norms:
+                m.reset_running_stats()
+                m.momentum = None  # a cumulative average: after one pass, the batch's statistics
+            if norms:
+                model.train()(X)
+    finally:
+        for m, momentum in zip(norms, momenta):
+            m.momentum = momentum
+        model.eval()
+    heads = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))
+             and m.weight.requires_grad and m.weight.shape[0] == CLASSES]
+    with torch.no_grad():
+        largest = float(model(X).abs().max())
+        if heads and largest > LOGIT_SCALE:
+            heads[-1].weight.mul_(LOGIT_SCALE / largest)
+            if heads[-1].bias is not None:
+                heads[-1].bias.mul_(LOGIT_SCALE / largest)
+    return model
