@@ -219,6 +219,11 @@ def check_problem(prob: zoo.Problem, group: str) -> Dict[str, float]:
         as_site = {k: inputs[k] for w, k in constant.items() if w in qs["kflr"] and len(qs["kflr"][w]) == 2
                    and oz.plain(prob.model.get_submodule(k), inputs[k])}
         standardised += [w for w, k in constant.items() if k not in as_site]
+        # a layer the forward calls several times (CoAT's shared MLPs and position convolutions): a
+        # Linear's calls are more positions sharing the weight (two factors, tests/_evaluate/
+        # test_kfac_approx.py), any other layer's block is the diagonal of the exact block
+        repeated = [f"{k}.weight" for k in oz.repeated_sites(prob) if f"{k}.weight" in params]
+        standardised += [w for w in repeated if w in qs["kflr"] and len(qs["kflr"][w]) == 1 and w not in standardised]
         not_two = {w: [tuple(f.shape) for f in qs["kflr"][w]] for w in weights if w not in standardised
                    and w in qs["kflr"] and (len(qs["kflr"][w]) != 2 or any(f.dim() != ndim[w] for f in qs["kflr"][w]))}
         missing = [w for w in weights if w not in qs["kflr"]]

@@ -243,22 +243,39 @@ def _shared(model: nn.Module) -> set:
 
 def site_inputs(prob) -> Dict[str, Tensor]:
     """``{module name: its input on the batch}`` for the untied, trainable, groups=1 sites of
-    :func:`kron_sites` the forward calls (a frozen LoRA base has no factors; a parametrized
-    weight, ``weight_norm``'s, is a function of its parameters, not a parameter)."""
+    :func:`kron_sites` the forward calls once (a frozen LoRA base has no factors; a parametrized
+    weight, ``weight_norm``'s, is a function of its parameters, not a parameter; a module the
+    forward calls several times, CoAT's shared MLPs: :func:`repeated_sites`)."""
+    inputs, calls = _site_calls(prob)
+    return {k: x for k, x in inputs.items() if calls[k] == 1 and getattr(prob.model.get_submodule(k), "groups", 1) == 1}
+
+
+def repeated_sites(prob) -> List[str]:
+    """The untied trainable sites of :func:`kron_sites` (grouped convolutions included) that the
+    forward calls several times."""
+    _, calls = _site_calls(prob)
+    return [k for k, c in calls.items() if c > 1]
+
+
+def _site_calls(prob) -> Tuple[Dict[str, Tensor], Dict[str, int]]:
+    """Each site's first input and its number of calls in one forward."""
     shared = _shared(prob.model)
     sites = {k: m for k, m in kron_sites(prob.model).items()
-             if getattr(m, "groups", 1) == 1 and "weight" in m._parameters and id(m.weight) not in shared
-             and m.weight.requires_grad}
-    inputs = {}
-    hooks = [m.register_forward_pre_hook(lambda mod, a, k=k: inputs.setdefault(k, a[0].detach().clone()))
-             for k, m in sites.items()]
+             if "weight" in m._parameters and id(m.weight) not in shared and m.weight.requires_grad}
+    inputs, calls = {}, dict.fromkeys(sites, 0)
+
+    def record(k, args):  # returns None: a pre-hook's return value would replace the input
+        inputs.setdefault(k, args[0].detach().clone())
+        calls[k] += 1
+
+    hooks = [m.register_forward_pre_hook(lambda mod, a, k=k: record(k, a)) for k, m in sites.items()]
     try:
         with torch.no_grad():
             forward(prob.model, prob.X, prob.output)
     finally:
         for h in hooks:
             h.remove()
-    return inputs
+    return inputs, calls
 
 
 def constant_input(x: Tensor) -> bool:
