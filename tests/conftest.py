@@ -14,10 +14,12 @@ tensors on CPU unless told otherwise.
 
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
 from oracles.on_device import DEVICE, SWITCH
+from slow_cases import SLOW
 import torchvision_shim
 
 torchvision_shim.install()  # before anything imports torchvision (transformers, timm, laplace do)
@@ -37,3 +39,10 @@ settings.register_profile("dev", max_examples=25, **_common)
 settings.register_profile("thorough", max_examples=300, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
+
+
+def pytest_collection_modifyitems(items):
+    """The measured slow cases (``slow_cases.SLOW``) are ``slow``, deselected by default."""
+    for item in items:
+        if item.nodeid in SLOW:
+            item.add_marker(pytest.mark.slow)
