@@ -122,15 +122,18 @@ def timm_model(family: str, names: List[str], g) -> Tuple[nn.Module, torch.Tenso
         if "img_size" in kw and "img_size" not in accepts:
             continue
         shown = {k: v for k, v in kw.items() if k not in base}
-        for max_params in (SMALL_VISION_PARAMS, MAX_VISION_PARAMS):
-            try:
-                return _narrowest_that_runs(lambda: timm.create_model(name, **kw), name, shown, g, (32, 64, 96, 128, 256),
-                                            divisors=(1,) + WIDTH_DIVISORS, max_params=max_params)
-            except TooLarge:
-                if max_params == MAX_VISION_PARAMS:
-                    raise
-            except Exception:  # noqa: BLE001 - fall back to fewer overrides
-                break
+        try:  # below SMALL_VISION_PARAMS where a divisor allows, else below MAX_VISION_PARAMS
+            return _narrowest_that_runs(lambda: timm.create_model(name, **kw), name, shown, g, (32, 64, 96, 128, 256),
+                                        divisors=(1,) + WIDTH_DIVISORS, max_params=SMALL_VISION_PARAMS)
+        except Exception:  # noqa: BLE001 - too large or failing at every divisor: the larger budget
+            pass
+        try:
+            return _narrowest_that_runs(lambda: timm.create_model(name, **kw), name, shown, g, (32, 64, 96, 128, 256),
+                                        divisors=(1,) + WIDTH_DIVISORS)
+        except TooLarge:
+            raise
+        except Exception:  # noqa: BLE001 - fall back to fewer overrides
+            continue
     raise RuntimeError(f"{name}: no setting builds and runs at 32-256 px")
 
 
