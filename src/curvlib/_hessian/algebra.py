@@ -25,6 +25,7 @@ from torch.func import hessian
 
 from . import norm as _residual_norm, structured as _residual_structured
 from .._core.tensors import is_concrete
+from .broadcast import broadcast_columns, broadcast_operator
 from .smooth import diag_pair, flows, polarised, product_pair, row_scale
 from .._core.sync import LOCK
 from ..rules.elementwise import second_derivative
@@ -80,8 +81,8 @@ def factor(res, g: Tensor) -> Columns:
         return _bilinear_columns(res, g)
     if res.kind == "softmax":
         return _residual_structured.softmax_columns(res, g)
-    if res.kind == "matmul":
-        return _residual_structured.matmul_columns(res, g)
+    if res.kind in ("matmul", "broadcast"):
+        return (_residual_structured.matmul_columns if res.kind == "matmul" else broadcast_columns)(res, g)
     if res.kind == "norm":
         return _residual_norm.norm_columns(res, g)
     return _dense_columns(res, g)
@@ -321,8 +322,8 @@ def _structured_operator(res, g: Tensor, clip: bool) -> Callable:
         return lambda taps, theta: ([a * taps[0], a * taps[1]], {})
     if res.kind == "softmax":
         return _residual_structured.softmax_operator(res, g, clip)
-    if res.kind == "matmul":
-        return _residual_structured.matmul_operator(res, g, clip)
+    if res.kind in ("matmul", "broadcast"):
+        return (_residual_structured.matmul_operator if res.kind == "matmul" else broadcast_operator)(res, g, clip)
     if res.kind == "norm":
         return _residual_norm.norm_operator(res, g, clip)
     raise AssertionError(f"curvlib internal error: residual kind {res.kind!r}")  # pragma: no cover
