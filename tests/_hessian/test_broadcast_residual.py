@@ -14,9 +14,31 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
+from curvlib._core.site import Residual
+
 from oracles.cases import DT
-from oracles.checks import check_hessian_diagonals
+from oracles.checks import check_hessian_diagonals, curvlib_blocks
 from oracles.on_device import seeded
+from oracles.pchmp import assert_blocks_close, pchmp_blocks
+from oracles.residuals import check_residual
+
+@settings(deadline=None, max_examples=25)
+@given(n=st.integers(1, 3), sizes=st.lists(st.integers(1, 3), min_size=1, max_size=3),
+       pattern=st.lists(st.sampled_from(["both", "x", "y"]), min_size=3, max_size=3), bdim=st.integers(0, 3),
+       seed=st.integers(0, 2**16))
+def test_broadcast_residual_against_the_dense_one(n, sizes, pattern, bdim, seed):
+    """Signed columns and PCHMP operators of ``x ⊙ y`` for any broadcast pattern (per dim: both
+    factors span it, only ``x``, only ``y``), batch in any dim, against ``torch.func.hessian``."""
+    torch.manual_seed(seed)
+    shape_x = [s if p in ("both", "x") else 1 for s, p in zip(sizes, pattern)]
+    shape_y = [s if p in ("both", "y") else 1 for s, p in zip(sizes, pattern)]
+    bdim = bdim % (len(sizes) + 1)
+    x = torch.randn([n] + shape_x, dtype=DT).movedim(0, bdim)
+    y = torch.randn([n] + shape_y, dtype=DT).movedim(0, bdim)
+    g = torch.randn((x * y).shape, dtype=DT)
+    res = Residual("mul", "broadcast", None, [x, y], taps=[0, 1], in_dims=(bdim, bdim), out_dim=bdim)
+    check_residual(res, torch.mul, g, n)
+
 
 GATES = ["channel", "channel_left", "spatial", "outer"]
 
@@ -64,3 +86,16 @@ def test_squeeze_excite_on_a_large_feature_map_is_not_refused(gate):
     start = time.perf_counter()
     check_hessian_diagonals(Gated(8, gate).to(DT), nn.CrossEntropyLoss(), X, y)
     assert time.perf_counter() - start < 120
+
+
+@settings(max_examples=6, deadline=None)
+@given(gate=st.sampled_from(GATES), modify=st.sampled_from(["clip", "abs"]), n=st.integers(1, 2),
+       hw=st.integers(1, 3), seed=st.integers(0, 50))
+def test_broadcast_product_pchmp(gate, modify, n, hw, seed):
+    """PCHMP: the eigenvalue-modified residual, as the dense oracle forms it."""
+    g = seeded(seed)
+    torch.manual_seed(seed)
+    X, y = torch.randn(n, 2, hw, hw, generator=g, dtype=DT), torch.randint(0, 3, (n,), generator=g)
+    model, lossfn = Gated(2, gate).to(DT), nn.CrossEntropyLoss()
+    assert_blocks_close(curvlib_blocks(model, lossfn, X, y, modify), pchmp_blocks(model, lossfn, X, y, modify),
+                        f"pchmp ({modify})")

@@ -66,6 +66,7 @@ from .._core.batch_layout import from_batch_first
 from .._core.site import Recorder
 from ..rules.elementwise import classify
 from .broadcast import broadcastable
+from .rows import linear_in_inputs, separable_rows
 from ..rules.rnn_steps import Coupling
 
 # Families whose layers are affine in their input: no residual of their own
@@ -326,9 +327,13 @@ def _record_dense(program: Program, node: fx.Node, env, env_out, params: Dict[st
     if inplace:
         phi_inplace = phi
         phi = lambda theta, *xs, fixed=(): phi_inplace(theta, *(x.clone() for x in xs), fixed=fixed)  # noqa: E731
-    env_out[node] = rec.residual(node.name, "dense", phi, inputs, z, params={n: params[n] for n in own},
-                                 free=[n for n in own if n not in coupled],
-                                 meta={"fixed": [env[a] for a in fixed_nodes]})
+    free = [n for n in own if n not in coupled]
+    # free parameters whose rows act on output channels of their own: their blocks' diagonals
+    # without the dense blocks (a weight-standardised convolution, :mod:`curvlib._hessian.rows`)
+    rows = tuple(n for n in free if n in separable_rows(program, node, env, params)) if free else ()
+    zero = len(free) == len(own) and linear_in_inputs(program, node)  # (no coupled parameter)
+    env_out[node] = rec.residual(node.name, "dense", phi, inputs, z, params={n: params[n] for n in own}, free=free,
+                                 meta={"fixed": [env[a] for a in fixed_nodes], "rows": rows, "zero_inputs": zero})
 
 
 def _record_norm(program: Program, node: fx.Node, env, params: Dict[str, Tensor], rec: Recorder, z: Tensor):
