@@ -24,7 +24,10 @@ from torch import Tensor
 from torch.func import hessian
 
 from . import norm as _residual_norm, structured as _residual_structured
+from .structured import one_hot_columns
 from .._core.tensors import is_concrete
+from .broadcast import broadcast_columns, broadcast_operator
+from .rows import check_dense_size, rows_sets
 from .smooth import diag_pair, flows, polarised, product_pair, row_scale
 from .._core.sync import LOCK
 from ..rules.elementwise import second_derivative
@@ -44,12 +47,6 @@ def _back(t: Tensor, dim: int, lead: int = 0) -> Tensor:
     return t if dim == 0 else t.movedim(lead, lead + dim)
 
 
-def _eye_columns(a: Tensor) -> Tensor:
-    """``[D, 1, *a.shape[1:]]``: one-hot columns over a sample's entries (batch in front)."""
-    d = a[0].numel()
-    return torch.eye(d, dtype=a.dtype, device=a.device).reshape((d, 1) + tuple(a.shape[1:]))
-
-
 def factor(res, g: Tensor) -> Columns:
     """Signed column sets of the residual: ``[(sign, {input index: [V, *input]}, {param: [V, N, *p]})]``.
 
@@ -60,28 +57,26 @@ def factor(res, g: Tensor) -> Columns:
         d = res.in_dims[0]
         if res.kind == "diag":  # R = diag(φ''(a) g): columns e_k √r±
             r = _front(second_derivative(res.phi, res.inputs[0]) * g, d)
-            eye = _eye_columns(r)
             # √r± has no derivative where r± = 0: smooth pair c₊² − c₋² = r when derivatives flow
             plus, minus = diag_pair(r) if flows(r) else (r.clamp(min=0).sqrt(), (-r).clamp(min=0).sqrt())
-            return [(1.0, {0: _back(eye * plus, d, 1)}, {}), (-1.0, {0: _back(eye * minus, d, 1)}, {})]
+            return [(1.0, {0: one_hot_columns(plus, d)}, {}), (-1.0, {0: one_hot_columns(minus, d)}, {})]
         # R = [[0, D], [D, 0]], D = diag(g): columns (e_k a_k, ±e_k b_k), 2 a_k b_k = g_k
         # (a = √(|g|/2), b = sign(g) a; smooth in g when derivatives flow)
         gc = _front(g, d)
-        eye = _eye_columns(gc)
         if flows(gc):
             m, ms = product_pair(gc)
         else:
             m = (gc.abs() / 2).sqrt()
             ms = m * torch.sign(gc)
-        pos = {0: _back(eye * m, d, 1), 1: _back(eye * ms, d, 1)}
-        neg = {0: _back(eye * m, d, 1), 1: _back(eye * (-ms), d, 1)}
+        pos = {0: one_hot_columns(m, d), 1: one_hot_columns(ms, d)}
+        neg = {0: one_hot_columns(m, d), 1: one_hot_columns(-ms, d)}
         return [(1.0, pos, {}), (-1.0, neg, {})]
     if res.kind == "bilinear":
         return _bilinear_columns(res, g)
     if res.kind == "softmax":
         return _residual_structured.softmax_columns(res, g)
-    if res.kind == "matmul":
-        return _residual_structured.matmul_columns(res, g)
+    if res.kind in ("matmul", "broadcast"):
+        return (_residual_structured.matmul_columns if res.kind == "matmul" else broadcast_columns)(res, g)
     if res.kind == "norm":
         return _residual_norm.norm_columns(res, g)
     return _dense_columns(res, g)
@@ -149,6 +144,9 @@ def _dense_columns(res, g: Tensor) -> Columns:
     sample, ``|λ_j| ≤ 10 ε max|λ|`` (below eigh's own error), are dropped: each entry
     of a diagonal ``Σ_j λ_j (J q_j)_p²`` moves by at most that bound times ``‖J_p‖²``.
     """
+    if res.meta.get("rows") or res.meta.get("zero_inputs"):  # (curvlib._hessian.rows)
+        sets, rest = rows_sets(res, g)
+        return sets + (_dense_columns(rest, g) if rest is not None else [])
     layout = _layout(res)
     n = _front(g, res.out_dim).shape[0]
     R = _dense_matrix(res, g)  # [N, D, D]
@@ -300,8 +298,9 @@ def positive_curvature(res, g: Tensor, modify: str, view: Optional[str] = None,
     clip = modify == "clip"
     if res.kind == "bilinear":  # R = [[0, G], [G, 0]] over (W, x): R|x = 0
         return _bilinear_operator(res, g, clip) if view == res.site.params["weight"] else None
-    if res.kind == "dense":
-        return _dense_operator(res, g, clip, view, {} if memo is None else memo)
+    if res.kind == "dense":  # (a zero input block: R|x = 0)
+        return None if view is None and res.meta.get("zero_inputs") else \
+            _dense_operator(res, g, clip, view, {} if memo is None else memo)
     if res.kind == "product" and res.meta.get("param_taps") and view is None:
         return None  # y a function of other parameters alone, a constant of L(p): R|x = 0
     return _structured_operator(res, g, clip)
@@ -321,8 +320,8 @@ def _structured_operator(res, g: Tensor, clip: bool) -> Callable:
         return lambda taps, theta: ([a * taps[0], a * taps[1]], {})
     if res.kind == "softmax":
         return _residual_structured.softmax_operator(res, g, clip)
-    if res.kind == "matmul":
-        return _residual_structured.matmul_operator(res, g, clip)
+    if res.kind in ("matmul", "broadcast"):
+        return (_residual_structured.matmul_operator if res.kind == "matmul" else broadcast_operator)(res, g, clip)
     if res.kind == "norm":
         return _residual_norm.norm_operator(res, g, clip)
     raise AssertionError(f"curvlib internal error: residual kind {res.kind!r}")  # pragma: no cover
@@ -365,7 +364,9 @@ def _dense_operator(res, g: Tensor, clip: bool, view: Optional[str], memo: dict)
     # couplings are left out): mod(R) restricted to u_p is mod(R|u_p), one operator for all.
     key = (clip, view if coupled else None)
     if key not in memo:
-        if "R" not in memo:
+        if "R" not in memo:  # (the blocks left out of the Hessian diagonal's are formed here)
+            check_dense_size(f"'{res.where}'", _front(g, res.out_dim).shape[0], sum(sizes_p) + sum(sizes_in),
+                             " for the eigenvalue-modified residual (PCHMP)")
             memo["R"] = _dense_matrix(res, g)
         R = memo["R"]
         if coupled:  # R|u_p: zero rows and columns (zero eigenvalues) outside u_p

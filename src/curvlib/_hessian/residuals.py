@@ -28,6 +28,8 @@ Kinds, by structure:
 
 * ``"diag"``: element-wise ``z = φ(a)``: ``R = diag(φ''(a) ⊙ g)``;
 * ``"product"``: ``z = x ⊙ y`` (same shapes): ``R = [[0, D], [D, 0]]``, ``D = diag(g)``;
+* ``"broadcast"``: ``z = x ⊙ y`` broadcasting (squeeze-excite's ``x * s[:, :, None, None]``):
+  per shared index, a matrix product ``[T, 1] × [1, S]`` (:mod:`curvlib._hessian.broadcast`);
 * ``"bilinear"``: a Linear layer ``y = W x`` whose input depends on its own
   weight (shared modules, tied weights): ``R`` couples ``W_oi`` and ``x_si``
   with ``g_so``;
@@ -63,6 +65,8 @@ from ..rules import functional
 from .._core.batch_layout import from_batch_first
 from .._core.site import Recorder
 from ..rules.elementwise import classify
+from .broadcast import broadcastable
+from .rows import linear_in_inputs, separable_rows
 from ..rules.rnn_steps import Coupling
 
 # Families whose layers are affine in their input: no residual of their own
@@ -268,9 +272,14 @@ def _record_structured(program: Program, node: fx.Node, kind: str, phi, env, env
         return True
     if kind == "product":
         x, y = (env[a] for a in node.args)
-        if not (isinstance(x, Tensor) and isinstance(y, Tensor) and x.shape == y.shape == z.shape):
-            return False  # broadcasting product: no structure to exploit
-        env_out[node] = rec.residual(node.name, kind, None, [x, y], z)
+        if not (isinstance(x, Tensor) and isinstance(y, Tensor)):
+            return False
+        if x.shape == y.shape == z.shape:
+            env_out[node] = rec.residual(node.name, kind, None, [x, y], z)
+            return True
+        if not broadcastable(x, y, z):
+            return False  # a factor with fewer dims: recorded dense
+        env_out[node] = rec.residual(node.name, "broadcast", None, [x, y], z)
         return True
     if kind == "softmax":
         a = env[node.all_input_nodes[0]]
@@ -318,9 +327,13 @@ def _record_dense(program: Program, node: fx.Node, env, env_out, params: Dict[st
     if inplace:
         phi_inplace = phi
         phi = lambda theta, *xs, fixed=(): phi_inplace(theta, *(x.clone() for x in xs), fixed=fixed)  # noqa: E731
-    env_out[node] = rec.residual(node.name, "dense", phi, inputs, z, params={n: params[n] for n in own},
-                                 free=[n for n in own if n not in coupled],
-                                 meta={"fixed": [env[a] for a in fixed_nodes]})
+    free = [n for n in own if n not in coupled]
+    # free parameters whose rows act on output channels of their own: their blocks' diagonals
+    # without the dense blocks (a weight-standardised convolution, :mod:`curvlib._hessian.rows`)
+    rows = tuple(n for n in free if n in separable_rows(program, node, env, params)) if free else ()
+    zero = len(free) == len(own) and linear_in_inputs(program, node)  # (no coupled parameter)
+    env_out[node] = rec.residual(node.name, "dense", phi, inputs, z, params={n: params[n] for n in own}, free=free,
+                                 meta={"fixed": [env[a] for a in fixed_nodes], "rows": rows, "zero_inputs": zero})
 
 
 def _record_norm(program: Program, node: fx.Node, env, params: Dict[str, Tensor], rec: Recorder, z: Tensor):

@@ -60,6 +60,20 @@ class LazyColumns:
         return self._make(start, stop)
 
 
+def one_hot_columns(scale: Tensor, dim: int) -> LazyColumns:
+    """``[D, *scale.shape]`` lazily: column ``k`` is ``scale`` (batch in front) at entry ``k`` of
+    every sample's slice and zero elsewhere, moved to batch dim ``dim``; ``D`` = entries per
+    sample (an element-wise residual's ``e_k √r±``: built chunk by chunk, never ``D × D``)."""
+    d = scale[0].numel()
+    entries = torch.arange(d, device=scale.device)
+
+    def make(start, stop):
+        hot = (torch.arange(start, stop, device=scale.device).unsqueeze(1) == entries).to(scale.dtype)  # [C, D]
+        return _back(hot.reshape((stop - start, 1) + tuple(scale.shape[1:])) * scale, dim, 1)
+
+    return LazyColumns(d, make)
+
+
 # ----------------------------------------------------------------------------- softmax
 
 

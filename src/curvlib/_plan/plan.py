@@ -26,6 +26,7 @@ from .batch_merges import residual_merges, split_merged_batches
 from .._trace.program import Program
 from .._core.batch_layout import batch_first_shape
 from .._core.site import Recorder, Site
+from .._hessian.rows import check_dense_size
 
 from .._interpret.graph import run_graph
 from ..rules import checker_for
@@ -34,7 +35,6 @@ from .._interpret.diagnose import forward_failure
 __all__ = ["Plan", "make_plan", "module_checks"]
 
 # Per-sample entries of a dense residual: N·D² must stay below this.
-MAX_DENSE_ENTRIES = 2**26
 
 
 @dataclass(frozen=True)
@@ -315,15 +315,11 @@ def check_residual_sizes(residuals, dims, n: int) -> None:
         per_sample = [a.numel() // max(a.shape[k], 1) if k < a.dim() else a.numel()
                       for a, k in zip(res.inputs, in_dims)]
         if res.kind == "dense":
-            d = sum(per_sample) + sum(p.numel() for p in res.params.values())
+            # (free parameters with separable rows: only their diagonals, curvlib._hessian.rows)
+            own = {k: p.numel() for k, p in res.params.items() if k not in res.meta.get("rows", ())}
+            inputs = 0 if res.meta.get("zero_inputs") and not own else sum(per_sample)  # (a zero input block)
+            check_dense_size(f"'{res.where}'", n, inputs + sum(own.values()),
+                             f" over its inputs {[list(a.shape) for a in res.inputs]}"
+                             + (f" and parameters {sorted(own)}" if own else ""))
         elif res.kind == "bilinear":
-            d = per_sample[0]
-        else:
-            continue
-        if n * d * d > MAX_DENSE_ENTRIES:
-            raise CurvatureError(
-                f"The Hessian extensions need the second derivative of graph node '{res.where}', "
-                f"a dense {d}x{d} matrix per sample here (N={n}), which is too large "
-                f"(limit: N·d² ≤ {MAX_DENSE_ENTRIES}). Use the GGN extensions (DiagGGNExact, "
-                "BatchDiagGGNExact) or HMP (exact Hessian-vector products) for this model."
-            )
+            check_dense_size(f"'{res.where}'", n, per_sample[0], " (a Linear layer whose input depends on its weight)")

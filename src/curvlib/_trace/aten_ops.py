@@ -248,6 +248,11 @@ _SAME_ARGS: Dict[str, Callable] = {
 }
 _METHODS = {"view", "reshape", "expand", "contiguous", "t", "clone", "repeat", "unflatten", "expand_as",
             "view_as", "type_as", "detach", "to", "_unsafe_view"}
+# in-place activations without a tensor method (timm's act(x, inplace=True) at the ATen level:
+# ``aten.silu_(x)``): the functional with ``inplace=True``, whose arguments are the op's
+_INPLACE_FUNCTIONS: Dict[str, Callable] = {
+    n: getattr(F, n) for n in ("silu", "mish", "hardswish", "hardsigmoid", "hardtanh", "leaky_relu", "relu6", "selu",
+                               "celu")}
 _IDENTITY = {"alias", "lift_fresh_copy", "detach_"}
 _SKIPPED = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
 
@@ -276,6 +281,9 @@ def torch_level(target, args, kwargs):
         # an in-place op (timm's act(x, inplace=True)): the tensor method, which curvlib's graph
         # passes know as in-place (probes, the value kept for residuals)
         return getattr(args[0], name)(*args[1:], **kwargs)
+    if name.endswith("_") and name[:-1] in _INPLACE_FUNCTIONS:
+        # (else the ATen op stays opaque: neither element-wise nor known as in-place)
+        return _INPLACE_FUNCTIONS[name[:-1]](*args, **kwargs, inplace=True)
     return target(*args, **kwargs)
 
 
