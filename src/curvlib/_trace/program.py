@@ -46,6 +46,7 @@ from .._core.sync import LOCK
 from ..rules import attention, elementwise, layernorm
 from .._core.inputs import with_defaults
 from ..rules.functional import FunctionalUse
+from ..rules.generic import restored
 from .functional_uses import functional_uses, input_dependent
 from .modes import InPlaceProxy, TensorConstant, cut_no_grad_regions, no_autocast, record_modes, refuse_autocast
 from .._core.inputs import trace_structure
@@ -385,7 +386,8 @@ def _trace_with_opaque_leaves(root: nn.Module, concrete) -> "tuple[Optional[fx.G
     for _ in range(sum(1 for _ in root.modules()) + 1):
         tracer = Tracer(opaque)
         try:
-            graph = tracer.trace(root, concrete_args=concrete)
+            with LOCK, restored(root):  # (a cache the forward fills must not keep this trace's values)
+                graph = tracer.trace(root, concrete_args=concrete)
         except Exception as exc:  # noqa: BLE001 - any tracing failure means "untraceable"
             if tracer.failed is None or tracer.failed is root or id(tracer.failed) in opaque:
                 return None, _why(exc), {}

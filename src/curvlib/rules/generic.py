@@ -23,12 +23,13 @@ own values select, like autograd on that sample alone.
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 import weakref
 from typing import Any, Dict, Optional, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils import _pytree as pytree
 from torch.nn.utils.stateless import _reparametrize_module
@@ -85,10 +86,14 @@ def _bilinear(weight: Tensor, bias: Optional[Tensor], x1: Tensor, x2: Tensor) ->
 
 @contextlib.contextmanager
 def restored(module: nn.Module):
-    """Every submodule's parameter and buffer slots, and its plain tensor attributes, as
-    they were before the block (call under :data:`curvlib._core.sync.LOCK`)."""
+    """Every submodule's parameter and buffer slots, its plain tensor attributes and the
+    contents of its dict and list attributes (a cache a ``forward`` fills: timm's
+    ``attention_bias_cache``) as they were before the block; tensor or traced-value attributes
+    the block added are removed (call under :data:`curvlib._core.sync.LOCK`)."""
     slots = [(m, store, dict(getattr(m, store))) for m in module.modules() for store in ("_parameters", "_buffers")]
-    attrs = [(m, {k: v for k, v in vars(m).items() if isinstance(v, Tensor)}) for m in module.modules()]
+    attrs = [(m, {k: v for k, v in vars(m).items() if isinstance(v, _STATE)}) for m in module.modules()]
+    containers = [(v, copy.copy(v)) for m in module.modules() for k, v in vars(m).items()
+                  if isinstance(v, (dict, list)) and k not in ("_parameters", "_buffers", "_modules")]
     try:
         yield
     finally:
@@ -97,9 +102,18 @@ def restored(module: nn.Module):
             current.clear()
             current.update(saved)
         for m, saved in attrs:
-            for k in [k for k, v in vars(m).items() if isinstance(v, Tensor) and k not in saved]:
+            for k in [k for k, v in vars(m).items() if isinstance(v, _STATE) and k not in saved]:
                 del m.__dict__[k]
             m.__dict__.update(saved)
+        for current, saved in containers:
+            if isinstance(current, dict):
+                current.clear()
+                current.update(saved)
+            else:
+                current[:] = saved
+
+
+_STATE = (Tensor, fx.Proxy)  # a module attribute holding a value of the computation
 
 
 def _split_args(args, kwargs):
