@@ -44,12 +44,11 @@ from .._core.errors import CurvatureError
 from .._core.site import Recorder
 from .._core.sync import LOCK
 from ..rules import attention, elementwise, layernorm
-from .._core.inputs import with_defaults
+from .._core.inputs import trace_structure, with_defaults
 from ..rules.functional import FunctionalUse
 from ..rules.generic import restored
 from .functional_uses import functional_uses, input_dependent
 from .modes import InPlaceProxy, TensorConstant, cut_no_grad_regions, no_autocast, record_modes, refuse_autocast
-from .._core.inputs import trace_structure
 
 __all__ = ["Program", "Layer", "Tracer", "trace_program", "assemble", "function_apply"]
 
