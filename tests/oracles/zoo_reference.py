@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from curvlib.rules.generic import restored
 from oracles.zoo import select
 
 
@@ -53,7 +54,10 @@ def batch_size(X) -> int:
 
 
 def forward(model, X, output):
-    with _math():
+    """The model's output on ``X``, computed afresh: a cache the forward fills (timm's attention
+    biases in eval mode) is emptied again after each call, so that no call reads another call's
+    graph (the oracles differentiate each call on its own)."""
+    with _math(), restored(model):
         o = model(**X) if isinstance(X, dict) else model(X)
     return select(o, output)
 
