@@ -17,6 +17,7 @@ from torch import nn
 from curvlib import CurvatureError, curvature
 from curvlib.extensions import KFLR, BatchGrad
 
+from oracles.merged_heads import merge, split
 from oracles.checks import check_first_order, check_second_order
 from oracles.on_device import seeded
 
@@ -134,16 +135,6 @@ def test_buffer_filled_in_place_holds_sample_data(how, aten):
 H, DH = 2, 2
 
 
-def _merge(t, head_major: bool):
-    """``[N, H, ...]`` -> ``[N·H, ...]``: batch-major (row ``n·H + h``) or head-major (``h·N + n``)."""
-    return (t.transpose(0, 1) if head_major else t).flatten(0, 1)
-
-
-def _split(t, n: int, head_major: bool):
-    t = t.unflatten(0, (H, n) if head_major else (n, H))
-    return t.transpose(0, 1) if head_major else t
-
-
 class Alibi(nn.Module):
     """``[N, T, 4]`` -> q, k, v ``[N, H, T, DH]`` merged into ``[N·H, T, DH]`` (``head_major``
     or not) -> ``baddbmm(bias, q, kᵀ)`` with an ALiBi bias ``slope_h · j`` merged ``[N·H, 1, T]``
@@ -170,7 +161,7 @@ class Alibi(nn.Module):
         if self.bias in ("input", "hot"):
             pos = (x[..., 0] > 0).to(x.dtype).cumsum(-1) if self.bias == "input" else self.to_bias(x).transpose(1, 2)
             per = slopes[None, :, None] * pos[:, None, :] if self.bias == "input" else pos   # [N, H, T]
-            return _merge(per, self.bias_head_major)[:, None, :]
+            return merge(per, self.bias_head_major)[:, None, :]
         row = slopes[:, None] * torch.arange(t, dtype=x.dtype)[None, :]                    # [H, T]
         if self.how == "expand":
             full = row[:, None].expand(H, n, t) if self.head_major else row[None].expand(n, H, t)
@@ -183,10 +174,10 @@ class Alibi(nn.Module):
         if self.aten and bool(x.abs().sum() >= 0):  # a branch on values: the ATen front end
             x = x + 0
         n, t = x.shape[0], x.shape[1]
-        q, k, v = (_merge(z.transpose(1, 2), self.head_major)
+        q, k, v = (merge(z.transpose(1, 2), self.head_major)
                    for z in self.qkv(x).view(n, t, 3, H, DH).unbind(2))                # [N·H, T, DH]
         scores = torch.baddbmm(self._bias(x), q, k.transpose(1, 2), beta=1.0, alpha=DH ** -0.5)
-        h = _split(scores.softmax(-1) @ v, n, self.head_major)                           # [N, H, T, DH]
+        h = split(scores.softmax(-1) @ v, n, H, self.head_major)                           # [N, H, T, DH]
         return self.head(self.out(h.transpose(1, 2).reshape(n, t, H * DH)).mean(1))
 
 

@@ -18,21 +18,12 @@ from torch import nn
 from curvlib import CurvatureError, curvature
 from curvlib.extensions import KFLR, BatchGrad
 
+from oracles.merged_heads import merge, split
 from oracles.checks import check_first_order, check_second_order
 from oracles.on_device import seeded
 
 DT = torch.float64
 H, DH = 2, 2
-
-
-def _merge(t, head_major: bool):
-    """``[N, H, ...]`` -> ``[N·H, ...]``: batch-major (row ``n·H + h``) or head-major (``h·N + n``)."""
-    return (t.transpose(0, 1) if head_major else t).flatten(0, 1)
-
-
-def _split(t, n: int, head_major: bool):
-    t = t.unflatten(0, (H, n) if head_major else (n, H))
-    return t.transpose(0, 1) if head_major else t
 
 
 class PaddedChunks(nn.Module):
@@ -52,8 +43,8 @@ class PaddedChunks(nn.Module):
             x = x + 0
         n, t = x.shape[0], x.shape[1]
         heads = self.qk(x).view(n, t, H, DH).transpose(1, 2)                  # [N, H, T, DH]
-        h = _merge(heads, self.head_major)                                    # [N·H, T, DH]
-        last = torch.tanh(_merge(heads, self.head_major != self.other_order))
+        h = merge(heads, self.head_major)                                    # [N·H, T, DH]
+        last = torch.tanh(merge(heads, self.head_major != self.other_order))
         buf = h.new_zeros(n * H, 3, t, DH + 1)
         if self.setitem:
             buf[:, :-1, :, 1:] = h[:, None]
@@ -61,7 +52,7 @@ class PaddedChunks(nn.Module):
         else:
             buf[:, :-1, :, 1:].copy_(h[:, None].expand(-1, 2, -1, -1))
             buf.select(1, -1)[:, :, 1:].copy_(last)
-        z = _split(buf, n, self.head_major)                                   # [N, H, 3, T, DH + 1]
+        z = split(buf, n, H, self.head_major)                                   # [N, H, 3, T, DH + 1]
         return self.head(torch.tanh(self.out(z)).mean((1, 2, 3)))
 
 
