@@ -93,7 +93,7 @@ def restored(module: nn.Module):
     slots = [(m, store, dict(getattr(m, store))) for m in module.modules() for store in ("_parameters", "_buffers")]
     attrs = [(m, {k: v for k, v in vars(m).items() if isinstance(v, _STATE)}) for m in module.modules()]
     containers = [(v, copy.copy(v)) for m in module.modules() for k, v in vars(m).items()
-                  if isinstance(v, (dict, list)) and k not in ("_parameters", "_buffers", "_modules")]
+                  if isinstance(v, (dict, list)) and k not in _MODULE_SLOTS]
     try:
         yield
     finally:
@@ -114,6 +114,9 @@ def restored(module: nn.Module):
 
 
 _STATE = (Tensor, fx.Proxy)  # a module attribute holding a value of the computation
+# nn.Module's own containers (slots, hooks): restored above or not the model's state; skipping
+# them keeps ``restored`` cheap where it runs per call (an opaque module's forward)
+_MODULE_SLOTS = frozenset(vars(nn.Module()))
 
 
 def _split_args(args, kwargs):
