@@ -282,10 +282,13 @@ def _site_calls(prob) -> Tuple[Dict[str, Tensor], Dict[str, int]]:
     return inputs, calls
 
 
-def constant_input(x: Tensor) -> bool:
-    """The layer's input is the same for every sample (MarkupLM's xpath layers on the default
-    xpath ids): a layer on constants, part of a parameter-only chain (docs/supported-models.md:
-    the diagonal of its exact block), not a site of its own."""
+def constant_input(x: Tensor, n: int) -> bool:
+    """The layer's input is the same for every sample of the batch of ``n`` (MarkupLM's xpath
+    layers on the default xpath ids; torchvision's Swin V2 position-bias MLP on a ``[1, ...]``
+    table of coordinates): a layer on constants, part of a parameter-only chain
+    (docs/supported-models.md: the diagonal of its exact block), not a site of its own."""
+    if n > 1 and x.shape[0] == 1:  # (one row for a batch of n: broadcast over the samples)
+        return True
     # (to rounding: a batched matmul may round rows differently)
     return x.shape[0] > 1 and float((x - x[:1]).abs().max()) <= 1e-12 * max(float(x.abs().max()), 1e-300)
 
@@ -294,7 +297,7 @@ def kflr_sites(prob) -> Dict[str, Tensor]:
     """The sites :func:`kflr_factors` defines factors for, with their inputs: plain layers
     (:func:`plain`) on inputs that vary with the sample."""
     return {k: x for k, x in site_inputs(prob).items()
-            if plain(prob.model.get_submodule(k), x) and not constant_input(x)}
+            if plain(prob.model.get_submodule(k), x) and not constant_input(x, prob.y.shape[0])}
 
 
 def _input_factor(m: nn.Module, x: Tensor, n: int, approx) -> Tuple[Tensor, int, int, int]:

@@ -67,6 +67,7 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import Tensor, fx, nn
 
+from .._core import aliasing
 from .._trace import graph_facts
 from . import mixing_checks as checks, mixing_index as index, mixing_ops as ops
 from .mixing_ops import Batch
@@ -244,7 +245,7 @@ class _Walk:
                 self.layouts[target] = leaves
             if hot:
                 self.hot.add(target)
-            views = target.op in ("call_function", "call_method") and index.op_name(target) in index.VIEWS
+            views = target.op in ("call_function", "call_method") and aliasing.op_name(target) in aliasing.VIEWS
             target = target.args[0] if views and target.args else None
 
     # -- indexing along the batch, decided on values ----------------------------------

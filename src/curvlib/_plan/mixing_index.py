@@ -19,7 +19,6 @@ decided on every call (:func:`check_call`): the values differ per call.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -28,9 +27,10 @@ import torch
 from torch import Tensor, fx, nn
 
 from .._core import inputs as _inputs
+from .._core.aliasing import VIEWS, op_name, writers
 from .mixing_ops import Batch
 
-__all__ = ["GATHERS", "VIEWS", "op_name", "writers", "input_values", "GatherCheck", "gather_check", "MISSING", "Values", "gather_slots", "needed_values", "run_check", "sample_check"]
+__all__ = ["GATHERS", "input_values", "GatherCheck", "gather_check", "MISSING", "Values", "gather_slots", "needed_values", "run_check", "sample_check"]
 
 MISSING = object()
 ZERO = object()  # an index within rows, replaced by zeros
@@ -39,35 +39,6 @@ _RANDOM = ("rand", "normal", "bernoulli", "dropout", "multinomial", "empty", "po
 # ops whose value depends on their tensor input's shape and dtype only
 _SHAPE_ONLY = frozenset("zeros_like ones_like full_like new_zeros new_ones new_full".split())
 _BIG = 1 << 22  # entries: larger constants are not evaluated
-
-
-# ops whose output may share its input's memory: a write into it is a write into the input
-VIEWS = frozenset("""select slice narrow view _unsafe_view expand transpose permute unsqueeze squeeze
-as_strided diagonal t alias unflatten getitem split chunk unbind""".split())
-
-
-def op_name(u: fx.Node) -> str:
-    """A call's name without its ATen overload (``aten.select.int``: ``select``)."""
-    return (u.target if u.op == "call_method" else getattr(u.target, "__name__", "")).split(".")[0]
-
-
-def writers(node: fx.Node) -> List[fx.Node]:
-    """The nodes that write into ``node``'s memory in place, directly or through a view of it
-    (``m[:, 0] = 1``: ``select`` then ``fill_``; ``m.add_(x)``, ``m += x``): its value as a later
-    node reads it is theirs too."""
-    found, stack = [], [node]
-    while stack:
-        m = stack.pop()
-        for u in m.users:
-            if not u.args or u.args[0] is not m or u.op not in ("call_function", "call_method"):
-                continue
-            name = op_name(u)
-            if u.target is operator.setitem or name in ("iadd", "isub", "imul", "itruediv") \
-                    or (name.endswith("_") and not name.endswith("__")):
-                found.append(u)
-            elif name in VIEWS:
-                stack.append(u)
-    return found
 
 
 def _name(node: fx.Node) -> str:

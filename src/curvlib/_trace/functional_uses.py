@@ -7,23 +7,27 @@ it as a site, its parameter-only chain recomputed as a function of the parameter
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, List, Optional
 
 from torch import fx, nn
 
 from ..rules.functional import FunctionalUse, is_affine, linear_roles, linear_transposed
+from .._core.aliasing import effective_inputs
 
 __all__ = ["input_dependent", "shape_query", "functional_uses"]
 
 
-def input_dependent(graph: fx.Graph, leaves: bool = False) -> set:
+def input_dependent(graph: fx.Graph, leaves: bool = False, inputs: Optional[Dict[fx.Node, List[fx.Node]]] = None) -> set:
     """Nodes whose value depends on the model input (the first placeholder; every
-    placeholder when the input's leaves are the placeholders)."""
+    placeholder when the input's leaves are the placeholders). ``inputs``: every node's
+    :func:`~curvlib._trace.aliasing.effective_inputs` (a buffer written in place with
+    the input's values depends on the input from then on)."""
+    inputs = effective_inputs(graph) if inputs is None else inputs
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     # (a placeholder with a default is a further argument specialised to it: a constant)
     dependent = set([p for p in placeholders if not p.args] if leaves else placeholders[:1])
     for node in graph.nodes:
-        if any(a in dependent for a in node.all_input_nodes) and not shape_query(node):
+        if any(a in dependent for a in inputs[node]) and not shape_query(node):
             dependent.add(node)
     return dependent
 
@@ -40,7 +44,10 @@ def shape_query(node: fx.Node) -> bool:
 def functional_uses(graph: fx.Graph, root: nn.Module, param_names: Dict[int, str]) -> Dict[fx.Node, FunctionalUse]:
     """Nodes that depend on the model input and read parameters directly (see
     :mod:`curvlib.rules.functional`), with their parameter-only chains."""
-    dependent = input_dependent(graph, leaves=getattr(graph._codegen, "pytree_info", None) is not None)
+    # (every input with the in-place writes into it: ``b = p.clone(); b[i].zero_()`` reads p
+    # and is p with zeros, the writes part of the chain that recomputes it)
+    sees = effective_inputs(graph)
+    dependent = input_dependent(graph, getattr(graph._codegen, "pytree_info", None) is not None, sees)
     reads: Dict[fx.Node, frozenset] = {}  # parameter-only node -> parameter names it reads
     for node in graph.nodes:
         if node in dependent:
@@ -58,14 +65,14 @@ def functional_uses(graph: fx.Graph, root: nn.Module, param_names: Dict[int, str
         elif node.op == "call_module":  # a layer on constants (wpe(arange(T))): its parameters
             names |= {param_names[id(p)] for p in root.get_submodule(node.target).parameters()
                       if id(p) in param_names}
-        for a in node.all_input_nodes:
+        for a in sees[node]:
             names |= reads.get(a, frozenset())
         reads[node] = frozenset(names)
     uses: Dict[fx.Node, FunctionalUse] = {}
     for node in graph.nodes:
         if node not in dependent or node.op in ("placeholder", "output", "call_module"):
             continue
-        constant_args = [a for a in node.all_input_nodes if a not in dependent]
+        constant_args = [a for a in sees[node] if a not in dependent]
         params = set().union(*(reads[a] for a in constant_args)) if constant_args else set()
         if not params:
             continue
@@ -75,7 +82,7 @@ def functional_uses(graph: fx.Graph, root: nn.Module, param_names: Dict[int, str
             if a not in chain_set:
                 chain_set.add(a)
                 if not shape_query(a):  # (``x.shape`` of a computed x: a fixed value, not x's ancestry)
-                    stack.extend(a.all_input_nodes)
+                    stack.extend(sees[a])
         chain = tuple(n for n in graph.nodes if n in chain_set)
         inputs = tuple(a for a in node.all_input_nodes if a in dependent)
         fixed = tuple(n for n in chain if not reads.get(n))  # (index computations, the input's shape)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.func import vjp, vmap
 
+from .._core.aliasing import VIEWS, op_name, view_base
 from .._core.batch_layout import from_batch_first
 from .._core.site import Recorder, RoleTensors, Rule, Site, sample_layout
 from ._conv_correlation import Correlation
@@ -93,7 +94,7 @@ def run_nodes(nodes: Sequence[fx.Node], env: Dict, root: nn.Module, param_names:
               tensors: Optional[Dict[str, Tensor]] = None) -> Dict:
     """Run ``nodes`` (in graph order) into ``env``, skipping those it holds; parameters read by
     ``get_attr`` or a ``call_module`` are taken from ``tensors`` (canonical name -> tensor) when
-    given, as they are otherwise."""
+    given, as they are otherwise. In-place writes run on copies (:func:`_write_into_copy`)."""
     load = lambda a: fx.node.map_arg(a, lambda n: env[n])  # noqa: E731
     for node in nodes:
         if node in env:
@@ -104,23 +105,50 @@ def run_nodes(nodes: Sequence[fx.Node], env: Dict, root: nn.Module, param_names:
                 value = tensors[param_names[id(value)]]
             env[node] = value
         elif node.op in ("call_function", "call_method"):
-            args, kwargs = load(node.args), load(node.kwargs)
-            if _overwrites_first(node) and args and isinstance(args[0], Tensor):
-                # (under torch.func an in-place update of a captured tensor is refused: update a
-                # copy, and let later readers of the overwritten input see the result, as in eager)
-                args = (args[0].clone(),) + tuple(args[1:])
-            if node.op == "call_function":
-                env[node] = node.target(*args, **kwargs)
+            written = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+            if written is not None and isinstance(env.get(written), Tensor) \
+                    and (_overwrites_first(node) or node.target is operator.setitem):
+                _write_into_copy(node, written, env, load)
             else:
-                env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
-            if _overwrites_first(node) and isinstance(node.args[0], fx.Node):
-                env[node.args[0]] = env[node]
+                env[node] = _call(node, load(node.args), load(node.kwargs))
         else:  # call_module on parameters or constants (wpe(arange(T))), with the given parameters
             module = attrgetter(node.target)(root)
             own = {k: tensors[param_names[id(p)]] for k, p in module.named_parameters()
                    if tensors is not None and param_names.get(id(p)) in tensors}
             env[node] = torch.func.functional_call(module, own, tuple(load(node.args)), load(node.kwargs))
     return env
+
+
+def _call(node: fx.Node, args, kwargs):
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    return getattr(args[0], node.target)(*args[1:], **kwargs)
+
+
+def _write_into_copy(node: fx.Node, written: fx.Node, env: Dict, load) -> None:
+    """Run the in-place write ``node`` into ``written`` (``b[2:4].zero_()``, ``x += y``,
+    ``m[:, 0] = v``) without touching the tensor ``env`` holds: that may be a parameter, a
+    buffer of the model or a tensor captured from outside a torch.func transform (which
+    refuses in-place updates). The memory written (the base of ``written``'s views) is
+    copied, the views read so far are taken again of the copy, the write runs on it in
+    place, and later nodes read the copy, as in eager they read the written memory."""
+    base = view_base(written)
+    if base not in env:
+        base = written
+    env[base] = env[base].clone()
+    views, stack = [], [base]  # the views of the base computed so far, in graph order
+    while stack:
+        m = stack.pop()
+        for u in m.users:
+            if u in env and u.op in ("call_function", "call_method") and u.args and u.args[0] is m \
+                    and op_name(u) in VIEWS:
+                views.append(u)
+                stack.append(u)
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    for v in sorted(views, key=order.__getitem__):
+        env[v] = _call(v, load(v.args), load(v.kwargs))
+    result = _call(node, load(node.args), load(node.kwargs))
+    env[node] = env[written] if node.target is operator.setitem else result
 
 
 def _of_free_parameters(site: Site, roles: Sequence[str], inputs: Sequence[Tensor]):
