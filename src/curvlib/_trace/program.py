@@ -45,7 +45,7 @@ from .._core.site import Recorder
 from .._core.sync import LOCK
 from ..rules import attention, elementwise, layernorm
 from .._core.inputs import trace_structure, with_defaults
-from ..rules.functional import FunctionalUse
+from ..rules.functional import FunctionalUse, split_computed_bias
 from ..rules.generic import restored
 from .functional_uses import functional_uses, input_dependent
 from .modes import InPlaceProxy, TensorConstant, cut_no_grad_regions, no_autocast, record_modes, refuse_autocast
@@ -357,6 +357,8 @@ def assemble(root, prefix, graph, error, opaque, param_names, leaf_inputs: bool)
         forward, kind = rules.forward_for(module)
         layers[target] = Layer(path=path, module=module, names=names, forward=forward, kind=kind,
                                opaque=opaque.get(target, ""))
+    if graph is not None:
+        split_computed_bias(graph, root, param_names, input_dependent(graph, leaves=leaf_inputs))
     functional = functional_uses(graph, root, param_names) if graph is not None else {}
     return Program(
         root=root, graph=graph, trace_error=error, layers=layers,

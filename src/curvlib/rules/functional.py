@@ -296,6 +296,28 @@ def linear_roles(node: fx.Node, root: nn.Module, param_names: Dict[int, str], de
     return roles if all(roles.values()) else None
 
 
+def split_computed_bias(graph: fx.Graph, root: nn.Module, param_names: Dict[int, str], dependent) -> None:
+    """Rewrite ``F.linear(x, W, b)`` on a parameter ``W`` whose bias is computed in ``forward``
+    (timm's Swin V2 and BEiT: ``cat((q_bias, zeros, v_bias))``) as ``F.linear(x, W) + b``: the
+    same values, with ``W`` a Linear site (two Kronecker factors) and the bias's parameters
+    generic uses of the sum (the ATen front end's ``linear_computed_bias``)."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not F.linear:
+            continue
+        args = list(node.args) + [node.kwargs.get(k) for k in ("input", "weight", "bias")[len(node.args):]]
+        x, w, b = (args + [None] * 3)[:3]
+        if not (isinstance(x, fx.Node) and x in dependent and isinstance(b, fx.Node)) \
+                or _parameter_name(_untransposed(w), root, param_names) is None \
+                or _parameter_name(b, root, param_names) is not None:
+            continue
+        with graph.inserting_before(node):
+            product = graph.call_function(F.linear, (x, w))
+            summed = graph.call_function(operator.add, (product, b))
+        node.replace_all_uses_with(summed)
+        graph.erase_node(node)
+        dependent.update((product, summed))
+
+
 def _untransposed(w):
     """``W`` of ``W.t()`` / ``W.T`` / ``torch.t(W)`` (a weight stored ``[in, out]``), else ``w``."""
     if not isinstance(w, fx.Node):
