@@ -213,9 +213,9 @@ def check_problem(prob: zoo.Problem, group: str) -> Dict[str, float]:
         # where the constant reaches the layer through a tensor that also holds data (CaiT's class
         # token, row 0 of a LayerNorm over [class token, patches]), curvlib reads it as a site of its
         # own, and its two factors are checked against the oracle's like every other site's
-        inputs = oz.site_inputs(prob)
-        constant = {f"{k}.weight": k for k, x in inputs.items()
-                    if oz.constant_input(x, prob.y.shape[0]) and f"{k}.weight" in params and f"{k}.weight" not in standardised}
+        inputs, constant_sites = oz.site_inputs(prob), oz.constant_sites(prob)
+        constant = {f"{k}.weight": k for k in inputs
+                    if k in constant_sites and f"{k}.weight" in params and f"{k}.weight" not in standardised}
         as_site = {k: inputs[k] for w, k in constant.items() if w in qs["kflr"] and len(qs["kflr"][w]) == 2
                    and oz.plain(prob.model.get_submodule(k), inputs[k])}
         standardised += [w for w, k in constant.items() if k not in as_site]

@@ -282,22 +282,28 @@ def _site_calls(prob) -> Tuple[Dict[str, Tensor], Dict[str, int]]:
     return inputs, calls
 
 
-def constant_input(x: Tensor, n: int) -> bool:
-    """The layer's input is the same for every sample of the batch of ``n`` (MarkupLM's xpath
-    layers on the default xpath ids; torchvision's Swin V2 position-bias MLP on a ``[1, ...]``
-    table of coordinates): a layer on constants, part of a parameter-only chain
-    (docs/supported-models.md: the diagonal of its exact block), not a site of its own."""
-    if n > 1 and x.shape[0] == 1:  # (one row for a batch of n: broadcast over the samples)
-        return True
+def constant_sites(prob) -> List[str]:
+    """The sites of :func:`site_inputs` whose input is the same whatever the samples (MarkupLM's
+    xpath layers on the default xpath ids, the position-bias MLPs of Swin V2 and timm's relative
+    position MLPs on a table of coordinates): layers on constants, part of a parameter-only
+    chain (docs/supported-models.md: the diagonal of its exact block), not sites of their own.
+    Decided by running the forward again on the batch in reverse order: an input that depends on
+    the samples changes (their rows are drawn at random), a constant one does not."""
+    n = prob.y.shape[0]
+    flip = lambda x: x.flip(0) if isinstance(x, Tensor) and x.dim() and x.shape[0] == n else x  # noqa: E731
+    reversed_X = {k: flip(v) for k, v in prob.X.items()} if isinstance(prob.X, dict) else flip(prob.X)
+    first, _ = _site_calls(prob)
+    second, _ = _site_calls(prob._replace(X=reversed_X))
     # (to rounding: a batched matmul may round rows differently)
-    return x.shape[0] > 1 and float((x - x[:1]).abs().max()) <= 1e-12 * max(float(x.abs().max()), 1e-300)
+    same = lambda a, b: a.shape == b.shape and float((a - b).abs().max()) <= 1e-12 * max(float(a.abs().max()), 1e-300)  # noqa: E731
+    return [k for k, x in first.items() if n > 1 and k in second and same(x, second[k])]
 
 
 def kflr_sites(prob) -> Dict[str, Tensor]:
     """The sites :func:`kflr_factors` defines factors for, with their inputs: plain layers
     (:func:`plain`) on inputs that vary with the sample."""
-    return {k: x for k, x in site_inputs(prob).items()
-            if plain(prob.model.get_submodule(k), x) and not constant_input(x, prob.y.shape[0])}
+    constant = constant_sites(prob)
+    return {k: x for k, x in site_inputs(prob).items() if plain(prob.model.get_submodule(k), x) and k not in constant}
 
 
 def _input_factor(m: nn.Module, x: Tensor, n: int, approx) -> Tuple[Tensor, int, int, int]:
