@@ -150,3 +150,85 @@ def test_rows_that_mix_samples_are_refused():
     X, y = torch.randn(3, 2, 4, dtype=DT), torch.randint(0, 3, (3,))
     with pytest.raises(CurvatureError, match="sample"):
         curvature(SortedRows(4, 2, 1).to(DT), nn.CrossEntropyLoss(), [BatchGrad()])(X, y)
+
+
+class SortedExperts(nn.Module):
+    """Grouped experts as transformers' ``grouped_mm`` path dispatches them: the ``N·T·k``
+    token-expert rows of the whole batch sorted by expert (``torch.sort``), counted per expert
+    (``torch.histc``), each sorted row times its expert's weights, and added back to its token
+    (``index_add``). ``mix``: a running sum over the sorted rows, which does mix samples."""
+
+    def __init__(self, dim: int, experts: int, k: int, hidden: int = 3, mix: bool = False):
+        super().__init__()
+        self.k, self.experts, self.mix = k, experts, mix
+        self.up = nn.Parameter(0.5 * torch.randn(experts, dim, hidden))
+        self.down = nn.Parameter(0.5 * torch.randn(experts, hidden, dim))
+
+    def forward(self, rows, idx, weights):
+        ids, order = torch.sort(idx.reshape(-1))
+        counts = torch.histc(ids.to(rows.dtype), bins=self.experts, min=0, max=self.experts - 1)
+        picked = rows[order // self.k]
+        h = torch.tanh(torch.bmm(picked.unsqueeze(1), self.up[ids]).squeeze(1))
+        h = torch.bmm(h.unsqueeze(1), self.down[ids]).squeeze(1) * weights.reshape(-1)[order].unsqueeze(-1)
+        if self.mix:
+            h = h.cumsum(0)
+        h = h * (1 + 0 * counts.sum())  # (the counts feed the computation, as grouped_mm's offsets do)
+        return torch.zeros_like(rows).index_add(0, order // self.k, h)
+
+
+class SortedExpertsMoE(nn.Module):
+    """Router ``Linear`` and top-k on the rows ``[N·T, D]``, :class:`SortedExperts` on them, a
+    Linear head on the mean over tokens (``aten``: a value read in ``forward``, so that the model
+    is traced at the ATen level)."""
+
+    def __init__(self, dim: int = 4, experts: int = 3, k: int = 2, mix: bool = False, aten: bool = False):
+        super().__init__()
+        self.k, self.aten = k, aten
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = SortedExperts(dim, experts, k, mix=mix)
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x):
+        if self.aten and bool(x.abs().sum() >= 0):
+            x = x * 1.0
+        n, t, d = x.shape
+        rows = x.reshape(-1, d)
+        top, idx = torch.topk(self.router(rows), self.k, dim=-1)
+        out = self.experts(rows, idx, torch.softmax(top, -1))
+        return self.head((rows + out).reshape(n, t, d).mean(1))
+
+
+def _sorted_case(seed: int, n: int, t: int, k: int, aten: bool, mix: bool = False):
+    torch.manual_seed(seed)
+    model = SortedExpertsMoE(k=k, aten=aten, mix=mix).to(DT)
+    gen = seeded(seed)
+    X = torch.randn(n, t, 4, generator=gen, dtype=DT)
+    return model, nn.CrossEntropyLoss(), X, torch.randint(0, 3, (n,), generator=gen)
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(2, 4), t=st.integers(2, 4), k=st.integers(1, 2))
+def test_experts_on_rows_sorted_across_the_batch_are_exact(seed, n, t, k):
+    """The module that sorts the batch's rows is kept whole in the ATen-level trace and run per
+    sample on its rows (:mod:`curvlib._trace.module_calls`, :mod:`curvlib._plan.merged_modules`):
+    first order and the GGN family equal the float64 brute force."""
+    case = _sorted_case(seed, n, t, k, aten=True)
+    check_first_order(*case)
+    check_second_order(*case, hessian=False, hmp=False)
+
+
+@pytest.mark.parametrize("aten", [False, True])
+def test_sorted_rows_that_mix_samples_are_refused(aten):
+    """A running sum over the sorted rows mixes samples: the module kept whole fails the
+    numeric test of its rows (sample j changed, other samples' rows change) and is refused."""
+    model, lossfn, X, y = _sorted_case(0, 3, 3, 2, aten, mix=True)
+    with pytest.raises(CurvatureError, match="sample"):
+        curvature(model, lossfn, [BatchGrad()])(X, y)
+
+
+def test_experts_on_sorted_rows_have_no_kronecker_factors():
+    """KFLR needs the Linear/Conv layers inside a layer; a module kept whole is one generic layer:
+    refused naming it, not silently some other factor."""
+    model, lossfn, X, y = _sorted_case(0, 3, 3, 2, True)
+    with pytest.raises(CurvatureError, match="experts"):
+        curvature(model, lossfn, [KFLR()])(X, y)

@@ -24,6 +24,7 @@ from torch.nn import functional as F
 from . import independence as _independence
 from .._hessian import structured as _residual_structured
 from .._core.errors import CurvatureError
+from .merged_modules import batch_first_module
 from .mixing_ops import Batch
 from .._core.site import Site
 
@@ -67,7 +68,8 @@ def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable)
     where = {}
     for site, sa, sb in zip(rec_a.sites, rec_a.out_shapes, rec_b.out_shapes):
         d, c = _merged(sa, sb, n)
-        if c and (site.rule.kind in _ROW_WISE or _broadcasting(site) or (d == 0 and _rows_apart(program, site, sa))):
+        if c and (site.rule.kind in _ROW_WISE or _broadcasting(site) or (d == 0 and _rows_apart(program, site, sa))
+                  or _generic_wrappable(program, site)):
             where[_site_node_name(site)] = d
     if not where or program.graph is None:
         return False
@@ -84,8 +86,13 @@ def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable)
             continue
         positions, batch = split
         rows = batch.dim == 0 and _rows_apart(program, None, env_a[node].shape, node)
+        generic = _generic_wrappable(program, None, node)
         for graph_program in (program, program.sibling):
-            if graph_program is not None:
+            if graph_program is None:
+                continue
+            if generic:  # (its forward keeps its own layout: the batch split off around it)
+                batch_first_module(graph_program, node.name, positions, (batch.c // batch.s, batch.s, batch.dim))
+            else:
                 _unmerge(graph_program, node.name, positions, (batch.c // batch.s, batch.s, batch.dim), channels=rows)
         done = True
     return done
@@ -101,14 +108,26 @@ def _split_of(program, node: fx.Node, found, out_dim: int):
     # rows without sample data in no known order (a learned query repeated N times) fit the others' order
     free = {k for k, b in merged.items() if b.s is None and args[k] not in found.data}
     layouts = {b for k, b in merged.items() if k not in free}
-    if len(layouts) != 1 or (node.op == "call_module" and set(merged) != {0}):
-        return None  # (a module's batched input is its first; operands merged alike)
+    generic = _generic_wrappable(program, None, node)
+    if len(layouts) != 1 or (node.op == "call_module" and not generic and set(merged) != {0}):
+        return None  # (a rule's batched input is its first; a generic module's operands merged alike)
     batch = layouts.pop()
     if batch.dim != out_dim or not batch.s or batch.c % batch.s:
         return None  # an order the analysis could not follow: refused by the planner
     if any((merged[k].dim, merged[k].c) != (batch.dim, batch.c) for k in free):
         return None
     return sorted(merged), batch
+
+
+def _generic_wrappable(program, site: Optional[Site], node: Optional[fx.Node] = None) -> bool:
+    """A layer run by the generic rule in an ATen-level program, whose root is curvlib's own
+    (:func:`curvlib._plan.merged_modules.batch_first_module` registers its wrapper there; a
+    symbolic trace's root is the user's model, which is never changed)."""
+    if not getattr(program, "aten", False):
+        return False
+    if site is not None:
+        return site.rule.kind == "generic" and site.meta.get("use") is None
+    return node.op == "call_module" and node.target in program.layers and program.layers[node.target].kind == "generic"
 
 
 def _rows_apart(program, site: Optional[Site], shape, node: Optional[fx.Node] = None) -> bool:

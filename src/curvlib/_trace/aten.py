@@ -36,7 +36,7 @@ signature (shapes, dtypes, devices): :mod:`curvlib._transform.entry` keys it so.
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, fx, nn
@@ -48,8 +48,9 @@ from .._core.errors import CurvatureError
 from .aten_ops import (INPUT_ARG, conv1d_linear, linear_computed_bias, matmul_linear, owner_call, owners, torch_level,
                        view_of)
 from .branches import input_branch, keyword_inputs, without_hooks
-from .._core.inputs import as_pytree, trace_structure
+from .._core.inputs import as_pytree, batch_size, trace_structure
 from .functions import forget, recorded_functions, replay
+from .module_calls import forget as forget_modules, kept_whole, module_spans, modules_to_keep_whole, replay_module
 from .modes import inference_as_no_grad
 from .program import Program, Tracer, assemble
 from .._core.sync import LOCK
@@ -59,13 +60,16 @@ __all__ = ["trace_aten_program", "trace_graph"]
 
 aten = torch.ops.aten
 APPLIED_OP = torch.ops.curvlib.autograd_function.default
+MODULE_CALL_OP = torch.ops.curvlib.module_call.default
 torch.fx.wrap("input_branch")  # the replay's guards stay calls (fx.wrap patches this module's globals)
 
 
-def _aten_graph(model: nn.Module, X, output) -> Tuple[fx.GraphModule, List[str], List[str], List[int], str]:
+def _aten_graph(model: nn.Module, X, output, whole: Optional[Dict[str, str]] = None
+                ) -> Tuple[fx.GraphModule, List[str], List[str], List[int], str]:
     """Run the model once under ``make_fx``; returns the ATen graph, the parameter and buffer
     names of its leading placeholders, the positions of the tensor leaves of ``X`` and where
-    the loss's tensor was found in the output."""
+    the loss's tensor was found in the output. ``whole``: the paths of modules recorded as one
+    node each (:mod:`curvlib._trace.module_calls`)."""
     params = {n: p.detach() for n, p in model.named_parameters()}
     # (clones: a BatchNorm in train mode updates running statistics in place; the model's stay as they are)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
@@ -89,10 +93,11 @@ def _aten_graph(model: nn.Module, X, output) -> Tuple[fx.GraphModule, List[str],
     # (a value the Python reads from a tensor, ``if mask.all()``, is taken as it is for this input
     # and becomes a guard of the graph: see :func:`input_branch`)
     with recorded_functions() as keys, LOCK, restored(model), without_hooks(model), inference_as_no_grad(), \
+            kept_whole(model, whole or {}) as module_keys, module_spans(model) as spans, \
             torch.enable_grad():  # (the model's own no_grad regions are recorded, not the caller's)
         gm = make_fx(run, pre_dispatch=True, _error_on_data_dependent_ops=False)(*inputs)
     _refuse_escaped_transforms(gm, model)
-    gm.curvlib_functions = keys
+    gm.curvlib_functions, gm.curvlib_modules, gm.curvlib_spans = keys, module_keys, spans
     gm.curvlib_reads = _read_values(gm, pytree.tree_leaves(inputs))
     return gm, list(params), list(buffers), tensor_at, chosen[0]
 
@@ -196,6 +201,8 @@ class _Replay(nn.Module):
             return target(*args, **kwargs)  # constants only (a causal mask): evaluated once
         if target is APPLIED_OP:
             return replay(*args, **kwargs)  # a custom autograd.Function: one node, run by Fn.apply
+        if target is MODULE_CALL_OP:
+            return replay_module(*args, **kwargs)  # a module kept whole: one call_module node
         if target in _READS:
             return input_branch(args[0], self._gm.curvlib_reads[node.name], node.name)
         if _same_dtype_copy(node):
@@ -243,8 +250,9 @@ def trace_aten_program(model: nn.Module, X, output=None) -> Program:
     param_names: Dict[int, str] = {}
     for name, p in model.named_parameters():
         param_names.setdefault(id(p), name)
-    root, graph, chosen = trace_graph(model, X, output)
-    program = assemble(root, "model.", graph, None, {}, param_names, leaf_inputs=not isinstance(X, torch.Tensor))
+    root, graph, chosen, whole = trace_graph(model, X, output)
+    opaque = {f"model.{path}": why for path, why in whole.items()}
+    program = assemble(root, "model.", graph, None, opaque, param_names, leaf_inputs=not isinstance(X, torch.Tensor))
     program.aten, program.output_choice = True, chosen
     for target, path in root.view_paths.items():  # (a view's layer is named as its owner)
         if target in program.layers:
@@ -252,17 +260,24 @@ def trace_aten_program(model: nn.Module, X, output=None) -> Program:
     return program
 
 
-def trace_graph(model: nn.Module, X, output) -> Tuple[nn.Module, fx.Graph, str]:
-    """``(root, graph, where the loss's tensor was found)``: the model traced on ``X`` at the
-    ATen level and replayed by curvlib's fx tracer over a root holding the
-    model at ``model.``."""
+def trace_graph(model: nn.Module, X, output) -> Tuple[nn.Module, fx.Graph, str, Dict[str, str]]:
+    """``(root, graph, where the loss's tensor was found, modules kept whole)``: the model traced
+    on ``X`` at the ATen level and replayed by curvlib's fx tracer over a root holding the
+    model at ``model.``. A module that reorders rows across the batch is kept whole
+    (:mod:`curvlib._trace.module_calls`): the model is then traced a second time."""
     gm, params, buffers, tensor_at, chosen = _aten_graph(model, X, output)
+    whole = modules_to_keep_whole(gm, gm.curvlib_spans, model, batch_size(X))
+    if whole:
+        forget(gm.curvlib_functions)
+        forget_modules(gm.curvlib_modules)
+        gm, params, buffers, tensor_at, chosen = _aten_graph(model, X, output, whole)
     container = not isinstance(X, Tensor)
     root = _Replay(model, gm, params, buffers, tensor_at, container)
     concrete = {"X": trace_structure(X)} if container else None
     try:
-        graph = Tracer().trace(root, concrete_args=concrete)
+        graph = Tracer({id(model.get_submodule(p)): why for p, why in whole.items()}).trace(root, concrete_args=concrete)
     finally:
         forget(gm.curvlib_functions)
+        forget_modules(gm.curvlib_modules)
     graph.curvlib_guarded = bool(gm.curvlib_reads)
-    return root, graph, chosen
+    return root, graph, chosen, whole
