@@ -27,6 +27,7 @@ from .._core.errors import CurvatureError
 from .merged_modules import batch_first_module
 from .mixing_ops import Batch
 from .._core.site import Site
+from ..rules import generic
 
 __all__ = ["split_merged_batches", "residual_merges", "per_sample"]
 
@@ -126,8 +127,8 @@ def _generic_wrappable(program, site: Optional[Site], node: Optional[fx.Node] = 
     if not getattr(program, "aten", False):
         return False
     if site is not None:
-        return site.rule.kind == "generic" and site.meta.get("use") is None
-    return node.op == "call_module" and node.target in program.layers and program.layers[node.target].kind == "generic"
+        return site.rule is generic.GENERIC
+    return node.op == "call_module" and node.target in program.layers and program.layers[node.target].forward is generic.forward
 
 
 def _rows_apart(program, site: Optional[Site], shape, node: Optional[fx.Node] = None) -> bool:

@@ -17,13 +17,11 @@ of the trace are
   run by the generic rule; a parameter-free one runs as it is.
 
 Everything else (user containers, functional ops, tensor methods, residual
-additions) is inlined into the graph, so any traceable model works,
-Sequential or not. A module instance called twice appears as two nodes that
-name the same layer.
+additions) is inlined into the graph, so any traceable model works, Sequential
+or not. A module instance called twice is two nodes that name the same layer.
 
-Parameters are renamed to their canonical names (those of
-``model.named_parameters()``), so tied weights (one ``Parameter`` held by two
-modules) are one entry.
+Parameters take their canonical names (``model.named_parameters()``'s): tied
+weights (one ``Parameter`` held by two modules) are one entry.
 """
 
 from __future__ import annotations
@@ -357,7 +355,7 @@ def assemble(root, prefix, graph, error, opaque, param_names, leaf_inputs: bool)
         forward, kind = rules.forward_for(module)
         layers[target] = Layer(path=path, module=module, names=names, forward=forward, kind=kind,
                                opaque=opaque.get(target, ""))
-    if graph is not None:
+    if graph is not None:  # (F.linear(x, W, b(θ)) as F.linear(x, W) + b(θ): W keeps its Linear rule)
         split_computed_bias(graph, root, param_names, input_dependent(graph, leaves=leaf_inputs))
     functional = functional_uses(graph, root, param_names) if graph is not None else {}
     return Program(
