@@ -21,7 +21,6 @@ the model allows it, else one call per column), since these models' own Python (
 
 from __future__ import annotations
 
-import functools
 from contextlib import contextmanager
 from typing import Dict, List, Optional, Tuple
 
@@ -29,40 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from curvlib.rules.generic import restored
+from oracles.torch_fixes import exact_backward
 from oracles.zoo import select
-
-
-class _ContiguousNormGrads(TorchDispatchMode):
-    """Works around a PyTorch CPU bug (seen in 2.13): ``native_batch_norm_backward`` in eval
-    mode returns a wrong input gradient for a batch of one whose incoming gradient is
-    channels-last with a batch stride other than ``C·H·W`` (``[1, C, H, W]`` with strides
-    ``(C, 1, W·C, C)``: the gradient of ``conv_bn(x).flatten(2).transpose(1, 2)`` of a model
-    that adds a ``[1, C]`` bias to the tokens, as XCiT, iFormer and EfficientViT-MSRA do).
-    Every oracle here runs one sample alone, so torch's own gradients of those models were
-    off by up to 50 % (finite differences and the in-batch gradient agree with curvlib); the
-    gradient made contiguous first gives the exact result. Values are unchanged."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in _NORM_BACKWARDS and torch.is_tensor(args[0]) and not args[0].is_contiguous():
-            args = (args[0].contiguous(),) + tuple(args[1:])
-        return func(*args, **(kwargs or {}))
-
-
-_NORM_BACKWARDS = {torch.ops.aten.native_batch_norm_backward.default}
-
-
-def _exact_backward(f):
-    """``f`` run under :class:`_ContiguousNormGrads` (its backward calls included)."""
-
-    @functools.wraps(f)
-    def wrapped(*args, **kwargs):
-        with _ContiguousNormGrads():
-            return f(*args, **kwargs)
-
-    return wrapped
 
 
 @contextmanager
@@ -115,7 +84,7 @@ def _grads(out: Tensor, params: List[Tensor], cotangents: Tensor) -> List[Tensor
                 for j, p in enumerate(params)]
 
 
-@_exact_backward
+@exact_backward
 def individual_gradients(prob) -> Dict[str, Tensor]:
     params = trainable(prob.model)
     n, c = batch_size(prob.X), scale(prob.lossfn, batch_size(prob.X))
@@ -127,7 +96,7 @@ def individual_gradients(prob) -> Dict[str, Tensor]:
     return {k: torch.stack([g[j] for g in per]) for j, k in enumerate(params)}
 
 
-@_exact_backward
+@exact_backward
 def ggn_parts(prob):
     """``[(J_i {p: [C, *p]}, H_i [C, C])]`` per sample."""
     params = trainable(prob.model)
@@ -186,7 +155,7 @@ def twice_differentiable(prob):
     return prob._replace(model=model)
 
 
-@_exact_backward
+@exact_backward
 def hessian_diagonals(prob, names=None) -> Dict[str, Tensor]:
     """``{p: [N, *p]}``: per-sample Hessian diagonals of ``ℓ_i``."""
     prob = twice_differentiable(prob)
@@ -215,7 +184,7 @@ def hessian_diagonals(prob, names=None) -> Dict[str, Tensor]:
     return {k: torch.stack(v) for k, v in result.items()}
 
 
-@_exact_backward
+@exact_backward
 def hessian_block(prob, name: str) -> Tensor:
     """``[P, P]``: the batch loss's Hessian block of parameter ``name``."""
     prob = twice_differentiable(prob)
@@ -351,7 +320,7 @@ def _input_factor(m: nn.Module, x: Tensor, n: int, approx) -> Tuple[Tensor, int,
     return (A / (n * S) if approx == "expand" else A / n), S, dim, O
 
 
-@_exact_backward
+@exact_backward
 def _output_factor(prob, m: nn.Module, i: int, dim: int, O: int, approx) -> Tensor:
     """Sample ``i``'s ``Σ J_sᵀ H J_s`` (``"expand"``, per position ``s``) or ``Jᵀ H J`` of one offset
     added at every position; float64, the offset in the layer's output dtype."""
