@@ -163,6 +163,15 @@ def eval_batch_norm(x: Tensor, mean: Tensor, var: Tensor, weight=None, bias=None
     return out if bias is None else out + bias.view(shape)
 
 
+def functional(x: Tensor, running_mean=None, running_var=None, weight=None, bias=None, training: bool = False,
+               momentum: float = 0.1, eps: float = 1e-5) -> Tensor:
+    """``F.batch_norm`` as a model calls it (a traced ``call_function`` node): in evaluation mode
+    with running statistics, :func:`eval_batch_norm`; otherwise torch's own."""
+    if not training and running_mean is not None and running_var is not None:
+        return eval_batch_norm(x, running_mean, running_var, weight, bias, eps)
+    return F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
+
+
 def forward(module: nn.modules.batchnorm._BatchNorm, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
     """Run the BatchNorm layer in evaluation mode functionally and record its site.
 
