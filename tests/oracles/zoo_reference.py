@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from curvlib.rules.generic import restored
+from oracles.torch_fixes import exact_backward
 from oracles.zoo import select
 
 
@@ -83,6 +84,7 @@ def _grads(out: Tensor, params: List[Tensor], cotangents: Tensor) -> List[Tensor
                 for j, p in enumerate(params)]
 
 
+@exact_backward
 def individual_gradients(prob) -> Dict[str, Tensor]:
     params = trainable(prob.model)
     n, c = batch_size(prob.X), scale(prob.lossfn, batch_size(prob.X))
@@ -94,6 +96,7 @@ def individual_gradients(prob) -> Dict[str, Tensor]:
     return {k: torch.stack([g[j] for g in per]) for j, k in enumerate(params)}
 
 
+@exact_backward
 def ggn_parts(prob):
     """``[(J_i {p: [C, *p]}, H_i [C, C])]`` per sample."""
     params = trainable(prob.model)
@@ -152,6 +155,7 @@ def twice_differentiable(prob):
     return prob._replace(model=model)
 
 
+@exact_backward
 def hessian_diagonals(prob, names=None) -> Dict[str, Tensor]:
     """``{p: [N, *p]}``: per-sample Hessian diagonals of ``ℓ_i``."""
     prob = twice_differentiable(prob)
@@ -180,6 +184,7 @@ def hessian_diagonals(prob, names=None) -> Dict[str, Tensor]:
     return {k: torch.stack(v) for k, v in result.items()}
 
 
+@exact_backward
 def hessian_block(prob, name: str) -> Tensor:
     """``[P, P]``: the batch loss's Hessian block of parameter ``name``."""
     prob = twice_differentiable(prob)
@@ -321,6 +326,7 @@ def _input_factor(m: nn.Module, x: Tensor, n: int, approx) -> Tuple[Tensor, int,
     return (A / (n * S) if approx == "expand" else A / n), S, dim, O
 
 
+@exact_backward
 def _output_factor(prob, m: nn.Module, i: int, dim: int, O: int, approx) -> Tensor:
     """Sample ``i``'s ``Σ J_sᵀ H J_s`` (``"expand"``, per position ``s``) or ``Jᵀ H J`` of one offset
     added at every position; float64, the offset in the layer's output dtype."""

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.nn.utils import parametrize
 
+from ..rules.batchnorm import eval_batch_norm
+
 __all__ = ["owners", "owner_call", "view_of", "INPUT_ARG", "conv1d_linear", "matmul_linear", "torch_level"]
 
 aten = torch.ops.aten
@@ -296,6 +298,8 @@ def _group_norm(x, groups, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
 
 
 def _batch_norm(x, weight, bias, mean, var, training, momentum, eps, cudnn_enabled=True):
+    if not training and mean is not None and var is not None:  # (torch's backward: rules.batchnorm.eval_batch_norm)
+        return eval_batch_norm(x, mean, var, weight, bias, eps)
     return F.batch_norm(x, mean, var, weight, bias, training, momentum, eps)
 
 

@@ -41,7 +41,7 @@ from .. import rules
 from .._core.errors import CurvatureError
 from .._core.site import Recorder
 from .._core.sync import LOCK
-from ..rules import attention, elementwise, layernorm
+from ..rules import attention, batchnorm, elementwise, layernorm
 from .._core.inputs import trace_structure, with_defaults
 from ..rules.functional import FunctionalUse, split_computed_bias
 from ..rules.generic import restored
@@ -113,7 +113,8 @@ class Program:
         ``params`` (name -> tensor), another module by its own ``forward`` without hooks, a
         method or a function as it is, except layer norm and hardsigmoid inside torch.func
         transforms, which run from primitives (:func:`curvlib.rules.layernorm.normalise`,
-        :func:`curvlib.rules.elementwise.hardsigmoid`: torch's kernels' higher derivatives)."""
+        :func:`curvlib.rules.elementwise.hardsigmoid`: torch's kernels' higher derivatives), and
+        an evaluation-mode ``F.batch_norm``, always (:func:`curvlib.rules.batchnorm.functional`)."""
         if node.op == "call_module":
             layer = self.layers.get(node.target)
             if layer is None:
@@ -125,14 +126,13 @@ class Program:
             return layer.forward(layer.module, layer.path, {}, tensors, args, kwargs, Recorder(None))
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
-        if node.target in _LAYER_NORMS and layernorm.inside_transform():
-            return layernorm.layer_norm(*args, **kwargs)
-        if node.target is F.hardsigmoid and layernorm.inside_transform():
-            return elementwise.hardsigmoid(*args, **kwargs)
-        return node.target(*args, **kwargs)
+        if node.target in _PRIMITIVES and layernorm.inside_transform():
+            return _PRIMITIVES[node.target](*args, **kwargs)
+        return (batchnorm.functional if node.target is F.batch_norm else node.target)(*args, **kwargs)
 
 
-_LAYER_NORMS = (F.layer_norm, torch.layer_norm)
+_PRIMITIVES = {F.layer_norm: layernorm.layer_norm, torch.layer_norm: layernorm.layer_norm,
+               F.hardsigmoid: elementwise.hardsigmoid}
 
 
 def _owns_parameters(module: nn.Module) -> bool:

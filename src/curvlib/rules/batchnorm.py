@@ -147,6 +147,31 @@ BATCHNORM = Rule(
 )
 
 
+def eval_batch_norm(x: Tensor, mean: Tensor, var: Tensor, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
+    """``F.batch_norm(x, mean, var, weight, bias, training=False, eps=eps)`` written out as its
+    per-channel affine map ``(x - μ) · γ / √(σ² + ε) + β``: the same values to rounding, and a
+    backward of elementwise ops. Torch's own CPU ``native_batch_norm_backward`` (seen in 2.13)
+    returns a wrong input gradient for a batch of one whose incoming gradient is channels-last
+    with a batch stride other than ``C·H·W``, as ``bn(conv(x)).flatten(2).transpose(1, 2)``
+    followed by a LayerNorm gives it (XCiT's, iFormer's, EfficientViT-MSRA's patch embeddings):
+    every per-sample quantity of a one-sample batch upstream of the layer was silently off."""
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    scale = torch.rsqrt(var + eps)
+    if weight is not None:
+        scale = scale * weight
+    out = (x - mean.view(shape)) * scale.view(shape)
+    return out if bias is None else out + bias.view(shape)
+
+
+def functional(x: Tensor, running_mean=None, running_var=None, weight=None, bias=None, training: bool = False,
+               momentum: float = 0.1, eps: float = 1e-5) -> Tensor:
+    """``F.batch_norm`` as a model calls it (a traced ``call_function`` node): in evaluation mode
+    with running statistics, :func:`eval_batch_norm`; otherwise torch's own."""
+    if not training and running_mean is not None and running_var is not None:
+        return eval_batch_norm(x, running_mean, running_var, weight, bias, eps)
+    return F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
+
+
 def forward(module: nn.modules.batchnorm._BatchNorm, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
     """Run the BatchNorm layer in evaluation mode functionally and record its site.
 
@@ -164,10 +189,7 @@ def forward(module: nn.modules.batchnorm._BatchNorm, where: str, names: dict, te
             + " input [N, C, *]."
         )
     mean, var = module.running_mean, module.running_var
-    out = F.batch_norm(
-        x, mean, var, tensors.get("weight"), tensors.get("bias"),
-        training=False, momentum=0.0, eps=module.eps,
-    )
+    out = eval_batch_norm(x, mean, var, tensors.get("weight"), tensors.get("bias"), module.eps)
     saved = {}
     if "weight" in names:
         shape = (1, -1) + (1,) * (x.dim() - 2)
