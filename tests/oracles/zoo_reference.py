@@ -327,39 +327,51 @@ def _input_factor(m: nn.Module, x: Tensor, n: int, approx) -> Tuple[Tensor, int,
 
 
 @exact_backward
-def _output_factor(prob, m: nn.Module, i: int, dim: int, O: int, approx) -> Tensor:
+def _output_factors(prob, layers: Dict[str, Tuple[nn.Module, int, int]], i: int, approx) -> Dict[str, Tensor]:
     """Sample ``i``'s ``Σ J_sᵀ H J_s`` (``"expand"``, per position ``s``) or ``Jᵀ H J`` of one offset
-    added at every position; float64, the offset in the layer's output dtype."""
+    added at every position, for every layer of ``layers`` (``{name: (module, output's channel
+    dim, channels)}``) from one forward: a zero offset at each layer's output changes nothing, and
+    the Jacobian with respect to each offset is the one it has alone. float64, the offsets in the
+    layers' output dtypes."""
     c = scale(prob.lossfn, batch_size(prob.X))
-    shapes = []
-    probe = m.register_forward_hook(lambda mod, a, o: shapes.append((o.shape, o.dtype)))
+    shapes: Dict[str, tuple] = {}
+    probes = [m.register_forward_hook(lambda mod, a, o, k=k: shapes.setdefault(k, (o.shape, o.dtype)))
+              for k, (m, _, _) in layers.items()]
     try:
         with torch.no_grad():
             forward(prob.model, sample(prob.X, i), prob.output)
     finally:
-        probe.remove()
-    oshape, odtype = list(shapes[0][0]), shapes[0][1]
-    delta = torch.zeros(oshape if approx == "expand" else [O], dtype=odtype, requires_grad=True)
+        for h in probes:
+            h.remove()
+    deltas = {k: torch.zeros(list(shapes[k][0]) if approx == "expand" else [O], dtype=shapes[k][1], requires_grad=True)
+              for k, (_, _, O) in layers.items()}
 
-    def add(mod, a, o):
+    def add(k, dim, o):
         if approx == "expand":
-            return o + delta
+            return o + deltas[k]
         shape = [1] * o.dim()
         shape[dim] = -1
-        return o + delta.reshape(shape)
+        return o + deltas[k].reshape(shape)
 
-    h = m.register_forward_hook(add)
+    hooks = [m.register_forward_hook(lambda mod, a, o, k=k, dim=dim: add(k, dim, o)) for k, (m, dim, _) in layers.items()]
     try:
         out = forward(prob.model, sample(prob.X, i), prob.output)
     finally:
-        h.remove()
+        for h in hooks:
+            h.remove()
     flat = out.reshape(-1)
-    J = _grads(flat, [delta], torch.eye(flat.numel(), dtype=flat.dtype))[0].double()  # [C, *delta]
+    names = list(deltas)
+    Js = _grads(flat, [deltas[k] for k in names], torch.eye(flat.numel(), dtype=flat.dtype))  # [C, *delta] each
     H = loss_hessian(prob, out, prob.y[i : i + 1], c)
-    if approx == "expand":
-        J = J.movedim(dim if dim < 0 else dim + 1, -1).reshape(J.shape[0], -1, O)  # [C, S, O]
-        return torch.einsum("csi,cd,dsj->ij", J, H, J)
-    return J.T @ H @ J
+    result = {}
+    for k, J in zip(names, Js):
+        J, (_, dim, O) = J.double(), layers[k]
+        if approx == "expand":
+            J = J.movedim(dim if dim < 0 else dim + 1, -1).reshape(J.shape[0], -1, O)  # [C, S, O]
+            result[k] = torch.einsum("csi,cd,dsj->ij", J, H, J)
+        else:
+            result[k] = J.T @ H @ J
+    return result
 
 
 def kflr_factors(prob, approx=None, sites: Optional[Dict[str, Tensor]] = None) -> Dict[str, List[Tensor]]:
@@ -375,11 +387,14 @@ def kflr_factors(prob, approx=None, sites: Optional[Dict[str, Tensor]] = None) -
 
     model, n = prob.model, batch_size(prob.X)
     names = {id(p): k for k, p in model.named_parameters()}
-    result = {}
+    result, inputs, layers = {}, {}, {}
     for k, x in (kflr_sites(prob) if sites is None else sites).items():
         m = model.get_submodule(k)
         A, S, dim, O = _input_factor(m, x, n, approx)
-        B = sum(_output_factor(prob, m, i, dim, O, approx) for i in range(n))
+        inputs[k], layers[k] = A, (m, dim, O)
+    per_sample = [_output_factors(prob, layers, i, approx) for i in range(n)] if layers else []
+    for k, (m, _, _) in layers.items():
+        A, B = inputs[k], sum(b[k] for b in per_sample)
         result[names[id(m.weight)]] = [A, B] if isinstance(m, Conv1D) else [B, A]
         if getattr(m, "bias", None) is not None and m.bias.requires_grad and id(m.bias) in names:
             result[names[id(m.bias)]] = [B]

@@ -93,7 +93,7 @@ def _aten_graph(model: nn.Module, X, output, whole: Optional[Dict[str, str]] = N
     # (a value the Python reads from a tensor, ``if mask.all()``, is taken as it is for this input
     # and becomes a guard of the graph: see :func:`input_branch`)
     with recorded_functions() as keys, LOCK, restored(model), without_hooks(model), inference_as_no_grad(), \
-            kept_whole(model, whole or {}) as module_keys, module_spans(model) as spans, \
+            kept_whole(model, whole or {}) as module_keys, module_spans(model, batch_size(X)) as spans, \
             torch.enable_grad():  # (the model's own no_grad regions are recorded, not the caller's)
         gm = make_fx(run, pre_dispatch=True, _error_on_data_dependent_ops=False)(*inputs)
     _refuse_escaped_transforms(gm, model)
