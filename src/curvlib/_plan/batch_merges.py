@@ -202,7 +202,19 @@ def _unmerge(program, name: str, positions, split: Tuple[int, int, int], channel
     back = add(graph.inserting_after(made[-1]), "movedim", made[-1], 0, d + 1, tag="batch_back")
     merged = add(graph.inserting_after(back), "flatten", back, d, d + 2, tag="merge_batch")
     node.replace_all_uses_with(merged, delete_user_cb=lambda user: user is not first)
+    _rewire_uses(program, node, merged)
     program.dependent = frozenset(program.dependent) | set(made)
+
+
+def _rewire_uses(program, old: fx.Node, new: fx.Node) -> None:
+    """Functional sites among the users of ``old`` now read ``new`` (its value merged back):
+    their recorded inputs follow the graph's arguments, so that their per-sample recomputation
+    reads the node its arguments name (two functional sites in a row on merged rows: window
+    attention's scores scaled by a parameter, then a bias made from parameters added)."""
+    for user, use in list(program.functional.items()):
+        if old in use.inputs and user is not old:
+            program.functional[user] = dataclasses.replace(
+                use, inputs=tuple(new if a is old else a for a in use.inputs))
 
 
 def residual_merges(program, residuals, dims, independence, n: int) -> Tuple[Optional[Tuple[int, int]], ...]:
