@@ -6,7 +6,10 @@ sample-independence analysis follows, :class:`curvlib._plan.mixing_ops.Batch`). 
 
 * a parametrized layer on merged rows (:func:`split_merged_batches`) is given the batch as a
   dim of its own by a rewrite of the graph around it, its rows then positions sharing its
-  weights (the planner needs every site's batch in one dim of size ``N``);
+  weights (the planner needs every site's batch in one dim of size ``N``); an op on
+  parameters that takes no extra leading dim (``einsum`` with a relative-position table,
+  SAM's ``[N·H, h, w, C]`` queries) runs once per sample on that sample's rows
+  (:class:`PerSample`), where it computes the values it computed on the merged rows;
 * a nonlinear node on merged rows treats each row as a sample when it factors its Hessian
   residual; :func:`per_sample` splits its columns per row of a sample.
 """
@@ -67,7 +70,8 @@ def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable)
     where = {}
     for site, sa, sb in zip(rec_a.sites, rec_a.out_shapes, rec_b.out_shapes):
         d, c = _merged(sa, sb, n)
-        if c and (site.rule.kind in _ROW_WISE or _broadcasting(site) or (d == 0 and _rows_apart(program, site, sa))):
+        if c and (site.rule.kind in _ROW_WISE or _broadcasting(site) or _op_on_parameters(site)
+                  or (d == 0 and _rows_apart(program, site, sa))):
             where[_site_node_name(site)] = d
     if not where or program.graph is None:
         return False
@@ -83,6 +87,10 @@ def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable)
         if split is None:
             continue
         positions, batch = split
+        if not isinstance(env_a.get(node), Tensor):
+            continue  # a module returning several tensors (a recurrent layer): refused by the planner
+        if _needs_per_sample(program, node) and not _per_sample_agrees(node, env_a, positions, batch):
+            continue  # the op mixes the rows of a sample: refused by the planner
         rows = batch.dim == 0 and _rows_apart(program, None, env_a[node].shape, node)
         for graph_program in (program, program.sibling):
             if graph_program is not None:
@@ -140,6 +148,83 @@ def _broadcasting(site: Site) -> bool:
     return node.target in _BROADCASTING or _lone_index(node) is not None
 
 
+def _op_on_parameters(site: Site) -> bool:
+    """An op in ``forward`` on parameters (a functional site) whose output has the batch merged:
+    split off by running it once per sample (:class:`PerSample`) where it does not broadcast."""
+    use = site.meta.get("use")
+    return use is not None and use.node.op in ("call_function", "call_method")
+
+
+def _needs_per_sample(program, node: fx.Node) -> bool:
+    """A functional site that takes no extra leading dim on its merged operands."""
+    return (node in program.functional and node.op in ("call_function", "call_method")
+            and node.target not in _BROADCASTING and _lone_index(node) is None)
+
+
+def _call_node(node: fx.Node, args, kwargs):
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    return node.target(*args, **kwargs)
+
+
+class PerSample:
+    """``op`` run once per sample (:func:`torch.func.vmap` over a leading batch dim of the
+    operands at ``positions``), for an op on merged rows that takes no extra leading dim:
+    every sample's rows ``[c, ...]`` go through the op as the merged ``[N·c, ...]`` did.
+    ``method``: ``op`` names a tensor method (a ``call_method`` node)."""
+
+    def __init__(self, op, positions, method: bool = False):
+        self.op, self.positions, self.method = op, frozenset(positions), method
+        self.__name__ = f"per_sample_{getattr(op, '__name__', op)}"
+
+    def __call__(self, *args, **kwargs):
+        def one(*a):
+            return getattr(a[0], self.op)(*a[1:], **kwargs) if self.method else self.op(*a, **kwargs)
+
+        in_dims = tuple(0 if k in self.positions else None for k in range(len(args)))
+        return torch.func.vmap(one, in_dims=in_dims)(*args)
+
+
+def _drawn(value, gen: torch.Generator):
+    """A real tensor of ``value``'s shape, dtype and device drawn from ``gen`` (the planning
+    passes hold fake tensors); ``None`` for one that is not floating point."""
+    if not value.dtype.is_floating_point:
+        return None
+    return torch.randn(tuple(value.shape), generator=gen, dtype=torch.float64).to(value.dtype).to(value.device)
+
+
+def _per_sample_agrees(node: fx.Node, env, positions, batch: Batch) -> bool:
+    """Whether ``node`` run once per sample on its merged operands (:class:`PerSample`, each
+    sample's rows as :func:`_unmerge` splits them off) gives, merged back, the values it gave
+    on the merged rows: the op acts on each sample's rows alone, not across them. Tested on
+    drawn operands of the planning pass's shapes; an op on integer operands is not tested
+    (and not split: refused by the planner)."""
+    outer, inner, d = batch.c // batch.s, batch.s, batch.dim
+    gen = torch.Generator().manual_seed(0)
+    drawn = {}
+    for m in node.all_input_nodes:
+        drawn[m] = _drawn(env[m], gen) if isinstance(env.get(m), Tensor) else env.get(m)
+        if isinstance(env.get(m), Tensor) and drawn[m] is None:
+            return False
+    load = lambda a: fx.node.map_arg(a, lambda m: drawn[m])  # noqa: E731
+    args, kwargs = list(load(node.args)), load(node.kwargs)
+    with torch.no_grad():
+        want = _call_node(node, args, kwargs)
+    for k in positions:
+        args[k] = args[k].unflatten(d, (outer, -1, inner)).movedim(d + 1, 0).flatten(d + 1, d + 2)
+    method = node.op == "call_method"
+    try:
+        with torch.no_grad():
+            out = PerSample(node.target, positions, method)(*args, **kwargs)
+    except (RuntimeError, ValueError, TypeError, IndexError):  # (the op refuses one sample's rows)
+        return False
+    if not isinstance(out, Tensor) or not isinstance(want, Tensor) or out.dim() != want.dim() + 1:
+        return False
+    out = out.unflatten(d + 1, (outer, inner)).movedim(0, d + 1).flatten(d, d + 2)
+    scale = want.abs().max() if want.numel() else 0
+    return out.shape == want.shape and bool(torch.allclose(out, want, rtol=1e-4, atol=1e-5 * float(scale)))
+
+
 def _lone_index(node: fx.Node) -> Optional[fx.Node]:
     """The index tensor of ``p[idx]`` (also written ``p[(idx,)]``), else ``None``."""
     if node.target is not operator.getitem or len(node.args) != 2:
@@ -191,7 +276,9 @@ def _unmerge(program, name: str, positions, split: Tuple[int, int, int], channel
             del made[start:]
     swapped = {old: new for old, new in zip(node.args, args) if old is not new}
     node.args = tuple(args)
-    if node.op == "call_function":
+    if _needs_per_sample(program, node):
+        node.target, node.op = PerSample(node.target, positions, node.op == "call_method"), "call_function"
+    elif node.op == "call_function":
         node.target = _BROADCASTING_FORM.get(node.target, node.target)
     if use is not None:  # (its per-sample recomputation reads these inputs)
         program.functional[node] = dataclasses.replace(use, inputs=tuple(swapped.get(a, a) for a in use.inputs),
