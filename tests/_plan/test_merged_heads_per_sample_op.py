@@ -10,9 +10,11 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
+from oracles import zoo_checks
 from oracles.checks import check_first_order, check_second_order
 from oracles.merged_heads import merge, split
 from oracles.on_device import seeded
+from oracles.zoo import Problem
 
 DT = torch.float64
 
@@ -58,3 +60,12 @@ def test_einsum_on_merged_heads_first_order(seed, n, heads, head_major):
 @given(seed=st.integers(0, 2**16), n=st.integers(2, 3), head_major=st.booleans())
 def test_einsum_on_merged_heads_second_order(seed, n, head_major):
     check_second_order(*_case(seed, n, 2, head_major), hessian=False)
+
+
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(2, 3), head_major=st.booleans())
+def test_einsum_on_merged_heads_hessian_diagonals(seed, n, head_major):
+    """DiagHessian and BatchDiagHessian against the brute-force per-sample Hessian diagonals
+    (the per-sample op's own second derivative, bilinear in ``q`` and the table)."""
+    model, lossfn, X, y = _case(seed, n, 2, head_major)
+    zoo_checks.check_problem(Problem(model, X, y, lossfn, None, ""), "hessian")
