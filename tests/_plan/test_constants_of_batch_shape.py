@@ -198,12 +198,18 @@ def test_alibi_bias_on_merged_heads(seed, n, head_major, bias, how, aten):
     _second_order(model, X, y)
 
 
-def test_learned_slopes_meet_the_batch_in_a_merged_layer():
-    """Learned slopes expanded to ``[N·H, 1, T]`` mix no samples, but their first use beside the
-    input's values, ``baddbmm``, is a layer on merged rows: refused as such (not as mixing)."""
-    X, y = _alibi_data(2, 3)
-    with pytest.raises(CurvatureError, match="baddbmm.*changes with the batch size"):
-        curvature(Alibi(False, "learned", "expand", False).to(DT), nn.MSELoss(), [BatchGrad()])(X, y)
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(2, 4), head_major=st.booleans(),
+       how=st.sampled_from(["expand", "repeat", "tile"]), aten=st.booleans())
+def test_learned_slopes_meet_the_batch_in_a_merged_layer(seed, n, head_major, how, aten):
+    """Learned slopes expanded to ``[N·H, 1, T]`` mix no samples; their first use beside the
+    input's values, ``baddbmm``, is an op on parameters on merged rows, run once per sample
+    (:class:`curvlib._plan.per_sample_ops.PerSample`): exact (it was refused before)."""
+    torch.manual_seed(seed)
+    X, y = _alibi_data(seed, n)
+    model = Alibi(head_major, "learned", how, aten).to(DT)
+    check_first_order(model, nn.MSELoss(), X, y)
+    _second_order(model, X, y)
 
 
 @pytest.mark.parametrize("aten", [False, True])

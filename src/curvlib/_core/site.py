@@ -131,6 +131,10 @@ class Family:
         kfra_pullback: ``(tensors, G [O, O]) -> Jᵀ G J [I, I]``: KFRA's batch-averaged matrix
             passed back through the layer in closed form (``tensors``: role -> parameter); ``None``:
             by autodiff, averaged over samples.
+        split_rows: its forward takes a batch merged with rows (``[N·c, T, I]``) split off by the
+            planner, ``[N, c, ...]`` with the rows after the merged dim
+            (:func:`curvlib._plan.batch_merges.split_merged_batches`), and returns every tensor
+            of its result so: the batch in front, the rows in the dim after its merged one.
     """
 
     kind: str
@@ -145,6 +149,7 @@ class Family:
     kfra_pullback: Optional[Callable] = None
     root_last: bool = False
     row_map: Optional[Callable] = None
+    split_rows: bool = False
 
 
 @dataclass

@@ -6,7 +6,10 @@ sample-independence analysis follows, :class:`curvlib._plan.mixing_ops.Batch`). 
 
 * a parametrized layer on merged rows (:func:`split_merged_batches`) is given the batch as a
   dim of its own by a rewrite of the graph around it, its rows then positions sharing its
-  weights (the planner needs every site's batch in one dim of size ``N``);
+  weights (the planner needs every site's batch in one dim of size ``N``); an op on
+  parameters that takes no extra leading dim (``einsum`` with a relative-position table,
+  SAM's ``[N·H, h, w, C]`` queries) runs once per sample on that sample's rows
+  (:class:`curvlib._plan.per_sample_ops.PerSample`), where it computes the values it computed on the merged rows;
 * a nonlinear node on merged rows treats each row as a sample when it factors its Hessian
   residual; :func:`per_sample` splits its columns per row of a sample.
 """
@@ -22,12 +25,13 @@ from torch import Tensor, fx, nn
 from torch.nn import functional as F
 
 from . import independence as _independence
+from . import per_sample_ops as _per_sample_ops
 from .._hessian import structured as _residual_structured
 from .._core.errors import CurvatureError
 from .merged_modules import batch_first_module
 from .mixing_ops import Batch
 from .._core.site import Site
-from ..rules import generic
+from ..rules import FAMILY_OF, generic
 
 __all__ = ["split_merged_batches", "residual_merges", "per_sample"]
 
@@ -69,8 +73,8 @@ def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable)
     where = {}
     for site, sa, sb in zip(rec_a.sites, rec_a.out_shapes, rec_b.out_shapes):
         d, c = _merged(sa, sb, n)
-        if c and (site.rule.kind in _ROW_WISE or _broadcasting(site) or (d == 0 and _rows_apart(program, site, sa))
-                  or _generic_wrappable(program, site)):
+        if c and (site.rule.kind in _ROW_WISE or _broadcasting(site) or _op_on_parameters(site)
+                  or (d == 0 and _rows_apart(program, site, sa)) or _generic_wrappable(program, site)):
             where[_site_node_name(site)] = d
     if not where or program.graph is None:
         return False
@@ -82,27 +86,76 @@ def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable)
         path = _site_path(program, node)
         if path not in where:
             continue
-        split = _split_of(program, node, found, where[path])
+        # (a split-rows module's sites hold the batch in their own layout, not its output's)
+        split = _split_of(program, node, found, None if _splits_rows(program, node) else where[path])
         if split is None:
             continue
         positions, batch = split
-        rows = batch.dim == 0 and _rows_apart(program, None, env_a[node].shape, node)
-        generic = _generic_wrappable(program, None, node)
+        if _generic_wrappable(program, None, node):  # (its forward keeps its own layout: the batch split off around it)
+            for graph_program in (program, program.sibling):
+                if graph_program is not None:
+                    batch_first_module(graph_program, node.name, positions, (batch.c // batch.s, batch.s, batch.dim))
+            done = True
+            continue
+        results = _result_dims(program, node, env_a, env_b, n, batch.c)
+        if results is False:
+            continue  # a result the rewrite cannot merge back: refused by the planner
+        if _needs_per_sample(program, node) and not _per_sample_ops.agrees(node, env_a, positions, batch):
+            continue  # the op mixes the rows of a sample: refused by the planner
+        rows = results is None and batch.dim == 0 and _rows_apart(program, None, env_a[node].shape, node)
         for graph_program in (program, program.sibling):
-            if graph_program is None:
-                continue
-            if generic:  # (its forward keeps its own layout: the batch split off around it)
-                batch_first_module(graph_program, node.name, positions, (batch.c // batch.s, batch.s, batch.dim))
-            else:
-                _unmerge(graph_program, node.name, positions, (batch.c // batch.s, batch.s, batch.dim), channels=rows)
+            if graph_program is not None:
+                _unmerge(graph_program, node.name, positions, (batch.c // batch.s, batch.s, batch.dim), channels=rows,
+                         results=results)
         done = True
     return done
 
 
+def _result_dims(program, node: fx.Node, env_a, env_b, n: int, c: int):
+    """``None`` for a node with one tensor as its value. For a module of a family that takes
+    split rows (:attr:`curvlib._core.site.Family.split_rows`: a recurrent layer's
+    ``(output, (h_n, c_n))``), read by indexing alone: ``{name of the node reading a tensor of
+    its result: that tensor's merged dim}``. ``False`` for any other result, or a tensor read
+    that does not hold ``c`` rows per sample merged into one dim."""
+    if isinstance(env_a.get(node), Tensor):
+        return None
+    if not _splits_rows(program, node):
+        return False
+    dims = _read_tensors(node, env_a, env_b, n, c)
+    return dims if dims else False
+
+
+def _splits_rows(program, node: fx.Node) -> bool:
+    """``node`` runs a module whose family takes split rows (:attr:`curvlib._core.site.Family.split_rows`)."""
+    layer = program.layers.get(node.target) if node.op == "call_module" else None
+    return layer is not None and FAMILY_OF[layer.kind].split_rows
+
+
+def _read_tensors(node: fx.Node, env_a, env_b, n: int, c: int) -> Optional[dict]:
+    """``{name: merged dim}`` of the tensors read from ``node``'s result by constant indices
+    (``out, (h, c) = lstm(x)``); ``None`` if it is read otherwise or a tensor is not merged so."""
+    out = {}
+    for user in node.users:
+        if user.target is not operator.getitem or user.args[0] is not node or not isinstance(user.args[1], int):
+            return None
+        a, b = env_a.get(user), env_b.get(user)
+        if isinstance(a, Tensor) and isinstance(b, Tensor):
+            d, k = _merged(a.shape, b.shape, n)
+            if k != c:
+                return None
+            out[user.name] = d
+            continue
+        inner = _read_tensors(user, env_a, env_b, n, c)
+        if inner is None:
+            return None
+        out.update(inner)
+    return out
+
+
 def _split_of(program, node: fx.Node, found, out_dim: int):
     """``(positions of the merged operands, their Batch)`` when ``node``'s batched operands are
-    merged alike in the dim its output is merged in, in a known order (operands holding no
-    sample data fit any order); else ``None``."""
+    merged alike in the dim its output is merged in (``out_dim``; ``None``: any), in a known
+    order (operands holding no sample data fit any order); else ``None``."""
     args = (node.args[0], _lone_index(node)) if node.op == "call_function" and _lone_index(node) else node.args
     merged = {k: (found.layouts.get(a) or [None])[0] for k, a in enumerate(args) if isinstance(a, fx.Node)}
     merged = {k: b for k, b in merged.items() if isinstance(b, Batch) and b.c > 1}
@@ -113,7 +166,7 @@ def _split_of(program, node: fx.Node, found, out_dim: int):
     if len(layouts) != 1 or (node.op == "call_module" and not generic and set(merged) != {0}):
         return None  # (a rule's batched input is its first; a generic module's operands merged alike)
     batch = layouts.pop()
-    if batch.dim != out_dim or not batch.s or batch.c % batch.s:
+    if (out_dim is not None and batch.dim != out_dim) or not batch.s or batch.c % batch.s:
         return None  # an order the analysis could not follow: refused by the planner
     if any((merged[k].dim, merged[k].c) != (batch.dim, batch.c) for k in free):
         return None
@@ -160,6 +213,20 @@ def _broadcasting(site: Site) -> bool:
     return node.target in _BROADCASTING or _lone_index(node) is not None
 
 
+def _op_on_parameters(site: Site) -> bool:
+    """An op in ``forward`` on parameters (a functional site) whose output has the batch merged:
+    split off by running it once per sample where it does not broadcast
+    (:class:`curvlib._plan.per_sample_ops.PerSample`)."""
+    use = site.meta.get("use")
+    return use is not None and use.node.op in ("call_function", "call_method")
+
+
+def _needs_per_sample(program, node: fx.Node) -> bool:
+    """A functional site that takes no extra leading dim on its merged operands."""
+    return (node in program.functional and node.op in ("call_function", "call_method")
+            and node.target not in _BROADCASTING and _lone_index(node) is None)
+
+
 def _lone_index(node: fx.Node) -> Optional[fx.Node]:
     """The index tensor of ``p[idx]`` (also written ``p[(idx,)]``), else ``None``."""
     if node.target is not operator.getitem or len(node.args) != 2:
@@ -176,14 +243,17 @@ def _site_path(program, node: fx.Node) -> Optional[str]:
     return node.name if node in program.functional else None
 
 
-def _unmerge(program, name: str, positions, split: Tuple[int, int, int], channels: bool = False) -> None:
+def _unmerge(program, name: str, positions, split: Tuple[int, int, int], channels: bool = False,
+             results: Optional[Tuple[int, ...]] = None) -> None:
     """Run graph node ``name`` on its inputs at ``positions`` with the batch split off dim ``d``
     (``split = (outer, inner, d)``: the dim is ``[outer, N, inner]``): the batch goes in front
     and dim ``d`` keeps the ``outer·inner`` rows of one sample, so the operand's rank grows by
     one leading dim and every other dim stays where it was. Its output is merged back, so that
     its users see the same values. An op that takes no extra leading dim runs as its
-    broadcasting form (``bmm`` as ``matmul``). ``channels``: rows ``[R, C]`` of a layer that
-    wants its channels in dim 1 (BatchNorm): it runs on ``[N, C, outer·inner]``."""
+    broadcasting form (``bmm`` as ``matmul``), or once per sample (:class:`curvlib._plan.per_sample_ops.PerSample`).
+    ``channels``: rows ``[R, C]`` of a layer that wants its channels in dim 1 (BatchNorm): it
+    runs on ``[N, C, outer·inner]``. ``results``: the merged dims of the tensors read from a
+    split-rows module's result (:func:`_result_dims`), each merged back where it is read."""
     outer, inner, d = split
     graph = program.graph
     node = next(m for m in graph.nodes if m.name == name)
@@ -211,18 +281,49 @@ def _unmerge(program, name: str, positions, split: Tuple[int, int, int], channel
             del made[start:]
     swapped = {old: new for old, new in zip(node.args, args) if old is not new}
     node.args = tuple(args)
-    if node.op == "call_function":
+    if _needs_per_sample(program, node):
+        per_sample = _per_sample_ops.PerSample(node.target, positions, node.op == "call_method")
+        node.target, node.op = per_sample, "call_function"
+    elif node.op == "call_function":
         node.target = _BROADCASTING_FORM.get(node.target, node.target)
     if use is not None:  # (its per-sample recomputation reads these inputs)
         program.functional[node] = dataclasses.replace(use, inputs=tuple(swapped.get(a, a) for a in use.inputs),
                                                        chain=tuple(chain))
+    if results is not None:  # each tensor read from the result merged back where it is read
+        for read in [m for m in graph.nodes if m.name in results]:
+            _merge_back(program, read, results[read.name], (outer, inner), add)
+        program.dependent = frozenset(program.dependent) | set(made)
+        return
     out = add(graph.inserting_after(node), "transpose", node, 1, 2, tag="rows_back") if channels else node
     first = add(graph.inserting_after(out), "unflatten", out, d + 1, (outer, inner), tag="split_rows")
     first = first if not channels else out  # (the one user of the node's own value)
     back = add(graph.inserting_after(made[-1]), "movedim", made[-1], 0, d + 1, tag="batch_back")
     merged = add(graph.inserting_after(back), "flatten", back, d, d + 2, tag="merge_batch")
     node.replace_all_uses_with(merged, delete_user_cb=lambda user: user is not first)
+    _rewire_uses(program, node, merged)
     program.dependent = frozenset(program.dependent) | set(made)
+
+
+def _merge_back(program, read: fx.Node, dim: int, rows: Tuple[int, int], add) -> None:
+    """``read`` (``[N, …, outer·inner at dim + 1, …]``) merged back to the batch in ``dim``
+    for its users (``add``: :func:`_unmerge`'s node maker)."""
+    graph = program.graph
+    first = add(graph.inserting_after(read), "unflatten", read, dim + 1, rows, tag=f"{read.name}_rows")
+    back = add(graph.inserting_after(first), "movedim", first, 0, dim + 1, tag=f"{read.name}_batch_back")
+    merged = add(graph.inserting_after(back), "flatten", back, dim, dim + 2, tag=f"{read.name}_merge_batch")
+    read.replace_all_uses_with(merged, delete_user_cb=lambda user: user is not first)
+    _rewire_uses(program, read, merged)
+
+
+def _rewire_uses(program, old: fx.Node, new: fx.Node) -> None:
+    """Functional sites among the users of ``old`` now read ``new`` (its value merged back):
+    their recorded inputs follow the graph's arguments, so that their per-sample recomputation
+    reads the node its arguments name (two functional sites in a row on merged rows: window
+    attention's scores scaled by a parameter, then a bias made from parameters added)."""
+    for user, use in list(program.functional.items()):
+        if old in use.inputs and user is not old:
+            program.functional[user] = dataclasses.replace(
+                use, inputs=tuple(new if a is old else a for a in use.inputs))
 
 
 def residual_merges(program, residuals, dims, independence, n: int) -> Tuple[Optional[Tuple[int, int]], ...]:

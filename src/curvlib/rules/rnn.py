@@ -103,8 +103,9 @@ def _roles(names: Dict[str, str], weight: str, bias: Optional[str]) -> Dict[str,
     return out
 
 
-def _bind(args, kwargs, where: str) -> Tuple[Tensor, object]:
-    """``(input, hx)`` from the call's arguments."""
+def _bind(args, kwargs, where: str, rows: bool = False) -> Tuple[Tensor, object]:
+    """``(input, hx)`` from the call's arguments; ``rows``: a 4-D input is taken (rows of a
+    sample split off a merged batch, :func:`_split_rows`)."""
     x = args[0] if args else kwargs.get("input")
     hx = args[1] if len(args) > 1 else kwargs.get("hx")
     if isinstance(x, PackedSequence):
@@ -117,7 +118,7 @@ def _bind(args, kwargs, where: str) -> Tuple[Tensor, object]:
             f"Module '{where}' is called with input of type {type(x).__name__}; curvlib "
             "supports a tensor [N, T, I] (batch_first=True) or [T, N, I]."
         )
-    if x.dim() != 3:
+    if x.dim() != 3 and not (x.dim() == 4 and rows):
         raise CurvatureError(
             f"Module '{where}' gets an input of shape {list(x.shape)}; curvlib supports "
             "batched 3-D inputs only ([N, T, I] with batch_first=True, else [T, N, I]), "
@@ -198,6 +199,7 @@ def _direction(
     tensors: Dict[str, Tensor],
     where: str,
     rec: Recorder,
+    rows: int = 1,
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """Run one layer in one direction and record its sites (and, for the Hessian
     family, its nonlinear nodes: :mod:`curvlib.rules.rnn_steps`).
@@ -206,6 +208,8 @@ def _direction(
         inp: layer input ``[N, T, I]``.
         h: initial hidden state ``[N, H_out]``.
         c: initial cell state ``[N, H]`` (LSTM) or ``None``.
+        rows: rows of the recurrence per sample (a batch merged with rows, :func:`_split_rows`):
+            ``inp`` is ``[N·rows, T, I]``, sample-major, and its sites are ``[N, rows, T, *]``.
 
     Returns:
         ``(out [N, T, H_out], h_T [N, H_out], c_T [N, H] or None)``, the last
@@ -213,7 +217,7 @@ def _direction(
     """
     sfx = f"_l{layer}" + ("_reverse" if reverse else "")
     mode = module.mode
-    n, steps = inp.shape[0], inp.shape[1]
+    steps = inp.shape[1]
     w_ih, w_hh = tensors["weight_ih" + sfx], tensors["weight_hh" + sfx]
     b_ih, b_hh = (tensors["bias_ih" + sfx], tensors["bias_hh" + sfx]) if module.bias else (None, None)
     bname = (lambda s: s + sfx) if module.bias else (lambda s: None)
@@ -221,19 +225,16 @@ def _direction(
     nodes = StepNodes(rec, where, f"l{layer}" + ("r" if reverse else ""), coupling)
     reach_x, reach_hx, state_varies = _reach(coupling, layer)
 
-    site_ih = Site(
-        LINEAR, _roles(names, "weight_ih" + sfx, bname("bias_ih")), where,
-        saved={"x": inp},
-    )
-    pre_ih = rec.add(site_ih, F.linear(inp, w_ih, b_ih))  # [N, T, G·H]
+    site_ih = Site(LINEAR, _roles(names, "weight_ih" + sfx, bname("bias_ih")), where,
+                   saved={"x": _per_sample(inp, rows)})
+    pre_ih = _rows_of(rec.add(site_ih, F.linear(_per_sample(inp, rows), w_ih, b_ih)), rows)  # [N, T, G·H]
     pre_ih = nodes.bilinear("ih", site_ih, inp, pre_ih, site_ih.params.get("weight") in reach_x)
     site_hh = Site(LINEAR, _roles(names, "weight_hh" + sfx, bname("bias_hh")), where)
-    hh = _Recurrent(site_hh, w_hh, b_hh, rec.open(site_hh, (n, steps, w_hh.shape[0]), pre_ih.dtype))
+    hh = _opened(rec, site_hh, w_hh, b_hh, pre_ih, rows)
     hr = None
     if mode == "LSTM" and module.proj_size > 0:
-        w_hr = tensors["weight_hr" + sfx]
         site_hr = Site(LINEAR, _roles(names, "weight_hr" + sfx, None), where)
-        hr = _Recurrent(site_hr, w_hr, None, rec.open(site_hr, (n, steps, w_hr.shape[0]), pre_ih.dtype))
+        hr = _opened(rec, site_hr, tensors["weight_hr" + sfx], None, pre_ih, rows)
     outs: List[Optional[Tensor]] = [None] * steps
     h_prevs: List[Optional[Tensor]] = [None] * steps
     m_steps: List[Optional[Tensor]] = [None] * steps  # LSTM with proj_size: W_hr's inputs
@@ -243,10 +244,30 @@ def _direction(
         h_prevs[t] = h
         h, c = _cell_step(nodes, mode, hh, hr, pre_ih[:, t], h, c, k, t, state_varies, reach_x, reach_hx, m_steps)
         outs[t] = h
-    site_hh.saved = {"x": torch.stack(h_prevs, 1)}  # [N, T, H_out]
+    site_hh.saved = {"x": _per_sample(torch.stack(h_prevs, 1), rows)}  # [N, T, H_out]
     if hr is not None:
-        hr.site.saved = {"x": torch.stack(m_steps, 1)}  # [N, T, H]
+        hr.site.saved = {"x": _per_sample(torch.stack(m_steps, 1), rows)}  # [N, T, H]
     return torch.stack(outs, 1), h, c
+
+
+def _per_sample(t: Tensor, c: int) -> Tensor:
+    """Rows ``[N·c, T, *]`` of the recurrence as a site's ``[N, c, T, *]`` (``c > 1``): a
+    sample's rows are positions sharing the weight, as its time steps are."""
+    return t.unflatten(0, (-1, c)) if c > 1 else t
+
+
+def _opened(rec: Recorder, site: Site, w: Tensor, bias: Optional[Tensor], like: Tensor, c: int) -> "_Recurrent":
+    """A recurrent site opened (:meth:`Recorder.open`) on the rows and steps of ``like``
+    (``[N·c, T, ·]``, of the output's dtype): its output ``[N, T, out]``, or ``[N, c, T, out]``
+    for ``c > 1`` rows a sample."""
+    rows, steps = like.shape[:2]
+    shape = (rows // c, c, steps, w.shape[0]) if c > 1 else (rows, steps, w.shape[0])
+    return _Recurrent(site, w, bias, _rows_of(rec.open(site, shape, like.dtype), c))
+
+
+def _rows_of(t, c: int):
+    """A site's output or probe ``[N, c, T, out]`` as the recurrence's rows ``[N·c, T, out]``."""
+    return t.flatten(0, 1) if t is not None and c > 1 else t
 
 
 class _Recurrent(NamedTuple):
@@ -297,13 +318,13 @@ def forward(module: nn.RNNBase, where: str, names: dict, tensors: dict, args, kw
             of the wrong shape.
     """
     check(module, where)
-    x, hx = _bind(args, kwargs, where)
+    x, hx = _bind(args, kwargs, where, rows=True)
     if x.shape[-1] != module.input_size:
         raise CurvatureError(
             f"Module '{where}' gets inputs with {x.shape[-1]} features (shape {list(x.shape)}), "
             f"but its input_size is {module.input_size}."
         )
-    seq = x if module.batch_first else x.transpose(0, 1)  # [N, T, I]
+    seq, rows = _split_rows(module, x, hx, where, rec)  # [N·rows, T, I]
     n = seq.shape[0]
     h0, c0 = _initial_states(module, hx, n, x, where)
     dirs = 2 if module.bidirectional else 1
@@ -320,7 +341,7 @@ def forward(module: nn.RNNBase, where: str, names: dict, tensors: dict, args, kw
             k = layer * dirs + d
             out, h_last, c_last = _direction(
                 module, layer, d == 1, inp, h0[k], c0[k] if lstm else None,
-                names, tensors, where, rec,
+                names, tensors, where, rec, rows,
             )
             outs.append(out)
             h_n.append(h_last)
@@ -328,6 +349,8 @@ def forward(module: nn.RNNBase, where: str, names: dict, tensors: dict, args, kw
                 c_n.append(c_last)
         inp = torch.cat(outs, -1) if dirs == 2 else outs[0]
 
+    if rows > 1:
+        return _rows_result(module, inp, h_n, c_n if lstm else None, rows)
     output = inp if module.batch_first else inp.transpose(0, 1)
     h_stack = torch.stack(h_n, 0)
     if lstm:
@@ -335,5 +358,32 @@ def forward(module: nn.RNNBase, where: str, names: dict, tensors: dict, args, kw
     return output, h_stack
 
 
+def _split_rows(module: nn.RNNBase, x: Tensor, hx, where: str, rec: Recorder) -> Tuple[Tensor, int]:
+    """``(sequences [N·rows, T, I], rows)``. A 4-D input is a batch merged with rows (timm's
+    Sequencer: each of a sample's image rows a sequence, ``[N·H, W, C]``), split off by the
+    planner (:func:`curvlib._plan.batch_merges.split_merged_batches`) to ``[N, rows, T, I]``
+    (``batch_first``) or ``[N, T, rows, I]``: the recurrence runs on every row, sample-major,
+    and each site sees a sample's rows as positions sharing its weight."""
+    if x.dim() == 3:
+        return (x if module.batch_first else x.transpose(0, 1)), 1
+    if hx is not None or rec.layer_residuals is not None:
+        raise CurvatureError(
+            f"Module '{where}' runs on a batch merged with rows ({list(x.shape)} split per sample); "
+            "curvlib supports that without initial states and for first-order, GGN and Kronecker "
+            "quantities, not the Hessian extensions. Keep the batch in a dim of its own there.")
+    seq = x if module.batch_first else x.movedim(2, 1)  # [N, rows, T, I]
+    return seq.flatten(0, 1), seq.shape[1]
+
+
+def _rows_result(module: nn.RNNBase, out: Tensor, h_n: List[Tensor], c_n: Optional[List[Tensor]], rows: int):
+    """The module's result on split rows (:func:`_split_rows`): ``output`` ``[N, rows, T, ·]``
+    (``batch_first``) or ``[N, T, rows, ·]``, the states ``[N, L·D, rows, ·]``: the batch in
+    front, the rows after the dim the module's own layout merges them in."""
+    output = out.unflatten(0, (-1, rows))
+    output = output if module.batch_first else output.movedim(1, 2)
+    states = [torch.stack(s, 0).unflatten(1, (-1, rows)).movedim(1, 0) for s in (h_n, c_n) if s is not None]
+    return (output, tuple(states)) if c_n is not None else (output, states[0])
+
+
 #: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.
-FAMILY = Family("rnn", (nn.RNN, nn.LSTM, nn.GRU), forward, check)
+FAMILY = Family("rnn", (nn.RNN, nn.LSTM, nn.GRU), forward, check, split_rows=True)
