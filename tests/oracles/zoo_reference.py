@@ -335,8 +335,10 @@ def _output_factors(prob, layers: Dict[str, Tuple[nn.Module, int, int]], i: int,
     layers' output dtypes."""
     c = scale(prob.lossfn, batch_size(prob.X))
     shapes: Dict[str, tuple] = {}
-    probes = [m.register_forward_hook(lambda mod, a, o, k=k: shapes.setdefault(k, (o.shape, o.dtype)))
-              for k, (m, _, _) in layers.items()]
+    def note(k, o):  # (returns None: a hook's return value would replace the output)
+        shapes.setdefault(k, (o.shape, o.dtype))
+
+    probes = [m.register_forward_hook(lambda mod, a, o, k=k: note(k, o)) for k, (m, _, _) in layers.items()]
     try:
         with torch.no_grad():
             forward(prob.model, sample(prob.X, i), prob.output)

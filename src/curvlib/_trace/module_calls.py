@@ -69,8 +69,8 @@ def MODULE_CALL(tensors: List[Tensor], key: int) -> List[Tensor]:  # noqa: N802 
 def module_spans(model: nn.Module, n: int):
     """Yields a list that fills with ``(path, first node, last node, whole)`` for every call of
     one of ``model``'s modules while ``make_fx`` records (``first``: the last node before the
-    call; ``whole``: the call returns tensors whose dim 0 holds the batch of ``n``, rows or
-    samples, so that it can be one node run per sample)."""
+    call; ``whole``: the call returns one tensor whose dim 0 holds the batch of ``n``, rows or
+    samples, so that it can be one layer run per sample by the generic rule)."""
     paths = {id(m): p for p, m in model.named_modules()}
     spans: List[Tuple[str, fx.Node, fx.Node, bool]] = []
     open_calls: List[Tuple[int, fx.Node]] = []
@@ -88,8 +88,8 @@ def module_spans(model: nn.Module, n: int):
         node = last_node()
         if node is not None and open_calls and open_calls[-1][0] == id(module):
             _, first = open_calls.pop()
-            outs = [out] if isinstance(out, Tensor) else list(out) if isinstance(out, (tuple, list)) else [None]
-            whole = all(isinstance(o, Tensor) and o.dim() > 0 and o.shape[0] % n == 0 for o in outs)
+            # (one tensor: the generic rule's output, which holds the batch in its dim 0, rows or samples)
+            whole = isinstance(out, Tensor) and out.dim() > 0 and out.shape[0] % n == 0
             spans.append((paths[id(module)], first, node, whole))
 
     hooks = (nn.modules.module.register_module_forward_pre_hook(enter),
@@ -120,7 +120,7 @@ def reorders_rows(node: fx.Node, n: int) -> bool:
 
 def modules_to_keep_whole(gm: fx.GraphModule, spans, model: nn.Module, n: int) -> Dict[str, str]:
     """``{module path: why}``: for each node that reorders rows across the batch, the innermost
-    module around it that owns parameters and returns tensors of rows (JetMoE's router returns
+    module around it that owns parameters and returns one tensor of rows (JetMoE's router returns
     its sorted rows and a list of counts: the module that uses them, and returns rows again, is
     kept whole); none when only the model itself would do."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
