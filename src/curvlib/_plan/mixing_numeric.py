@@ -240,8 +240,13 @@ def _alone_test(call, load, base, out_leaves, device) -> Optional[str]:
     def first(v: Tensor, leaf) -> Tensor:
         return v.narrow(leaf.dim, 0, 1).clone() if isinstance(leaf, Batch) and leaf.c == 1 else v.clone()
 
-    with _seeded(device, _SEED):
-        one = call(*load(first))
+    try:
+        with _seeded(device, _SEED):
+            one = call(*load(first))
+    except Exception as exc:  # noqa: BLE001 - the layer's own code on other shapes: its message, in the refusal
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return (f": run on sample 0 alone (a batch of one, as curvlib's generic rule recomputes it) it "
+                f"fails ({type(exc).__name__}: {why}), so curvlib cannot compute its per-sample quantities")
     for a, b, leaf in zip(leaves_of(base), leaves_of(one), out_leaves):
         if isinstance(leaf, Batch) and leaf.c == 1:
             gap = _gap(a.narrow(leaf.dim, 0, 1), b, lambda eps: eps**0.5)
