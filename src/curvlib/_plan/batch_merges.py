@@ -174,11 +174,8 @@ def _split_of(program, node: fx.Node, found, out_dim: int):
 
 
 def _generic_wrappable(program, site: Optional[Site], node: Optional[fx.Node] = None) -> bool:
-    """A layer run by the generic rule in an ATen-level program, whose root is curvlib's own
-    (:func:`curvlib._plan.merged_modules.batch_first_module` registers its wrapper there; a
-    symbolic trace's root is the user's model, which is never changed)."""
-    if not getattr(program, "aten", False):
-        return False
+    """A layer run by the generic rule (:func:`curvlib._plan.merged_modules.batch_first_module`
+    runs it on merged rows)."""
     if site is not None:
         return site.rule is generic.GENERIC
     return node.op == "call_module" and node.target in program.layers and program.layers[node.target].forward is generic.forward

@@ -13,11 +13,14 @@ module's own layout, exact for a module that maps each sample's rows on their ow
 
 from __future__ import annotations
 
+import copy
 from typing import Sequence, Tuple
 
 from torch import Tensor, fx, nn
 
 __all__ = ["SampleRows", "batch_first_module"]
+
+_OWN_ROOT = "_curvlib_own_root"
 
 
 class SampleRows(nn.Module):
@@ -38,11 +41,25 @@ class SampleRows(nn.Module):
         return out.unflatten(d, (outer, -1, inner)).movedim(d + 1, 0)
 
 
+def _own_root(model: nn.Module) -> nn.Module:
+    """A shallow copy of ``model`` (its submodules, parameters and buffers the same objects) whose
+    submodule table is its own, so that modules added to it leave ``model`` as it is."""
+    root = copy.copy(model)
+    root._modules = dict(model._modules)
+    root.__dict__[_OWN_ROOT] = True  # (the copy's attribute table is its own too)
+    return root
+
+
 def batch_first_module(program, name: str, positions: Sequence[int], split: Tuple[int, int, int]) -> None:
     """Run the generic layer at graph node ``name`` (a ``call_module``) as :class:`SampleRows` on
-    batch-first operands, its output merged back for its users."""
+    batch-first operands, its output merged back for its users. The wrapper is registered on the
+    program's root; a symbolic trace's root, the user's model, is first replaced by a shallow copy
+    with a submodule table of its own (same submodules and parameters), so the model is never
+    changed."""
     outer, inner, d = split
     graph = program.graph
+    if not program.aten and not program.root.__dict__.get(_OWN_ROOT):
+        program.root = _own_root(program.root)
     node = next(m for m in graph.nodes if m.name == name)
     layer = program.layers.pop(node.target)
     target = "rows__" + node.target.replace(".", "__")
