@@ -165,6 +165,7 @@ _WIDTH_ARG = re.compile(r"^(embed_dims?|hidden_dims?|dims|channels|widths|width_
                         r"|inner_dim|intermediate_size|mlp_dim|num_init_features|inc_sec|k_r|partial_dim|qk_dim|head_widths)$")
 _HEADS_ARG = re.compile(r"^(num_heads(_inner|_outer)?|heads|n_heads)$")
 _HEAD_DIM_ARG = re.compile(r"^(dim_head|head_dim)$")
+_MULTIPLIER_ARG = re.compile(r"^(width_factor|width_mult(iplier)?|channel_multiplier|channel_mult)$")
 _POSITIONS_ARG = re.compile(r"^(position_embedding_size|max_position_embeddings|num_positions)$")  # table lengths
 POSITIONS = 256  # a position table's length when shrunk: 16 x 16 patches
 _FIELD_DEPTH, _FIELD_WIDTH = ("d",), ("c",)  # byobnet's ByoBlockCfg(d=depth, c=channels): dataclass fields only
@@ -173,6 +174,8 @@ SHRINK_LEVELS = ((True, 8), (True, 4), (True, 16), (True, 2), (True, 1), (False,
 
 
 def _shrunk_value(name: str, v, depth: bool, k: int, field: bool = False):
+    if k > 1 and isinstance(v, float) and _MULTIPLIER_ARG.match(name):
+        return v / k  # a width multiplier (tresnet's width_factor)
     ints = isinstance(v, int) and not isinstance(v, bool)
     seq = isinstance(v, (tuple, list)) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
     if not (ints or seq):
