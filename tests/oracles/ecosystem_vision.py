@@ -162,18 +162,19 @@ def _timm_as_named(family: str, names: List[str], g) -> Tuple[nn.Module, torch.T
 # own values and the fields of a config dataclass (``cfg=MaxxVitCfg(...)``) alike.
 _DEPTH_ARG = re.compile(r"^(depths?|layers|num_blocks|stage_blocks|depth_list|k_sec|transformer_depths|num_layers)$")
 _WIDTH_ARG = re.compile(r"^(embed_dims?|hidden_dims?|dims|channels|widths|width_list|stem_width|stem_chs"
-                        r"|inner_dim|intermediate_size|mlp_dim|num_init_features|inc_sec|k_r|partial_dim|qk_dim|head_widths)$")
+                        r"|inner_dim|intermediate_size|mlp_dim|num_init_features|stem_size|num_features|head_hidden_size|inc_sec|k_r|partial_dim|qk_dim|head_widths)$")
 _HEADS_ARG = re.compile(r"^(num_heads(_inner|_outer)?|heads|n_heads)$")
 _HEAD_DIM_ARG = re.compile(r"^(dim_head|head_dim)$")
 _MULTIPLIER_ARG = re.compile(r"^(width_factor|width_mult(iplier)?|channel_multiplier|channel_mult)$")
 _POSITIONS_ARG = re.compile(r"^(position_embedding_size|max_position_embeddings|num_positions)$")  # table lengths
 POSITIONS = 256  # a position table's length when shrunk: 16 x 16 patches
 _FIELD_DEPTH, _FIELD_WIDTH = ("d",), ("c",)  # byobnet's ByoBlockCfg(d=depth, c=channels): dataclass fields only
-#: the settings tried in turn: (depths to 1, widths divided by)
-SHRINK_LEVELS = ((True, 8), (True, 4), (True, 16), (True, 2), (True, 1), (False, 1))
+#: the settings tried in turn: (depths: 1 each (1), halved (2: nextvit's stage of 5-block
+#: units) or as named (0), the size arguments divided by)
+SHRINK_LEVELS = ((1, 8), (1, 4), (1, 16), (1, 2), (1, 1), (2, 8), (2, 4), (2, 1), (0, 1))
 
 
-def _shrunk_value(name: str, v, depth: bool, k: int, field: bool = False):
+def _shrunk_value(name: str, v, depth: int, k: int, field: bool = False):
     if k > 1 and isinstance(v, float) and _MULTIPLIER_ARG.match(name):
         return v / k  # a width multiplier (tresnet's width_factor)
     ints = isinstance(v, int) and not isinstance(v, bool)
@@ -181,7 +182,7 @@ def _shrunk_value(name: str, v, depth: bool, k: int, field: bool = False):
     if not (ints or seq):
         return v
     if depth and (_DEPTH_ARG.match(name) or field and name in _FIELD_DEPTH):
-        f = lambda x: min(x, 1)  # noqa: E731 - 0 (a stage without such blocks) stays 0
+        f = (lambda x: min(x, 1)) if depth == 1 else (lambda x: max(min(x, 1), x // 2))  # noqa: E731 - 0 stays 0
     elif k > 1 and (_WIDTH_ARG.match(name) or field and name in _FIELD_WIDTH):
         f = lambda x: x // k if x % k == 0 and x // k >= 8 else x  # noqa: E731 - as narrowing's widths
     elif k > 1 and _HEADS_ARG.match(name):
@@ -195,7 +196,7 @@ def _shrunk_value(name: str, v, depth: bool, k: int, field: bool = False):
     return f(v) if ints else type(v)(f(x) for x in v)
 
 
-def _shrunk_config(v, depth: bool, k: int):
+def _shrunk_config(v, depth: int, k: int):
     """A config dataclass (or a tuple of them) with its size fields shrunk, recursively."""
     import dataclasses
 
@@ -214,20 +215,35 @@ def _shrunk_config(v, depth: bool, k: int):
     return v
 
 
-def _shrunk_kwargs(model_cls, kwargs: Dict[str, Any], depth: bool, k: int) -> Dict[str, Any]:
+def _shrunk_block_args(stages, depth: int, k: int):
+    """EfficientNet-style decoded architectures (``block_args``: a list of stages, each a list
+    of block dicts, as ``_efficientnet_builder.decode_arch_def`` gives): each stage's first
+    block only (it holds the stage's stride and channel change), the block dicts' sizes shrunk."""
+    if not (isinstance(stages, list) and stages and all(isinstance(st, list) for st in stages)
+            and all(isinstance(b, dict) for st in stages for b in st)):
+        return stages
+    block_size = {"out_chs": "channels", "num_heads": "num_heads", "key_dim": "head_dim", "value_dim": "head_dim"}
+
+    def block(b):
+        return {n: _shrunk_value(block_size.get(n, n), v, depth, k) for n, v in b.items()}
+
+    return [[block(b) for b in (st[:1] if depth == 1 else st[:max(1, len(st) // 2)] if depth else st)] for st in stages]
+
+
+def _shrunk_kwargs(model_cls, kwargs: Dict[str, Any], depth: int, k: int) -> Dict[str, Any]:
     values = {n: p.default for n, p in inspect.signature(model_cls.__init__).parameters.items()
               if p.default is not inspect.Parameter.empty}
     values.update(kwargs)
     out = dict(kwargs)
     for n, v in values.items():
-        new = _shrunk_config(_shrunk_value(n, v, depth, k), depth, k)
+        new = _shrunk_block_args(_shrunk_config(_shrunk_value(n, v, depth, k), depth, k), depth, k)
         if new is not v and new != v:
             out[n] = new
     return out
 
 
 @contextlib.contextmanager
-def _timm_shrinking(depth: bool, k: int):
+def _timm_shrinking(depth: int, k: int):
     """Within the block, timm models are built with their size arguments shrunk (above)."""
     import sys
     from timm.models import _builder
@@ -317,7 +333,7 @@ def timm_shrunk(family: str, names: List[str], g) -> Tuple[nn.Module, torch.Tens
                     by = " by arguments" if by_args else ""
                     for run_px in (px,) if sized else sizes:
                         if _runs(model, run_px):
-                            note = (f"{name} shrunk (depths {'1' if depth else 'as named'}, size arguments / {k_arg}, "
+                            note = (f"{name} shrunk (depths {('as named', '1', 'halved')[depth]}, size arguments / {k_arg}, "
                                     f"img_size {px}) width / {k}{by}, {run_px} px, {n} params")
                             found = (model, _images(g, run_px), note)
                             if n <= SMALL_VISION_PARAMS:
