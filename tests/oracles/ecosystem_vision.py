@@ -286,11 +286,22 @@ def _debug(*a):
         print("  try", *a, flush=True)
 
 
+def _patch_multiples(cls) -> Tuple[int, ...]:
+    """Image sizes of a few patches where the class's default patch size is not a power of two
+    (deepseek_vit's 14 px patches: 28-126 px rather than its named 546)."""
+    p = inspect.signature(cls.__init__).parameters.get("patch_size")
+    p = p.default if p is not None else None
+    if not isinstance(p, int) or p < 2 or 32 % p == 0 or p % 32 == 0:
+        return ()
+    return tuple(p * m for m in (2, 3, 4, 6, 8, 9) if p * m <= 128)
+
+
 def timm_shrunk(family: str, names: List[str], g) -> Tuple[nn.Module, torch.Tensor, str]:
     """A tiny model of a timm family, generically: for each of the first named variants
     (fewest parameters first), each of ``SHRINK_LEVELS`` (``_timm_shrinking``), each image
-    size of 32, 64, 96, 128 px and those its pretrained config names (built for it with
-    ``img_size`` where the class takes one) and each width divisor of ``narrowing``: the
+    size of 32, 64, 96, 128 px, a few patches (``_patch_multiples``) and those its pretrained
+    config names (built for it with ``img_size`` where the class takes one) and each width
+    divisor of ``narrowing``: the
     first that builds, gives ``CLASSES`` logits and has at most ``SMALL_VISION_PARAMS``
     parameters, else the first with at most ``MAX_VISION_PARAMS``."""
     import timm  # optional dependency
@@ -303,7 +314,7 @@ def timm_shrunk(family: str, names: List[str], g) -> Tuple[nn.Module, torch.Tens
             continue
     fallback, why = None, f"no variant of {family} builds: {names[:3]}"
     for _, cls, name in sorted(counted, key=lambda t: t[0]):
-        sizes = sorted(set((32, 64, 96, 128) + tuple(_cfg_sizes(name))))
+        sizes = sorted(set((32, 64, 96, 128) + tuple(_cfg_sizes(name)) + _patch_multiples(cls)))
         sized = _accepts(cls, "img_size")
         for depth, k_arg in SHRINK_LEVELS:
             for px in sizes if sized else (None,):
