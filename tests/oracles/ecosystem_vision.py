@@ -5,6 +5,13 @@
   ``num_classes=3``, ``img_size=32`` where accepted (the smallest of 32-256 px that runs), and shrinking keyword arguments of the
   model class (``embed_dim``, ``depth(s)``, ``dims``, ``num_heads``, ...) where they build;
   narrowed as torchvision's where it is still larger than ``SMALL_VISION_PARAMS`` (``MAX_VISION_PARAMS`` at most);
+  where no such setting builds and runs small (a resolution fixed by the builder, size arguments
+  that the builder fixes or that must agree, widths sliced by attributes narrowing does not
+  see), shrunk generically (``timm_shrunk``): depths to 1 (or halved) and size arguments divided
+  wherever the builder hands them to the model class (``build_model_with_cfg``: its keyword
+  arguments, the class's defaults, config dataclasses, EfficientNet-style ``block_args``), at
+  each image size the model may need (its pretrained config's ``input_size``, multiples of its
+  patch), built for that size with ``img_size``; the model must give ``N x CLASSES`` logits;
 * torchvision: every classification builder, ``num_classes=3``, every width divided by 16 (or
   8, 4, 32, 2: the first that builds, runs and stays under ``MAX_VISION_PARAMS``;
   ``narrowing.narrowed``), ``image_size=32`` where the class takes it, the smallest image size
@@ -280,12 +287,6 @@ def _cfg_sizes(name: str) -> List[int]:
     return [int(cfg[key][-1]) for key in ("input_size", "test_input_size") if cfg.get(key)]
 
 
-def _debug(*a):
-    import os
-    if os.environ.get("EV_DEBUG"):
-        print("  try", *a, flush=True)
-
-
 def _patch_multiples(cls) -> Tuple[int, ...]:
     """Image sizes of a few patches where the class's default patch size is not a power of two
     (deepseek_vit's 14 px patches: 28-126 px rather than its named 546)."""
@@ -335,7 +336,6 @@ def timm_shrunk(family: str, names: List[str], g) -> Tuple[nn.Module, torch.Tens
                     if n > MAX_VISION_PARAMS or fallback is not None and n > SMALL_VISION_PARAMS:
                         why = f"{name}: {n} parameters (> {MAX_VISION_PARAMS})"
                         continue
-                    _debug(name, depth, k_arg, px, k, n)
                     try:
                         model = build()
                     except Exception as e:  # noqa: BLE001
