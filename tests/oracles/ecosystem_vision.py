@@ -167,7 +167,8 @@ def _timm_as_named(family: str, names: List[str], g) -> Tuple[nn.Module, torch.T
 # narrowing does not see): every size argument that reaches the model class is shrunk where
 # the builder hands it over (``build_model_with_cfg``), the class's defaults, the builder's
 # own values and the fields of a config dataclass (``cfg=MaxxVitCfg(...)``) alike.
-_DEPTH_ARG = re.compile(r"^(depths?|layers|num_blocks|stage_blocks|depth_list|k_sec|transformer_depths|num_layers)$")
+_DEPTH_ARG = re.compile(r"^(depths?|layers|num_blocks|stage_blocks|depth_list|k_sec|transformer_depths|num_layers"
+                        r"|block_layers)$")
 _WIDTH_ARG = re.compile(r"^(embed_dims?|hidden_dims?|dims|channels|widths|width_list|stem_width|stem_chs"
                         r"|inner_dim|intermediate_size|mlp_dim|num_init_features|stem_size|num_features|head_hidden_size|inc_sec|k_r|partial_dim|qk_dim|head_widths)$")
 _HEADS_ARG = re.compile(r"^(num_heads(_inner|_outer)?|heads|n_heads)$")
@@ -362,25 +363,76 @@ def timm_shrunk(family: str, names: List[str], g) -> Tuple[nn.Module, torch.Tens
     raise RuntimeError(why)
 
 
+@contextlib.contextmanager
+def _class_depths_shrunk(cls):
+    """Within the block, ``cls`` is built with every depth argument at 1 per stage, as its
+    builder passes them (MaxVit's ``block_layers``) or in an object's ``depths`` list
+    (RegNet's ``BlockParams``), and heads of at most 8 channels: for builders that fix depths
+    and widths alike."""
+    import copy
+
+    own = cls.__dict__.get("__init__")
+    init = cls.__init__
+    sig = inspect.signature(init)
+
+    def __init__(self, *args, **kwargs):
+        bound = sig.bind(self, *args, **kwargs)
+        for n, v in list(bound.arguments.items()):
+            if isinstance(getattr(v, "depths", None), list):
+                v = copy.copy(v)
+                v.depths = [min(d, 1) for d in v.depths]
+                bound.arguments[n] = v
+            elif _HEAD_DIM_ARG.match(n) and isinstance(v, int):
+                bound.arguments[n] = min(v, 8)  # heads of 8 channels: narrowed widths keep whole heads
+            else:
+                bound.arguments[n] = _shrunk_value(n, v, 1, 1)
+        init(*bound.args, **bound.kwargs)
+
+    cls.__init__ = __init__
+    try:
+        yield
+    finally:
+        if own is None:
+            del cls.__init__
+        else:
+            cls.__init__ = own
+
+
 def tv_model(builder: str, g) -> Tuple[nn.Module, torch.Tensor, str]:
-    """One torchvision classification builder at reduced width (module docstring)."""
+    """One torchvision classification builder at reduced width (module docstring); where every
+    width is too large, at depth 1 per stage as well (``_class_depths_shrunk``)."""
+    try:
+        return _tv_model(builder, g, shallow=False)
+    except TooLarge:
+        return _tv_model(builder, g, shallow=True)
+
+
+def _tv_model(builder: str, g, shallow: bool) -> Tuple[nn.Module, torch.Tensor, str]:
     import torchvision.models as tv  # optional dependency
 
-    build = tv.get_model_builder(builder)
+    build_as_named = tv.get_model_builder(builder)
     kw = dict(weights=None, num_classes=CLASSES)
-    cls = type(_build_on_meta(lambda: build(**kw)))
+    cls = type(_build_on_meta(lambda: build_as_named(**kw)))
+
+    def build(**kw):
+        with _class_depths_shrunk(cls) if shallow else contextlib.nullcontext():
+            return build_as_named(**kw)
+
+    by_args = (cls,)
     accepts = inspect.signature(cls.__init__).parameters
     if "aux_logits" in accepts:
         kw.update(aux_logits=False, init_weights=False)
     kw.update({k: v for k, v in (("dropout", 0.0),) if k in accepts})
     if "image_size" not in accepts:
         shown = {k: v for k, v in kw.items() if k not in ("weights", "num_classes")}
-        return _narrowest_that_runs(lambda: build(**kw), builder, shown, g, (32, 64, 96, 224, 299), models=(cls,))
+        shown.update({"depths": 1} if shallow else {})
+        return _narrowest_that_runs(lambda: build(**kw), builder, shown, g, (32, 64, 96, 224, 299), models=by_args)
     for px in (32, 28, 64):  # a transformer built for the image size; 28: patches of 14 px
         sized = dict(kw, image_size=px)
         shown = {k: v for k, v in sized.items() if k not in ("weights", "num_classes")}
+        shown.update({"depths": 1} if shallow else {})
         try:
-            return _narrowest_that_runs(lambda: build(**sized), builder, shown, g, (px,), models=(cls,))
+            return _narrowest_that_runs(lambda: build(**sized), builder, shown, g, (px,), models=by_args)
         except TooLarge:
             raise
         except RuntimeError:
