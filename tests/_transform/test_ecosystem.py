@@ -150,3 +150,45 @@ def test_narrowing_divides_widths_and_restores_the_layers():
     assert narrow(torch.randn(2, 3, 8, 8)).shape == (2, 3)
     assert {cls: cls.__dict__.get("__init__") for cls in LAYERS} == inits
     assert nn.Parameter.__dict__["__new__"] is new and Fixed().conv.out_channels == 64
+
+
+def test_timm_shrinking_rules():
+    """The generic timm shrinking: depths to 1 (a stage of none stays none), widths divided where
+    divisible, heads at most 2, head dims at most 8, position tables at most 256 long, width
+    multipliers divided, and the fields of a config dataclass (and tuples of them) alike;
+    restored after the block."""
+    import dataclasses
+    from typing import Tuple
+
+    from timm.models import _builder, byobnet
+
+    from oracles import ecosystem_vision as ev
+
+    @dataclasses.dataclass
+    class Block:
+        d: int = 3
+        c: int = 64
+        type: str = "attn"
+
+    @dataclasses.dataclass
+    class Cfg:
+        depths: Tuple[int, ...] = (2, 0, 5)
+        embed_dim: Tuple[int, ...] = (96, 192, 100)
+        blocks: Tuple[Block, ...] = (Block(), Block(d=1, c=12))
+
+    class Model:
+        def __init__(self, cfg=None, depth=12, embed_dim=768, num_heads=12, head_dim=64, layers=(3, 4),
+                     position_embedding_size=10240, width_factor=1.0, mlp_ratio=4.0, patch_size=16):
+            pass
+
+    out = ev._shrunk_kwargs(Model, {"cfg": Cfg(), "num_heads": 6}, True, 8)
+    assert out["cfg"] == Cfg(depths=(1, 0, 1), embed_dim=(12, 24, 100), blocks=(Block(d=1, c=8), Block(d=1, c=12)))
+    assert (out["depth"], out["embed_dim"], out["num_heads"], out["head_dim"], out["layers"]) == (1, 96, 2, 8, (1, 1))
+    assert out["position_embedding_size"] == 256 and out["width_factor"] == 1 / 8
+    assert "mlp_ratio" not in out and "patch_size" not in out
+    assert ev._shrunk_kwargs(Model, {}, True, 1) == {"depth": 1, "layers": (1, 1)}
+    assert ev._shrunk_kwargs(Model, {}, False, 1) == {}
+    original = _builder.build_model_with_cfg
+    with ev._timm_shrinking(True, 8):
+        assert byobnet.build_model_with_cfg is not original
+    assert byobnet.build_model_with_cfg is original

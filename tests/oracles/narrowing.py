@@ -19,6 +19,7 @@ fails its first forward, and the caller tries another ``k``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import re
@@ -88,6 +89,7 @@ def _narrow_init(cls: type, fix: Callable[[Dict, int], None], k: int, model: boo
     init = cls.__init__
     sig = inspect.signature(init)
 
+    @functools.wraps(init)  # its signature stays the class's own, for a wrapper around it
     def __init__(self, *args, **kwargs):
         bound = sig.bind(self, *args, **kwargs)
         if model or not _State.inside_model:
