@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["is_concrete", "available_bytes"]
+__all__ = ["is_concrete", "available_bytes", "dense"]
 
 
 def is_concrete(t: Tensor) -> bool:
@@ -21,6 +21,22 @@ def is_concrete(t: Tensor) -> bool:
         return not torch._C._functorch.is_functorch_wrapped_tensor(t)
     except AttributeError:  # pragma: no cover - older torch
         return True
+
+
+def dense(t: Tensor) -> Tensor:
+    """``t`` with the row-major strides of its shape: ``t`` itself where it has them, else a
+    copy. ``Tensor.contiguous`` keeps any stride of a size-one dim (``[N, C, 1, 1]`` with
+    strides ``(C, 1, C, C)``, a transposed token map reshaped); torch's (2.13) batching rule of
+    a transposed convolution's backward then raises "grad_weight needs to be contiguous", so
+    a per-sample map (``vmap`` of a ``vjp``) is handed its inputs dense. A vmap/grad wrapper is
+    returned as it is (its strides are not the memory's)."""
+    if not isinstance(t, Tensor) or torch._C._functorch.is_functorch_wrapped_tensor(t):
+        return t
+    want, step = [], 1
+    for size in reversed(t.shape):
+        want.append(step)
+        step *= max(size, 1)
+    return t if tuple(reversed(want)) == t.stride() else t.clone(memory_format=torch.contiguous_format)
 
 
 def available_bytes(device: torch.device) -> Optional[int]:

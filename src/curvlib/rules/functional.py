@@ -31,6 +31,7 @@ from torch.func import vjp, vmap
 from .._core.aliasing import VIEWS, op_name, view_base
 from .._core.batch_layout import from_batch_first
 from .._core.site import Recorder, RoleTensors, Rule, Site, sample_layout
+from .._core.tensors import dense
 from ._conv_correlation import Correlation
 from ._conv_unfold import unfold
 from .conv import per_sample_weight_grad
@@ -180,7 +181,8 @@ def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
         return vjp(f, free)[1](g_n.unsqueeze(out_dim))[0]
 
     in_dims = [None if d is None else 0 for d in own]
-    return vmap(one_sample, in_dims=(in_dims, 0))([site.saved[k] for k in keys], g)
+    # (dense: torch's batched transposed-convolution backward refuses odd strides of size-one dims)
+    return vmap(one_sample, in_dims=(in_dims, 0))([dense(site.saved[k]) for k in keys], dense(g))
 
 
 _CONV_DIMS = {torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3, F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
@@ -243,7 +245,7 @@ def _grad_batch_masked(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTenso
     keys = [f"in{i}" for i in range(len(site.meta["use"].inputs))]
     own, out_dim = sample_layout(site, {k: site.saved[k] for k in keys}, n)
     # the whole op runs in its own layout: inputs and g moved back from batch first
-    inputs = [site.saved[k] if own[k] is None else from_batch_first(site.saved[k], own[k]) for k in keys]
+    inputs = [dense(site.saved[k] if own[k] is None else from_batch_first(site.saved[k], own[k])) for k in keys]
     f, free = _of_free_parameters(site, roles, inputs)
     pull = vjp(f, free)[1]
     rows = torch.eye(n, dtype=g.dtype, device=g.device).reshape((n, n) + (1,) * (g.dim() - 1))

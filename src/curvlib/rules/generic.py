@@ -40,6 +40,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 from .._core.errors import CurvatureError
 from .._core.sync import LOCK
 from .._core.site import Family, Recorder, RoleTensors, Rule, Site, sample_layout
+from .._core.tensors import dense
 from . import fixed_rows
 
 
@@ -189,7 +190,7 @@ def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
     module = site.meta["module"]
     n = g.shape[0]
     params = {k[6:]: v for k, v in site.saved.items() if k.startswith("param:")}
-    inputs = {k: v for k, v in site.saved.items() if not k.startswith("param:")}
+    inputs = {k: dense(v) for k, v in site.saved.items() if not k.startswith("param:")}  # (as in functional)
     own, out_dim = sample_layout(site, inputs, n)
     in_dims = {k: None if d is None else 0 for k, d in own.items()}  # saved batch first
     wanted = set(roles)
@@ -212,7 +213,7 @@ def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
 
     out_rows = batch_out if batch_out is not None else g
     out_rows_dim = out_dim if batch_out is not None else 0
-    return map_samples(one_sample, (in_dims, 0, out_rows_dim), key=module)(inputs, g, out_rows)
+    return map_samples(one_sample, (in_dims, 0, out_rows_dim), key=module)(inputs, dense(g), out_rows)
 
 
 def _check_same_branch(site: Site, alone: Tensor, in_batch: Tensor) -> None:
