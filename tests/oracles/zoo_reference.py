@@ -56,11 +56,27 @@ def batch_size(X) -> int:
 
 def forward(model, X, output):
     """The model's output on ``X``, computed afresh: a cache the forward fills (timm's attention
-    biases in eval mode) is emptied again after each call, so that no call reads another call's
-    graph (the oracles differentiate each call on its own)."""
+    biases in eval mode) is emptied for the call and restored after it, so that no call reads
+    another call's values or graph (the oracles differentiate each call on its own). A cache
+    filled before, by a forward under ``torch.no_grad`` (the sweep's logit-scale probe), would hand
+    every call a constant: the oracle's gradient of those parameters was zero
+    (EfficientFormer's ``attention_biases``), where the model's is not."""
     with _math(), restored(model):
+        _empty_caches(model)
         o = model(**X) if isinstance(X, dict) else model(X)
     return select(o, output)
+
+
+def _empty_caches(model: nn.Module) -> None:
+    """Empty every dict attribute of a submodule that holds tensors only (a cache its forward
+    fills: timm's ``attention_bias_cache``, keyed by device); call inside ``restored``."""
+    for m in model.modules():
+        for k, v in vars(m).items():
+            if k not in _MODULE_SLOTS and isinstance(v, dict) and v and all(isinstance(t, Tensor) for t in v.values()):
+                v.clear()
+
+
+_MODULE_SLOTS = frozenset(vars(nn.Module()))  # nn.Module's own tables (parameters, buffers, hooks)
 
 
 def scale(lossfn, n: int) -> float:
