@@ -185,8 +185,8 @@ def _rows_apart(program, site: Optional[Site], shape, node: Optional[fx.Node] = 
     """An eval-mode BatchNorm (running statistics) on rows ``[R, C]``: each row normalised alone,
     so merged rows stay apart (in training mode the batch statistics mix them: not split,
     refused as before)."""
-    if site is not None:
-        node = next((m for m in program.graph.nodes if m.name == _site_node_name(site)), None) \
+    if site is not None:  # (a module's site is named by its path, its graph node by that path's ``_`` form)
+        node = next((m for m in program.graph.nodes if _site_path(program, m) == _site_node_name(site)), None) \
             if program.graph is not None else None
     layer = program.layers.get(node.target) if node is not None and node.op == "call_module" else None
     module = layer.module if layer is not None else None
