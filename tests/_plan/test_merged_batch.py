@@ -172,6 +172,50 @@ def test_eval_batch_norm_on_rows_merging_batch_and_tokens_is_exact(n, t, token_m
     assert all(bool(f.isfinite().all()) for fs in qs["kflr"].values() for f in fs)
 
 
+class LinearNorm(nn.Module):
+    """LeViT's ``LinearNorm``: Linear, then an eval-mode BatchNorm1d on the rows ``[N·T, C]``
+    that merge the batch and the tokens (``flatten(0, 1)``), reshaped back."""
+
+    def __init__(self, c_in: int, c_out: int):
+        super().__init__()
+        self.linear, self.bn = nn.Linear(c_in, c_out, bias=False), nn.BatchNorm1d(c_out)
+
+    def forward(self, x):
+        x = self.linear(x)
+        return self.bn(x.flatten(0, 1)).reshape_as(x)
+
+
+class NestedRowNorm(nn.Module):
+    """``[N, T, 3]`` -> two LinearNorm blocks (the BatchNorm a submodule's, named by a dotted
+    path) with a Tanh between and after -> mean over T -> Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(LinearNorm(3, 4), nn.Tanh(), LinearNorm(4, 4))
+        self.act, self.head = nn.Tanh(), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.act(self.blocks(x)).mean(1))
+
+
+@settings(max_examples=6)
+@given(n=st.integers(2, 4), t=st.integers(2, 4), seed=st.integers(0, 50))
+def test_eval_batch_norm_of_a_submodule_on_merged_rows_is_exact(n, t, seed):
+    """A BatchNorm1d deeper than the root (LeViT's ``stages.0.blocks.0.attn.qkv.bn``) is
+    found by its path: its rows are split apart as the root's are, every quantity exact."""
+    g = seeded(seed)
+    X, y = torch.randn(n, t, 3, generator=g, dtype=DT), torch.randn(n, 2, generator=g, dtype=DT)
+    model = NestedRowNorm().to(DT).eval()
+    with torch.no_grad():
+        for bn in (model.blocks[0].bn, model.blocks[2].bn):
+            bn.running_mean.uniform_(-1, 1, generator=g)
+            bn.running_var.uniform_(0.5, 2, generator=g)
+            bn.weight.uniform_(0.5, 1.5, generator=g)
+            bn.bias.uniform_(-0.5, 0.5, generator=g)
+    check_first_order(model, nn.MSELoss(), X, y)
+    check_second_order(model, nn.MSELoss(), X, y, hmp=False, seed=seed)
+
+
 @pytest.mark.parametrize("token_major", [False, True])
 def test_train_batch_norm_on_merged_rows_stays_refused(token_major):
     g = seeded(3)

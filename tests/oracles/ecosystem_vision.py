@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 from torch import nn
 
+from curvlib.rules.generic import restored
 from oracles.narrowing import narrowed, parameter_count
 from oracles.zoo import CLASSES, N
 
@@ -532,8 +533,8 @@ def calibrated(model: nn.Module, X: torch.Tensor) -> nn.Module:
         model.eval()
     heads = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))
              and m.weight.requires_grad and m.weight.shape[0] == CLASSES]
-    with torch.no_grad():
-        largest = float(model(X).abs().max())
+    with torch.no_grad(), restored(model):  # (an eval-mode cache it fills, timm's attention biases, emptied again:
+        largest = float(model(X).abs().max())  # a cached table would hide its parameter from the oracles)
         if heads and largest > LOGIT_SCALE:
             heads[-1].weight.mul_(LOGIT_SCALE / largest)
             if heads[-1].bias is not None:

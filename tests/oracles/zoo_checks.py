@@ -224,6 +224,10 @@ def check_problem(prob: zoo.Problem, group: str) -> Dict[str, float]:
         # test_kfac_approx.py), any other layer's block is the diagonal of the exact block
         repeated = [f"{k}.weight" for k in oz.repeated_sites(prob) if f"{k}.weight" in params]
         standardised += [w for w in repeated if w in qs["kflr"] and len(qs["kflr"][w]) == 1 and w not in standardised]
+        # a convolution on rows that merge the batch with heads (MViTv2's pooling) is run by the
+        # generic rule: the same fallback (docs/supported-models.md)
+        merged = [f"{k}.weight" for k in oz.merged_row_sites(prob) if f"{k}.weight" in params]
+        standardised += [w for w in merged if w in qs["kflr"] and len(qs["kflr"][w]) == 1 and w not in standardised]
         not_two = {w: [tuple(f.shape) for f in qs["kflr"][w]] for w in weights if w not in standardised
                    and w in qs["kflr"] and (len(qs["kflr"][w]) != 2 or any(f.dim() != ndim[w] for f in qs["kflr"][w]))}
         missing = [w for w in weights if w not in qs["kflr"]]

@@ -282,6 +282,14 @@ def repeated_sites(prob) -> List[str]:
     return [k for k, c in calls.items() if c > 1]
 
 
+def merged_row_sites(prob) -> List[str]:
+    """The sites of :func:`kron_sites` whose input holds more rows than samples in dim 0 (a
+    convolution on heads merged into the batch, MViTv2's pooling of ``[N·H, C, h, w]``)."""
+    inputs, _ = _site_calls(prob)
+    n = batch_size(prob.X)
+    return [k for k, x in inputs.items() if isinstance(x, Tensor) and x.dim() and x.shape[0] != n]
+
+
 def _site_calls(prob) -> Tuple[Dict[str, Tensor], Dict[str, int]]:
     """Each site's first input and its number of calls in one forward."""
     shared = _shared(prob.model)

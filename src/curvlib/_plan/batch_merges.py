@@ -38,6 +38,10 @@ __all__ = ["split_merged_batches", "residual_merges", "per_sample"]
 
 #: Site kinds that treat every entry of their input's dim 0 alike (leading dims are positions).
 _ROW_WISE = frozenset({"linear", "layernorm", "embedding"})
+#: Site kinds of layers that act on each entry of their input's dim 0 alone but take no extra
+#: leading dim (a convolution on ``[N·H, C, h, w]``, MViTv2's pooling of heads merged into the
+#: batch): run by the generic rule on the merged rows (:func:`curvlib._plan.merged_modules.batch_first_module`).
+_ENTRY_WISE = frozenset({"conv", "conv_transpose"})
 #: Ops on parameters (functional sites) that broadcast over leading dims: one more leading dim
 #: on their batched operands leaves every entry's value as it was.
 _BROADCASTING = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub,
@@ -74,7 +78,8 @@ def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable)
     for site, sa, sb in zip(rec_a.sites, rec_a.out_shapes, rec_b.out_shapes):
         d, c = _merged(sa, sb, n)
         if c and (site.rule.kind in _ROW_WISE or _broadcasting(site) or _op_on_parameters(site)
-                  or (d == 0 and _rows_apart(program, site, sa)) or _generic_wrappable(program, site)):
+                  or (d == 0 and _rows_apart(program, site, sa)) or _generic_wrappable(program, site)
+                  or (d == 0 and site.rule.kind in _ENTRY_WISE)):
             where[_site_node_name(site)] = d
     if not where or program.graph is None:
         return False
@@ -91,10 +96,12 @@ def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable)
         if split is None:
             continue
         positions, batch = split
-        if _generic_wrappable(program, None, node):  # (its forward keeps its own layout: the batch split off around it)
+        entry_wise = _entry_wise(program, node)
+        if entry_wise or _generic_wrappable(program, None, node):  # (its forward keeps its own layout)
             for graph_program in (program, program.sibling):
                 if graph_program is not None:
-                    batch_first_module(graph_program, node.name, positions, (batch.c // batch.s, batch.s, batch.dim))
+                    batch_first_module(graph_program, node.name, positions, (batch.c // batch.s, batch.s, batch.dim),
+                                       as_generic=entry_wise)
             done = True
             continue
         results = _result_dims(program, node, env_a, env_b, n, batch.c)
@@ -181,12 +188,18 @@ def _generic_wrappable(program, site: Optional[Site], node: Optional[fx.Node] = 
     return node.op == "call_module" and node.target in program.layers and program.layers[node.target].forward is generic.forward
 
 
+def _entry_wise(program, node: fx.Node) -> bool:
+    """A layer of a kind in :data:`_ENTRY_WISE` (run by the generic rule on merged rows)."""
+    layer = program.layers.get(node.target) if node.op == "call_module" else None
+    return layer is not None and layer.kind in _ENTRY_WISE
+
+
 def _rows_apart(program, site: Optional[Site], shape, node: Optional[fx.Node] = None) -> bool:
     """An eval-mode BatchNorm (running statistics) on rows ``[R, C]``: each row normalised alone,
     so merged rows stay apart (in training mode the batch statistics mix them: not split,
     refused as before)."""
-    if site is not None:
-        node = next((m for m in program.graph.nodes if m.name == _site_node_name(site)), None) \
+    if site is not None:  # (a module's site is named by its path, its graph node by that path's ``_`` form)
+        node = next((m for m in program.graph.nodes if _site_path(program, m) == _site_node_name(site)), None) \
             if program.graph is not None else None
     layer = program.layers.get(node.target) if node is not None and node.op == "call_module" else None
     module = layer.module if layer is not None else None

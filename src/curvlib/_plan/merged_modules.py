@@ -18,6 +18,8 @@ from typing import Sequence, Tuple
 
 from torch import Tensor, fx, nn
 
+from ..rules import generic
+
 __all__ = ["SampleRows", "batch_first_module"]
 
 _OWN_ROOT = "_curvlib_own_root"
@@ -50,12 +52,14 @@ def _own_root(model: nn.Module) -> nn.Module:
     return root
 
 
-def batch_first_module(program, name: str, positions: Sequence[int], split: Tuple[int, int, int]) -> None:
+def batch_first_module(program, name: str, positions: Sequence[int], split: Tuple[int, int, int],
+                       as_generic: bool = False) -> None:
     """Run the generic layer at graph node ``name`` (a ``call_module``) as :class:`SampleRows` on
     batch-first operands, its output merged back for its users. The wrapper is registered on the
     program's root; a symbolic trace's root, the user's model, is first replaced by a shallow copy
     with a submodule table of its own (same submodules and parameters), so the model is never
-    changed."""
+    changed. ``as_generic``: a layer with a rule of its own that takes no extra leading dim (a
+    convolution) is run by the generic rule there, exact for a layer that acts on each row alone."""
     outer, inner, d = split
     graph = program.graph
     if not program.aten and not program.root.__dict__.get(_OWN_ROOT):
@@ -66,7 +70,8 @@ def batch_first_module(program, name: str, positions: Sequence[int], split: Tupl
     program.root.add_module(target, SampleRows(layer.module, positions, split))
     program.layers[target] = type(layer)(path=layer.path, module=program.root.get_submodule(target),
                                          names={f"module.{r}": c for r, c in layer.names.items()},
-                                         forward=layer.forward, kind=layer.kind, opaque=layer.opaque)
+                                         forward=generic.forward if as_generic else layer.forward,
+                                         kind="generic" if as_generic else layer.kind, opaque=layer.opaque)
     made = []
 
     def add(method, *args, tag, after=None):
