@@ -250,3 +250,30 @@ class Leaves(nn.Module):
 def test_numeric_probe_ignores_equal_infinities_and_unwritten_memory(which, seed, n):
     X, y = hot_data(seed, n=n)
     check_first_order(Leaves(which).to(DT), nn.MSELoss(), X, y)
+
+
+def test_a_layer_that_fails_on_one_sample_alone_is_refused_naming_it():
+    """A generic layer whose own code fails on a batch of one (it checks for two rows at least):
+    its per-sample quantities cannot be recomputed, so the call is refused naming the layer and
+    the error, before any work (the layer's own error does not reach the user raw)."""
+    import pytest
+    import torch
+    from torch import nn
+
+    from curvlib import CurvatureError, curvature
+    from curvlib.extensions import BatchGrad
+
+    class Pairs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
+
+        def forward(self, x):
+            if x.shape[0] < 2:
+                raise ValueError("Pairs needs two rows at least")
+            return x @ self.w
+
+    model = nn.Sequential(nn.Linear(3, 3), Pairs(), nn.Linear(3, 2)).double()
+    X, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 0, 1])
+    with pytest.raises(CurvatureError, match=r"Layer '1' \(Pairs.*each sample alone"):
+        curvature(model, nn.CrossEntropyLoss(), [BatchGrad()])(X, y)

@@ -1,24 +1,21 @@
 """Numeric tests for what the graph does not explain (see :mod:`curvlib._plan.independence`).
 
-*Pending* nodes (parametrized modules run by the generic rule, parameter-free
-modules and operations outside curvlib's tables) are run once more on their
-real inputs from one extra forward (no gradients, forked random state):
+*Pending* nodes (parametrized modules run by the generic rule, parameter-free modules and
+operations outside curvlib's tables) are run once more on their real inputs from one extra
+forward (no gradients, forked random state):
 
-* **leak test**: sample ``j``'s rows of every batched input are changed
-  (floats: noise of the input's scale; integers: another sample's rows), for
-  ``j = 0`` and ``j = N - 1``; every other sample's output rows must stay the
-  same, within ``64 ε`` of the output's scale. Both runs draw the same random
-  numbers (same seed, same shapes), so dropout masks agree and a module with
+* **leak test**: sample ``j``'s rows of every batched input are changed (floats: noise of the
+  input's scale; integers: another sample's rows), for ``j = 0`` and ``j = N - 1``; every other
+  sample's output rows must stay the same, within ``64 ε`` of the output's scale. Both runs draw
+  the same random numbers (same seed, same shapes), so dropout masks agree and a module with
   active dropout is tested as well;
-* **alone test** (generic layers, when two runs with different seeds agree,
-  i.e. no active dropout): sample 0 run as a batch of one, as the generic rule
-  recomputes it, must give its row of the batched output within ``√ε`` of
-  the output's scale.
+* **alone test** (generic layers, when two runs with different seeds agree: no active dropout):
+  sample 0 run as a batch of one, as the generic rule recomputes it, must give its row of the
+  batched output within ``√ε`` of the output's scale (a layer whose code fails on it: refused).
 
-A model without a graph is tested on its own forward: its generic layers'
-sites as above, and a noise added to sample ``j``'s rows of every layer
-output (the sites' probes) must not reach other samples' model outputs.
-With ``N = 1`` nothing can mix and nothing is tested.
+A model without a graph is tested on its own forward: its generic layers' sites as above, and a
+noise added to sample ``j``'s rows of every layer output must not reach other samples' model
+outputs. With ``N = 1`` nothing is tested.
 """
 
 from __future__ import annotations
@@ -138,6 +135,10 @@ def _rows(size: int, leaf: Batch, n: int, j: int, device) -> Tensor:
     return (pos // leaf.s) % n == j
 
 
+class _FailsAlone(Exception):  # a layer's own code fails on one sample alone (the generic rule's batch of one)
+    pass
+
+
 class _CannotFollow(Exception):
     """A batch merged with another dim by an operation whose layout is not known."""
 
@@ -244,9 +245,7 @@ def _alone_test(call, load, base, out_leaves, device) -> Optional[str]:
         with _seeded(device, _SEED):
             one = call(*load(first))
     except Exception as exc:  # noqa: BLE001 - the layer's own code on other shapes: its message, in the refusal
-        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return (f": run on sample 0 alone (a batch of one, as curvlib's generic rule recomputes it) it "
-                f"fails ({type(exc).__name__}: {why}), so curvlib cannot compute its per-sample quantities")
+        raise _FailsAlone(f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}") from exc
     for a, b, leaf in zip(leaves_of(base), leaves_of(one), out_leaves):
         if isinstance(leaf, Batch) and leaf.c == 1:
             gap = _gap(a.narrow(leaf.dim, 0, 1), b, lambda eps: eps**0.5)
@@ -292,7 +291,13 @@ def pending_problem(program, found, X: Tensor, params, trainable) -> Optional[st
         layer = program.layers.get(node.target) if node.op == "call_module" else None
         # only layers with trainable parameters are recomputed per sample (by the generic rule)
         alone = layer is not None and any(name in trainable for name in layer.names.values())
-        why = probe(_node_call(program, node, params), load, found.layouts[node], n, _inputs.first(X).device, alone)
+        try:
+            why = probe(_node_call(program, node, params), load, found.layouts[node], n, _inputs.first(X).device, alone)
+        except _FailsAlone as exc:
+            raise CurvatureError(  # (not a mixing verdict: the layer's own code fails on a batch of one)
+                f"Layer '{layer.path}' ({type(module).__name__}, graph node '{node.name}') has no curvlib rule: its per-"
+                f"sample quantities run it on each sample alone, which fails in its own code ({exc}). They are refused; "
+                "loss, grad, GGNMP and HMP (whole-batch) are not. Freeze its parameters to get the others.") from exc
         if why:
             name = getattr(node.target, "__name__", str(node.target))
             return f"graph node '{node.name}' ({label(node, name, module)}{why})"
