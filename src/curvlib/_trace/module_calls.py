@@ -184,7 +184,3 @@ def replay_module(tensors, key: int):
     out = _call(key, list(tensors), traced=True)
     count = _CALLS[key][5]
     return [out] if count is None else [out[i] for i in range(count)]
-
-
-def module_path(key: int) -> str:
-    return _CALLS[key][0]

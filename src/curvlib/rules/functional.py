@@ -137,17 +137,14 @@ def _write_into_copy(node: fx.Node, written: fx.Node, env: Dict, load) -> None:
     if base not in env:
         base = written
     env[base] = env[base].clone()
-    views, stack = [], [base]  # the views of the base computed so far, in graph order
+    stack = [base]  # the views of the base computed so far, each taken again after the one it views
     while stack:
         m = stack.pop()
         for u in m.users:
             if u in env and u.op in ("call_function", "call_method") and u.args and u.args[0] is m \
                     and op_name(u) in VIEWS:
-                views.append(u)
+                env[u] = _call(u, load(u.args), load(u.kwargs))
                 stack.append(u)
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
-    for v in sorted(views, key=order.__getitem__):
-        env[v] = _call(v, load(v.args), load(v.kwargs))
     result = _call(node, load(node.args), load(node.kwargs))
     env[node] = env[written] if node.target is operator.setitem else result
 
