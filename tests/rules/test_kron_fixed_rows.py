@@ -273,3 +273,21 @@ def test_tied_embedding_gets_the_diagonal_block(v, d, n, approx, seed):
     g = individual_gradients(model, lossfn, X, y, ["tok.weight"])["tok.weight"]
     _close(got["kfac_empirical"]["tok.weight"][0], (g**2).sum(0).reshape(-1), "empirical")
     assert [f.shape for f in got["kflr"]["pos"]] == [(2,), (d, d)]
+
+
+@settings(max_examples=8, deadline=None)
+@given(kind=st.sampled_from(["param", "slice", "sub", "heads", "rows3d", "call"]), t=st.integers(1, 3),
+       n=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_diagonals_at_fixed_rows(kind, t, n, seed):
+    """GGN and Hessian diagonals, summed and per sample, of a position table read at fixed rows,
+    including rows read by several positions (``"heads"``: each row once per head), vs brute force."""
+    from curvlib.extensions import BatchDiagGGNExact, BatchDiagHessian, DiagGGNExact, DiagHessian
+    from oracles.reference import assert_matches, reference
+
+    torch.manual_seed(seed)
+    model = Positions(kind, 4, 2, t, 2).to(DT)
+    X = torch.randint(0, 4, (n, t), generator=seeded(seed))
+    y = torch.randint(0, 3, (n,), generator=seeded(seed + 1))
+    lossfn = nn.CrossEntropyLoss()
+    got = curvature(model, lossfn, [DiagGGNExact(), BatchDiagGGNExact(), DiagHessian(), BatchDiagHessian()])(X, y)
+    assert_matches(got, reference(model, lossfn, X, y, pchmp=False), kind)

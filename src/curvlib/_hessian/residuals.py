@@ -26,7 +26,8 @@ dense node (token ids, masks) are not in ``u``; they travel with the residual
 sample ``n``'s.
 Kinds, by structure:
 
-* ``"diag"``: element-wise ``z = φ(a)``: ``R = diag(φ''(a) ⊙ g)``;
+* ``"diag"``: element-wise ``z = φ(a)``: ``R = diag(φ''(a) ⊙ g)`` (one node, or a region of
+  element-wise nodes written out in primitives, :mod:`curvlib._hessian.pointwise`);
 * ``"product"``: ``z = x ⊙ y`` (same shapes): ``R = [[0, D], [D, 0]]``, ``D = diag(g)``;
 * ``"broadcast"``: ``z = x ⊙ y`` broadcasting (squeeze-excite's ``x * s[:, :, None, None]``):
   per shared index, a matrix product ``[T, 1] × [1, S]`` (:mod:`curvlib._hessian.broadcast`);
@@ -66,6 +67,7 @@ from .._core.batch_layout import from_batch_first
 from .._core.site import Recorder
 from ..rules.elementwise import classify
 from .broadcast import broadcastable
+from .pointwise import PointwiseRegion, fuse_pointwise_regions
 from .rows import linear_in_inputs, separable_rows
 from ..rules.rnn_steps import Coupling
 
@@ -90,8 +92,9 @@ def _describe(program: Program, node: fx.Node) -> str:
 Planned = Tuple[str, Optional[Callable], frozenset]
 
 
-def residual_plan(program: Program) -> Dict[fx.Node, Planned]:
-    """Which graph nodes carry a residual, and how to record it.
+def residual_plan(program: Program, fuse: bool = True) -> Dict[fx.Node, Planned]:
+    """Which graph nodes carry a residual, and how to record it; with ``fuse``, an
+    element-wise subgraph as one residual (:func:`curvlib._hessian.pointwise.fuse_pointwise_regions`).
 
     Returns:
         node -> ``(kind, phi, coupled)``: ``phi`` is ``φ(a)`` for ``"diag"``, the
@@ -135,7 +138,7 @@ def residual_plan(program: Program) -> Dict[fx.Node, Planned]:
             plan[node] = ("diag", phi, frozenset())
         elif kind == "other":
             plan[node] = (_structured_kind(node, program.root, dependent), None, frozenset())
-    return plan
+    return fuse_pointwise_regions(program, plan) if fuse else plan
 
 
 _MATMULS = (torch.matmul, operator.matmul, torch.bmm)
@@ -267,7 +270,12 @@ def _record_structured(program: Program, node: fx.Node, kind: str, phi, env, env
     normalisation rows, ``X @ Y``, a tied Linear's bilinear term); ``False`` when the
     node's values do not have the structure after all (it is then recorded dense)."""
     if kind == "diag":
-        a = env[node.all_input_nodes[0]] if node.op != "call_module" else fx.node.map_arg(node.args, lambda n: env[n])[0]
+        if isinstance(phi, PointwiseRegion):  # the region's function of its root's value
+            a, phi = env[phi.input_node(program)], phi.function(program)
+        elif node.op != "call_module":
+            a = env[node.all_input_nodes[0]]
+        else:
+            a = fx.node.map_arg(node.args, lambda n: env[n])[0]
         env_out[node] = rec.residual(node.name, kind, phi, [a], z)
         return True
     if kind == "product":

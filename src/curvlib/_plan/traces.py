@@ -190,7 +190,8 @@ def trace(model: nn.Module, second: Sequence[SecondOrder], X=None, output=None, 
         runner=None if traced else run_eager,
         checks=module_checks(program) if traced else [],
         direct=not has_inplace(program),  # differentiate w.r.t. site outputs, not zero probes
-        residual_nodes=_residuals.residual_plan(program) if hessian else {},
+        residual_nodes=_residuals.residual_plan(program, fuse=not any(e.residuals_per_node for e in second))
+        if hessian else {},
         dropout=_dropout.active(program),
     )
 

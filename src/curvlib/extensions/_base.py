@@ -99,6 +99,10 @@ class SecondOrder(Extension):
         read_as: how the quantity is read off when not as itself (the Hessian diagonals:
             as the GGN's diagonals, from signed columns).
         hessian: it needs the nonlinearities' second derivatives (residual terms).
+        residuals_per_node: it transforms each graph node's residual on its own (PCHMP's
+            eigenvalue modification), so its result depends on how the forward is cut into
+            nodes: element-wise subgraphs stay node by node (the other Hessian extensions
+            record one residual per element-wise region, :mod:`curvlib._hessian.pointwise`).
         per_sample: its result has one row per sample (the batch diagonals).
         monte_carlo: the Monte-Carlo extension that gives the same quantity from sampled
             columns (named by refusals of the exact one's memory).
@@ -109,6 +113,7 @@ class SecondOrder(Extension):
     kron: ClassVar[bool] = False
     read_as: ClassVar[str] = ""
     hessian: ClassVar[bool] = False
+    residuals_per_node: ClassVar[bool] = False
     per_sample: ClassVar[bool] = False
     monte_carlo: ClassVar[str] = ""
 

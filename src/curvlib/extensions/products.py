@@ -127,6 +127,7 @@ class PCHMP(BlockProduct):
     name: ClassVar[str] = "pchmp"
     quantity: ClassVar[str] = "pchmp"
     hessian: ClassVar[bool] = True
+    residuals_per_node: ClassVar[bool] = True
     function_needs: ClassVar[Tuple[str, ...]] = ("setup_context", "vmap", "jvp", "twice")
     layer_kinds: ClassVar[Optional[Tuple[str, ...]]] = HESSIAN_FAMILIES
 

@@ -119,14 +119,21 @@ def squares_per_sample(site: Site, rows: Tensor, m: Tensor) -> Tensor:
     """``[N, *p]``: ``Σ_v (∂(m_v · z)/∂p)²`` per sample, all columns ``m [V, N, *S, D]`` at once.
 
     Column ``v``'s gradient of sample ``n`` at row ``r`` is ``± Σ_{s: r(s) = r} m[v, n, s]``
-    (module doc): an ``index_add`` over the positions, instead of the generic rule's
-    per-sample ``vmap`` of the op's vjp once per column (the Hessian family's many
-    residual columns made that the slow part of a small GPT's ``DiagHessian``)."""
+    (module doc): positions reading one row are summed by an ``index_add`` into the ``U``
+    rows read at all (``U ≤ S``), squared and summed over the columns there, and only the
+    ``[N, U, D]`` sums are placed among the parameter's ``R`` rows. The ``[V, N, R, D]``
+    gradients themselves are never formed (``R``: a position table's length, often many times
+    the positions used)."""
     v, n = m.shape[:2]
     p = site.saved[f"param:{site.meta['use'].params[0]}"]
     m = m.reshape(v, n, rows.shape[0], m.shape[-1])
-    g = m.new_zeros(v, n, p.shape[:-1].numel(), m.shape[-1]).index_add(2, rows, m)
-    return (g**2).sum(0).reshape((n,) + tuple(p.shape))
+    used, slot = torch.unique(rows, return_inverse=True)
+    if used.shape[0] < rows.shape[0]:  # several positions read one row: sum them before the square
+        m = m.new_zeros(v, n, used.shape[0], m.shape[-1]).index_add(2, slot, m)
+        rows = used
+    squares = (m**2).sum(0)  # [N, U, D]
+    out = squares.new_zeros(n, p.shape[:-1].numel(), m.shape[-1]).index_add(1, rows, squares)
+    return out.reshape((n,) + tuple(p.shape))
 
 
 def unused_block(p: Tensor, max_dim: Optional[int] = None) -> List[Tensor]:

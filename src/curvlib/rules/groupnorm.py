@@ -82,12 +82,35 @@ def sum_grad_squared(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors
     return {role: (v**2).sum(0) for role, v in grad_batch(site, g, roles).items()}
 
 
+def _column_gradients(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``[V, N, C]`` per role: the individual gradients of every column of a root ``m [V, N, C, *S]``."""
+    gc = m.reshape(m.shape[0], m.shape[1], m.shape[2], -1)
+    out = {}
+    if "weight" in roles:
+        out["weight"] = (gc * _canon(site.saved["xhat"])).sum(3)
+    if "bias" in roles:
+        out["bias"] = gc.sum(3)
+    return out
+
+
+def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``[1, C]`` per role: ``Σ_v Σ_n (∂ℓ_n/∂p)²`` for a root ``m [V, *out]`` in one pass."""
+    return {role: (v**2).sum((0, 1)).unsqueeze(0) for role, v in _column_gradients(site, m, roles).items()}
+
+
+def batch_sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``[N, C]`` per role: ``Σ_v (∂ℓ_n/∂p)²`` for a root ``m [V, *out]`` in one pass."""
+    return {role: (v**2).sum(0) for role, v in _column_gradients(site, m, roles).items()}
+
+
 GROUPNORM = Rule(
     kind="groupnorm",
     grad_batch=grad_batch,
     grad=grad,
     batch_l2=batch_l2,
     sum_grad_squared=sum_grad_squared,
+    sum_squares_over_columns=sum_squares_over_columns,
+    batch_sum_squares_over_columns=batch_sum_squares_over_columns,
     any_batch_dim=False,
 )
 

@@ -100,19 +100,28 @@ def sum_grad_squared(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors
     return {role: (v**2).sum(0).reshape(shape) for role, v in vals.items()}
 
 
-def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
-    """``[1, *D]`` per role: ``Σ_c Σ_n (∂ℓ_n/∂p)²`` for a root ``m [C, *out]`` in one pass."""
+def _column_gradients(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``[C, N, d]`` per role: the individual gradients of every column of a root ``m [C, *out]``."""
     c = m.shape[0]
-    mc = m.reshape((c * m.shape[1],) + tuple(m.shape[2:]))  # columns folded into the batch
-    gc = mc.reshape(mc.shape[0], -1, site.meta["norm_numel"])
+    gc = m.reshape((c, m.shape[1], -1, site.meta["norm_numel"]))  # [C, N, s, d]
     out = {}
     if "weight" in roles:
-        xhat = _canon(site, site.saved["xhat"])  # [N, s, d]
-        out["weight"] = ((gc.reshape((c,) + tuple(xhat.shape)) * xhat).sum(2) ** 2).sum((0, 1))
+        out["weight"] = (gc * _canon(site, site.saved["xhat"])).sum(2)
     if "bias" in roles:
-        out["bias"] = (gc.sum(1) ** 2).sum(0)
+        out["bias"] = gc.sum(2)
+    return out
+
+
+def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``[1, *D]`` per role: ``Σ_c Σ_n (∂ℓ_n/∂p)²`` for a root ``m [C, *out]`` in one pass."""
     shape = site.meta["norm_shape"]
-    return {role: v.reshape((1,) + shape) for role, v in out.items()}
+    return {role: (v**2).sum((0, 1)).reshape((1,) + shape) for role, v in _column_gradients(site, m, roles).items()}
+
+
+def batch_sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``[N, *D]`` per role: ``Σ_c (∂ℓ_n/∂p)²`` for a root ``m [C, *out]`` in one pass."""
+    shape = site.meta["norm_shape"]
+    return {role: (v**2).sum(0).reshape((v.shape[1],) + shape) for role, v in _column_gradients(site, m, roles).items()}
 
 
 LAYERNORM = Rule(
@@ -122,6 +131,7 @@ LAYERNORM = Rule(
     batch_l2=batch_l2,
     sum_grad_squared=sum_grad_squared,
     sum_squares_over_columns=sum_squares_over_columns,
+    batch_sum_squares_over_columns=batch_sum_squares_over_columns,
     any_batch_dim=True,
 )
 

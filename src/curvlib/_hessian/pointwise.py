@@ -1,0 +1,168 @@
+"""Pointwise regions: an element-wise subgraph recorded as one element-wise residual.
+
+A language model's activation is often written out in primitives, e.g. GPT-2's
+``0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))``: three nonlinear nodes (``x³``, ``tanh`` and
+the product), each with its own residual, and so ``3 · 2`` sets of signed columns the size of
+``x`` to pull back for the Hessian diagonal. The whole subgraph is one element-wise function
+``z = φ(x)``, and its residuals sum to ``φ``'s:
+
+    Σ_k (∂u_k/∂x)ᵀ ∇²_{u_k}(g_k · f_k(u_k)) (∂u_k/∂x) = ∇²_x (g_z · φ(x)) = diag(φ''(x) ⊙ g_z)
+
+(the residual decomposition of the scalar ``x ↦ g_z · φ(x)``, whose outer function is linear,
+``g_k = (∂z/∂k)ᵀ g_z`` the gradient at node ``k``), provided no value inside the region is used
+outside it. So the region is recorded as a single ``"diag"`` residual at its exit, with
+``φ`` the region itself and its input the region's one graph input: ``2`` column sets instead
+of ``2 · (number of nonlinear nodes)``.
+
+A region is a set of nodes, each an element-wise function of graph tensors of one shape
+(an element-wise node of :func:`curvlib.rules.elementwise.classify`, or ``+ − × ÷`` and
+negation of region tensors and Python numbers: never a tensor constant, which could
+broadcast the result to a larger shape), whose graph inputs are the region's members and
+one *root* node, and whose values, but the exit's, are used only inside the region. Regions
+with fewer than two nonlinear nodes are left as they are (nothing to gain).
+"""
+
+from __future__ import annotations
+
+import numbers
+import operator
+from dataclasses import dataclass
+from typing import Callable, Dict, FrozenSet, List, Optional, Set, Tuple
+
+import torch
+from torch import Tensor, fx
+
+from .._trace.graph_facts import overwrites_input
+from .._trace.program import Program
+
+__all__ = ["PointwiseRegion", "fuse_pointwise_regions"]
+
+# ``+ − × ÷`` and negation, out of place (in-place spellings overwrite a value the region's
+# function is taken of; they end a region)
+_ARITHMETIC_FUNCTIONS = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
+                                   operator.pos, torch.add, torch.sub, torch.mul, torch.div, torch.neg})
+_ARITHMETIC_METHODS = frozenset({"add", "sub", "mul", "div", "neg"})
+# residual kinds of the nonlinear element-wise nodes a region absorbs
+_NONLINEAR_KINDS = ("diag", "product")
+
+
+@dataclass(frozen=True)
+class PointwiseRegion:
+    """A region by its nodes' names (the same in the ATen-level traces of ``N`` and ``N + 1``
+    samples): ``root``, its input, and ``nodes`` in graph order, the exit last."""
+
+    root: str
+    nodes: Tuple[str, ...]
+
+    def input_node(self, program: Program) -> fx.Node:
+        return _by_name(program)[self.root]
+
+    def function(self, program: Program) -> Callable[[Tensor], Tensor]:
+        """``φ(x)``: the region's nodes of ``program`` evaluated on ``x`` at the root."""
+        named = _by_name(program)
+        root, nodes = named[self.root], [named[k] for k in self.nodes]
+
+        def phi(x: Tensor) -> Tensor:
+            local: Dict[fx.Node, object] = {root: x}
+            load = lambda a: fx.node.map_arg(a, local.__getitem__)  # noqa: E731
+            for node in nodes:
+                local[node] = program.apply(node, load(node.args), load(node.kwargs), {})
+            return local[nodes[-1]]
+
+        return phi
+
+
+def _by_name(program: Program) -> Dict[str, fx.Node]:
+    return {node.name: node for node in program.graph.nodes}
+
+
+def fuse_pointwise_regions(program: Program, plan: Dict[fx.Node, tuple]) -> Dict[fx.Node, tuple]:
+    """``plan`` (node -> ``(kind, φ, coupled)``, :func:`curvlib._hessian.residuals.residual_plan`)
+    with every pointwise region (module doc) of at least two nonlinear nodes recorded as one
+    ``"diag"`` residual at its exit (the others' entries removed)."""
+    dependent = program.dependent
+    member = {node for node in program.graph.nodes if _pointwise(program, node, plan, dependent)}
+    order = {node: k for k, node in enumerate(program.graph.nodes)}
+    taken: Set[fx.Node] = set()
+    fused = dict(plan)
+    for exit_node in reversed(list(program.graph.nodes)):
+        if exit_node in taken or exit_node not in member or plan.get(exit_node, ("",))[0] not in _NONLINEAR_KINDS:
+            continue
+        found = _region(exit_node, member - taken, dependent, order)
+        if found is None:
+            continue
+        root, nodes = found
+        if sum(plan.get(n, ("",))[0] in _NONLINEAR_KINDS for n in nodes) < 2:
+            continue
+        taken.update(nodes)
+        for node in nodes:
+            fused.pop(node, None)
+        ordered = tuple(n.name for n in sorted(nodes, key=order.__getitem__))
+        fused[exit_node] = ("diag", PointwiseRegion(root.name, ordered), frozenset())
+    return fused
+
+
+def _pointwise(program: Program, node: fx.Node, plan, dependent) -> bool:
+    """Whether ``node`` computes each entry of its output from the same entry of its graph
+    inputs, all of one shape (see the module doc)."""
+    if node not in dependent or node.op not in ("call_function", "call_method", "call_module"):
+        return False
+    if node.meta.get("no_grad") or overwrites_input(program, node):
+        return False
+    graph_inputs = [a for a in node.all_input_nodes if a in dependent]
+    if not graph_inputs or len(graph_inputs) != len(node.all_input_nodes):
+        return False  # (a tensor constant among the arguments)
+    kind = plan.get(node, ("",))[0]
+    if kind == "diag":
+        return len(graph_inputs) == 1
+    if kind not in ("", "product"):
+        return False
+    arithmetic = (node.target in _ARITHMETIC_FUNCTIONS if node.op == "call_function"
+                  else node.op == "call_method" and node.target in _ARITHMETIC_METHODS)
+    numbers_only = all(isinstance(a, fx.Node) or (isinstance(a, numbers.Number) and not isinstance(a, complex))
+                       for a in node.args)
+    return arithmetic and numbers_only and not node.kwargs
+
+
+def _dependent_args(node: fx.Node, dependent) -> List[fx.Node]:
+    return [a for a in node.all_input_nodes if a in dependent]
+
+
+def _region(exit_node: fx.Node, member: Set[fx.Node], dependent, order) -> Optional[Tuple[fx.Node, FrozenSet[fx.Node]]]:
+    """``(root, nodes)``: the largest pointwise region ending at ``exit_node``, or ``None``."""
+    grown = _grown(exit_node, member, dependent)
+    inputs = {a for n in grown for a in _dependent_args(n, dependent)} - grown
+    if len(inputs) == 1:
+        return next(iter(inputs)), frozenset(grown)
+    # several inputs: the region generated by one of its own nodes, earliest (largest) first
+    for root in sorted(grown - {exit_node}, key=order.__getitem__):
+        nodes = _generated(root, grown, exit_node, dependent, order)
+        if nodes is not None:
+            return root, nodes
+    return None
+
+
+def _grown(exit_node: fx.Node, member: Set[fx.Node], dependent) -> Set[fx.Node]:
+    """The members whose every use leads to ``exit_node`` through members, up to a fixed point."""
+    grown = {exit_node}
+    changed = True
+    while changed:
+        changed = False
+        for node in list(grown):
+            for a in _dependent_args(node, dependent):
+                if a not in grown and a in member and all(u in grown for u in a.users):
+                    grown.add(a)
+                    changed = True
+    return grown
+
+
+def _generated(root: fx.Node, grown: Set[fx.Node], exit_node: fx.Node, dependent, order) -> Optional[FrozenSet[fx.Node]]:
+    """The nodes of ``grown`` computed from ``root`` alone (through each other), if they reach
+    ``exit_node`` and only ``exit_node`` is used outside them."""
+    nodes: Set[fx.Node] = set()
+    for node in sorted(grown, key=order.__getitem__):
+        if order[node] > order[root] and all(a is root or a in nodes for a in _dependent_args(node, dependent)):
+            nodes.add(node)
+    if exit_node not in nodes or any(u not in nodes for n in nodes - {exit_node} for u in n.users):
+        return None
+    return frozenset(nodes)
