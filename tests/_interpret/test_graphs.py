@@ -336,10 +336,16 @@ def test_in_place_change_hidden_from_the_trace():
 class _ComputedWeightConv(nn.Module):
     """``F.conv{1,2}d(x, h(W), b, stride, padding, dilation, groups)`` with ``h`` a scale and shift
     of the weight per output channel (a weight computed from parameters: the functional
-    convolution's fast per-sample path, :func:`curvlib.rules.functional._conv_grad_batch`)."""
+    convolution's fast per-sample path, :func:`curvlib.rules.functional._conv_grad_batch`);
+    ``computed``: the padding computed in ``forward`` from the weight's shape (a graph value,
+    not a number written in the graph: the generic path)."""
 
-    def __init__(self, dims, groups, stride, padding, dilation, bias):
+    def __init__(self, dims, groups, stride, padding, dilation, bias, computed=False):
         super().__init__()
+        self.computed = computed
+        # the reduced dims written out: torch.fx traces the model (``range(1, W.dim())`` sends it to
+        # the ATen-level trace, where the padding would be a number again)
+        self.reduce = tuple(range(1, dims + 2)) if computed else None
         self.conv = (F.conv1d, F.conv2d)[dims - 1]
         self.options = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
         self.weight = nn.Parameter(torch.randn((4, 4 // groups) + (3,) * dims))
@@ -348,17 +354,22 @@ class _ComputedWeightConv(nn.Module):
         self.head = nn.LazyLinear(3)
 
     def forward(self, x):
-        w = self.gain * (self.weight - self.weight.mean(dim=tuple(range(1, self.weight.dim())), keepdim=True))
-        return self.head(torch.tanh(self.conv(x, w, self.bias, **self.options)).flatten(1))
+        dims = self.reduce if self.computed else tuple(range(1, self.weight.dim()))
+        w = self.gain * (self.weight - self.weight.mean(dim=dims, keepdim=True))
+        options = dict(self.options)
+        if self.computed:  # (as Liquid's causal_conv1d_fn: from the computed weight's kernel size, 3)
+            options["padding"] = w.shape[-1] // 3 * options["padding"]
+        return self.head(torch.tanh(self.conv(x, w, self.bias, **options)).flatten(1))
 
 
 @settings(max_examples=12, deadline=None)
 @given(dims=st.sampled_from([1, 2]), groups=st.sampled_from([1, 2]), stride=st.integers(1, 2),
-       padding=st.integers(0, 1), dilation=st.integers(1, 2), bias=st.booleans(), n=st.integers(1, 3),
-       seed=st.integers(0, 2**16))
-def test_convolution_with_a_computed_weight_first_order(dims, groups, stride, padding, dilation, bias, n, seed):
+       padding=st.integers(0, 1), dilation=st.integers(1, 2), bias=st.booleans(), computed=st.booleans(),
+       n=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_convolution_with_a_computed_weight_first_order(dims, groups, stride, padding, dilation, bias, computed, n,
+                                                         seed):
     torch.manual_seed(seed)
-    model = _ComputedWeightConv(dims, groups, stride, padding, dilation, bias)
+    model = _ComputedWeightConv(dims, groups, stride, padding, dilation, bias, computed)
     X = torch.randn((n, 4) + (7,) * dims, generator=seeded(seed), dtype=torch.float32)
     model(X)  # (materialise the lazy head)
     model = model.to(DT)

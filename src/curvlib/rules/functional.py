@@ -202,9 +202,10 @@ def _conv_grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> Optional[Ro
     computed = [a for a in (args["weight"], args["bias"]) if a is not None]
     x = site.saved["in0"]
     batch_apart = site.meta.get("in_dims", {}).get("in0", 0) != 0 or site.meta.get("out_dim")  # (conv: both 0)
-    if (args["input"] is not use.inputs[0] or batch_apart or isinstance(args["padding"], str) or x.shape[0] != g.shape[0]
+    if (args["input"] is not use.inputs[0] or batch_apart or x.shape[0] != g.shape[0]
+            or not all(_static_ints(args[k]) for k in ("stride", "padding", "dilation", "groups"))
             or not all(isinstance(a, fx.Node) and a in use.chain for a in computed)):
-        return None
+        return None  # (a padding computed in forward, or "same": the generic way)
     per_dim = lambda v: (v,) * dims if isinstance(v, int) else tuple(v)  # noqa: E731
     stride, padding, dilation = per_dim(args["stride"]), per_dim(args["padding"]), per_dim(args["dilation"])
     f, free = _chain_of_free_parameters(site, roles, computed)
@@ -215,6 +216,11 @@ def _conv_grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> Optional[Ro
                        lambda: unfold(F.pad(x, pad), kernel, stride, dilation), columns="g")
     grads = (per_sample_weight_grad(corr),) + ((g.flatten(2).sum(2),) if len(computed) == 2 else ())
     return vmap(lambda *per_sample: pull(per_sample)[0])(*grads)
+
+
+def _static_ints(value) -> bool:
+    """An int or a tuple/list of ints written in the graph (not a value computed in forward)."""
+    return isinstance(value, int) or (isinstance(value, (tuple, list)) and all(isinstance(v, int) for v in value))
 
 
 def _chain_of_free_parameters(site: Site, roles: Sequence[str], nodes: Sequence[fx.Node]):
