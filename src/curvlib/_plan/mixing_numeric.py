@@ -212,7 +212,7 @@ def probe(call: Callable, load: Callable, out_leaves: list, n: int, device, alon
     why = _leak_test(call, load, base, out_leaves, n, device)
     if why or not alone:
         return why
-    return _alone_test(call, load, base, out_leaves, device)
+    return _alone_test(call, load, base, out_leaves, n, device)
 
 
 def _leak_test(call, load, base, out_leaves, n, device) -> Optional[str]:
@@ -232,14 +232,21 @@ def _leak_test(call, load, base, out_leaves, n, device) -> Optional[str]:
     return None
 
 
-def _alone_test(call, load, base, out_leaves, device) -> Optional[str]:
+def _alone_test(call, load, base, out_leaves, n: int, device) -> Optional[str]:
     with _seeded(device, _OTHER_SEED):
         again = call(*load(_same))
     if any(_gap(a, b, lambda eps: 64 * eps) for a, b in zip(leaves_of(base), leaves_of(again))):
         return None  # random (active dropout): a batch of one draws other numbers
 
     def first(v: Tensor, leaf) -> Tensor:
-        return v.narrow(leaf.dim, 0, 1).clone() if isinstance(leaf, Batch) and leaf.c == 1 else v.clone()
+        if isinstance(leaf, Batch) and leaf.c == 1:
+            return v.narrow(leaf.dim, 0, 1).clone()
+        if leaf is None and _same_rows(v, n):
+            # a constant the model built with one row per sample (an attention mask expanded to
+            # the batch size): a batch of one has one row of it, as the generic rule's split
+            # by the planner's batch dims gives each sample its own (equal) row
+            return v[:1].clone()
+        return v.clone()
 
     try:
         with _seeded(device, _SEED):
@@ -254,6 +261,11 @@ def _alone_test(call, load, base, out_leaves, device) -> Optional[str]:
                         f"it) gives an output {gap:.3g} away from its row of the batched output: the "
                         "layer does not treat samples independently")
     return None
+
+
+def _same_rows(v: Tensor, n: int) -> bool:
+    """Whether ``v`` has ``N`` rows in dim 0, all equal."""
+    return v.dim() > 0 and v.shape[0] == n and n > 1 and torch.equal(v, v[:1].expand_as(v))
 
 
 def _node_call(program, node: fx.Node, params) -> Callable:

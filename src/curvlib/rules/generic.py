@@ -149,14 +149,16 @@ def join_args(saved: Dict[str, Tensor], pos_static: list, kw_static: dict):
 # Functions (by a key, e.g. the module) seen to branch on tensor values: looped at once.
 _BRANCHING: "weakref.WeakSet" = weakref.WeakSet()
 # vmap's refusals of a function that a loop over samples runs: a branch on values, ``.item()``,
-# an output whose shape depends on values (``h[mask]``, ``nonzero``)
-_UNMAPPABLE = ("data-dependent control flow", "batching operators that can support dynamic shape")
+# an output whose shape depends on values (``h[mask]``, ``nonzero``), values read into Python
+# (``.tolist()``: a batched tensor has no storage of its own)
+_UNMAPPABLE = ("data-dependent control flow", "batching operators that can support dynamic shape",
+               "Cannot access data pointer of Tensor that doesn't have storage")
 _LOOPING = threading.local()  # .on: map_samples runs its function sample by sample (values readable)
 
 
 def map_samples(fn, in_dims, key=None):
     """``vmap(fn, in_dims)``, or, when ``fn`` branches on tensor values (data-dependent
-    control flow or ``.item()``, which vmap cannot run), a loop over the mapped
+    control flow, ``.item()`` or ``.tolist()``, which vmap cannot run), a loop over the mapped
     dimension whose results are stacked: the same values, one call per sample.
     ``key`` (weak-referenceable, e.g. the module ``fn`` runs): remembered as branching,
     so that later calls loop without trying vmap first."""
@@ -187,8 +189,22 @@ def map_samples(fn, in_dims, key=None):
 def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
     """``∂ℓ_n/∂θ``: the module's vjp run on each sample alone, a batch of one in the
     module's own layout (the batch dim of each input and of the output kept where it is)."""
+    return _per_sample_pullbacks(site, g, roles, columns=False)
+
+
+def grad_batch_columns(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """:func:`grad_batch` of every column of ``m [V, *out]`` at once, ``{role: [V, N, *p]}``: one
+    forward of each sample alone, its pullback applied to all of that sample's columns
+    (vmapped; one by one where the module's backward cannot be vmapped), instead of a forward
+    and a pullback per column."""
+    out = _per_sample_pullbacks(site, m, roles, columns=True)
+    return {role: v.transpose(0, 1) for role, v in out.items()}  # [N, V, *p] -> [V, N, *p]
+
+
+def _per_sample_pullbacks(site: Site, g: Tensor, roles: Sequence[str], columns: bool) -> RoleTensors:
+    """``{role: [N, *p]}`` (``g [N, *out]``), or with ``columns`` ``{role: [N, V, *p]}`` (``g [V, N, *out]``)."""
     module = site.meta["module"]
-    n = g.shape[0]
+    n = g.shape[1 if columns else 0]
     params = {k[6:]: v for k, v in site.saved.items() if k.startswith("param:")}
     inputs = {k: dense(v) for k, v in site.saved.items() if not k.startswith("param:")}  # (as in functional)
     own, out_dim = sample_layout(site, inputs, n)
@@ -204,16 +220,29 @@ def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
         fixed = {r: p for r, p in params.items() if r not in wanted}
 
         def f(free_params):
-            return stateless_call(module, {**fixed, **free_params}, args, kwargs)
+            return output_tensor(site, stateless_call(module, {**fixed, **free_params}, args, kwargs))
 
         alone, pullback = vjp(f, free)
         if getattr(_LOOPING, "on", False) and batch_out is not None:
             _check_same_branch(site, alone.squeeze(out_dim), out_n)
-        return pullback(g_n.unsqueeze(out_dim))[0]
+        if not columns:
+            return pullback(g_n.unsqueeze(out_dim))[0]
+        return _pull_columns(pullback, g_n.unsqueeze(out_dim + 1))
 
-    out_rows = batch_out if batch_out is not None else g
+    out_rows = batch_out if batch_out is not None else (g[0] if columns else g)
     out_rows_dim = out_dim if batch_out is not None else 0
-    return map_samples(one_sample, (in_dims, 0, out_rows_dim), key=module)(inputs, dense(g), out_rows)
+    g_dim = 1 if columns else 0
+    return map_samples(one_sample, (in_dims, g_dim, out_rows_dim), key=module)(inputs, dense(g), out_rows)
+
+
+def _pull_columns(pullback, cols: Tensor) -> Dict[str, Tensor]:
+    """``{role: [V, *p]}``: ``pullback`` of each column of ``cols [V, *out]``, vmapped, or one by one
+    where the module's backward has no batching rule."""
+    try:
+        return vmap(lambda c: pullback(c)[0])(cols)
+    except RuntimeError:
+        pulled = [pullback(c)[0] for c in cols.unbind(0)]
+        return {role: torch.stack([p[role] for p in pulled]) for role in pulled[0]}
 
 
 def _check_same_branch(site: Site, alone: Tensor, in_batch: Tensor) -> None:
@@ -231,25 +260,42 @@ def _check_same_branch(site: Site, alone: Tensor, in_batch: Tensor) -> None:
         )
 
 
-GENERIC = Rule(kind="generic", grad_batch=grad_batch, any_batch_dim=True, saved_batch_dims=True)
+GENERIC = Rule(kind="generic", grad_batch=grad_batch, grad_batch_columns=grad_batch_columns, any_batch_dim=True,
+               saved_batch_dims=True)
 
 
 def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
-    """Run ``module`` with substituted parameters and record a generic site."""
+    """Run ``module`` with substituted parameters and record a generic site. A container output
+    (a ``ModelOutput``, a tuple) whose only floating-point tensor is one leaf is recorded at
+    that tensor, the container rebuilt around it."""
     out = stateless_call(module, tensors, args, kwargs)
-    if not isinstance(out, Tensor):
+    leaves, spec = pytree.tree_flatten(out)
+    floating = [k for k, v in enumerate(leaves) if isinstance(v, Tensor) and v.is_floating_point()]
+    if not isinstance(out, Tensor) and len(floating) != 1:
         raise CurvatureError(
             f"Module '{where}' ({type(module).__name__}) has no hand-written curvlib "
-            f"rule and returns {type(out).__name__}, not a tensor; the generic rule, which runs "
-            "it whole, needs a single output tensor. It is run whole because neither torch.fx "
+            f"rule and returns {type(out).__name__} with {len(floating)} floating-point tensors; the generic "
+            "rule, which runs it whole, needs one output tensor. It is run whole because neither torch.fx "
             "nor curvlib's ATen front end could trace through it (e.g. the model applies a custom "
             "autograd.Function); make its forward return one tensor."
         )
+    leaf = None if isinstance(out, Tensor) else floating[0]
+    tensor = out if leaf is None else leaves[leaf]
     saved, pos_static, kw_static = _split_args(args, kwargs)
     saved.update({f"param:{r}": t for r, t in tensors.items()})
-    meta = {"module": module, "pos_static": pos_static, "kw_static": kw_static,
-            "out": out.detach()}  # (a branching module's per-sample runs are checked against it)
-    return rec.add(Site(GENERIC, names, where, meta=meta, saved=saved), out)
+    meta = {"module": module, "pos_static": pos_static, "kw_static": kw_static, "output_leaf": leaf,
+            "out": tensor.detach()}  # (a branching module's per-sample runs are checked against it)
+    recorded = rec.add(Site(GENERIC, names, where, meta=meta, saved=saved), tensor)
+    if leaf is None:
+        return recorded
+    leaves[leaf] = recorded
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def output_tensor(site: Site, out) -> Tensor:
+    """The tensor a generic site is recorded at, from its module's output (see :func:`forward`)."""
+    leaf = site.meta.get("output_leaf")
+    return out if leaf is None else pytree.tree_flatten(out)[0][leaf]
 
 
 # Extensions that run a generic layer's forward under forward-mode AD or ``vmap`` over
