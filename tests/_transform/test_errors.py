@@ -174,7 +174,7 @@ class _TupleOut(_DictOut):
 @pytest.mark.parametrize("model, entry", [(_DictOut(), "['logits']"), (_TupleOut(), "[0]")])
 def test_container_output_takes_the_logits_and_says_so(model, entry):
     """A dict, tuple, dataclass or ModelOutput: the loss takes the entry named ``logits``, else the
-    first tensor (issue 21, ``curvature(..., output=)``), and curvlib says which, once."""
+    first tensor (unless ``curvature(..., output=)`` names one), and curvlib says which, once."""
     X, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
     with pytest.warns(UserWarning, match=re.escape(entry)):
         qs = curvature(model, nn.CrossEntropyLoss(), [BatchGrad()])(X, y)
