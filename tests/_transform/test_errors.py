@@ -142,7 +142,7 @@ def test_refused_before_any_work():
 
 def test_layer_on_merged_batch_is_exact():
     """``[N, 4] -> [2N, 2]`` before a Linear (the batch merged with features, batch-major):
-    the planner splits it off around the layer (was refused; tests/_plan/test_merged_batch.py)."""
+    the planner splits it off around the layer, not refused (tests/_plan/test_merged_batch.py)."""
 
     class Merge(nn.Module):
         def __init__(self):
