@@ -2,10 +2,9 @@
 
     python benchmarks/compiled_check.py --device cuda --problem 3c3d-256
 
-Issue 12's GPU session saw ``compile=True`` differ from eager on ``3c3d-256`` (BatchGrad rel 6.5e-1).
-This script says which side is off: each float32 result (eager, compiled; TF32 allowed or not) is
-compared with the same extension in float64 (eager, no TF32), relative error = max|a - b| / max|b|
-over the whole result. Prints one line per (extension, TF32, mode).
+Where ``compile=True`` and eager differ on a GPU, this script says which side is off: each
+float32 result (eager, compiled; TF32 allowed or not) is compared with the same extension in
+float64 (eager, no TF32), relative error = max|a - b| / max|b| over the whole result. Prints one line per (extension, TF32, mode).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session's checks (issue 12), in steps that each fit a 10-minute command on
+# One GPU session's checks, in steps that each fit a 10-minute command on
 # a lent machine without a package registry. Run from the repository root.
 #
 #   bash benchmarks/gpu_session.sh wheels            # where a registry is reachable: the

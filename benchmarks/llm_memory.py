@@ -1,4 +1,4 @@
-"""Peak memory and time of curvlib's methods and peers on language models (issue 23): ``gpt2-small``
+"""Peak memory and time of curvlib's methods and peers on language models: ``gpt2-small``
 and the model-size sweep ``gpt-sweep-d{D}-l{L}`` (``problems.LLM_PROBLEMS``).
 
     python benchmarks/llm_memory.py                                    # gpt2-small, every method
@@ -67,7 +67,7 @@ SWEEP_METHODS = ("backward", "BatchL2Grad", "SumGradSquared", "Variance", "DiagG
                  "KFAC[max_factor_dim=4096]", "KFAC[max_factor_dim=1024]")
 
 
-#: Peers (issue 23 item 5), on request: ``llm_memory.py --methods backward opacus:ghost-norms ...``.
+#: Peers, on request: ``llm_memory.py --methods backward opacus:ghost-norms ...``.
 PEERS = ("opacus:backward", "opacus:ghost-norms", "opacus:clipping-step", "curvlinops:KFAC[mlp]",
          "curvlinops:KFAC[mlp+head]")
 #: ``opacus:clipping-step``'s clipping bound C (``max_grad_norm``).

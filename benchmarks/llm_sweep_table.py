@@ -1,4 +1,4 @@
-"""The model-size sweep's tables (issue 23) from ``llm_memory.py``'s JSON output, one or several files.
+"""The model-size sweep's tables from ``llm_memory.py``'s JSON output, one or several files.
 
     python benchmarks/llm_sweep_table.py benchmarks/results/cpu/llm-sweep.json benchmarks/results/cpu/llm-sweep-d768.json
 

@@ -25,7 +25,7 @@ the reference every ratio is taken against.
 | ``gpt`` | GPT from ``nn.TransformerEncoderLayer``: vocab 256, learned positions, 4 pre-LN blocks d 128, 4 heads, causal, T 64 | 32 | ``[N, 64]`` tokens | ``CrossEntropyLoss()``, every position |
 | ``gpt-v16`` | the same with vocab 16 (C = 16·64 = 1024 output columns, for the exact quantities) | 32 | ``[N, 64]`` tokens | ``CrossEntropyLoss()``, every position |
 | ``lstm`` | ``nn.LSTM`` 32 -> 128, 2 layers, last step -> Linear 10; T 50 | 64 | ``[N, 50, 32]`` | ``CrossEntropyLoss()`` |
-| ``gpt2-small`` | ``gpt`` at GPT-2-small size (issue 23): vocab 50257, T 128, 12 pre-LN blocks d 768, 12 heads, MLP 3072, untied head; 163 M parameters | 4 | ``[N, 128]`` tokens | ``CrossEntropyLoss()``, every position |
+| ``gpt2-small`` | ``gpt`` at GPT-2-small size: vocab 50257, T 128, 12 pre-LN blocks d 768, 12 heads, MLP 3072, untied head; 163 M parameters | 4 | ``[N, 128]`` tokens | ``CrossEntropyLoss()``, every position |
 | ``gpt-sweep-d{D}-l{L}`` | ``gpt2-small`` with d D (128, 256, 512, 768), L blocks (2, 4, 8, 12), D/64 heads, MLP 4D; ``gpt-sweep-d768-l12`` is ``gpt2-small`` | 4 | ``[N, 128]`` tokens | ``CrossEntropyLoss()``, every position |
 | ``gpt2-hf`` | Hugging Face ``GPT2LMHeadModel`` (random weights): 2 layers, n_embd 128, 4 heads, vocab 256, T 64, eval; logits transposed to ``[N, V, T]`` | 32 | ``[N, 64]`` tokens | ``CrossEntropyLoss()``, every position |
 | ``gpt2-hf-v16`` | the same with vocab 16 (C = 1024, for the exact quantities) | 32 | ``[N, 64]`` tokens | ``CrossEntropyLoss()``, every position |
@@ -34,7 +34,7 @@ the reference every ratio is taken against.
 
 On request (:data:`GPU_PROBLEMS`, not in the CPU default): ``mlp-1024``, ``3c3d-256``,
 ``resnet-128`` (the same models with N = 1024, 256, 128) and ``allcnnc-96``
-(All-CNN-C at DeepOBS's full width 96/192, N = 128): the sizes issue 12 measured on a GPU.
+(All-CNN-C at DeepOBS's full width 96/192, N = 128): the GPU sizes.
 
 On request too (:data:`LLM_PROBLEMS`): ``gpt2-small`` and the model-size sweep
 ``gpt-sweep-d{128,256,512,768}-l{2,4,8,12}`` (:data:`SWEEP_DIAGONAL`: the four sizes along
@@ -269,7 +269,7 @@ def gpt(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, 
 
 
 def gpt2_small(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> Problem:
-    """:func:`gpt` at GPT-2-small size (issue 23): vocab 50257, 12 pre-LN blocks of d 768 with
+    """:func:`gpt` at GPT-2-small size: vocab 50257, 12 pre-LN blocks of d 768 with
     12 heads and MLP 3072, learned positions ``[128, 768]``, untied head ``Linear(768, 50257)``
     (163 M parameters, 650 MB in float32); N=4 sequences of T=128 tokens, ``CrossEntropyLoss``
     over every position (logits ``[4, 50257, 128]``, 103 MB)."""
@@ -278,7 +278,7 @@ def gpt2_small(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: in
 
 def gpt_sweep(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, d: int = 768,
               layers: int = 12) -> Problem:
-    """The model-size sweep (issue 23): :func:`gpt2_small` with width ``d`` and ``layers`` pre-LN
+    """The model-size sweep: :func:`gpt2_small` with width ``d`` and ``layers`` pre-LN
     blocks, ``d // 64`` heads (GPT-2's head width 64) and MLP ``4 d``; vocab 50257, N=4, T=128.
     ``gpt_sweep(d=768, layers=12)`` is :func:`gpt2_small`."""
     return gpt(device, dtype, seed, vocab=50257, n=4, length=128, d=d, heads=d // 64, hidden=4 * d,
@@ -415,7 +415,7 @@ ZOO_PROBLEMS: dict[str, Callable[..., Problem]] = {
 }
 PROBLEMS.update(ZOO_PROBLEMS)
 
-#: The sizes issue 12 measured on an H100 (``--problems mlp-1024 3c3d-256 allcnnc-96 resnet-128``):
+#: The GPU sizes (``--problems mlp-1024 3c3d-256 allcnnc-96 resnet-128``):
 #: more samples, and All-CNN-C at DeepOBS's full width (96/192). Too large for the CPU default.
 GPU_PROBLEMS: dict[str, Callable[..., Problem]] = {
     "mlp-1024": functools.partial(mlp, n=1024),
@@ -425,7 +425,7 @@ GPU_PROBLEMS: dict[str, Callable[..., Problem]] = {
 }
 PROBLEMS.update(GPU_PROBLEMS)
 
-#: Language models at full size (issue 23), on request: ``benchmarks/llm_memory.py``.
+#: Language models at full size, on request: ``benchmarks/llm_memory.py``.
 LLM_PROBLEMS: dict[str, Callable[..., Problem]] = {"gpt2-small": gpt2_small}
 LLM_PROBLEMS.update({f"gpt-sweep-d{d}-l{n}": functools.partial(gpt_sweep, d=d, layers=n)
                      for d in (128, 256, 512, 768) for n in (2, 4, 8, 12)})
@@ -687,7 +687,7 @@ PEER_PACKAGES = {
     "curvlinops": "curvlinops-for-pytorch",
 }
 
-# torch.compile (issue 12), timed on request: "compiled:<Extension>" is
+# torch.compile, timed on request: "compiled:<Extension>" is
 # curvature(..., compile=True) (one traced, torch.compile(fullgraph=True) program per
 # input signature; the tracing and compilation fall in the "first call" column), checked
 # against the eager method like a peer; "compiled:backward" is torch.compile of the loss

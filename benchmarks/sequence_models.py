@@ -1,4 +1,4 @@
-"""The sequence models of the benchmark (issue 11): a small GPT and an LSTM classifier,
+"""The sequence models of the benchmark: a small GPT and an LSTM classifier,
 each with the copy Opacus needs and the map of that copy's per-sample gradients back
 to the original parameters.
 

@@ -7,7 +7,7 @@ and torchvision, random weights, nothing downloaded), in float32 with the batch 
 ``--n`` samples, one torch thread. For each: the median time of a plain ``loss.backward()``,
 of ``vmap(grad)`` over samples (each sample's share of the loss, ``functional_call``), and of
 one ``curvature(model, lossfn, [BatchGrad()], output=...)`` call (traced before timing);
-the ratio BatchGrad / vmap(grad) is issue 21's measure (target: at most 1.5). A model whose
+the ratio BatchGrad / vmap(grad) is the measure (target: at most 1.5). A model whose
 ``vmap(grad)`` fails (no batching rule) is reported as such.
 """
 

@@ -24,7 +24,7 @@ import torchvision_shim
 
 torchvision_shim.install()  # before anything imports torchvision (transformers, timm, laplace do)
 
-# Tiny float64 convolutions are ~200x slower with 2 threads than with 1.
+# Tiny float64 convolutions are far slower with 2 threads than with 1.
 torch.set_num_threads(1)
 
 if os.environ.get(SWITCH):

@@ -1,4 +1,4 @@
-"""First-order quantities read off during the loss's backward (issue 23, item 1).
+"""First-order quantities read off during the loss's backward.
 
 ``curvlib._evaluate.first_order.first_order_streamed`` reads every site as its output gradient
 arrives (``curvlib._evaluate.streamed.stream_sites``) and drops it. Checked here in float64 against
@@ -121,7 +121,7 @@ def test_the_streamed_path_is_taken_and_frees_each_gradient(spy):
 
 def test_small_sites_are_read_all_at_once(monkeypatch, spy):
     """Below ``STREAM_MIN_BYTES`` of site outputs the hooks would cost more than the memory they
-    save: one backward returns every site's gradient, as before streaming; same results."""
+    save: one backward returns every site's gradient at its end; same results."""
     monkeypatch.setattr(streamed, "STREAM_MIN_BYTES", 2**40)
     check_first_order(*_lm(0, 3, tied=True, length=4))
     assert spy["streams"] == 0
@@ -269,7 +269,7 @@ def test_several_mc_columns_read_one_at_a_time(monkeypatch, spy):
 def test_site_outputs_only_the_graph_needs_are_not_kept(monkeypatch):
     """After the forward, a site output that no backward node saves (a Linear feeding a residual
     addition, above another site) is held by nobody: the pullbacks keep the sites' layouts, not
-    the recorder, whose targets would keep every site output alive (GPT-2-small: ~230 MB)."""
+    the recorder, whose targets would keep every site output alive."""
     import gc
 
     from curvlib._core.site import Recorder

@@ -131,12 +131,12 @@ class Untraced(nn.Module):
 
 def test_untraced_models_are_tested_on_their_forward(monkeypatch):
     X, y = hot_data()
-    # torch.fx cannot trace it; the ATen front end (issue 21) does, and its graph names the node
+    # torch.fx cannot trace it; the ATen front end does, and its graph names the node
     with pytest.raises(CurvatureError, match=r"graph node 'mean' \(torch.mean over the batch dim 0"):
         curvature(Untraced(True).to(DT), nn.MSELoss(), [E.BatchGrad()])(X, y)
     import curvlib._plan.traces
 
-    monkeypatch.setattr(curvlib._plan.traces, "needs_aten", lambda *a: False)  # the eager runner, as before
+    monkeypatch.setattr(curvlib._plan.traces, "needs_aten", lambda *a: False)  # the eager runner (ATen front end off)
     with pytest.raises(CurvatureError, match=r"own forward .*sample 0's rows of the output of layer 'a'"):
         curvature(Untraced(True).to(DT), nn.MSELoss(), [E.BatchGrad()])(X, y)
     assert curvature(Untraced(True).to(DT), nn.MSELoss())(X, y)["loss"].isfinite()

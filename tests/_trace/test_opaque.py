@@ -1,6 +1,6 @@
 """Submodules torch.fx cannot trace stay opaque graph nodes, not a refusal of the model.
 
-Since issue 21 such models are traced at the ATen level instead (``curvlib._trace.aten``,
+Such models are traced at the ATen level instead (``curvlib._trace.aten``,
 ``tests/_trace/test_aten.py``); the opaque leaves remain the fallback where that front end cannot
 run (a model whose forward fails under ``make_fx``). This file tests the fallback: the
 ATen front end is switched off for every test here (``_opaque_fallback``).
@@ -40,7 +40,7 @@ from oracles.on_device import seeded
 
 @pytest.fixture(autouse=True, scope="module")
 def _opaque_fallback():
-    """The ATen front end off: torch.fx's trace with opaque leaves is used, as before issue 21."""
+    """The ATen front end off: torch.fx's trace with opaque leaves is used (the fallback)."""
     import curvlib._plan.traces
 
     with pytest.MonkeyPatch.context() as patch:

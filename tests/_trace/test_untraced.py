@@ -1,4 +1,4 @@
-"""Models torch.fx cannot trace: the ATen front end (issue 21), and, without it, first order
+"""Models torch.fx cannot trace: the ATen front end, and, without it, first order
 through the eager runner with second order refused.
 
 The eager runner (:func:`curvlib._trace.untraced.run_eager`) is tested through the
@@ -418,7 +418,7 @@ def test_direct_parameter_use_refused_with_line():
 
 
 def test_direct_parameter_line_found_in_a_folder_named_curvlib(tmp_path):
-    """User code under a clone named ``curvlib/`` keeps its pointer (issue 24, item 1):
+    """User code under a clone named ``curvlib/`` keeps its pointer:
     "inside the library" is the package's own folder, not a name in the path."""
     user_dir = tmp_path / "curvlib" / "tests"
     user_dir.mkdir(parents=True)
@@ -471,7 +471,7 @@ def test_stale_plan_with_other_shapes_refused():
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_second_order_through_the_aten_front_end(sign):
-    """torch.fx cannot trace the model's own forward; the ATen front end (issue 21) takes the
+    """torch.fx cannot trace the model's own forward; the ATen front end takes the
     branch the input takes: every exact extension matches brute force on either side."""
     torch.manual_seed(3)
     model = BranchOnValue().double()
@@ -532,8 +532,8 @@ class _BilinearNet(nn.Module):
 @given(seed=st.integers(0, 2**16), n=st.integers(2, 4))
 def test_bilinear_exact_without_torch_warnings(seed, n):
     """``nn.Bilinear`` (generic rule) as an einsum: every exact extension matches the brute
-    force and torch's "performance drop" warning (``_trilinear`` has no vmap rule) is gone
-    (issue 24, item 7)."""
+    force and torch's "performance drop" warning (``_trilinear`` has no vmap rule) is not
+    raised."""
     gen = seeded(seed)
     torch.manual_seed(seed)
     model = _BilinearNet().double()

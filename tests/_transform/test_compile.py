@@ -1,4 +1,4 @@
-"""``torch.compile`` around curvlib (issue 12): the call runs eagerly as one opaque step
+"""``torch.compile`` around curvlib: the call runs eagerly as one opaque step
 (one graph break at the call, none inside), so every extension works under a compiled
 function and agrees with eager; block products too."""
 

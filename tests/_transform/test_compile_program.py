@@ -1,4 +1,4 @@
-"""``curvature(..., compile=True)`` (issue 12): one traced, ``torch.compile(fullgraph=True)``
+"""``curvature(..., compile=True)``: one traced, ``torch.compile(fullgraph=True)``
 program per input signature. Results equal eager's (Monte-Carlo ones from the same
 generators) and the brute-force oracle; the same signature does not compile again, a new
 batch size compiles a new program; a user's ``torch.compile(fullgraph=True)`` step calling

@@ -1,4 +1,4 @@
-"""Composes exactly (issue 20): every extension x every model x every torch.func transform.
+"""Composes exactly: every extension x every model x every torch.func transform.
 
 Each cell (:mod:`compose_cells`) transforms curvlib's ``f(X, y, params=p)`` and the
 oracle in the same way and compares them in float64, the tolerance scaled by the
@@ -44,7 +44,7 @@ KIND = {
 }
 
 # (model, extension, transform) -> what is wrong today (compose_table.py, seed 0, N = 2).
-# Empty since issue 20's fixes: every cell is exact or refused (149 cells failed before).
+# Empty: every cell is exact or refused.
 XFAIL: dict = {}
 
 # The default run: every transform on these models; the others are marked slow.

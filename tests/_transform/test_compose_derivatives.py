@@ -1,4 +1,4 @@
-"""Derivatives *through* curvlib's results (issue 20, item 2), float64.
+"""Derivatives *through* curvlib's results, float64.
 
 For every model of the list (tanh MLP, MLP with LayerNorm, small CNN,
 ``nn.TransformerEncoderLayer`` in eval mode mean-pooled to logits, GRU, Embedding,

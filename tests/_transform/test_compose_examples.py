@@ -1,4 +1,4 @@
-"""The "Composing with torch.func" patterns (docs/composing.md) against float64 brute force (issue 20):
+"""The "Composing with torch.func" patterns (docs/composing.md) against float64 brute force:
 a sharpness regulariser (``grad`` of ``loss + λ·tr H`` through ``DiagHessian``, a LayerNorm
 model: third derivatives) and meta-learning (``grad`` of a ``vmap`` over tasks of a
 GGN-diagonal-preconditioned inner step)."""

@@ -1,4 +1,4 @@
-"""Every extension under ``torch.func.vmap``, and ensembles of models with buffers (issue 20, item 1).
+"""Every extension under ``torch.func.vmap``, and ensembles of models with buffers.
 
 ``vmap`` is specified as a loop (``vmap(g)(xs) == stack([g(x) for x in xs])``), so the
 oracle of a vmapped call is the Python loop of per-member calls, which the rest of the
@@ -47,7 +47,7 @@ PRODUCTS = ("ggnmp", "hmp", "pchmp")
 
 
 def all_extensions() -> list:
-    """One instance of every extension (issue 20's list)."""
+    """One instance of every extension."""
     return [BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), DiagGGNExact(), DiagGGNMC(),
             BatchDiagGGNExact(), BatchDiagGGNMC(), DiagHessian(), BatchDiagHessian(), KFAC(), KFLR(), KFRA(),
             SqrtGGNExact(), SqrtGGNMC(), GGNMP(), HMP(), PCHMP()]

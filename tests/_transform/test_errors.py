@@ -142,7 +142,7 @@ def test_refused_before_any_work():
 
 def test_layer_on_merged_batch_is_exact():
     """``[N, 4] -> [2N, 2]`` before a Linear (the batch merged with features, batch-major):
-    the planner splits it off around the layer (was refused; tests/_plan/test_merged_batch.py)."""
+    the planner splits it off around the layer, not refused (tests/_plan/test_merged_batch.py)."""
 
     class Merge(nn.Module):
         def __init__(self):
@@ -174,7 +174,7 @@ class _TupleOut(_DictOut):
 @pytest.mark.parametrize("model, entry", [(_DictOut(), "['logits']"), (_TupleOut(), "[0]")])
 def test_container_output_takes_the_logits_and_says_so(model, entry):
     """A dict, tuple, dataclass or ModelOutput: the loss takes the entry named ``logits``, else the
-    first tensor (issue 21, ``curvature(..., output=)``), and curvlib says which, once."""
+    first tensor (unless ``curvature(..., output=)`` names one), and curvlib says which, once."""
     X, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
     with pytest.warns(UserWarning, match=re.escape(entry)):
         qs = curvature(model, nn.CrossEntropyLoss(), [BatchGrad()])(X, y)

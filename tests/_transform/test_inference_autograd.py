@@ -1,7 +1,7 @@
 """``f`` under ``torch.inference_mode()`` / ``torch.no_grad()``, and autograd through its results.
 
-Inference mode used to give all-zero gradients and diagonals; curvlib now leaves
-it for the call and copies inference tensors. Every exact extension is compared
+Inside inference mode autograd records nothing (gradients and diagonals would be all
+zeros); curvlib leaves it for the call and copies inference tensors. Every exact extension is compared
 with the brute-force oracle (:mod:`oracles.reference`) and bit for bit with the plain
 call; Monte-Carlo extensions with the plain call under the same generator.
 
@@ -83,7 +83,7 @@ def test_products_evaluated_inside_inference_mode_on_inference_tensors(mlp_refer
 @pytest.mark.parametrize("call_inside", [True, False])
 def test_model_and_data_created_under_inference_mode(call_inside, mlp_reference):
     """Parameters, X, y and params made under inference mode (inference tensors),
-    used inside or after it (the second raised in autograd before the fix)."""
+    used inside or after it (outside it autograd refuses inference tensors unless they are copied)."""
     X0, y0 = _data()
     with torch.inference_mode():
         model = _mlp()

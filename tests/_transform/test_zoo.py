@@ -1,4 +1,4 @@
-"""Issue 21's model zoo: curvlib on real-library models against a float64 brute force.
+"""The model zoo: curvlib on real-library models against a float64 brute force.
 
 Every (model, extension group) of tests/oracles/zoo.py x tests/oracles/zoo_checks.GROUPS:
 

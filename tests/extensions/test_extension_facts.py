@@ -1,4 +1,4 @@
-"""Each extension class carries its facts, each layer family is one record (issue 22), and
+"""Each extension class carries its facts, each layer family is one record, and
 CONTRIBUTING.md's checklists name what the code reads.
 
 A new extension is one class: a subclass that only renames an existing quantity runs through

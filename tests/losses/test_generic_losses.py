@@ -326,7 +326,7 @@ def test_kfac_empirical(case, reduction, approx):
 
 
 def test_nll_loss_ggn_warns_once_and_points_to_cross_entropy():
-    """NLLLoss is linear in f: the GGN is exactly 0, said once per curvature object (issue 24, item 5)."""
+    """NLLLoss is linear in f: the GGN is exactly 0, said once per curvature object."""
     model = nn.Sequential(nn.Linear(3, 4), nn.LogSoftmax(1)).double()
     X, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 4, (5,))
     with warnings.catch_warnings(record=True) as caught:

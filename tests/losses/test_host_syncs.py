@@ -217,7 +217,7 @@ def test_uint8_targets_with_a_real_ignore_index_under_batched():
 
 
 def _ce_sampled_with_torch_one_hot(out, m, generator):
-    """The sampled cross-entropy gradients as before, with ``F.one_hot`` (a reference copy)."""
+    """The sampled cross-entropy gradients written with ``F.one_hot`` (a reference copy)."""
     from curvlib._core import draws as _draws
     k = out.shape[1]
     p_rows = torch.softmax(out.movedim(1, -1), dim=-1).reshape(-1, k)

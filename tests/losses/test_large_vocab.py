@@ -1,4 +1,4 @@
-"""Cross-entropy at a language model's vocabulary (issue 23, item 2).
+"""Cross-entropy at a language model's vocabulary.
 
 The Monte-Carlo root ``[M, N, V, T]`` is drawn with no other ``[N, V, T]``-sized tensor
 for ``M = 1``: one allocation of that size, the softmax, over which the root is written

@@ -15,8 +15,8 @@ Oracles (no curvlib):
 * ``reference``: every exact quantity of a small model in curvlib's layout, and
   ``assert_matches`` to compare a result with it;
 * ``residuals``: dense per-sample residuals ``∇²_u (g · f(u))``;
-* ``compose``, ``compose_kron``: the brute force of the composition matrix (issue 20);
-* ``zoo_reference``: loop-based references for the real-library model zoo (issue 21);
+* ``compose``, ``compose_kron``: the brute force of the composition matrix;
+* ``zoo_reference``: loop-based references for the real-library model zoo;
 * ``laplace_torch``: models, data and references of the laplace-torch backend tests.
 
 Checks (run curvlib against the oracles):

@@ -1,4 +1,4 @@
-"""Pure brute-force oracles for the composition matrix (issue 20), float64.
+"""Pure brute-force oracles for the composition matrix, float64.
 
 ``brute(name, model, params, X, y)`` returns ``{param: tensor}`` for an
 extension's result name, computed with ``torch.func`` only and *pure* in
@@ -10,7 +10,7 @@ Notation: the loss is ``L = Σ_n ℓ_n`` with ``ℓ_n = c · lossfn(f(x_n), y_n)
 (``c = 1/N`` for ``reduction="mean"``: the reduction's factor per sample, for
 any output shape). Samples are looped over in Python, never ``vmap``ped: torch
 2.13 differentiates ``vmap(grad(...))`` through ``F.layer_norm`` wrongly at
-second order (issue 20), and a loop keeps the oracle off that path.
+second order, and a loop keeps the oracle off that path.
 
 * individual gradients ``g_n = ∇ℓ_n``; the first-order quantities from them;
 * per-sample GGN ``G_n = J_nᵀ H_n J_n`` (``J_n = jacrev`` of sample ``n``'s
@@ -43,7 +43,7 @@ Params = Dict[str, Tensor]
 
 class PrimitiveLayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` written out from primitives: torch 2.13 differentiates ``F.layer_norm``
-    wrongly at third order under ``grad(vmap(grad))`` (issue 20); the oracle must not."""
+    wrongly at third order under ``grad(vmap(grad))``; the oracle must not."""
 
     def forward(self, x: Tensor) -> Tensor:
         dims = tuple(range(-len(self.normalized_shape), 0))

@@ -1,4 +1,4 @@
-"""One cell of the composition matrix (issue 20): model x extension x transform.
+"""One cell of the composition matrix: model x extension x transform.
 
 :func:`run_cell` applies a ``torch.func`` transform (or plain autograd) to
 curvlib's ``f`` and to the oracle in the same way, and raises
@@ -111,7 +111,7 @@ def oracle_kind(cls_name: str, problem) -> str:
 
 def _call(f, X, y, params, buffers=None):
     """``f(X, y, params=...)``; members' buffers by ``buffers=`` if ``f`` has that argument,
-    else as entries of ``params`` (the two spellings issue 20 allows)."""
+    else as entries of ``params`` (the two spellings curvlib accepts)."""
     if buffers and "buffers" in inspect.signature(f).parameters:
         return f(X, y, params=params, buffers=buffers)
     return f(X, y, params={**params, **(buffers or {})})

@@ -1,4 +1,4 @@
-"""The model list of the composition matrix (issue 20): tiny float64 builders.
+"""The model list of the composition matrix: tiny float64 builders.
 
 ``build(name, seed)`` returns a :class:`Problem`: the model (eval mode), the
 loss, and ``data(gen, n)`` drawing ``(X, y)`` with ``n`` samples. Sizes are

@@ -1,4 +1,4 @@
-"""Tiny real-library models for issue 21 (Hugging Face transformers, timm, torchvision).
+"""Tiny real-library models for the model zoo (Hugging Face transformers, timm, torchvision).
 
 ``build(name, seed=0) -> Problem(model, X, y, lossfn, output, notes, rtol)``: a model built
 from a config object / constructor with random weights (nothing is downloaded), in eval

@@ -263,7 +263,7 @@ def test_refusals_name_the_argument():
 @settings(max_examples=10)
 @given(o=st.integers(2, 6), a=st.integers(2, 6), seed=st.integers(0, 999), tiny=st.sampled_from([1e-30, 1e-20, 1e-16]))
 def test_float32_factors_of_tiny_entries_and_failed_eigh(o, a, seed, tiny):
-    """A diverged float32 loop's factors (entries 1e-30..1e-16; issue 24, item 4): the same
+    """A diverged float32 loop's factors (entries 1e-30..1e-16): the same
     solve as the float64 dense one, also when float32 eigh fails (then float64 is used)."""
     gen = seeded(seed)
     B, A = _spd(o, gen) * tiny, _spd(a, gen) * tiny

@@ -1,4 +1,4 @@
-"""Smoke tests of the benchmark's sequence problems (issue 11): they build, a backward runs,
+"""Smoke tests of the benchmark's sequence problems: they build, a backward runs,
 and the peers' per-sample gradients agree with curvlib's ``BatchGrad`` on a few samples
 (the Opacus copies' gradients mapped back by ``opacus_to_original``)."""
 

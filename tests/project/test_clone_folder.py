@@ -1,9 +1,9 @@
-"""A clone of the repository in a folder named ``curvlib`` passes the test that the name used to break.
+"""A clone of the repository in a folder named ``curvlib`` passes the test that depends on the name.
 
 ``git clone .../curvlib`` creates that folder. The "at file:line" pointer of the refusal of
-a parameter used outside its module skipped every frame whose path contained ``curvlib``,
-so under such a clone ``tests/_trace/test_untraced.py::test_direct_parameter_use_refused_with_line``
-failed (issue 24, item 1). "Inside the library" is now the package's own directory; this
+a parameter used outside its module skips the frames inside the library; were "inside the
+library" any path containing ``curvlib``, ``tests/_trace/test_untraced.py::test_direct_parameter_use_refused_with_line``
+would fail under such a clone. "Inside the library" is the package's own directory; this
 test clones the repository the tests live in (its committed state) into ``<tmp>/curvlib``
 and runs that test there, with the clone's ``src`` on ``PYTHONPATH`` (no new environment).
 """

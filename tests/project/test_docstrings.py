@@ -94,7 +94,7 @@ def test_doctest_runner_catches_a_wrong_example():
 
 
 def test_help_of_curvature_names_no_private_module():
-    """``help(curvature)`` is read by newcomers: it points to public names only (issue 24, item 7)."""
+    """``help(curvature)`` is read by newcomers: it points to public names only."""
     import re
 
     import curvlib

@@ -1,4 +1,4 @@
-"""Example figures keep every title and axis label inside the canvas (issue 24, item 8)."""
+"""Example figures keep every title and axis label inside the canvas."""
 
 import importlib.util
 import os
@@ -39,7 +39,7 @@ def test_architectures_figure_text_inside_the_canvas(panels):
 
 def test_demo_figure_ticks_apart_and_tolerance_marked():
     """The demo's log-axis tick labels do not overlap (matplotlib's minor labels, "3×10⁰ 4×10⁰",
-    did) and its colour bar marks the tolerance (issue 24, item 8)."""
+    would) and its colour bar marks the tolerance."""
     import math
 
     import matplotlib.pyplot as plt

@@ -1,4 +1,4 @@
-"""The package shows the pipeline (issue 22): README's "How it works" tree lists every folder of
+"""The package shows the pipeline: README's "How it works" tree lists every folder of
 ``src/curvlib`` in import order, every folder says what it owns, and every import points down
 that order (a folder imports only folders listed above it)."""
 

@@ -54,7 +54,7 @@ def test_readme_shape_claims():
 
 
 def test_readme_is_a_front_page():
-    """At most ~200 lines (issue 24); the rest is on the documentation site's pages."""
+    """At most ~200 lines; the rest is on the documentation site's pages."""
     text = open(README, encoding="utf-8").read()
     assert text.count("\n") <= 200
     for page in ("docs/transform.md", "docs/large-models.md", "docs/model-zoos.md", "docs/install.md"):

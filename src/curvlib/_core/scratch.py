@@ -1,12 +1,11 @@
-"""One reusable block of memory for a read-off's short-lived pieces (issue 23: time).
+"""One reusable block of memory for a read-off's short-lived pieces (to save page faults).
 
 A rule that forms per-sample pieces a block at a time and reduces them at once (a Linear
 over positions: ``Σ_s g[n, s] x[n, s]ᵀ`` ``[n', o', I]``, up to 64 MiB, squared into its sum
 and dropped) would otherwise allocate every block fresh, and a fresh block that glibc maps
 anew (above its mmap threshold, 128 KiB to 32 MiB as it adapts) faults its pages in as the
-product first writes them: ``bmm`` into a fresh ``[4, 3072, 768]`` (38 MB) took 15.0 ms, into
-a reused one 6.4 ms, as long as the gradient's own product (GPT-2-small forms 2 GB of such
-blocks a call).
+product first writes them: a product into a fresh block pays a page fault per page on top of
+its own work, which a reused block does not, and a language model forms many such blocks a call.
 Inside :func:`reusing` (one streamed read-off), :func:`scratch` hands out views of one buffer
 per dtype and device, grown to the largest block asked for and freed when the context ends;
 outside it, a fresh tensor.

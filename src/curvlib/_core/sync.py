@@ -29,7 +29,7 @@ def prepare_forward_ad() -> None:
     The first dual tensor of a process makes torch script its jvp decompositions
     (``torch.autograd.forward_ad._maybe_load_decompositions``), which warns that
     ``torch.jit.script`` is deprecated, inside the user's call. Loading them here,
-    with that warning silenced, keeps a call free of torch's warnings (~0.15 s, once).
+    with that warning silenced, keeps a call free of torch's warnings (paid once a process).
     """
     global _FORWARD_AD_READY
     if _FORWARD_AD_READY:

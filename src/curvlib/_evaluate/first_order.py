@@ -83,7 +83,7 @@ def first_order_streamed(lin: Linearization, loss_of: Callable[[Tensor], Tensor]
     :func:`first_order` on all ``g_k`` at once."""
     reader = FirstOrderReader(lin.sites, names, params, wanted, batch_size)
     if not keep_output:
-        lin.out = None  # (a language model's logits: 103 MB on GPT-2-small)
+        lin.out = None  # (a language model's logits [N, T, V]: large for its vocabulary)
     with reusing():  # (one buffer for the rules' per-sample blocks during the backward)
         loss, _ = lin.pull_loss(loss_of, retain=False, read=lambda k, g: reader.read(lin.sites[k], g, streamed=True))
     return loss, reader.results()
@@ -189,8 +189,8 @@ class FirstOrderReader:
 def _variance(results, names, batch_size: int, reuse: bool = False) -> None:
     """``Σ_n g_n²/N − (Σ_n g_n/N)²`` in two kernels; it is ≥ 0 exactly, so the rounding
     below zero is clamped (N = 1: ``g² − g²`` from two different computations). ``reuse``:
-    the sum of squares is not returned, so it is overwritten (no model-sized temporaries:
-    650 MB each for GPT-2-small) where nothing differentiates through it."""
+    the sum of squares is not returned, so it is overwritten (no model-sized temporaries)
+    where nothing differentiates through it."""
     for name in names:
         g_sum, sgs = results["grad"][name], results["sum_grad_squared"][name]
         if reuse and not (sgs.requires_grad or g_sum.requires_grad or _wrapped(sgs) or _wrapped(g_sum)

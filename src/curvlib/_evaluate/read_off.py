@@ -87,7 +87,7 @@ def diag(uses, m_by_site, name, params, cache=None) -> Tensor:
             return _column_sum(per_role[role])
         if rule.sum_grad_squared is not None:
             # one column at a time: a rule may form [N, *p] per column (convolutions); no
-            # `0 + first column` copy (an embedding's [V, D]: 154 MB on GPT-2-small)
+            # `0 + first column` copy (an embedding's [V, D]: large for a language model's vocabulary)
             total = rule.sum_grad_squared(site, m[0], [role])[role]
             for k in range(1, m.shape[0]):
                 total = total + rule.sum_grad_squared(site, m[k], [role])[role]

@@ -12,7 +12,7 @@ time is the only temporary, as without chunks, or a block of columns up to
 layer's outer product ``g_n x_nᵀ`` is written with no temporary at all).
 
 Only for plain tensors outside autograd and ``torch.func`` (the common case);
-otherwise the parts are joined as before.
+otherwise the parts are joined by ``torch.cat``.
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ def _read_streamed(lin, uses, S: Tensor, group, names, params, batch_size: int, 
     """``{ext: {name: part}}`` for the one column ``S [1, N, *out]``, each parameter read
     during the column's pullback as soon as it has passed all the parameter's sites
     (:func:`curvlib._evaluate.streamed.read_when_passed`): the sites' pulled-back columns are
-    never all alive at once (GPT-2-small: ~300 MB)."""
+    never all alive at once (on a language model, every block's ``[N, T, d]``)."""
     parts: Dict[object, dict] = {ext: {} for ext in group}
 
     def read(n: str, m: Dict[int, Tensor]) -> None:

@@ -1,4 +1,4 @@
-"""Backward passes that read every site as its gradient arrives (issue 23: backward memory).
+"""Backward passes that read every site as its gradient arrives (to bound the backward's memory).
 
 A plain ``torch.autograd.grad(loss, [every site's output])`` returns all the sites'
 output gradients together at the end: on a language model every ``[N, T, d]`` of every
@@ -21,8 +21,8 @@ from torch.autograd.graph import get_gradient_edge
 __all__ = ["as_edges", "lowest_targets", "read_when_passed", "stream_sites", "STREAM_MIN_BYTES", "worth_streaming"]
 
 #: Sites are streamed only when their outputs take at least this many bytes together: a hook per
-#: site and gradient edges cost ~100 µs a call (a 10-10-3 MLP: 1.3x its per-call time), worth it
-#: only where holding every site gradient at once would cost memory (GPT-2-small: ~300 MB).
+#: site and gradient edges add a fixed cost to every call (visible on a tiny model), worth it
+#: only where holding every site gradient at once would cost memory (a language model's blocks).
 STREAM_MIN_BYTES = 16 * 2**20
 
 
@@ -40,8 +40,8 @@ def worth_streaming(shapes: Sequence[tuple], dtypes: Sequence[torch.dtype]) -> b
 def as_edges(targets: Sequence[Tensor], lowest: set) -> list:
     """The targets as the backward's inputs: the lowest as tensors (leaves, first layers),
     every other one by its gradient edge (``(node, output_nr)``), which does not keep the
-    tensor alive: site outputs that only curvlib would keep (GPT-2-small: the head's logits
-    and each block's projections, ~230 MB) go as soon as the graph lets them."""
+    tensor alive: site outputs that only curvlib would keep (on a language model: the head's
+    logits and each block's projections) go as soon as the graph lets them."""
     return [t if k in lowest or not t.requires_grad else get_gradient_edge(t) for k, t in enumerate(targets)]
 
 
@@ -58,8 +58,8 @@ def stream_sites(loss: Tensor, targets: Sequence, lowest: set, like: Sequence[tu
     on a path to one of them, so the backward passes through it, but is not an input, so
     its gradient is not kept to the end; the lowest ones' hooks hand on zeros (stride 0, no
     memory): nothing below them is needed. So at most the gradients the backward itself
-    holds are alive, never all ``g_k`` at once (GPT-2-small: ~300 MB of ``[N, T, d]`` and
-    ``[N, T, V]``). A site the loss does not reach is read with zeros.
+    holds are alive, never all ``g_k`` at once (on a language model, every block's
+    ``[N, T, d]`` and the head's ``[N, T, V]``). A site the loss does not reach is read with zeros.
     """
     done = [False] * len(targets)
 

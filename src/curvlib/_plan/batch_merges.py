@@ -197,7 +197,7 @@ def _entry_wise(program, node: fx.Node) -> bool:
 def _rows_apart(program, site: Optional[Site], shape, node: Optional[fx.Node] = None) -> bool:
     """An eval-mode BatchNorm (running statistics) on rows ``[R, C]``: each row normalised alone,
     so merged rows stay apart (in training mode the batch statistics mix them: not split,
-    refused as before)."""
+    refused)."""
     if site is not None:  # (a module's site is named by its path, its graph node by that path's ``_`` form)
         node = next((m for m in program.graph.nodes if _site_path(program, m) == _site_node_name(site)), None) \
             if program.graph is not None else None

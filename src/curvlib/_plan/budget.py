@@ -98,8 +98,9 @@ def _monte_carlo_fix(ext) -> str:
 #: (``[chunk, *site output]`` for every site) take at most this many bytes ...
 AUTO_CHUNK_BYTES = 256 * 2**20
 #: ... or this many on a CPU when no batch diagonal is requested: there, chunks of
-#: a few columns stay in cache and are faster as well as smaller (3c3d, C = 10:
-#: DiagGGNExact 9.2x -> 8.0x a backward, 530 -> 194 MiB; KFLR 6.7x -> 5.2x).
+#: a few columns stay in cache and are faster as well as smaller (the exact GGN
+#: diagonal and KFLR of a small convolutional net take less time and memory than with
+#: all columns at once).
 #: Batch diagonals sum ``Σ_v m_v²`` over all columns of a chunk before one outer
 #: product per sample, so they keep the larger chunks.
 AUTO_CHUNK_BYTES_CPU = 32 * 2**20

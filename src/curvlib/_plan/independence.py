@@ -257,7 +257,7 @@ class _Walk:
             return
         src, b = node.args[0], self.batch(node.args[0])
         if b is None or b.s is None:
-            return  # (an order curvlib cannot follow: refused as before)
+            return  # (an order curvlib cannot follow: refused)
         values = self.load(node.args)
         found = index.gather_slots(name, node, values, b, self.env_a[src].dim())
         leaves = self.layouts[node]

@@ -243,17 +243,18 @@ def _answers_bool(target) -> bool:
     return bool(returns) and all(str(r.type) == "bool" for r in returns)
 
 
-#: inductor settings curvlib's programs get on CPU unless the caller sets them
-#: (3c3d / ResNet DiagGGNExact, 1 thread, ratio to a backward: eager 7.7 / 10.6,
-#: inductor's defaults 8.8 (2 threads: 12.4) / 12.3, these 7.0 / 6.6; the MLP is unchanged)
+#: inductor settings curvlib's programs get on CPU unless the caller sets them (with
+#: inductor's defaults the exact GGN diagonal of a convolutional net compiles slower than
+#: eager; with these it is faster; an MLP is unchanged by them)
 CPU_INDUCTOR_DEFAULTS = {
     # Inductor converts convolutions to channels-last when it expects a win; for the
     # per-sample and per-column convolution backwards of these programs it loses on CPU.
     "layout_optimization": False,
     # Fusing at most two nodes a kernel stops inductor from summing all C columns'
     # squared per-sample weight gradients, Σ_c Σ_n R_{c,n}², in one loop that reads C
-    # blocks of [N, *W] at once: every block would stay alive until that loop (10 x
-    # 28 MB for 3c3d's last conv), out of cache; one column at a time, like eager, wins.
+    # blocks of [N, *W] at once: every block would stay alive until that loop (C times
+    # a convolution's per-sample weight gradients), out of cache; one column at a time,
+    # like eager, wins.
     "max_fusion_size": 2,
 }
 

@@ -154,7 +154,7 @@ def eval_batch_norm(x: Tensor, mean: Tensor, var: Tensor, weight=None, bias=None
     returns a wrong input gradient for a batch of one whose incoming gradient is channels-last
     with a batch stride other than ``C·H·W``, as ``bn(conv(x)).flatten(2).transpose(1, 2)``
     followed by a LayerNorm gives it (XCiT's, iFormer's, EfficientViT-MSRA's patch embeddings):
-    every per-sample quantity of a one-sample batch upstream of the layer was silently off."""
+    every per-sample quantity of a one-sample batch upstream of the layer would be silently off."""
     shape = (1, -1) + (1,) * (x.dim() - 2)
     scale = torch.rsqrt(var + eps)
     if weight is not None:

@@ -130,8 +130,8 @@ def choose_method(c_x: int, c_g: int, kernel: int, positions: int, batched: bool
     (``U`` is ``x̃`` itself, up to a strided view), ``C_x·C_g < 192`` (few
     channels per group) and ``C_x·C_g > 256·L`` (many channels over few
     positions); ``"conv"`` otherwise. Under ``vmap``: ``"bmm"`` for ``K = 1`` or
-    ``C_x·C_g > 100·L``. Measured on CPU (float32, oneDNN; the individual gradients
-    written to fresh memory, as in use), where ``"conv"`` is 2-3x faster on
+    ``C_x·C_g > 100·L``. Chosen by timing both on CPU (float32, oneDNN; the individual
+    gradients written to fresh memory, as in use), where ``"conv"`` is the faster on
     typical ``3×3`` layers.
     """
     if METHOD is not None:

@@ -161,7 +161,7 @@ def sum_grad_squared(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors
     squares = rows**2 * first.unsqueeze(1)
     if squares.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(squares):
         return {"weight": out.index_add(0, index, squares)}
-    return {"weight": out.index_add_(0, index, squares)}  # no second [V, D] (GPT-2: 154 MB)
+    return {"weight": out.index_add_(0, index, squares)}  # no second [V, D] (large for a vocabulary)
 
 
 def kron(site: Site, role: str, m: Tensor, approx: Optional[str] = None,

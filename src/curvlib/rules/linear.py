@@ -46,7 +46,7 @@ def _flat(site: Site, g: Tensor) -> Tuple[Tensor, Tensor]:
 
 def grad_batch(site: Site, g: Tensor, roles: Sequence[str], transposed: bool = False) -> RoleTensors:
     """Weight ``[N, O, I]`` (``transposed``: ``[N, I, O]``, formed in that layout: a transposed
-    view would make every later sum over the batch a strided, ~20x slower one), bias ``[N, O]``."""
+    view would make every later sum over the batch a strided, much slower one), bias ``[N, O]``."""
     x, g = _flat(site, g)
     out = {}
     if "weight" in roles:
@@ -71,7 +71,7 @@ def _sum_outer(g: Tensor, x: Tensor) -> Tensor:
     product where ``g``'s positions flatten without a copy, else one per sample into the
     sum (a language model's head: ``g`` is the logits' gradient seen through a transpose,
     ``[N, T, V]`` with the positions innermost; ``g[n]ᵀ`` is then contiguous and
-    flattening would copy all of it, 103 MB on GPT-2-small)."""
+    flattening would copy all of it: large for a language model's vocabulary)."""
     n, s = g.shape[0], g.shape[1]
     if n == 1 or s == 1 or g.stride(0) == g.stride(1) * s or not _plain(g, x):
         return g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
@@ -145,9 +145,9 @@ def grad_with_squares(site: Site, g: Tensor, roles: Sequence[str]) -> Optional[T
 #: Entries of individual gradients ``[n', o', I]`` formed at once (64 MiB in float32): by
 #: :func:`_sum_squared_outer` (rows of every sample), under autograd or torch.func
 #: (:func:`_sum_squared_samples`), and by the GGN's columns at once (:func:`sum_squares_over_columns`).
-#: Smaller blocks stay in cache (one thread, N = 4, T = 128: ``[3072, 768]`` 20.4 ms with 2**22,
-#: 23.0 with 2**24; GPT-2's head 338 and 391), but on two threads of a loaded machine each kernel
-#: waits for its other thread: 2**22's four times as many kernels took twice as long as 2**24's.
+#: Smaller blocks stay in cache (a little faster on one thread), but on two threads of a loaded
+#: machine each kernel waits for its other thread, so four times as many kernels cost more
+#: than the cache saves.
 SQUARES_ENTRIES = 2**24
 
 
@@ -155,7 +155,7 @@ def _sum_squared_outer(g: Tensor, x: Tensor, sums: Optional[Tensor] = None) -> T
     """``Σ_n (Σ_s g[n, s] x[n, s]ᵀ)²`` ``[O, I]`` for ``g [N, S, O]``, ``x [N, S, I]``, the
     individual gradients formed a block at a time and squared into the sum: a block of output
     rows of every sample (:data:`SQUARES_ENTRIES`; one row of a block of samples if even that is
-    larger), never ``[N, O, I]`` (GPT-2's head: 64 MB, not 618 MB), in one reused buffer
+    larger), never ``[N, O, I]`` (for a language model's head, ``N`` times the head's size), in one reused buffer
     (:func:`curvlib._core.scratch.scratch`: no page faults). ``sums [O, I]`` (uninitialised;
     plain tensors only): filled with the individual gradients' sum too, the gradient without a
     second product of the same cost (GPT-2's head: 40 GFLOP)."""
