@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from curvlib import curvature, extensions
-from curvlib._core.site import Family
+from curvlib._core.family import Family
 from curvlib.extensions import DiagGGNExact, Extension, SecondOrder
 from curvlib.extensions.secondorder import MonteCarlo
 from curvlib.rules import FAMILIES, FAMILY_OF

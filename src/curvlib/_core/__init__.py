@@ -7,6 +7,7 @@
 - ``inputs``, ``outputs``, ``buffers``: the call's data as users pass it;
 - ``draws``, ``dropout``: random draws made explicit (Monte-Carlo vectors, masks);
 - ``site``: the records the trace is made of (``Site``, ``Rule``, ``Residual``);
+- ``family``: a layer family's record (``Family``): every fact the stages read of it;
 - ``batch_layout``: a site's tensors in the canonical batch-first layout and back;
 - ``kronlayout``: how Kronecker factors are laid out per parameter.
 """

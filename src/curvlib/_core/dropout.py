@@ -107,10 +107,11 @@ def _static_args(node: fx.Node) -> Tuple[Optional[float], bool]:
 
 
 def generic_dropout(program) -> List[Tuple[str, str]]:
-    """``(layer path, description)`` of active dropout inside layers run by the generic rule."""
+    """``(layer path, description)`` of active dropout inside layers run by the generic rule
+    (whose family runs the module's own code, :attr:`curvlib._core.family.Family.runs_own_code`)."""
     found = []
     for layer in program.layers.values():
-        if layer.kind != "generic":
+        if not layer.family.runs_own_code:
             continue
         for path, m in layer.module.named_modules():
             where = f"{layer.path}.{path}".strip(".") or layer.path

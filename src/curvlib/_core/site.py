@@ -100,58 +100,6 @@ class Rule:
     outer_factors: Optional[Callable[["Site", str, Tensor], Optional[Tuple[Tensor, Tensor]]]] = None
 
 
-@dataclass(frozen=True)
-class Family:
-    """One layer family: everything curvlib knows about a kind of layer, in one record.
-
-    Each family module of :mod:`curvlib.rules` defines one ``FAMILY``; :data:`curvlib.rules.FAMILIES`
-    registers them. Functions a family lacks are ``None``.
-
-    Attributes:
-        kind: the family's name: its sites' rules' ``kind`` and ``Program.layers``' ``kind``.
-        types: the module classes it covers (with their own ``forward``: a subclass that
-            changes ``forward`` is not trusted).
-        forward: ``(module, where, names, tensors, args, kwargs, recorder) -> output``: the
-            layer run functionally on the given parameter tensors, its sites recorded.
-        check: ``(module, where) -> None``: refuses an unsupported configuration before any work.
-        kron: ``(site, role, m [V, *out], approx, max_dim) -> factors``: Kronecker factors of
-            ``role`` from the pulled-back root columns.
-        kron_input: ``(site, approx, max_dim) -> A``: the input-side factor alone (it does not
-            depend on the root: computed once per call).
-        weight_output_factor: ``(site, B) -> B``: the weight's output-side factor from the
-            full ``B`` (per-group blocks of grouped convolutions).
-        kron_from_output_matrix: ``(site, role, G) -> factors``: KFRA's factors from the
-            batch-averaged output matrix ``G``.
-        kron_layout: ``"split"``: ``[B, A]`` with ``A`` from ``kron_input``; ``"own"``: the
-            family's own layout (``kron`` only, :mod:`curvlib._core.kronlayout`); ``""``: none.
-        root_last: its Kronecker root factor comes last (Embedding's ``[A [V], B]``; a generic
-            parameter at fixed rows, :mod:`curvlib.rules.fixed_rows`).
-        row_map: ``site -> r [S]`` or ``None``: the parameter row each output position reads,
-            for a parameter added as a bias at fixed rows (learned positions).
-        kfra_pullback: ``(tensors, G [O, O]) -> Jᵀ G J [I, I]``: KFRA's batch-averaged matrix
-            passed back through the layer in closed form (``tensors``: role -> parameter); ``None``:
-            by autodiff, averaged over samples.
-        split_rows: its forward takes a batch merged with rows (``[N·c, T, I]``) split off by the
-            planner, ``[N, c, ...]`` with the rows after the merged dim
-            (:func:`curvlib._plan.batch_merges.split_merged_batches`), and returns every tensor
-            of its result so: the batch in front, the rows in the dim after its merged one.
-    """
-
-    kind: str
-    types: Tuple[type, ...]
-    forward: Callable
-    check: Optional[Callable] = None
-    kron: Optional[Callable] = None
-    kron_input: Optional[Callable] = None
-    weight_output_factor: Optional[Callable] = None
-    kron_from_output_matrix: Optional[Callable] = None
-    kron_layout: str = ""
-    kfra_pullback: Optional[Callable] = None
-    root_last: bool = False
-    row_map: Optional[Callable] = None
-    split_rows: bool = False
-
-
 @dataclass
 class Site:
     """One recorded application of a primitive.

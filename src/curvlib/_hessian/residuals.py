@@ -62,7 +62,7 @@ from torch import Tensor, fx, nn
 
 from .._core.errors import CurvatureError
 from .._trace.program import Program
-from ..rules import functional
+from ..rules import FAMILIES, functional
 from .._core.batch_layout import from_batch_first
 from .._core.site import Recorder
 from ..rules.elementwise import classify
@@ -71,14 +71,15 @@ from .pointwise import PointwiseRegion, fuse_pointwise_regions
 from .rows import linear_in_inputs, separable_rows
 from ..rules.rnn_steps import Coupling
 
-# Families whose layers are affine in their input: no residual of their own
-# unless the input depends on the weight ("bilinear"; only Linear supports that).
-AFFINE_FAMILIES = ("linear", "conv", "conv_transpose", "batchnorm", "embedding")
-# Families affine in their parameters (∂²f/∂θ² = 0): a parameter that no input
-# depends on has a zero residual block of its own and leaves ``u``.
-AFFINE_IN_PARAMETERS = AFFINE_FAMILIES + ("layernorm", "groupnorm")
-# Normalisations with a block-diagonal residual over their input (``"norm"`` kind).
-NORM_FAMILIES = ("layernorm", "groupnorm")
+#: Families whose layers are affine in their input: no residual of their own unless the input
+#: depends on the weight (:attr:`~curvlib._core.family.Family.affine_in_input`, ``bilinear``).
+AFFINE_FAMILIES = tuple(f.kind for f in FAMILIES if f.affine_in_input)
+#: Families affine in their parameters (∂²f/∂θ² = 0): a parameter that no input depends on has
+#: a zero residual block of its own and leaves ``u`` (:attr:`~curvlib._core.family.Family.affine_in_parameters`).
+AFFINE_IN_PARAMETERS = tuple(f.kind for f in FAMILIES if f.affine_in_parameters)
+#: Normalisations with a block-diagonal residual over their input (``"norm"`` kind,
+#: :attr:`~curvlib._core.family.Family.norm_residual`).
+NORM_FAMILIES = tuple(f.kind for f in FAMILIES if f.norm_residual is not None)
 
 
 
@@ -114,14 +115,14 @@ def residual_plan(program: Program, fuse: bool = True) -> Dict[fx.Node, Planned]
         layer = program.layers.get(node.target) if node.op == "call_module" else None
         if layer is not None:
             coupled = frozenset(layer.names.values()) & reach
-            if layer.kind == "rnn":  # the rule records its unrolled nodes itself
+            if layer.family.recurrent:  # the rule records its unrolled nodes itself
                 plan[node] = ("layer", _recurrent_coupling(node, layer, upstream, dependent), coupled)
                 continue
             if layer.kind in NORM_FAMILIES and not coupled:
                 plan[node] = ("norm", None, coupled)
             elif layer.kind not in AFFINE_FAMILIES:
                 plan[node] = ("dense", None, coupled)
-            elif layer.kind == "linear" and layer.names.get("weight") in coupled:
+            elif layer.family.bilinear and layer.names.get("weight") in coupled:
                 plan[node] = ("bilinear", None, coupled)
             continue
         use = program.functional.get(node)
@@ -352,11 +353,7 @@ def _record_norm(program: Program, node: fx.Node, env, params: Dict[str, Tensor]
     x = fx.node.map_arg(node.args, lambda n: env[n])[0] if node.args else env[node.kwargs["input"]]
     weight = params[layer.names["weight"]] if "weight" in layer.names else None
     # the weight stays attached: derivatives of the Hessian diagonal w.r.t. it flow through R
-    meta = {"eps": module.eps, "weight": weight}
-    if layer.kind == "layernorm":
-        meta.update(groups=None, norm_dims=len(module.normalized_shape))
-    else:
-        meta.update(groups=module.num_groups)
+    meta = {"eps": module.eps, "weight": weight, **layer.family.norm_residual(module)}
     return rec.residual(node.name, "norm", None, [x], z, meta=meta)
 
 

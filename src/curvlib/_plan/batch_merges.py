@@ -36,12 +36,14 @@ from ..rules import FAMILY_OF, generic
 __all__ = ["split_merged_batches", "residual_merges", "per_sample"]
 
 
-#: Site kinds that treat every entry of their input's dim 0 alike (leading dims are positions).
-_ROW_WISE = frozenset({"linear", "layernorm", "embedding"})
+#: Site kinds that treat every entry of their input's dim 0 alike (leading dims are positions;
+#: :attr:`~curvlib._core.family.Family.row_wise`).
+_ROW_WISE = frozenset(kind for kind, f in FAMILY_OF.items() if f.row_wise)
 #: Site kinds of layers that act on each entry of their input's dim 0 alone but take no extra
 #: leading dim (a convolution on ``[N·H, C, h, w]``, MViTv2's pooling of heads merged into the
-#: batch): run by the generic rule on the merged rows (:func:`curvlib._plan.merged_modules.batch_first_module`).
-_ENTRY_WISE = frozenset({"conv", "conv_transpose"})
+#: batch; :attr:`~curvlib._core.family.Family.entry_wise`): run by the generic rule on the merged
+#: rows (:func:`curvlib._plan.merged_modules.batch_first_module`).
+_ENTRY_WISE = frozenset(kind for kind, f in FAMILY_OF.items() if f.entry_wise)
 #: Ops on parameters (functional sites) that broadcast over leading dims: one more leading dim
 #: on their batched operands leaves every entry's value as it was.
 _BROADCASTING = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub,
@@ -120,7 +122,7 @@ def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable)
 
 def _result_dims(program, node: fx.Node, env_a, env_b, n: int, c: int):
     """``None`` for a node with one tensor as its value. For a module of a family that takes
-    split rows (:attr:`curvlib._core.site.Family.split_rows`: a recurrent layer's
+    split rows (:attr:`curvlib._core.family.Family.split_rows`: a recurrent layer's
     ``(output, (h_n, c_n))``), read by indexing alone: ``{name of the node reading a tensor of
     its result: that tensor's merged dim}``. ``False`` for any other result, or a tensor read
     that does not hold ``c`` rows per sample merged into one dim."""
@@ -133,7 +135,7 @@ def _result_dims(program, node: fx.Node, env_a, env_b, n: int, c: int):
 
 
 def _splits_rows(program, node: fx.Node) -> bool:
-    """``node`` runs a module whose family takes split rows (:attr:`curvlib._core.site.Family.split_rows`)."""
+    """``node`` runs a module whose family takes split rows (:attr:`curvlib._core.family.Family.split_rows`)."""
     layer = program.layers.get(node.target) if node.op == "call_module" else None
     return layer is not None and FAMILY_OF[layer.kind].split_rows
 

@@ -13,7 +13,8 @@ huge factor: a language-model head at ``V = 50257`` has ``B`` of ``V² · 4 = 10
 ``max_factor_dim`` (sides larger than it get a 1-D, diagonal factor,
 :mod:`curvlib.rules._gram`), a dense factor over :data:`DENSE_FACTOR_BYTES` is refused
 when the plan is built, naming the parameter, the factor's bytes and the option.
-Dense sides per parameter ``p`` (the sites' rule kinds, :func:`dense_sides`):
+Dense sides per parameter ``p`` (the family of its sites' rule: its
+:attr:`~curvlib._core.family.Family.dense_sides`, :func:`dense_sides`):
 
 | sites | dense sides |
 |---|---|
@@ -35,6 +36,7 @@ from .arguments import bytes_of
 from .._core import tensors as _core, strategy as _strategy
 from .._core.errors import CurvatureError
 from .._core.site import uses_of
+from ..rules import FAMILY_OF
 
 __all__ = ["AUTO_CHUNK_BYTES", "AUTO_CHUNK_BYTES_CPU", "AUTO_CHUNK_FREE_SHARE", "DENSE_FACTOR_BYTES", "auto_chunk_size",
            "check_factor_sizes", "check_roots", "dense_sides"]
@@ -134,8 +136,6 @@ def auto_chunk_size(plan, exts: Sequence = (), device: Union[str, torch.device] 
 #: (1 GiB: a side of 16384 in float32, 11585 in float64).
 DENSE_FACTOR_BYTES = 2**30
 
-_SPLIT = ("linear", "conv", "conv_transpose")
-
 
 def dense_sides(u, shape: Sequence[int]) -> List[int]:
     """The dims of the dense factors of a parameter of ``shape`` used by the sites ``u``
@@ -147,14 +147,11 @@ def dense_sides(u, shape: Sequence[int]) -> List[int]:
     kind, (site, role) = kinds.pop(), u[0]
     if len(shape) == 1:
         return [numel]
-    if kind == "conv_transpose" and role == "weight":
-        groups = site.meta.get("groups", 1)
-        return [shape[1] * groups, numel // (shape[1] * groups)]
-    if kind in _SPLIT and role == "weight":
-        return [shape[0], numel // shape[0]]
-    if kind == "embedding" or len(u) == 1:
-        return [shape[-1]]  # rows diagonal; a generic ≥ 2-dim one at most this (else diagonal)
-    return []
+    family = FAMILY_OF.get(kind)
+    sides = family.dense_sides(site, role, shape) if family is not None and family.dense_sides is not None else None
+    if sides is not None:
+        return sides  # the family's own (a weight's [out, in]; Embedding's rows diagonal: [D])
+    return [shape[-1]] if len(u) == 1 else []  # a generic ≥ 2-dim one at most this (else diagonal)
 
 
 def check_factor_sizes(exts: Sequence, sites: Sequence, names: Sequence[str],

@@ -182,7 +182,7 @@ class _Walk:
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             return "batchnorm", name, module
         if layer is not None:
-            return ("generic" if layer.kind == "generic" else "layer"), name, module
+            return ("generic" if layer.family.runs_own_code else "layer"), name, module
         kind, detail = ops.module_kind(module)
         return kind, name, (module, detail)
 

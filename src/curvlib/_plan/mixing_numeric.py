@@ -35,6 +35,7 @@ from .mixing_ops import Batch, leaves_of
 from .._core.sync import LOCK
 from .mixing_checks import label
 from .._core.site import Recorder
+from ..rules import FAMILY_OF
 from ..rules.generic import join_args, stateless_call
 from .._interpret.graph import run_graph
 
@@ -344,10 +345,9 @@ def untraced_problem(program, plan, X: Tensor, params, trainable, runner) -> Opt
     with _seeded(_inputs.first(X).device, _SEED):
         base = runner(program, X, params, trainable, rec)
     for site in rec.sites:
-        if site.rule.kind == "generic":
-            why = _site_problem(site, n, _inputs.first(X).device)
-            if why:
-                return f"layer '{site.where}' ({type(site.meta['module']).__name__}){why}"
+        why = FAMILY_OF[site.rule.kind].runs_own_code and _site_problem(site, n, _inputs.first(X).device)
+        if why:  # (a generic site: the module's own code, run on one sample)
+            return f"layer '{site.where}' ({type(site.meta['module']).__name__}){why}"
     gen = torch.Generator().manual_seed(_SEED)
     for j in sorted({0, n - 1}):
         gap = _probe_leak(program, plan, X, params, trainable, runner, base, j, n, gen, None)

@@ -18,19 +18,21 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 from .._core.errors import CurvatureError
 from ..extensions import SecondOrder
-from ..rules import fixed_rows
+from ..rules import FAMILY_OF, fixed_rows
 from ..rules.fixed_rows import tied_across_layers
 from .._core.site import Site, uses_of
 
 __all__ = ["check_second_order", "note_unused"]
 
-# Families whose parameters get their exact curvature block (any parameter of the
-# normalisations; 1-D parameters only for "generic").
-EXACT_BLOCK_KINDS = ("batchnorm", "layernorm", "groupnorm", "generic")
-# A parameter used by several sites needs the coupling of weight and input;
-# curvlib has it for these families (affine-in-input Linear: "bilinear";
-# the others: the dense residual of the layer as a function of both).
-SHARED_HESSIAN_KINDS = ("linear", "embedding", "layernorm", "groupnorm", "generic", "rnn")
+#: Families whose parameters get their exact curvature block (:attr:`~curvlib._core.family.Family.exact_block`).
+EXACT_BLOCK_KINDS = tuple(kind for kind, f in FAMILY_OF.items() if f.exact_block)
+#: Families whose weight shared by several Linear sites is factored with the uses as
+#: positions (:attr:`~curvlib._core.family.Family.kron_over_uses`).
+KRON_OVER_USES_KINDS = tuple(kind for kind, f in FAMILY_OF.items() if f.kron_over_uses)
+#: A parameter used by several sites needs the coupling of weight and input; curvlib has it
+#: for these families (:attr:`~curvlib._core.family.Family.shared_hessian`; Linear: "bilinear";
+#: the others: the dense residual of the layer as a function of both).
+SHARED_HESSIAN_KINDS = tuple(kind for kind, f in FAMILY_OF.items() if f.shared_hessian)
 
 
 def check_second_order(
@@ -114,7 +116,8 @@ def _check_kron_uses(ext, name: str, u, family_of, param_dims) -> None:
         return  # the diagonal of the exact block (curvlib._evaluate.second_order._generic_block)
     if len(u) > 1 and (
         ext.quantity == "kfra"
-        or any(s.rule.kind != "linear" or family_of[s.where] not in ("linear", "rnn") for s, _ in u)
+        # (every use a Linear site, the rule's kind, of a layer whose family factors its uses)
+        or any(s.rule.kind not in KRON_OVER_USES_KINDS or family_of[s.where] not in KRON_OVER_USES_KINDS for s, _ in u)
         or len({r for _, r in u}) > 1
     ):
         raise CurvatureError(
@@ -127,21 +130,18 @@ def _check_kron_uses(ext, name: str, u, family_of, param_dims) -> None:
     error = site.meta.get("kron_error") or (site.meta.get("kfra_error") if ext.quantity == "kfra" else None)
     if error:
         raise CurvatureError(f"{label} is not defined for parameter '{name}' (module '{site.where}'): {error}")
-    if site.rule.kind == "embedding" and getattr(ext, "kfac_approx", None) == "reduce" and site.meta.get("index_dims", 1) > 1:
-        raise CurvatureError(
-            f"{label}(kfac_approx='reduce') is not defined for parameter '{name}' (Embedding "
-            f"'{site.where}' on sequences): KFAC-reduce's input factor, the mean over positions "
-            "of the one-hot inputs, is a dense V x V matrix. Use kfac_approx=None or 'expand' "
-            "(diagonal token-frequency factors)."
-        )
+    family, approx = FAMILY_OF.get(site.rule.kind), getattr(ext, "kfac_approx", None)
+    why = family.kron_refusal(site, approx) if family is not None and family.kron_refusal is not None else None
+    if why:
+        raise CurvatureError(f"{label}(kfac_approx={approx!r}) is not defined for parameter '{name}' {why}")
 
 
 def _check_exact_block(label: str, name: str, u, families, param_dims, approx=None) -> None:
     """A normalisation's scale or shift, a 1-D parameter elsewhere (exact block), a bias-like
     ``≥ 2``-dim one (Embedding's layout at fixed rows) or any other (diagonal block):
     only KFAC-reduce of a bias-like one is undefined here (a dense ``R x R`` input factor)."""
-    if approx == "reduce" and "generic" in families and param_dims.get(name, 1) >= 2 and len(u) == 1 \
-            and fixed_rows.bias_like(u[0][0]):
+    at_rows = any(FAMILY_OF[f].row_map is not None for f in families if f in FAMILY_OF)  # (Family.row_map)
+    if approx == "reduce" and at_rows and param_dims.get(name, 1) >= 2 and len(u) == 1 and fixed_rows.bias_like(u[0][0]):
         raise CurvatureError(
             f"{label}(kfac_approx='reduce') is not defined for parameter '{name}' (added as a bias by "
             f"'{u[0][0].where}'): it is an embedding looked up at fixed rows (one per position), and "

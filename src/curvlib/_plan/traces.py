@@ -134,7 +134,7 @@ def needs_aten(program: Program, model: nn.Module, X) -> bool:
     subclass of a family's class with its own ``forward`` (timm's ``LayerNorm2d``), which only
     the generic rule could run whole."""
     return (program.graph is None or bool(program.opaque) or (X is not None and keyword_inputs(model, X))
-            or any(layer.kind == "generic" and subclassed(layer.module) for layer in program.layers.values())
+            or any(layer.family.runs_own_code and subclassed(layer.module) for layer in program.layers.values())
             or any(_kept_whole(use.node) for use in program.functional.values()))
 
 

@@ -45,7 +45,7 @@ def has_inplace(program: Program) -> bool:
 
 def chain_nodes(program) -> List[fx.Node]:
     """The graph's nodes from input to output, if they form a chain; else raise."""
-    recurrent = sorted(path for path, layer in program.layers.items() if layer.kind == "rnn")
+    recurrent = sorted(path for path, layer in program.layers.items() if layer.family.recurrent)
     if recurrent:
         # a recurrent layer is a loop of one cell over time steps, not a chain of layers: KFRA's
         # backward recursion G_in = Jᵀ G_out J over layers has no layer-to-layer Jacobian to use

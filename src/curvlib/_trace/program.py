@@ -46,33 +46,10 @@ from .._core.inputs import trace_structure, with_defaults
 from ..rules.functional import FunctionalUse, split_computed_bias
 from ..rules.generic import restored
 from .functional_uses import functional_uses, input_dependent
+from .layer import Layer
 from .modes import InPlaceProxy, TensorConstant, cut_no_grad_regions, no_autocast, record_modes, refuse_autocast
 
 __all__ = ["Program", "Layer", "Tracer", "trace_program", "assemble", "function_apply"]
-
-
-@dataclass
-class Layer:
-    """A parametrized leaf module of the trace.
-
-    Attributes:
-        path: the module's path in the user's model (``""`` for the model itself).
-        module: the module object (read, never changed).
-        names: role -> canonical parameter name, for every parameter in the
-            module's subtree (role: the name relative to the module).
-        forward: the rule's functional forward ``(module, where, names, tensors,
-            args, kwargs, recorder) -> output``.
-        kind: the rule family (``"linear"``, ``"conv"``, ..., ``"generic"``).
-        opaque: why torch.fx could not trace the module's ``forward`` (``""`` if it
-            is a leaf for another reason).
-    """
-
-    path: str
-    module: nn.Module
-    names: Dict[str, str]
-    forward: Callable
-    kind: str
-    opaque: str = ""
 
 
 @dataclass

@@ -52,7 +52,7 @@ def evaluate(s, c: CallContext) -> Dict[str, object]:
             direct=traced.direct, keep_values=traced.direct and any(e.quantity == "kfra" for e in s.second),
             functorch=c.differentiable, dropout_seed=c.dropout_seed,
         )
-    wanted, generic = [e.name for e in s.first], s.spec.kind == "generic"
+    wanted, generic = [e.name for e in s.first], not s.spec.structural
     if streams(lin, s.second, generic):  # second order first: the loss's backward then frees the graph
         later = _second_order(s, c, lin, rng, None, [])
         loss, first = first_order_streamed(lin, lambda out: _scalar_loss(s.spec, out, y), trainable, c.values,
@@ -90,7 +90,7 @@ def _loss_and_site_gradients(spec, lin, y: Tensor, keep_graph: bool):
     else:
         loss, pullback = torch.func.vjp(lambda o: _scalar_loss(spec, o, y), lin.out)
         gs, residual_grads = lin.pull(pullback(torch.ones_like(loss))[0])
-    if spec.kind == "generic" and not keep_graph and is_concrete(lin.out):
+    if not spec.structural and not keep_graph and is_concrete(lin.out):
         check_per_sample(lambda o: losses.loss_value(spec, o, y), lin.out.detach(), spec.name)
     return loss, gs, residual_grads
 

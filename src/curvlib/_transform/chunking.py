@@ -60,7 +60,7 @@ def check_batch_chunk_size(batch_chunk_size: object, exts: Sequence, spec: Optio
     """Validate the argument and the extensions; return result name -> combination kind."""
     if isinstance(batch_chunk_size, bool) or not isinstance(batch_chunk_size, int) or batch_chunk_size < 1:
         raise CurvatureError(f"batch_chunk_size must be a positive int or None, got {batch_chunk_size!r}.")
-    if spec is not None and spec.kind == "generic":
+    if spec is not None and not spec.structural:
         raise CurvatureError(
             f"batch_chunk_size with lossfn {spec.name}: slices are combined by the loss's 'mean' "
             "normaliser, which curvlib knows for nn.MSELoss, nn.CrossEntropyLoss and "

@@ -61,7 +61,7 @@ def check(compile: object, setup) -> Optional[dict]:
                 f"curvature(..., compile=True) does not compile {type(ext).__name__}: supported are {supported}. "
                 "Use compile=False (torch.compile(f) around it then runs the call eagerly, one graph break)."
             )
-    if setup.spec.kind == "generic":
+    if not setup.spec.structural:
         raise CurvatureError(
             f"curvature(..., compile=True) with lossfn {setup.spec.name}: only nn.MSELoss, nn.CrossEntropyLoss "
             "and nn.BCEWithLogitsLoss are compiled (a generic loss's per-sample check reads values). Use compile=False."

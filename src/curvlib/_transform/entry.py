@@ -148,7 +148,7 @@ class _Setup:
         self.chunk_kinds = None
         if batch_chunk_size is not None:
             self.chunk_kinds = check_batch_chunk_size(batch_chunk_size, self.computed, self.spec)
-        if process_group is not None and self.spec.kind == "generic":
+        if process_group is not None and not self.spec.structural:
             raise CurvatureError(
                 f"process_group with lossfn {self.spec.name}: curvlib aggregates over ranks by the "
                 "normaliser of nn.MSELoss, nn.CrossEntropyLoss and nn.BCEWithLogitsLoss, which it cannot "

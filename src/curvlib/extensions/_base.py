@@ -14,21 +14,21 @@ from typing import ClassVar, Optional, Tuple
 import torch
 
 from .._core.errors import CurvatureError, CurvatureTypeError
+from ..rules import FAMILY_OF
 
 
 # Layer families (curvlib.rules.FAMILY_OF) an extension supports, where not all:
-#: KFRA's recursion reads factors off Linear/Conv/ConvTranspose (weight ``[G_z, A]``, bias ``[G_z]``).
-KFRA_FAMILIES = ("linear", "conv", "conv_transpose")
-#: KFAC, KFLR, KFACEmpirical (layouts: curvlib._core.kronlayout): Kronecker factors for
+#: KFRA's recursion reads factors off the families with factors from the batch-averaged output
+#: matrix (``Family.kron_from_output_matrix``: Linear/Conv/ConvTranspose, weight ``[G_z, A]``, bias ``[G_z]``).
+KFRA_FAMILIES = tuple(kind for kind, f in FAMILY_OF.items() if f.kron_from_output_matrix is not None)
+#: KFAC, KFLR, KFACEmpirical (layouts: curvlib._core.kronlayout): every family. Kronecker factors for
 #: Linear/Conv/ConvTranspose/Embedding weights and the recurrent layers' (Linear sites, time steps
 #: as positions: curvlib.rules.rnn), the exact block for the normalisations' scale and shift and
-#: for 1-D parameters of other modules.
-KRON_FAMILIES = ("linear", "conv", "conv_transpose", "embedding", "batchnorm", "layernorm", "groupnorm",
-                 "generic", "rnn")
-#: The Hessian extensions: families whose second derivative curvlib knows (the recurrent ones
-#: through their unrolled nodes, curvlib.rules.rnn_steps).
-HESSIAN_FAMILIES = ("linear", "conv", "conv_transpose", "batchnorm", "embedding", "layernorm", "groupnorm",
-                    "generic", "rnn")
+#: for 1-D parameters of other modules, a diagonal block for the rest (curvlib.rules.fixed_rows).
+KRON_FAMILIES = tuple(FAMILY_OF)
+#: The Hessian extensions: every family (the recurrent ones through their unrolled nodes,
+#: curvlib.rules.rnn_steps; the generic one through its dense residual).
+HESSIAN_FAMILIES = tuple(FAMILY_OF)
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,12 @@ class LossSpec:
     module: Union[nn.Module, Callable]
 
     @property
+    def structural(self) -> bool:
+        """curvlib knows the loss's form (MSE, cross-entropy, BCE: closed-form Hessian roots, a
+        known normaliser); otherwise a generic callable, differentiated as it is."""
+        return self.kind in STRUCTURAL.values()
+
+    @property
     def name(self) -> str:
         m = self.module
         return type(m).__name__ if isinstance(m, nn.Module) else getattr(m, "__name__", repr(m))
@@ -182,7 +188,7 @@ def check_targets(spec: LossSpec, out: Tensor, y: object, signs: bool = False) -
         raise CurvatureTypeError(f"y must be a torch.Tensor, got {type(y).__name__}.")
     if out.dim() == 0:
         raise CurvatureError("The model output is a scalar; it needs the batch in dim 0.")
-    if spec.kind == "generic":
+    if not spec.structural:
         return None  # the function itself decides what it accepts
     if spec.kind == "ce":
         return _targets.check_cross_entropy_targets(spec.module, out, y, _targets.scale_sign(spec, out, y, reduction_factor) if signs else None)
@@ -233,7 +239,7 @@ def normaliser(spec: LossSpec, y: Tensor, out_shape=None) -> Optional[float]:
         >>> losses.normaliser(losses.loss_spec(nn.MSELoss()), torch.zeros(4, 3))   # every entry
         12.0
     """
-    if spec.kind == "generic":
+    if not spec.structural:
         return None
     if spec.reduction == "sum":
         return 1.0
@@ -299,7 +305,7 @@ def curvature_at(spec: LossSpec, out: Tensor, y: Tensor, check: bool = True, neg
         >>> [(sign, S.shape) for sign, S in hess.roots()]          # one positive root [C, N, C]
         [(1.0, torch.Size([3, 4, 3]))]
     """
-    if spec.kind == "generic":
+    if not spec.structural:
         loss_of = lambda o: loss_value(spec, o, y)  # noqa: E731
         if check and is_concrete(out):
             check_per_sample(loss_of, out, spec.name)

@@ -1,6 +1,6 @@
 """Per-layer rules: one module per layer family, and the table that registers them.
 
-Each family module defines one :class:`~curvlib._core.site.Family` record, ``FAMILY``: its module
+Each family module defines one :class:`~curvlib._core.family.Family` record, ``FAMILY``: its module
 classes, its functional ``forward`` (run the layer on given parameter tensors and record its
 sites), its ``check`` (refuse unsupported configurations before any work), its Kronecker pieces,
 and one or more :class:`~curvlib._core.site.Rule` tables with the per-sample math.
@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from . import batchnorm, conv, conv_transpose, embedding, generic, groupnorm, layernorm, linear, rnn
-from .._core.site import Family
+from .._core.family import Family
 from .._core.sync import LOCK
 from .generic import math_hooks, restored
 
@@ -91,7 +91,7 @@ def kron_factors(site, role: str, m, approx=None, max_dim=None):
 
 def kron_layout(site) -> str:
     """``"split"``, ``"own"`` or ``""``: how the family of ``site``'s rule lays out its Kronecker
-    factors (:attr:`~curvlib._core.site.Family.kron_layout`)."""
+    factors (:attr:`~curvlib._core.family.Family.kron_layout`)."""
     family = FAMILY_OF.get(site.rule.kind)
     return family.kron_layout if family is not None else ""
 

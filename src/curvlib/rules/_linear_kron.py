@@ -9,7 +9,8 @@ Eschenhagen et al.'s (2023) ``"expand"``/``"reduce"`` as curvlinops computes the
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+import math
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -80,6 +81,12 @@ def _input_gram(x: Tensor, approx: Optional[str], max_dim: Optional[int]) -> Ten
     else:
         x = x.reshape(-1, x.shape[-1])
     return gram(x, max_dim, 1.0 / (n * positions) if approx == "expand" else 1.0 / n)
+
+
+def dense_sides(site: Site, role: str, shape: Sequence[int]) -> Optional[List[int]]:
+    """The sides of a weight's dense Kronecker factors, ``[out, in]`` (a convolution's input
+    side: its channels times its kernel); ``None`` for another role."""
+    return [shape[0], math.prod(shape) // shape[0]] if role == "weight" else None
 
 
 def kron_from_output_matrix(site: Site, role: str, G: Tensor) -> list:

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._core.errors import CurvatureError
-from .._core.site import Family, Recorder, RoleTensors, Rule, Site
+from .._core.family import Family
+from .._core.site import Recorder, RoleTensors, Rule, Site
 
 _EXPECTED_DIMS = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}
 
@@ -197,5 +198,6 @@ def forward(module: nn.modules.batchnorm._BatchNorm, where: str, names: dict, te
     return rec.add(Site(BATCHNORM, names, where, saved=saved, ), out)
 
 
-#: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.
-FAMILY = Family("batchnorm", (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), forward, check)
+#: The family's record (:class:`~curvlib._core.family.Family`), registered in :data:`curvlib.rules.FAMILIES`.
+FAMILY = Family("batchnorm", (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), forward, check,
+                affine_in_input=True, affine_in_parameters=True, exact_block=True)

@@ -91,18 +91,18 @@ from ._conv_correlation import (
     per_sample_by_bmm, per_sample_by_kernel, square_fresh, sum_outer_squares, unfolded_x, weight_grad,
 )
 from ._conv_kron import input_factor, kron, kron_from_output_matrix, kron_input, weight_output_factor
-from ._conv_unfold import (
-    cached, explicit_padding, fold_columns, in_functorch_transform, padded_input, patches, prod, unfold,
-)
-from .._core.site import Family, Recorder, RoleTensors, Rule, Site
+from ._conv_unfold import (cached, explicit_padding, fold_columns, in_functorch_transform, padded_input, patches,
+                           prod, unfold)
+from ._linear_kron import dense_sides
+from .._core.family import Family
+from .._core.site import Recorder, RoleTensors, Rule, Site
 
 __all__ = [
     "COLUMN_BLOCK_BYTES", "CONV", "METHOD", "PADDING_MODES",
     "Correlation", "CorrelationOf", "bias_grad_batch", "cached", "check", "check_batched",
     "choose_method", "explicit_padding", "fold_columns", "forward", "input_factor", "kron",
     "kron_from_output_matrix", "kron_input", "outer_rule", "padded_input", "patches",
-    "per_sample_weight_grad", "unfold", "weight_grad", "weight_output_factor",
-]
+    "per_sample_weight_grad", "unfold", "weight_grad", "weight_output_factor"]
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -394,6 +394,7 @@ def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwa
     return rec.add(Site(CONV, names, where, saved={"x": x}, meta=meta), out)
 
 
-#: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.
+#: The family's record (:class:`~curvlib._core.family.Family`), registered in :data:`curvlib.rules.FAMILIES`.
 FAMILY = Family("conv", (nn.Conv1d, nn.Conv2d, nn.Conv3d), forward, check, kron, kron_input, weight_output_factor,
-                kron_from_output_matrix, kron_layout="split")
+                kron_from_output_matrix, kron_layout="split", affine_in_input=True, affine_in_parameters=True,
+                dense_sides=dense_sides, entry_wise=True)

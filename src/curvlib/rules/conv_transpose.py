@@ -38,6 +38,7 @@ into the channels of ``g̃``.
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Sequence
 
 import torch
@@ -45,7 +46,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._core.errors import CurvatureError
-from .._core.site import Family, Recorder, Site
+from .._core.family import Family
+from .._core.site import Recorder, Site
 from ._conv_correlation import Correlation
 from ._conv_kron import input_factor
 from ._conv_kron import kron as _conv_kron
@@ -172,7 +174,17 @@ def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwa
     return rec.add(Site(CONV_TRANSPOSE, names, where, saved={"x": x}, meta=meta), out)
 
 
-#: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.
+def dense_sides(site: Site, role: str, shape: Sequence[int]) -> Optional[List[int]]:
+    """The sides of the weight's (``[in, out/groups, *k]``) dense Kronecker factors,
+    ``[out, in/groups · k]``; ``None`` for another role."""
+    if role != "weight":
+        return None
+    out = shape[1] * site.meta.get("groups", 1)
+    return [out, math.prod(shape) // out]
+
+
+#: The family's record (:class:`~curvlib._core.family.Family`), registered in :data:`curvlib.rules.FAMILIES`.
 FAMILY = Family("conv_transpose", (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d), forward, check,
                 kron=kron, kron_input=kron_input, weight_output_factor=weight_output_factor,
-                kron_from_output_matrix=kron_from_output_matrix, kron_layout="split")
+                kron_from_output_matrix=kron_from_output_matrix, kron_layout="split", affine_in_input=True,
+                affine_in_parameters=True, dense_sides=dense_sides, entry_wise=True)

@@ -44,7 +44,8 @@ from torch import Tensor, nn
 
 from .._core.errors import CurvatureError
 from ._gram import gram
-from .._core.site import Family, Recorder, RoleTensors, Rule, Site
+from .._core.family import Family
+from .._core.site import Recorder, RoleTensors, Rule, Site
 
 
 def check(module: nn.Embedding, where: str) -> None:
@@ -272,6 +273,21 @@ def forward(module: nn.Embedding, where: str, names: dict, tensors: dict, args, 
     return rec.add(Site(EMBEDDING, names, where, saved={"idx": idx}, meta=meta), out)
 
 
-#: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.
+def kron_refusal(site: Site, approx: Optional[str]) -> Optional[str]:
+    """KFAC-reduce on sequences is not defined: its input factor would be a dense ``V x V`` matrix."""
+    if approx != "reduce" or site.meta.get("index_dims", 1) <= 1:
+        return None
+    return (f"(Embedding '{site.where}' on sequences): KFAC-reduce's input factor, the mean over positions "
+            "of the one-hot inputs, is a dense V x V matrix. Use kfac_approx=None or 'expand' "
+            "(diagonal token-frequency factors).")
+
+
+def dense_sides(site: Site, role: str, shape: Sequence[int]) -> List[int]:
+    """The weight's rows get a diagonal factor: one dense factor, of the embedding dim."""
+    return [shape[-1]]
+
+
+#: The family's record (:class:`~curvlib._core.family.Family`), registered in :data:`curvlib.rules.FAMILIES`.
 FAMILY = Family("embedding", (nn.Embedding,), forward, check, kron=kron, kron_input=kron_input, kron_layout="own",
-                root_last=True)
+                root_last=True, affine_in_input=True, affine_in_parameters=True, shared_hessian=True,
+                kron_refusal=kron_refusal, dense_sides=dense_sides, row_wise=True)

@@ -39,7 +39,8 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from .._core.errors import CurvatureError
 from .._core.sync import LOCK
-from .._core.site import Family, Recorder, RoleTensors, Rule, Site, sample_layout
+from .._core.family import Family
+from .._core.site import Recorder, RoleTensors, Rule, Site, sample_layout
 from .._core.tensors import dense
 from . import fixed_rows
 
@@ -336,5 +337,6 @@ def refuse_buffer_updates(program, sites, exts) -> None:
             )
 
 
-#: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.
-FAMILY = Family("generic", (), forward, root_last=True, row_map=fixed_rows.row_map)
+#: The family's record (:class:`~curvlib._core.family.Family`), registered in :data:`curvlib.rules.FAMILIES`.
+FAMILY = Family("generic", (), forward, root_last=True, row_map=fixed_rows.row_map, runs_own_code=True,
+                exact_block=True, shared_hessian=True)

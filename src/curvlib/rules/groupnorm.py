@@ -41,7 +41,8 @@ import torch
 from torch import Tensor, nn
 
 from .._core.errors import CurvatureError
-from .._core.site import Family, Recorder, RoleTensors, Rule, Site
+from .._core.family import Family
+from .._core.site import Recorder, RoleTensors, Rule, Site
 from .layernorm import normalise
 
 
@@ -145,5 +146,11 @@ def forward(module: nn.GroupNorm, where: str, names: dict, tensors: dict, args, 
     return rec.add(Site(GROUPNORM, names, where, saved=saved), out)
 
 
-#: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.
-FAMILY = Family("groupnorm", (nn.GroupNorm,), forward)
+def norm_blocks(module: nn.GroupNorm) -> dict:
+    """What the per-row blocks of its ``"norm"`` residual need: the groups."""
+    return {"groups": module.num_groups}
+
+
+#: The family's record (:class:`~curvlib._core.family.Family`), registered in :data:`curvlib.rules.FAMILIES`.
+FAMILY = Family("groupnorm", (nn.GroupNorm,), forward, affine_in_parameters=True, norm_residual=norm_blocks,
+                exact_block=True, shared_hessian=True)

@@ -50,7 +50,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._core.errors import CurvatureError
-from .._core.site import Family, Recorder, RoleTensors, Rule, Site
+from .._core.family import Family
+from .._core.site import Recorder, RoleTensors, Rule, Site
 
 
 def _canon(site: Site, t: Tensor) -> Tensor:
@@ -214,5 +215,11 @@ def forward(module: nn.LayerNorm, where: str, names: dict, tensors: dict, args, 
     return rec.add(Site(LAYERNORM, names, where, saved=saved, meta=meta), out)
 
 
-#: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.
-FAMILY = Family("layernorm", (nn.LayerNorm,), forward)
+def norm_blocks(module: nn.LayerNorm) -> dict:
+    """What the per-row blocks of its ``"norm"`` residual need: the normalised trailing axes."""
+    return {"groups": None, "norm_dims": len(module.normalized_shape)}
+
+
+#: The family's record (:class:`~curvlib._core.family.Family`), registered in :data:`curvlib.rules.FAMILIES`.
+FAMILY = Family("layernorm", (nn.LayerNorm,), forward, affine_in_parameters=True, norm_residual=norm_blocks,
+                exact_block=True, shared_hessian=True, row_wise=True)

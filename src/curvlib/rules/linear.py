@@ -27,9 +27,10 @@ from torch import Tensor, nn
 from torch.func import vmap
 
 from . import _linear_columns
-from ._linear_kron import flat_input, kron, kron_from_output_matrix, kron_input, kron_shared
+from ._linear_kron import dense_sides, flat_input, kron, kron_from_output_matrix, kron_input, kron_shared
 from .._core.scratch import scratch
-from .._core.site import Family, Recorder, RoleTensors, Rule, Site
+from .._core.family import Family
+from .._core.site import Recorder, RoleTensors, Rule, Site
 
 
 def _per_sample_outer(g: Tensor, x: Tensor, out: Optional[Tensor] = None) -> Tensor:
@@ -338,7 +339,9 @@ def _bind_input(args, kwargs, name: str):
     return (kwargs[name],)
 
 
-#: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.
+#: The family's record (:class:`~curvlib._core.family.Family`), registered in :data:`curvlib.rules.FAMILIES`.
 FAMILY = Family("linear", (nn.Linear,), forward, kron=kron, kron_input=kron_input,
                 kron_from_output_matrix=kron_from_output_matrix, kron_layout="split",
-                kfra_pullback=lambda tensors, G: tensors["weight"].t() @ G @ tensors["weight"])  # Wᵀ G W
+                kfra_pullback=lambda tensors, G: tensors["weight"].t() @ G @ tensors["weight"],  # Wᵀ G W
+                affine_in_input=True, affine_in_parameters=True, bilinear=True, kron_over_uses=True,
+                shared_hessian=True, dense_sides=dense_sides, row_wise=True)

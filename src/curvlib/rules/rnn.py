@@ -63,7 +63,8 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from .._core.errors import CurvatureError
-from .._core.site import Family, Recorder, Site
+from .._core.family import Family
+from .._core.site import Recorder, Site
 from .linear import LINEAR
 from .rnn_steps import Coupling, StepNodes, gru_step, lstm_step, rnn_step
 
@@ -385,5 +386,6 @@ def _rows_result(module: nn.RNNBase, out: Tensor, h_n: List[Tensor], c_n: Option
     return (output, tuple(states)) if c_n is not None else (output, states[0])
 
 
-#: The family's record (:class:`~curvlib._core.site.Family`), registered in :data:`curvlib.rules.FAMILIES`.
-FAMILY = Family("rnn", (nn.RNN, nn.LSTM, nn.GRU), forward, check, split_rows=True)
+#: The family's record (:class:`~curvlib._core.family.Family`), registered in :data:`curvlib.rules.FAMILIES`.
+FAMILY = Family("rnn", (nn.RNN, nn.LSTM, nn.GRU), forward, check, split_rows=True, recurrent=True,
+                kron_over_uses=True, shared_hessian=True)
