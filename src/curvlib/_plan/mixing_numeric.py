@@ -242,12 +242,10 @@ def _alone_test(call, load, base, out_leaves, n: int, device) -> Optional[str]:
     def first(v: Tensor, leaf) -> Tensor:
         if isinstance(leaf, Batch) and leaf.c == 1:
             return v.narrow(leaf.dim, 0, 1).clone()
-        if leaf is None and _same_rows(v, n):
-            # a constant the model built with one row per sample (an attention mask expanded to
-            # the batch size): a batch of one has one row of it, as the generic rule's split
-            # by the planner's batch dims gives each sample its own (equal) row
-            return v[:1].clone()
-        return v.clone()
+        # a constant built with one equal row per sample (a mask expanded to the batch size): a
+        # batch of one has one row of it, as the generic rule's split by the plan's dims gives
+        equal_rows = leaf is None and v.dim() > 0 and v.shape[0] == n > 1 and torch.equal(v, v[:1].expand_as(v))
+        return v[:1].clone() if equal_rows else v.clone()
 
     try:
         with _seeded(device, _SEED):
@@ -262,11 +260,6 @@ def _alone_test(call, load, base, out_leaves, n: int, device) -> Optional[str]:
                         f"it) gives an output {gap:.3g} away from its row of the batched output: the "
                         "layer does not treat samples independently")
     return None
-
-
-def _same_rows(v: Tensor, n: int) -> bool:
-    """Whether ``v`` has ``N`` rows in dim 0, all equal."""
-    return v.dim() > 0 and v.shape[0] == n and n > 1 and torch.equal(v, v[:1].expand_as(v))
 
 
 def _node_call(program, node: fx.Node, params) -> Callable:
