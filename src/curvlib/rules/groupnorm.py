@@ -51,15 +51,20 @@ def _canon(t: Tensor) -> Tensor:
     return t.reshape(t.shape[0], t.shape[1], -1)
 
 
-def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
-    """``{"weight": [N, C], "bias": [N, C]}``: ``Σ_s g x̂`` and ``Σ_s g``."""
-    gc = _canon(g)
+def _column_gradients(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``[V, N, C]`` per role: the individual gradients of every column of a root ``m [V, N, C, *S]``."""
+    gc = m.reshape(m.shape[0], m.shape[1], m.shape[2], -1)
     out = {}
     if "weight" in roles:
-        out["weight"] = (gc * _canon(site.saved["xhat"])).sum(2)
+        out["weight"] = (gc * _canon(site.saved["xhat"])).sum(3)
     if "bias" in roles:
-        out["bias"] = gc.sum(2)
+        out["bias"] = gc.sum(3)
     return out
+
+
+def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
+    """``{"weight": [N, C], "bias": [N, C]}``: ``Σ_s g x̂`` and ``Σ_s g``."""
+    return {role: v[0] for role, v in _column_gradients(site, g.unsqueeze(0), roles).items()}
 
 
 def grad(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
@@ -81,17 +86,6 @@ def batch_l2(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
 def sum_grad_squared(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
     """``[C]`` per role: ``Σ_n (∂ℓ_n/∂p[c])²``."""
     return {role: (v**2).sum(0) for role, v in grad_batch(site, g, roles).items()}
-
-
-def _column_gradients(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
-    """``[V, N, C]`` per role: the individual gradients of every column of a root ``m [V, N, C, *S]``."""
-    gc = m.reshape(m.shape[0], m.shape[1], m.shape[2], -1)
-    out = {}
-    if "weight" in roles:
-        out["weight"] = (gc * _canon(site.saved["xhat"])).sum(3)
-    if "bias" in roles:
-        out["bias"] = gc.sum(3)
-    return out
 
 
 def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
