@@ -91,6 +91,12 @@ class Rule:
     # (site, m [V, *out], roles) -> role -> [V, N, *p]: grad_batch of every column in one
     # batched call (no loop over columns, no vmap)
     grad_batch_columns: Optional[RuleFn] = None
+    # (site, m [V, *out]) -> a statistic of the columns, additive over them, from which
+    # column_squares(site, statistic, roles, per_sample) gives Σ_v grad_batch(m_v)² ([N, *p])
+    # or its sum over samples ([*p]); None where the site has none. Columns pulled back one at
+    # a time add statistics and square once (a Linear with one position: Σ_v m_v², [N, O]).
+    column_statistic: Optional[Callable[["Site", Tensor], Optional[Tensor]]] = None
+    column_squares: Optional[Callable[["Site", Tensor, Sequence[str], bool], RoleTensors]] = None
     # the columns of a square root go through one vmapped grad_batch, not a loop over them
     # (a rule whose grad_batch is itself a vmapped VJP of one op: one batched call is cheaper)
     vmap_columns: bool = False

@@ -9,7 +9,8 @@ factors. A parameter used by several sites sums ``J_pᵀ m`` over its sites befo
 
 from __future__ import annotations
 
-from typing import Dict, List
+from dataclasses import dataclass
+from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -19,7 +20,8 @@ from .._core.tensors import is_concrete
 from ..rules import FAMILY_OF, fixed_rows, kron_factors, kron_input_factor, kron_layout, kron_weight_output, linear
 from ..rules.fixed_rows import tied_across_layers
 
-__all__ = ["sqrt_columns", "diag", "batch_diag", "kronecker_factors", "root_last", "LOOP_SQRT_COLUMNS"]
+__all__ = ["sqrt_columns", "diag", "batch_diag", "kronecker_factors", "root_last", "LOOP_SQRT_COLUMNS",
+           "ColumnStatistic", "column_statistic"]
 
 
 def sqrt_columns(uses, m_by_site, name) -> Tensor:
@@ -170,6 +172,33 @@ def batch_diag(uses, m_by_site, name, params, n, cache=None) -> Tensor:
         col = sum(site.rule.grad_batch(site, m_by_site[site.key][k], [role])[role] for site, role in u)
         total = col**2 if total is None else total + col**2
     return total
+
+
+@dataclass
+class ColumnStatistic:
+    """A parameter's GGN diagonal (``per_sample``: batch diagonal) still as its site's statistic of
+    the columns read so far (:attr:`~curvlib._core.site.Rule.column_statistic`), additive over
+    them; :meth:`result` squares once."""
+
+    site: object
+    role: str
+    per_sample: bool
+    value: Tensor
+
+    def result(self) -> Tensor:
+        return self.site.rule.column_squares(self.site, self.value, [self.role], self.per_sample)[self.role]
+
+
+def column_statistic(uses, m_by_site, name, per_sample: bool) -> Optional[ColumnStatistic]:
+    """``name``'s diagonal read-off of the columns ``m_by_site`` as a :class:`ColumnStatistic`, for a
+    parameter of one site whose rule has one (``None`` otherwise: read it with :func:`diag` /
+    :func:`batch_diag`)."""
+    u = uses.get(name, [])
+    if len(u) != 1 or u[0][0].rule.column_statistic is None or _rows(u[0][0]) is not None:
+        return None
+    (site, role), = u
+    value = site.rule.column_statistic(site, m_by_site[site.key])
+    return None if value is None else ColumnStatistic(site, role, per_sample, value)
 
 
 def kronecker_factors(uses, m_by_site, name, cache=None, approx=None, max_dim=None) -> List[Tensor]:

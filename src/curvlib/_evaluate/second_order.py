@@ -28,6 +28,7 @@ form no Jacobian or Hessian.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Dict, Mapping, Optional, Sequence
 
 import torch
@@ -44,7 +45,7 @@ from .._core.scratch import reusing
 from .._core.site import uses_of
 from . import read_off as _read_off
 from .hessian_diag import hessian_diag
-from .read_off import batch_diag, diag, kronecker_factors, root_last, sqrt_columns
+from .read_off import ColumnStatistic, batch_diag, column_statistic, diag, kronecker_factors, root_last, sqrt_columns
 from .root_buffers import RootBuffers, write_sqrt
 from .streamed import read_when_passed
 
@@ -134,6 +135,9 @@ def _accumulate(lin, uses, S: Tensor, group, names, params, batch_size, chunk_si
                 q = ext.read_as or ext.quantity
                 acc[ext.name] = part if ext.name not in acc else {
                     n: _combine(q, acc[ext.name][n], part[n], owned, root_last(uses, n)) for n in names}
+            if start + 1 == total:
+                acc = {k: {n: v.result() if isinstance(v, ColumnStatistic) else v for n, v in d.items()}
+                       for k, d in acc.items()}
             continue
         m = lin.pull_batched(S_chunk)
         for ext in group:
@@ -176,8 +180,11 @@ def _read_streamed(lin, uses, S: Tensor, group, names, params, batch_size: int, 
     def read(n: str, m: Dict[int, Tensor]) -> None:
         m = {k: g.unsqueeze(0) for k, g in m.items()}  # [1, *site_out]: one column
         for ext in group:
-            kron = _kron_options(ext)
-            parts[ext][n] = _read(ext.read_as or ext.quantity, uses, m, n, params, batch_size, 1, cache, kron)
+            q = ext.read_as or ext.quantity
+            # a diagonal through a statistic additive over the columns: squared once, after the last
+            statistic = column_statistic(uses, m, n, q == "batch_diag") if q in ("diag", "batch_diag") else None
+            parts[ext][n] = statistic if statistic is not None else \
+                _read(q, uses, m, n, params, batch_size, 1, cache, _kron_options(ext))
 
     sites_of = {n: {site.key for site, _ in uses.get(n, ())} for n in names}
     with reusing():  # (one buffer for the rules' per-sample blocks during the pullback)
@@ -251,7 +258,9 @@ def _read(q: str, uses, m, name: str, params, n: int, v: int, cache=None, kron=(
 
 def _combine(q: str, acc, part, owned: Optional[set] = None, root_last: Optional[bool] = None):
     """Sum of chunk contributions; square roots are concatenated; ``A`` is chunk-independent
-    (``root_last``: see :func:`curvlib._core.kronlayout.root_index`)."""
+    (``root_last``: see :func:`curvlib._core.kronlayout.root_index`); column statistics add."""
+    if isinstance(acc, ColumnStatistic):
+        return dataclasses.replace(acc, value=_sum_into(acc.value, part.value, owned))
     if q == "sqrt":  # (only under autograd or torch.func: otherwise written into RootBuffers)
         return torch.cat([acc, part])
     if q == "kron":

@@ -235,12 +235,27 @@ def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> Rol
             part = sum_grad_squared(site, m[v], roles)
             total = {r: part[r] + total[r] if r in total else part[r] for r in part}
         return {r: t.unsqueeze(0) for r, t in total.items()}
-    m2 = (m**2).sum(0).reshape(x.shape[0], -1)  # [N, O]
+    return {r: t.unsqueeze(0) for r, t in column_squares(site, column_statistic(site, m), roles, False).items()}
+
+
+def column_statistic(site: Site, m: Tensor) -> Optional[Tensor]:
+    """``Σ_v m_v² [N, O]`` for a layer with one position per sample (else ``None``): with
+    ``(m_vn x_nᵀ)² = m_vn² (x_n²)ᵀ``, the columns' squared gradients depend on them through it alone."""
+    x = flat_input(site)
+    if x.shape[1] != 1:
+        return None
+    return (m**2).sum(0).reshape(x.shape[0], -1)
+
+
+def column_squares(site: Site, m2: Tensor, roles: Sequence[str], per_sample: bool) -> RoleTensors:
+    """``Σ_v (J_pᵀ m_v)²`` from :func:`column_statistic` ``m2 = Σ_v m_v² [N, O]``: per sample
+    ``m2 ⊗ x²`` (weight ``[N, O, I]``, bias ``[N, O]``), else ``m2ᵀ x²`` (``[O, I]``, ``[O]``)."""
+    x2 = flat_input(site).reshape(m2.shape[0], -1) ** 2
     out = {}
     if "weight" in roles:
-        out["weight"] = (m2.t() @ (x**2).reshape(x.shape[0], -1)).unsqueeze(0)
+        out["weight"] = m2.unsqueeze(2) * x2.unsqueeze(1) if per_sample else m2.t() @ x2
     if "bias" in roles:
-        out["bias"] = m2.sum(0).unsqueeze(0)
+        out["bias"] = m2 if per_sample else m2.sum(0)
     return out
 
 
@@ -257,13 +272,7 @@ def batch_sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) 
             part = grad_batch(site, m[k], roles)
             out = {r: part[r] ** 2 + out.get(r, 0) for r in part}
         return out
-    m2 = (m**2).sum(0).reshape(x.shape[0], -1)  # [N, O]
-    out = {}
-    if "weight" in roles:
-        out["weight"] = m2.unsqueeze(2) * (x**2).reshape(x.shape[0], 1, -1)
-    if "bias" in roles:
-        out["bias"] = m2
-    return out
+    return column_squares(site, column_statistic(site, m), roles, True)
 
 
 def outer_factors(site: Site, role: str, m: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
@@ -292,6 +301,8 @@ LINEAR = Rule(
     batch_sum_squares_over_columns=batch_sum_squares_over_columns,
     outer_factors=outer_factors,
     grad_batch_columns=_linear_columns.grad_batch_columns,
+    column_statistic=column_statistic,
+    column_squares=column_squares,
 )
 
 
@@ -322,6 +333,9 @@ LINEAR_TRANSPOSED = Rule(
     batch_sum_squares_over_columns=_weight_transposed(batch_sum_squares_over_columns),
     outer_factors=outer_factors,
     grad_batch_columns=functools.partial(_linear_columns.grad_batch_columns, transposed=True),
+    column_statistic=column_statistic,
+    column_squares=lambda site, m2, roles, per_sample: _weight_transposed(
+        functools.partial(column_squares, per_sample=per_sample))(site, m2, roles),
 )
 
 
