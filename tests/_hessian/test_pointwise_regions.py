@@ -125,6 +125,23 @@ def test_a_written_out_gelu_is_one_residual():
     assert regions[0].root == "inp"
 
 
+class _Rational(nn.Module):
+    """``h / (1 + h²) + σ(h)``: a quotient of two graph tensors inside the region."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(h / (1.0 + h * h) + torch.sigmoid(h))
+
+
+def test_a_quotient_is_inside_the_region():
+    regions, program = _regions(_Rational())
+    assert len(regions) == 1 and len(residual_plan(program)) == 1
+
+
 def test_a_value_used_outside_ends_the_region():
     """``t`` (the tanh) also feeds the output: no region holds it but as its exit or root."""
     regions, program = _regions(_Gelu(leak=True))

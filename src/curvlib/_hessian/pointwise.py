@@ -43,7 +43,7 @@ _ARITHMETIC_FUNCTIONS = frozenset({operator.add, operator.sub, operator.mul, ope
                                    operator.pos, torch.add, torch.sub, torch.mul, torch.div, torch.neg})
 _ARITHMETIC_METHODS = frozenset({"add", "sub", "mul", "div", "neg"})
 # residual kinds of the nonlinear element-wise nodes a region absorbs
-_NONLINEAR_KINDS = ("diag", "product")
+_NONLINEAR_KINDS = ("diag", "product", "dense")
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def fuse_pointwise_regions(program: Program, plan: Dict[fx.Node, tuple]) -> Dict
     taken: Set[fx.Node] = set()
     fused = dict(plan)
     for exit_node in reversed(list(program.graph.nodes)):
-        if exit_node in taken or exit_node not in member or plan.get(exit_node, ("",))[0] not in _NONLINEAR_KINDS:
+        if exit_node in taken or exit_node not in member:  # (a sum of nonlinear parts may end a region)
             continue
         found = _region(exit_node, member - taken, dependent, order)
         if found is None:
@@ -115,7 +115,7 @@ def _pointwise(program: Program, node: fx.Node, plan, dependent) -> bool:
     kind = plan.get(node, ("",))[0]
     if kind == "diag":
         return len(graph_inputs) == 1
-    if kind not in ("", "product"):
+    if kind not in ("", "product", "dense"):  # (a quotient of two graph tensors is planned dense)
         return False
     arithmetic = (node.target in _ARITHMETIC_FUNCTIONS if node.op == "call_function"
                   else node.op == "call_method" and node.target in _ARITHMETIC_METHODS)
