@@ -62,7 +62,8 @@ def _first_order(model, lossfn, X, y, params=None, program=None):
     loss, pullback = torch.func.vjp(lambda o: losses.loss_value(spec, o, y), lin.out)
     (g_out,) = pullback(torch.ones_like(loss))
     gs, _ = lin.pull(g_out)
-    result = first_order(lin.sites, gs, trainable, values, list(WANTED), X.shape[0])
+    result = first_order(lin.sites, gs, trainable, values, [BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()],
+                         X.shape[0])
     result["loss"] = loss
     return result
 

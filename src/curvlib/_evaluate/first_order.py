@@ -12,18 +12,15 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
-import torch
 from torch import Tensor
 
 from .._core.scratch import reusing
 from .._core.site import Site, uses_of
 from .._core.tensors import is_concrete
+from ..extensions import Extension
 from .linearise import Linearization
 
-__all__ = ["FIRST_ORDER", "FirstOrderReader", "first_order", "first_order_streamed", "streams"]
-
-
-FIRST_ORDER = ("grad_batch", "batch_l2", "sum_grad_squared", "variance")
+__all__ = ["FirstOrderReader", "first_order", "first_order_streamed", "reads", "streams"]
 
 
 def first_order(
@@ -31,7 +28,7 @@ def first_order(
     gs: Sequence[Tensor],
     names: Sequence[str],
     params: Mapping[str, Tensor],
-    wanted: Sequence[str],
+    wanted: Sequence[Extension],
     batch_size: int,
 ) -> Dict[str, Dict[str, Tensor]]:
     """The gradient and the first-order quantities, per parameter.
@@ -41,7 +38,7 @@ def first_order(
         gs: ``gs[k]``: gradient of the loss w.r.t. the output of site ``k``.
         names: trainable parameter names, in result order.
         params: name -> tensor.
-        wanted: subset of :data:`FIRST_ORDER`.
+        wanted: the first-order extensions (each read by its record: :class:`FirstOrderReader`).
         batch_size: ``N``.
 
     Returns:
@@ -55,26 +52,21 @@ def first_order(
     return reader.results()
 
 
-#: Second-order quantities that read nothing of the loss's backward (neither the site
-#: gradients nor the residuals') and are finished before it: with only these (or none), the
-#: first-order quantities are read during that backward, which then frees the graph.
-_BEFORE_THE_LOSS = ("diag", "batch_diag", "sqrt", "kron")
-
-
 def streams(lin: Linearization, second: Sequence, generic: bool = False) -> bool:
     """Whether the first-order quantities can be read off site by site during the loss's
     backward (:func:`first_order_streamed`): plain autograd on real tensors (not under
     torch.func, not while ``compile=True`` traces), sites large enough to be worth it
     (:func:`curvlib._evaluate.streamed.worth_streaming`), no residuals, and second-order
-    extensions that only pull back the loss Hessian's roots (none with a ``generic`` loss,
-    whose value is checked, a scalar of per-sample terms, before its Hessian is formed)."""
+    extensions that only pull back the loss Hessian's roots and read nothing of the loss's
+    backward (not the Hessian's residuals; none with a ``generic`` loss, whose value is checked,
+    a scalar of per-sample terms, before its Hessian is formed): those are finished before it."""
     return (lin.pull_loss is not None and lin.stream_pull is not None and is_concrete(lin.out) and not lin.residuals
             and not (generic and second)
-            and all(e.root in ("exact", "mc") and e.quantity in _BEFORE_THE_LOSS for e in second))
+            and all(e.root in ("exact", "mc") and not e.hessian for e in second))
 
 
 def first_order_streamed(lin: Linearization, loss_of: Callable[[Tensor], Tensor], names: Sequence[str],
-                         params: Mapping[str, Tensor], wanted: Sequence[str], batch_size: int,
+                         params: Mapping[str, Tensor], wanted: Sequence[Extension], batch_size: int,
                          keep_output: bool = False):
     """``(loss, first_order(...))`` from one backward from the loss that reads every site
     as its output gradient ``g_k [N, *site_out]`` arrives and then drops it, together with
@@ -93,20 +85,30 @@ class FirstOrderReader:
     """The first-order quantities, read off one site at a time.
 
     :meth:`read` takes a site's output gradient ``g`` as soon as it is known (during the
-    backward: :func:`curvlib._evaluate.linearise.Linearization.stream_loss`) and keeps only the
+    backward: :meth:`curvlib._evaluate.linearise.Linearization.pull_loss`) and keeps only the
     parameters' results, so ``g`` can be freed at once. A parameter read by several sites
     (tied weights, shared modules) keeps the running sum of its individual gradients
     ``Σ_k g_{n,k}`` ``[N, *p]`` until its last site is read: squares and norms do not
-    distribute over that sum. :meth:`results` finishes (unused parameters, the variance).
+    distribute over that sum. Each quantity is read by its record: a rule's direct answer
+    (``ext.shortcut``) or ``ext.from_individual`` of the individual gradients; one with
+    ``needs`` is formed from theirs (``ext.formed``) as soon as a parameter's are stored.
+    :meth:`results` finishes (unused parameters).
     """
 
     def __init__(self, sites: Sequence[Site], names: Sequence[str], params: Mapping[str, Tensor],
-                 wanted: Sequence[str], batch_size: int):
+                 wanted: Sequence[Extension], batch_size: int):
         self.names, self.params, self.batch_size = list(names), params, batch_size
-        self.wanted = set(wanted)
-        self.need = set(wanted) | ({"sum_grad_squared"} if "variance" in self.wanted else set())
+        self.returned = {e.name for e in wanted}
+        self.formed = [e for e in wanted if e.needs]
+        # name -> record of every quantity read off the sites (the formed ones' needs too)
+        self.read_off: Dict[str, Extension] = {e.name: e for e in wanted if not e.needs}
+        for ext in self.formed:
+            for need in ext.needs:
+                self.read_off.setdefault(need.name, need())
+        # a need nothing returns and one formed quantity reads: written over by it
+        self.overwrite = len(self.formed) == 1 and all(n.name not in self.returned for n in self.formed[0].needs)
         self.out: Dict[str, Dict[str, Tensor]] = {"grad": {}}
-        self.out.update({q: {} for q in self.need})
+        self.out.update({q: {} for q in [*self.read_off, *(e.name for e in self.formed)]})
         uses = uses_of(sites)
         wanted_names = set(names)
         self.pending = {name: len(uses[name]) for name in names if len(uses.get(name, ())) > 1}
@@ -134,7 +136,7 @@ class FirstOrderReader:
             self.partial[name] = part if name not in self.partial else self.partial[name] + part
             self.pending[name] -= 1
             if self.pending[name] == 0:
-                self._store(name, self.partial.pop(name), {q: None for q in ["grad", *self.need - {"grad_batch"}]})
+                self._store(name, self.partial.pop(name), {q: None for q in ["grad", *self.read_off]})
         if streamed:
             self._unalias(site, g)
             site.saved = {}
@@ -155,25 +157,28 @@ class FirstOrderReader:
             if name not in self.out["grad"]:  # read by no site: zero
                 p = self.params[name]
                 self._store(name, p.new_zeros((self.batch_size,) + tuple(p.shape)),
-                            {q: None for q in ["grad", *self.need - {"grad_batch"}]})
-        if "variance" in self.need and "sum_grad_squared" not in self.wanted:
-            del self.out["sum_grad_squared"]  # (overwritten by the variance)
+                            {q: None for q in ["grad", *self.read_off]})
+        for q in self.read_off:
+            if q not in self.returned:
+                del self.out[q]  # (needed by a formed quantity only)
         return {q: {n: d[n] for n in self.names} for q, d in self.out.items()}
 
     def _single_use(self, site: Site, g: Tensor, roles: List[str]) -> None:
         """Parameters read by this site only: its rule is asked once for all their roles."""
-        rule, need = site.rule, self.need
-        batch = rule.grad_batch(site, g, roles) if "grad_batch" in need else None
+        rule = site.rule
+        direct = {q: ext.shortcut(rule) for q, ext in self.read_off.items()}
+        # a quantity with no shortcut of its own reads the individual gradients: formed first
+        batch = rule.grad_batch(site, g, roles) if any(_batch_only(e) for e in self.read_off.values()) else None
         summed = batch is not None and rule.grad_from_batch is not None and rule.grad_from_batch(site, g)
-        both = None  # (grad, sum_grad_squared) in one pass where the rule has it
-        if "sum_grad_squared" in need and batch is None and rule.grad_with_squares is not None:
-            both = rule.grad_with_squares(site, g, roles)
-        per_q = {"grad": both[0] if both else (rule.grad(site, g, roles) if rule.grad and not summed else None)}
-        if "batch_l2" in need:
-            per_q["batch_l2"] = rule.batch_l2(site, g, roles) if rule.batch_l2 else None
-        if "sum_grad_squared" in need:
-            per_q["sum_grad_squared"] = both[1] if both else (
-                rule.sum_grad_squared(site, g, roles) if rule.sum_grad_squared else None)
+        both, per_q = None, {}  # both: (grad, one quantity) in one pass where the rule has it
+        for q, ext in self.read_off.items():
+            with_grad = ext.shortcut_with_grad(rule) if batch is None and both is None else None
+            both = with_grad(site, g, roles) if with_grad is not None else both  # (None: not for this site)
+            if with_grad is not None and both is not None:
+                per_q[q] = both[1]
+        per_q = {"grad": both[0] if both else (rule.grad(site, g, roles) if rule.grad and not summed else None),
+                 **{q: per_q[q] if q in per_q else (f(site, g, roles) if f is not None else None)
+                    for q, f in direct.items()}}
         if batch is None and any(v is None for v in per_q.values()):
             batch = rule.grad_batch(site, g, roles)
         for role in roles:
@@ -181,44 +186,25 @@ class FirstOrderReader:
             self._store(site.params[role], b, {q: (v[role] if v is not None else None) for q, v in per_q.items()})
 
     def _store(self, name: str, batch: Optional[Tensor], given: Dict[str, Optional[Tensor]]) -> None:
-        _store(self.out, name, batch, given)
-        if "variance" in self.need:  # at once: a layer's [O, I] just written may still be in cache
-            _variance(self.out, [name], self.batch_size, reuse="sum_grad_squared" not in self.wanted)
+        """Fill ``out[q][name]`` from a rule's direct answers or from ``batch``; then the formed
+        quantities at once (a layer's ``[O, I]`` just written may still be in cache)."""
+        for q, value in given.items():
+            if value is None:
+                value = batch.sum(0) if q == "grad" else self.read_off[q].from_individual(batch)
+            self.out[q][name] = value
+        for ext in self.formed:
+            needed = [self.out[need.name][name] for need in ext.needs]
+            self.out[ext.name][name] = ext.formed(self.out["grad"][name], needed, self.batch_size, self.overwrite)
 
 
-def _variance(results, names, batch_size: int, reuse: bool = False) -> None:
-    """``Σ_n g_n²/N − (Σ_n g_n/N)²`` in two kernels; it is ≥ 0 exactly, so the rounding
-    below zero is clamped (N = 1: ``g² − g²`` from two different computations). ``reuse``:
-    the sum of squares is not returned, so it is overwritten (no model-sized temporaries)
-    where nothing differentiates through it."""
-    for name in names:
-        g_sum, sgs = results["grad"][name], results["sum_grad_squared"][name]
-        if reuse and not (sgs.requires_grad or g_sum.requires_grad or _wrapped(sgs) or _wrapped(g_sum)
-                          or sgs._base is not None):
-            results["variance"][name] = sgs.div_(batch_size).addcmul_(
-                g_sum, g_sum, value=-1.0 / batch_size**2).clamp_(min=0)
-            continue
-        results["variance"][name] = torch.addcmul(
-            sgs / batch_size, g_sum, g_sum, value=-1.0 / batch_size**2).clamp(min=0)
+def _batch_only(ext: Extension) -> bool:
+    """The quantity is read off the individual gradients whatever the rule (no ``shortcut``)."""
+    return type(ext).shortcut is Extension.shortcut
 
 
-def _wrapped(t: Tensor) -> bool:
-    """A torch.func tensor (vmap, grad): no in-place updates of it."""
-    return torch._C._functorch.is_functorch_wrapped_tensor(t)
-
-
-def _store(results, name, batch: Optional[Tensor], given: Dict[str, Optional[Tensor]]):
-    """Fill ``results[q][name]`` from a rule's direct answers or from ``batch``."""
-    for q, value in given.items():
-        if q == "variance":
-            continue
-        if value is None:
-            if q == "grad":
-                value = batch.sum(0)
-            elif q == "batch_l2":
-                value = (batch**2).flatten(1).sum(1)
-            elif q == "sum_grad_squared":
-                value = (batch**2).sum(0)
-        results[q][name] = value
-    if "grad_batch" in results:
-        results["grad_batch"][name] = batch
+def reads(ext: Extension) -> bool:
+    """Whether :class:`FirstOrderReader` computes the first-order extension: its record reads it
+    off the individual gradients (``from_individual``) or forms it from its ``needs``."""
+    if ext.needs:
+        return type(ext).formed is not Extension.formed and all(reads(need()) for need in ext.needs)
+    return type(ext).from_individual is not Extension.from_individual

@@ -103,7 +103,7 @@ class _Products:
 
         def checked(V: Tensor) -> Tensor:
             self.check_modes(label)
-            if ext.quantity == "pchmp":
+            if ext.residuals_per_node:  # (eigenvalues modified: PCHMP)
                 refuse_pchmp(ext, self.derivatives)
             _check_directions(ext, name, self.values[name], V)
             return V.new_zeros(V.shape) if V.shape[0] == 0 else product(V)

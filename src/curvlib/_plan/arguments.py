@@ -172,14 +172,6 @@ def bytes_of(shape, dtype: torch.dtype) -> int:
     return numel * dtype.itemsize
 
 
-#: Results made of the loss Hessian ``∇²_f ℓ`` alone (the GGN ``Jᵀ ∇²_f ℓ J`` and its
-#: Kronecker, square-root and sampled forms): all exactly 0 for a loss linear in ``f``.
-_GGN_RESULTS = frozenset({
-    "diag_ggn_exact", "diag_ggn_exact_batch", "diag_ggn_mc", "diag_ggn_mc_batch", "kfac", "kflr",
-    "kfra", "sqrt_ggn_exact", "sqrt_ggn_mc", "ggnmp",
-})
-
-
 def warn_linear_loss(spec: losses.LossSpec, extensions) -> None:
     """Warn (once, at ``curvature`` time) that ``nn.NLLLoss`` makes every GGN quantity 0.
 
@@ -188,7 +180,7 @@ def warn_linear_loss(spec: losses.LossSpec, extensions) -> None:
     the model, which the GGN linearises. ``nn.CrossEntropyLoss`` on the logits puts it into
     the loss, where the GGN keeps it (same loss value and gradient).
     """
-    wanted = sorted(e.name for e in extensions if e.name in _GGN_RESULTS)
+    wanted = sorted(e.name for e in extensions if e.ggn)  # (made of the loss Hessian alone)
     if not wanted or not isinstance(spec.module, nn.NLLLoss):
         return
     warnings.warn(

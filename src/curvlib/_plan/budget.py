@@ -57,10 +57,10 @@ def check_roots(exts: Sequence, out_shape: Tuple[int, ...], dtype: torch.dtype, 
         per_sample *= int(s)
     free = None
     for ext in exts:
-        root = getattr(ext, "root", None)
+        root = ext.root
         if root not in ("exact", "mc"):
             continue
-        v = per_sample if root == "exact" else ext.mc_samples
+        v = per_sample if root == "exact" else ext.options.mc_samples
         need = bytes_of((v,) + tuple(out_shape), dtype)
         last = _last_free.get(str(device))
         if free is None and last is not None and need * HEADROOM <= last:
@@ -90,7 +90,7 @@ def _monte_carlo_fix(ext) -> str:
     name, mc = type(ext).__name__, type(ext).monte_carlo
     if not mc:
         return "use a Monte-Carlo extension (DiagGGNMC, KFAC, SqrtGGNMC)"
-    if getattr(ext, "hessian", False):
+    if ext.hessian:
         return (f"{name} has no Monte-Carlo version; use {mc}(mc_samples=1) for the GGN's "
                 "(HMP gives exact Hessian products)")
     return f"use {mc}(mc_samples=1), its Monte-Carlo version (one sampled column per sample)"
@@ -121,7 +121,7 @@ def auto_chunk_size(plan, exts: Sequence = (), device: Union[str, torch.device] 
     the larger budgets under ``"batched"``, the CUDA default: :mod:`curvlib._core.strategy`)."""
     device = torch.device(device)
     budget = AUTO_CHUNK_BYTES
-    batch_diagonal = any(getattr(e, "per_sample", False) for e in exts)
+    batch_diagonal = any(e.per_sample for e in exts)
     looped = not _strategy.batched(device)  # curvlib._core.strategy: CPU default "looped", CUDA "batched"
     if looped and not batch_diagonal:
         budget = min(budget, AUTO_CHUNK_BYTES_CPU)
@@ -158,7 +158,7 @@ def check_factor_sizes(exts: Sequence, sites: Sequence, names: Sequence[str],
                        values: Mapping[str, torch.Tensor]) -> None:
     """Refuse a Kronecker extension without ``max_factor_dim`` whose dense factor of some
     parameter would take more than :data:`DENSE_FACTOR_BYTES` (before any work)."""
-    exts = [e for e in exts if e.kron and e.quantity != "kfra" and getattr(e, "max_factor_dim", 1) is None]
+    exts = [e for e in exts if e.kron and not e.recursion and e.options.max_factor_dim is None]
     if not exts:
         return
     uses = uses_of(sites)

@@ -40,8 +40,8 @@ class Request:
 
     Attributes:
         spec: the loss.
-        computed: the extensions computed (the requested ones, plus ``SumGradSquared`` behind a
-            sliced ``Variance``).
+        computed: the extensions computed (the requested ones, plus the ``needs`` of a formed
+            one such as ``Variance`` when slices or ranks combine the results).
         chunked: the batch runs in slices (``batch_chunk_size``).
     """
 

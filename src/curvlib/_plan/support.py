@@ -109,13 +109,13 @@ def _check_kron_uses(ext, name: str, u, family_of, param_dims) -> None:
     if not u:
         return  # not used by the forward: zero factors (curvlib.rules.fixed_rows.unused_block)
     families = {family_of[s.where] for s, _ in u}
-    if ext.quantity != "kfra" and families <= set(EXACT_BLOCK_KINDS):
-        _check_exact_block(label, name, u, families, param_dims, getattr(ext, "kfac_approx", None))
+    if not ext.recursion and families <= set(EXACT_BLOCK_KINDS):
+        _check_exact_block(label, name, u, families, param_dims, ext.options.kfac_approx)
         return
-    if len(u) > 1 and ext.quantity != "kfra" and tied_across_layers(u, family_of):
+    if len(u) > 1 and not ext.recursion and tied_across_layers(u, family_of):
         return  # the diagonal of the exact block (curvlib._evaluate.second_order._generic_block)
     if len(u) > 1 and (
-        ext.quantity == "kfra"
+        ext.recursion
         # (every use a Linear site, the rule's kind, of a layer whose family factors its uses)
         or any(s.rule.kind not in KRON_OVER_USES_KINDS or family_of[s.where] not in KRON_OVER_USES_KINDS for s, _ in u)
         or len({r for _, r in u}) > 1
@@ -127,10 +127,10 @@ def _check_kron_uses(ext, name: str, u, family_of, param_dims) -> None:
             "SqrtGGNExact, or untie the weights."
         )
     site = u[0][0]
-    error = site.meta.get("kron_error") or (site.meta.get("kfra_error") if ext.quantity == "kfra" else None)
+    error = site.meta.get("kron_error") or (site.meta.get("kfra_error") if ext.recursion else None)
     if error:
         raise CurvatureError(f"{label} is not defined for parameter '{name}' (module '{site.where}'): {error}")
-    family, approx = FAMILY_OF.get(site.rule.kind), getattr(ext, "kfac_approx", None)
+    family, approx = FAMILY_OF.get(site.rule.kind), ext.options.kfac_approx
     why = family.kron_refusal(site, approx) if family is not None and family.kron_refusal is not None else None
     if why:
         raise CurvatureError(f"{label}(kfac_approx={approx!r}) is not defined for parameter '{name}' {why}")

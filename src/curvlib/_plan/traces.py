@@ -178,7 +178,7 @@ def trace(model: nn.Module, second: Sequence[SecondOrder], X=None, output=None, 
             + (f"nor at the ATen level: {program.aten_error}\n" if program.aten_error else "")
             + "First-order extensions do not need the graph."
         )
-    if any(e.quantity == "kfra" for e in second):
+    if any(e.recursion for e in second):
         chain_nodes(program)  # refuse branching graphs before any work
     hessian = any(e.hessian for e in second)
     traced = program.graph is not None

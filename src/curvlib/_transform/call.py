@@ -20,7 +20,7 @@ from .._evaluate.first_order import first_order, first_order_streamed, streams
 from .._evaluate.kfra import kfra
 from .._evaluate.linearise import forward_with_probes
 from .._evaluate.products import products, rng_state
-from .._evaluate.second_order import second_order
+from .._evaluate.second_order import Beside, Call, second_order
 from .._plan import budget as _budget
 from .._plan.checks import CallContext
 from .._plan.traces import Traced
@@ -28,10 +28,6 @@ from ..distributed import kfra_reducer
 from ..extensions.products import BlockProduct
 from ..losses._generic import check_per_sample
 from ..rules.layernorm import from_primitives
-
-#: Quantities whose columns are pulled back many at once (the Hessian's residual columns, square
-#: roots): their forward writes LayerNorm from primitives (:func:`curvlib.rules.layernorm.from_primitives`).
-BATCHED_PULLBACKS = ("hessian_diag", "hessian_batch_diag", "sqrt")
 
 __all__ = ["evaluate"]
 
@@ -45,14 +41,14 @@ def evaluate(s, c: CallContext) -> Dict[str, object]:
     traced, X, y, device = c.traced, c.X, c.y, c.device
     trainable, n = list(c.trainable), _inputs.batch_size(c.X)
     rng = rng_state(device)
-    with from_primitives(any(e.quantity in BATCHED_PULLBACKS for e in s.second)):
+    with from_primitives(any(e.many_columns for e in s.second)):
         lin = forward_with_probes(
             traced.program, c.plan, X, c.values, frozenset(trainable), traced.residual_nodes, runner=traced.runner,
             # KFRA reuses the forward's node values, unless an in-place node overwrote its input
-            direct=traced.direct, keep_values=traced.direct and any(e.quantity == "kfra" for e in s.second),
+            direct=traced.direct, keep_values=traced.direct and any(e.recursion for e in s.second),
             functorch=c.differentiable, dropout_seed=c.dropout_seed,
         )
-    wanted, generic = [e.name for e in s.first], not s.spec.structural
+    wanted, generic = s.first, not s.spec.structural
     if streams(lin, s.second, generic):  # second order first: the loss's backward then frees the graph
         later = _second_order(s, c, lin, rng, None, [])
         loss, first = first_order_streamed(lin, lambda out: _scalar_loss(s.spec, out, y), trainable, c.values,
@@ -76,11 +72,11 @@ def _second_order(s, c: CallContext, lin, rng, gs, residual_grads) -> Dict[str, 
     if any(isinstance(e, BlockProduct) for e in s.second):  # (built only when asked for)
         product = _buffers.bind_products(products(c, s.spec, curv, lin, residual_grads, rng), s.model, c.buffers)
     kfra_factors = None
-    if any(e.quantity == "kfra" for e in s.second):  # (the recursion's closure only when asked for)
+    if any(e.recursion for e in s.second):  # (the recursion's closure only when asked for)
         kfra_factors = _kfra_factors(s, c.traced, lin, curv, c.X, c.y, trainable, c.values, c.dropout_seed)
     chunk = _budget.auto_chunk_size(c.plan, s.second, c.device) if s.chunk_size == "auto" else s.chunk_size
-    return second_order(lin, curv, s.second, trainable, c.values, _inputs.batch_size(c.X), residual_grads,
-                        product, kfra_factors, chunk_size=chunk, site_grads=gs, into=c.into)
+    call = Call(lin, trainable, c.values, _inputs.batch_size(c.X), chunk_size=chunk, into=c.into)
+    return second_order(call, curv, s.second, Beside(residual_grads, gs, product, kfra_factors))
 
 
 def _loss_and_site_gradients(spec, lin, y: Tensor, keep_graph: bool):

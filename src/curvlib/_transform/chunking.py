@@ -19,13 +19,14 @@ nothing) the batch's are
 | loss, grad, GGN/Hessian diagonals, ``B`` of KFAC/KFLR | ``Σ_k r_k · slice_k`` |
 | ``sum_grad_squared``, ``B`` of KFACEmpirical | ``Σ_k r_k² · slice_k`` |
 | ``A = (1/N) Σ x xᵀ`` of KFAC/KFLR (every input factor, :mod:`curvlib._core.kronlayout`) | ``Σ_k (N_k/N) · slice_k`` |
-| ``variance`` | ``(1/N) Σ g² − ((1/N) Σ g)²`` from the batch's ``grad`` and ``Σ g²`` (the slices always compute ``Σ g²`` for it) |
+| ``variance`` (formed: an extension's ``needs``) | ``(1/N) Σ g² − ((1/N) Σ g)²`` from the batch's ``grad`` and ``Σ g²`` (the slices always compute ``Σ g²`` for it) |
 | ``grad_batch``, batch diagonals | ``r_k · slice_k``, concatenated over samples |
 | ``batch_l2`` | ``r_k² · slice_k``, concatenated |
 | ``sqrt_ggn_exact``, ``sqrt_ggn_mc`` | ``√r_k · slice_k``, concatenated along dim 1 |
 
-(the same rescaling as :mod:`curvlib.distributed`, with slices in place of
-ranks). "Concatenated" results are written into one preallocated tensor of the
+(each extension's ``slices``, a :class:`curvlib.extensions.combine.Combine`; the weights are
+:func:`curvlib.extensions.combine.parts`', the same as :mod:`curvlib.distributed`'s with slices
+in place of ranks). "Concatenated" results are written into one preallocated tensor of the
 batch's size as each slice arrives (square roots by the slice itself, column by
 column: :mod:`curvlib._evaluate.root_buffers`), so that a slice's result is the only
 temporary beside it; only under autograd or ``torch.func`` are slices joined by
@@ -49,15 +50,15 @@ from .._core import inputs as _inputs
 from .._core.tensors import is_concrete
 from .._core.buffers import vmapped
 from .._core.errors import CurvatureError
-from .._core.kronlayout import root_index
 from .._evaluate.root_buffers import RootBuffers
+from ..extensions.combine import Combine, formed, parts
 from ..losses import LossSpec, normaliser
 
-__all__ = ["over_samples", "check_batch_chunk_size"]
+__all__ = ["over_samples", "check_batch_chunk_size", "slice_kinds"]
 
 
-def check_batch_chunk_size(batch_chunk_size: object, exts: Sequence, spec: Optional[LossSpec] = None) -> Dict[str, str]:
-    """Validate the argument and the extensions; return result name -> combination kind."""
+def check_batch_chunk_size(batch_chunk_size: object, exts: Sequence, spec: Optional[LossSpec] = None) -> Dict[str, Combine]:
+    """Validate the argument and the extensions; return result name -> how its slices combine."""
     if isinstance(batch_chunk_size, bool) or not isinstance(batch_chunk_size, int) or batch_chunk_size < 1:
         raise CurvatureError(f"batch_chunk_size must be a positive int or None, got {batch_chunk_size!r}.")
     if spec is not None and not spec.structural:
@@ -66,7 +67,13 @@ def check_batch_chunk_size(batch_chunk_size: object, exts: Sequence, spec: Optio
             "normaliser, which curvlib knows for nn.MSELoss, nn.CrossEntropyLoss and "
             "nn.BCEWithLogitsLoss only. Call without batch_chunk_size, or use chunk_size= to bound memory."
         )
-    kinds = {"grad": "sum1"}  # kinds: how each result's slices combine (see over_samples)
+    return slice_kinds(exts)
+
+
+def slice_kinds(exts: Sequence) -> Dict[str, Combine]:
+    """Result name -> how its slices combine (each extension's ``slices``), refusing the
+    extensions that do not combine."""
+    kinds = {"loss": Combine.SUM, "grad": Combine.SUM}
     for ext in exts:
         kind, why = type(ext).slices, type(ext).slices_refused
         if kind is None:
@@ -79,17 +86,18 @@ def check_batch_chunk_size(batch_chunk_size: object, exts: Sequence, spec: Optio
 
 
 def over_samples(
-    f: Callable[..., Dict[str, object]], spec: LossSpec, kinds: Mapping[str, str], batch_chunk_size: int,
-    drop: Sequence = (), root_last: Optional[Callable[..., Mapping[str, bool]]] = None,
+    f: Callable[..., Dict[str, object]], spec: LossSpec, exts: Sequence, batch_chunk_size: int,
+    root_last: Optional[Callable[..., Mapping[str, bool]]] = None,
 ) -> Callable[..., Dict[str, object]]:
     """Wrap ``f(X, y, params=None)`` to run on slices of at most ``batch_chunk_size`` samples.
 
-    ``drop``: extensions ``f`` computes only for the combination (``SumGradSquared``
-    behind ``Variance``), removed from the result. ``root_last(X, params)``: parameter name ->
-    whether its Kronecker root factor is the last (asked once a slice has run, when a factor
-    side may be diagonal: :func:`curvlib._core.kronlayout.root_index`).
+    ``exts``: the extensions ``f`` computes (a formed one's ``needs`` among them).
+    ``root_last(X, params)``: parameter name -> whether its Kronecker root factor is the last
+    (asked once a slice has run, when a factor side may be diagonal:
+    :func:`curvlib._core.kronlayout.root_index`).
     """
-    dropped = {e.name for e in drop}
+    kinds = slice_kinds(exts)
+    later = [e for e in exts if kinds[e.name] is Combine.FORMED]
 
     def g(X, y: Tensor, params: Optional[Mapping[str, Tensor]] = None, generator=None,
           buffers: Optional[Mapping[str, Tensor]] = None) -> Dict[str, object]:
@@ -100,7 +108,7 @@ def over_samples(
         _refuse_per_sample_weights(spec, y)
         _refuse_vmapped_counts(spec, y)
         total = normaliser(spec, y)
-        combined = _Combined(kinds, n)
+        combined = _Combined(kinds, n, later)
         # square roots: every slice writes its samples into one [V, N, *p] per parameter
         into = {"_into": combined.into} if combined.into is not None else {}
         for start in range(0, n, batch_chunk_size):
@@ -118,7 +126,7 @@ def over_samples(
                 combined.root_last = root_last(_inputs.slice_batch(X, start, stop), params)
             combined.add(part, r, (stop - start) / n, start)
             del part
-        return {k: v for k, v in combined.result().items() if k not in dropped}
+        return combined.result()
 
     return g
 
@@ -151,10 +159,10 @@ def _refuse_vmapped_counts(spec: LossSpec, y: Tensor) -> None:
 class _Combined:
     """The whole batch's results from its slices' (the table in the module doc)."""
 
-    def __init__(self, kinds: Mapping[str, str], n: int):
-        self.kinds, self.n = kinds, n
+    def __init__(self, kinds: Mapping[str, Combine], n: int, later: Sequence = ()):
+        self.kinds, self.n, self.later = kinds, n, later
         self.root_last: Optional[Mapping[str, bool]] = None  # name -> Kronecker root factor last
-        self.into = RootBuffers(n) if "cat_half" in kinds.values() else None
+        self.into = RootBuffers(n) if Combine.SAMPLES_ROOT in kinds.values() else None
         self.acc: Dict[str, object] = {}
         self.pieces: Dict[str, Dict[str, object]] = {}  # key -> name -> batch's tensor, or slices to join
         self.order: list = []
@@ -162,33 +170,28 @@ class _Combined:
     def add(self, part: Dict[str, object], r: float, share: float, start: int = 0) -> None:
         self.order = self.order or list(part)
         for key, value in part.items():
-            kind = "sum1" if key == "loss" else self.kinds[key]
-            if key == "loss":
-                self.acc[key] = _add(self.acc.get(key), _scaled(value, r))
-            elif kind in ("sum1", "sum2"):
-                scale = r if kind == "sum1" else r * r
-                old = self.acc.get(key, {})
-                self.acc[key] = {name: _add(old.get(name), _scaled(t, scale)) for name, t in value.items()}
-            elif kind in ("kron", "kron2"):
-                b_scale, roots = (r if kind == "kron" else r * r), self.root_last or {}
-                old = self.acc.get(key, {})
-                self.acc[key] = {
-                    name: [_add(old[name][i] if name in old else None,
-                                _scaled(t, b_scale if i == root_index(fs, roots.get(name)) else share))
-                           for i, t in enumerate(fs)]
-                    for name, fs in value.items()
-                }
-            elif kind != "variance":  # (the variance is formed from the combined Σ g²)
-                scale = {"cat1": r, "cat2": r * r, "cat_half": r**0.5}[kind]
-                for name, t in value.items():
-                    self._place(key, name, t, start, r, scale)
+            kind = self.kinds[key]
+            for p in parts(kind, value, self.root_last):
+                scale = p.weight.factor(r, share)
+                if kind.samples_dim is not None:
+                    self._place(key, p.name, p.tensor, start, r, scale)
+                elif p.name is None:
+                    self.acc[key] = _add(self.acc.get(key), _scaled(p.tensor, scale))
+                elif p.index is None:
+                    sums = self.acc.setdefault(key, {})
+                    sums[p.name] = _add(sums.get(p.name), _scaled(p.tensor, scale))
+                else:  # a Kronecker factor
+                    factors = self.acc.setdefault(key, {}).setdefault(p.name, [])
+                    if p.index == len(factors):
+                        factors.append(None)
+                    factors[p.index] = _add(factors[p.index], _scaled(p.tensor, scale))
 
     def _place(self, key: str, name: str, t: Tensor, start: int, r: float, scale: float) -> None:
         """A slice's per-sample result, scaled, into the batch's: written into one preallocated
         tensor (square roots by the slice itself, see :mod:`curvlib._evaluate.root_buffers`), or, under
         autograd or torch.func, kept to be concatenated."""
         per_name = self.pieces.setdefault(key, {})
-        dim = 1 if self.kinds[key] == "cat_half" else 0
+        dim = self.kinds[key].samples_dim
         if self.into is not None and (key, name) in self.into.buffers:
             per_name[name] = self.into.buffers[(key, name)]
             _scale_written(t, r, scale)
@@ -212,13 +215,11 @@ class _Combined:
     def result(self) -> Dict[str, object]:
         out: Dict[str, object] = dict(self.acc)
         for key, per_name in self.pieces.items():
-            dim = 1 if self.kinds[key] == "cat_half" else 0
+            dim = self.kinds[key].samples_dim
             out[key] = {name: _concatenated(ts, dim) if isinstance(ts, list) else ts
                         for name, ts in per_name.items()}
-        if "variance" in self.kinds:
-            sgs, grad, n = out["sum_grad_squared"], out["grad"], self.n
-            # (1/N) Σ g² − ((1/N) Σ g)² ≥ 0 exactly; clamp the rounding below zero
-            out["variance"] = {name: (sgs[name] / n - (grad[name] / n) ** 2).clamp(min=0) for name in grad}
+        for ext in self.later:  # formed from the batch's totals
+            out[ext.name] = formed(ext, out, self.n)
         return {k: out[k] for k in self.order}
 
 

@@ -27,7 +27,7 @@ from .. import losses
 from .._core import buffers as _buffers, dropout as _dropout, inputs as _inputs, outputs as _outputs
 from .._core.errors import CurvatureError, CurvatureTypeError
 from .._core.sync import prepare_forward_ad
-from .._evaluate.first_order import FIRST_ORDER
+from .._evaluate.first_order import reads
 from .._interpret.diagnose import forward_failure, forward_mode_failure
 from .._interpret.graph import NodeFailure
 from .._plan import arguments as _arguments
@@ -38,7 +38,7 @@ from .._plan.traces import Traced, Traces, warn_hooks
 from .failures import internal_failure
 from .._trace.branches import BranchChanged, batch_guard_values, check_branches_per_sample, guard_values_per_sample
 from ..distributed import aggregated
-from ..extensions import Extension, SecondOrder, SumGradSquared
+from ..extensions import Extension, SecondOrder
 from ..losses import _targets
 from . import compiled as _compiled, wrappers as _wrappers
 from .._plan.checks import CallContext
@@ -113,15 +113,25 @@ def _wrapped(f: "_Call", setup: "_Setup", options, batch_chunk_size, process_gro
         f = _compiled.CompiledCall(f, options)
         return _wrappers.renamed(f, setup.prefix, setup.model) if setup.prefix else f
     # a diagonal factor side makes the root factor's place a fact of the sites, not the shapes
-    roots = f.kron_root_last if any(getattr(e, "max_factor_dim", None) for e in setup.exts) else None
+    roots = f.kron_root_last if any(e.options.max_factor_dim for e in setup.exts) else None
     if setup.chunk_kinds is not None:
-        f = over_samples(f, setup.spec, setup.chunk_kinds, batch_chunk_size, drop=setup.computed[len(setup.exts):],
-                         root_last=roots)
+        f = over_samples(f, setup.spec, setup.computed, batch_chunk_size, root_last=roots)
     if process_group is not None:
-        f = aggregated(f, setup.spec, setup.exts, process_group, root_last=roots)
+        f = aggregated(f, setup.spec, setup.computed, process_group, root_last=roots)
+    if len(setup.computed) > len(setup.exts):
+        f = _without(f, {e.name for e in setup.computed[len(setup.exts):]})
     if setup.prefix:
         f = _wrappers.renamed(f, setup.prefix, setup.model)
     return _wrappers.public(f, curvature.__doc__)
+
+
+def _without(f: Callable[..., Dict[str, object]], names) -> Callable[..., Dict[str, object]]:
+    """``f`` without the results ``names`` (computed only to form another quantity's totals)."""
+
+    def g(*args, **kwargs) -> Dict[str, object]:
+        return {key: value for key, value in f(*args, **kwargs).items() if key not in names}
+
+    return g
 
 
 # ----------------------------------------------------------------------------- setup
@@ -139,10 +149,10 @@ class _Setup:
         _arguments.warn_linear_loss(self.spec, self.exts)
         _arguments.check_chunk_size(chunk_size)
         self.chunk_size = chunk_size
-        self.computed = self._computed(batch_chunk_size)
+        self.computed = self._computed(batch_chunk_size is not None or process_group is not None)
         self.first = [e for e in self.computed if not isinstance(e, SecondOrder)]
         self.second = [e for e in self.computed if isinstance(e, SecondOrder)]
-        unknown = [e for e in self.first if e.name not in FIRST_ORDER]
+        unknown = [e for e in self.first if not reads(e)]
         if unknown:
             raise CurvatureError(f"Extension {unknown[0]!r} is not a curvlib extension this version computes.")
         self.chunk_kinds = None
@@ -168,13 +178,16 @@ class _Setup:
                 raise
             raise failure from exc
 
-    def _computed(self, batch_chunk_size) -> tuple:
-        exts = self.exts
-        names = {e.name for e in exts}
-        if batch_chunk_size is not None and "variance" in names and "sum_grad_squared" not in names:
-            # slices combine Σ g² exactly; the variance is formed once from the totals
-            return tuple(exts) + (SumGradSquared(),)
-        return tuple(exts)
+    def _computed(self, combined: bool) -> tuple:
+        """The requested extensions and, where slices or ranks combine the results, those a
+        formed quantity ``needs`` (they combine exactly; it is formed once from the totals)."""
+        exts, names = tuple(self.exts), {e.name for e in self.exts}
+        extra = []
+        for need in (need for e in exts for need in e.needs) if combined else ():
+            if need.name not in names:
+                names.add(need.name)
+                extra.append(need())
+        return exts + tuple(extra)
 
     def traced(self, X=None) -> Traced:
         """The model's trace for ``X`` (see :class:`curvlib._plan.traces.Traces`)."""

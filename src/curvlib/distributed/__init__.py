@@ -25,7 +25,7 @@ Every supported loss is ``L = c · Σ_n ℓ_n`` with ``c = 1/M`` for ``"mean"``
 | loss, grad, GGN/Hessian diagonals, ``B`` of KFAC/KFLR | ``c`` | ``Σ_ranks r · local`` |
 | ``sum_grad_squared`` | ``c²`` | ``Σ_ranks r² · local`` |
 | ``A = (1/N) Σ x xᵀ`` of KFAC/KFLR | ``1/N`` | ``Σ_ranks (N_local/N_global) · local`` |
-| ``variance`` | | ``(1/N) Σ g² − ((1/N) Σ g)²`` with the global ``grad``, ``Σ g²``, ``N`` |
+| ``variance`` (formed from its ``needs``) | | ``(1/N) Σ g² − ((1/N) Σ g)²`` with the global ``grad``, ``Σ g²`` (every rank computes its ``Σ g²`` for it), ``N`` |
 | ``grad_batch``, batch diagonals | ``c`` | ``r · local`` (stays on the rank) |
 | ``batch_l2`` | ``c²`` | ``r² · local`` |
 | ``sqrt_ggn_exact``, ``sqrt_ggn_mc`` | ``√c`` | ``√r · local`` |
@@ -84,16 +84,14 @@ from ..losses import _targets
 from .._core.buffers import vmapped
 from .._core.errors import CurvatureError, CurvatureTypeError
 from ..extensions import SecondOrder
+from ..extensions.combine import Combine
 from ._allreduce import aggregate, times
 from ..losses import LossSpec, normaliser
 
 __all__ = ["aggregated"]
 
-# How each result is aggregated (an extension's ``ranks``; see the module doc):
-#   "sum1": Σ r·local   "sum2": Σ r²·local   "kron": [B, A] with B "sum1", A by N
-#   "local1": r·local   "local2": r²·local   "local_half": √r·local
-#   "variance": recomputed from the global grad and sum of squares;
-#   "kfra": B already global (reduced inside the recursion), A by N.
+# How each result is aggregated: an extension's ``ranks``, a curvlib.extensions.combine.Combine
+# (per-sample kinds stay the rank's own rows, scaled; summed kinds are summed over ranks).
 _MASK64 = (1 << 64) - 1
 
 
@@ -150,7 +148,7 @@ def aggregated(
         True
         >>> dist.destroy_process_group()
     """
-    kinds, generators = _aggregation_kinds(exts)
+    kinds, generators, later = _aggregation_kinds(exts)
     _check_group(process_group)
     import torch.distributed as dist  # lazy: only with a process group
 
@@ -165,7 +163,8 @@ def aggregated(
             local = f(X, y, params=params, generator=generator, buffers=buffers)
         n_local = _inputs.batch_size(X)
         m_local = normaliser(spec, _targets.prepare_targets(spec, y)) if mean else 1.0
-        return aggregate(local, kinds, n_local, m_local, mean, process_group, root_last and root_last(X, params))
+        return aggregate(local, kinds, n_local, m_local, mean, process_group, root_last and root_last(X, params),
+                         later)
 
     return g
 
@@ -181,10 +180,11 @@ def _member_rank(dist, process_group) -> int:
     return rank
 
 
-def _aggregation_kinds(exts: Tuple) -> Tuple[Dict[str, str], List[Optional[torch.Generator]]]:
-    """How each result combines over ranks (result key -> kind of :func:`aggregate`), and the
-    Monte-Carlo generators whose streams differ per rank; refuses what cannot be combined."""
-    kinds: Dict[str, str] = {"loss": "sum1", "grad": "sum1"}
+def _aggregation_kinds(exts: Tuple) -> Tuple[Dict[str, Combine], List[Optional[torch.Generator]], List]:
+    """How each result combines over ranks (result key -> kind of :func:`aggregate`), the
+    Monte-Carlo generators whose streams differ per rank, and the extensions formed from the
+    global results of their ``needs``; refuses what cannot be combined."""
+    kinds: Dict[str, Combine] = {"loss": Combine.SUM, "grad": Combine.SUM}
     generators: List[Optional[torch.Generator]] = []
     for ext in exts:
         kind = type(ext).ranks
@@ -200,7 +200,7 @@ def _aggregation_kinds(exts: Tuple) -> Tuple[Dict[str, str], List[Optional[torch
         if isinstance(ext, SecondOrder) and ext.root == "mc" and not any(g is ext.generator for g in generators):
             generators.append(ext.generator)
         kinds[ext.name] = kind
-    return kinds, generators
+    return kinds, generators, [e for e in exts if kinds[e.name] is Combine.FORMED]
 
 
 def kfra_reducer(spec: LossSpec, process_group, n_local: int, m_local: int) -> Callable[[Tensor, str], Tensor]:

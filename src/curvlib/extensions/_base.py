@@ -8,13 +8,16 @@ table checked before any work (second-order extensions).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar, Optional, Tuple
+from typing import Callable, ClassVar, Optional, Sequence, Tuple
 
 import torch
+from torch import Tensor
 
 from .._core.errors import CurvatureError, CurvatureTypeError
 from ..rules import FAMILY_OF
+from .combine import Combine
 
 
 # Layer families (curvlib.rules.FAMILY_OF) an extension supports, where not all:
@@ -32,6 +35,21 @@ HESSIAN_FAMILIES = tuple(FAMILY_OF)
 
 
 @dataclass(frozen=True)
+class Options:
+    """The options the stages read of an extension: its own fields of these names, the
+    defaults for the others (:attr:`Extension.options`)."""
+
+    kfac_approx: Optional[str] = None
+    max_factor_dim: Optional[int] = None
+    mc_samples: int = 1
+    generator: Optional[torch.Generator] = None
+    modify: str = "clip"
+
+
+_OPTIONS = tuple(f.name for f in dataclasses.fields(Options))
+
+
+@dataclass(frozen=True)
 class Extension:
     """Base class of every curvlib extension.
 
@@ -46,10 +64,14 @@ class Extension:
         quantity: what the evaluation stage reads off (first order: the result's name;
             second order: see :class:`SecondOrder`).
         slices: how the results of batch slices combine under ``batch_chunk_size``
-            (a kind of :mod:`curvlib._transform.chunking`); ``None``: refused, for the
+            (:class:`curvlib.extensions.combine.Combine`); ``None``: refused, for the
             reason ``slices_refused``.
-        ranks: how the ranks' local results combine under ``process_group`` (a kind of
-            :mod:`curvlib.distributed`); ``None``: refused, for the reason ``ranks_refused``.
+        ranks: how the ranks' local results combine under ``process_group`` (a
+            :class:`~curvlib.extensions.combine.Combine`); ``None``: refused, for the reason
+            ``ranks_refused``.
+        needs: extensions whose results it is formed from (:meth:`formed`, after they are read
+            and again once slices or ranks have combined them, ``Combine.FORMED``); they are
+            computed with it and dropped from the results unless asked for.
         compiles: ``curvature(..., compile=True)`` computes it.
         function_needs: what a custom ``torch.autograd.Function`` in the model must define
             for it: ``"setup_context"``, ``"vmap"`` (a rule), ``"jvp"`` (forward mode),
@@ -57,19 +79,57 @@ class Extension:
         layer_kinds: the layer families (:data:`curvlib.rules.FAMILY_OF`) it supports;
             ``None``: every family.
         independent_samples: it needs samples that do not mix inside the model.
+        root: ``"exact"`` or ``"mc"``: which factor of the loss Hessian is
+            backpropagated; ``"grad"``: the per-sample loss gradients (empirical
+            Fisher); ``None`` for extensions that need none (every first-order one).
+        hessian: it needs the nonlinearities' second derivatives (residual terms), which it
+            reads of the loss's backward.
+        per_sample: its result has one row per sample.
+        ggn: it is made of the loss Hessian alone (the GGN and its Kronecker, square-root,
+            sampled and product forms): exactly 0 for a loss linear in the model output.
     """
 
     name: ClassVar[str] = ""
     order: ClassVar[int] = 1
     quantity: ClassVar[str] = ""
-    slices: ClassVar[Optional[str]] = None
+    slices: ClassVar[Optional[Combine]] = None
     slices_refused: ClassVar[str] = ""
-    ranks: ClassVar[Optional[str]] = None
+    ranks: ClassVar[Optional[Combine]] = None
     ranks_refused: ClassVar[str] = ""
+    needs: ClassVar[Tuple[type, ...]] = ()
     compiles: ClassVar[bool] = True
     function_needs: ClassVar[Tuple[str, ...]] = ()
     layer_kinds: ClassVar[Optional[Tuple[str, ...]]] = None
     independent_samples: ClassVar[bool] = True
+    root: ClassVar[Optional[str]] = None
+    hessian: ClassVar[bool] = False
+    per_sample: ClassVar[bool] = False
+    ggn: ClassVar[bool] = False
+
+    @property
+    def options(self) -> Options:
+        """Its options as one typed record (the one place the stages read them)."""
+        return Options(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in _OPTIONS})
+
+    def from_individual(self, batch: Tensor) -> Tensor:
+        """A first-order quantity of one parameter from its individual gradients
+        ``batch [N, *p]`` (rules may give some directly, :mod:`curvlib._evaluate.first_order`)."""
+        raise NotImplementedError(f"{type(self).__name__} is not read off the individual gradients.")
+
+    def shortcut(self, rule) -> Optional[Callable]:
+        """The rule's function that gives the first-order quantity directly,
+        ``(site, g, roles) -> {role: tensor}`` (``None``: read off the individual gradients)."""
+        return None
+
+    def shortcut_with_grad(self, rule) -> Optional[Callable]:
+        """The rule's function that gives ``(grad, quantity)`` in one pass, or ``None``."""
+        return None
+
+    def formed(self, grad: Tensor, needed: Sequence[Tensor], batch_size: int, overwrite: bool = False) -> Tensor:
+        """The quantity of one parameter from its gradient and its ``needs``' results, in their
+        order. ``overwrite``: those results are not returned, so they may be written over where
+        nothing differentiates through them."""
+        raise NotImplementedError(f"{type(self).__name__} is not formed from other quantities.")
 
 
 def _check_mc(cls_name: str, mc_samples: object, generator: object) -> None:
@@ -89,32 +149,31 @@ class SecondOrder(Extension):
     """Base of the curvature extensions.
 
     Attributes:
-        root: ``"exact"`` or ``"mc"``: which factor of the loss Hessian is
-            backpropagated; ``"grad"``: the per-sample loss gradients (empirical
-            Fisher); ``None`` for extensions that need none.
         quantity: what is read off per parameter: ``"diag"``, ``"batch_diag"``,
             ``"sqrt"``, ``"kron"``, ``"hessian_diag"``, ``"hessian_batch_diag"``,
             ``"kfra"``, or a product ``"ggnmp"``/``"hmp"``/``"pchmp"``.
         kron: True for Kronecker-factored extensions (layouts: ``curvlib._core.kronlayout`` and docs/conventions.md).
         read_as: how the quantity is read off when not as itself (the Hessian diagonals:
             as the GGN's diagonals, from signed columns).
-        hessian: it needs the nonlinearities' second derivatives (residual terms).
         residuals_per_node: it transforms each graph node's residual on its own (PCHMP's
             eigenvalue modification), so its result depends on how the forward is cut into
             nodes: element-wise subgraphs stay node by node (the other Hessian extensions
             record one residual per element-wise region, :mod:`curvlib._hessian.pointwise`).
-        per_sample: its result has one row per sample (the batch diagonals).
+        recursion: it is read off the batch-averaged GGN recursion (KFRA): a chain graph,
+            the forward's node values kept, a closure of its own.
+        many_columns: its columns are pulled back many at once (the Hessian's residual
+            columns, square roots), so the forward writes LayerNorm from primitives
+            (:func:`curvlib.rules.layernorm.from_primitives`).
         monte_carlo: the Monte-Carlo extension that gives the same quantity from sampled
             columns (named by refusals of the exact one's memory).
     """
 
     order: ClassVar[int] = 2
-    root: ClassVar[Optional[str]] = None
     kron: ClassVar[bool] = False
     read_as: ClassVar[str] = ""
-    hessian: ClassVar[bool] = False
     residuals_per_node: ClassVar[bool] = False
-    per_sample: ClassVar[bool] = False
+    recursion: ClassVar[bool] = False
+    many_columns: ClassVar[bool] = False
     monte_carlo: ClassVar[str] = ""
 
 

@@ -18,9 +18,14 @@ BackPACK's convention.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import Callable, ClassVar, Optional, Sequence, Tuple
 
+import torch
+from torch import Tensor
+
+from .._core.tensors import is_concrete
 from ._base import Extension
+from .combine import Combine
 
 
 @dataclass(frozen=True)
@@ -52,8 +57,11 @@ class BatchGrad(Extension):
 
     name: ClassVar[str] = "grad_batch"
     quantity: ClassVar[str] = "grad_batch"
-    slices: ClassVar[Optional[str]] = "cat1"
-    ranks: ClassVar[Optional[str]] = "local1"
+    slices: ClassVar[Optional[Combine]] = Combine.SAMPLES
+    ranks: ClassVar[Optional[Combine]] = Combine.SAMPLES
+
+    def from_individual(self, batch: Tensor) -> Tensor:
+        return batch
 
 
 @dataclass(frozen=True)
@@ -86,8 +94,14 @@ class BatchL2Grad(Extension):
 
     name: ClassVar[str] = "batch_l2"
     quantity: ClassVar[str] = "batch_l2"
-    slices: ClassVar[Optional[str]] = "cat2"
-    ranks: ClassVar[Optional[str]] = "local2"
+    slices: ClassVar[Optional[Combine]] = Combine.SAMPLES_SQUARED
+    ranks: ClassVar[Optional[Combine]] = Combine.SAMPLES_SQUARED
+
+    def from_individual(self, batch: Tensor) -> Tensor:
+        return (batch**2).flatten(1).sum(1)
+
+    def shortcut(self, rule) -> Optional[Callable]:
+        return rule.batch_l2
 
 
 @dataclass(frozen=True)
@@ -117,8 +131,17 @@ class SumGradSquared(Extension):
 
     name: ClassVar[str] = "sum_grad_squared"
     quantity: ClassVar[str] = "sum_grad_squared"
-    slices: ClassVar[Optional[str]] = "sum2"
-    ranks: ClassVar[Optional[str]] = "sum2"
+    slices: ClassVar[Optional[Combine]] = Combine.SUM_SQUARED
+    ranks: ClassVar[Optional[Combine]] = Combine.SUM_SQUARED
+
+    def from_individual(self, batch: Tensor) -> Tensor:
+        return (batch**2).sum(0)
+
+    def shortcut(self, rule) -> Optional[Callable]:
+        return rule.sum_grad_squared
+
+    def shortcut_with_grad(self, rule) -> Optional[Callable]:
+        return rule.grad_with_squares
 
 
 @dataclass(frozen=True)
@@ -149,5 +172,19 @@ class Variance(Extension):
 
     name: ClassVar[str] = "variance"
     quantity: ClassVar[str] = "variance"
-    slices: ClassVar[Optional[str]] = "variance"
-    ranks: ClassVar[Optional[str]] = "variance"
+    slices: ClassVar[Optional[Combine]] = Combine.FORMED
+    ranks: ClassVar[Optional[Combine]] = Combine.FORMED
+    needs: ClassVar[Tuple[type, ...]] = (SumGradSquared,)
+
+    def formed(self, grad: Tensor, needed: Sequence[Tensor], batch_size: int, overwrite: bool = False) -> Tensor:
+        """``Σ_n g_n²/N − (Σ_n g_n/N)²`` in two kernels; it is ≥ 0 exactly, so the rounding
+        below zero is clamped (N = 1: ``g² − g²`` from two different computations)."""
+        (sgs,) = needed
+        if overwrite and _plain(sgs) and _plain(grad) and sgs._base is None:  # no model-sized temporaries
+            return sgs.div_(batch_size).addcmul_(grad, grad, value=-1.0 / batch_size**2).clamp_(min=0)
+        return torch.addcmul(sgs / batch_size, grad, grad, value=-1.0 / batch_size**2).clamp(min=0)
+
+
+def _plain(t: Tensor) -> bool:
+    """Values that nothing differentiates through (in place is safe)."""
+    return not t.requires_grad and is_concrete(t)

@@ -25,6 +25,7 @@ from typing import ClassVar, Optional, Tuple
 
 from .._core.errors import CurvatureError
 from ._base import KFRA_FAMILIES, KRON_FAMILIES, MonteCarlo, SecondOrder
+from .combine import Combine
 
 
 KFAC_APPROXES = ("expand", "reduce")
@@ -115,10 +116,11 @@ class KFAC(MonteCarlo):
     max_factor_dim: Optional[int] = None
     name: ClassVar[str] = "kfac"
     quantity: ClassVar[str] = "kron"
-    slices: ClassVar[Optional[str]] = "kron"
-    ranks: ClassVar[Optional[str]] = "kron"
+    slices: ClassVar[Optional[Combine]] = Combine.KRON
+    ranks: ClassVar[Optional[Combine]] = Combine.KRON
     layer_kinds: ClassVar[Optional[Tuple[str, ...]]] = KRON_FAMILIES
     kron: ClassVar[bool] = True
+    ggn: ClassVar[bool] = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -180,11 +182,12 @@ class KFLR(SecondOrder):
     name: ClassVar[str] = "kflr"
     root: ClassVar[Optional[str]] = "exact"
     quantity: ClassVar[str] = "kron"
-    slices: ClassVar[Optional[str]] = "kron"
-    ranks: ClassVar[Optional[str]] = "kron"
+    slices: ClassVar[Optional[Combine]] = Combine.KRON
+    ranks: ClassVar[Optional[Combine]] = Combine.KRON
     layer_kinds: ClassVar[Optional[Tuple[str, ...]]] = KRON_FAMILIES
     monte_carlo: ClassVar[str] = "KFAC"
     kron: ClassVar[bool] = True
+    ggn: ClassVar[bool] = True
 
     def __post_init__(self):
         _check_kfac_approx(type(self).__name__, self.kfac_approx)
@@ -242,8 +245,8 @@ class KFACEmpirical(SecondOrder):
     name: ClassVar[str] = "kfac_empirical"
     root: ClassVar[Optional[str]] = "grad"
     quantity: ClassVar[str] = "kron"
-    slices: ClassVar[Optional[str]] = "kron2"
-    ranks: ClassVar[Optional[str]] = "kron2"
+    slices: ClassVar[Optional[Combine]] = Combine.KRON_SQUARED
+    ranks: ClassVar[Optional[Combine]] = Combine.KRON_SQUARED
     layer_kinds: ClassVar[Optional[Tuple[str, ...]]] = KRON_FAMILIES
     kron: ClassVar[bool] = True
 
@@ -282,7 +285,9 @@ class KFRA(SecondOrder):
     quantity: ClassVar[str] = "kfra"
     slices_refused: ClassVar[str] = ("its recursion multiplies batch averages layer by layer, so it does not split "
                                       "into slices of the batch")
-    ranks: ClassVar[Optional[str]] = "kfra"
+    ranks: ClassVar[Optional[Combine]] = Combine.KRON_WHOLE_ROOT
     compiles: ClassVar[bool] = False
     layer_kinds: ClassVar[Optional[Tuple[str, ...]]] = KFRA_FAMILIES
     kron: ClassVar[bool] = True
+    recursion: ClassVar[bool] = True
+    ggn: ClassVar[bool] = True

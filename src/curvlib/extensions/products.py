@@ -7,6 +7,7 @@ from typing import ClassVar, Optional, Tuple
 
 from .._core.errors import CurvatureError
 from ._base import HESSIAN_FAMILIES, SecondOrder
+from .combine import Combine
 
 __all__ = ["BlockProduct", "GGNMP", "HMP", "PCHMP"]
 
@@ -16,10 +17,10 @@ class BlockProduct(SecondOrder):
     """Base of the block products: callables evaluated later, so neither batch slices nor ranks
     combine them, and they are not compiled."""
 
-    slices: ClassVar[Optional[str]] = None
+    slices: ClassVar[Optional[Combine]] = None
     slices_refused: ClassVar[str] = ("block products are callables that would keep every slice's forward pass "
                                      "alive, so slicing would not save memory")
-    ranks: ClassVar[Optional[str]] = None
+    ranks: ClassVar[Optional[Combine]] = None
     ranks_refused: ClassVar[str] = (
         "block products are callables evaluated later, each would be a collective of its "
         "own. Build them without process_group and sum r · (local product) over the ranks "
@@ -60,6 +61,7 @@ class GGNMP(BlockProduct):
     quantity: ClassVar[str] = "ggnmp"
     function_needs: ClassVar[Tuple[str, ...]] = ("setup_context", "vmap", "jvp")
     independent_samples: ClassVar[bool] = False
+    ggn: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)

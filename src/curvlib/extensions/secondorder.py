@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Optional, Tuple
 
 from ._base import HESSIAN_FAMILIES, MonteCarlo, SecondOrder
+from .combine import Combine
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,10 @@ class DiagGGNExact(SecondOrder):
     name: ClassVar[str] = "diag_ggn_exact"
     root: ClassVar[Optional[str]] = "exact"
     quantity: ClassVar[str] = "diag"
-    slices: ClassVar[Optional[str]] = "sum1"
-    ranks: ClassVar[Optional[str]] = "sum1"
+    slices: ClassVar[Optional[Combine]] = Combine.SUM
+    ranks: ClassVar[Optional[Combine]] = Combine.SUM
     monte_carlo: ClassVar[str] = "DiagGGNMC"
+    ggn: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -109,8 +111,9 @@ class DiagGGNMC(MonteCarlo):
 
     name: ClassVar[str] = "diag_ggn_mc"
     quantity: ClassVar[str] = "diag"
-    slices: ClassVar[Optional[str]] = "sum1"
-    ranks: ClassVar[Optional[str]] = "sum1"
+    slices: ClassVar[Optional[Combine]] = Combine.SUM
+    ranks: ClassVar[Optional[Combine]] = Combine.SUM
+    ggn: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -138,10 +141,11 @@ class BatchDiagGGNExact(SecondOrder):
     name: ClassVar[str] = "diag_ggn_exact_batch"
     root: ClassVar[Optional[str]] = "exact"
     quantity: ClassVar[str] = "batch_diag"
-    slices: ClassVar[Optional[str]] = "cat1"
-    ranks: ClassVar[Optional[str]] = "local1"
+    slices: ClassVar[Optional[Combine]] = Combine.SAMPLES
+    ranks: ClassVar[Optional[Combine]] = Combine.SAMPLES
     per_sample: ClassVar[bool] = True
     monte_carlo: ClassVar[str] = "BatchDiagGGNMC"
+    ggn: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -180,9 +184,10 @@ class BatchDiagGGNMC(MonteCarlo):
 
     name: ClassVar[str] = "diag_ggn_mc_batch"
     quantity: ClassVar[str] = "batch_diag"
-    slices: ClassVar[Optional[str]] = "cat1"
-    ranks: ClassVar[Optional[str]] = "local1"
+    slices: ClassVar[Optional[Combine]] = Combine.SAMPLES
+    ranks: ClassVar[Optional[Combine]] = Combine.SAMPLES
     per_sample: ClassVar[bool] = True
+    ggn: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -213,12 +218,13 @@ class DiagHessian(SecondOrder):
     root: ClassVar[Optional[str]] = "exact"
     quantity: ClassVar[str] = "hessian_diag"
     read_as: ClassVar[str] = "diag"
-    slices: ClassVar[Optional[str]] = "sum1"
-    ranks: ClassVar[Optional[str]] = "sum1"
+    slices: ClassVar[Optional[Combine]] = Combine.SUM
+    ranks: ClassVar[Optional[Combine]] = Combine.SUM
     hessian: ClassVar[bool] = True
     function_needs: ClassVar[Tuple[str, ...]] = ("setup_context", "vmap", "jvp", "twice")
     layer_kinds: ClassVar[Optional[Tuple[str, ...]]] = HESSIAN_FAMILIES
     monte_carlo: ClassVar[str] = "DiagGGNMC"
+    many_columns: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -247,13 +253,14 @@ class BatchDiagHessian(SecondOrder):
     root: ClassVar[Optional[str]] = "exact"
     quantity: ClassVar[str] = "hessian_batch_diag"
     read_as: ClassVar[str] = "batch_diag"
-    slices: ClassVar[Optional[str]] = "cat1"
-    ranks: ClassVar[Optional[str]] = "local1"
+    slices: ClassVar[Optional[Combine]] = Combine.SAMPLES
+    ranks: ClassVar[Optional[Combine]] = Combine.SAMPLES
     hessian: ClassVar[bool] = True
     per_sample: ClassVar[bool] = True
     function_needs: ClassVar[Tuple[str, ...]] = ("setup_context", "vmap", "jvp", "twice")
     layer_kinds: ClassVar[Optional[Tuple[str, ...]]] = HESSIAN_FAMILIES
     monte_carlo: ClassVar[str] = "BatchDiagGGNMC"
+    many_columns: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -287,9 +294,11 @@ class SqrtGGNExact(SecondOrder):
     name: ClassVar[str] = "sqrt_ggn_exact"
     root: ClassVar[Optional[str]] = "exact"
     quantity: ClassVar[str] = "sqrt"
-    slices: ClassVar[Optional[str]] = "cat_half"
-    ranks: ClassVar[Optional[str]] = "local_half"
+    slices: ClassVar[Optional[Combine]] = Combine.SAMPLES_ROOT
+    ranks: ClassVar[Optional[Combine]] = Combine.SAMPLES_ROOT
     monte_carlo: ClassVar[str] = "SqrtGGNMC"
+    many_columns: ClassVar[bool] = True
+    ggn: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -328,5 +337,7 @@ class SqrtGGNMC(MonteCarlo):
 
     name: ClassVar[str] = "sqrt_ggn_mc"
     quantity: ClassVar[str] = "sqrt"
-    slices: ClassVar[Optional[str]] = "cat_half"
-    ranks: ClassVar[Optional[str]] = "local_half"
+    slices: ClassVar[Optional[Combine]] = Combine.SAMPLES_ROOT
+    ranks: ClassVar[Optional[Combine]] = Combine.SAMPLES_ROOT
+    many_columns: ClassVar[bool] = True
+    ggn: ClassVar[bool] = True

@@ -123,3 +123,21 @@ def check_module(module: nn.Module, where: str) -> None:
     check = checker_for(module)
     if check is not None:
         check(module, where)
+
+
+def register(family: Family) -> Callable[[], None]:
+    """Add ``family`` to :data:`FAMILIES` (matched after the built-in ones) and
+    :data:`FAMILY_OF`, as if its module were listed in :data:`FAMILIES`; every stage reads it
+    from there. Returns a function that removes it again (tests)."""
+    global FAMILIES
+    if family.kind in FAMILY_OF:
+        raise ValueError(f"a layer family named {family.kind!r} is registered already")
+    FAMILIES = FAMILIES + (family,)
+    FAMILY_OF[family.kind] = family
+
+    def remove() -> None:
+        global FAMILIES
+        FAMILIES = tuple(f for f in FAMILIES if f is not family)
+        FAMILY_OF.pop(family.kind, None)
+
+    return remove
