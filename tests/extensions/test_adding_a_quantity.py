@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from curvlib import curvature, rules
 from curvlib._core.family import Family
 from curvlib._core.site import Rule, Site
-from curvlib.extensions import BatchGrad, DiagGGNExact, Extension
+from curvlib.extensions import BatchGrad, DiagGGNExact, DiagHessian, Extension
 from curvlib.extensions.combine import Combine
 
 DT = torch.float64
@@ -120,6 +120,13 @@ def _ggn_diagonal(model, lossfn, X, y):
     return diag
 
 
+def _hessian_diagonal(model, lossfn, X, y):
+    """``diag ∇²L`` per parameter (``torch.func.hessian`` of the loss)."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    H = torch.func.hessian(lambda p: lossfn(torch.func.functional_call(model, p, (X,)), y))(params)
+    return {k: H[k][k].reshape(p.numel(), p.numel()).diagonal().reshape(p.shape) for k, p in params.items()}
+
+
 # ----------------------------------------------------------------------------- tests
 
 
@@ -150,15 +157,16 @@ def test_a_new_family_is_its_record(scale_family, lossfn):
     model = _model(2, scale=True)
     X = torch.randn(6, 4, dtype=DT)
     y = torch.randint(0, 3, (6,)) if isinstance(lossfn, nn.CrossEntropyLoss) else torch.randn(6, 3, dtype=DT)
-    f = curvature(model, lossfn, [BatchGrad(), DiagGGNExact(), SumAbsGrad()])
+    f = curvature(model, lossfn, [BatchGrad(), DiagGGNExact(), DiagHessian(), SumAbsGrad()])
     qs = f(X, y)
     assert rules.FAMILY_OF["toy_scale"] is scale_family
     ref = _individual_gradients(model, lossfn, X, y)
-    ggn = _ggn_diagonal(model, lossfn, X, y)
+    ggn, hessian = _ggn_diagonal(model, lossfn, X, y), _hessian_diagonal(model, lossfn, X, y)
     for k in ref:
         torch.testing.assert_close(qs["grad_batch"][k], ref[k], rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(qs["sum_abs_grad"][k], ref[k].abs().sum(0), rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(qs["diag_ggn_exact"][k], ggn[k], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(qs["diag_h"][k], hessian[k], rtol=1e-10, atol=1e-12)
 
 
 def test_the_family_runs_its_own_forward():

@@ -8,6 +8,7 @@ table checked before any work (second-order extensions).
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Optional, Sequence, Tuple
@@ -20,18 +21,50 @@ from ..rules import FAMILY_OF
 from .combine import Combine
 
 
-# Layer families (curvlib.rules.FAMILY_OF) an extension supports, where not all:
+class FamilyKinds(collections.abc.Sequence):
+    """The names of the registered layer families (:data:`curvlib.rules.FAMILY_OF`) whose record
+    satisfies ``holds``, read at each use: a family registered later
+    (:func:`curvlib.rules.register`) is among them by its record alone."""
+
+    def __init__(self, holds: Callable[[object], bool]):
+        self.holds = holds
+
+    def now(self) -> Tuple[str, ...]:
+        return tuple(kind for kind, f in FAMILY_OF.items() if self.holds(f))
+
+    def __iter__(self):
+        return iter(self.now())
+
+    def __len__(self) -> int:
+        return len(self.now())
+
+    def __getitem__(self, i):
+        return self.now()[i]
+
+    def __contains__(self, kind) -> bool:
+        return kind in self.now()
+
+    def __eq__(self, other) -> bool:
+        return tuple(self) == tuple(other) if isinstance(other, collections.abc.Sequence) else NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return repr(self.now())
+
+
+# Layer families an extension supports, where not all:
 #: KFRA's recursion reads factors off the families with factors from the batch-averaged output
 #: matrix (``Family.kron_from_output_matrix``: Linear/Conv/ConvTranspose, weight ``[G_z, A]``, bias ``[G_z]``).
-KFRA_FAMILIES = tuple(kind for kind, f in FAMILY_OF.items() if f.kron_from_output_matrix is not None)
+KFRA_FAMILIES = FamilyKinds(lambda f: f.kron_from_output_matrix is not None)
 #: KFAC, KFLR, KFACEmpirical (layouts: curvlib._core.kronlayout): every family. Kronecker factors for
 #: Linear/Conv/ConvTranspose/Embedding weights and the recurrent layers' (Linear sites, time steps
 #: as positions: curvlib.rules.rnn), the exact block for the normalisations' scale and shift and
 #: for 1-D parameters of other modules, a diagonal block for the rest (curvlib.rules.fixed_rows).
-KRON_FAMILIES = tuple(FAMILY_OF)
+KRON_FAMILIES = FamilyKinds(lambda f: True)
 #: The Hessian extensions: every family (the recurrent ones through their unrolled nodes,
 #: curvlib.rules.rnn_steps; the generic one through its dense residual).
-HESSIAN_FAMILIES = tuple(FAMILY_OF)
+HESSIAN_FAMILIES = FamilyKinds(lambda f: True)
 
 
 @dataclass(frozen=True)
