@@ -127,8 +127,7 @@ def aggregated(
         quantities of the global batch (see the module doc).
 
     Raises:
-        CurvatureError: an extension that cannot be aggregated (block products), or
-            torch.distributed is not initialised.
+        CurvatureError: an extension that cannot be aggregated, or no torch.distributed.
         CurvatureTypeError: ``process_group`` is not a process group.
 
     Examples::
