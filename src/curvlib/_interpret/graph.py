@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Mapping, Optional
 
 from operator import attrgetter
+import weakref
 import torch
 from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
@@ -128,11 +129,16 @@ def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, pres
                 result = pytree.tree_unflatten(list(result), program.out_spec)
     if not isinstance(result, Tensor):  # a ModelOutput, tuple, dict: curvlib._core.outputs
         chosen, where = _outputs.select(result, program.selector)
-        if program.selector is None and not program.output_choice:
-            program.output_choice = _outputs.describe_choice(result, where)
-            _outputs.say_choice(program.output_choice)
+        if program.selector is None and not program.output_choice and program.graph not in _SAID:
+            _SAID.add(program.graph)  # (an ATen-level trace found its choice when traced, and said it then)
+            _outputs.say_choice(_outputs.describe_choice(result, where))
         result = chosen
     return result
+
+
+#: The graphs of the programs whose default choice of a container output's tensor was said (once
+#: per traced graph, whichever program holds it after planning's rewrites).
+_SAID: "weakref.WeakSet[fx.Graph]" = weakref.WeakSet()
 
 
 def _on_copies(program, node: fx.Node, preserve_inputs: bool) -> bool:

@@ -31,6 +31,7 @@ from .._core.errors import CurvatureError
 from .merged_modules import batch_first_module
 from .mixing_ops import Batch
 from .._core.site import Site
+from .._trace.program import Program
 from ..rules import FAMILY_OF, generic
 
 __all__ = ["split_merged_batches", "residual_merges", "per_sample"]
@@ -65,11 +66,13 @@ def _merged(shape_a, shape_b, n: int) -> Tuple[int, int]:
     return d, shape_a[d] // n
 
 
-def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable) -> bool:
+def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable) -> Optional[Program]:
     """Give each row-wise site whose input has the batch merged into one dim (window attention:
     ``[N·W, S, C]`` into ``qkv``; a mixture of experts' tokens ``[N·T, D]`` into its router, or
     ``[E, N·T, D]`` into a batched expert product) the batch as a dim of its own, by a rewrite of
-    the graph around it; whether anything was rewritten (the plan is then made again).
+    the graph around it. Returns the rewritten program (with its rewritten ``sibling``; the plan is
+    then made again on it), or ``None`` when nothing was rewritten. The rewrite edits the fx
+    graphs in place: the program given is stale after it.
 
     Entry ``i`` of a merged dim ``d`` belongs to sample ``(i // s) % N`` (the layout the
     sample-independence analysis follows, :class:`curvlib._plan.mixing_ops.Batch`), so the dim is
@@ -84,12 +87,14 @@ def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable)
                   or (d == 0 and site.rule.kind in _ENTRY_WISE)):
             where[_site_node_name(site)] = d
     if not where or program.graph is None:
-        return False
+        return None
     found = _independence.analyse(program, env_a, env_b, n, trainable)
     if found.problem:
-        return False
+        return None
     done = False
+    programs = [_editable(program), _editable(program.sibling)]  # (the trace on N and the one on N + 1)
     for node in list(program.graph.nodes):
+        program = programs[0]
         path = _site_path(program, node)
         if path not in where:
             continue
@@ -100,10 +105,8 @@ def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable)
         positions, batch = split
         entry_wise = _entry_wise(program, node)
         if entry_wise or _generic_wrappable(program, None, node):  # (its forward keeps its own layout)
-            for graph_program in (program, program.sibling):
-                if graph_program is not None:
-                    batch_first_module(graph_program, node.name, positions, (batch.c // batch.s, batch.s, batch.dim),
-                                       as_generic=entry_wise)
+            programs = [p and batch_first_module(p, node.name, positions, (batch.c // batch.s, batch.s, batch.dim),
+                                                 as_generic=entry_wise) for p in programs]
             done = True
             continue
         results = _result_dims(program, node, env_a, env_b, n, batch.c)
@@ -112,12 +115,17 @@ def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable)
         if _needs_per_sample(program, node) and not _per_sample_ops.agrees(node, env_a, positions, batch):
             continue  # the op mixes the rows of a sample: refused by the planner
         rows = results is None and batch.dim == 0 and _rows_apart(program, None, env_a[node].shape, node)
-        for graph_program in (program, program.sibling):
-            if graph_program is not None:
-                _unmerge(graph_program, node.name, positions, (batch.c // batch.s, batch.s, batch.dim), channels=rows,
-                         results=results)
+        programs = [p and _unmerge(p, node.name, positions, (batch.c // batch.s, batch.s, batch.dim), channels=rows,
+                                   results=results) for p in programs]
         done = True
-    return done
+    return dataclasses.replace(programs[0], sibling=programs[1]) if done else None
+
+
+def _editable(program: Optional[Program]) -> Optional[Program]:
+    """``program`` with tables of layers and functional uses of its own, for a rewrite to edit."""
+    if program is None:
+        return None
+    return dataclasses.replace(program, layers=dict(program.layers), functional=dict(program.functional))
 
 
 def _result_dims(program, node: fx.Node, env_a, env_b, n: int, c: int):
@@ -256,7 +264,7 @@ def _site_path(program, node: fx.Node) -> Optional[str]:
 
 
 def _unmerge(program, name: str, positions, split: Tuple[int, int, int], channels: bool = False,
-             results: Optional[Tuple[int, ...]] = None) -> None:
+             results: Optional[Tuple[int, ...]] = None) -> Program:
     """Run graph node ``name`` on its inputs at ``positions`` with the batch split off dim ``d``
     (``split = (outer, inner, d)``: the dim is ``[outer, N, inner]``): the batch goes in front
     and dim ``d`` keeps the ``outer·inner`` rows of one sample, so the operand's rank grows by
@@ -265,7 +273,9 @@ def _unmerge(program, name: str, positions, split: Tuple[int, int, int], channel
     broadcasting form (``bmm`` as ``matmul``), or once per sample (:class:`curvlib._plan.per_sample_ops.PerSample`).
     ``channels``: rows ``[R, C]`` of a layer that wants its channels in dim 1 (BatchNorm): it
     runs on ``[N, C, outer·inner]``. ``results``: the merged dims of the tensors read from a
-    split-rows module's result (:func:`_result_dims`), each merged back where it is read."""
+    split-rows module's result (:func:`_result_dims`), each merged back where it is read. Returns
+    the program with the nodes made added to its input-dependent ones (its tables of layers and
+    functional uses are edited in place: :func:`_editable`'s)."""
     outer, inner, d = split
     graph = program.graph
     node = next(m for m in graph.nodes if m.name == name)
@@ -304,8 +314,7 @@ def _unmerge(program, name: str, positions, split: Tuple[int, int, int], channel
     if results is not None:  # each tensor read from the result merged back where it is read
         for read in [m for m in graph.nodes if m.name in results]:
             _merge_back(program, read, results[read.name], (outer, inner), add)
-        program.dependent = frozenset(program.dependent) | set(made)
-        return
+        return dataclasses.replace(program, dependent=program.dependent | set(made))
     out = add(graph.inserting_after(node), "transpose", node, 1, 2, tag="rows_back") if channels else node
     first = add(graph.inserting_after(out), "unflatten", out, d + 1, (outer, inner), tag="split_rows")
     first = first if not channels else out  # (the one user of the node's own value)
@@ -313,7 +322,7 @@ def _unmerge(program, name: str, positions, split: Tuple[int, int, int], channel
     merged = add(graph.inserting_after(back), "flatten", back, d, d + 2, tag="merge_batch")
     node.replace_all_uses_with(merged, delete_user_cb=lambda user: user is not first)
     _rewire_uses(program, node, merged)
-    program.dependent = frozenset(program.dependent) | set(made)
+    return dataclasses.replace(program, dependent=program.dependent | set(made))
 
 
 def _merge_back(program, read: fx.Node, dim: int, rows: Tuple[int, int], add) -> None:

@@ -65,6 +65,8 @@ class Plan:
     independence: Optional[_independence.Independence] = None  # samples mixed inside the model?
     # per residual: (c, s) when its output has the batch merged with c entries per sample (else None)
     residual_merges: Tuple[Optional[Tuple[int, int]], ...] = ()
+    # the program the plan was made on: the traced one, or its rewrite with merged batches split off
+    program: Optional[Program] = None
 
 
 def module_checks(program: Program) -> List[Callable[[], None]]:
@@ -225,8 +227,9 @@ def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=Non
             f"The model output has shape {list(out_a.shape)} for an input batch of "
             f"N={n}; curvlib needs the batch in dim 0 of the output."
         )
-    if split_merged_batches(program, rec_a, rec_b, env_a, env_b, n, trainable):
-        return make_plan(program, X, params, trainable, residual_nodes, runner)
+    merged = split_merged_batches(program, rec_a, rec_b, env_a, env_b, n, trainable)
+    if merged is not None:
+        return make_plan(merged, X, params, trainable, residual_nodes, runner)
     batch_dims = []
     independence = _independence.analyse(program, env_a, env_b, n, trainable)
     for site, sa, sb in zip(rec_a.sites, rec_a.out_shapes, rec_b.out_shapes):
@@ -254,6 +257,7 @@ def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=Non
         independence=independence,  # samples mixed?
         residual_merges=residual_merges(program, rec_a.residuals, residual_dims, independence, n),
         sites=tuple(Site(s.rule, dict(s.params), s.where, meta=dict(s.meta), key=s.key) for s in rec_a.sites),
+        program=program,
     )
 
 

@@ -1,5 +1,5 @@
-"""Stage 1, trace: a model becomes a :class:`~curvlib._trace.program.Program` (a graph plus
-a table of parametrized sites).
+"""Stage 1, trace (:mod:`curvlib._transform.entry` numbers the stages): a model becomes a
+:class:`~curvlib._trace.program.Program` (a graph plus a table of parametrized sites).
 
 - ``program``: torch.fx front end, one node per layer a rule knows;
 - ``layer``: a layer of the trace (``Layer``), its family's record at hand;

@@ -27,6 +27,7 @@ weights (one ``Parameter`` held by two modules) are one entry.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import traceback
 from dataclasses import dataclass, field
@@ -52,9 +53,12 @@ from .modes import InPlaceProxy, TensorConstant, cut_no_grad_regions, no_autocas
 __all__ = ["Program", "Layer", "Tracer", "trace_program", "assemble", "function_apply"]
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class Program:
-    """A traced model: the graph, its layers, and where parameters live.
+    """A traced model: the graph, its layers, and where parameters live. Frozen: a later stage
+    that rewrites the graph (:mod:`curvlib._plan.batch_merges`) makes a new program with
+    :func:`dataclasses.replace`; what a later stage learns about a program lives in that
+    stage's own records (:class:`curvlib._plan.traces.Traced`).
 
     Attributes:
         root: the module the graph's ``get_attr``/``call_module`` targets refer to.
@@ -275,8 +279,9 @@ def _model_line(exc: BaseException) -> str:
     return f"{f.filename}:{f.lineno}: {f.line}"
 
 
-def trace_program(model: nn.Module, example=None) -> Program:
-    """Trace ``model``; never runs it on data and never changes it.
+def trace_program(model: nn.Module, example=None, output=None) -> Program:
+    """Trace ``model``; never runs it on data and never changes it. ``output``: which tensor of
+    a container output the loss takes (``curvature(..., output=)``; ``None``: the default rule).
 
     ``example``: the input's structure when it is a container (dict, tuple, ...)
     of tensors rather than a tensor. The model then sees a real container whose
@@ -304,7 +309,8 @@ def trace_program(model: nn.Module, example=None) -> Program:
         first = next(iter(inspect.signature(root.forward).parameters))
         concrete = {first: trace_structure(example)}
     graph, error, opaque = _trace_with_opaque_leaves(root, with_defaults(root.forward, concrete))
-    return assemble(root, prefix, graph, error, opaque, param_names, leaf_inputs=concrete is not None)
+    program = assemble(root, prefix, graph, error, opaque, param_names, leaf_inputs=concrete is not None)
+    return dataclasses.replace(program, selector=output)
 
 
 def assemble(root, prefix, graph, error, opaque, param_names, leaf_inputs: bool) -> Program:
