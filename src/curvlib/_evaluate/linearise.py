@@ -1,19 +1,19 @@
 """Run a traced :class:`~curvlib._trace.program.Program` functionally and differentiate it.
 
-One evaluation is
+One evaluation is, in the stages of :mod:`curvlib._transform.entry`,
 
-1. *plan* (once per input signature, cached): run the graph on fake tensors
-   for batch sizes ``N`` and ``N + 1`` to learn every site's output shape and
-   which of its dimensions is the batch, and the model's output shape, so
-   that targets and layers are checked before any real work;
-2. *forward*: run the graph with real tensors under :func:`torch.func.vjp`,
+3. *plan* (once per input signature, cached; :mod:`curvlib._plan.plan`): the graph run on
+   fake tensors for batch sizes ``N`` and ``N + 1`` gives every site's output shape and
+   which of its dimensions is the batch, and the model's output shape, so that targets
+   and layers are checked before any real work;
+4. *forward* (here): run the graph with real tensors under :func:`torch.func.vjp`,
    adding a zero probe to every site's output;
-3. *backward*: ``g_k = ∂L/∂probe_k`` for all sites in one vector-Jacobian
+5. *loss and site gradients*: ``g_k = ∂L/∂probe_k`` for all sites in one vector-Jacobian
    product seeded with ``∂L/∂output``;
-4. *read off*: each site's rule turns ``(saved inputs, g_k)`` into per-sample
+6. and 7. *read off*: each site's rule turns ``(saved inputs, g_k)`` into per-sample
    quantities; a parameter used by several sites sums its individual
    gradients over the sites before any square or norm is taken. Under plain
-   autograd, 3 and 4 go together where they can: each site is read as the
+   autograd, 5 and 6 go together where they can: each site is read as the
    backward completes its ``g_k``, which is then freed (:mod:`curvlib._evaluate.streamed`).
 
 Everything here is a pure function of ``(params, X, y)``; it composes with

@@ -1,4 +1,5 @@
-"""Stage 3, plan: everything decided once per input signature, before any real work.
+"""Stages 1 and 3 (:mod:`curvlib._transform.entry`): the trace's refusals, and the plan:
+everything decided once per input signature, before any real work.
 
 - ``arguments``: checks of ``curvature``'s and ``f``'s arguments;
 - ``traces``: one trace per ``training`` flags and input structure, and its refusals;

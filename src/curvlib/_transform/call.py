@@ -1,4 +1,4 @@
-"""One call's evaluation (stages 3-6 of :mod:`curvlib._transform.entry`): forward, loss and site
+"""One call's evaluation (stages 4-7 of :mod:`curvlib._transform.entry`): forward, loss and site
 gradients, first order, second order, from a :class:`CallContext` complete before it starts.
 
 Shared by the eager call and the compiled one (:mod:`curvlib._transform.compiled`, which traces
@@ -37,7 +37,7 @@ __all__ = ["evaluate"]
 
 
 def evaluate(s, c: CallContext) -> Dict[str, object]:
-    """Stages 3-6 for the setup ``s`` (:class:`curvlib._transform.entry._Setup`: the loss, the
+    """Stages 4-7 for the setup ``s`` (:class:`curvlib._transform.entry._Setup`: the loss, the
     extensions, the options) and the call ``c`` (the caller's buffers are in the model's slots for
     this call; the block products put them there again whenever they are evaluated). Where it can,
     the first order is read during the loss's backward, after the second order
@@ -66,7 +66,7 @@ def evaluate(s, c: CallContext) -> Dict[str, object]:
 
 
 def _second_order(s, c: CallContext, lin, rng, gs, residual_grads) -> Dict[str, object]:
-    """Stage 6 (``gs``: the loss gradient at every site, the empirical Fisher's root; ``None``
+    """Stage 7 (``gs``: the loss gradient at every site, the empirical Fisher's root; ``None``
     when the first order is read during the loss's backward, which then comes after)."""
     if not s.second:
         return {}
@@ -84,7 +84,7 @@ def _second_order(s, c: CallContext, lin, rng, gs, residual_grads) -> Dict[str, 
 
 
 def _loss_and_site_gradients(spec, lin, y: Tensor, keep_graph: bool):
-    """Stage 4: the loss and its gradient at every site (and residual) output."""
+    """Stage 5: the loss and its gradient at every site (and residual) output."""
     if lin.pull_loss is not None:  # plain autograd: one backward from the loss
         loss, (gs, residual_grads) = lin.pull_loss(lambda out: _scalar_loss(spec, out, y), retain=keep_graph)
     else:
