@@ -70,9 +70,8 @@ def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable)
     """Give each row-wise site whose input has the batch merged into one dim (window attention:
     ``[N·W, S, C]`` into ``qkv``; a mixture of experts' tokens ``[N·T, D]`` into its router, or
     ``[E, N·T, D]`` into a batched expert product) the batch as a dim of its own, by a rewrite of
-    the graph around it. Returns the rewritten program (with its rewritten ``sibling``; the plan is
-    then made again on it), or ``None`` when nothing was rewritten. The rewrite edits the fx
-    graphs in place: the program given is stale after it.
+    the graph around it. Returns the new program (the plan is then made again on it; the fx graphs
+    are edited in place, the program given is stale), or ``None`` when nothing was rewritten.
 
     Entry ``i`` of a merged dim ``d`` belongs to sample ``(i // s) % N`` (the layout the
     sample-independence analysis follows, :class:`curvlib._plan.mixing_ops.Batch`), so the dim is
@@ -91,8 +90,7 @@ def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable)
     found = _independence.analyse(program, env_a, env_b, n, trainable)
     if found.problem:
         return None
-    done = False
-    programs = [_editable(program), _editable(program.sibling)]  # (the trace on N and the one on N + 1)
+    done, programs = False, [_editable(program), _editable(program.sibling)]  # (the traces on N and N + 1)
     for node in list(program.graph.nodes):
         program = programs[0]
         path = _site_path(program, node)
@@ -123,9 +121,7 @@ def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable)
 
 def _editable(program: Optional[Program]) -> Optional[Program]:
     """``program`` with tables of layers and functional uses of its own, for a rewrite to edit."""
-    if program is None:
-        return None
-    return dataclasses.replace(program, layers=dict(program.layers), functional=dict(program.functional))
+    return program and dataclasses.replace(program, layers=dict(program.layers), functional=dict(program.functional))
 
 
 def _result_dims(program, node: fx.Node, env_a, env_b, n: int, c: int):
@@ -274,8 +270,7 @@ def _unmerge(program, name: str, positions, split: Tuple[int, int, int], channel
     ``channels``: rows ``[R, C]`` of a layer that wants its channels in dim 1 (BatchNorm): it
     runs on ``[N, C, outer·inner]``. ``results``: the merged dims of the tensors read from a
     split-rows module's result (:func:`_result_dims`), each merged back where it is read. Returns
-    the program with the nodes made added to its input-dependent ones (its tables of layers and
-    functional uses are edited in place: :func:`_editable`'s)."""
+    the program with the nodes made among its input-dependent ones (tables: :func:`_editable`'s)."""
     outer, inner, d = split
     graph = program.graph
     node = next(m for m in graph.nodes if m.name == name)
