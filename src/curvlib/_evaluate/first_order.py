@@ -93,7 +93,7 @@ class FirstOrderReader:
     """The first-order quantities, read off one site at a time.
 
     :meth:`read` takes a site's output gradient ``g`` as soon as it is known (during the
-    backward: :func:`curvlib._evaluate.linearise.Linearization.stream_loss`) and keeps only the
+    backward: :attr:`curvlib._evaluate.linearise.Linearization.pull_loss`) and keeps only the
     parameters' results, so ``g`` can be freed at once. A parameter read by several sites
     (tied weights, shared modules) keeps the running sum of its individual gradients
     ``Σ_k g_{n,k}`` ``[N, *p]`` until its last site is read: squares and norms do not

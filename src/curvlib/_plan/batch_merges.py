@@ -77,7 +77,7 @@ def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable)
     sample-independence analysis follows, :class:`curvlib._plan.mixing_ops.Batch`), so the dim is
     ``[c/s, N, s]``: the site runs on ``x.unflatten(d, (c/s, -1, s)).movedim(d + 1, 0)`` (its
     windows or tokens become positions sharing the weight) and its output is merged back the same
-    way. A merge whose order is not known stays refused (:func:`_batch_dim`)."""
+    way. A merge whose order is not known stays refused (:func:`curvlib._plan.plan._batch_dim`)."""
     where = {}
     for site, sa, sb in zip(rec_a.sites, rec_a.out_shapes, rec_b.out_shapes):
         d, c = _merged(sa, sb, n)
