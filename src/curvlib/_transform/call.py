@@ -18,12 +18,11 @@ from .._core.errors import CurvatureError
 from .._core.tensors import is_concrete
 from .._evaluate.first_order import first_order, first_order_streamed, streams
 from .._evaluate.kfra import kfra
-from .._evaluate.linearise import forward_with_probes
+from .._evaluate.linearise import Forward, forward_with_probes
 from .._evaluate.products import products, rng_state
 from .._evaluate.second_order import second_order
 from .._plan import budget as _budget
 from .._plan.checks import CallContext
-from .._plan.traces import Traced
 from ..distributed import kfra_reducer
 from ..extensions.products import BlockProduct
 from ..losses._generic import check_per_sample
@@ -46,11 +45,12 @@ def evaluate(s, c: CallContext) -> Dict[str, object]:
     trainable, n = list(c.trainable), _inputs.batch_size(c.X)
     rng = rng_state(device)
     with from_primitives(any(e.quantity in BATCHED_PULLBACKS for e in s.second)):
+        fwd = Forward(traced.program, c.plan, X, c.values, frozenset(trainable), traced.residual_nodes,
+                      runner=traced.runner, dropout_seed=c.dropout_seed)
         lin = forward_with_probes(
-            traced.program, c.plan, X, c.values, frozenset(trainable), traced.residual_nodes, runner=traced.runner,
+            fwd, direct=traced.direct, functorch=c.differentiable,
             # KFRA reuses the forward's node values, unless an in-place node overwrote its input
-            direct=traced.direct, keep_values=traced.direct and any(e.quantity == "kfra" for e in s.second),
-            functorch=c.differentiable, dropout_seed=c.dropout_seed,
+            keep_values=traced.direct and any(e.quantity == "kfra" for e in s.second),
         )
     wanted, generic = [e.name for e in s.first], not s.spec.structural
     if streams(lin, s.second, generic):  # second order first: the loss's backward then frees the graph
@@ -77,7 +77,7 @@ def _second_order(s, c: CallContext, lin, rng, gs, residual_grads) -> Dict[str, 
         product = _buffers.bind_products(products(c, s.spec, curv, lin, residual_grads, rng), s.model, c.buffers)
     kfra_factors = None
     if any(e.quantity == "kfra" for e in s.second):  # (the recursion's closure only when asked for)
-        kfra_factors = _kfra_factors(s, c.traced, lin, curv, c.X, c.y, trainable, c.values, c.dropout_seed)
+        kfra_factors = _kfra_factors(s, c, lin, curv)
     chunk = _budget.auto_chunk_size(c.plan, s.second, c.device) if s.chunk_size == "auto" else s.chunk_size
     return second_order(lin, curv, s.second, trainable, c.values, _inputs.batch_size(c.X), residual_grads,
                         product, kfra_factors, chunk_size=chunk, site_grads=gs, into=c.into)
@@ -106,15 +106,14 @@ def _scalar_loss(spec, out: Tensor, y: Tensor) -> Tensor:
     return loss
 
 
-def _kfra_factors(s, traced: Traced, lin, curv, X, y, trainable, values, dropout_seed):
+def _kfra_factors(s, c: CallContext, lin, curv):
     """``() -> KFRA factors``, reusing the forward's node values where it kept them."""
+    fwd = Forward(c.traced.program, c.plan, c.X, c.values, frozenset(c.trainable), dropout_seed=c.dropout_seed)
 
     def factors():
         reduce = None
         if s.process_group is not None:
-            reduce = kfra_reducer(s.spec, s.process_group, _inputs.batch_size(X), losses.normaliser(s.spec, y))
-        forward = (lin.out, lin.values) if lin.values is not None else None
-        return kfra(traced.program, curv, X, trainable, values, lin.sites, reduce=reduce, forward=forward,
-                    dropout_seed=dropout_seed)
+            reduce = kfra_reducer(s.spec, s.process_group, _inputs.batch_size(c.X), losses.normaliser(s.spec, c.y))
+        return kfra(fwd, curv, list(c.trainable), lin.sites, reduce=reduce, values=lin.values)
 
     return factors
