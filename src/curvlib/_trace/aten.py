@@ -7,7 +7,7 @@ keyword inputs need it, curvlib instead runs the model once on the call's input 
 :func:`torch.fx.experimental.proxy_tensor.make_fx` (pre-dispatch ATen ops, real
 tensors): all of the model's Python has run and every branch is taken as it is for
 inputs of this signature. The ATen graph is then *replayed* through curvlib's own fx
-tracer (:class:`curvlib._trace.program.Tracer`), so that the rest of the pipeline sees the
+tracer (:class:`curvlib._trace.tracer.Tracer`), so that the rest of the pipeline sees the
 vocabulary of a symbolically traced model:
 
 * a parameter use whose op *is* its owner module's forward (``aten.linear`` on an
@@ -53,7 +53,8 @@ from .._core.inputs import as_pytree, batch_size, trace_structure, with_batch
 from .functions import forget, recorded_functions, replay
 from .module_calls import forget as forget_modules, kept_whole, module_spans, modules_to_keep_whole, replay_module
 from .modes import inference_as_no_grad
-from .program import Program, Tracer, assemble
+from .tracer import Tracer
+from .program import Program, assemble
 from .._core.sync import LOCK
 from ..rules.generic import restored
 
