@@ -6,6 +6,7 @@ everything decided once per input signature, before any real work.
 - ``plan``: shapes, batch dimensions and per-site checks from fake runs;
 - ``independence``, ``mixing_*``: where samples mix inside the model (``mixing_refusals``: the
   refusal and its message);
-- ``batch_merges``: the batch merged with windows or heads, split off;
+- ``batch_merges``, ``unmerge``, ``merged_modules``: the batch merged with windows or heads, split
+  off (which nodes; the graph rewrites);
 - ``support``, ``budget``: refusals of extensions and memory the call would need.
 """
