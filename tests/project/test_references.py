@@ -7,6 +7,10 @@ Three forms are read:
 * Sphinx roles whose target is not a ``curvlib.`` name (``:func:`_split_rows```,
   ``:meth:`Recorder.open```, ``:func:`torch.func.vjp```), in a module's text: resolved in that
   module's namespace, else imported as an absolute name;
+* ``module.name`` in double backticks where ``module`` is the last part of a curvlib module's
+  name (``read_off.LOOP_SQRT_COLUMNS``), resolved in the text's module when it imports that
+  name, else in a curvlib module of that name (``site.meta``, a record's field, and ``aten.*``,
+  torch's op namespace, read as what they name there);
 * paths under ``src/curvlib`` (``_plan/support.py``, ``rules/linear.py``) and the path form of a
   name (``_plan/checks.plan_call``, ``_core/family.Family``): the file exists, and the module has
   the name.
@@ -34,6 +38,13 @@ DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rg
 
 _DOTTED = re.compile(r"(?<![\w./])~?(curvlib(?:\.\w+)+)")
 _ROLE = re.compile(r":(?:func|meth|class|mod|data|attr|exc|obj):`~?([\w.]+)`")
+_LITERAL = re.compile(r"``(\w+)\.(\w+(?:\.\w+)*)``")
+_NOT_MODULES = frozenset({"aten", "site"})  # torch.ops.aten; a Site instance
+_BASENAMES: dict = {}
+for _p in SRC.rglob("*.py"):
+    _parts = _p.relative_to(SRC.parent).with_suffix("").parts
+    if _parts[-1] not in ("__init__", "__main__"):
+        _BASENAMES.setdefault(_parts[-1], []).append(".".join(_parts))
 _FOLDERS = "|".join(sorted(p.name for p in SRC.iterdir() if p.is_dir() and not p.name.startswith("__")))
 _PATH = re.compile(rf"(?<![\w./-])(?:src/curvlib/)?((?:{_FOLDERS})(?:/\w+)+)(\.py\b|(?:\.(\w+(?:\.\w+)*)))?")
 
@@ -117,6 +128,15 @@ def references(text: str, context=None) -> Iterator[Tuple[str, Optional[str]]]:
         if name.startswith("curvlib."):
             continue  # (read above)
         yield name, None if resolve(name, context) else "does not resolve"
+    for m in _LITERAL.finditer(text):
+        short, rest = m.group(1), m.group(2)
+        if short not in _BASENAMES or short in _NOT_MODULES:
+            continue
+        if context is not None and short in vars(context):
+            ok = resolve(f"{short}.{rest}", context)
+        else:
+            ok = any(resolve(f"{module}.{rest}") for module in _BASENAMES[short])
+        yield f"{short}.{rest}", None if ok else "does not resolve"
     for m in _PATH.finditer(text):
         folder_path, suffix, attrs = m.group(1), m.group(2), m.group(3)
         if (suffix and suffix != ".py" and attrs is None) or folder_path.endswith("/foo"):
@@ -152,6 +172,8 @@ def test_every_reference_in_docstrings_comments_and_docs_resolves():
     ("(curvlib._evaluate.linearise.Linearization.no_such_method)", True),
     ("`_plan/no_such_module.py`", True),
     ("`_plan/checks.no_such_function`", True),
+    ("``second_order._generic_block``", True),
+    ("``read_off.LOOP_SQRT_COLUMNS``", False),
     ("see :func:`curvlib._plan.checks.plan_call`", False),
     (":class:`~curvlib._trace.program.Program`", False),
     ("`_plan/checks.plan_call` and `_trace/program.py`", False),
