@@ -95,3 +95,16 @@ def test_tensors_the_forward_creates_do_not_touch_the_model(aten):
     qs = curvature(model, nn.CrossEntropyLoss(), exact_extensions(hessian=True, kflr=True))(X, y)
     assert set(vars(model)) == set(before)
     assert_matches(qs, reference(model, nn.CrossEntropyLoss(), X, y, hessian=True, pchmp=False), f"aten={aten}")
+
+
+def test_a_program_is_frozen_and_later_stages_make_new_ones():
+    """What later stages learn is not written into the traced program: it is frozen, and the
+    selector of a container output is set when it is traced."""
+    import dataclasses
+
+    program = trace_program(nn.Sequential(nn.Linear(3, 2)), output="logits")
+    assert program.selector == "logits"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        program.selector = None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        program.sibling = program

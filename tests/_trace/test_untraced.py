@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from curvlib import CurvatureError, curvature, losses
-from curvlib._evaluate.linearise import forward_with_probes
+from curvlib._evaluate.linearise import Forward, forward_with_probes
 from curvlib._evaluate.first_order import first_order
 from curvlib._plan.plan import make_plan
 from curvlib._trace.program import trace_program
@@ -58,7 +58,7 @@ def _first_order(model, lossfn, X, y, params=None, program=None):
         trainable = [n for n in all_params if n in params]
         values = {n: params.get(n, p.detach()) for n, p in all_params.items()}
     plan = make_plan(program, X, values, frozenset(trainable), runner=run_eager)
-    lin = forward_with_probes(program, plan, X, values, frozenset(trainable), runner=run_eager)
+    lin = forward_with_probes(Forward(program, plan, X, values, frozenset(trainable), runner=run_eager))
     loss, pullback = torch.func.vjp(lambda o: losses.loss_value(spec, o, y), lin.out)
     (g_out,) = pullback(torch.ones_like(loss))
     gs, _ = lin.pull(g_out)
@@ -467,7 +467,7 @@ def test_stale_plan_with_other_shapes_refused():
     Xp = torch.rand(2, 3, dtype=torch.float64)
     plan = make_plan(program, Xp, values, frozenset(values), runner=run_eager)
     with pytest.raises(CurvatureError, match="differently than in curvlib's planning pass"):
-        forward_with_probes(program, plan, -Xp, values, frozenset(values), runner=run_eager)
+        forward_with_probes(Forward(program, plan, -Xp, values, frozenset(values), runner=run_eager))
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])

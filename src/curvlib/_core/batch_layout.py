@@ -15,7 +15,7 @@ from torch import Tensor
 def batch_first(t: Tensor, batch_dim: int, channel_axes: int = 0, lead: int = 0) -> Tensor:
     """``t`` in the canonical layout ``[batch, *channels, shared..., features]``: the batch
     moved from ``batch_dim`` to the front, the ``channel_axes`` after it kept in place
-    (:attr:`Rule.channel_axes`); ``lead`` leading dims (columns ``[V, ...]``) stay in front of
+    (:attr:`curvlib._core.site.Rule.channel_axes`); ``lead`` leading dims (columns ``[V, ...]``) stay in front of
     it all. A view; ``t`` itself when the batch is already in front."""
     if batch_dim == 0:
         return t

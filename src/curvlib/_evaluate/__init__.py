@@ -1,4 +1,5 @@
-"""Stage 4, evaluate: linearise one forward pass and read the quantities off it.
+"""Stages 4-7 (:mod:`curvlib._transform.entry`), evaluate: linearise one forward pass and read
+the quantities off it.
 
 - ``linearise``: the forward with probes and its pullbacks;
 - ``first_order``: the gradient and first-order quantities from the sites' output gradients;

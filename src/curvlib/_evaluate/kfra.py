@@ -19,7 +19,7 @@ recursion needs a chain of nodes (a Sequential-like graph).
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor, fx, nn
@@ -33,6 +33,7 @@ from .._core.site import Recorder, Site
 from .._trace.graph_facts import chain_nodes, is_inplace
 from ..rules.elementwise import ELEMENTWISE_MODULES
 from .._core import linalg
+from .linearise import Forward
 
 # D² · N entries above which the dense recursion is refused (memory guard).
 MAX_ENTRIES = 2**27
@@ -76,23 +77,25 @@ def _average_congruence(f, a: Tensor, G: Tensor) -> Tensor:
     return torch.einsum("k,kni,knj->ij", evals, w, w) / n
 
 
-def kfra(program, curv, X, names, params, sites: List[Site], reduce=None,
-         forward: Optional[Tuple[Tensor, Dict[fx.Node, object]]] = None, dropout_seed=None) -> Dict[str, list]:
-    """KFRA factors for every parameter (see module doc).
+def kfra(fwd: Forward, curv, names: Sequence[str], sites: List[Site], reduce=None,
+         values: Optional[Dict[fx.Node, object]] = None) -> Dict[str, list]:
+    """KFRA factors for every parameter in ``names`` (see module doc).
 
+    ``fwd``: the call's forward (its program, input, parameter values and dropout seed).
     ``curv``: the loss Hessian at the model output (:func:`curvlib.losses.curvature_at`).
     ``reduce(G, kind)``, if given, makes each matrix global over a process
     group where it is formed (:func:`curvlib.distributed.kfra_reducer`).
-    ``forward``: ``(output, node values)`` of the forward already run (plain
-    autograd, no in-place nodes), reused instead of running the graph again (with the
-    call's ``dropout_seed``: the same masks).
+    ``values``: every node's value in the forward already run (plain autograd, no in-place
+    nodes), reused instead of running the graph again (with the call's dropout seed: the same
+    masks).
     """
+    program, params = fwd.program, fwd.params
     chain = chain_nodes(program)
-    if forward is not None:
-        env = {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in forward[1].items()}
+    if values is not None:
+        env = {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in values.items()}
     else:  # in a chain nobody reads an in-place node's input again: run those on copies
         env = {}
-        run_graph(program, X, params, frozenset(), Recorder(None, dropout_seed=dropout_seed), env=env,
+        run_graph(program, fwd.X, params, frozenset(), Recorder(None, dropout_seed=fwd.dropout_seed), env=env,
                   preserve_inputs=True)
     G = sum(sign * torch.einsum("vni,vnj->ij", S.flatten(2), S.flatten(2)) for sign, S in curv.roots())
     if reduce is not None:

@@ -1,19 +1,19 @@
 """Run a traced :class:`~curvlib._trace.program.Program` functionally and differentiate it.
 
-One evaluation is
+One evaluation is, in the stages of :mod:`curvlib._transform.entry`,
 
-1. *plan* (once per input signature, cached): run the graph on fake tensors
-   for batch sizes ``N`` and ``N + 1`` to learn every site's output shape and
-   which of its dimensions is the batch, and the model's output shape, so
-   that targets and layers are checked before any real work;
-2. *forward*: run the graph with real tensors under :func:`torch.func.vjp`,
+3. *plan* (once per input signature, cached; :mod:`curvlib._plan.plan`): the graph run on
+   fake tensors for batch sizes ``N`` and ``N + 1`` gives every site's output shape and
+   which of its dimensions is the batch, and the model's output shape, so that targets
+   and layers are checked before any real work;
+4. *forward* (here): run the graph with real tensors under :func:`torch.func.vjp`,
    adding a zero probe to every site's output;
-3. *backward*: ``g_k = ∂L/∂probe_k`` for all sites in one vector-Jacobian
+5. *loss and site gradients*: ``g_k = ∂L/∂probe_k`` for all sites in one vector-Jacobian
    product seeded with ``∂L/∂output``;
-4. *read off*: each site's rule turns ``(saved inputs, g_k)`` into per-sample
+6. and 7. *read off*: each site's rule turns ``(saved inputs, g_k)`` into per-sample
    quantities; a parameter used by several sites sums its individual
    gradients over the sites before any square or norm is taken. Under plain
-   autograd, 3 and 4 go together where they can: each site is read as the
+   autograd, 5 and 6 go together where they can: each site is read as the
    backward completes its ``g_k``, which is then freed (:mod:`curvlib._evaluate.streamed`).
 
 Everything here is a pure function of ``(params, X, y)``; it composes with
@@ -24,7 +24,7 @@ Everything here is a pure function of ``(params, X, y)``; it composes with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, fx
@@ -38,7 +38,7 @@ from .._core.batch_layout import batch_first
 from .._core.site import Recorder, Site
 from .streamed import as_edges, lowest_targets, stream_sites, worth_streaming
 
-__all__ = ["Linearization", "forward_with_probes"]
+__all__ = ["Forward", "Linearization", "forward_with_probes"]
 
 
 @dataclass
@@ -107,9 +107,32 @@ def _inside_transform() -> bool:
         return True
 
 
-def forward_with_probes(program: Program, plan: Plan, X: Tensor, params, trainable, residual_nodes=None, runner=None,
-                        direct: bool = False, keep_values: bool = False, functorch: bool = False,
-                        dropout_seed=None) -> Linearization:
+@dataclass(frozen=True)
+class Forward:
+    """One forward to linearise: the traced program and its plan for ``X``, parameter name ->
+    value (every parameter), the names whose quantities are wanted, the residual nodes to tap
+    (``None``: none), the runner of a model without a graph (``None``: the graph interpreter)
+    and the call's dropout seed (:data:`curvlib._core.dropout.DropoutSeed`)."""
+
+    program: Program
+    plan: Plan
+    X: object
+    params: Mapping[str, Tensor]
+    trainable: frozenset
+    residual_nodes: Optional[dict] = None
+    runner: Optional[Callable] = None
+    dropout_seed: object = None
+
+    def run(self, X, rec: Recorder, env: Optional[Dict[fx.Node, object]] = None) -> Tensor:
+        """The model output on ``X``, recorded by ``rec`` (``env``: filled with every node's value;
+        a graph only)."""
+        if env is not None:
+            return run_graph(self.program, X, self.params, self.trainable, rec, env=env)
+        return (self.runner or run_graph)(self.program, X, self.params, self.trainable, rec)
+
+
+def forward_with_probes(fwd: Forward, direct: bool = False, keep_values: bool = False,
+                        functorch: bool = False) -> Linearization:
     """Run the forward, differentiable with respect to the probes.
 
     Outside any torch.func transform this uses plain autograd (less overhead,
@@ -122,17 +145,14 @@ def forward_with_probes(program: Program, plan: Plan, X: Tensor, params, trainab
     ``Linearization.values`` (KFRA's recursion reuses them). ``functorch=True``
     takes the torch.func route outside transforms too: its results stay
     differentiable w.r.t. inputs and parameter values that require grad.
-    ``dropout_seed``: the call's (:data:`curvlib._core.dropout.DropoutSeed`).
     """
     if functorch or _inside_transform():
-        return _forward_functorch(program, plan, X, params, trainable, residual_nodes, runner, dropout_seed)
+        return _forward_functorch(fwd)
     if direct:
-        lin = _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner, True, keep_values,
-                                dropout_seed)
+        lin = _forward_autograd(fwd, True, keep_values)
         if lin is not None:
             return lin
-    return _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner, False, keep_values,
-                             dropout_seed)
+    return _forward_autograd(fwd, False, keep_values)
 
 
 class _LazyProbes:
@@ -180,14 +200,15 @@ def _finish(rec: Recorder, plan: Plan, saved, taps) -> None:
             r.meta["fixed_dims"] = in_dims[k:]
 
 
-def _forward_functorch(program, plan, X, params, trainable, residual_nodes, runner, dropout_seed=None) -> Linearization:
-    probes, rprobes = _zero_probes(plan, X, requires_grad=False)
+def _forward_functorch(fwd: Forward) -> Linearization:
+    plan, residual_nodes = fwd.plan, fwd.residual_nodes
+    probes, rprobes = _zero_probes(plan, fwd.X, requires_grad=False)
     recorded: List[Recorder] = []
 
     def forward(probes_, rprobes_):
-        rec = Recorder(probes_, rprobes_ if residual_nodes else None, residual_nodes, dropout_seed=dropout_seed,
+        rec = Recorder(probes_, rprobes_ if residual_nodes else None, residual_nodes, dropout_seed=fwd.dropout_seed,
                        batch_dims=plan.batch_dims, saved_dims=plan.saved_dims)
-        out = (runner or run_graph)(program, X, params, trainable, rec)
+        out = fwd.run(fwd.X, rec)
         recorded.append(rec)
         return (out, [a for r in rec.residuals for a in r.inputs]), [s.saved for s in rec.sites]
 
@@ -231,19 +252,16 @@ def _autograd_probes(plan, X, direct: bool):
     return probes, rprobes, X
 
 
-def _forward_autograd(program, plan, X, params, trainable, residual_nodes, runner, direct: bool = False,
-                      keep_values: bool = False, dropout_seed=None):
+def _forward_autograd(fwd: Forward, direct: bool = False, keep_values: bool = False):
     """The forward under plain autograd (``None`` if ``direct`` and an in-place
     operation overwrote a site's output: the caller then runs it with probes)."""
-    probes, rprobes, X = _autograd_probes(plan, X, direct)
+    plan, residual_nodes = fwd.plan, fwd.residual_nodes
+    probes, rprobes, X = _autograd_probes(plan, fwd.X, direct)
     rec = Recorder(probes, rprobes if residual_nodes else None, residual_nodes, direct=direct,
-                   dropout_seed=dropout_seed, batch_dims=plan.batch_dims, saved_dims=plan.saved_dims)
-    values: Optional[Dict[fx.Node, object]] = {} if keep_values and runner is None else None
+                   dropout_seed=fwd.dropout_seed, batch_dims=plan.batch_dims, saved_dims=plan.saved_dims)
+    values: Optional[Dict[fx.Node, object]] = {} if keep_values and fwd.runner is None else None
     with torch.enable_grad():
-        if values is not None:
-            out = run_graph(program, X, params, trainable, rec, env=values)
-        else:
-            out = (runner or run_graph)(program, X, params, trainable, rec)
+        out = fwd.run(X, rec, env=values)
     if direct and rec.overwritten():
         return None
     taps = [a for r in rec.residuals for a in r.inputs]

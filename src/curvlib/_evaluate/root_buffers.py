@@ -74,7 +74,7 @@ def write_sqrt(uses, m_by_site, name: str, p: Tensor, n: int, columns: _Columns)
 
 def sqrt_into(uses, m_by_site, name: str, dest: Callable[[Tuple[int, ...], torch.dtype], Tensor],
               numel: int = 1) -> Tensor:
-    """``[V, N, *p]``: ``Σ_sites J_pᵀ m_v`` per sample (:func:`curvlib._evaluate.second_order._sqrt`),
+    """``[V, N, *p]``: ``Σ_sites J_pᵀ m_v`` per sample (:func:`curvlib._evaluate.read_off.sqrt_columns`),
     written into ``dest(shape, dtype)`` (``[V, *shape]`` for a column ``shape = (N, *p)``):
     a Linear weight's outer products all at once, any other site a block of columns at a time
     (``numel``: the parameter's, which sizes the blocks)."""

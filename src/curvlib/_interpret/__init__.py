@@ -1,4 +1,5 @@
-"""Stage 2, interpret: run a traced program node by node on real or fake tensors.
+"""Interpret: run a traced program node by node, on fake tensors for stage 3 (plan), on real
+ones for stage 4 (forward; :mod:`curvlib._transform.entry` numbers the stages).
 
 - ``graph``: the interpreter (sites recorded, probes added, residuals tapped);
 - ``diagnose``: why a forward failed on ``X``, naming the node.

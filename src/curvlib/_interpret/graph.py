@@ -8,9 +8,11 @@ so that :mod:`curvlib._interpret.diagnose` can say which line of the model faile
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional
 
 from operator import attrgetter
+import weakref
 import torch
 from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
@@ -56,14 +58,27 @@ def run_graph(
     Returns:
         The model output.
     """
-    env = {} if env is None else env
+    run = _Run(program, params, trainable, rec, fake_tensor, {} if env is None else env, preserve_inputs)
     where: List[Optional[fx.Node]] = [None]  # the node being run
     try:
-        return _interpret(program, X, params, trainable, rec, fake_tensor, env, where, preserve_inputs)
+        return _interpret(run, X, where)
     except (CurvatureError, NodeFailure):
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised with the graph node that failed
         raise NodeFailure(program, where[0], exc) from exc
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One interpretation of a program: :func:`run_graph`'s arguments but the input."""
+
+    program: Program
+    params: Mapping[str, Tensor]
+    trainable: frozenset
+    rec: Recorder
+    fake_tensor: Optional[Callable[[Tensor], Tensor]]
+    env: Dict[fx.Node, object]
+    preserve_inputs: bool
 
 
 class NodeFailure(RuntimeError):
@@ -75,7 +90,8 @@ class NodeFailure(RuntimeError):
         super().__init__(f"{type(exc).__name__}{where}: {exc}")
 
 
-def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, preserve_inputs=False) -> Tensor:
+def _interpret(run: _Run, X, where: List[Optional[fx.Node]]) -> Tensor:
+    program, params, trainable, rec, env = run.program, run.params, run.trainable, run.rec, run.env
     leaves = _inputs.trace_leaves(X) if program.leaf_inputs else None  # one placeholder per leaf
     dropout = _dropout.new_generator(rec.dropout_seed)  # None unless this call has active dropout
     noises = env.setdefault(_dropout.NOISES, {}) if dropout is not None else None
@@ -89,50 +105,72 @@ def _interpret(program, X, params, trainable, rec, fake_tensor, env, where, pres
             # The node overwrites its input: keep the value it is a function of.
             before = {a: env[a].clone() for a in node.all_input_nodes if isinstance(env.get(a), Tensor)}
         dropout_kind = _dropout.node_dropout(program, node) if dropout is not None else None
-        if _on_copies(program, node, preserve_inputs):
+        if _on_copies(program, node, run.preserve_inputs):
             load = lambda a: fx.node.map_arg(a, lambda n: env[n].clone() if isinstance(env[n], Tensor) else env[n])  # noqa: E731
         if node.op == "placeholder":
             env[node] = (leaves[placeholders_seen] if leaves is not None and placeholders_seen < len(leaves)
                          else _placeholder(node, X, placeholders_seen))
             placeholders_seen += 1
         elif node.op == "get_attr":
-            value = attrgetter(node.target)(program.root)
-            if isinstance(value, nn.Parameter):
-                value = params[program.param_names[id(value)]]
-            elif isinstance(value, Tensor) and fake_tensor is not None:
-                value = fake_tensor(value)
-            env[node] = value
+            env[node] = _attribute(run, node)
         elif dropout_kind is not None:  # dropout: the mask from this call's generator
             env[node] = _dropout.run_node(program, node, dropout_kind, load(node.args), load(node.kwargs), dropout, noises)
         elif node.op == "call_module":
             env[node] = _call_module(program, node, load(node.args), load(node.kwargs), params, trainable, rec)
-        elif node.op == "call_function":
+        elif node.op in ("call_function", "call_method"):
             env[node] = program.apply(node, load(node.args), load(node.kwargs), params)
-        elif node.op == "call_method":
-            env[node] = program.apply(node, load(node.args), load(node.kwargs), params)
-        if node in program.functional:
-            env[node] = _record_functional(program, program.functional[node], env[node], env, params, trainable, rec)
-            if overwrites_input(program, node) and isinstance(node.args[0], fx.Node):
-                env[node.args[0]] = env[node]  # (``h += p``: a later read of ``h`` sees the site's output)
-        if node in rec.residual_nodes:
-            _residuals.record(program, node, rec.residual_nodes[node], env, params, trainable, rec,
-                              program.dependent, before)
-            if before is not None:
-                # In eager PyTorch the overwritten input *is* the output: alias it, so
-                # that later uses of the input see the output's probe too.
-                first = node.all_input_nodes[0]
-                env[first] = env[node]
+        _record(run, node, before)
         if node.op == "output":
             result = load(node.args[0])
             if program.out_spec is not None:
                 result = pytree.tree_unflatten(list(result), program.out_spec)
-    if not isinstance(result, Tensor):  # a ModelOutput, tuple, dict: curvlib._core.outputs
-        chosen, where = _outputs.select(result, program.selector)
-        if program.selector is None and not program.output_choice:
-            program.output_choice = _outputs.describe_choice(result, where)
-            _outputs.say_choice(program.output_choice)
-        result = chosen
-    return result
+    return result if isinstance(result, Tensor) else _chosen(program, result)
+
+
+def _attribute(run: _Run, node: fx.Node):
+    """The value a ``get_attr`` node reads: a parameter's from ``params``, a buffer (fake while
+    planning) or a constant of the model."""
+    value = attrgetter(node.target)(run.program.root)
+    if isinstance(value, nn.Parameter):
+        return run.params[run.program.param_names[id(value)]]
+    if isinstance(value, Tensor) and run.fake_tensor is not None:
+        return run.fake_tensor(value)
+    return value
+
+
+def _record(run: _Run, node: fx.Node, before) -> None:
+    """Record what the node's value makes: a functional site (a call that uses parameters outside
+    their module) and a residual (a nonlinear node the Hessian needs); ``before``: the values of
+    the inputs an in-place node overwrote."""
+    program, env, rec = run.program, run.env, run.rec
+    if node in program.functional:
+        env[node] = _record_functional(program, program.functional[node], env[node], env, run.params,
+                                       run.trainable, rec)
+        if overwrites_input(program, node) and isinstance(node.args[0], fx.Node):
+            env[node.args[0]] = env[node]  # (``h += p``: a later read of ``h`` sees the site's output)
+    if node in rec.residual_nodes:
+        _residuals.record(program, node, rec.residual_nodes[node], env, run.params, run.trainable, rec,
+                          program.dependent, before)
+        if before is not None:
+            # In eager PyTorch the overwritten input *is* the output: alias it, so
+            # that later uses of the input see the output's probe too.
+            first = node.all_input_nodes[0]
+            env[first] = env[node]
+
+
+def _chosen(program: Program, result):
+    """The tensor of a container output (a ModelOutput, tuple, dict: :mod:`curvlib._core.outputs`)
+    the loss takes; the default rule's choice said once per traced graph."""
+    chosen, where = _outputs.select(result, program.selector)
+    if program.selector is None and not program.output_choice and program.graph not in _SAID:
+        _SAID.add(program.graph)  # (an ATen-level trace found its choice when traced, and said it then)
+        _outputs.say_choice(_outputs.describe_choice(result, where))
+    return chosen
+
+
+#: The graphs of the programs whose default choice of a container output's tensor was said (once
+#: per traced graph, whichever program holds it after planning's rewrites).
+_SAID: "weakref.WeakSet[fx.Graph]" = weakref.WeakSet()
 
 
 def _on_copies(program, node: fx.Node, preserve_inputs: bool) -> bool:
@@ -151,13 +189,12 @@ def _record_functional(program, use, value, env, params, trainable, rec):
         names = {r: n for r, n in use.linear.items() if n in trainable}
         return functional.record_linear(use, names, env[use.inputs[0]], value, rec)
     if any(n in trainable for n in use.params):
-        return functional.record(
-            use, program.root, program.param_names,
-            {n: n for n in use.params if n in trainable},
-            {n: params[n] for n in use.params},
-            [env[a] for a in use.inputs], value, rec, {a: env[a] for a in use.fixed},
+        values = functional.UseValues(
+            {n: n for n in use.params if n in trainable}, {n: params[n] for n in use.params},
+            [env[a] for a in use.inputs], {a: env[a] for a in use.fixed},
             batch_sized_chain=value.dim() > 0 and functional.batch_sized(use, env, _batch_size(value, rec)),
         )
+        return functional.record(use, values, value, rec, program.root, program.param_names)
     return value
 
 

@@ -5,7 +5,7 @@ Entry ``i`` of such a dim belongs to sample ``(i // s) % N`` (the layout the
 sample-independence analysis follows, :class:`curvlib._plan.mixing_ops.Batch`). Two consequences:
 
 * a parametrized layer on merged rows (:func:`split_merged_batches`) is given the batch as a
-  dim of its own by a rewrite of the graph around it, its rows then positions sharing its
+  dim of its own by a rewrite of the graph around it (:mod:`curvlib._plan.unmerge`), its rows then positions sharing its
   weights (the planner needs every site's batch in one dim of size ``N``); an op on
   parameters that takes no extra leading dim (``einsum`` with a relative-position table,
   SAM's ``[N·H, h, w, C]`` queries) runs once per sample on that sample's rows
@@ -22,15 +22,16 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, fx, nn
-from torch.nn import functional as F
 
 from . import independence as _independence
 from . import per_sample_ops as _per_sample_ops
 from .._hessian import structured as _residual_structured
 from .._core.errors import CurvatureError
 from .merged_modules import batch_first_module
+from .unmerge import BROADCASTING, Unmerge, lone_index, needs_per_sample, unmerge
 from .mixing_ops import Batch
 from .._core.site import Site
+from .._trace.program import Program
 from ..rules import FAMILY_OF, generic
 
 __all__ = ["split_merged_batches", "residual_merges", "per_sample"]
@@ -44,13 +45,6 @@ _ROW_WISE = frozenset(kind for kind, f in FAMILY_OF.items() if f.row_wise)
 #: batch; :attr:`~curvlib._core.family.Family.entry_wise`): run by the generic rule on the merged
 #: rows (:func:`curvlib._plan.merged_modules.batch_first_module`).
 _ENTRY_WISE = frozenset(kind for kind, f in FAMILY_OF.items() if f.entry_wise)
-#: Ops on parameters (functional sites) that broadcast over leading dims: one more leading dim
-#: on their batched operands leaves every entry's value as it was.
-_BROADCASTING = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub,
-                           torch.mul, torch.div, operator.matmul, torch.matmul, torch.bmm, F.linear})
-#: Ops that take no extra leading dim, run as the op that does and computes the same values
-#: (``bmm`` on ``[B, R, K] @ [B, K, M]`` is ``matmul``, which broadcasts over a leading batch dim).
-_BROADCASTING_FORM = {torch.bmm: torch.matmul}
 
 
 def _merged(shape_a, shape_b, n: int) -> Tuple[int, int]:
@@ -65,17 +59,18 @@ def _merged(shape_a, shape_b, n: int) -> Tuple[int, int]:
     return d, shape_a[d] // n
 
 
-def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable) -> bool:
+def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable) -> Optional[Program]:
     """Give each row-wise site whose input has the batch merged into one dim (window attention:
     ``[N·W, S, C]`` into ``qkv``; a mixture of experts' tokens ``[N·T, D]`` into its router, or
     ``[E, N·T, D]`` into a batched expert product) the batch as a dim of its own, by a rewrite of
-    the graph around it; whether anything was rewritten (the plan is then made again).
+    the graph around it. Returns the new program (the plan is then made again on it; the fx graphs
+    are edited in place, the program given is stale), or ``None`` when nothing was rewritten.
 
     Entry ``i`` of a merged dim ``d`` belongs to sample ``(i // s) % N`` (the layout the
     sample-independence analysis follows, :class:`curvlib._plan.mixing_ops.Batch`), so the dim is
     ``[c/s, N, s]``: the site runs on ``x.unflatten(d, (c/s, -1, s)).movedim(d + 1, 0)`` (its
     windows or tokens become positions sharing the weight) and its output is merged back the same
-    way. A merge whose order is not known stays refused (:func:`_batch_dim`)."""
+    way. A merge whose order is not known stays refused (:func:`curvlib._plan.plan._batch_dim`)."""
     where = {}
     for site, sa, sb in zip(rec_a.sites, rec_a.out_shapes, rec_b.out_shapes):
         d, c = _merged(sa, sb, n)
@@ -84,12 +79,13 @@ def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable)
                   or (d == 0 and site.rule.kind in _ENTRY_WISE)):
             where[_site_node_name(site)] = d
     if not where or program.graph is None:
-        return False
+        return None
     found = _independence.analyse(program, env_a, env_b, n, trainable)
     if found.problem:
-        return False
-    done = False
+        return None
+    done, programs = False, [_editable(program), _editable(program.sibling)]  # (the traces on N and N + 1)
     for node in list(program.graph.nodes):
+        program = programs[0]
         path = _site_path(program, node)
         if path not in where:
             continue
@@ -100,24 +96,25 @@ def split_merged_batches(program, rec_a, rec_b, env_a, env_b, n: int, trainable)
         positions, batch = split
         entry_wise = _entry_wise(program, node)
         if entry_wise or _generic_wrappable(program, None, node):  # (its forward keeps its own layout)
-            for graph_program in (program, program.sibling):
-                if graph_program is not None:
-                    batch_first_module(graph_program, node.name, positions, (batch.c // batch.s, batch.s, batch.dim),
-                                       as_generic=entry_wise)
+            programs = [p and batch_first_module(p, node.name, positions, (batch.c // batch.s, batch.s, batch.dim),
+                                                 as_generic=entry_wise) for p in programs]
             done = True
             continue
         results = _result_dims(program, node, env_a, env_b, n, batch.c)
         if results is False:
             continue  # a result the rewrite cannot merge back: refused by the planner
-        if _needs_per_sample(program, node) and not _per_sample_ops.agrees(node, env_a, positions, batch):
+        if needs_per_sample(program, node) and not _per_sample_ops.agrees(node, env_a, positions, batch):
             continue  # the op mixes the rows of a sample: refused by the planner
         rows = results is None and batch.dim == 0 and _rows_apart(program, None, env_a[node].shape, node)
-        for graph_program in (program, program.sibling):
-            if graph_program is not None:
-                _unmerge(graph_program, node.name, positions, (batch.c // batch.s, batch.s, batch.dim), channels=rows,
-                         results=results)
+        how = Unmerge(tuple(positions), (batch.c // batch.s, batch.s, batch.dim), channels=rows, results=results)
+        programs = [p and unmerge(p, node.name, how) for p in programs]
         done = True
-    return done
+    return dataclasses.replace(programs[0], sibling=programs[1]) if done else None
+
+
+def _editable(program: Optional[Program]) -> Optional[Program]:
+    """``program`` with tables of layers and functional uses of its own, for a rewrite to edit."""
+    return program and dataclasses.replace(program, layers=dict(program.layers), functional=dict(program.functional))
 
 
 def _result_dims(program, node: fx.Node, env_a, env_b, n: int, c: int):
@@ -165,7 +162,7 @@ def _split_of(program, node: fx.Node, found, out_dim: int):
     """``(positions of the merged operands, their Batch)`` when ``node``'s batched operands are
     merged alike in the dim its output is merged in (``out_dim``; ``None``: any), in a known
     order (operands holding no sample data fit any order); else ``None``."""
-    args = (node.args[0], _lone_index(node)) if node.op == "call_function" and _lone_index(node) else node.args
+    args = (node.args[0], lone_index(node)) if node.op == "call_function" and lone_index(node) else node.args
     merged = {k: (found.layouts.get(a) or [None])[0] for k, a in enumerate(args) if isinstance(a, fx.Node)}
     merged = {k: b for k, b in merged.items() if isinstance(b, Batch) and b.c > 1}
     # rows without sample data in no known order (a learned query repeated N times) fit the others' order
@@ -222,7 +219,7 @@ def _broadcasting(site: Site) -> bool:
     if use is None or use.node.op != "call_function":
         return False
     node = use.node
-    return node.target in _BROADCASTING or _lone_index(node) is not None
+    return node.target in BROADCASTING or lone_index(node) is not None
 
 
 def _op_on_parameters(site: Site) -> bool:
@@ -233,109 +230,11 @@ def _op_on_parameters(site: Site) -> bool:
     return use is not None and use.node.op in ("call_function", "call_method")
 
 
-def _needs_per_sample(program, node: fx.Node) -> bool:
-    """A functional site that takes no extra leading dim on its merged operands."""
-    return (node in program.functional and node.op in ("call_function", "call_method")
-            and node.target not in _BROADCASTING and _lone_index(node) is None)
-
-
-def _lone_index(node: fx.Node) -> Optional[fx.Node]:
-    """The index tensor of ``p[idx]`` (also written ``p[(idx,)]``), else ``None``."""
-    if node.target is not operator.getitem or len(node.args) != 2:
-        return None
-    idx = node.args[1]
-    idx = idx[0] if isinstance(idx, tuple) and len(idx) == 1 else idx
-    return idx if isinstance(idx, fx.Node) else None
-
-
 def _site_path(program, node: fx.Node) -> Optional[str]:
     """The path of the layer ``node`` runs (a module call), or its own name (an op on parameters)."""
     if node.op == "call_module" and node.target in program.layers:
         return program.layers[node.target].path
     return node.name if node in program.functional else None
-
-
-def _unmerge(program, name: str, positions, split: Tuple[int, int, int], channels: bool = False,
-             results: Optional[Tuple[int, ...]] = None) -> None:
-    """Run graph node ``name`` on its inputs at ``positions`` with the batch split off dim ``d``
-    (``split = (outer, inner, d)``: the dim is ``[outer, N, inner]``): the batch goes in front
-    and dim ``d`` keeps the ``outer·inner`` rows of one sample, so the operand's rank grows by
-    one leading dim and every other dim stays where it was. Its output is merged back, so that
-    its users see the same values. An op that takes no extra leading dim runs as its
-    broadcasting form (``bmm`` as ``matmul``), or once per sample (:class:`curvlib._plan.per_sample_ops.PerSample`).
-    ``channels``: rows ``[R, C]`` of a layer that wants its channels in dim 1 (BatchNorm): it
-    runs on ``[N, C, outer·inner]``. ``results``: the merged dims of the tensors read from a
-    split-rows module's result (:func:`_result_dims`), each merged back where it is read."""
-    outer, inner, d = split
-    graph = program.graph
-    node = next(m for m in graph.nodes if m.name == name)
-    if node.op == "call_function" and _lone_index(node) is not None:
-        node.args = (node.args[0], _lone_index(node))  # p[(idx,)] is p[idx]: the index as an operand
-    args, made = list(node.args), []
-    use = program.functional.get(node)
-    chain = list(use.chain) if use is not None else []
-
-    def add(at, method, *rest, tag):  # one call_method node inserted at ``at``
-        with at:
-            made.append(graph.create_node("call_method", method, rest, name=f"{name}_{tag}"))
-        return made[-1]
-
-    for k in positions:
-        start = len(made)
-        at = graph.inserting_before(node)
-        x = add(at, "unflatten", args[k], d, (outer, -1, inner), tag=f"split_batch{k}")
-        x = add(graph.inserting_before(node), "movedim", x, d + 1, 0, tag=f"batch_first{k}")
-        args[k] = x = add(graph.inserting_before(node), "flatten", x, d + 1, d + 2, tag=f"rows{k}")
-        if channels:  # [N, R, C] -> [N, C, R]
-            args[k] = add(graph.inserting_before(node), "transpose", x, 1, 2, tag=f"channels{k}")
-        if node.args[k] in chain:  # a parameter-only operand built for the batch (a query repeated N times)
-            chain += made[start:]
-            del made[start:]
-    swapped = {old: new for old, new in zip(node.args, args) if old is not new}
-    node.args = tuple(args)
-    if _needs_per_sample(program, node):
-        per_sample = _per_sample_ops.PerSample(node.target, positions, node.op == "call_method")
-        node.target, node.op = per_sample, "call_function"
-    elif node.op == "call_function":
-        node.target = _BROADCASTING_FORM.get(node.target, node.target)
-    if use is not None:  # (its per-sample recomputation reads these inputs)
-        program.functional[node] = dataclasses.replace(use, inputs=tuple(swapped.get(a, a) for a in use.inputs),
-                                                       chain=tuple(chain))
-    if results is not None:  # each tensor read from the result merged back where it is read
-        for read in [m for m in graph.nodes if m.name in results]:
-            _merge_back(program, read, results[read.name], (outer, inner), add)
-        program.dependent = frozenset(program.dependent) | set(made)
-        return
-    out = add(graph.inserting_after(node), "transpose", node, 1, 2, tag="rows_back") if channels else node
-    first = add(graph.inserting_after(out), "unflatten", out, d + 1, (outer, inner), tag="split_rows")
-    first = first if not channels else out  # (the one user of the node's own value)
-    back = add(graph.inserting_after(made[-1]), "movedim", made[-1], 0, d + 1, tag="batch_back")
-    merged = add(graph.inserting_after(back), "flatten", back, d, d + 2, tag="merge_batch")
-    node.replace_all_uses_with(merged, delete_user_cb=lambda user: user is not first)
-    _rewire_uses(program, node, merged)
-    program.dependent = frozenset(program.dependent) | set(made)
-
-
-def _merge_back(program, read: fx.Node, dim: int, rows: Tuple[int, int], add) -> None:
-    """``read`` (``[N, …, outer·inner at dim + 1, …]``) merged back to the batch in ``dim``
-    for its users (``add``: :func:`_unmerge`'s node maker)."""
-    graph = program.graph
-    first = add(graph.inserting_after(read), "unflatten", read, dim + 1, rows, tag=f"{read.name}_rows")
-    back = add(graph.inserting_after(first), "movedim", first, 0, dim + 1, tag=f"{read.name}_batch_back")
-    merged = add(graph.inserting_after(back), "flatten", back, dim, dim + 2, tag=f"{read.name}_merge_batch")
-    read.replace_all_uses_with(merged, delete_user_cb=lambda user: user is not first)
-    _rewire_uses(program, read, merged)
-
-
-def _rewire_uses(program, old: fx.Node, new: fx.Node) -> None:
-    """Functional sites among the users of ``old`` now read ``new`` (its value merged back):
-    their recorded inputs follow the graph's arguments, so that their per-sample recomputation
-    reads the node its arguments name (two functional sites in a row on merged rows: window
-    attention's scores scaled by a parameter, then a bias made from parameters added)."""
-    for user, use in list(program.functional.items()):
-        if old in use.inputs and user is not old:
-            program.functional[user] = dataclasses.replace(
-                use, inputs=tuple(new if a is old else a for a in use.inputs))
 
 
 def residual_merges(program, residuals, dims, independence, n: int) -> Tuple[Optional[Tuple[int, int]], ...]:

@@ -150,4 +150,5 @@ def cached_plan(traced: Traced, X, values: Mapping[str, Tensor], trainable: froz
         plan = traced.plans[key] = make_plan(
             traced.program, X, values, trainable, traced.residual_nodes, runner=traced.runner
         )
+        traced.program = plan.program  # (a rewrite that split merged batches off made a new program)
     return plan

@@ -53,7 +53,7 @@ not cached, and their path may change per call). With ``N = 1`` the numeric
 tests have nothing to compare (and one sample cannot mix); the graph checks
 still refuse.
 
-:func:`refuse_mixing` raises before any work when an extension needs
+:func:`curvlib._plan.mixing_refusals.refuse_mixing` raises before any work when an extension needs
 independent samples: all but the block products ``HMP`` and ``GGNMP``, which
 come from whole-batch autodiff and stay exact, like ``loss`` and ``grad``.
 """

@@ -14,6 +14,7 @@ module's own layout, exact for a module that maps each sample's rows on their ow
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Sequence, Tuple
 
 from torch import Tensor, fx, nn
@@ -53,17 +54,19 @@ def _own_root(model: nn.Module) -> nn.Module:
 
 
 def batch_first_module(program, name: str, positions: Sequence[int], split: Tuple[int, int, int],
-                       as_generic: bool = False) -> None:
+                       as_generic: bool = False):
     """Run the generic layer at graph node ``name`` (a ``call_module``) as :class:`SampleRows` on
     batch-first operands, its output merged back for its users. The wrapper is registered on the
     program's root; a symbolic trace's root, the user's model, is first replaced by a shallow copy
     with a submodule table of its own (same submodules and parameters), so the model is never
     changed. ``as_generic``: a layer with a rule of its own that takes no extra leading dim (a
-    convolution) is run by the generic rule there, exact for a layer that acts on each row alone."""
+    convolution) is run by the generic rule there, exact for a layer that acts on each row alone.
+    Returns the program with that root and the nodes made among its input-dependent ones (its
+    table of layers is edited in place: the rewrite's own copy)."""
     outer, inner, d = split
     graph = program.graph
     if not program.aten and not program.root.__dict__.get(_OWN_ROOT):
-        program.root = _own_root(program.root)
+        program = dataclasses.replace(program, root=_own_root(program.root))
     node = next(m for m in graph.nodes if m.name == name)
     layer = program.layers.pop(node.target)
     target = "rows__" + node.target.replace(".", "__")
@@ -87,4 +90,4 @@ def batch_first_module(program, name: str, positions: Sequence[int], split: Tupl
     back = add("movedim", node, 0, d + 1, tag="batch_back", after=node)
     merged = add("flatten", back, d, d + 2, tag="merge_batch", after=back)
     node.replace_all_uses_with(merged, delete_user_cb=lambda user: user is not back)
-    program.dependent = frozenset(program.dependent) | set(made)
+    return dataclasses.replace(program, dependent=program.dependent | set(made))

@@ -14,7 +14,7 @@ pick entries within a row: they are replaced by zeros, which keeps their shape.
 
 An index that depends only on constants and shapes is evaluated in both planning passes
 (``N`` and ``N + 1``) and decided there; one that depends on the input's values is
-decided on every call (:func:`check_call`): the values differ per call.
+decided on every call (:func:`curvlib._plan.mixing_numeric.gather_problem`): the values differ per call.
 """
 
 from __future__ import annotations

@@ -20,9 +20,7 @@ outputs. With ``N = 1`` nothing is tested.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import warnings
 from typing import Callable, List, Optional
 
 import torch
@@ -31,47 +29,15 @@ from torch import Tensor, fx
 from .._core import inputs as _inputs
 from .._core.errors import CurvatureError
 from . import mixing_index as _index
-from .mixing_ops import Batch, leaves_of
-from .._core.sync import LOCK
+from .mixing_ops import Batch
 from .mixing_checks import label
+from .mixing_probe import SEED, FailsAlone, leak, probe, sample_rows, seeded
 from .._core.site import Recorder
 from ..rules import FAMILY_OF
 from ..rules.generic import join_args, stateless_call
 from .._interpret.graph import run_graph
 
 __all__ = ["gather_problem", "pending_problem", "untraced_problem"]
-
-_SEED, _OTHER_SEED = 20240601, 7
-
-
-@contextlib.contextmanager
-def _seeded(device: torch.device, seed: int):
-    """Same random numbers for every run of a test; the caller's random state untouched
-    (the global state is process-wide: other threads wait, :data:`curvlib._core.sync.LOCK`)."""
-    with LOCK, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad(), \
-            _filled_memory():
-        torch.manual_seed(seed)
-        yield
-
-
-@contextlib.contextmanager
-def _filled_memory():
-    """Uninitialised tensors (``empty``, ``new_empty``, ``empty_like``) filled with NaN (integers:
-    their largest value), so that entries a model never writes read the same in every run of a
-    test (torch's deterministic mode fills them; its checks only warn, and are silenced here)."""
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True, warn_only=not deterministic or warn_only)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
-        torch.utils.deterministic.fill_uninitialized_memory = fill
-
 
 def _plain(t):
     """Inside a torch.func transform: the plain value of a wrapped tensor (under ``vmap``, its
@@ -126,142 +92,6 @@ def _map_leaves(value, leaves: list, fn: Callable):
     return go(value)
 
 
-def _same(v: Tensor, leaf) -> Tensor:
-    return v.clone()  # an in-place operation must not change the recorded value
-
-
-def _rows(size: int, leaf: Batch, n: int, j: int, device) -> Tensor:
-    """Mask of the entries of sample ``j`` along the batch dim."""
-    pos = torch.arange(size, device=device)
-    return (pos // leaf.s) % n == j
-
-
-class _FailsAlone(Exception):  # a layer's own code fails on one sample alone (the generic rule's batch of one)
-    pass
-
-
-class _CannotFollow(Exception):
-    """A batch merged with another dim by an operation whose layout is not known."""
-
-
-def _perturbed(j: int, n: int, gen: torch.Generator) -> Callable:
-    def change(v: Tensor, leaf) -> Tensor:
-        if isinstance(leaf, Batch) and leaf.s is None:
-            raise _CannotFollow
-        if not isinstance(leaf, Batch) or v.numel() == 0:
-            return v.clone()
-        mine = _rows(v.shape[leaf.dim], leaf, n, j, v.device)
-        if v.is_floating_point() or v.is_complex():
-            shape = [1] * v.dim()
-            shape[leaf.dim] = -1
-            noise = torch.randn(v.shape, generator=gen, dtype=v.dtype, device="cpu").to(v.device)
-            finite = v.isfinite()
-            # the scale of the finite entries; infinite entries (-inf masks) stay as they are, and
-            # other samples' entries are kept, not multiplied by zero (inf · 0 is NaN)
-            scale = float(v.abs().masked_fill(~finite, 0).max()) or 1.0
-            return torch.where(mine.reshape(shape) & finite, v + noise * scale, v)
-        other = j + 1 if j + 1 < n else j - 1  # integers (indices): another sample's rows
-        pos = torch.arange(v.shape[leaf.dim], device=v.device)
-        return v.index_select(leaf.dim, torch.where(mine, pos + (other - j) * leaf.s, pos))
-
-    return change
-
-
-def _gap(a: Tensor, b: Tensor, rel: float) -> float:
-    """Largest difference beyond ``rel`` times the scale (0: within it)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return float("inf")
-    if a.numel() == 0:
-        return 0.0
-    if not (a.is_floating_point() or a.is_complex()):
-        return float("inf") if bool((a != b).any()) else 0.0
-    same = (a.isnan() & b.isnan()) | (a == b)  # (equal infinities, e.g. masked attention scores)
-    diff = (a - b).abs().masked_fill(same, 0).nan_to_num(float("inf"))
-    eps = torch.finfo(a.dtype).eps
-    scale = max(float(a.abs().nan_to_num(0, 0, 0).max()), float(b.abs().nan_to_num(0, 0, 0).max()))
-    gap = float(diff.max())
-    return gap if gap > rel(eps) * scale + torch.finfo(a.dtype).tiny else 0.0
-
-
-def _leak(base, out, leaves: list, j: int, n: int) -> float:
-    """How much outputs of samples other than ``j`` (and batch-free outputs) changed."""
-    for a, b, leaf in zip(leaves_of(base), leaves_of(out), leaves):
-        if isinstance(leaf, Batch) and leaf.s is None:
-            raise _CannotFollow
-        if isinstance(leaf, Batch):
-            keep = (~_rows(a.shape[leaf.dim], leaf, n, j, a.device)).nonzero().flatten()
-            a, b = a.index_select(leaf.dim, keep), b.index_select(leaf.dim, keep.to(b.device))
-        elif leaf is not None:
-            continue  # shapes that pair or shift samples are refused by the graph check
-        gap = _gap(a, b, lambda eps: 64 * eps)
-        if gap:
-            return gap
-    return 0.0
-
-
-def probe(call: Callable, load: Callable, out_leaves: list, n: int, device, alone: bool) -> Optional[str]:
-    """Run the leak test (and, with ``alone``, the alone test) of one operation.
-
-    Args:
-        call: ``(args, kwargs) -> output``.
-        load: ``fn -> (args, kwargs)`` with every tensor input ``v`` replaced by ``fn(v, layout)``.
-        out_leaves: the output's layout per tensor leaf.
-        n: ``N`` (at least 2).
-    """
-    with _seeded(device, _SEED):
-        base = call(*load(_same))
-    why = _leak_test(call, load, base, out_leaves, n, device)
-    if why or not alone:
-        return why
-    return _alone_test(call, load, base, out_leaves, n, device)
-
-
-def _leak_test(call, load, base, out_leaves, n, device) -> Optional[str]:
-    gen = torch.Generator().manual_seed(_SEED)
-    for j in sorted({0, n - 1}):
-        try:
-            args = load(_perturbed(j, n, gen))
-            with _seeded(device, _SEED):
-                out = call(*args)
-            gap = _leak(base, out, out_leaves, j, n)
-        except _CannotFollow:
-            return (": its input or output has the batch merged with another dim by an operation "
-                    "curvlib cannot follow, so it cannot test whether samples stay apart")
-        if gap:
-            return (f": changing sample {j}'s input changed other samples' outputs by up to {gap:.3g}, "
-                    "so it mixes samples")
-    return None
-
-
-def _alone_test(call, load, base, out_leaves, n: int, device) -> Optional[str]:
-    with _seeded(device, _OTHER_SEED):
-        again = call(*load(_same))
-    if any(_gap(a, b, lambda eps: 64 * eps) for a, b in zip(leaves_of(base), leaves_of(again))):
-        return None  # random (active dropout): a batch of one draws other numbers
-
-    def first(v: Tensor, leaf) -> Tensor:
-        if isinstance(leaf, Batch) and leaf.c == 1:
-            return v.narrow(leaf.dim, 0, 1).clone()
-        # a constant built with one equal row per sample (a mask expanded to the batch size): a
-        # batch of one has one row of it, as the generic rule's split by the plan's dims gives
-        equal_rows = leaf is None and v.dim() > 0 and v.shape[0] == n > 1 and torch.equal(v, v[:1].expand_as(v))
-        return v[:1].clone() if equal_rows else v.clone()
-
-    try:
-        with _seeded(device, _SEED):
-            one = call(*load(first))
-    except Exception as exc:  # noqa: BLE001 - the layer's own code on other shapes: its message, in the refusal
-        raise _FailsAlone(f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}") from exc
-    for a, b, leaf in zip(leaves_of(base), leaves_of(one), out_leaves):
-        if isinstance(leaf, Batch) and leaf.c == 1:
-            gap = _gap(a.narrow(leaf.dim, 0, 1), b, lambda eps: eps**0.5)
-            if gap:
-                return (f": run on sample 0 alone (a batch of one, as curvlib's generic rule recomputes "
-                        f"it) gives an output {gap:.3g} away from its row of the batched output: the "
-                        "layer does not treat samples independently")
-    return None
-
-
 def _node_call(program, node: fx.Node, params) -> Callable:
     """``(args, kwargs) -> value`` of a node, with the plan's parameters and copies of buffers."""
     if node.op == "call_module":
@@ -286,7 +116,7 @@ def pending_problem(program, found, X: Tensor, params, trainable) -> Optional[st
     if n < 2 or not found.pending:
         return None
     env: dict = {}
-    with _seeded(_inputs.first(X).device, _SEED):
+    with seeded(_inputs.first(X).device, SEED):
         run_graph(program, X, params, trainable, Recorder(None), env=env)
     for node in found.pending:
         def load(fn, node=node):
@@ -299,7 +129,7 @@ def pending_problem(program, found, X: Tensor, params, trainable) -> Optional[st
         alone = layer is not None and any(name in trainable for name in layer.names.values())
         try:
             why = probe(_node_call(program, node, params), load, found.layouts[node], n, _inputs.first(X).device, alone)
-        except _FailsAlone as exc:
+        except FailsAlone as exc:
             raise CurvatureError(  # (not a mixing verdict: the layer's own code fails on a batch of one)
                 f"Layer '{layer.path}' ({type(module).__name__}, graph node '{node.name}') has no curvlib rule: its per-"
                 f"sample quantities run it on each sample alone, which fails in its own code ({exc}). They are refused; "
@@ -331,23 +161,29 @@ def _site_problem(site, n: int, device) -> Optional[str]:
 @outside_transforms
 def untraced_problem(program, plan, X: Tensor, params, trainable, runner) -> Optional[str]:
     """Numeric tests of a model without a graph (see the module doc)."""
-    n = _inputs.batch_size(X)
+    n, device = _inputs.batch_size(X), _inputs.first(X).device
     if n < 2 or not plan.site_shapes:
         return None
     rec = Recorder(None)
-    with _seeded(_inputs.first(X).device, _SEED):
+    with seeded(device, SEED):
         base = runner(program, X, params, trainable, rec)
     for site in rec.sites:
-        why = FAMILY_OF[site.rule.kind].runs_own_code and _site_problem(site, n, _inputs.first(X).device)
+        why = FAMILY_OF[site.rule.kind].runs_own_code and _site_problem(site, n, device)
         if why:  # (a generic site: the module's own code, run on one sample)
             return f"layer '{site.where}' ({type(site.meta['module']).__name__}){why}"
-    gen = torch.Generator().manual_seed(_SEED)
+    gen = torch.Generator().manual_seed(SEED)
+
+    def run(probes: List[Tensor]):
+        with seeded(device, SEED):
+            return runner(program, X, params, trainable,
+                          Recorder(probes, batch_dims=plan.batch_dims, saved_dims=plan.saved_dims))
+
     for j in sorted({0, n - 1}):
-        gap = _probe_leak(program, plan, X, params, trainable, runner, base, j, n, gen, None)
+        gap = leak(base, run(_noise(plan, j, n, gen, None, device)), [Batch(0)], j, n)
         if not gap:
             continue
         blamed = next((k for k in range(len(plan.site_shapes))
-                       if _probe_leak(program, plan, X, params, trainable, runner, base, j, n, gen, k)), None)
+                       if leak(base, run(_noise(plan, j, n, gen, k, device)), [Batch(0)], j, n)), None)
         where = f"layer '{plan.sites[blamed].where}'" if blamed is not None else "its layers"
         return (f"the model's own forward (it has no graph; tested numerically): noise added to "
                 f"sample {j}'s rows of the output of {where} changed other samples' model outputs by "
@@ -355,19 +191,17 @@ def untraced_problem(program, plan, X: Tensor, params, trainable, runner) -> Opt
     return None
 
 
-def _probe_leak(program, plan, X, params, trainable, runner, base, j, n, gen, only) -> float:
-    """Leak of noise added to sample ``j``'s rows of every layer output (or of layer ``only``)."""
+def _noise(plan, j: int, n: int, gen: torch.Generator, only: Optional[int], device) -> List[Tensor]:
+    """A probe per site (batch first): noise on sample ``j``'s rows of every layer output (or of
+    layer ``only``), zero elsewhere."""
     probes: List[Tensor] = []
-    for k, (shape, dtype) in enumerate(zip(plan.site_shapes, plan.site_dtypes)):  # probes: batch first
-        p = torch.zeros(shape, dtype=dtype, device=_inputs.first(X).device)
+    for k, (shape, dtype) in enumerate(zip(plan.site_shapes, plan.site_dtypes)):
+        p = torch.zeros(shape, dtype=dtype, device=device)
         if only is None or k == only:  # unit noise on sample j's rows
-            mine = _rows(shape[0], Batch(0), n, j, _inputs.first(X).device).reshape([-1] + [1] * (len(shape) - 1))
-            p = torch.randn(shape, generator=gen, dtype=dtype, device="cpu").to(_inputs.first(X).device) * mine
+            mine = sample_rows(shape[0], Batch(0), n, j, device).reshape([-1] + [1] * (len(shape) - 1))
+            p = torch.randn(shape, generator=gen, dtype=dtype, device="cpu").to(device) * mine
         probes.append(p)
-    with _seeded(_inputs.first(X).device, _SEED):
-        rec = Recorder(probes, batch_dims=plan.batch_dims, saved_dims=plan.saved_dims)
-        out = runner(program, X, params, trainable, rec)
-    return _leak(base, out, [Batch(0)], j, n)
+    return probes
 
 
 @outside_transforms
@@ -376,7 +210,7 @@ def gather_problem(program, gathers, X: Tensor, params, trainable) -> Optional[s
     batch-dim index depends on the input's values, on this call's values (computed from the
     input alone where the index allows, else by one forward)."""
     n = _inputs.batch_size(X)
-    with _seeded(_inputs.first(X).device, _SEED):
+    with seeded(_inputs.first(X).device, SEED):
         env = _index.input_values(program, X, [a for check in gathers for a in check.inputs])
         if env is None:  # the index needs the model's layers: the whole forward
             env = {}

@@ -53,7 +53,7 @@ def _drawn(value, gen: torch.Generator):
 
 def agrees(node: fx.Node, env, positions, batch: Batch) -> bool:
     """Whether ``node`` run once per sample on its merged operands (:class:`PerSample`, each
-    sample's rows as :func:`_unmerge` splits them off) gives, merged back, the values it gave
+    sample's rows as :func:`curvlib._plan.unmerge.unmerge` splits them off) gives, merged back, the values it gave
     on the merged rows: the op acts on each sample's rows alone, not across them. Tested on
     drawn operands of the planning pass's shapes; an op on integer operands is not tested
     (and not split: refused by the planner)."""

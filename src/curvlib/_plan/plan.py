@@ -65,6 +65,8 @@ class Plan:
     independence: Optional[_independence.Independence] = None  # samples mixed inside the model?
     # per residual: (c, s) when its output has the batch merged with c entries per sample (else None)
     residual_merges: Tuple[Optional[Tuple[int, int]], ...] = ()
+    # the program the plan was made on: the traced one, or its rewrite with merged batches split off
+    program: Optional[Program] = None
 
 
 def module_checks(program: Program) -> List[Callable[[], None]]:
@@ -202,10 +204,13 @@ def saved_batch_dims(site: Site, site_b: Site, n: int) -> Dict[str, Optional[int
     return dims
 
 
-def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=None, runner=None) -> Plan:
-    """Learn shapes and batch dimensions (see the module docstring)."""
+def _two_passes(program: Program, X, params, trainable, residual_nodes, runner):
+    """``(recorder and output at N, recorder and output at N + 1, every node's value in each)``:
+    the graph run on fake inputs of batch sizes ``N`` and ``N + 1`` (values keyed by
+    ``program``'s nodes), refused unless both call the same layers and their outputs hold the
+    batch in dim 0."""
     n = _inputs.batch_size(X)
-    env_a, env_b = {}, {}  # every node's value in both passes (for _independence)
+    env_a, env_b = {}, {}
     rec_a, out_a = _checked_shape_pass(program, X, params, trainable, n, residual_nodes, runner, env_a)
     program_b = program.sibling or program  # (an ATen-level trace has the batch size baked in)
     rec_b, out_b = _checked_shape_pass(program_b, X, params, trainable, n + 1, _same_nodes(program, program_b, residual_nodes),
@@ -225,8 +230,17 @@ def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=Non
             f"The model output has shape {list(out_a.shape)} for an input batch of "
             f"N={n}; curvlib needs the batch in dim 0 of the output."
         )
-    if split_merged_batches(program, rec_a, rec_b, env_a, env_b, n, trainable):
-        return make_plan(program, X, params, trainable, residual_nodes, runner)
+    return (rec_a, out_a, env_a), (rec_b, out_b, env_b)
+
+
+def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=None, runner=None) -> Plan:
+    """Learn shapes and batch dimensions (see the module docstring)."""
+    n = _inputs.batch_size(X)
+    # (every node's value in both passes: for _independence)
+    (rec_a, out_a, env_a), (rec_b, _, env_b) = _two_passes(program, X, params, trainable, residual_nodes, runner)
+    merged = split_merged_batches(program, rec_a, rec_b, env_a, env_b, n, trainable)
+    if merged is not None:
+        return make_plan(merged, X, params, trainable, residual_nodes, runner)
     batch_dims = []
     independence = _independence.analyse(program, env_a, env_b, n, trainable)
     for site, sa, sb in zip(rec_a.sites, rec_a.out_shapes, rec_b.out_shapes):
@@ -254,6 +268,7 @@ def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=Non
         independence=independence,  # samples mixed?
         residual_merges=residual_merges(program, rec_a.residuals, residual_dims, independence, n),
         sites=tuple(Site(s.rule, dict(s.params), s.where, meta=dict(s.meta), key=s.key) for s in rec_a.sites),
+        program=program,
     )
 
 

@@ -113,7 +113,7 @@ def _check_kron_uses(ext, name: str, u, family_of, param_dims) -> None:
         _check_exact_block(label, name, u, families, param_dims, ext.options.kfac_approx)
         return
     if len(u) > 1 and not ext.recursion and tied_across_layers(u, family_of):
-        return  # the diagonal of the exact block (curvlib._evaluate.second_order._generic_block)
+        return  # the diagonal of the exact block (curvlib.rules.fixed_rows.generic_block)
     if len(u) > 1 and (
         ext.recursion
         # (every use a Linear site, the rule's kind, of a layer whose family factors its uses)

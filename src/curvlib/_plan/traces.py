@@ -1,12 +1,13 @@
-"""Stage 0 of :func:`curvlib.curvature`: trace the model once per ``training`` flags and
-input structure, and refuse, before any call, what the trace shows cannot be computed
-(an untraceable model for second order, a branching graph for KFRA, a custom
-``autograd.Function`` lacking what torch.func needs). User forward hooks are not run
+"""Stage 1 of :func:`curvlib.curvature` (:mod:`curvlib._transform.entry`): trace the model
+once per ``training`` flags and input structure, and refuse, before any call, what the trace
+shows cannot be computed (an untraceable model for second order, a branching graph for KFRA,
+a custom ``autograd.Function`` lacking what torch.func needs). User forward hooks are not run
 (they are not part of the math): say so once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
@@ -21,9 +22,9 @@ from .._core.errors import CurvatureError
 from .._trace.graph_facts import chain_nodes, has_inplace
 from .plan import Plan, module_checks
 from ..rules import subclassed
-from .._trace.aten import trace_aten_program
+from .._trace.aten import trace_aten_pair
 from .._trace.branches import keyword_inputs
-from .._core.inputs import batch_size, structure_key, tensors, with_batch
+from .._core.inputs import structure_key, tensors
 from .._core.outputs import say_choice
 from .._core.sync import LOCK
 from .._trace.program import Program, assemble, trace_program
@@ -156,26 +157,19 @@ def trace(model: nn.Module, second: Sequence[SecondOrder], X=None, output=None, 
     """The model's trace. ``real_input``: ``X`` is a real input (not only its structure), so that a
     model torch.fx cannot follow is traced at the ATen level on it; otherwise such a model's
     trace is marked ``pending`` (traced again on the first call's input)."""
-    program = trace_program(model, X if not real_input else _structure_only(X))
+    program = trace_program(model, X if not real_input else _structure_only(X), output)
     pending = needs_aten(program, model, X)
+    aten_error = ""
     if pending and real_input:
-        try:
-            program = trace_aten_program(model, X, output)
-            # planning compares a batch of N and of N + 1 samples (curvlib._plan.plan); shapes are baked in
-            program.sibling = trace_aten_program(model, with_batch(X, batch_size(X) + 1, real=True), output)
-            pending = False
-        except CurvatureError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the model's forward or make_fx failed: keep fx's trace
-            program = _fallback(program, model, X, f"{type(exc).__name__}: {exc}".splitlines()[0])
-    if pending and not real_input:
+        program, aten_error = _aten_level(program, model, X, output)
+    elif pending:
         return Traced(program=program, runner=None, checks=[], direct=True, residual_nodes={}, dropout=[],
                       pending=True)
     if second and program.graph is None:
         raise CurvatureError(
             f"{type(second[0]).__name__} needs the model's computation graph, but model "
             f"{type(model).__name__} could not be traced with torch.fx:\n  {program.trace_error}\n"
-            + (f"nor at the ATen level: {program.aten_error}\n" if program.aten_error else "")
+            + (f"nor at the ATen level: {aten_error}\n" if aten_error else "")
             + "First-order extensions do not need the graph."
         )
     if any(e.recursion for e in second):
@@ -184,7 +178,6 @@ def trace(model: nn.Module, second: Sequence[SecondOrder], X=None, output=None, 
     traced = program.graph is not None
     if traced:
         _refuse_unsupported_functions(program, second)
-    program.selector = output
     return Traced(
         program=program,
         runner=None if traced else run_eager,
@@ -196,15 +189,22 @@ def trace(model: nn.Module, second: Sequence[SecondOrder], X=None, output=None, 
     )
 
 
-def _fallback(program: Program, model: nn.Module, X, aten_error: str) -> Program:
-    """The symbolic trace to keep when the ATen-level trace failed. With keyword inputs it has
-    no graph (torch.fx gave the whole dict to the first argument): the model then runs eagerly,
-    called with ``X`` as keywords (first order only)."""
+def _aten_level(program: Program, model: nn.Module, X, output) -> "tuple[Program, str]":
+    """``(program, why the ATen-level trace failed or "")``: the model traced at the ATen level
+    on ``X`` (with its batch-of-N + 1 sibling), or, when that fails, the symbolic trace to keep.
+    With keyword inputs the kept trace has no graph (torch.fx gave the whole dict to the first
+    argument): the model then runs eagerly, called with ``X`` as keywords (first order only)."""
+    try:
+        return trace_aten_pair(model, X, output), ""
+    except CurvatureError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the model's forward or make_fx failed: keep fx's trace
+        aten_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
     if keyword_inputs(model, X) and program.graph is not None:
         program = assemble(program.root, program.prefix, None, "X holds keyword inputs, which only the ATen-level "
                            "front end traces", {}, program.param_names, program.leaf_inputs)
-    program.aten_error = aten_error
-    return program
+        program = dataclasses.replace(program, selector=output)
+    return program, aten_error
 
 
 def _structure_only(X):

@@ -7,7 +7,7 @@ keyword inputs need it, curvlib instead runs the model once on the call's input 
 :func:`torch.fx.experimental.proxy_tensor.make_fx` (pre-dispatch ATen ops, real
 tensors): all of the model's Python has run and every branch is taken as it is for
 inputs of this signature. The ATen graph is then *replayed* through curvlib's own fx
-tracer (:class:`curvlib._trace.program.Tracer`), so that the rest of the pipeline sees the
+tracer (:class:`curvlib._trace.tracer.Tracer`), so that the rest of the pipeline sees the
 vocabulary of a symbolically traced model:
 
 * a parameter use whose op *is* its owner module's forward (``aten.linear`` on an
@@ -36,6 +36,7 @@ signature (shapes, dtypes, devices): :mod:`curvlib._transform.entry` keys it so.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -48,15 +49,16 @@ from .._core.errors import CurvatureError
 from .aten_ops import (INPUT_ARG, conv1d_linear, linear_computed_bias, matmul_linear, owner_call, owners, torch_level,
                        view_of)
 from .branches import input_branch, keyword_inputs, without_hooks
-from .._core.inputs import as_pytree, batch_size, trace_structure
+from .._core.inputs import as_pytree, batch_size, trace_structure, with_batch
 from .functions import forget, recorded_functions, replay
 from .module_calls import forget as forget_modules, kept_whole, module_spans, modules_to_keep_whole, replay_module
 from .modes import inference_as_no_grad
-from .program import Program, Tracer, assemble
+from .tracer import Tracer
+from .program import Program, assemble
 from .._core.sync import LOCK
 from ..rules.generic import restored
 
-__all__ = ["trace_aten_program", "trace_graph"]
+__all__ = ["trace_aten_program", "trace_aten_pair", "trace_graph"]
 
 aten = torch.ops.aten
 APPLIED_OP = torch.ops.curvlib.autograd_function.default
@@ -253,11 +255,18 @@ def trace_aten_program(model: nn.Module, X, output=None) -> Program:
     root, graph, chosen, whole = trace_graph(model, X, output)
     opaque = {f"model.{path}": why for path, why in whole.items()}
     program = assemble(root, "model.", graph, None, opaque, param_names, leaf_inputs=not isinstance(X, torch.Tensor))
-    program.aten, program.output_choice = True, chosen
     for target, path in root.view_paths.items():  # (a view's layer is named as its owner)
         if target in program.layers:
             program.layers[target].path = path
-    return program
+    return dataclasses.replace(program, aten=True, output_choice=chosen, selector=output)
+
+
+def trace_aten_pair(model: nn.Module, X, output=None) -> Program:
+    """:func:`trace_aten_program` on ``X``, with the same model traced on a batch of N + 1 samples
+    as its ``sibling`` (planning compares the two batch sizes, :mod:`curvlib._plan.plan`; an
+    ATen-level trace has the batch size baked in)."""
+    sibling = trace_aten_program(model, with_batch(X, batch_size(X) + 1, real=True), output)
+    return dataclasses.replace(trace_aten_program(model, X, output), sibling=sibling)
 
 
 def trace_graph(model: nn.Module, X, output) -> Tuple[nn.Module, fx.Graph, str, Dict[str, str]]:

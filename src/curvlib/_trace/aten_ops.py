@@ -298,6 +298,8 @@ def _group_norm(x, groups, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
 
 
 def _batch_norm(x, weight, bias, mean, var, training, momentum, eps, cudnn_enabled=True):
+    """``aten::batch_norm``, with that op's own signature (the replay passes its arguments as the
+    ATen graph holds them)."""
     if not training and mean is not None and var is not None:  # (torch's backward: rules.batchnorm.eval_batch_norm)
         return eval_batch_norm(x, mean, var, weight, bias, eps)
     return F.batch_norm(x, mean, var, weight, bias, training, momentum, eps)

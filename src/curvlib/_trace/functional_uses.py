@@ -20,7 +20,7 @@ __all__ = ["input_dependent", "shape_query", "functional_uses"]
 def input_dependent(graph: fx.Graph, leaves: bool = False, inputs: Optional[Dict[fx.Node, List[fx.Node]]] = None) -> set:
     """Nodes whose value depends on the model input (the first placeholder; every
     placeholder when the input's leaves are the placeholders). ``inputs``: every node's
-    :func:`~curvlib._trace.aliasing.effective_inputs` (a buffer written in place with
+    :func:`~curvlib._core.aliasing.effective_inputs` (a buffer written in place with
     the input's values depends on the input from then on)."""
     inputs = effective_inputs(graph) if inputs is None else inputs
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]

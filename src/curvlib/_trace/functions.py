@@ -9,7 +9,7 @@ replaced by a call of the custom op :data:`APPLIED` (``curvlib::autograd_functio
 Function class and the call's other arguments (:data:`_CALLS`). The replay
 (:func:`replay`) turns that node back into ``Fn.apply(...)`` on proxies, which curvlib's
 tracer records as the same ``call_function`` node a symbolic trace gives
-(:func:`curvlib._trace.program.function_call`): interpreted by ``Fn.apply``, so every
+(:func:`curvlib._trace.tracer.function_call`): interpreted by ``Fn.apply``, so every
 derivative runs the Function's own ``backward`` (and ``jvp``/``vmap`` where torch.func needs
 them; :mod:`curvlib._plan.traces` refuses what a Function lacks).
 """
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from .program import function_apply
+from .tracer import function_apply
 
 __all__ = ["APPLIED", "recorded_functions", "forget", "replay"]
 
@@ -62,7 +62,7 @@ def APPLIED(tensors: List[Tensor], key: int) -> List[Tensor]:  # noqa: N802 - an
 @contextlib.contextmanager
 def recorded_functions():
     """``Function.apply`` routed through :data:`APPLIED` for the block (under the lock
-    :func:`~curvlib._trace.program.function_apply` takes); yields the keys made, forgotten by
+    :func:`~curvlib._trace.tracer.function_apply` takes); yields the keys made, forgotten by
     :func:`forget` once the graph is replayed."""
     keys: List[int] = []
 

@@ -11,7 +11,7 @@
 * **augmented assignments**: ``h += p`` is recorded as ``operator.iadd`` (fx's own proxy
   rebinds it to ``h = h + p``).
 
-The caller's grad mode and autocast are switched off while tracing (:class:`~curvlib._trace.program.Tracer`),
+The caller's grad mode and autocast are switched off while tracing (:class:`~curvlib._trace.tracer.Tracer`),
 so that only the model's own are recorded.
 """
 

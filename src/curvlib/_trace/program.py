@@ -26,11 +26,11 @@ weights (one ``Parameter`` held by two modules) are one entry.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import inspect
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch.nn.utils import parametrize
@@ -47,14 +47,18 @@ from ..rules.functional import FunctionalUse, split_computed_bias
 from ..rules.generic import restored
 from .functional_uses import functional_uses, input_dependent
 from .layer import Layer
-from .modes import InPlaceProxy, TensorConstant, cut_no_grad_regions, no_autocast, record_modes, refuse_autocast
+from .modes import refuse_autocast
+from .tracer import Tracer, owns_parameters
 
-__all__ = ["Program", "Layer", "Tracer", "trace_program", "assemble", "function_apply"]
+__all__ = ["Program", "Layer", "trace_program", "assemble"]
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class Program:
-    """A traced model: the graph, its layers, and where parameters live.
+    """A traced model: the graph, its layers, and where parameters live. Frozen: a later stage
+    that rewrites the graph (:mod:`curvlib._plan.batch_merges`) makes a new program with
+    :func:`dataclasses.replace`; what a later stage learns about a program lives in that
+    stage's own records (:class:`curvlib._plan.traces.Traced`).
 
     Attributes:
         root: the module the graph's ``get_attr``/``call_module`` targets refer to.
@@ -112,20 +116,6 @@ _PRIMITIVES = {F.layer_norm: layernorm.layer_norm, torch.layer_norm: layernorm.l
                F.hardsigmoid: elementwise.hardsigmoid}
 
 
-def _owns_parameters(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters(recurse=False))
-
-
-def _holds_attention(module: nn.Module) -> bool:
-    """Whether a submodule is an attention module or transformer block traced as its math."""
-    return any(attention.traced_forward(m) is not None for m in module.modules())
-
-
-def _holds_layers(module: nn.Module) -> bool:
-    """Whether a submodule below ``module`` owns parameters."""
-    return any(_owns_parameters(m) for m in module.modules() if m is not module)
-
-
 def _outermost_owners(root: nn.Module) -> List[str]:
     """Layers of a model without a graph: the modules that own parameters directly
     (or through ``torch.nn.utils.parametrize``), except those inside another
@@ -133,125 +123,12 @@ def _outermost_owners(root: nn.Module) -> List[str]:
     at its first path (that of ``named_modules()``)."""
     owners = [
         path for path, m in root.named_modules()
-        if _owns_parameters(m) or parametrize.is_parametrized(m)
+        if owns_parameters(m) or parametrize.is_parametrized(m)
     ]
     return [
         path for path in owners
         if not any(q != path and (q == "" or path.startswith(q + ".")) for q in owners)
     ]
-
-
-class Tracer(fx.Tracer):
-    """fx tracer whose leaves are parametrized modules, torch.nn built-ins and custom
-    ``autograd.Function`` calls.
-
-    fx would trace *into* ``Fn.apply`` (it calls ``forward`` on the proxies), and the
-    graph would then differentiate ``forward``'s ops instead of ``Fn.backward``: wrong
-    for a straight-through estimator or any custom gradient. While tracing (as fx
-    itself does with ``nn.Module.__call__``), ``Function.apply`` is patched to record
-    one ``call_function`` node whose target calls the real ``Fn.apply``; the patch is
-    undone when tracing ends, under :data:`curvlib._core.sync.LOCK`.
-    """
-
-    def __init__(self, opaque: Optional[Dict[int, str]] = None):
-        super().__init__()
-        self.opaque = opaque or {}  # id(module) -> why: modules traced as leaves
-        self.failed: Optional[nn.Module] = None  # the deepest module whose forward raised
-        self.installed: set = set()  # ids of the root's submodules (set by trace)
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if attention.traced_forward(m) is not None:
-            return False  # traced as its math (curvlib.rules.attention)
-        if id(m) in self.opaque:
-            return True
-        if _owns_parameters(m):
-            # A user module that owns parameters and holds parametrized submodules or attention
-            # (a ConvNeXt block's layer-scale gamma around its Linear layers): traced through, its
-            # direct parameter uses become functional sites (as the root's) and the layers inside
-            # keep their rules (Kronecker factors); as one generic leaf they would lose them.
-            return rules.has_family(m) or not (_holds_attention(m) or _holds_layers(m))
-        return super().is_leaf_module(m, module_qualified_name)
-
-    def call_module(self, m: nn.Module, forward, args, kwargs):
-        if id(m) not in self.installed:
-            return forward(*args, **kwargs)  # built inside forward (``ACT2FN[name](x)``): no path to call it by; its ops are traced
-        math = attention.traced_forward(m)
-        try:
-            return super().call_module(m, math if math is not None else forward, args, kwargs)
-        except Exception:
-            if self.failed is None and id(m) in self.installed:  # the first to see the error is the innermost module
-                self.failed = m
-            raise
-
-    def create_arg(self, a):
-        if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter) and self.tensor_attrs.get(a) is None \
-                and not any(a is b for _, b in self.root.named_buffers()):  # (not stored on the model)
-            return self.create_node("call_function", TensorConstant(a), (), {})
-        return super().create_arg(a)
-
-    def proxy(self, node: fx.Node) -> fx.Proxy:
-        return InPlaceProxy(node, self)
-
-    def create_node(self, *args, **kwargs):
-        return record_modes(super().create_node(*args, **kwargs))
-
-    def create_proxy(self, kind, target, args, kwargs, *rest, **more):
-        if kind == "call_function" and target is F.scaled_dot_product_attention:
-            return attention.scaled_dot_product_attention(*args, **kwargs)  # inlined as its math
-        return super().create_proxy(kind, target, args, kwargs, *rest, **more)
-
-    def trace(self, root, concrete_args=None):
-        tracer = self
-        self.installed = {id(m) for m in root.modules()}
-        original = torch.autograd.Function.__dict__["apply"]
-
-        def apply(cls, *args, **kwargs):
-            if _has_proxy((args, kwargs)):
-                return tracer.create_proxy("call_function", function_call(cls), args, kwargs)
-            return original.__func__(cls, *args, **kwargs)
-
-        # (traced with grad mode on, so that a node records the model's own ``no_grad`` regions
-        # and not the caller's; a trace that fails inside one leaves the mode as it found it)
-        with function_apply(apply), torch.enable_grad(), no_autocast():
-            graph = super().trace(root, concrete_args)
-        cut_no_grad_regions(graph)
-        return graph
-
-
-@contextlib.contextmanager
-def function_apply(apply: Callable):
-    """``torch.autograd.Function.apply`` replaced by ``apply(cls, *args, **kwargs)`` for the block,
-    under :data:`curvlib._core.sync.LOCK` (other threads must not see it), and put back."""
-    original = torch.autograd.Function.__dict__["apply"]
-    with LOCK:
-        torch.autograd.Function.apply = classmethod(apply)
-        try:
-            yield
-        finally:
-            torch.autograd.Function.apply = original
-
-
-def _has_proxy(value) -> bool:
-    found = []
-    fx.node.map_aggregate(value, lambda a: found.append(a) if isinstance(a, fx.Proxy) else None)
-    return bool(found)
-
-
-_FUNCTION_CALLS: Dict[type, Callable] = {}
-
-
-def function_call(cls: type) -> Callable:
-    """The graph target for ``cls.apply`` (one per class; ``.function`` is the class)."""
-    if cls not in _FUNCTION_CALLS:
-        apply = torch.autograd.Function.__dict__["apply"].__func__
-
-        def call(*args, **kwargs):
-            return apply(cls, *args, **kwargs)
-
-        call.__name__ = call.__qualname__ = f"{cls.__name__}.apply"
-        call.function = cls
-        _FUNCTION_CALLS[cls] = call
-    return _FUNCTION_CALLS[cls]
 
 
 class _Root(nn.Module):
@@ -275,8 +152,9 @@ def _model_line(exc: BaseException) -> str:
     return f"{f.filename}:{f.lineno}: {f.line}"
 
 
-def trace_program(model: nn.Module, example=None) -> Program:
-    """Trace ``model``; never runs it on data and never changes it.
+def trace_program(model: nn.Module, example=None, output=None) -> Program:
+    """Trace ``model``; never runs it on data and never changes it. ``output``: which tensor of
+    a container output the loss takes (``curvature(..., output=)``; ``None``: the default rule).
 
     ``example``: the input's structure when it is a container (dict, tuple, ...)
     of tensors rather than a tensor. The model then sees a real container whose
@@ -290,7 +168,7 @@ def trace_program(model: nn.Module, example=None) -> Program:
         param_names.setdefault(id(p), name)
 
     root, prefix = (model, "")
-    if (_owns_parameters(model) and rules.has_family(model)) or attention.traced_forward(model) is not None:
+    if (owns_parameters(model) and rules.has_family(model)) or attention.traced_forward(model) is not None:
         # A bare nn.Linear/Conv/... model: trace a holder so that it is one layer
         # with its hand-written rule. Any other model that owns parameters is
         # traced as it is; its direct parameter uses become functional sites. (An attention
@@ -304,7 +182,8 @@ def trace_program(model: nn.Module, example=None) -> Program:
         first = next(iter(inspect.signature(root.forward).parameters))
         concrete = {first: trace_structure(example)}
     graph, error, opaque = _trace_with_opaque_leaves(root, with_defaults(root.forward, concrete))
-    return assemble(root, prefix, graph, error, opaque, param_names, leaf_inputs=concrete is not None)
+    program = assemble(root, prefix, graph, error, opaque, param_names, leaf_inputs=concrete is not None)
+    return dataclasses.replace(program, selector=output)
 
 
 def assemble(root, prefix, graph, error, opaque, param_names, leaf_inputs: bool) -> Program:

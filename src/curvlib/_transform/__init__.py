@@ -1,4 +1,5 @@
-"""Stage 5, the entry: ``curvature(model, lossfn, extensions)`` and the ways to run it.
+"""The entry: ``curvature(model, lossfn, extensions)``, which runs the stages 1-7, and the ways
+to run it.
 
 - ``entry``: the transform, calling the stages below in order;
 - ``chunking``: ``batch_chunk_size``: the batch in slices, results combined;

@@ -1,4 +1,4 @@
-"""One call's evaluation (stages 3-6 of :mod:`curvlib._transform.entry`): forward, loss and site
+"""One call's evaluation (stages 4-7 of :mod:`curvlib._transform.entry`): forward, loss and site
 gradients, first order, second order, from a :class:`CallContext` complete before it starts.
 
 Shared by the eager call and the compiled one (:mod:`curvlib._transform.compiled`, which traces
@@ -18,12 +18,11 @@ from .._core.errors import CurvatureError
 from .._core.tensors import is_concrete
 from .._evaluate.first_order import first_order, first_order_streamed, streams
 from .._evaluate.kfra import kfra
-from .._evaluate.linearise import forward_with_probes
+from .._evaluate.linearise import Forward, forward_with_probes
 from .._evaluate.products import products, rng_state
 from .._evaluate.second_order import Beside, Call, second_order
 from .._plan import budget as _budget
 from .._plan.checks import CallContext
-from .._plan.traces import Traced
 from ..distributed import kfra_reducer
 from ..extensions.products import BlockProduct
 from ..losses._generic import check_per_sample
@@ -33,7 +32,7 @@ __all__ = ["evaluate"]
 
 
 def evaluate(s, c: CallContext) -> Dict[str, object]:
-    """Stages 3-6 for the setup ``s`` (:class:`curvlib._transform.entry._Setup`: the loss, the
+    """Stages 4-7 for the setup ``s`` (:class:`curvlib._transform.entry._Setup`: the loss, the
     extensions, the options) and the call ``c`` (the caller's buffers are in the model's slots for
     this call; the block products put them there again whenever they are evaluated). Where it can,
     the first order is read during the loss's backward, after the second order
@@ -42,11 +41,12 @@ def evaluate(s, c: CallContext) -> Dict[str, object]:
     trainable, n = list(c.trainable), _inputs.batch_size(c.X)
     rng = rng_state(device)
     with from_primitives(any(e.many_columns for e in s.second)):
+        fwd = Forward(traced.program, c.plan, X, c.values, frozenset(trainable), traced.residual_nodes,
+                      runner=traced.runner, dropout_seed=c.dropout_seed)
         lin = forward_with_probes(
-            traced.program, c.plan, X, c.values, frozenset(trainable), traced.residual_nodes, runner=traced.runner,
+            fwd, direct=traced.direct, functorch=c.differentiable,
             # KFRA reuses the forward's node values, unless an in-place node overwrote its input
-            direct=traced.direct, keep_values=traced.direct and any(e.recursion for e in s.second),
-            functorch=c.differentiable, dropout_seed=c.dropout_seed,
+            keep_values=traced.direct and any(e.recursion for e in s.second),
         )
     wanted, generic = s.first, not s.spec.structural
     if streams(lin, s.second, generic):  # second order first: the loss's backward then frees the graph
@@ -62,7 +62,7 @@ def evaluate(s, c: CallContext) -> Dict[str, object]:
 
 
 def _second_order(s, c: CallContext, lin, rng, gs, residual_grads) -> Dict[str, object]:
-    """Stage 6 (``gs``: the loss gradient at every site, the empirical Fisher's root; ``None``
+    """Stage 7 (``gs``: the loss gradient at every site, the empirical Fisher's root; ``None``
     when the first order is read during the loss's backward, which then comes after)."""
     if not s.second:
         return {}
@@ -73,14 +73,14 @@ def _second_order(s, c: CallContext, lin, rng, gs, residual_grads) -> Dict[str, 
         product = _buffers.bind_products(products(c, s.spec, curv, lin, residual_grads, rng), s.model, c.buffers)
     kfra_factors = None
     if any(e.recursion for e in s.second):  # (the recursion's closure only when asked for)
-        kfra_factors = _kfra_factors(s, c.traced, lin, curv, c.X, c.y, trainable, c.values, c.dropout_seed)
+        kfra_factors = _kfra_factors(s, c, lin, curv)
     chunk = _budget.auto_chunk_size(c.plan, s.second, c.device) if s.chunk_size == "auto" else s.chunk_size
     call = Call(lin, trainable, c.values, _inputs.batch_size(c.X), chunk_size=chunk, into=c.into)
     return second_order(call, curv, s.second, Beside(residual_grads, gs, product, kfra_factors))
 
 
 def _loss_and_site_gradients(spec, lin, y: Tensor, keep_graph: bool):
-    """Stage 4: the loss and its gradient at every site (and residual) output."""
+    """Stage 5: the loss and its gradient at every site (and residual) output."""
     if lin.pull_loss is not None:  # plain autograd: one backward from the loss
         loss, (gs, residual_grads) = lin.pull_loss(lambda out: _scalar_loss(spec, out, y), retain=keep_graph)
     else:
@@ -102,15 +102,14 @@ def _scalar_loss(spec, out: Tensor, y: Tensor) -> Tensor:
     return loss
 
 
-def _kfra_factors(s, traced: Traced, lin, curv, X, y, trainable, values, dropout_seed):
+def _kfra_factors(s, c: CallContext, lin, curv):
     """``() -> KFRA factors``, reusing the forward's node values where it kept them."""
+    fwd = Forward(c.traced.program, c.plan, c.X, c.values, frozenset(c.trainable), dropout_seed=c.dropout_seed)
 
     def factors():
         reduce = None
         if s.process_group is not None:
-            reduce = kfra_reducer(s.spec, s.process_group, _inputs.batch_size(X), losses.normaliser(s.spec, y))
-        forward = (lin.out, lin.values) if lin.values is not None else None
-        return kfra(traced.program, curv, X, trainable, values, lin.sites, reduce=reduce, forward=forward,
-                    dropout_seed=dropout_seed)
+            reduce = kfra_reducer(s.spec, s.process_group, _inputs.batch_size(c.X), losses.normaliser(s.spec, c.y))
+        return kfra(fwd, curv, list(c.trainable), lin.sites, reduce=reduce, values=lin.values)
 
     return factors

@@ -3,7 +3,7 @@
 The first call with a new *signature* (the modules' ``training`` flags, the shapes,
 dtypes and devices of ``X``'s tensors, of ``y`` and of every parameter value, and
 which parameters are wanted) checks everything as the eager call does, then traces
-stages 3-6 of :mod:`curvlib._transform.entry` (forward, loss, backward, read-off, the
+stages 4-7 of :mod:`curvlib._transform.entry` (forward, loss, backward, read-off, the
 plain-autograd route) into one flat aten graph with ``make_fx`` on fake tensors and
 hands it to ``torch.compile(fullgraph=True)``. Later calls with that signature run
 the compiled program: no Python per site, no per-call state that could recompile.
@@ -154,7 +154,7 @@ class CompiledCall:
         )
 
     def _checked(self, X, y, params):
-        """Stages 1-2 of the eager call (every refusal) and this call's trace and plan."""
+        """Stages 2-3 of the eager call (every refusal) and this call's trace and plan."""
         s = self.call.setup
         if torch._C._functorch.maybe_current_level() is not None:
             raise CurvatureError("curvature(..., compile=True) cannot run inside a torch.func transform; use compile=False.")
@@ -176,7 +176,7 @@ class CompiledCall:
         return traced, plan, values, trainable
 
     def _build(self, X, y, params) -> _Program:
-        """Trace stages 3-6 for this signature (twice with Monte-Carlo draws: to learn them, then
+        """Trace stages 4-7 for this signature (twice with Monte-Carlo draws: to learn them, then
         with them as inputs) and compile the graph."""
         from torch.fx.experimental.proxy_tensor import make_fx  # lazy: only for compile=True
 

@@ -1,16 +1,22 @@
 """``curvature(model, lossfn, extensions)``: the transform, in visible stages.
 
-At ``curvature`` time: check the arguments and trace the model (:class:`_Setup`,
-:mod:`curvlib._plan.traces`).
-Per call of ``f(X, y, params=None, generator=None, buffers=None)`` (:class:`_Call`):
+The stages (numbered so in README.md, CONTRIBUTING.md and every module that names one):
 
-1. **inputs**: ``X``, ``y``, ``params`` and ``buffers`` checked (buffers:
+1. **trace**, at ``curvature`` time (:class:`_Setup`): the arguments checked
+   (:mod:`curvlib._plan.arguments`) and the model traced once per ``training`` flags and
+   input structure, with the refusals the trace shows (:mod:`curvlib._plan.traces`);
+
+then per call of ``f(X, y, params=None, generator=None, buffers=None)`` (:class:`_Call`):
+
+2. **inputs**: ``X``, ``y``, ``params`` and ``buffers`` checked (buffers:
    :mod:`curvlib._core.buffers`); every parameter's value;
-2. **plan**: shapes and batch dimensions for this input signature (cached), and
-   every refusal (targets, unsupported layers, memory) before any real work;
-3. **forward**: the linearised forward pass (:mod:`curvlib._evaluate.linearise`);
-4. **loss and site gradients**: one backward from the loss to every site;
-5. **first order** and 6. **second order** read off per-layer rules.
+3. **plan**: shapes and batch dimensions for this input signature (cached), and
+   every refusal (targets, unsupported layers, memory) before any real work
+   (:func:`curvlib._plan.checks.plan_call`);
+4. **forward**: the linearised forward pass (:mod:`curvlib._evaluate.linearise`);
+5. **loss and site gradients**: one backward from the loss to every site;
+6. **first order** and 7. **second order** read off per-layer rules
+   (:mod:`curvlib._transform.call`).
 
 Nothing is stored on the model or the loss.
 """
@@ -198,7 +204,7 @@ class _Setup:
 
 
 class _Call:
-    """``f(X, y, params=None, generator=None, buffers=None)`` of one :func:`curvature` (module doc, stages 1-6)."""
+    """``f(X, y, params=None, generator=None, buffers=None)`` of one :func:`curvature` (module doc, stages 2-7)."""
 
     def __init__(self, setup: _Setup):
         self.setup = setup

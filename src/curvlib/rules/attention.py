@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -168,9 +169,22 @@ def _projections(m: nn.MultiheadAttention, query, key, value):
     return tuple(out)
 
 
-def multihead_attention(m: nn.MultiheadAttention, query, key, value, key_padding_mask=None, need_weights=True,
-                        attn_mask=None, average_attn_weights=True, is_causal=False):
+@dataclass(frozen=True)
+class AttentionOptions:
+    """``nn.MultiheadAttention.forward``'s options after ``(query, key, value)``, in its order
+    (bound as torch binds them: by position or by name)."""
+
+    key_padding_mask: Optional[Tensor] = None
+    need_weights: bool = True
+    attn_mask: Optional[Tensor] = None
+    average_attn_weights: bool = True
+    is_causal: bool = False
+
+
+def multihead_attention(m: nn.MultiheadAttention, query, key, value, *options, **named):
     """``nn.MultiheadAttention.forward`` as math: ``(out, weights or None)``."""
+    o = AttentionOptions(*options, **named)
+    key_padding_mask, need_weights, attn_mask, is_causal = o.key_padding_mask, o.need_weights, o.attn_mask, o.is_causal
     if is_causal and attn_mask is None:
         raise CurvatureError("nn.MultiheadAttention: is_causal=True needs attn_mask (as in PyTorch).")
     h, d = m.num_heads, m.head_dim
@@ -199,7 +213,7 @@ def multihead_attention(m: nn.MultiheadAttention, query, key, value, key_padding
         out = out.transpose(0, 1)
     if not need_weights:
         return out, None
-    return out, (weights.mean(1) if average_attn_weights else weights)
+    return out, (weights.mean(1) if o.average_attn_weights else weights)
 
 
 def _ff_block(m, x, dropouts):
@@ -223,19 +237,32 @@ def encoder_layer(m: nn.TransformerEncoderLayer, src, src_mask=None, src_key_pad
     return m.norm2(x + ff(x))
 
 
-def decoder_layer(m: nn.TransformerDecoderLayer, tgt, memory, tgt_mask=None, memory_mask=None,
-                  tgt_key_padding_mask=None, memory_key_padding_mask=None, tgt_is_causal=False,
-                  memory_is_causal=False):
+@dataclass(frozen=True)
+class DecoderMasks:
+    """The masks of ``nn.TransformerDecoder(Layer).forward``, after ``(tgt, memory)``, in its order
+    (``tgt_is_causal``: the layer's default is ``False``, the decoder's ``None``; either is read
+    as a truth value)."""
+
+    tgt_mask: Optional[Tensor] = None
+    memory_mask: Optional[Tensor] = None
+    tgt_key_padding_mask: Optional[Tensor] = None
+    memory_key_padding_mask: Optional[Tensor] = None
+    tgt_is_causal: Optional[bool] = None
+    memory_is_causal: bool = False
+
+
+def decoder_layer(m: nn.TransformerDecoderLayer, tgt, memory, *masks, **named):
     """``nn.TransformerDecoderLayer.forward``, pre- or post-norm."""
+    o = DecoderMasks(*masks, **named)
 
     def attend(x):
-        x = m.self_attn(x, x, x, attn_mask=tgt_mask, key_padding_mask=tgt_key_padding_mask,
-                        is_causal=tgt_is_causal, need_weights=False)[0]
+        x = m.self_attn(x, x, x, attn_mask=o.tgt_mask, key_padding_mask=o.tgt_key_padding_mask,
+                        is_causal=bool(o.tgt_is_causal), need_weights=False)[0]
         return m.dropout1(x)
 
     def cross(x):
-        x = m.multihead_attn(x, memory, memory, attn_mask=memory_mask, key_padding_mask=memory_key_padding_mask,
-                             is_causal=memory_is_causal, need_weights=False)[0]
+        x = m.multihead_attn(x, memory, memory, attn_mask=o.memory_mask, key_padding_mask=o.memory_key_padding_mask,
+                             is_causal=o.memory_is_causal, need_weights=False)[0]
         return m.dropout2(x)
 
     ff = functools.partial(_ff_block, m, dropouts=(m.dropout, m.dropout3))
@@ -257,25 +284,39 @@ def encoder(m: nn.TransformerEncoder, src, mask=None, src_key_padding_mask=None,
     return m.norm(out) if m.norm is not None else out
 
 
-def decoder(m: nn.TransformerDecoder, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
-            memory_key_padding_mask=None, tgt_is_causal=None, memory_is_causal=False):
+def decoder(m: nn.TransformerDecoder, tgt, memory, *masks, **named):
     """``nn.TransformerDecoder.forward``."""
+    o = DecoderMasks(*masks, **named)
     out = tgt
     for layer in m.layers:
-        out = layer(out, memory, tgt_mask=tgt_mask, memory_mask=memory_mask,
-                    tgt_key_padding_mask=tgt_key_padding_mask, memory_key_padding_mask=memory_key_padding_mask,
-                    tgt_is_causal=bool(tgt_is_causal), memory_is_causal=memory_is_causal)
+        out = layer(out, memory, tgt_mask=o.tgt_mask, memory_mask=o.memory_mask,
+                    tgt_key_padding_mask=o.tgt_key_padding_mask, memory_key_padding_mask=o.memory_key_padding_mask,
+                    tgt_is_causal=bool(o.tgt_is_causal), memory_is_causal=o.memory_is_causal)
     return m.norm(out) if m.norm is not None else out
 
 
-def transformer(m: nn.Transformer, src, tgt, src_mask=None, tgt_mask=None, memory_mask=None,
-                src_key_padding_mask=None, tgt_key_padding_mask=None, memory_key_padding_mask=None,
-                src_is_causal=None, tgt_is_causal=None, memory_is_causal=False):
+@dataclass(frozen=True)
+class TransformerMasks:
+    """The masks of ``nn.Transformer.forward``, after ``(src, tgt)``, in its order."""
+
+    src_mask: Optional[Tensor] = None
+    tgt_mask: Optional[Tensor] = None
+    memory_mask: Optional[Tensor] = None
+    src_key_padding_mask: Optional[Tensor] = None
+    tgt_key_padding_mask: Optional[Tensor] = None
+    memory_key_padding_mask: Optional[Tensor] = None
+    src_is_causal: Optional[bool] = None
+    tgt_is_causal: Optional[bool] = None
+    memory_is_causal: bool = False
+
+
+def transformer(m: nn.Transformer, src, tgt, *masks, **named):
     """``nn.Transformer.forward``: encoder, then decoder on its memory."""
-    memory = m.encoder(src, mask=src_mask, src_key_padding_mask=src_key_padding_mask, is_causal=src_is_causal)
-    return m.decoder(tgt, memory, tgt_mask=tgt_mask, memory_mask=memory_mask,
-                     tgt_key_padding_mask=tgt_key_padding_mask, memory_key_padding_mask=memory_key_padding_mask,
-                     tgt_is_causal=tgt_is_causal, memory_is_causal=memory_is_causal)
+    o = TransformerMasks(*masks, **named)
+    memory = m.encoder(src, mask=o.src_mask, src_key_padding_mask=o.src_key_padding_mask, is_causal=o.src_is_causal)
+    return m.decoder(tgt, memory, tgt_mask=o.tgt_mask, memory_mask=o.memory_mask,
+                     tgt_key_padding_mask=o.tgt_key_padding_mask, memory_key_padding_mask=o.memory_key_padding_mask,
+                     tgt_is_causal=o.tgt_is_causal, memory_is_causal=o.memory_is_causal)
 
 
 MATH = (

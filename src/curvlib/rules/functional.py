@@ -17,7 +17,7 @@ module's before any square is taken.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import operator
 from operator import attrgetter
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -265,17 +265,29 @@ def batch_sized(use: FunctionalUse, env: Dict, n: int) -> bool:
 FUNCTIONAL = Rule(kind="generic", grad_batch=grad_batch, vmap_columns=True, any_batch_dim=True, saved_batch_dims=True)
 
 
-def record(use: FunctionalUse, root: nn.Module, param_names: Dict[int, str], names: Dict[str, str],
-           tensors: Dict[str, Tensor], inputs: Sequence[Tensor], out: Tensor, rec: Recorder,
-           constants: Optional[Dict] = None, batch_sized_chain: bool = False) -> Tensor:
-    """Record the node as a site (``out`` is its value, computed by the interpreter; ``constants``:
-    the values of the chain's nodes that read no parameter)."""
-    saved = {f"param:{k}": v for k, v in tensors.items()}
-    saved.update({f"in{i}": x for i, x in enumerate(inputs)})
-    meta = {"use": use, "root": root, "param_names": param_names, "constants": constants or {},
-            "batch_sized_chain": batch_sized_chain}
+@dataclass(frozen=True)
+class UseValues:
+    """A functional use's values in one interpreted call: its trainable roles (role -> name), the
+    tensors of all its parameters (name -> tensor), its inputs' values, the values of the chain's
+    nodes that read no parameter, and whether the chain has the batch size (:func:`batch_sized`)."""
+
+    names: Dict[str, str]
+    tensors: Dict[str, Tensor]
+    inputs: Sequence[Tensor]
+    constants: Dict = field(default_factory=dict)
+    batch_sized_chain: bool = False
+
+
+def record(use: FunctionalUse, values: UseValues, out: Tensor, rec: Recorder, root: nn.Module,
+           param_names: Dict[int, str]) -> Tensor:
+    """Record the node as a site (``out`` is its value, computed by the interpreter; ``root`` and
+    ``param_names``: the traced program's, to run the chain again)."""
+    saved = {f"param:{k}": v for k, v in values.tensors.items()}
+    saved.update({f"in{i}": x for i, x in enumerate(values.inputs)})
+    meta = {"use": use, "root": root, "param_names": param_names, "constants": values.constants or {},
+            "batch_sized_chain": values.batch_sized_chain}
     where = f"{use.node.name} (op in forward using {', '.join(use.params)})"
-    return rec.add(Site(FUNCTIONAL, names, where, meta=meta, saved=saved), out)
+    return rec.add(Site(FUNCTIONAL, values.names, where, meta=meta, saved=saved), out)
 
 
 def _parameter_name(arg, root: nn.Module, param_names: Dict[int, str]) -> Optional[str]:

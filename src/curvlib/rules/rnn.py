@@ -178,72 +178,70 @@ def _reach(coupling: Optional[Coupling], layer: int) -> Tuple[frozenset, frozens
     return coupling.x | (coupling.hx if layer > 0 else frozenset()), coupling.hx, coupling.state_varies
 
 
-def _linear_step(nodes: StepNodes, tag: str, site: Site, w: Tensor, bias: Optional[Tensor], probe,
-                 x: Tensor, t: int, coupled: bool) -> Tensor:
+def _linear_step(nodes: StepNodes, tag: str, lin: "_Recurrent", x: Tensor, t: int, coupled: bool) -> Tensor:
     """One step of a recurrent linear site: ``W x + b [N, out]`` (probed at step ``t``),
     recorded as a bilinear node when ``x`` depends on ``W`` (``W_hh h_prev``; LSTM's
     ``W_hr m``)."""
-    y = F.linear(x, w, bias)
-    if probe is not None:
-        y = y + probe[:, t]
-    return nodes.bilinear(tag, site, x, y, coupled)
+    y = F.linear(x, lin.weight, lin.bias)
+    if lin.probe is not None:
+        y = y + lin.probe[:, t]
+    return nodes.bilinear(tag, lin.site, x, y, coupled)
 
 
-def _direction(
-    module: nn.RNNBase,
-    layer: int,
-    reverse: bool,
-    inp: Tensor,
-    h: Tensor,
-    c: Optional[Tensor],
-    names: Dict[str, str],
-    tensors: Dict[str, Tensor],
-    where: str,
-    rec: Recorder,
-    rows: int = 1,
-) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+class _Call(NamedTuple):
+    """One call of the module's ``forward``: what each of its directions reads. ``rows``: rows of
+    the recurrence per sample (:func:`_split_rows`; a direction's sites are ``[N, rows, T, *]``)."""
+
+    module: nn.RNNBase
+    names: Dict[str, str]
+    tensors: Dict[str, Tensor]
+    where: str
+    rec: Recorder
+    rows: int = 1
+
+
+def _direction(call: _Call, layer: int, reverse: bool, inp: Tensor, h: Tensor,
+               c: Optional[Tensor]) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """Run one layer in one direction and record its sites (and, for the Hessian
     family, its nonlinear nodes: :mod:`curvlib.rules.rnn_steps`).
 
     Args:
-        inp: layer input ``[N, T, I]``.
+        inp: layer input ``[N, T, I]`` (``[N·rows, T, I]``, :class:`_Call`).
         h: initial hidden state ``[N, H_out]``.
         c: initial cell state ``[N, H]`` (LSTM) or ``None``.
-        rows: rows of the recurrence per sample (a batch merged with rows, :func:`_split_rows`):
-            ``inp`` is ``[N·rows, T, I]``, sample-major, and its sites are ``[N, rows, T, *]``.
 
     Returns:
-        ``(out [N, T, H_out], h_T [N, H_out], c_T [N, H] or None)``, the last
-        state being the one after the direction's final step.
+        ``(out [N, T, H_out], h_T [N, H_out], c_T [N, H] or None)``, the states after its last step.
     """
+    module, names, tensors, where, rec, rows = call
     sfx = f"_l{layer}" + ("_reverse" if reverse else "")
-    mode = module.mode
     steps = inp.shape[1]
     w_ih, w_hh = tensors["weight_ih" + sfx], tensors["weight_hh" + sfx]
     b_ih, b_hh = (tensors["bias_ih" + sfx], tensors["bias_hh" + sfx]) if module.bias else (None, None)
     bname = (lambda s: s + sfx) if module.bias else (lambda s: None)
     coupling: Optional[Coupling] = rec.layer_residuals
     nodes = StepNodes(rec, where, f"l{layer}" + ("r" if reverse else ""), coupling)
-    reach_x, reach_hx, state_varies = _reach(coupling, layer)
+    reach = _reach(coupling, layer)  # (what its input and its initial states depend on)
 
     site_ih = Site(LINEAR, _roles(names, "weight_ih" + sfx, bname("bias_ih")), where,
                    saved={"x": _per_sample(inp, rows)})
     pre_ih = _rows_of(rec.add(site_ih, F.linear(_per_sample(inp, rows), w_ih, b_ih)), rows)  # [N, T, G·H]
-    pre_ih = nodes.bilinear("ih", site_ih, inp, pre_ih, site_ih.params.get("weight") in reach_x)
+    pre_ih = nodes.bilinear("ih", site_ih, inp, pre_ih, site_ih.params.get("weight") in reach[0])
     site_hh = Site(LINEAR, _roles(names, "weight_hh" + sfx, bname("bias_hh")), where)
     hh = _opened(rec, site_hh, w_hh, b_hh, pre_ih, rows)
     hr = None
-    if mode == "LSTM" and module.proj_size > 0:
+    if module.mode == "LSTM" and module.proj_size > 0:
         site_hr = Site(LINEAR, _roles(names, "weight_hr" + sfx, None), where)
         hr = _opened(rec, site_hr, tensors["weight_hr" + sfx], None, pre_ih, rows)
     outs: List[Optional[Tensor]] = [None] * steps
     h_prevs: List[Optional[Tensor]] = [None] * steps
     m_steps: List[Optional[Tensor]] = [None] * steps  # LSTM with proj_size: W_hr's inputs
     order = range(steps - 1, -1, -1) if reverse else range(steps)
+    cells = _Cells(nodes, module.mode, hh, hr, reach, m_steps)
     for k, t in enumerate(order):
         nodes.t = t
         h_prevs[t] = h
-        h, c = _cell_step(nodes, mode, hh, hr, pre_ih[:, t], h, c, k, t, state_varies, reach_x, reach_hx, m_steps)
+        h, c = _cell_step(cells, pre_ih[:, t], h, c, k, t)
         outs[t] = h
     site_hh.saved = {"x": _per_sample(torch.stack(h_prevs, 1), rows)}  # [N, T, H_out]
     if hr is not None:
@@ -280,16 +278,29 @@ class _Recurrent(NamedTuple):
     probe: object
 
 
-def _cell_step(nodes: StepNodes, mode: str, hh: _Recurrent, hr: Optional[_Recurrent], a: Tensor, h: Tensor,
-               c: Optional[Tensor], k: int, t: int, state_varies: bool, reach_x, reach_hx,
-               m_steps: List[Optional[Tensor]]) -> Tuple[Tensor, Optional[Tensor]]:
+class _Cells(NamedTuple):
+    """What every step of one direction reads: its step nodes, the cell (``module.mode``), its
+    recurrent sites (``W_hh``; LSTM's ``W_hr`` or ``None``), :func:`_reach`'s answer, and LSTM's
+    ``W_hr`` inputs per step (filled as the steps run)."""
+
+    nodes: StepNodes
+    mode: str
+    hh: _Recurrent
+    hr: Optional[_Recurrent]
+    reach: Tuple[frozenset, frozenset, bool]
+    m_steps: List[Optional[Tensor]]
+
+
+def _cell_step(cells: _Cells, a: Tensor, h: Tensor, c: Optional[Tensor], k: int,
+               t: int) -> Tuple[Tensor, Optional[Tensor]]:
     """Step ``t`` (the ``k``-th of its direction) from ``a = W_ih x_t + b_ih [N, G·H]`` and the
     states entering it; returns the new ``(h, c)``."""
+    nodes, mode, hh, hr, (reach_x, reach_hx, state_varies), m_steps = cells
     first = k == 0  # the states entering this step are the initial ones
     # h depends on W_hh from the third step on; on the second if the initial state is not
     # the zero one (W_hh h0); on the first if the initial state itself depends on W_hh
     coupled = k >= 2 or (k == 1 and state_varies) or hh.site.params.get("weight") in reach_hx
-    b = _linear_step(nodes, "hh", hh.site, hh.weight, hh.bias, hh.probe, h, t, coupled)
+    b = _linear_step(nodes, "hh", hh, h, t, coupled)
     if mode in ("RNN_TANH", "RNN_RELU"):
         return rnn_step(nodes, mode, a + b), c
     if mode == "LSTM":
@@ -297,7 +308,7 @@ def _cell_step(nodes: StepNodes, mode: str, hh: _Recurrent, hr: Optional[_Recurr
         if hr is not None:
             m_steps[t] = h
             coupled = not first or hr.site.params.get("weight") in (reach_x | reach_hx)
-            h = _linear_step(nodes, "hr", hr.site, hr.weight, None, hr.probe, h, t, coupled)
+            h = _linear_step(nodes, "hr", hr, h, t, coupled)
         return h, c
     bn_varies = not first or state_varies or "bias" in hh.site.params  # GRU
     # the first step from the zero state: b_n = b_hn, a function of b_hh alone
@@ -334,16 +345,14 @@ def forward(module: nn.RNNBase, where: str, names: dict, tensors: dict, args, kw
     h_n: List[Tensor] = []
     c_n: List[Tensor] = []
     inp = seq
+    call = _Call(module, names, tensors, where, rec, rows)
     for layer in range(module.num_layers):
         if layer > 0 and module.dropout > 0 and module.training:
             inp = F.dropout(inp, module.dropout, training=True)
         outs = []
         for d in range(dirs):
             k = layer * dirs + d
-            out, h_last, c_last = _direction(
-                module, layer, d == 1, inp, h0[k], c0[k] if lstm else None,
-                names, tensors, where, rec, rows,
-            )
+            out, h_last, c_last = _direction(call, layer, d == 1, inp, h0[k], c0[k] if lstm else None)
             outs.append(out)
             h_n.append(h_last)
             if lstm:

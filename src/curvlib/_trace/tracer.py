@@ -1,0 +1,148 @@
+"""The torch.fx tracer of :func:`curvlib._trace.program.trace_program`: which modules are leaves
+(layers, torch.nn built-ins, opaque modules), attention traced as its math, and custom
+``autograd.Function`` calls recorded as one node each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from .. import rules
+from .._core.sync import LOCK
+from ..rules import attention
+from .modes import InPlaceProxy, TensorConstant, cut_no_grad_regions, no_autocast, record_modes
+
+__all__ = ["Tracer", "function_apply", "function_call", "owns_parameters"]
+
+
+def owns_parameters(module: nn.Module) -> bool:
+    """Whether ``module`` owns parameters itself (not only in its submodules)."""
+    return any(True for _ in module.parameters(recurse=False))
+
+
+def _holds_attention(module: nn.Module) -> bool:
+    """Whether a submodule is an attention module or transformer block traced as its math."""
+    return any(attention.traced_forward(m) is not None for m in module.modules())
+
+
+def _holds_layers(module: nn.Module) -> bool:
+    """Whether a submodule below ``module`` owns parameters."""
+    return any(owns_parameters(m) for m in module.modules() if m is not module)
+
+
+class Tracer(fx.Tracer):
+    """fx tracer whose leaves are parametrized modules, torch.nn built-ins and custom
+    ``autograd.Function`` calls.
+
+    fx would trace *into* ``Fn.apply`` (it calls ``forward`` on the proxies), and the
+    graph would then differentiate ``forward``'s ops instead of ``Fn.backward``: wrong
+    for a straight-through estimator or any custom gradient. While tracing (as fx
+    itself does with ``nn.Module.__call__``), ``Function.apply`` is patched to record
+    one ``call_function`` node whose target calls the real ``Fn.apply``; the patch is
+    undone when tracing ends, under :data:`curvlib._core.sync.LOCK`.
+    """
+
+    def __init__(self, opaque: Optional[Dict[int, str]] = None):
+        super().__init__()
+        self.opaque = opaque or {}  # id(module) -> why: modules traced as leaves
+        self.failed: Optional[nn.Module] = None  # the deepest module whose forward raised
+        self.installed: set = set()  # ids of the root's submodules (set by trace)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if attention.traced_forward(m) is not None:
+            return False  # traced as its math (curvlib.rules.attention)
+        if id(m) in self.opaque:
+            return True
+        if owns_parameters(m):
+            # A user module that owns parameters and holds parametrized submodules or attention
+            # (a ConvNeXt block's layer-scale gamma around its Linear layers): traced through, its
+            # direct parameter uses become functional sites (as the root's) and the layers inside
+            # keep their rules (Kronecker factors); as one generic leaf they would lose them.
+            return rules.has_family(m) or not (_holds_attention(m) or _holds_layers(m))
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward, args, kwargs):
+        if id(m) not in self.installed:
+            return forward(*args, **kwargs)  # built inside forward (``ACT2FN[name](x)``): no path to call it by; its ops are traced
+        math = attention.traced_forward(m)
+        try:
+            return super().call_module(m, math if math is not None else forward, args, kwargs)
+        except Exception:
+            if self.failed is None and id(m) in self.installed:  # the first to see the error is the innermost module
+                self.failed = m
+            raise
+
+    def create_arg(self, a):
+        if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter) and self.tensor_attrs.get(a) is None \
+                and not any(a is b for _, b in self.root.named_buffers()):  # (not stored on the model)
+            return self.create_node("call_function", TensorConstant(a), (), {})
+        return super().create_arg(a)
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return InPlaceProxy(node, self)
+
+    def create_node(self, *args, **kwargs):
+        return record_modes(super().create_node(*args, **kwargs))
+
+    def create_proxy(self, kind, target, args, kwargs, *rest, **more):
+        if kind == "call_function" and target is F.scaled_dot_product_attention:
+            return attention.scaled_dot_product_attention(*args, **kwargs)  # inlined as its math
+        return super().create_proxy(kind, target, args, kwargs, *rest, **more)
+
+    def trace(self, root, concrete_args=None):
+        tracer = self
+        self.installed = {id(m) for m in root.modules()}
+        original = torch.autograd.Function.__dict__["apply"]
+
+        def apply(cls, *args, **kwargs):
+            if _has_proxy((args, kwargs)):
+                return tracer.create_proxy("call_function", function_call(cls), args, kwargs)
+            return original.__func__(cls, *args, **kwargs)
+
+        # (traced with grad mode on, so that a node records the model's own ``no_grad`` regions
+        # and not the caller's; a trace that fails inside one leaves the mode as it found it)
+        with function_apply(apply), torch.enable_grad(), no_autocast():
+            graph = super().trace(root, concrete_args)
+        cut_no_grad_regions(graph)
+        return graph
+
+
+@contextlib.contextmanager
+def function_apply(apply: Callable):
+    """``torch.autograd.Function.apply`` replaced by ``apply(cls, *args, **kwargs)`` for the block,
+    under :data:`curvlib._core.sync.LOCK` (other threads must not see it), and put back."""
+    original = torch.autograd.Function.__dict__["apply"]
+    with LOCK:
+        torch.autograd.Function.apply = classmethod(apply)
+        try:
+            yield
+        finally:
+            torch.autograd.Function.apply = original
+
+
+def _has_proxy(value) -> bool:
+    found = []
+    fx.node.map_aggregate(value, lambda a: found.append(a) if isinstance(a, fx.Proxy) else None)
+    return bool(found)
+
+
+_FUNCTION_CALLS: Dict[type, Callable] = {}
+
+
+def function_call(cls: type) -> Callable:
+    """The graph target for ``cls.apply`` (one per class; ``.function`` is the class)."""
+    if cls not in _FUNCTION_CALLS:
+        apply = torch.autograd.Function.__dict__["apply"].__func__
+
+        def call(*args, **kwargs):
+            return apply(cls, *args, **kwargs)
+
+        call.__name__ = call.__qualname__ = f"{cls.__name__}.apply"
+        call.function = cls
+        _FUNCTION_CALLS[cls] = call
+    return _FUNCTION_CALLS[cls]
