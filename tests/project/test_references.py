@@ -33,8 +33,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "curvlib"
-DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md")),
-        *sorted((ROOT / "docs").rglob("*.rst"))]
+_GENERATED = ("api", "_build", "examples")  # (docs/.gitignore'd build outputs: written by Sphinx)
+DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md",
+        *(p for p in sorted([*(ROOT / "docs").rglob("*.md"), *(ROOT / "docs").rglob("*.rst")])
+          if p.relative_to(ROOT / "docs").parts[0] not in _GENERATED)]
 
 _DOTTED = re.compile(r"(?<![\w./])~?(curvlib(?:\.\w+)+)")
 _ROLE = re.compile(r":(?:func|meth|class|mod|data|attr|exc|obj):`~?([\w.]+)`")

@@ -242,7 +242,7 @@ def second_order(call: Call, curv, exts: Sequence[SecondOrder], beside: Beside =
 def _accumulate(call: Call, S: Tensor, group) -> Dict[str, Dict[str, object]]:
     """The group's quantities from the root ``S [V, N, *out]``, pulled back in chunks of columns.
 
-    Square roots go column by column into ``call.into`` (plain autograd only: under torch.func
+    Square roots go column by column into the call's ``into`` buffers (plain autograd only: under torch.func
     or for results that need autograd, chunks are joined by ``torch.cat``).
     """
     lin, uses, names = call.lin, call.uses, call.names
