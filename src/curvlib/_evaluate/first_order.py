@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .._core.scratch import reusing
 from .._core.site import Site, uses_of
-from .._core.tensors import is_concrete
+from .._core.tensors import in_place_safe, is_concrete
 from .linearise import Linearization
 
 __all__ = ["FIRST_ORDER", "FirstOrderReader", "first_order", "first_order_streamed", "streams"]
@@ -193,18 +193,12 @@ def _variance(results, names, batch_size: int, reuse: bool = False) -> None:
     where nothing differentiates through it."""
     for name in names:
         g_sum, sgs = results["grad"][name], results["sum_grad_squared"][name]
-        if reuse and not (sgs.requires_grad or g_sum.requires_grad or _wrapped(sgs) or _wrapped(g_sum)
-                          or sgs._base is not None):
+        if reuse and in_place_safe(sgs, g_sum) and sgs._base is None:
             results["variance"][name] = sgs.div_(batch_size).addcmul_(
                 g_sum, g_sum, value=-1.0 / batch_size**2).clamp_(min=0)
             continue
         results["variance"][name] = torch.addcmul(
             sgs / batch_size, g_sum, g_sum, value=-1.0 / batch_size**2).clamp(min=0)
-
-
-def _wrapped(t: Tensor) -> bool:
-    """A torch.func tensor (vmap, grad): no in-place updates of it."""
-    return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 def _store(results, name, batch: Optional[Tensor], given: Dict[str, Optional[Tensor]]):

@@ -84,6 +84,7 @@ from typing import Optional, Sequence
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._core.calls import argument
 from .._core.errors import CurvatureError
 from .._core.strategy import column_block_bytes
 from ._conv_correlation import (
@@ -91,11 +92,11 @@ from ._conv_correlation import (
     per_sample_by_bmm, per_sample_by_kernel, square_fresh, sum_outer_squares, unfolded_x, weight_grad,
 )
 from ._conv_kron import input_factor, kron, kron_from_output_matrix, kron_input, weight_output_factor
-from ._conv_unfold import (cached, explicit_padding, fold_columns, in_functorch_transform, padded_input, patches,
-                           prod, unfold)
+from ._conv_unfold import cached, explicit_padding, fold_columns, padded_input, patches, prod, unfold
 from ._linear_kron import dense_sides
 from .._core.family import Family
 from .._core.site import Recorder, RoleTensors, Rule, Site
+from .._core.tensors import inside_transform
 
 __all__ = [
     "COLUMN_BLOCK_BYTES", "CONV", "METHOD", "PADDING_MODES",
@@ -154,7 +155,7 @@ def per_sample_weight_grad(c: Correlation) -> Tensor:
     """
     c_x, c_g, groups = c.x.shape[1], c.g.shape[1], c.groups
     positions = prod(c.g.shape[2:])
-    method = choose_method(c_x // groups, c_g // groups, prod(c.kernel_size), positions, in_functorch_transform(c.g))
+    method = choose_method(c_x // groups, c_g // groups, prod(c.kernel_size), positions, inside_transform(c.g))
     if method == "bmm":
         return per_sample_by_bmm(c)
     return per_sample_by_kernel(c)
@@ -247,7 +248,7 @@ class _CorrelationRule:
         out = {}
         if "weight" in roles:
             out["weight"] = per_sample_weight_grad(self.correlation(site, g, False))
-            if not in_functorch_transform(g):  # its sum is the gradient, if asked for next
+            if not inside_transform(g):  # its sum is the gradient, if asked for next
                 site.meta["_grad_batch"] = (weakref.ref(g), weakref.ref(out["weight"]))
         if "bias" in roles:
             out["bias"] = bias_grad_batch(g)
@@ -365,7 +366,7 @@ def check_batched(module: nn.Module, where: str, x: Tensor) -> None:
 def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
     """Run ``nn.Conv1d/2d/3d`` functionally (as its own forward does) and record its site.
     """
-    x = args[0] if args else kwargs["input"]
+    x = argument(args, kwargs, 0, "input")
     check_batched(module, where, x)
     conv = _CONV[len(module.kernel_size)]
     weight, bias = tensors["weight"], tensors.get("bias")

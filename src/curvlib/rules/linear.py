@@ -28,9 +28,11 @@ from torch.func import vmap
 
 from . import _linear_columns
 from ._linear_kron import dense_sides, flat_input, kron, kron_from_output_matrix, kron_input, kron_shared
+from .._core.calls import argument
 from .._core.scratch import scratch
 from .._core.family import Family
 from .._core.site import Recorder, RoleTensors, Rule, Site
+from .._core.tensors import in_place_safe
 
 
 def _per_sample_outer(g: Tensor, x: Tensor, out: Optional[Tensor] = None) -> Tensor:
@@ -74,17 +76,12 @@ def _sum_outer(g: Tensor, x: Tensor) -> Tensor:
     ``[N, T, V]`` with the positions innermost; ``g[n]ᵀ`` is then contiguous and
     flattening would copy all of it: large for a language model's vocabulary)."""
     n, s = g.shape[0], g.shape[1]
-    if n == 1 or s == 1 or g.stride(0) == g.stride(1) * s or not _plain(g, x):
+    if n == 1 or s == 1 or g.stride(0) == g.stride(1) * s or not in_place_safe(g, x):
         return g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
     total = g[0].t() @ x[0]
     for k in range(1, n):
         total.addmm_(g[k].t(), x[k])
     return total
-
-
-def _plain(*ts: Tensor) -> bool:
-    """Tensors that may be summed into in place (no autograd record, no torch.func wrapper)."""
-    return not any(t.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(t) for t in ts)
 
 
 def grad_from_batch(site: Site, g: Tensor) -> bool:
@@ -131,7 +128,7 @@ def grad_with_squares(site: Site, g: Tensor, roles: Sequence[str]) -> Optional[T
     own product ``gᵀx`` (as costly: GPT-2's head, 40 GFLOP) is not run. ``None`` otherwise
     (the caller asks :func:`grad` and :func:`sum_grad_squared`)."""
     x, gf = _flat(site, g)
-    if x.shape[1] == 1 or not _plain(gf, x):
+    if x.shape[1] == 1 or not in_place_safe(gf, x):
         return None
     grads, squares = {}, {}
     if "weight" in roles:
@@ -161,7 +158,7 @@ def _sum_squared_outer(g: Tensor, x: Tensor, sums: Optional[Tensor] = None) -> T
     plain tensors only): filled with the individual gradients' sum too, the gradient without a
     second product of the same cost (GPT-2's head: 40 GFLOP)."""
     n, o, i = g.shape[0], g.shape[2], x.shape[2]
-    if not _plain(g, x):
+    if not in_place_safe(g, x):
         return _sum_squared_samples(g, x)
     total = g.new_empty(o, i)
     rows = min(o, max(1, SQUARES_ENTRIES // max(n * i, 1)))
@@ -341,16 +338,9 @@ LINEAR_TRANSPOSED = Rule(
 
 def forward(module: nn.Linear, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
     """Run ``nn.Linear`` functionally and record its site."""
-    (x,) = _bind_input(args, kwargs, "input")
+    x = argument(args, kwargs, 0, "input")
     out = F.linear(x, tensors["weight"], tensors.get("bias"))
     return rec.add(Site(LINEAR, names, where, saved={"x": x}), out)
-
-
-def _bind_input(args, kwargs, name: str):
-    """The single tensor argument of a ``forward(input)``."""
-    if args:
-        return (args[0],)
-    return (kwargs[name],)
 
 
 #: The family's record (:class:`~curvlib._core.family.Family`), registered in :data:`curvlib.rules.FAMILIES`.
