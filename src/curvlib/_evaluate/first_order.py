@@ -15,6 +15,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .._core import settings
 from .._core.scratch import reusing
 from .._core.site import Site, uses_of
 from .._core.tensors import in_place_safe, is_concrete
@@ -67,8 +68,10 @@ def streams(lin: Linearization, second: Sequence, generic: bool = False) -> bool
     torch.func, not while ``compile=True`` traces), sites large enough to be worth it
     (:func:`curvlib._evaluate.streamed.worth_streaming`), no residuals, and second-order
     extensions that only pull back the loss Hessian's roots (none with a ``generic`` loss,
-    whose value is checked, a scalar of per-sample terms, before its Hessian is formed)."""
-    return (lin.pull_loss is not None and lin.stream_pull is not None and is_concrete(lin.out) and not lin.residuals
+    whose value is checked, a scalar of per-sample terms, before its Hessian is formed), unless
+    :attr:`~curvlib._core.settings.Settings.stream_first_order` is off."""
+    return (settings.current().stream_first_order
+            and lin.pull_loss is not None and lin.stream_pull is not None and is_concrete(lin.out) and not lin.residuals
             and not (generic and second)
             and all(e.root in ("exact", "mc") and e.quantity in _BEFORE_THE_LOSS for e in second))
 

@@ -8,7 +8,7 @@ is described by a :class:`Correlation`,
     R[n, g, o, c, k] = Σ_l g[n, g, o, l] x[n, g, c, stride·l + dil·k],
 
 and computed here in one of two exact ways (the choice between them, by shape
-or by :data:`curvlib.rules.conv.METHOD`, is made by
+or by :attr:`curvlib._core.settings.Settings.conv_method`, is made by
 :func:`curvlib.rules.conv.per_sample_weight_grad`):
 
 * :func:`per_sample_by_kernel`: the batch as groups of one convolution, so that
