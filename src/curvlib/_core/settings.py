@@ -1,9 +1,10 @@
 """The tunable sizes and switches of curvlib's memory and speed choices, in one frozen record.
 
 Every stage reads them from :func:`current` when it runs (the refusals made while a call is
-planned: when it is planned, once per input signature, and the trace's choice of front end when
-the model is traced); none changes a result beyond rounding, only how much is formed at once,
-which of two exact ways runs, or a size above which a call is refused.
+planned: when it is planned, once per input signature; the choice of front end: when the model
+is traced). The sizes change how much is formed at once or above which size a call is refused,
+never a result beyond rounding; the switches choose between two exact ways (the second one the
+reference the tests compare with), ``aten_front_end`` between the two front ends.
 :func:`override` replaces some of them inside a ``with`` block (the tests use it to reach
 every branch on small problems)::
 
