@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import curvlib
 from curvlib import CurvatureError, curvature, extensions
 from curvlib._core import strategy as _strategy
+from curvlib._core.settings import current, override
 from oracles.cases import conv_configs
 from oracles.on_device import seeded
 from oracles.reference import assert_matches, exact_extensions, kflr_map, reference
@@ -81,7 +82,7 @@ def test_batched_conv_blocks_take_the_large_budget(monkeypatch):
     monkeypatch.delenv(_strategy.ENV, raising=False)
     assert _strategy.column_block_bytes("cpu", 123) == 123
     with curvlib.strategy("batched"):
-        assert _strategy.column_block_bytes("cpu", 123) == _strategy.BATCHED_MIN_BYTES
+        assert _strategy.column_block_bytes("cpu", 123) == current().batched_min_bytes
         monkeypatch.setattr("curvlib._core.tensors.available_bytes", lambda device: 2**40)
         assert _strategy.column_block_bytes("cuda", 123) == 2**40 // 8
 
@@ -242,17 +243,15 @@ def _backward_kernels(classes: int, strategy: str) -> int:
                if k == "convolution_backward" or (k.startswith("max_pool") and k.endswith("backward")))
 
 
-def test_batched_kernels_per_call_do_not_grow_with_columns(monkeypatch):
+def test_batched_kernels_per_call_do_not_grow_with_columns():
     """Under "batched" each conv/max-pool site runs its backward kernels a fixed number
     of times per chunk, whatever the number of columns; "looped" runs them per column
     (which is what makes this test able to fail). The per-sample method is fixed to the
     batch-as-groups kernel (``convolution_backward``): by shape, the folded columns
     could switch a site between it and ``bmm``, one kernel either way."""
-    from curvlib.rules import conv as conv_rule
-
-    monkeypatch.setattr(conv_rule, "METHOD", "conv")
-    assert _backward_kernels(3, "batched") == _backward_kernels(9, "batched")
-    assert _backward_kernels(9, "looped") > _backward_kernels(3, "looped")
+    with override(conv_method="conv"):
+        assert _backward_kernels(3, "batched") == _backward_kernels(9, "batched")
+        assert _backward_kernels(9, "looped") > _backward_kernels(3, "looped")
 
 
 # ----------------------------------------------------------------------------- batch norm (eval)

@@ -21,11 +21,10 @@ from torch import nn
 
 import curvlib
 import curvlib._evaluate.linearise as engine
-import curvlib._evaluate.streamed as streamed
 import curvlib._evaluate.first_order as firstorder
 import curvlib._transform.call as transform
 from curvlib import curvature
-import curvlib._evaluate.second_order as secondorder
+from curvlib._core.settings import override
 from curvlib.extensions import (BatchDiagGGNMC, BatchGrad, BatchL2Grad, DiagGGNExact, DiagGGNMC, KFAC,
                                 SumGradSquared, Variance)
 from curvlib.rules import linear
@@ -71,11 +70,9 @@ def _lm(seed: int, n: int, tied: bool = True, length: int = 5):
 @pytest.fixture(autouse=True, scope="module")
 def _stream_small_models():
     """These models are tiny: stream them anyway (by default only sites of at least
-    ``streamed.STREAM_MIN_BYTES`` together are streamed)."""
-    default = streamed.STREAM_MIN_BYTES
-    streamed.STREAM_MIN_BYTES = 0
-    yield
-    streamed.STREAM_MIN_BYTES = default
+    ``Settings.stream_min_bytes`` together are streamed)."""
+    with override(stream_min_bytes=0):
+        yield
 
 
 @pytest.fixture
@@ -119,27 +116,27 @@ def test_the_streamed_path_is_taken_and_frees_each_gradient(spy):
     assert max(spy["alive"]) <= 3, spy["alive"]
 
 
-def test_small_sites_are_read_all_at_once(monkeypatch, spy):
-    """Below ``STREAM_MIN_BYTES`` of site outputs the hooks would cost more than the memory they
-    save: one backward returns every site's gradient at its end; same results."""
-    monkeypatch.setattr(streamed, "STREAM_MIN_BYTES", 2**40)
-    check_first_order(*_lm(0, 3, tied=True, length=4))
+def test_small_sites_are_read_all_at_once(spy):
+    """Below ``Settings.stream_min_bytes`` of site outputs the hooks would cost more than the memory
+    they save: one backward returns every site's gradient at its end; same results."""
+    with override(stream_min_bytes=2**40):
+        check_first_order(*_lm(0, 3, tied=True, length=4))
     assert spy["streams"] == 0
 
 
-def test_streamed_equals_all_at_once(monkeypatch):
+def test_streamed_equals_all_at_once():
     model, lossfn, X, y = _lm(3, 4, tied=False)
     exts = [e() for e in FIRST_ORDER_EXTENSIONS]
     streamed = curvature(model, lossfn, exts)(X, y)
-    monkeypatch.setattr(transform, "streams", lambda *args: False)
-    at_once = curvature(model, lossfn, exts)(X, y)
-    assert list(streamed) == list(at_once)
-    torch.testing.assert_close(streamed["loss"], at_once["loss"], rtol=0, atol=0)
-    for q in ["grad"] + [e.name for e in exts]:
-        assert_close_dicts(streamed[q], at_once[q], q, rtol=0, atol=0)
+    with override(stream_first_order=False):
+        at_once = curvature(model, lossfn, exts)(X, y)
+        assert list(streamed) == list(at_once)
+        torch.testing.assert_close(streamed["loss"], at_once["loss"], rtol=0, atol=0)
+        for q in ["grad"] + [e.name for e in exts]:
+            assert_close_dicts(streamed[q], at_once[q], q, rtol=0, atol=0)
 
 
-def test_with_mc_second_order_first(monkeypatch, spy):
+def test_with_mc_second_order_first(spy):
     """DiagGGNMC is computed before the loss's backward (which then frees the graph): the
     same draws as the all-at-once order give the same diagonal."""
     model, lossfn, X, y = _lm(5, 3, tied=True)
@@ -147,15 +144,15 @@ def test_with_mc_second_order_first(monkeypatch, spy):
     torch.manual_seed(1)  # (the draws come from the global random state)
     streamed = curvature(model, lossfn, exts)(X, y)
     assert spy["streams"] == 2 + 1  # each MC column (looped strategy), then the loss's backward
-    monkeypatch.setattr(transform, "streams", lambda *args: False)
-    torch.manual_seed(1)
-    at_once = curvature(model, lossfn, exts)(X, y)
-    for q in ("grad", "batch_l2", "variance", "diag_ggn_mc"):
-        assert_close_dicts(streamed[q], at_once[q], q, rtol=1e-12, atol=1e-14)
+    with override(stream_first_order=False):
+        torch.manual_seed(1)
+        at_once = curvature(model, lossfn, exts)(X, y)
+        for q in ("grad", "batch_l2", "variance", "diag_ggn_mc"):
+            assert_close_dicts(streamed[q], at_once[q], q, rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_one_mc_column_read_during_its_pullback(monkeypatch, spy, tied):
+def test_one_mc_column_read_during_its_pullback(spy, tied):
     """One MC column (the default) is pulled back reading each parameter as soon as all its
     sites are passed (``_secondorder._read_streamed``; the tied embedding waits for the head):
     the same diagonals, per-sample diagonals and Kronecker factors as all sites at once."""
@@ -164,15 +161,14 @@ def test_one_mc_column_read_during_its_pullback(monkeypatch, spy, tied):
     torch.manual_seed(2)
     streamed = curvature(model, lossfn, exts)(X, y)
     assert spy["streams"] == 4  # each MC extension's column (its own draw), then the loss's backward
-    monkeypatch.setattr(transform, "streams", lambda *args: False)
-    monkeypatch.setattr(secondorder, "_streamed_reads", lambda *args: False)
-    torch.manual_seed(2)
-    at_once = curvature(model, lossfn, exts)(X, y)
-    for q in ("grad", "batch_l2", "diag_ggn_mc", "diag_ggn_mc_batch"):
-        assert_close_dicts(streamed[q], at_once[q], q, rtol=1e-12, atol=1e-14)
-    for name, factors in at_once["kfac"].items():
-        for a, b in zip(streamed["kfac"][name], factors):
-            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    with override(stream_first_order=False, stream_columns=False):
+        torch.manual_seed(2)
+        at_once = curvature(model, lossfn, exts)(X, y)
+        for q in ("grad", "batch_l2", "diag_ggn_mc", "diag_ggn_mc_batch"):
+            assert_close_dicts(streamed[q], at_once[q], q, rtol=1e-12, atol=1e-14)
+        for name, factors in at_once["kfac"].items():
+            for a, b in zip(streamed["kfac"][name], factors):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
 def test_one_exact_column_against_the_oracle():
@@ -239,7 +235,7 @@ def test_linear_ghost_norm(monkeypatch, length, features):
     assert_close_dicts(qs["batch_l2"], ref["batch_l2"], "batch_l2")
 
 
-def test_several_mc_columns_read_one_at_a_time(monkeypatch, spy):
+def test_several_mc_columns_read_one_at_a_time(spy):
     """``mc_samples > 1`` under the looped strategy (CPU): each column is pulled back on its
     own, its sites read as they are passed (never all columns' site gradients at once), with
     the same results as all columns pulled back together; under the batched strategy (CUDA)
@@ -254,16 +250,15 @@ def test_several_mc_columns_read_one_at_a_time(monkeypatch, spy):
         torch.manual_seed(4)
         fused = curvature(model, lossfn, exts)(X, y)
     assert spy["streams"] == 8 + 1  # the columns pulled back together (no stream), then the loss's backward
-    monkeypatch.setattr(transform, "streams", lambda *args: False)
-    monkeypatch.setattr(secondorder, "_streamed_reads", lambda *args: False)
-    torch.manual_seed(4)
-    at_once = curvature(model, lossfn, exts)(X, y)
-    for result in (streamed, fused):
-        for q in ("grad", "diag_ggn_mc", "diag_ggn_mc_batch"):
-            assert_close_dicts(result[q], at_once[q], q, rtol=1e-12, atol=1e-14)
-        for name, factors in at_once["kfac"].items():
-            for a, b in zip(result["kfac"][name], factors):
-                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    with override(stream_first_order=False, stream_columns=False):
+        torch.manual_seed(4)
+        at_once = curvature(model, lossfn, exts)(X, y)
+        for result in (streamed, fused):
+            for q in ("grad", "diag_ggn_mc", "diag_ggn_mc_batch"):
+                assert_close_dicts(result[q], at_once[q], q, rtol=1e-12, atol=1e-14)
+            for name, factors in at_once["kfac"].items():
+                for a, b in zip(result["kfac"][name], factors):
+                    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
 def test_site_outputs_only_the_graph_needs_are_not_kept(monkeypatch):

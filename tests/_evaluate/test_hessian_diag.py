@@ -1,6 +1,6 @@
 """The Hessian diagonal's packed pullbacks (``curvlib._evaluate.hessian_diag``), against ``torch.func`` Hessians and per-column brute force (float64): a tiny
 language model with a tied embedding and head, LayerNorm, a tanh MLP, a softmax and a product,
-for every packing of the residual columns (``PACKED_COLUMNS``, ``chunk_size``); RMSNorm's
+for every packing of the residual columns (``Settings.packed_columns``, ``chunk_size``); RMSNorm's
 ``rsqrt`` and other element-wise roots and logarithms (diagonal residuals)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from curvlib import curvature
+from curvlib._core.settings import override
 from curvlib._evaluate import hessian_diag as hd
 from curvlib.extensions import BatchDiagHessian, DiagHessian, SqrtGGNExact
 
@@ -48,8 +49,7 @@ def test_tied_language_model_any_packing(packed, chunk, n, t, seed):
     """DiagHessian / BatchDiagHessian exact for every way the residual columns are packed."""
     model, ids, y = _problem(seed, n, t)
     lossfn = nn.CrossEntropyLoss()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(hd, "PACKED_COLUMNS", packed)
+    with override(packed_columns=packed):
         _check_packing(model, lossfn, ids, y, chunk)
 
 

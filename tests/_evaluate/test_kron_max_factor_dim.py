@@ -1,6 +1,6 @@
 """``KFAC``/``KFLR``/``KFACEmpirical(max_factor_dim=d)``: a factor side larger than ``d`` is
 the diagonal of the dense factor (1-D), the other side is unchanged; without the option a
-dense factor over ``curvlib._plan.budget.DENSE_FACTOR_BYTES`` is refused before any work;
+dense factor over ``curvlib._core.settings.Settings.dense_factor_bytes`` is refused before any work;
 batch slices (and ranks, tests/test_distributed.py) combine a diagonal side by its role.
 
 Oracles: BackPACK's factors by brute force in float64 (``oracles.second_order.kron_reference``:
@@ -22,9 +22,9 @@ from oracles.on_device import seeded
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
-import curvlib._plan.budget as budget
 import curvlib._evaluate.second_order as secondorder
 from curvlib import CurvatureError, curvature
+from curvlib._core.settings import override
 from curvlib import precondition as pre
 from curvlib.extensions import KFAC, KFLR, BatchGrad, KFACEmpirical
 from curvlib.optim import KFACOptimizer
@@ -190,17 +190,17 @@ def test_refused_before_any_work_naming_parameter_bytes_and_option(monkeypatch):
     assert "KFAC(max_factor_dim=...)" in str(err.value)
 
 
-def test_budget_is_the_stated_one(monkeypatch):
+def test_budget_is_the_stated_one():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
     X, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
-    monkeypatch.setattr(budget, "DENSE_FACTOR_BYTES", 6 * 6 * 4 - 1)  # [6, 6] float32 is one byte over
-    with pytest.raises(CurvatureError, match=r"'0\.weight'.*\[6, 6\] of 144 bytes"):
-        curvature(model, nn.CrossEntropyLoss(), [KFLR()])(X, y)
-    qs = curvature(model, nn.CrossEntropyLoss(), [KFLR(max_factor_dim=5)])(X, y)  # chosen: no refusal
-    assert qs["kflr"]["0.weight"][0].shape == (6,)
-    qs = curvature(model, nn.CrossEntropyLoss(), [KFLR(max_factor_dim=6)])(X, y)  # dense by choice
-    assert qs["kflr"]["0.weight"][0].shape == (6, 6)
+    with override(dense_factor_bytes=6 * 6 * 4 - 1):  # [6, 6] float32 is one byte over
+        with pytest.raises(CurvatureError, match=r"'0\.weight'.*\[6, 6\] of 144 bytes.*over the 143 bytes"):
+            curvature(model, nn.CrossEntropyLoss(), [KFLR()])(X, y)
+        qs = curvature(model, nn.CrossEntropyLoss(), [KFLR(max_factor_dim=5)])(X, y)  # chosen: no refusal
+        assert qs["kflr"]["0.weight"][0].shape == (6,)
+        qs = curvature(model, nn.CrossEntropyLoss(), [KFLR(max_factor_dim=6)])(X, y)  # dense by choice
+        assert qs["kflr"]["0.weight"][0].shape == (6, 6)
 
 
 class _Transpose(nn.Module):

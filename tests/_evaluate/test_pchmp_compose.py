@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from torch.autograd.functional import hessian, jacobian
 
 from curvlib import curvature
+from curvlib._core.settings import override
 from curvlib.extensions import BatchDiagHessian, DiagHessian
 from oracles.first_order import functional_call
 from oracles.checks import curvlib_blocks
@@ -339,11 +340,8 @@ def explicit_opaque_blocks(model: OpaqueNet, lossfn, X, y, modify) -> Dict[str, 
 def _quiet_blocks(model, lossfn, X, y, modify):
     """PCHMP's blocks with the opaque layer as one graph node, as the oracle defines them (PCHMP
     depends on the graph's nodes): the ATen front end, which traces inside it, is switched off."""
-    import curvlib._plan.traces
-
-    with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
+    with warnings.catch_warnings(), override(aten_front_end=False):
         warnings.simplefilter("ignore")  # "torch.fx could not trace ..."
-        patch.setattr(curvlib._plan.traces, "needs_aten", lambda *a: False)
         return curvlib_blocks(model, lossfn, X, y, modify)
 
 

@@ -3,7 +3,7 @@
 With ``chunk_size`` and ``batch_chunk_size`` every column of ``SqrtGGNExact`` /
 ``SqrtGGNMC`` is written where it belongs instead of joining chunks and slices by
 ``torch.cat``. The reference is the joined path (columns vmapped, parts
-concatenated: ``LOOP_SQRT_COLUMNS = False``), itself checked against oracles in
+concatenated: ``Settings.loop_sqrt_columns = False``), itself checked against oracles in
 ``test_second_order_exact.py``. The model has every kind of site the writer treats
 apart: a Linear weight's outer product (batch in dim 0 and in dim 1), the same
 weight used twice, a Linear over positions, a convolution, and a parameter no
@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 import curvlib._transform.chunking as chunking
-import curvlib._evaluate.read_off as read_off
 import curvlib._evaluate.second_order as so
 from curvlib import curvature
+from curvlib._core.settings import override
 from curvlib.extensions import BatchDiagGGNExact, BatchGrad, SqrtGGNExact, SqrtGGNMC
 from oracles.on_device import seeded
 
@@ -71,12 +71,12 @@ def _assert_same(got, ref, where):
     {"chunk_size": None, "batch_chunk_size": 4}, {"chunk_size": 1, "batch_chunk_size": 2},
 ])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_written_equals_joined(knobs, reduction, monkeypatch):
+def test_written_equals_joined(knobs, reduction):
     model, X, y = _problem()
     lossfn = nn.CrossEntropyLoss(reduction=reduction)
     written = _roots(model, lossfn, X, y, **knobs)
-    monkeypatch.setattr(read_off, "LOOP_SQRT_COLUMNS", False)
-    joined = _roots(model, lossfn, X, y, **knobs)
+    with override(loop_sqrt_columns=False):
+        joined = _roots(model, lossfn, X, y, **knobs)
     _assert_same(written, joined, str(knobs))
     assert torch.equal(written["sqrt_ggn_exact"]["unused"], torch.zeros(3, 6, 2, dtype=torch.float64))
 

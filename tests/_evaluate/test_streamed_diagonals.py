@@ -11,7 +11,8 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from curvlib import curvature
-from curvlib._evaluate import second_order, streamed
+from curvlib._core.settings import override
+from curvlib._evaluate import second_order
 from curvlib.extensions import BatchDiagGGNExact, DiagGGNExact
 
 from oracles.on_device import seeded
@@ -30,8 +31,8 @@ def test_streamed_linear_diagonals(n, c, seed):
     lossfn = nn.CrossEntropyLoss()
     taken = []
     original = second_order.column_statistic
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(streamed, "STREAM_MIN_BYTES", 0)  # (tiny sites: read as the backward reaches them)
+    # (tiny sites: read as the backward reaches them)
+    with override(stream_min_bytes=0), pytest.MonkeyPatch.context() as mp:
         mp.setattr(second_order, "column_statistic", lambda *a: taken.append(a) or original(*a))
         qs = curvature(model, lossfn, [DiagGGNExact(), BatchDiagGGNExact()])(X, y)
     assert taken, "the streamed read-off was not taken"

@@ -9,6 +9,7 @@ from torch import nn
 
 import curvlib._plan.budget as budget
 from curvlib import CurvatureError, curvature
+from curvlib._core.settings import current
 from curvlib.extensions import DiagGGNExact, SqrtGGNMC
 
 
@@ -51,7 +52,8 @@ def test_small_root_not_rechecked(free):
 
 def test_root_near_the_last_reading_rechecked(free):
     f, X, y = _f(DiagGGNExact())
-    free["bytes"] = budget.HEADROOM * 3 * 6 * 3 * 4 - 1  # fits, but not HEADROOM times over
+    headroom = current().budget_headroom
+    free["bytes"] = headroom * 3 * 6 * 3 * 4 - 1  # fits, but not headroom times over
     f(X, y)
     f(X, y)
     assert free["asked"] == 2

@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from curvlib import CurvatureError, curvature, extensions as E
+from curvlib._core.settings import override
 
 from oracles.checks import check_first_order
 from oracles.first_order import assert_close_dicts, first_order_reference
@@ -129,18 +130,16 @@ class Untraced(nn.Module):
         return self.b(h)
 
 
-def test_untraced_models_are_tested_on_their_forward(monkeypatch):
+def test_untraced_models_are_tested_on_their_forward():
     X, y = hot_data()
     # torch.fx cannot trace it; the ATen front end does, and its graph names the node
     with pytest.raises(CurvatureError, match=r"graph node 'mean' \(torch.mean over the batch dim 0"):
         curvature(Untraced(True).to(DT), nn.MSELoss(), [E.BatchGrad()])(X, y)
-    import curvlib._plan.traces
-
-    monkeypatch.setattr(curvlib._plan.traces, "needs_aten", lambda *a: False)  # the eager runner (ATen front end off)
-    with pytest.raises(CurvatureError, match=r"own forward .*sample 0's rows of the output of layer 'a'"):
-        curvature(Untraced(True).to(DT), nn.MSELoss(), [E.BatchGrad()])(X, y)
-    assert curvature(Untraced(True).to(DT), nn.MSELoss())(X, y)["loss"].isfinite()
-    check_first_order(Untraced(False).to(DT), nn.MSELoss(), X, y)
+    with override(aten_front_end=False):  # the eager runner
+        with pytest.raises(CurvatureError, match=r"own forward .*sample 0's rows of the output of layer 'a'"):
+            curvature(Untraced(True).to(DT), nn.MSELoss(), [E.BatchGrad()])(X, y)
+        assert curvature(Untraced(True).to(DT), nn.MSELoss())(X, y)["loss"].isfinite()
+        check_first_order(Untraced(False).to(DT), nn.MSELoss(), X, y)
 
 
 def test_checks_are_cached_with_the_plan_and_skipped_when_not_needed(monkeypatch):

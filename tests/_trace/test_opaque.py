@@ -28,6 +28,7 @@ from hypothesis import given
 from torch import nn
 
 from curvlib import CurvatureError, curvature
+from curvlib._core.settings import override
 from curvlib._trace.program import trace_program
 from curvlib.extensions import KFAC, KFLR, KFRA, BatchGrad, DiagGGNExact, DiagGGNMC, DiagHessian, SqrtGGNMC
 
@@ -41,10 +42,7 @@ from oracles.on_device import seeded
 @pytest.fixture(autouse=True, scope="module")
 def _opaque_fallback():
     """The ATen front end off: torch.fx's trace with opaque leaves is used (the fallback)."""
-    import curvlib._plan.traces
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(curvlib._plan.traces, "needs_aten", lambda *a: False)
+    with override(aten_front_end=False):
         yield
 
 

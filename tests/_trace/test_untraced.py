@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from curvlib import CurvatureError, curvature, losses
+from curvlib._core.settings import override
 from curvlib._evaluate.linearise import Forward, forward_with_probes
 from curvlib._evaluate.first_order import first_order
 from curvlib._plan.plan import make_plan
@@ -483,14 +484,11 @@ def test_second_order_through_the_aten_front_end(sign):
 
 
 @pytest.mark.parametrize("ext", [DiagGGNExact(), KFAC()])
-def test_second_order_refused_with_model_line_when_no_front_end_can_trace(ext, monkeypatch):
+def test_second_order_refused_with_model_line_when_no_front_end_can_trace(ext):
     """Without the ATen front end (here switched off, as when make_fx cannot run the model),
     second order is refused, naming the model line torch.fx failed at."""
-    import curvlib._plan.traces
-
-    monkeypatch.setattr(curvlib._plan.traces, "needs_aten", lambda *a: False)
     model = BranchOnValue()
-    with pytest.raises(CurvatureError) as info:
+    with override(aten_front_end=False), pytest.raises(CurvatureError) as info:
         curvature(model, nn.MSELoss(), [BatchGrad(), ext])(torch.rand(2, 3), torch.rand(2, 3))
     msg = str(info.value)
     assert type(ext).__name__ in msg and "could not be traced with torch.fx" in msg

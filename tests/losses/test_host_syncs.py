@@ -20,7 +20,6 @@ scatter of −1, no one-hot) equal ``p − F.one_hot(ŷ)``.
 
 from __future__ import annotations
 
-from unittest import mock
 
 import pytest
 import torch
@@ -30,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import curvlib
 from curvlib import CurvatureError, curvature, extensions as E
-import curvlib.losses._structural as structural
+from curvlib._core.settings import override
 from curvlib.losses._structural import _ce_sampled
 
 from oracles.loss_checks import F64, bce_problems, ce_problems, check_exact, close, model_and_input
@@ -230,7 +229,7 @@ def _ce_sampled_with_torch_one_hot(out, m, generator):
 @given(k=st.integers(2, 5), d=st.integers(0, 2), m=st.integers(1, 4), seed=st.integers(0, 2**16))
 def test_sampled_labels_unchanged_by_the_one_hot(k, d, m, seed):
     out = torch.randn((3, k) + (2,) * d, generator=seeded(seed), dtype=F64)
-    with mock.patch.object(structural, "DRAW_ENTRIES", k * (1 + seed % 3)):  # cumulative sums in blocks of rows
+    with override(draw_entries=k * (1 + seed % 3)):  # cumulative sums in blocks of rows
         got = _ce_sampled(out, m, seeded(seed + 1))
     want = _ce_sampled_with_torch_one_hot(out, m, seeded(seed + 1))
     assert torch.equal(got, want)

@@ -18,9 +18,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import curvlib.losses._structural as structural
 import curvlib._evaluate.second_order as secondorder
 from curvlib import CurvatureError, curvature, losses
+from curvlib._core.settings import override
 from curvlib.extensions import BatchDiagGGNExact, DiagGGNExact, DiagGGNMC, DiagHessian, KFAC, KFLR, SqrtGGNExact
 
 
@@ -47,7 +47,7 @@ def test_sampled_root_holds_one_logits_sized_tensor(reduction):
     logits = torch.randn(n, t, v).transpose(1, 2)  # [N, V, T], classes innermost in memory
     y = torch.randint(0, v, (n, t))
     spec = losses.loss_spec(nn.CrossEntropyLoss(reduction=reduction))
-    with BigAllocations(n * v * t) as big, mock.patch.object(structural, "DRAW_ENTRIES", 2 * v):
+    with BigAllocations(n * v * t) as big, override(draw_entries=2 * v):
         ((_, S),) = losses.curvature_at(spec, logits, y).sampled_roots(1, seeded(0))
     assert S.shape == (1, n, v, t)
     assert big.ops == ["aten._softmax.default"], big.ops  # the root is written over p
@@ -92,10 +92,9 @@ def test_monte_carlo_runs_at_full_vocabulary():
 
 
 @pytest.mark.parametrize("entries", [1, 40])
-def test_large_linear_layers_by_blocks_of_samples_and_columns(entries, monkeypatch):
-    """Linear layers on sequences too large for ``rules.linear.SQUARES_ENTRIES``: the squared
+def test_large_linear_layers_by_blocks_of_samples_and_columns(entries):
+    """Linear layers on sequences too large for ``Settings.linear_squares_entries``: the squared
     individual gradients a block of samples at a time, the GGN's columns one at a time."""
-    import curvlib.rules.linear as linear
     from curvlib.extensions import SumGradSquared, Variance
 
     torch.manual_seed(0)
@@ -103,8 +102,8 @@ def test_large_linear_layers_by_blocks_of_samples_and_columns(entries, monkeypat
     X, y = torch.randint(0, 11, (5, 3)), torch.randint(0, 11, (5, 3))
     exts = [SumGradSquared(), Variance(), DiagGGNExact()]
     want = curvature(model, nn.CrossEntropyLoss(), exts)(X, y)
-    monkeypatch.setattr(linear, "SQUARES_ENTRIES", entries)
-    got = curvature(model, nn.CrossEntropyLoss(), exts)(X, y)
+    with override(linear_squares_entries=entries):
+        got = curvature(model, nn.CrossEntropyLoss(), exts)(X, y)
     for ext in exts:
         for name in want[ext.name]:
             torch.testing.assert_close(got[ext.name][name], want[ext.name][name])

@@ -165,3 +165,27 @@ def test_sampled_classes_follow_the_softmax():
     sigma = (p * (1 - p) / m).sqrt()
     assert ((freq - p).abs() <= 4 * sigma + 1e-12).all(), (freq, p)
     assert onehot[:, 0, 2].sum() == 0
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("read", ["concrete", "vmap"])
+def test_cross_entropy_mean_counts_weighted_targets(weighted, read):
+    """Cross-entropy ``"mean"`` divides by the summed class weights of the targets not
+    ``ignore_index`` (their count without weights): ``c`` is the ratio of torch's mean to its
+    sum, read from host values (``normaliser``) and as a tensor where they cannot be read (under
+    ``vmap``)."""
+    from curvlib.losses import normaliser
+
+    gen = seeded(7)
+    out = torch.randn(6, 4, 3, generator=gen, dtype=torch.float64)
+    y = torch.tensor([[0, 3, 1], [-1, 2, 2], [1, -1, 0], [3, 3, -1], [2, 0, 1], [-1, -1, 2]])
+    weight = torch.tensor([0.5, 2.0, 1.25, 3.0], dtype=torch.float64) if weighted else None
+    lossfn = nn.CrossEntropyLoss(weight=weight, ignore_index=-1)
+    spec = loss_spec(lossfn)
+    want = lossfn(out, y) / nn.CrossEntropyLoss(weight=weight, ignore_index=-1, reduction="sum")(out, y)
+    if read == "concrete":
+        assert normaliser(spec, y) == pytest.approx(1 / want.item(), rel=1e-12)
+        c = reduction_factor(spec, y)
+    else:  # a batched y: its values cannot be read on the host, c is a tensor
+        c = torch.func.vmap(lambda t: reduction_factor(spec, t))(torch.stack([y, y]))[1]
+    torch.testing.assert_close(torch.as_tensor(c, dtype=torch.float64), want, rtol=1e-12, atol=0)

@@ -9,6 +9,7 @@ from hypothesis import given, strategies as st
 from torch import nn
 
 from curvlib import CurvatureError, curvature
+from curvlib._core.settings import override
 from curvlib.extensions import BatchGrad
 from curvlib.rules import conv as conv_rule
 from oracles.checks import check_first_order, check_ggn_columns
@@ -240,23 +241,22 @@ PER_SAMPLE_CASES = [
 @pytest.mark.parametrize("method", ["conv", "bmm"])
 @pytest.mark.parametrize("block_bytes", [0, 300, 2**30], ids=["one", "some", "all"])
 @pytest.mark.parametrize("case", range(len(PER_SAMPLE_CASES)))
-def test_per_sample_methods(monkeypatch, method, block_bytes, case):
+def test_per_sample_methods(method, block_bytes, case):
     d, kwargs, spatial = PER_SAMPLE_CASES[case]
-    monkeypatch.setattr(conv_rule, "METHOD", method)
-    monkeypatch.setattr(conv_rule, "COLUMN_BLOCK_BYTES", block_bytes)
-    torch.manual_seed(case)
-    conv = CONV[d](**kwargs).double()
-    X = torch.randn((3, kwargs["in_channels"], *spatial), dtype=torch.float64)
-    with torch.no_grad():
-        features = conv(X)[0].numel()
-    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(features, 4)).double()
-    y = torch.tensor([0, 3, 1])
-    check_first_order(model, nn.CrossEntropyLoss(), X, y)
-    check_ggn_columns(model, nn.CrossEntropyLoss(), X, y)
+    with override(conv_method=method, conv_column_block_bytes=block_bytes):
+        torch.manual_seed(case)
+        conv = CONV[d](**kwargs).double()
+        X = torch.randn((3, kwargs["in_channels"], *spatial), dtype=torch.float64)
+        with torch.no_grad():
+            features = conv(X)[0].numel()
+        model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(features, 4)).double()
+        y = torch.tensor([0, 3, 1])
+        check_first_order(model, nn.CrossEntropyLoss(), X, y)
+        check_ggn_columns(model, nn.CrossEntropyLoss(), X, y)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_methods_agree_on_a_larger_layer(monkeypatch, dtype):
+def test_methods_agree_on_a_larger_layer(dtype):
     """Batch as groups and bmm give the same individual gradients at a size where each is chosen."""
     torch.manual_seed(0)
     conv = nn.Conv2d(16, 32, 3, padding=1).to(dtype)
@@ -265,12 +265,11 @@ def test_methods_agree_on_a_larger_layer(monkeypatch, dtype):
     y = torch.randn(4, 32 * 64, dtype=dtype)
     results = {}
     for method in ("conv", "bmm"):
-        monkeypatch.setattr(conv_rule, "METHOD", method)
-        results[method] = curvature(model, nn.MSELoss(), [BatchGrad()])(X, y)
+        with override(conv_method=method):
+            results[method] = curvature(model, nn.MSELoss(), [BatchGrad()])(X, y)
     for key in ("grad", "grad_batch"):
         for name in results["conv"][key]:
             torch.testing.assert_close(results["conv"][key][name], results["bmm"][key][name])
-    monkeypatch.setattr(conv_rule, "METHOD", None)
     assert conv_rule.choose_method(16, 32, 9, 64) == "conv"
     assert conv_rule.choose_method(3, 32, 9, 1024) == "bmm"
     assert conv_rule.choose_method(64, 64, 1, 36) == "bmm"

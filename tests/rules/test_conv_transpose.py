@@ -6,6 +6,7 @@ from hypothesis import given, strategies as st
 from torch import nn
 
 from curvlib import CurvatureError, curvature
+from curvlib._core.settings import override
 from curvlib.extensions import BatchGrad
 from oracles.checks import check_first_order, check_ggn_columns
 from oracles.on_device import seeded
@@ -206,21 +207,18 @@ PER_SAMPLE_CASES = [
 @pytest.mark.parametrize("method", ["conv", "bmm"])
 @pytest.mark.parametrize("block_bytes", [0, 300, 2**30], ids=["one", "some", "all"])
 @pytest.mark.parametrize("case", range(len(PER_SAMPLE_CASES)))
-def test_per_sample_methods(monkeypatch, method, block_bytes, case):
-    from curvlib.rules import conv as conv_rule
-
+def test_per_sample_methods(method, block_bytes, case):
     d, kwargs, spatial, output_size = PER_SAMPLE_CASES[case]
-    monkeypatch.setattr(conv_rule, "METHOD", method)
-    monkeypatch.setattr(conv_rule, "COLUMN_BLOCK_BYTES", block_bytes)
-    torch.manual_seed(case)
-    up = CONV_T[d](**kwargs).double()
-    X = torch.randn((3, kwargs["in_channels"], *spatial), dtype=torch.float64)
-    with torch.no_grad():
-        features = up(X, output_size=output_size)[0].numel()
-    if output_size is None:
-        model = nn.Sequential(up, nn.Sigmoid(), nn.Flatten(), nn.Linear(features, 3)).double()
-    else:
-        model = WithOutputSize(up, output_size, features).double()
-    y = torch.tensor([0, 2, 1])
-    check_first_order(model, nn.CrossEntropyLoss(), X, y)
-    check_ggn_columns(model, nn.CrossEntropyLoss(), X, y)
+    with override(conv_method=method, conv_column_block_bytes=block_bytes):
+        torch.manual_seed(case)
+        up = CONV_T[d](**kwargs).double()
+        X = torch.randn((3, kwargs["in_channels"], *spatial), dtype=torch.float64)
+        with torch.no_grad():
+            features = up(X, output_size=output_size)[0].numel()
+        if output_size is None:
+            model = nn.Sequential(up, nn.Sigmoid(), nn.Flatten(), nn.Linear(features, 3)).double()
+        else:
+            model = WithOutputSize(up, output_size, features).double()
+        y = torch.tensor([0, 2, 1])
+        check_first_order(model, nn.CrossEntropyLoss(), X, y)
+        check_ggn_columns(model, nn.CrossEntropyLoss(), X, y)

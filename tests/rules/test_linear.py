@@ -110,17 +110,18 @@ def test_linear_over_positions_gradient_summed_from_individual_ones(n, positions
 )
 def test_linear_squares_in_blocks_with_the_gradient(n, positions, i, o, entries, reuse, seed):
     """``grad_with_squares`` and ``sum_grad_squared`` of a Linear over positions, formed in blocks
-    of samples or rows (``SQUARES_ENTRIES``), squared one sample at a time or (more than 8 per
+    of samples or rows (``Settings.linear_squares_entries``), squared one sample at a time or (more than 8 per
     block) in two kernels, into a reused scratch buffer or fresh ones, twice in a row with
     different sizes: ``Σ_n (Σ_s g xᵀ)²`` and ``Σ_n Σ_s g xᵀ`` against the per-sample float64 oracle."""
     from unittest import mock
 
     import curvlib.rules.linear as linear
     from curvlib._core.scratch import reusing
+    from curvlib._core.settings import override
     from curvlib._core.site import Site
 
     gen = seeded(seed)
-    with mock.patch.object(linear, "SQUARES_ENTRIES", entries), (reusing() if reuse else mock.MagicMock()):
+    with override(linear_squares_entries=entries), (reusing() if reuse else mock.MagicMock()):
         for o_k in (o, o + 2):
             x = torch.randn(n, positions, i, generator=gen, dtype=torch.float64)
             g = torch.randn(n, positions, o_k, generator=gen, dtype=torch.float64)

@@ -2,7 +2,10 @@
 
 - ``errors``: the exception family (``CurvatureError``, ``CurvatureTypeError``);
 - ``sync``: the one lock around process-wide state;
-- ``tensors``: facts about tensors and devices (is a value readable, free memory);
+- ``settings``: the tunable sizes and switches, one frozen record (``current()``, ``override``);
+- ``tensors``: facts about tensors and devices (is a value readable, may it be written in
+  place, is a torch.func transform running, is a value traced, free memory);
+- ``calls``: one argument of a call, by position or keyword;
 - ``strategy``: how many root columns are pulled back at once, per device;
 - ``inputs``, ``outputs``, ``buffers``: the call's data as users pass it;
 - ``draws``, ``dropout``: random draws made explicit (Monte-Carlo vectors, masks);

@@ -31,7 +31,9 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.overrides import TorchFunctionMode
 
+from .calls import argument
 from .errors import CurvatureError
+from .tensors import is_wrapped
 
 __all__ = ["active", "draw_seed", "new_generator", "DropoutSeed", "warning", "run_node", "use_noise", "DropoutMode", "generic_dropout", "NOISES"]
 
@@ -149,7 +151,7 @@ def draw_seed(generator: Optional[torch.Generator]) -> int:
     the draw is batched, one per member, which a host int cannot hold: refused."""
     device = generator.device if generator is not None else "cpu"
     seed = torch.randint(0, 2**62, (1,), generator=generator, device=device)
-    if torch._C._functorch.is_functorch_wrapped_tensor(seed):
+    if is_wrapped(seed):
         raise CurvatureError(
             "Dropout in training mode under torch.func.vmap(randomness='different'): curvlib draws "
             "one seed per call for the masks of all its passes, not one per member. Use "
@@ -182,7 +184,7 @@ def run_node(program, node: fx.Node, kind: str, args, kwargs, generator: torch.G
     """A dropout node's value with its noise drawn from ``generator`` (kept in ``noises[node]``)."""
     if node.op == "call_module":
         module = program.root.get_submodule(node.target)
-        x = args[0] if args else kwargs["input"]
+        x = argument(args, kwargs, 0, "input")
         p, training, inplace = module.p, module.training, getattr(module, "inplace", False)
     else:
         x, p, training, inplace = _function_args(node.target, args, kwargs)

@@ -5,9 +5,9 @@ reads every site's quantity off its ``V`` pulled-back columns. Two strategies
 give the same numbers:
 
 * ``"looped"`` (the CPU default): a few columns at a time (``chunk_size="auto"``
-  takes :data:`~curvlib._plan.budget.AUTO_CHUNK_BYTES_CPU`), and convolutions
+  takes :attr:`~curvlib._core.settings.Settings.auto_chunk_bytes_cpu`), and convolutions
   form their per-sample, per-column weight gradients in blocks of about
-  :data:`~curvlib.rules.conv.COLUMN_BLOCK_BYTES`: small working sets stay in a
+  :attr:`~curvlib._core.settings.Settings.conv_column_block_bytes`: small working sets stay in a
   CPU's caches, which is faster there;
 * ``"batched"`` (the CUDA default): all columns of a chunk in one kernel per
   site where memory allows (conv blocks of :func:`column_block_bytes`, a share
@@ -30,7 +30,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from . import tensors as _core
+from . import settings, tensors as _core
 from .errors import CurvatureError
 
 __all__ = ["STRATEGIES", "strategy", "resolve", "batched", "column_block_bytes"]
@@ -38,10 +38,6 @@ __all__ = ["STRATEGIES", "strategy", "resolve", "batched", "column_block_bytes"]
 STRATEGIES = ("auto", "batched", "looped")
 ENV = "CURVLIB_STRATEGY"
 
-#: Least byte budget of one block of conv column gradients under ``"batched"``.
-BATCHED_MIN_BYTES = 256 * 2**20
-#: Under ``"batched"`` on CUDA: up to this share of the free device memory.
-BATCHED_FREE_SHARE = 1 / 8
 
 _forced: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("curvlib_strategy", default=None)
 
@@ -97,13 +93,14 @@ def column_block_bytes(device: Union[str, torch.device], looped_bytes: int) -> i
     """Byte budget of one block of per-sample, per-column gradients on ``device``.
 
     ``looped_bytes`` under ``"looped"``; under ``"batched"`` at least
-    :data:`BATCHED_MIN_BYTES`, on CUDA up to :data:`BATCHED_FREE_SHARE` of the
-    free memory (read by :func:`curvlib._core.tensors.available_bytes`).
+    :attr:`~curvlib._core.settings.Settings.batched_min_bytes`, on CUDA up to
+    :attr:`~curvlib._core.settings.Settings.batched_free_share` of the free memory (read by
+    :func:`curvlib._core.tensors.available_bytes`).
     """
     if not batched(device):
         return looped_bytes
-    device = torch.device(device)
+    device, knobs = torch.device(device), settings.current()
     if device.type != "cuda":
-        return BATCHED_MIN_BYTES
+        return knobs.batched_min_bytes
     free = _core.available_bytes(device) or 0
-    return max(BATCHED_MIN_BYTES, int(free * BATCHED_FREE_SHARE))
+    return max(knobs.batched_min_bytes, int(free * knobs.batched_free_share))

@@ -1,5 +1,6 @@
-"""Facts about tensors and devices that every stage asks: can a tensor's values be read, how
-much memory is free. No curvlib imports (every module may import this one)."""
+"""Facts about tensors and devices that every stage asks: can a tensor's values be read, may
+it be written in place, is a torch.func transform running, is a value being traced, how much
+memory is free. No curvlib imports (every module may import this one)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import os
 from typing import Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, fx
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["is_concrete", "available_bytes", "dense"]
+__all__ = ["is_concrete", "is_wrapped", "inside_transform", "in_place_safe", "has_proxy", "available_bytes", "dense"]
 
 
 def is_concrete(t: Tensor) -> bool:
@@ -18,9 +19,42 @@ def is_concrete(t: Tensor) -> bool:
     if is_fake(t):  # traced once per input signature (curvature(..., compile=True))
         return False
     try:
-        return not torch._C._functorch.is_functorch_wrapped_tensor(t)
+        return not is_wrapped(t)
     except AttributeError:  # pragma: no cover - older torch
         return True
+
+
+def is_wrapped(t: Tensor) -> bool:
+    """True if ``t`` is a torch.func wrapper (a ``vmap`` batched tensor, a ``grad``/``jvp``
+    tensor): its values and strides are not those of the memory under it, and ``vmap`` has no
+    batching rule for some in-place ops on it."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+def inside_transform(*tensors: Tensor) -> bool:
+    """True while a torch.func transform (``vmap``, ``grad``, ``vjp``, ``jvp``) runs, or if any of
+    ``tensors`` is a torch.func wrapper (made inside one): nothing computed may then be kept
+    past the call, and torch's fused ops without a batching rule must be avoided."""
+    try:
+        if torch._C._functorch.maybe_current_level() is not None:
+            return True
+    except AttributeError:  # pragma: no cover - older torch
+        return True
+    return any(is_wrapped(t) for t in tensors)
+
+
+def in_place_safe(*tensors: Tensor) -> bool:
+    """True if every one of ``tensors`` may be written (or summed into) in place: none is
+    recorded by autograd (``requires_grad``) and none is a torch.func wrapper (:func:`is_wrapped`)."""
+    return not any(t.requires_grad or is_wrapped(t) for t in tensors)
+
+
+def has_proxy(value) -> bool:
+    """True if ``value`` (a tensor, a proxy, or tuples, lists and dicts of them) holds a
+    ``torch.fx.Proxy``: it is being traced symbolically, not computed."""
+    found = []
+    fx.node.map_aggregate(value, lambda a: found.append(a) if isinstance(a, fx.Proxy) else None)
+    return bool(found)
 
 
 def dense(t: Tensor) -> Tensor:
@@ -30,7 +64,7 @@ def dense(t: Tensor) -> Tensor:
     a transposed convolution's backward then raises "grad_weight needs to be contiguous", so
     a per-sample map (``vmap`` of a ``vjp``) is handed its inputs dense. A vmap/grad wrapper is
     returned as it is (its strides are not the memory's)."""
-    if not isinstance(t, Tensor) or torch._C._functorch.is_functorch_wrapped_tensor(t):
+    if not isinstance(t, Tensor) or is_wrapped(t):
         return t
     want, step = [], 1
     for size in reversed(t.shape):

@@ -14,6 +14,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from torch import Tensor
 
+from .._core import settings
 from .._core.scratch import reusing
 from .._core.site import Site, uses_of
 from .._core.tensors import is_concrete
@@ -59,8 +60,10 @@ def streams(lin: Linearization, second: Sequence, generic: bool = False) -> bool
     (:func:`curvlib._evaluate.streamed.worth_streaming`), no residuals, and second-order
     extensions that only pull back the loss Hessian's roots and read nothing of the loss's
     backward (not the Hessian's residuals; none with a ``generic`` loss, whose value is checked,
-    a scalar of per-sample terms, before its Hessian is formed): those are finished before it."""
-    return (lin.pull_loss is not None and lin.stream_pull is not None and is_concrete(lin.out) and not lin.residuals
+    a scalar of per-sample terms, before its Hessian is formed): those are finished before it, unless
+    :attr:`~curvlib._core.settings.Settings.stream_first_order` is off."""
+    return (settings.current().stream_first_order
+            and lin.pull_loss is not None and lin.stream_pull is not None and is_concrete(lin.out) and not lin.residuals
             and not (generic and second)
             and all(e.root in ("exact", "mc") and not e.hessian for e in second))
 

@@ -11,7 +11,8 @@ batch (each column zero at the other nodes' inputs, as every input outside a set
 and pulled back in one batched vector-Jacobian product, then read once per parameter. A
 batch holds up to ``chunk_size`` columns, or, without one, as many as the largest single
 set (so the memory of a pullback stays that of the largest set's) or
-:data:`PACKED_COLUMNS`, whichever is more; a set larger than that is split. Exact for any
+:attr:`~curvlib._core.settings.Settings.packed_columns`, whichever is more; a set larger than that is
+split. Exact for any
 packing: each column's pulled-back square is the same, and the read-offs sum over columns.
 """
 
@@ -22,17 +23,14 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .._core import settings
 from .._core.tensors import is_concrete
 from .._hessian.algebra import factor
 from .._plan.batch_merges import per_sample
 from .read_off import batch_diag, diag, sqrt_columns
 
-__all__ = ["hessian_diag", "PACKED_COLUMNS"]
+__all__ = ["hessian_diag"]
 
-#: Columns pulled back at once at least, unless ``chunk_size`` bounds them. 0: no more than the
-#: largest set's (larger batches measured no faster on the tiny language models of
-#: ``benchmarks/hessian_cost.py``, so the memory of the unpacked pullbacks decides).
-PACKED_COLUMNS = 0
 
 # One node's column set: (node's residual, {input index: columns [V, *a]}, {param: [V, N, *p]}, V)
 _Entry = Tuple[object, Dict[int, object], Dict[str, Tensor], int]
@@ -51,7 +49,8 @@ def hessian_diag(lin, uses, ggn: Dict[str, Tensor], names, params, n: int, resid
                     total[name] = total[name] + sign * _square_sum(d, batch)
         if not tapped:
             continue
-        cap = chunk_size if chunk_size is not None else max(PACKED_COLUMNS, max(e[3] for e in tapped))
+        least = settings.current().packed_columns
+        cap = chunk_size if chunk_size is not None else max(least, max(e[3] for e in tapped))
         for pieces in _packed(tapped, max(1, cap)):
             taps, direct = _stacked(lin, pieces, n)
             m = lin.pull_batched(None, taps)

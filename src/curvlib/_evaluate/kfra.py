@@ -32,11 +32,8 @@ from ..rules import FAMILY_OF, kron_from_matrix
 from .._core.site import Recorder, Site
 from .._trace.graph_facts import chain_nodes, is_inplace
 from ..rules.elementwise import ELEMENTWISE_MODULES
-from .._core import linalg
+from .._core import linalg, settings
 from .linearise import Forward
-
-# D² · N entries above which the dense recursion is refused (memory guard).
-MAX_ENTRIES = 2**27
 
 
 def _node_function(program, node: fx.Node, env: Dict[fx.Node, object], params):
@@ -64,10 +61,11 @@ def _average_congruence(f, a: Tensor, G: Tensor) -> Tensor:
     """``(1/N) Σ_n J_nᵀ G J_n`` for ``z = f(a)``, ``G [Dz, Dz]`` -> ``[Da, Da]``."""
     n = a.shape[0]
     d_a, d_z = a[0].numel(), G.shape[0]
-    if max(d_z * n * d_a, d_a * d_a, d_z * d_z) > MAX_ENTRIES:
+    limit = settings.current().kfra_max_entries
+    if max(d_z * n * d_a, d_a * d_a, d_z * d_z) > limit:
         raise CurvatureError(
             f"KFRA: the dense batch-averaged recursion through an operation with {d_a} "
-            f"inputs and {d_z} outputs per sample (N={n}) needs more than {MAX_ENTRIES} "
+            f"inputs and {d_z} outputs per sample (N={n}) needs more than {limit} "
             "entries; use KFAC or KFLR for this model."
         )
     evals, evecs = linalg.eigh(G)

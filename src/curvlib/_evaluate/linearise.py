@@ -36,6 +36,7 @@ from .._interpret.graph import run_graph
 from .._plan.plan import Plan
 from .._core.batch_layout import batch_first
 from .._core.site import Recorder, Site
+from .._core.tensors import inside_transform
 from .streamed import as_edges, lowest_targets, stream_sites, worth_streaming
 
 __all__ = ["Forward", "Linearization", "forward_with_probes"]
@@ -99,14 +100,6 @@ class Linearization:
         return torch.func.vmap(one, in_dims=(0 if batched_out else None, tap_dims))(out_arg, tap_args)
 
 
-def _inside_transform() -> bool:
-    """Whether we run under a torch.func transform (vmap over an ensemble, grad, ...)."""
-    try:
-        return torch._C._functorch.maybe_current_level() is not None
-    except AttributeError:  # pragma: no cover - older torch
-        return True
-
-
 @dataclass(frozen=True)
 class Forward:
     """One forward to linearise: the traced program and its plan for ``X``, parameter name ->
@@ -146,7 +139,7 @@ def forward_with_probes(fwd: Forward, direct: bool = False, keep_values: bool = 
     takes the torch.func route outside transforms too: its results stay
     differentiable w.r.t. inputs and parameter values that require grad.
     """
-    if functorch or _inside_transform():
+    if functorch or inside_transform():
         return _forward_functorch(fwd)
     if direct:
         lin = _forward_autograd(fwd, True, keep_values)

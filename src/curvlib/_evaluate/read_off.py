@@ -16,11 +16,12 @@ import torch
 from torch import Tensor
 from torch.func import vmap
 
+from .._core import settings
 from .._core.tensors import is_concrete
 from ..rules import FAMILY_OF, fixed_rows, kron_factors, kron_input_factor, kron_layout, kron_weight_output, linear
 from ..rules.fixed_rows import tied_across_layers
 
-__all__ = ["sqrt_columns", "diag", "batch_diag", "kronecker_factors", "root_last", "LOOP_SQRT_COLUMNS",
+__all__ = ["sqrt_columns", "diag", "batch_diag", "kronecker_factors", "root_last",
            "ColumnStatistic", "column_statistic"]
 
 
@@ -31,7 +32,8 @@ def sqrt_columns(uses, m_by_site, name) -> Tensor:
         m = m_by_site[site.key]
         if site.rule.grad_batch_columns is not None:  # all columns in one batched call
             part = site.rule.grad_batch_columns(site, m, [role]).get(role)
-        elif LOOP_SQRT_COLUMNS and is_concrete(m) and not _one_outer_product(site, m) and not site.rule.vmap_columns:
+        elif (settings.current().loop_sqrt_columns and is_concrete(m) and not _one_outer_product(site, m)
+              and not site.rule.vmap_columns):
             # column by column into one buffer: the rules' own batched kernels (e.g. the
             # grouped convolution of a convolution's per-sample gradients) instead of
             # their vmapped versions (a Linear without shared positions stays vmapped:
@@ -48,12 +50,6 @@ def sqrt_columns(uses, m_by_site, name) -> Tensor:
             continue
         total = part if total is None else total.add_(part)
     return total
-
-
-#: ``sqrt_columns`` loops over columns outside torch.func transforms (see there), and square roots
-#: are written into preallocated results (:mod:`curvlib._evaluate.root_buffers`); ``False``: vmapped
-#: over columns and joined by ``torch.cat`` (the reference the tests compare with).
-LOOP_SQRT_COLUMNS = True
 
 
 def _one_outer_product(site, m: Tensor) -> bool:
@@ -102,9 +98,11 @@ def diag(uses, m_by_site, name, params, cache=None) -> Tensor:
 def _column_squares(uses, m_by_site, name, numel: int, dims) -> Tensor:
     """``Σ_dims (Σ_sites J_pᵀ m_v)²`` (``dims``: ``(0, 1)``, columns and samples, or ``0``) from
     :func:`sqrt_columns` of blocks of columns, each ``[v, N, *p]`` at most
-    :data:`~curvlib.rules.linear.SQUARES_ENTRIES` entries (one column if even that is larger)."""
+    :attr:`~curvlib._core.settings.Settings.linear_squares_entries` entries (one column if even that
+    is larger)."""
     m0 = m_by_site[uses[name][0][0].key]
-    step = max(1, linear.SQUARES_ENTRIES // max(m0.shape[1] * numel, 1)) if m0.dim() > 1 else m0.shape[0]
+    entries = settings.current().linear_squares_entries
+    step = max(1, entries // max(m0.shape[1] * numel, 1)) if m0.dim() > 1 else m0.shape[0]
     total = None
     for a in range(0, m0.shape[0], step):
         block = {site.key: m_by_site[site.key][a:a + step] for site, _ in uses[name]}

@@ -8,8 +8,8 @@ column is written where it belongs as soon as it is formed: one buffer per
 (result, parameter), allocated when its first column is known, so that neither
 knob raises peak memory above the unchunked call's (a column ``[N, *p]`` at a
 time is the only temporary, as without chunks, or a block of columns up to
-:data:`COLUMN_BLOCK_ENTRIES` where a rule forms them in one batched call; a Linear
-layer's outer product ``g_n x_nᵀ`` is written with no temporary at all).
+:attr:`~curvlib._core.settings.Settings.column_block_entries` where a rule forms them in one
+batched call; a Linear layer's outer product ``g_n x_nᵀ`` is written with no temporary at all).
 
 Only for plain tensors outside autograd and ``torch.func`` (the common case);
 otherwise the parts are joined by ``torch.cat``.
@@ -21,6 +21,8 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from .._core import settings
 
 
 __all__ = ["RootBuffers", "write_sqrt"]
@@ -106,10 +108,10 @@ def sqrt_into(uses, m_by_site, name: str, dest: Callable[[Tuple[int, ...], torch
 def _columns_at_once(site, m: Tensor, numel: int) -> int:
     """How many columns a rule with :attr:`~curvlib._core.site.Rule.grad_batch_columns` forms at
     once (``m [V, N, ...]``, a parameter of ``numel`` entries): a block of at most
-    :data:`COLUMN_BLOCK_ENTRIES` entries (1 for the other rules)."""
+    :attr:`~curvlib._core.settings.Settings.column_block_entries` entries (1 for the other rules)."""
     if site.rule.grad_batch_columns is None or m.dim() < 2:
         return 1
-    return max(1, COLUMN_BLOCK_ENTRIES // max(m.shape[1] * numel, 1))
+    return max(1, settings.current().column_block_entries // max(m.shape[1] * numel, 1))
 
 
 def _columns(site, m: Tensor, role: str, step: int) -> Tensor:
@@ -117,10 +119,4 @@ def _columns(site, m: Tensor, role: str, step: int) -> Tensor:
     if step > 1:
         return site.rule.grad_batch_columns(site, m, [role])[role]
     return site.rule.grad_batch(site, m[0], [role])[role].unsqueeze(0)
-
-
-#: The largest block of per-sample gradients ``[v, N, *p]`` formed at once beside the result
-#: (16 Mi entries), when a rule forms all columns in one batched call (a Linear shared by
-#: positions, an Embedding): fewer, larger kernels than one per column.
-COLUMN_BLOCK_ENTRIES = 2**24
 

@@ -38,7 +38,7 @@ from typing import Callable, Dict, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .._core import strategy as _strategy
+from .._core import settings, strategy as _strategy
 from .._core.tensors import is_concrete
 from .linearise import Linearization
 from .._core.errors import CurvatureError
@@ -48,7 +48,6 @@ from .._core.kronlayout import add_root_factor
 from ..rules.fixed_rows import unused_block
 from .._core.scratch import reusing
 from .._core.site import uses_of
-from . import read_off as _read_off
 from .hessian_diag import hessian_diag
 from .read_off import ColumnStatistic, batch_diag, column_statistic, diag, kronecker_factors, root_last, sqrt_columns
 from .root_buffers import RootBuffers, write_sqrt
@@ -251,7 +250,8 @@ def _accumulate(call: Call, S: Tensor, group) -> Dict[str, Dict[str, object]]:
     owned: set = set()  # ids of running sums made here (safe to add into in place)
     total = S.shape[0]
     into = call.into
-    if not _read_off.LOOP_SQRT_COLUMNS or lin.batched_pullback is None or not is_concrete(S) or S.requires_grad:
+    looped = settings.current().loop_sqrt_columns
+    if not looped or lin.batched_pullback is None or not is_concrete(S) or S.requires_grad:
         into = None
     elif into is None:
         into = RootBuffers()
@@ -299,8 +299,9 @@ def _streamed_reads(lin: Linearization, group, S: Tensor) -> bool:
     the looped strategy (:mod:`curvlib._core.strategy`, the CPU default), whose batched pullback
     runs the backward's kernels once per column anyway (``mc_samples > 1``: the sites' columns of
     one sample at a time instead of all ``M``). The batched strategy (CUDA) keeps its fused
-    pullback of several columns."""
-    if S.shape[0] > 1 and _strategy.batched(S.device):
+    pullback of several columns. Never where :attr:`~curvlib._core.settings.Settings.stream_columns`
+    is off."""
+    if not settings.current().stream_columns or (S.shape[0] > 1 and _strategy.batched(S.device)):
         return False
     return (lin.stream_pull is not None and is_concrete(S) and not S.requires_grad
             and all(READ[_quantity(e)].streams for e in group))

@@ -18,23 +18,21 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
-__all__ = ["as_edges", "lowest_targets", "read_when_passed", "stream_sites", "STREAM_MIN_BYTES", "worth_streaming"]
+from .._core import settings
 
-#: Sites are streamed only when their outputs take at least this many bytes together: a hook per
-#: site and gradient edges add a fixed cost to every call (visible on a tiny model), worth it
-#: only where holding every site gradient at once would cost memory (a language model's blocks).
-STREAM_MIN_BYTES = 16 * 2**20
+__all__ = ["as_edges", "lowest_targets", "read_when_passed", "stream_sites", "worth_streaming"]
 
 
 def worth_streaming(shapes: Sequence[tuple], dtypes: Sequence[torch.dtype]) -> bool:
-    """Whether sites with these output shapes and dtypes are read as the backward reaches them."""
+    """Whether sites with these output shapes and dtypes are read as the backward reaches them
+    (:attr:`~curvlib._core.settings.Settings.stream_min_bytes` of outputs at least)."""
     total = 0
     for shape, dtype in zip(shapes, dtypes):
         n = 1
         for s in shape:
             n *= int(s)
         total += n * dtype.itemsize
-    return total >= STREAM_MIN_BYTES
+    return total >= settings.current().stream_min_bytes
 
 
 def as_edges(targets: Sequence[Tensor], lowest: set) -> list:

@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
+from .._core.calls import argument
 from .._core.errors import CurvatureError
 from .._trace.program import Program
 from ..rules import FAMILIES, functional
@@ -179,8 +180,8 @@ def softmax_axis(node: fx.Node, root: nn.Module) -> Optional[int]:
 def _recurrent_coupling(node: fx.Node, layer, upstream, dependent: set) -> Coupling:
     """Which of a recurrent module's own parameters its input and initial states depend
     on, and whether the initial states depend on the model input (:mod:`curvlib.rules.rnn_steps`)."""
-    x_arg = node.args[0] if node.args else node.kwargs.get("input")
-    hx_arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("hx")
+    x_arg = argument(node.args, node.kwargs, 0, "input", None)
+    hx_arg = argument(node.args, node.kwargs, 1, "hx", None)
     own = frozenset(layer.names.values())
 
     def nodes_in(arg) -> List[fx.Node]:
@@ -350,7 +351,7 @@ def _record_norm(program: Program, node: fx.Node, env, params: Dict[str, Tensor]
     (``eps``, the weight ``w`` that scales ``g``, the normalised axes or the groups)."""
     layer = program.layers[node.target]
     module = layer.module
-    x = fx.node.map_arg(node.args, lambda n: env[n])[0] if node.args else env[node.kwargs["input"]]
+    x = fx.node.map_arg(argument(node.args, node.kwargs, 0, "input"), lambda n: env[n])
     weight = params[layer.names["weight"]] if "weight" in layer.names else None
     # the weight stays attached: derivatives of the Hessian diagonal w.r.t. it flow through R
     meta = {"eps": module.eps, "weight": weight, **layer.family.norm_residual(module)}

@@ -16,7 +16,8 @@ row axis as channels, and a final ``conv``/``linear`` whose output channels are 
 rows); anything else leaves the block dense. Only the Hessian diagonal reads the block then
 (:func:`rows_columns`: one signed column ``√(diag R_pp)±`` per sign, exact for the diagonal,
 which sums the squares of a free parameter's columns); the eigenvalue-modified operator
-(PCHMP) forms it dense, refused above :data:`MAX_DENSE_ENTRIES`.
+(PCHMP) forms it dense, refused above
+:attr:`~curvlib._core.settings.Settings.max_dense_residual_entries`.
 """
 
 from __future__ import annotations
@@ -31,16 +32,15 @@ import torch.nn.functional as F
 from torch import Tensor, fx
 from torch.func import grad, jvp, vmap
 
+from .._core import settings
 from .._core.errors import CurvatureError
 from .._core.sync import LOCK
 from ..rules import functional
 from ..rules.generic import map_samples
 from .smooth import diag_pair, flows
 
-__all__ = ["MAX_DENSE_ENTRIES", "separable_rows", "linear_in_inputs", "rows_sets", "check_dense_size"]
+__all__ = ["separable_rows", "linear_in_inputs", "rows_sets", "check_dense_size"]
 
-#: A dense per-sample residual ``[N, d, d]`` is refused above ``N·d²`` entries.
-MAX_DENSE_ENTRIES = 2**26
 #: Tangent entries per sample in one batch of Hessian-vector products (:func:`rows_columns`).
 _HVP_ENTRIES = 2**22
 
@@ -160,12 +160,14 @@ def _output_rows(node: fx.Node, use, axes, values) -> bool:
 
 
 def check_dense_size(where: str, n: int, d: int, why: str = "") -> None:
-    """Refuse a dense per-sample residual ``[N, d, d]`` over :data:`MAX_DENSE_ENTRIES` entries."""
-    if n * d * d > MAX_DENSE_ENTRIES:
+    """Refuse a dense per-sample residual ``[N, d, d]`` over
+    :attr:`~curvlib._core.settings.Settings.max_dense_residual_entries` entries."""
+    limit = settings.current().max_dense_residual_entries
+    if n * d * d > limit:
         raise CurvatureError(
             f"The Hessian extensions need the second derivative of graph node {where}, "
             f"a dense {d}x{d} matrix per sample here (N={n}){why}, which is too large "
-            f"(limit: N·d² ≤ {MAX_DENSE_ENTRIES}). Use the GGN extensions (DiagGGNExact, "
+            f"(limit: N·d² ≤ {limit}). Use the GGN extensions (DiagGGNExact, "
             "BatchDiagGGNExact) or HMP (exact Hessian-vector products) for this model."
         )
 

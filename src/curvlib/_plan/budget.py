@@ -11,7 +11,8 @@ each side of its parameter (:mod:`curvlib._core.kronlayout`), so one huge side m
 huge factor: a language-model head at ``V = 50257`` has ``B`` of ``V² · 4 = 10.1 GB``
 (float32), more than the whole model. Unless the extension was given
 ``max_factor_dim`` (sides larger than it get a 1-D, diagonal factor,
-:mod:`curvlib.rules._gram`), a dense factor over :data:`DENSE_FACTOR_BYTES` is refused
+:mod:`curvlib.rules._gram`), a dense factor over
+:attr:`~curvlib._core.settings.Settings.dense_factor_bytes` is refused
 when the plan is built, naming the parameter, the factor's bytes and the option.
 Dense sides per parameter ``p`` (the family of its sites' rule: its
 :attr:`~curvlib._core.family.Family.dense_sides`, :func:`dense_sides`):
@@ -33,16 +34,13 @@ from typing import Dict, List, Mapping, Sequence, Tuple, Union
 import torch
 
 from .arguments import bytes_of
-from .._core import tensors as _core, strategy as _strategy
+from .._core import settings, tensors as _core, strategy as _strategy
 from .._core.errors import CurvatureError
 from .._core.site import uses_of
 from ..rules import FAMILY_OF
 
-__all__ = ["AUTO_CHUNK_BYTES", "AUTO_CHUNK_BYTES_CPU", "AUTO_CHUNK_FREE_SHARE", "DENSE_FACTOR_BYTES", "auto_chunk_size",
-           "check_factor_sizes", "check_roots", "dense_sides"]
+__all__ = ["auto_chunk_size", "check_factor_sizes", "check_roots", "dense_sides"]
 
-#: A root of at most ``1/HEADROOM`` of the free memory last read on its device is not re-checked.
-HEADROOM = 8
 _last_free: Dict[str, int] = {}  # device -> free bytes at the last reading
 
 
@@ -63,7 +61,7 @@ def check_roots(exts: Sequence, out_shape: Tuple[int, ...], dtype: torch.dtype, 
         v = per_sample if root == "exact" else ext.options.mc_samples
         need = bytes_of((v,) + tuple(out_shape), dtype)
         last = _last_free.get(str(device))
-        if free is None and last is not None and need * HEADROOM <= last:
+        if free is None and last is not None and need * settings.current().budget_headroom <= last:
             continue  # fitted many times over at the last reading
         if free is None:
             free = _core.available_bytes(device)
@@ -96,45 +94,23 @@ def _monte_carlo_fix(ext) -> str:
     return f"use {mc}(mc_samples=1), its Monte-Carlo version (one sampled column per sample)"
 
 
-#: ``chunk_size="auto"``: the pulled-back site outputs of one chunk of columns
-#: (``[chunk, *site output]`` for every site) take at most this many bytes ...
-AUTO_CHUNK_BYTES = 256 * 2**20
-#: ... or this many on a CPU when no batch diagonal is requested: there, chunks of
-#: a few columns stay in cache and are faster as well as smaller (the exact GGN
-#: diagonal and KFLR of a small convolutional net take less time and memory than with
-#: all columns at once).
-#: Batch diagonals sum ``Σ_v m_v²`` over all columns of a chunk before one outer
-#: product per sample, so they keep the larger chunks.
-AUTO_CHUNK_BYTES_CPU = 32 * 2**20
-
-
-#: ... and on a GPU, where every chunk costs kernel launches, up to this share of the
-#: device's free memory when that is more (an H100 with 70 GiB free: ~8.7 GiB a chunk,
-#: all columns at once on the benchmark problems).
-AUTO_CHUNK_FREE_SHARE = 1 / 8
-
-
 def auto_chunk_size(plan, exts: Sequence = (), device: Union[str, torch.device] = "cuda") -> int:
     """``chunk_size="auto"``: columns per chunk so that their site gradients fit in the byte budget
     (``plan``: a :class:`~curvlib._plan.plan.Plan`, read for its ``site_shapes``/``site_dtypes``;
-    :data:`AUTO_CHUNK_BYTES_CPU` under the ``"looped"`` strategy, the CPU default;
-    the larger budgets under ``"batched"``, the CUDA default: :mod:`curvlib._core.strategy`)."""
+    :attr:`~curvlib._core.settings.Settings.auto_chunk_bytes_cpu` under the ``"looped"`` strategy,
+    the CPU default; the larger budgets under ``"batched"``, the CUDA default: :mod:`curvlib._core.strategy`)."""
     device = torch.device(device)
-    budget = AUTO_CHUNK_BYTES
+    knobs = settings.current()
+    budget = knobs.auto_chunk_bytes
     batch_diagonal = any(e.per_sample for e in exts)
     looped = not _strategy.batched(device)  # curvlib._core.strategy: CPU default "looped", CUDA "batched"
     if looped and not batch_diagonal:
-        budget = min(budget, AUTO_CHUNK_BYTES_CPU)
+        budget = min(budget, knobs.auto_chunk_bytes_cpu)
     if device.type == "cuda" and not looped:
         free = _core.available_bytes(device)
-        budget = max(budget, int((free or 0) * AUTO_CHUNK_FREE_SHARE))
+        budget = max(budget, int((free or 0) * knobs.auto_chunk_free_share))
     per_column = sum(bytes_of(shape, dtype) for shape, dtype in zip(plan.site_shapes, plan.site_dtypes))
     return max(1, budget // max(per_column, 1))
-
-
-#: A dense Kronecker factor above this many bytes is refused without ``max_factor_dim``
-#: (1 GiB: a side of 16384 in float32, 11585 in float64).
-DENSE_FACTOR_BYTES = 2**30
 
 
 def dense_sides(u, shape: Sequence[int]) -> List[int]:
@@ -157,7 +133,8 @@ def dense_sides(u, shape: Sequence[int]) -> List[int]:
 def check_factor_sizes(exts: Sequence, sites: Sequence, names: Sequence[str],
                        values: Mapping[str, torch.Tensor]) -> None:
     """Refuse a Kronecker extension without ``max_factor_dim`` whose dense factor of some
-    parameter would take more than :data:`DENSE_FACTOR_BYTES` (before any work)."""
+    parameter would take more than
+    :attr:`~curvlib._core.settings.Settings.dense_factor_bytes` (before any work)."""
     exts = [e for e in exts if e.kron and not e.recursion and e.options.max_factor_dim is None]
     if not exts:
         return
@@ -167,16 +144,18 @@ def check_factor_sizes(exts: Sequence, sites: Sequence, names: Sequence[str],
         sides = dense_sides(uses.get(name, []), tuple(p.shape))
         side = max(sides, default=0)
         size = side * side * p.dtype.itemsize
-        if size > DENSE_FACTOR_BYTES:
+        limit = settings.current().dense_factor_bytes
+        if size > limit:
             label = type(exts[0]).__name__
             where = ", ".join(sorted({s.where for s, _ in uses[name]}))
-            fits = math.isqrt(DENSE_FACTOR_BYTES // p.dtype.itemsize)
+            fits = math.isqrt(limit // p.dtype.itemsize)
             raise CurvatureError(
                 f"{label}: parameter '{name}' (module '{where}', shape {list(p.shape)}) would get a dense "
                 f"Kronecker factor [{side}, {side}] of {size} bytes ({size / 2**30:.3g} GiB, {p.dtype}), "
-                f"over the {DENSE_FACTOR_BYTES} bytes (1 GiB) allowed without an explicit choice "
-                f"(curvlib._plan.budget.DENSE_FACTOR_BYTES). Pass {label}(max_factor_dim=...) so that a "
-                f"side larger than it gets a diagonal (1-D) factor, e.g. max_factor_dim={min(4096, fits)} "
+                f"over the {limit} bytes allowed without an explicit choice "
+                f"(curvlib._core.settings.Settings.dense_factor_bytes, 1 GiB by default). "
+                f"Pass {label}(max_factor_dim=...) so that a side larger than it gets a diagonal (1-D) factor, "
+                f"e.g. max_factor_dim={min(4096, fits)} "
                 f"(dense sides up to {fits} fit the budget; max_factor_dim={side} keeps this one dense), "
                 "or set requires_grad=False on the parameter."
             )

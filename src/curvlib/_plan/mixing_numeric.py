@@ -33,6 +33,7 @@ from .mixing_ops import Batch
 from .mixing_checks import label
 from .mixing_probe import SEED, FailsAlone, leak, probe, sample_rows, seeded
 from .._core.site import Recorder
+from .._core.tensors import inside_transform
 from ..rules import FAMILY_OF
 from ..rules.generic import join_args, stateless_call
 from .._interpret.graph import run_graph
@@ -56,7 +57,7 @@ def outside_transforms(test: Callable) -> Callable:
     @functools.wraps(test)
     def run(program, found_or_plan, X, params, *rest):
         # (only under a transform: a model calling torch.vmap itself cannot run with functorch disabled)
-        if torch._C._functorch.maybe_current_level() is None:
+        if not inside_transform():
             return test(program, found_or_plan, X, params, *rest)
         with torch._C._DisableFuncTorch():
             plain = {name: _plain(v) for name, v in params.items()}

@@ -16,7 +16,7 @@ import torch
 from torch.autograd.function import _is_setup_context_defined
 from torch import Tensor, fx, nn
 
-from .._core import dropout as _dropout
+from .._core import dropout as _dropout, settings
 from .._hessian import residuals as _residuals
 from .._core.errors import CurvatureError
 from .._trace.graph_facts import chain_nodes, has_inplace
@@ -158,7 +158,7 @@ def trace(model: nn.Module, second: Sequence[SecondOrder], X=None, output=None, 
     model torch.fx cannot follow is traced at the ATen level on it; otherwise such a model's
     trace is marked ``pending`` (traced again on the first call's input)."""
     program = trace_program(model, X if not real_input else _structure_only(X), output)
-    pending = needs_aten(program, model, X)
+    pending = settings.current().aten_front_end and needs_aten(program, model, X)
     aten_error = ""
     if pending and real_input:
         program, aten_error = _aten_level(program, model, X, output)

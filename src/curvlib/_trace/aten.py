@@ -56,6 +56,7 @@ from .modes import inference_as_no_grad
 from .tracer import Tracer
 from .program import Program, assemble
 from .._core.sync import LOCK
+from .._core.tensors import has_proxy, is_wrapped
 from ..rules.generic import restored
 
 __all__ = ["trace_aten_program", "trace_aten_pair", "trace_graph"]
@@ -111,7 +112,7 @@ def _refuse_escaped_transforms(gm: fx.GraphModule, model: nn.Module) -> None:
     transform's batched tensors, which exist only while it runs: the graph cannot be replayed."""
     for node in gm.graph.nodes:
         value = getattr(gm, node.target, None) if node.op == "get_attr" else None
-        if isinstance(value, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(value):
+        if isinstance(value, Tensor) and is_wrapped(value):
             users = ", ".join(f"'{u.name}' ({u.target})" for u in list(node.users)[:2])
             # (not a CurvatureError: the ATen trace failed, the caller keeps fx's trace, and first-order
             # extensions run the model eagerly)
@@ -199,7 +200,7 @@ class _Replay(nn.Module):
 
     def _replay(self, node: fx.Node, args, kwargs, names, env):
         target = node.target
-        if not _has_proxy((args, kwargs)):
+        if not has_proxy((args, kwargs)):
             return target(*args, **kwargs)  # constants only (a causal mask): evaluated once
         if target is APPLIED_OP:
             return replay(*args, **kwargs)  # a custom autograd.Function: one node, run by Fn.apply
@@ -235,12 +236,6 @@ def _attribute(model: nn.Module, dotted: str):
     for part in dotted.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def _has_proxy(value) -> bool:
-    found = []
-    fx.node.map_aggregate(value, lambda a: found.append(a) if isinstance(a, fx.Proxy) else None)
-    return bool(found)
 
 
 # ----------------------------------------------------------------------------- entry

@@ -41,6 +41,7 @@ from .. import rules
 from .._core.errors import CurvatureError
 from .._core.site import Recorder
 from .._core.sync import LOCK
+from .._core.tensors import inside_transform
 from ..rules import attention, batchnorm, elementwise, layernorm
 from .._core.inputs import trace_structure, with_defaults
 from ..rules.functional import FunctionalUse, split_computed_bias
@@ -100,14 +101,14 @@ class Program:
             layer = self.layers.get(node.target)
             if layer is None:
                 module = self.root.get_submodule(node.target)
-                if type(module) is nn.Hardsigmoid and layernorm.inside_transform():
+                if type(module) is nn.Hardsigmoid and inside_transform():
                     return elementwise.hardsigmoid(*args)
                 return rules.call_without_hooks(module, args, kwargs)
             tensors = {r: params[n] for r, n in layer.names.items()}
             return layer.forward(layer.module, layer.path, {}, tensors, args, kwargs, Recorder(None))
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
-        if node.target in _PRIMITIVES and layernorm.inside_transform():
+        if node.target in _PRIMITIVES and inside_transform():
             return _PRIMITIVES[node.target](*args, **kwargs)
         return (batchnorm.functional if node.target is F.batch_norm else node.target)(*args, **kwargs)
 

@@ -14,6 +14,7 @@ from torch import fx, nn
 
 from .. import rules
 from .._core.sync import LOCK
+from .._core.tensors import has_proxy
 from ..rules import attention
 from .modes import InPlaceProxy, TensorConstant, cut_no_grad_regions, no_autocast, record_modes
 
@@ -100,7 +101,7 @@ class Tracer(fx.Tracer):
         original = torch.autograd.Function.__dict__["apply"]
 
         def apply(cls, *args, **kwargs):
-            if _has_proxy((args, kwargs)):
+            if has_proxy((args, kwargs)):
                 return tracer.create_proxy("call_function", function_call(cls), args, kwargs)
             return original.__func__(cls, *args, **kwargs)
 
@@ -123,12 +124,6 @@ def function_apply(apply: Callable):
             yield
         finally:
             torch.autograd.Function.apply = original
-
-
-def _has_proxy(value) -> bool:
-    found = []
-    fx.node.map_aggregate(value, lambda a: found.append(a) if isinstance(a, fx.Proxy) else None)
-    return bool(found)
 
 
 _FUNCTION_CALLS: Dict[type, Callable] = {}

@@ -30,6 +30,7 @@ from ..losses import _targets
 from .._core.buffers import SWAPS, split as split_buffers
 from .._core.errors import CurvatureError, CurvatureTypeError
 from .._core.sync import LOCK
+from .._core.tensors import inside_transform
 from .._plan.checks import plan_call
 from .._plan.checks import CallContext
 from .call import evaluate
@@ -156,7 +157,7 @@ class CompiledCall:
     def _checked(self, X, y, params):
         """Stages 2-3 of the eager call (every refusal) and this call's trace and plan."""
         s = self.call.setup
-        if torch._C._functorch.maybe_current_level() is not None:
+        if inside_transform():
             raise CurvatureError("curvature(..., compile=True) cannot run inside a torch.func transform; use compile=False.")
         _inputs.check_input(X)
         values, trainable = _arguments.parameter_values(s.model, params)

@@ -90,7 +90,7 @@ class KFAC(MonteCarlo):
     diagonal factor (kfac-jax's choice), computed as ``Σ_rows m²`` (or ``x²``) without
     forming the dense one: the language-model head ``[V, D]`` gets ``[B [V], A [D, D]]``;
     a 1-D parameter's exact block ``[F [P, P]]`` becomes ``[F [P]]``. With None, a dense
-    factor over ``curvlib._plan.budget.DENSE_FACTOR_BYTES`` (1 GiB) is refused before any
+    factor over ``curvlib._core.settings.Settings.dense_factor_bytes`` (1 GiB) is refused before any
     work. Refused with ``batch_chunk_size`` and ``process_group``.
 
     Examples::
@@ -157,7 +157,7 @@ class KFLR(SecondOrder):
     diagonal factor (kfac-jax's choice), computed as ``Σ_rows m²`` (or ``x²``) without
     forming the dense one: the language-model head ``[V, D]`` gets ``[B [V], A [D, D]]``;
     a 1-D parameter's exact block ``[F [P, P]]`` becomes ``[F [P]]``. With None, a dense
-    factor over ``curvlib._plan.budget.DENSE_FACTOR_BYTES`` (1 GiB) is refused before any
+    factor over ``curvlib._core.settings.Settings.dense_factor_bytes`` (1 GiB) is refused before any
     work. Refused with ``batch_chunk_size`` and ``process_group``.
 
     Examples::
@@ -223,7 +223,7 @@ class KFACEmpirical(SecondOrder):
     diagonal factor (kfac-jax's choice), computed as ``Σ_rows m²`` (or ``x²``) without
     forming the dense one: the language-model head ``[V, D]`` gets ``[B [V], A [D, D]]``;
     a 1-D parameter's exact block ``[F [P, P]]`` becomes ``[F [P]]``. With None, a dense
-    factor over ``curvlib._plan.budget.DENSE_FACTOR_BYTES`` (1 GiB) is refused before any
+    factor over ``curvlib._core.settings.Settings.dense_factor_bytes`` (1 GiB) is refused before any
     work. Refused with ``batch_chunk_size`` and ``process_group``.
 
     Examples::

@@ -247,12 +247,17 @@ def normaliser(spec: LossSpec, y: Tensor, out_shape=None) -> Optional[float]:
         return float(y.numel())
     if y.is_floating_point():  # probabilities [N, K, *D]
         return float(y.numel() // y.shape[1]) if y.dim() > 1 else float(y.numel())
-    m = spec.module
+    return float(_counted_weight(spec.module, y))
+
+
+def _counted_weight(m: nn.Module, y: Tensor) -> Tensor:
+    """A cross-entropy ``"mean"``'s denominator for class indices ``y``: the weight of every
+    target not ``ignore_index`` (class weights ``w[y_n]`` if ``m.weight`` is set, else 1 each),
+    summed; a 0-dim tensor (float64 when counted)."""
     counted = y != m.ignore_index
     if m.weight is None:
-        return float(counted.sum())
-    safe = torch.where(counted, y, torch.zeros_like(y))
-    return float((m.weight[safe] * counted).sum())
+        return counted.sum().to(torch.float64)
+    return (m.weight[torch.where(counted, y, torch.zeros_like(y))] * counted).sum()
 
 
 def reduction_factor(spec: LossSpec, y: Tensor):
@@ -276,12 +281,7 @@ def reduction_factor(spec: LossSpec, y: Tensor):
     """
     if spec.kind == "ce" and spec.reduction == "mean" and not y.is_floating_point() \
             and (not is_concrete(y) or batched(y.device)):
-        m = spec.module
-        counted = y != m.ignore_index
-        if m.weight is None:
-            total = counted.sum().to(torch.float64)
-        else:
-            total = (m.weight[torch.where(counted, y, torch.zeros_like(y))] * counted).sum()
+        total = _counted_weight(spec.module, y)
         return torch.where(total != 0, 1 / total, torch.zeros_like(total))
     m = normaliser(spec, y)
     return 1.0 / m if m else 0.0

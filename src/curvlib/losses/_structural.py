@@ -31,7 +31,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._core import draws as _draws
+from .._core import draws as _draws, settings
 from .._core.tensors import is_concrete
 from .._core.strategy import batched
 
@@ -235,7 +235,8 @@ def _ce_sampled(out: Tensor, m: int, generator) -> Tensor:
     At a language model's ``K = V = 50257`` every ``[N, K, *D]`` tensor is the size of the
     logits, so the draw forms no other: the probabilities ``p`` (a view of ``[N·R, K]``
     rows when the classes are the innermost dim in memory, as for ``logits.transpose(1,
-    2)``), their cumulative sums :data:`DRAW_ENTRIES` entries at a time, and the
+    2)``), their cumulative sums
+    :attr:`~curvlib._core.settings.Settings.draw_entries` entries at a time, and the
     result written over ``p`` when nothing differentiates through it (else one new tensor):
     ``−1`` added at the drawn class by a scatter, no one-hot.
     """
@@ -257,16 +258,12 @@ def _ce_sampled(out: Tensor, m: int, generator) -> Tensor:
     return grads.reshape((m,) + moved).movedim(-1, 2)
 
 
-#: Entries of cumulative probabilities formed at once by :func:`_inverse_cdf` (whole rows,
-#: at least one: 20 rows of ``V = 50257``, 4 MB in float32; all rows of a classifier's batch).
-DRAW_ENTRIES = 2**20
-
-
 def _inverse_cdf(p_rows: Tensor, u: Tensor) -> Tensor:
     """``#{j : Σ_{i≤j} p[r, i] ≤ u[m, r]}`` ``[M, R]`` (clamped to ``K − 1``) for ``p_rows [R, K]``,
-    ``u [M, R]``: a binary search of each row's cumulative sums, :data:`DRAW_ENTRIES` at a time."""
+    ``u [M, R]``: a binary search of each row's cumulative sums,
+    :attr:`~curvlib._core.settings.Settings.draw_entries` entries at a time."""
     k, rows = p_rows.shape[-1], p_rows.shape[0]
-    block = max(1, DRAW_ENTRIES // max(k, 1))
+    block = max(1, settings.current().draw_entries // max(k, 1))
     parts = []
     for start in range(0, max(rows, 1), block):
         cdf = p_rows[start:start + block].cumsum(-1)  # [rows', K]

@@ -8,7 +8,7 @@ is described by a :class:`Correlation`,
     R[n, g, o, c, k] = Σ_l g[n, g, o, l] x[n, g, c, stride·l + dil·k],
 
 and computed here in one of two exact ways (the choice between them, by shape
-or by :data:`curvlib.rules.conv.METHOD`, is made by
+or by :attr:`curvlib._core.settings.Settings.conv_method`, is made by
 :func:`curvlib.rules.conv.per_sample_weight_grad`):
 
 * :func:`per_sample_by_kernel`: the batch as groups of one convolution, so that
@@ -34,6 +34,7 @@ from torch import Tensor
 
 from ._conv_unfold import cached, fold_columns, padded_input, prod, unfold
 from .._core.site import Site
+from .._core.tensors import in_place_safe
 
 
 class Correlation(NamedTuple):
@@ -176,9 +177,7 @@ def per_sample_by_kernel(c: Correlation) -> Tensor:
 def square_fresh(r: Tensor) -> Tensor:
     """``r²``, in place (``r`` is a fresh result: no copy of ``[N, *W]``) unless autograd records
     it or it is a torch.func tensor (vmap has no in-place batching rule for ``square_``)."""
-    if r.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(r):
-        return r.square()
-    return r.square_()
+    return r.square_() if in_place_safe(r) else r.square()
 
 
 def sum_outer_squares(c: Correlation, g_squared: bool, x_squared: bool) -> Tensor:

@@ -12,18 +12,18 @@ Padding of any kind is first made explicit (:func:`explicit_padding`),
 turns a convolution into a per-group matrix product. Both depend on the saved
 input only, so a site computes them once (:func:`cached`, :func:`padded_input`),
 except inside a functorch transform, where nothing may be kept
-(:func:`in_functorch_transform`).
+(:func:`curvlib._core.tensors.inside_transform`).
 """
 
 from __future__ import annotations
 
 from typing import Callable, List, Sequence
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._core.site import Site
+from .._core.tensors import inside_transform
 
 
 def prod(values: Sequence[int]) -> int:
@@ -112,14 +112,6 @@ def fold_columns(t: Tensor, groups: int) -> Tensor:
     return t.reshape((n, c * b) + spatial)
 
 
-def in_functorch_transform(t: Tensor) -> bool:
-    """Whether ``t`` is a functorch-wrapped tensor or a transform (``vmap``, ``grad``) is running."""
-    try:
-        return torch._C._functorch.is_functorch_wrapped_tensor(t) or torch._C._functorch.maybe_current_level() is not None
-    except AttributeError:  # pragma: no cover
-        return True
-
-
 def cached(site: Site, key: str, compute: Callable[[], Tensor]) -> Tensor:
     """A per-site memo for tensors derived from the saved inputs only (unfolds, paddings).
 
@@ -127,7 +119,7 @@ def cached(site: Site, key: str, compute: Callable[[], Tensor]) -> Tensor:
     columns) nothing is stored: a tensor made there must not leave it.
     """
     x = site.saved["x"]
-    if in_functorch_transform(x):
+    if inside_transform(x):
         return compute()
     memo = site.meta.setdefault("_memo", {})
     if key not in memo:

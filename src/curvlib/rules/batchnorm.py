@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._core.calls import argument
 from .._core.errors import CurvatureError
 from .._core.family import Family
 from .._core.site import Recorder, RoleTensors, Rule, Site
@@ -180,7 +181,7 @@ def forward(module: nn.modules.batchnorm._BatchNorm, where: str, names: dict, te
     statistics present); the running statistics are read, never updated.
     """
     check(module, where)
-    x = args[0] if args else kwargs["input"]
+    x = argument(args, kwargs, 0, "input")
     dims = next((d for t, d in _EXPECTED_DIMS.items() if isinstance(module, t)), None)
     if dims is not None and x.dim() not in dims:
         raise CurvatureError(

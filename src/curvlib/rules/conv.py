@@ -61,7 +61,7 @@ takes the columns ``v`` in blocks: a block of ``B`` columns is folded into
 the channels of ``g`` (``B·C_g/G`` per group; of ``g̃`` for the transposed
 convolution), so one call gives ``[N, G, B, C_g/G, C_x/G, *k]``, squared in
 place and summed; blocks are sized so that this stays near
-:data:`COLUMN_BLOCK_BYTES` (at least one column: the block sizes hardly
+:attr:`~curvlib._core.settings.Settings.conv_column_block_bytes` (at least one column: the block sizes hardly
 change the time on a CPU, the memory stays that of one individual gradient;
 under the ``"batched"`` strategy, the CUDA default, a block holds a whole chunk:
 :func:`curvlib._core.strategy.column_block_bytes`). For ``L = 1`` the squares
@@ -72,18 +72,21 @@ folded root columns with the per-site memo in
 :mod:`~curvlib.rules._conv_unfold`; :class:`Correlation`, a convolution
 site's correlation and the kernels that need no choice of method in
 :mod:`~curvlib.rules._conv_correlation`; the Kronecker factors in
-:mod:`~curvlib.rules._conv_kron`. The choices (:data:`METHOD`,
-:data:`COLUMN_BLOCK_BYTES`) are made here, read at call time.
+:mod:`~curvlib.rules._conv_kron`. The choices are made here, with the
+:class:`~curvlib._core.settings.Settings` read at call time (``conv_method``,
+``conv_column_block_bytes``).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._core import settings
+from .._core.calls import argument
 from .._core.errors import CurvatureError
 from .._core.strategy import column_block_bytes
 from ._conv_correlation import (
@@ -91,14 +94,14 @@ from ._conv_correlation import (
     per_sample_by_bmm, per_sample_by_kernel, square_fresh, sum_outer_squares, unfolded_x, weight_grad,
 )
 from ._conv_kron import input_factor, kron, kron_from_output_matrix, kron_input, weight_output_factor
-from ._conv_unfold import (cached, explicit_padding, fold_columns, in_functorch_transform, padded_input, patches,
-                           prod, unfold)
+from ._conv_unfold import cached, explicit_padding, fold_columns, padded_input, patches, prod, unfold
 from ._linear_kron import dense_sides
 from .._core.family import Family
 from .._core.site import Recorder, RoleTensors, Rule, Site
+from .._core.tensors import inside_transform
 
 __all__ = [
-    "COLUMN_BLOCK_BYTES", "CONV", "METHOD", "PADDING_MODES",
+    "CONV", "PADDING_MODES",
     "Correlation", "CorrelationOf", "bias_grad_batch", "cached", "check", "check_batched",
     "choose_method", "explicit_padding", "fold_columns", "forward", "input_factor", "kron",
     "kron_from_output_matrix", "kron_input", "outer_rule", "padded_input", "patches",
@@ -106,15 +109,6 @@ __all__ = [
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
-
-#: Force the per-sample method (``"conv"`` or ``"bmm"``) instead of choosing by shape
-#: (:func:`choose_method`); both are exact, so this only changes speed (and is used by
-#: the tests to cover both).
-METHOD: Optional[str] = None
-
-#: Target size of one block of per-sample, per-column weight gradients
-#: ``[N, B, *W]`` in the GGN diagonal (at least one column per block).
-COLUMN_BLOCK_BYTES = 2**20
 
 
 def choose_method(c_x: int, c_g: int, kernel: int, positions: int, batched: bool = False) -> str:
@@ -134,8 +128,9 @@ def choose_method(c_x: int, c_g: int, kernel: int, positions: int, batched: bool
     gradients written to fresh memory, as in use), where ``"conv"`` is the faster on
     typical ``3×3`` layers.
     """
-    if METHOD is not None:
-        return METHOD
+    forced = settings.current().conv_method
+    if forced is not None:
+        return forced
     if batched:
         return "bmm" if kernel == 1 or c_x * c_g > 100 * positions else "conv"
     if kernel == 1 or c_x * c_g < 192 or c_x * c_g > 256 * positions:
@@ -154,18 +149,20 @@ def per_sample_weight_grad(c: Correlation) -> Tensor:
     """
     c_x, c_g, groups = c.x.shape[1], c.g.shape[1], c.groups
     positions = prod(c.g.shape[2:])
-    method = choose_method(c_x // groups, c_g // groups, prod(c.kernel_size), positions, in_functorch_transform(c.g))
+    method = choose_method(c_x // groups, c_g // groups, prod(c.kernel_size), positions, inside_transform(c.g))
     if method == "bmm":
         return per_sample_by_bmm(c)
     return per_sample_by_kernel(c)
 
 
 def _column_block(c: Correlation, itemsize: int) -> int:
-    """Columns per block: ``[N, B, *W]`` near :data:`COLUMN_BLOCK_BYTES`, ``B ≥ 1``
+    """Columns per block: ``[N, B, *W]`` near
+    :attr:`~curvlib._core.settings.Settings.conv_column_block_bytes`, ``B ≥ 1``
     (under the ``"batched"`` strategy a far larger budget, :func:`~curvlib._core.strategy.column_block_bytes`:
     all columns of a chunk in one weight-gradient kernel)."""
     per_column = c.x.shape[0] * c.g.shape[1] * (c.x.shape[1] // c.groups) * prod(c.kernel_size) * itemsize
-    return max(1, column_block_bytes(c.x.device, COLUMN_BLOCK_BYTES) // max(1, per_column))
+    budget = column_block_bytes(c.x.device, settings.current().conv_column_block_bytes)
+    return max(1, budget // max(1, per_column))
 
 
 def _column_squares(correlation: CorrelationOf, site: Site, m: Tensor, batch: bool) -> Tensor:
@@ -247,7 +244,7 @@ class _CorrelationRule:
         out = {}
         if "weight" in roles:
             out["weight"] = per_sample_weight_grad(self.correlation(site, g, False))
-            if not in_functorch_transform(g):  # its sum is the gradient, if asked for next
+            if not inside_transform(g):  # its sum is the gradient, if asked for next
                 site.meta["_grad_batch"] = (weakref.ref(g), weakref.ref(out["weight"]))
         if "bias" in roles:
             out["bias"] = bias_grad_batch(g)
@@ -365,7 +362,7 @@ def check_batched(module: nn.Module, where: str, x: Tensor) -> None:
 def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
     """Run ``nn.Conv1d/2d/3d`` functionally (as its own forward does) and record its site.
     """
-    x = args[0] if args else kwargs["input"]
+    x = argument(args, kwargs, 0, "input")
     check_batched(module, where, x)
     conv = _CONV[len(module.kernel_size)]
     weight, bias = tensors["weight"], tensors.get("bias")

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._core.calls import argument
 from .._core.errors import CurvatureError
 from .._core.family import Family
 from .._core.site import Recorder, Site
@@ -136,8 +137,8 @@ def _numel(shape: Sequence[int]) -> int:
 
 def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
     """Run ``nn.ConvTranspose1d/2d/3d`` functionally and record its site."""
-    x = args[0] if args else kwargs["input"]
-    output_size = args[1] if len(args) > 1 else kwargs.get("output_size")
+    x = argument(args, kwargs, 0, "input")
+    output_size = argument(args, kwargs, 1, "output_size", None)
     check(module, where)
     check_batched(module, where, x)
     d = len(module.kernel_size)

@@ -42,10 +42,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._core.calls import argument
 from .._core.errors import CurvatureError
 from ._gram import gram
 from .._core.family import Family
 from .._core.site import Recorder, RoleTensors, Rule, Site
+from .._core.tensors import in_place_safe, is_wrapped
 
 
 def check(module: nn.Embedding, where: str) -> None:
@@ -107,7 +109,7 @@ def grad_batch_columns(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTenso
     block = torch.arange(cols * n, device=idx.device).reshape(cols, n, 1)
     keys = (block * e + idx).reshape(-1)
     out = g.new_zeros(cols * n * e, d)
-    if g.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(g):  # (see grad)
+    if not in_place_safe(g):  # (see grad)
         out = out.index_add(0, keys, g.reshape(-1, d))
     else:
         out.index_add_(0, keys, g.reshape(-1, d))  # (no second [V, N, E, D])
@@ -121,7 +123,7 @@ def grad(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
     idx, g = _flat(site, g)
     d = g.shape[-1]
     out = g.new_zeros(site.meta["num_embeddings"], d)
-    if torch._C._functorch.is_functorch_wrapped_tensor(g):  # (vmap: new_zeros is unbatched, g batched)
+    if is_wrapped(g):  # (vmap: new_zeros is unbatched, g batched)
         return {"weight": out.index_add(0, idx.reshape(-1), g.reshape(-1, d))}
     return {"weight": out.index_add_(0, idx.reshape(-1), g.reshape(-1, d))}  # no second [V, D]
 
@@ -160,7 +162,7 @@ def sum_grad_squared(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors
     first, _, index, rows = _runs(site, g)
     out = g.new_zeros(site.meta["num_embeddings"], rows.shape[1])
     squares = rows**2 * first.unsqueeze(1)
-    if squares.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(squares):
+    if not in_place_safe(squares):
         return {"weight": out.index_add(0, index, squares)}
     return {"weight": out.index_add_(0, index, squares)}  # no second [V, D] (large for a vocabulary)
 
@@ -241,7 +243,7 @@ def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> Rol
     rows = mc.new_zeros(c, keys.shape[0], mc.shape[-1]).index_add(1, run, mc[:, order])  # [C, N·P, D]
     squares = (rows**2).sum(0)[run] * starts.to(mc.dtype).unsqueeze(1)  # once per run, at its start
     out = mc.new_zeros(v, mc.shape[-1])
-    if squares.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(squares):
+    if not in_place_safe(squares):
         return {"weight": out.index_add(0, keys % v, squares).unsqueeze(0)}
     return {"weight": out.index_add_(0, keys % v, squares).unsqueeze(0)}  # (no second [V, D])
 
@@ -261,7 +263,7 @@ EMBEDDING = Rule(
 def forward(module: nn.Embedding, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
     """Run ``nn.Embedding`` functionally (never renormalising its weight) and record its site."""
     check(module, where)
-    idx = args[0] if args else kwargs["input"]
+    idx = argument(args, kwargs, 0, "input")
     out = F.embedding(idx, tensors["weight"], module.padding_idx)
     if module.padding_idx is not None:
         # PyTorch's backward treats the padding row as a constant; make the

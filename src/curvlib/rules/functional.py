@@ -31,7 +31,7 @@ from torch.func import vjp, vmap
 from .._core.aliasing import VIEWS, op_name, view_base
 from .._core.batch_layout import from_batch_first
 from .._core.site import Recorder, RoleTensors, Rule, Site, sample_layout
-from .._core.tensors import dense
+from .._core.tensors import dense, is_wrapped
 from ._conv_correlation import Correlation
 from ._conv_unfold import unfold
 from .conv import per_sample_weight_grad
@@ -195,7 +195,7 @@ def _conv_grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> Optional[Ro
     (vmapped over samples), instead of a vector-Jacobian product of the whole convolution per
     sample. ``None`` where this does not apply (then the generic way runs)."""
     use, dims = site.meta["use"], _CONV_DIMS.get(site.meta["use"].node.target)
-    if dims is None or len(use.inputs) != 1 or torch._C._functorch.is_functorch_wrapped_tensor(g):
+    if dims is None or len(use.inputs) != 1 or is_wrapped(g):
         return None
     args = {name: (use.node.args[k] if k < len(use.node.args) else use.node.kwargs.get(name, default))
             for k, (name, default) in enumerate(_CONV_ARGS)}

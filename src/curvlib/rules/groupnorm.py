@@ -40,6 +40,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
+from .._core.calls import argument
 from .._core.errors import CurvatureError
 from .._core.family import Family
 from .._core.site import Recorder, RoleTensors, Rule, Site
@@ -112,7 +113,7 @@ GROUPNORM = Rule(
 
 def forward(module: nn.GroupNorm, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
     """Run ``nn.GroupNorm`` functionally and record its site."""
-    x = args[0] if args else kwargs["input"]
+    x = argument(args, kwargs, 0, "input")
     if x.dim() < 2 or x.shape[1] != module.num_channels:
         raise CurvatureError(
             f"GroupNorm '{where}' (num_channels={module.num_channels}, num_groups="

@@ -49,9 +49,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._core.calls import argument
 from .._core.errors import CurvatureError
 from .._core.family import Family
 from .._core.site import Recorder, RoleTensors, Rule, Site
+from .._core.tensors import inside_transform
 
 
 def _canon(site: Site, t: Tensor) -> Tensor:
@@ -182,11 +184,6 @@ def layer_norm(input: Tensor, normalized_shape, weight=None, bias=None, eps: flo
     return _affine(normalise(input, shape, eps), weight, bias)
 
 
-def inside_transform() -> bool:
-    """Whether a torch.func transform (vmap, grad, vjp, jvp) is active."""
-    return torch._C._functorch.maybe_current_level() is not None
-
-
 def _affine(xhat: Tensor, weight, bias) -> Tensor:
     """``x̂ ⊙ w + b`` with ``w``/``b`` broadcast over the leading dims (either may be ``None``)."""
     if weight is None:
@@ -196,7 +193,7 @@ def _affine(xhat: Tensor, weight, bias) -> Tensor:
 
 def forward(module: nn.LayerNorm, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
     """Run ``nn.LayerNorm`` functionally and record its site."""
-    x = args[0] if args else kwargs["input"]
+    x = argument(args, kwargs, 0, "input")
     shape = tuple(module.normalized_shape)
     k = len(shape)
     if x.dim() < k + 1 or tuple(x.shape[x.dim() - k:]) != shape:

@@ -28,9 +28,12 @@ from torch.func import vmap
 
 from . import _linear_columns
 from ._linear_kron import dense_sides, flat_input, kron, kron_from_output_matrix, kron_input, kron_shared
+from .._core import settings
+from .._core.calls import argument
 from .._core.scratch import scratch
 from .._core.family import Family
 from .._core.site import Recorder, RoleTensors, Rule, Site
+from .._core.tensors import in_place_safe
 
 
 def _per_sample_outer(g: Tensor, x: Tensor, out: Optional[Tensor] = None) -> Tensor:
@@ -74,17 +77,12 @@ def _sum_outer(g: Tensor, x: Tensor) -> Tensor:
     ``[N, T, V]`` with the positions innermost; ``g[n]ᵀ`` is then contiguous and
     flattening would copy all of it: large for a language model's vocabulary)."""
     n, s = g.shape[0], g.shape[1]
-    if n == 1 or s == 1 or g.stride(0) == g.stride(1) * s or not _plain(g, x):
+    if n == 1 or s == 1 or g.stride(0) == g.stride(1) * s or not in_place_safe(g, x):
         return g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
     total = g[0].t() @ x[0]
     for k in range(1, n):
         total.addmm_(g[k].t(), x[k])
     return total
-
-
-def _plain(*ts: Tensor) -> bool:
-    """Tensors that may be summed into in place (no autograd record, no torch.func wrapper)."""
-    return not any(t.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(t) for t in ts)
 
 
 def grad_from_batch(site: Site, g: Tensor) -> bool:
@@ -131,7 +129,7 @@ def grad_with_squares(site: Site, g: Tensor, roles: Sequence[str]) -> Optional[T
     own product ``gᵀx`` (as costly: GPT-2's head, 40 GFLOP) is not run. ``None`` otherwise
     (the caller asks :func:`grad` and :func:`sum_grad_squared`)."""
     x, gf = _flat(site, g)
-    if x.shape[1] == 1 or not _plain(gf, x):
+    if x.shape[1] == 1 or not in_place_safe(gf, x):
         return None
     grads, squares = {}, {}
     if "weight" in roles:
@@ -143,29 +141,21 @@ def grad_with_squares(site: Site, g: Tensor, roles: Sequence[str]) -> Optional[T
     return grads, squares
 
 
-#: Entries of individual gradients ``[n', o', I]`` formed at once (64 MiB in float32): by
-#: :func:`_sum_squared_outer` (rows of every sample), under autograd or torch.func
-#: (:func:`_sum_squared_samples`), and by the GGN's columns at once (:func:`sum_squares_over_columns`).
-#: Smaller blocks stay in cache (a little faster on one thread), but on two threads of a loaded
-#: machine each kernel waits for its other thread, so four times as many kernels cost more
-#: than the cache saves.
-SQUARES_ENTRIES = 2**24
-
-
 def _sum_squared_outer(g: Tensor, x: Tensor, sums: Optional[Tensor] = None) -> Tensor:
     """``Σ_n (Σ_s g[n, s] x[n, s]ᵀ)²`` ``[O, I]`` for ``g [N, S, O]``, ``x [N, S, I]``, the
     individual gradients formed a block at a time and squared into the sum: a block of output
-    rows of every sample (:data:`SQUARES_ENTRIES`; one row of a block of samples if even that is
+    rows of every sample (``Settings.linear_squares_entries``; one row of a block of samples if even that is
     larger), never ``[N, O, I]`` (for a language model's head, ``N`` times the head's size), in one reused buffer
     (:func:`curvlib._core.scratch.scratch`: no page faults). ``sums [O, I]`` (uninitialised;
     plain tensors only): filled with the individual gradients' sum too, the gradient without a
     second product of the same cost (GPT-2's head: 40 GFLOP)."""
     n, o, i = g.shape[0], g.shape[2], x.shape[2]
-    if not _plain(g, x):
+    if not in_place_safe(g, x):
         return _sum_squared_samples(g, x)
     total = g.new_empty(o, i)
-    rows = min(o, max(1, SQUARES_ENTRIES // max(n * i, 1)))
-    samples = min(n, max(1, SQUARES_ENTRIES // max(rows * i, 1)))
+    entries = settings.current().linear_squares_entries
+    rows = min(o, max(1, entries // max(n * i, 1)))
+    samples = min(n, max(1, entries // max(rows * i, 1)))
     for r in range(0, o, rows):
         for start in range(0, n, samples):  # (one block of samples unless one row of each is too large)
             block, xs = g[start:start + samples, :, r:r + rows], x[start:start + samples]
@@ -206,7 +196,7 @@ def _sum_squared_samples(g: Tensor, x: Tensor) -> Tensor:
     """:func:`_sum_squared_outer` under autograd or torch.func: a block of samples at a time,
     summed out of place."""
     n, o, i = g.shape[0], g.shape[2], x.shape[2]
-    step = max(1, SQUARES_ENTRIES // max(o * i, 1))
+    step = max(1, settings.current().linear_squares_entries // max(o * i, 1))
     total = None
     for start in range(0, n, step):
         part = _per_sample_outer(g[start:start + step], x[start:start + step]) ** 2
@@ -223,10 +213,10 @@ def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> Rol
     the columns' Gram matrices over positions where they are cheaper
     (:mod:`curvlib.rules._linear_columns`), else the individual gradients.
     """
-    x = flat_input(site)
-    if _linear_columns.cheaper(m, x, SQUARES_ENTRIES):
+    x, entries = flat_input(site), settings.current().linear_squares_entries
+    if _linear_columns.cheaper(m, x, entries):
         return _linear_columns.squares(m, x, roles, per_sample=False)
-    if x.shape[1] != 1 and 1 < m.shape[0] and m.shape[0] * x.shape[0] * x.shape[2] * m.shape[-1] <= SQUARES_ENTRIES:
+    if x.shape[1] != 1 and 1 < m.shape[0] and m.shape[0] * x.shape[0] * x.shape[2] * m.shape[-1] <= entries:
         return vmap(lambda mv: sum_grad_squared(site, mv, roles))(m)  # summed by the caller
     if x.shape[1] != 1:  # one column (MC), or a large layer (a language model's head): one column at
         # a time, summed here, on plain tensors where they are (vmap's would allocate every block)
@@ -264,7 +254,7 @@ def batch_sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) 
     positions, from the columns' Gram matrices over positions where they are cheaper
     (:mod:`curvlib.rules._linear_columns`), else one column at a time."""
     x = flat_input(site)
-    if _linear_columns.cheaper(m, x, SQUARES_ENTRIES):
+    if _linear_columns.cheaper(m, x, settings.current().linear_squares_entries):
         return _linear_columns.squares(m, x, roles, per_sample=True)
     if x.shape[1] != 1:
         out = {}
@@ -341,16 +331,9 @@ LINEAR_TRANSPOSED = Rule(
 
 def forward(module: nn.Linear, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
     """Run ``nn.Linear`` functionally and record its site."""
-    (x,) = _bind_input(args, kwargs, "input")
+    x = argument(args, kwargs, 0, "input")
     out = F.linear(x, tensors["weight"], tensors.get("bias"))
     return rec.add(Site(LINEAR, names, where, saved={"x": x}), out)
-
-
-def _bind_input(args, kwargs, name: str):
-    """The single tensor argument of a ``forward(input)``."""
-    if args:
-        return (args[0],)
-    return (kwargs[name],)
 
 
 #: The family's record (:class:`~curvlib._core.family.Family`), registered in :data:`curvlib.rules.FAMILIES`.

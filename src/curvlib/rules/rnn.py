@@ -62,6 +62,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
+from .._core.calls import argument
 from .._core.errors import CurvatureError
 from .._core.family import Family
 from .._core.site import Recorder, Site
@@ -107,8 +108,8 @@ def _roles(names: Dict[str, str], weight: str, bias: Optional[str]) -> Dict[str,
 def _bind(args, kwargs, where: str, rows: bool = False) -> Tuple[Tensor, object]:
     """``(input, hx)`` from the call's arguments; ``rows``: a 4-D input is taken (rows of a
     sample split off a merged batch, :func:`_split_rows`)."""
-    x = args[0] if args else kwargs.get("input")
-    hx = args[1] if len(args) > 1 else kwargs.get("hx")
+    x = argument(args, kwargs, 0, "input", None)
+    hx = argument(args, kwargs, 1, "hx", None)
     if isinstance(x, PackedSequence):
         raise CurvatureError(
             f"Module '{where}' is called on a PackedSequence; curvlib supports padded "
