@@ -175,7 +175,7 @@ def test_every_reference_in_docstrings_comments_and_docs_resolves():
     ("`_plan/no_such_module.py`", True),
     ("`_plan/checks.no_such_function`", True),
     ("``second_order._generic_block``", True),
-    ("``read_off.LOOP_SQRT_COLUMNS``", False),
+    ("``read_off.sqrt_columns``", False),
     ("see :func:`curvlib._plan.checks.plan_call`", False),
     (":class:`~curvlib._trace.program.Program`", False),
     ("`_plan/checks.plan_call` and `_trace/program.py`", False),
