@@ -190,3 +190,25 @@ def test_the_family_runs_its_own_forward():
 
 def test_registrations_are_undone():
     assert "toy_scale" not in rules.FAMILY_OF and all(f.kind != "toy_scale" for f in rules.FAMILIES)
+
+
+@pytest.mark.parametrize("table, flag", [
+    ("curvlib._plan.support.EXACT_BLOCK_KINDS", "exact_block"),
+    ("curvlib._plan.support.KRON_OVER_USES_KINDS", "kron_over_uses"),
+    ("curvlib._plan.support.SHARED_HESSIAN_KINDS", "shared_hessian"),
+    ("curvlib._plan.batch_merges._ROW_WISE", "row_wise"),
+    ("curvlib._plan.batch_merges._ENTRY_WISE", "entry_wise"),
+    ("curvlib.extensions._base.KFRA_FAMILIES", "kron_from_output_matrix"),
+])
+def test_every_stage_reads_a_registered_familys_record(table, flag):
+    """The stages' family tables are views of the registered records: a family registered after
+    import is in the table its record's field puts it in, and leaves it when removed."""
+    module, name = table.rsplit(".", 1)
+    view = getattr(__import__(module, fromlist=[name]), name)
+    value = (lambda site, role, G: None) if flag == "kron_from_output_matrix" else True
+    remove = rules.register(Family("toy_flagged", (Scale,), _scale_forward, **{flag: value}))
+    try:
+        assert "toy_flagged" in view
+    finally:
+        remove()
+    assert "toy_flagged" not in view

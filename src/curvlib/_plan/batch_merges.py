@@ -32,19 +32,19 @@ from .unmerge import BROADCASTING, Unmerge, lone_index, needs_per_sample, unmerg
 from .mixing_ops import Batch
 from .._core.site import Site
 from .._trace.program import Program
-from ..rules import FAMILY_OF, generic
+from ..rules import FAMILY_OF, FamilyKinds, generic
 
 __all__ = ["split_merged_batches", "residual_merges", "per_sample"]
 
 
 #: Site kinds that treat every entry of their input's dim 0 alike (leading dims are positions;
 #: :attr:`~curvlib._core.family.Family.row_wise`).
-_ROW_WISE = frozenset(kind for kind, f in FAMILY_OF.items() if f.row_wise)
+_ROW_WISE = FamilyKinds(lambda f: f.row_wise)
 #: Site kinds of layers that act on each entry of their input's dim 0 alone but take no extra
 #: leading dim (a convolution on ``[N·H, C, h, w]``, MViTv2's pooling of heads merged into the
 #: batch; :attr:`~curvlib._core.family.Family.entry_wise`): run by the generic rule on the merged
 #: rows (:func:`curvlib._plan.merged_modules.batch_first_module`).
-_ENTRY_WISE = frozenset(kind for kind, f in FAMILY_OF.items() if f.entry_wise)
+_ENTRY_WISE = FamilyKinds(lambda f: f.entry_wise)
 
 
 def _merged(shape_a, shape_b, n: int) -> Tuple[int, int]:

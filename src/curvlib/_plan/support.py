@@ -18,21 +18,21 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 from .._core.errors import CurvatureError
 from ..extensions import SecondOrder
-from ..rules import FAMILY_OF, fixed_rows
+from ..rules import FAMILY_OF, FamilyKinds, fixed_rows
 from ..rules.fixed_rows import tied_across_layers
 from .._core.site import Site, uses_of
 
 __all__ = ["check_second_order", "note_unused"]
 
 #: Families whose parameters get their exact curvature block (:attr:`~curvlib._core.family.Family.exact_block`).
-EXACT_BLOCK_KINDS = tuple(kind for kind, f in FAMILY_OF.items() if f.exact_block)
+EXACT_BLOCK_KINDS = FamilyKinds(lambda f: f.exact_block)
 #: Families whose weight shared by several Linear sites is factored with the uses as
 #: positions (:attr:`~curvlib._core.family.Family.kron_over_uses`).
-KRON_OVER_USES_KINDS = tuple(kind for kind, f in FAMILY_OF.items() if f.kron_over_uses)
+KRON_OVER_USES_KINDS = FamilyKinds(lambda f: f.kron_over_uses)
 #: A parameter used by several sites needs the coupling of weight and input; curvlib has it
 #: for these families (:attr:`~curvlib._core.family.Family.shared_hessian`; Linear: "bilinear";
 #: the others: the dense residual of the layer as a function of both).
-SHARED_HESSIAN_KINDS = tuple(kind for kind, f in FAMILY_OF.items() if f.shared_hessian)
+SHARED_HESSIAN_KINDS = FamilyKinds(lambda f: f.shared_hessian)
 
 
 def check_second_order(

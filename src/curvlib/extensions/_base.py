@@ -8,7 +8,6 @@ table checked before any work (second-order extensions).
 
 from __future__ import annotations
 
-import collections.abc
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Optional, Sequence, Tuple
@@ -17,40 +16,8 @@ import torch
 from torch import Tensor
 
 from .._core.errors import CurvatureError, CurvatureTypeError
-from ..rules import FAMILY_OF
+from ..rules import FamilyKinds
 from .combine import Combine
-
-
-class FamilyKinds(collections.abc.Sequence):
-    """The names of the registered layer families (:data:`curvlib.rules.FAMILY_OF`) whose record
-    satisfies ``holds``, read at each use: a family registered later
-    (:func:`curvlib.rules.register`) is among them by its record alone."""
-
-    def __init__(self, holds: Callable[[object], bool]):
-        self.holds = holds
-
-    def now(self) -> Tuple[str, ...]:
-        return tuple(kind for kind, f in FAMILY_OF.items() if self.holds(f))
-
-    def __iter__(self):
-        return iter(self.now())
-
-    def __len__(self) -> int:
-        return len(self.now())
-
-    def __getitem__(self, i):
-        return self.now()[i]
-
-    def __contains__(self, kind) -> bool:
-        return kind in self.now()
-
-    def __eq__(self, other) -> bool:
-        return tuple(self) == tuple(other) if isinstance(other, collections.abc.Sequence) else NotImplemented
-
-    __hash__ = None
-
-    def __repr__(self) -> str:
-        return repr(self.now())
 
 
 # Layer families an extension supports, where not all:

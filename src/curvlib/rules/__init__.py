@@ -12,6 +12,7 @@ parametrized module gets :mod:`~curvlib.rules.generic`.
 
 from __future__ import annotations
 
+import collections.abc
 from typing import Callable, Dict, Optional, Tuple
 
 from torch import nn
@@ -116,6 +117,38 @@ def checker_for(module: nn.Module) -> "Callable[[nn.Module, str], None] | None":
     """The family's ``check(module, where)`` for this module, or ``None``."""
     family = _family(module)
     return family.check if family is not None else None
+
+
+class FamilyKinds(collections.abc.Sequence):
+    """The names of the registered layer families (:data:`FAMILY_OF`) whose record
+    satisfies ``holds``, read at each use: a family registered later
+    (:func:`register`) is among them by its record alone."""
+
+    def __init__(self, holds: Callable[[object], bool]):
+        self.holds = holds
+
+    def now(self) -> Tuple[str, ...]:
+        return tuple(kind for kind, f in FAMILY_OF.items() if self.holds(f))
+
+    def __iter__(self):
+        return iter(self.now())
+
+    def __len__(self) -> int:
+        return len(self.now())
+
+    def __getitem__(self, i):
+        return self.now()[i]
+
+    def __contains__(self, kind) -> bool:
+        return kind in self.now()
+
+    def __eq__(self, other) -> bool:
+        return tuple(self) == tuple(other) if isinstance(other, collections.abc.Sequence) else NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return repr(self.now())
 
 
 def check_module(module: nn.Module, where: str) -> None:
