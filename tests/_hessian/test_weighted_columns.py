@@ -92,3 +92,16 @@ def test_weights_of_one_value_pass_through():
     pulled = [torch.randn(4, N, 2, dtype=torch.float64)]
     (sign, ms), = list(hd._halves(pulled, -1.0, N))
     assert sign == -1.0 and ms[0] is pulled[0]
+
+
+def test_weights_per_column_split_without_reading_values():
+    """Columns of several signed sets in one batch (a number per column): each sign's columns
+    by a fixed index, the same sums (no value read: traceable)."""
+    torch.manual_seed(1)
+    w = (1.0, -1.0, -1.0, 1.0, 1.0)
+    pulled = [torch.randn(5, N, 2, dtype=torch.float64)]
+    got = sum(sign * (ms[0] ** 2).sum(0) for sign, ms in hd._halves(pulled, w, N))
+    want = torch.einsum("v,vnk->nk", torch.tensor(w, dtype=torch.float64), pulled[0] ** 2)
+    check_close(got, want, "Σ w m²")
+    joined = hd._joined_weights([(1.0, 0, 2), ((1.0, -1.0, -1.0), 1, 3), (-1.0, 0, 1)], N, "cpu")
+    assert joined == (1.0, 1.0, -1.0, -1.0, -1.0)

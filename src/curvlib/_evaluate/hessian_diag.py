@@ -23,6 +23,7 @@ each column's pulled-back square is the same, and the read-offs sum over columns
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -34,7 +35,7 @@ from .._hessian.weighted import weighted_factor
 from .._plan.batch_merges import per_sample
 from .read_off import batch_diag, diag, sqrt_columns
 
-__all__ = ["hessian_diag", "PACKED_COLUMNS"]
+__all__ = ["hessian_diag", "DiagRequest", "PACKED_COLUMNS"]
 
 #: The fixed cost of a batched pullback per tap below its top one, in tap entries pulled back
 #: (:func:`_packed`; measured on the tiny language models of ``benchmarks/hessian_cost.py``).
@@ -44,16 +45,30 @@ PULL_OVERHEAD = 1500
 #: ``benchmarks/hessian_cost.py``, so the memory of the unpacked pullbacks decides).
 PACKED_COLUMNS = 0
 
-Weights = Union[float, Tensor]
+#: A number (every column, every sample), a tuple (a number per column) or ``[V, N]``.
+Weights = Union[float, Tuple[float, ...], Tensor]
 # One node's column set: (node's residual, {input index: columns [V, *a]}, {param: [V, N, *p]}, V,
 # weights: a number or [V, N])
 _Entry = Tuple[object, Dict[int, object], Dict[str, Tensor], int, Weights]
 
 
-def hessian_diag(lin, uses, ggn: Dict[str, Tensor], names, params, n: int, residual_grads,
-                 batch: bool, chunk_size: Optional[int] = None) -> Dict[str, Tensor]:
-    """``ggn`` (the GGN's diagonal, or batch diagonal ``[N, *p]`` when ``batch``) plus every
-    residual's weighted columns' (see the module doc)."""
+@dataclass(frozen=True)
+class DiagRequest:
+    """What :func:`hessian_diag` reads: the parameters ``names`` (values ``params``) of a batch of
+    ``n`` samples, their diagonals (``batch``: per sample ``[N, *p]``), pulling back at most
+    ``chunk_size`` columns at once (``None``: see the module doc)."""
+
+    names: Sequence[str]
+    params: Dict[str, Tensor]
+    n: int
+    batch: bool
+    chunk_size: Optional[int] = None
+
+
+def hessian_diag(lin, uses, ggn: Dict[str, Tensor], residual_grads, request: DiagRequest) -> Dict[str, Tensor]:
+    """``ggn`` (the GGN's diagonal, or batch diagonal ``[N, *p]`` when ``request.batch``) plus
+    every residual's weighted columns' (see the module doc)."""
+    names, params, n, batch, chunk_size = request.names, request.params, request.n, request.batch, request.chunk_size
     total = dict(ggn)
     entries = _entries(lin, residual_grads, n)
     for e in entries:
@@ -112,6 +127,8 @@ def _square_sum(cols: Tensor, batch: bool, weights: Weights = 1.0, fresh: bool =
     (``fresh``: made for this sum, squared in place where nothing differentiates it)."""
     plain = fresh and not cols.requires_grad and is_concrete(cols)
     squares = cols.square_() if plain else cols**2
+    if isinstance(weights, tuple):
+        weights = torch.tensor(weights, dtype=cols.dtype, device=cols.device).unsqueeze(1)
     if isinstance(weights, Tensor):
         squares = squares * weights.reshape(tuple(weights.shape) + (1,) * (cols.dim() - 2))
     elif weights != 1.0:
@@ -140,6 +157,11 @@ def _halves(pulled: List[Tensor], weights: Weights, n: int) -> Iterator[Tuple[fl
     else, per sign, every sample's columns of that sign moved to the front (one stable sort per
     sample) and the rows past the sample's count zeroed: ``[P, N, ...]`` with ``P`` the largest
     count of any sample."""
+    if isinstance(weights, tuple):  # a number per column: the columns of each, as they are
+        for w in sorted(set(weights), reverse=True):
+            at = torch.tensor([i for i, x in enumerate(weights) if x == w], device=pulled[0].device)
+            yield w, [t.index_select(0, at) for t in pulled]
+        return
     if not isinstance(weights, Tensor):
         yield weights, pulled
         return
@@ -219,13 +241,15 @@ def _stacked(lin, pieces, n: int) -> Tuple[Dict[int, Tensor], Dict[str, Tensor],
 
 
 def _joined_weights(parts, n: int, device) -> Weights:
-    """Weights ``(w, start, stop)`` joined: one number if all parts have it, else ``[V, N]`` (only
-    their signs are read)."""
+    """Weights ``(w, start, stop)`` joined: one number if all parts have it, a tuple of one number
+    per column if all are numbers (the signs known without reading any value), else ``[V, N]``."""
     ws = [w for w, _, _ in parts]
-    if all(not isinstance(w, Tensor) for w in ws) and len(set(ws)) == 1:
-        return ws[0]
-    return torch.cat([w[start:stop].to(device) if isinstance(w, Tensor) else torch.full((stop - start, n), w, device=device)
-                      for w, start, stop in parts])
+    if not any(isinstance(w, Tensor) for w in ws):
+        cols = tuple(x for w, a, b in parts for x in (w[a:b] if isinstance(w, tuple) else (w,) * (b - a)))
+        return cols[0] if len(set(cols)) == 1 else cols
+    return torch.cat([w[a:b].to(device) if isinstance(w, Tensor) else
+                      torch.tensor(w[a:b] if isinstance(w, tuple) else (w,) * (b - a), device=device)
+                      .unsqueeze(1).expand(b - a, n) for w, a, b in parts])
 
 
 def _joined(pieces, cols_of, shape: tuple) -> Tensor:

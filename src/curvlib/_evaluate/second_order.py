@@ -44,7 +44,7 @@ from ..rules.fixed_rows import unused_block
 from .._core.scratch import reusing
 from .._core.site import uses_of
 from . import read_off as _read_off
-from .hessian_diag import hessian_diag
+from .hessian_diag import DiagRequest, hessian_diag
 from .read_off import ColumnStatistic, batch_diag, column_statistic, diag, kronecker_factors, root_last, sqrt_columns
 from .root_buffers import RootBuffers, write_sqrt
 from .streamed import read_when_passed
@@ -100,10 +100,8 @@ def second_order(
             cache: Dict[object, object] = {"static": {}}
             results[ext.name] = {n: _read("kron", uses, m, n, params, batch_size, 1, cache, _kron_options(ext)) for n in names}
         elif q in ("hessian_diag", "hessian_batch_diag"):
-            results[ext.name] = hessian_diag(
-                lin, uses, results[ext.name], names, params, batch_size, residual_grads,
-                batch=(q == "hessian_batch_diag"), chunk_size=chunk_size,
-            )
+            results[ext.name] = hessian_diag(lin, uses, results[ext.name], residual_grads, DiagRequest(
+                names, params, batch_size, batch=(q == "hessian_batch_diag"), chunk_size=chunk_size))
         elif q in ("ggnmp", "hmp", "pchmp"):
             results[ext.name] = {n: product(ext, n) for n in names}
         elif q == "kfra":

@@ -17,6 +17,7 @@ from typing import Dict, List, Tuple, Union
 
 import torch
 from torch import Tensor
+from torch.fx.experimental import proxy_tensor
 
 from .._core.tensors import is_concrete
 from ..rules.elementwise import second_derivative
@@ -33,7 +34,10 @@ __all__ = ["weighted_factor", "WeightedColumns"]
 
 
 def _plain(t: Tensor) -> bool:
-    return is_concrete(t) and not flows(t)
+    """Values that can be read (the weights' pattern sets shapes downstream: not while a program
+    is traced for torch.compile) and through which no derivative is taken."""
+    tracing = torch.compiler.is_compiling() or proxy_tensor.get_proxy_mode() is not None
+    return not tracing and is_concrete(t) and not flows(t)
 
 
 def weighted_factor(res, g: Tensor) -> WeightedColumns:
