@@ -76,12 +76,18 @@ def test_tied_language_model_sqrt_ggn():
 
 
 @pytest.mark.parametrize("cap", [1, 3, 10])
-def test_packing_covers_every_column_once(cap):
-    """``_packed``: every column of every set exactly once, in order, at most ``cap`` per batch."""
-    entries = [(k, {}, {}, v) for k, v in enumerate([4, 1, 7, 2])]
-    batches = list(hd._packed(entries, cap))
+@pytest.mark.parametrize("overhead", [0, 5, 1000])
+def test_packing_covers_every_column_once(cap, overhead):
+    """``_packed``: every column of every set exactly once, at most ``cap`` per batch, whatever
+    the cost model."""
+    sizes = [4, 1, 7, 2]
+    entries = [(k, {t: None for t in taps}, {}, v, 1.0)
+               for k, (v, taps) in enumerate([(4, [0]), (1, [2, 1]), (7, [3]), (2, [])])]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hd, "PULL_OVERHEAD", overhead)
+        batches = list(hd._packed(entries, cap, sizes))
     assert all(sum(stop - start for _, start, stop in b) <= cap for b in batches)
-    seen = [(e[0], c) for b in batches for e, start, stop in b for c in range(start, stop)]
+    seen = sorted((e[0], c) for b in batches for e, start, stop in b for c in range(start, stop))
     assert seen == [(k, c) for k, v in enumerate([4, 1, 7, 2]) for c in range(v)]
 
 

@@ -199,13 +199,16 @@ def test_registrations_are_undone():
     ("curvlib._plan.batch_merges._ROW_WISE", "row_wise"),
     ("curvlib._plan.batch_merges._ENTRY_WISE", "entry_wise"),
     ("curvlib.extensions._base.KFRA_FAMILIES", "kron_from_output_matrix"),
+    ("curvlib._hessian.residuals.AFFINE_FAMILIES", "affine_in_input"),
+    ("curvlib._hessian.residuals.AFFINE_IN_PARAMETERS", "affine_in_parameters"),
+    ("curvlib._hessian.residuals.NORM_FAMILIES", "norm_residual"),
 ])
 def test_every_stage_reads_a_registered_familys_record(table, flag):
     """The stages' family tables are views of the registered records: a family registered after
     import is in the table its record's field puts it in, and leaves it when removed."""
     module, name = table.rsplit(".", 1)
     view = getattr(__import__(module, fromlist=[name]), name)
-    value = (lambda site, role, G: None) if flag == "kron_from_output_matrix" else True
+    value = (lambda *args: None) if flag in ("kron_from_output_matrix", "norm_residual") else True
     remove = rules.register(Family("toy_flagged", (Scale,), _scale_forward, **{flag: value}))
     try:
         assert "toy_flagged" in view

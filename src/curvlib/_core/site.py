@@ -173,6 +173,17 @@ class Residual:
     meta: Dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ResidualParts:
+    """What a residual holds besides its inputs (:class:`Residual`): the dense kind's own
+    trainable parameters in ``u`` (``params``) and those of them no input depends on (``free``);
+    the bilinear kind's Linear ``site``."""
+
+    params: Mapping[str, Tensor] = field(default_factory=dict)
+    site: Optional[Site] = None
+    free: Tuple[str, ...] = ()
+
+
 class Recorder:
     """Collects sites during one forward pass and adds their probes.
 
@@ -234,14 +245,15 @@ class Recorder:
         self.layer_meta: Dict[str, Any] = {}
 
     def residual(self, where: str, kind: str, phi: Optional[Callable], inputs: List[Tensor], z: Tensor,
-                 params: Optional[Dict[str, Tensor]] = None, site: Optional["Site"] = None,
-                 free: Sequence[str] = (), meta: Optional[Dict[str, Any]] = None) -> Tensor:
-        """Record the residual of a node with output ``z``; return ``z`` + its probe."""
+                 parts: Optional["ResidualParts"] = None, meta: Optional[Dict[str, Any]] = None) -> Tensor:
+        """Record the residual of a node with output ``z`` (``parts``: its parameters and site, see
+        :class:`ResidualParts`); return ``z`` + its probe."""
         k = len(self.residuals)
         first = sum(len(r.inputs) for r in self.residuals)
+        parts = parts or ResidualParts()
         self.residuals.append(
-            Residual(where, kind, phi, list(inputs), dict(params or {}), site,
-                     list(range(first, first + len(inputs))), tuple(free), (0,) * len(inputs),
+            Residual(where, kind, phi, list(inputs), dict(parts.params), parts.site,
+                     list(range(first, first + len(inputs))), tuple(parts.free), (0,) * len(inputs),
                      meta=dict(meta or {}))
         )
         self.residual_shapes.append(tuple(z.shape))

@@ -48,7 +48,7 @@ from .._core.kronlayout import add_root_factor
 from ..rules.fixed_rows import unused_block
 from .._core.scratch import reusing
 from .._core.site import uses_of
-from .hessian_diag import hessian_diag
+from .hessian_diag import DiagRequest, hessian_diag
 from .read_off import ColumnStatistic, batch_diag, column_statistic, diag, kronecker_factors, root_last, sqrt_columns
 from .root_buffers import RootBuffers, write_sqrt
 from .streamed import read_when_passed
@@ -177,8 +177,8 @@ READ: Dict[str, ReadOff] = {
 
 
 def _hessian(call: Call, ext, ggn, beside: Beside):
-    return hessian_diag(call.lin, call.uses, ggn, call.names, call.params, call.batch_size, beside.residual_grads,
-                        batch=ext.per_sample, chunk_size=call.chunk_size)
+    return hessian_diag(call.lin, call.uses, ggn, beside.residual_grads, DiagRequest(
+        call.names, call.params, call.batch_size, batch=ext.per_sample, chunk_size=call.chunk_size))
 
 
 def _product(call: Call, ext, ggn, beside: Beside):

@@ -54,7 +54,8 @@ operators for PCHMP) is in :mod:`curvlib._hessian.algebra`.
 from __future__ import annotations
 
 import operator
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -63,24 +64,22 @@ from torch import Tensor, fx, nn
 from .._core.calls import argument
 from .._core.errors import CurvatureError
 from .._trace.program import Program
-from ..rules import FAMILIES, functional
+from ..rules import FamilyKinds
 from .._core.batch_layout import from_batch_first
-from .._core.site import Recorder
+from .._core.site import Recorder, ResidualParts
 from ..rules.elementwise import classify
 from .broadcast import broadcastable
+from .dense_node import AFFINE_IN_PARAMETERS, node_function, own_parameters  # noqa: F401 (AFFINE_IN_PARAMETERS: this module's too)
 from .pointwise import PointwiseRegion, fuse_pointwise_regions
 from .rows import linear_in_inputs, separable_rows
 from ..rules.rnn_steps import Coupling
 
 #: Families whose layers are affine in their input: no residual of their own unless the input
 #: depends on the weight (:attr:`~curvlib._core.family.Family.affine_in_input`, ``bilinear``).
-AFFINE_FAMILIES = tuple(f.kind for f in FAMILIES if f.affine_in_input)
-#: Families affine in their parameters (∂²f/∂θ² = 0): a parameter that no input depends on has
-#: a zero residual block of its own and leaves ``u`` (:attr:`~curvlib._core.family.Family.affine_in_parameters`).
-AFFINE_IN_PARAMETERS = tuple(f.kind for f in FAMILIES if f.affine_in_parameters)
+AFFINE_FAMILIES = FamilyKinds(lambda f: f.affine_in_input)
 #: Normalisations with a block-diagonal residual over their input (``"norm"`` kind,
 #: :attr:`~curvlib._core.family.Family.norm_residual`).
-NORM_FAMILIES = tuple(f.kind for f in FAMILIES if f.norm_residual is not None)
+NORM_FAMILIES = FamilyKinds(lambda f: f.norm_residual is not None)
 
 
 
@@ -226,8 +225,21 @@ def _out_of_place(fn: Callable) -> Callable:
     return lambda *xs, **kw: fn(*(x.clone() if isinstance(x, Tensor) else x for x in xs), **kw)
 
 
+@dataclass(frozen=True)
+class _Evaluated:
+    """A node being recorded: its values ``env`` (its inputs as they were before it ran, for an
+    in-place node), ``env_out`` (which receives its output + probe) and its output ``z``."""
+
+    program: Program
+    node: fx.Node
+    env: Dict[fx.Node, object]
+    env_out: Dict[fx.Node, object]
+    z: Tensor
+    inplace: bool
+
+
 def record(program: Program, node: fx.Node, planned: Planned, env: Dict[fx.Node, object],
-           params: Dict[str, Tensor], trainable: frozenset, rec: Recorder, dependent: set,
+           params: Dict[str, Tensor], trainable: frozenset, rec: Recorder,
            before: Optional[Dict[fx.Node, Tensor]] = None) -> None:
     """Record the residual of ``node`` (already evaluated into ``env``) with ``rec``.
 
@@ -255,9 +267,10 @@ def record(program: Program, node: fx.Node, planned: Planned, env: Dict[fx.Node,
         )
     if not (z.is_floating_point() or z.is_complex()):
         return  # integer or boolean values (indices, masks, comparisons): not differentiable
-    if _record_structured(program, node, kind, phi, env, env_out, params, rec, z):
+    at = _Evaluated(program, node, env, env_out, z, inplace)
+    if _record_structured(at, (kind, phi, coupled), params, rec):
         return
-    _record_dense(program, node, env, env_out, params, trainable, coupled, rec, dependent, inplace, z)
+    _record_dense(at, params, trainable, coupled, rec)
 
 
 def _leaves(value) -> List[Tensor]:
@@ -266,11 +279,12 @@ def _leaves(value) -> List[Tensor]:
     return [t for v in value for t in _leaves(v)] if isinstance(value, (tuple, list)) else []
 
 
-def _record_structured(program: Program, node: fx.Node, kind: str, phi, env, env_out,
-                       params: Dict[str, Tensor], rec: Recorder, z: Tensor) -> bool:
+def _record_structured(at: _Evaluated, planned: Planned, params: Dict[str, Tensor], rec: Recorder) -> bool:
     """Record a residual of a structured kind (element-wise, product, softmax rows,
     normalisation rows, ``X @ Y``, a tied Linear's bilinear term); ``False`` when the
     node's values do not have the structure after all (it is then recorded dense)."""
+    program, node, env, env_out, z = at.program, at.node, at.env, at.env_out, at.z
+    kind, phi, _ = planned
     if kind == "diag":
         if isinstance(phi, PointwiseRegion):  # the region's function of its root's value
             a, phi = env[phi.input_node(program)], phi.function(program)
@@ -314,14 +328,14 @@ def _record_structured(program: Program, node: fx.Node, kind: str, phi, env, env
         # the Linear's input in the layer's own layout (the plan's residual dims describe that;
         # the site keeps it batch first)
         x = from_batch_first(site.saved["x"], rec.batch_dim(site.key))
-        env_out[node] = rec.residual(node.name, kind, None, [x], z, site=site)
+        env_out[node] = rec.residual(node.name, kind, None, [x], z, ResidualParts(site=site))
         return True
     return False
 
 
-def _record_dense(program: Program, node: fx.Node, env, env_out, params: Dict[str, Tensor],
-                  trainable: frozenset, coupled, rec: Recorder, dependent: set, inplace: bool, z: Tensor) -> None:
+def _record_dense(at: _Evaluated, params: Dict[str, Tensor], trainable: frozenset, coupled, rec: Recorder) -> None:
     """Record the node's dense residual."""
+    program, node, env, dependent = at.program, at.node, at.env, at.program.dependent
     # the node as a function of its graph inputs (and its trainable parameters);
     # integer and boolean inputs (sizes, masks) are constants of it
     batched = [a for a in node.all_input_nodes if a in dependent and isinstance(env[a], Tensor)]
@@ -330,11 +344,11 @@ def _record_dense(program: Program, node: fx.Node, env, env_out, params: Dict[st
     # they are sample n's rows (``R_n = ∇²_u (g_n · f(θ, x_n; ids_n))``), never the batch's
     fixed_nodes = [a for a in batched if a not in inputs_nodes]
     inputs = [env[a] for a in inputs_nodes]
-    own = _own_parameters(program, node, trainable, coupled)
+    own = own_parameters(program, node, trainable, coupled)
     if not inputs and not own:
         return
-    phi = _node_function(program, node, env, inputs_nodes, params, fixed_nodes)
-    if inplace:
+    phi = node_function(program, node, env, inputs_nodes, params, fixed_nodes)
+    if at.inplace:
         phi_inplace = phi
         phi = lambda theta, *xs, fixed=(): phi_inplace(theta, *(x.clone() for x in xs), fixed=fixed)  # noqa: E731
     free = [n for n in own if n not in coupled]
@@ -342,8 +356,8 @@ def _record_dense(program: Program, node: fx.Node, env, env_out, params: Dict[st
     # without the dense blocks (a weight-standardised convolution, :mod:`curvlib._hessian.rows`)
     rows = tuple(n for n in free if n in separable_rows(program, node, env, params)) if free else ()
     zero = len(free) == len(own) and linear_in_inputs(program, node)  # (no coupled parameter)
-    env_out[node] = rec.residual(node.name, "dense", phi, inputs, z, params={n: params[n] for n in own}, free=free,
-                                 meta={"fixed": [env[a] for a in fixed_nodes], "rows": rows, "zero_inputs": zero})
+    at.env_out[node] = rec.residual(node.name, "dense", phi, inputs, at.z, ResidualParts({n: params[n] for n in own}, free=free),
+                                    meta={"fixed": [env[a] for a in fixed_nodes], "rows": rows, "zero_inputs": zero})
 
 
 def _record_norm(program: Program, node: fx.Node, env, params: Dict[str, Tensor], rec: Recorder, z: Tensor):
@@ -363,32 +377,3 @@ def _site_of(site, program: Program, node: fx.Node) -> bool:
     if node.op == "call_module":
         return site.where == program.layers[node.target].path
     return site.meta.get("node") == node.name
-
-
-def _own_parameters(program: Program, node: fx.Node, trainable: frozenset, coupled: frozenset) -> List[str]:
-    """The node's trainable parameters in ``u``: those its inputs depend on, and, unless
-    the layer is affine in its parameters, the others too (as ``free`` ones)."""
-    if node.op == "call_module" and node.target in program.layers:
-        layer = program.layers[node.target]
-        names, affine = dict.fromkeys(layer.names.values()), layer.kind in AFFINE_IN_PARAMETERS
-    else:
-        use = program.functional.get(node)
-        names = use.params if use is not None else ()
-        affine = use is not None and (use.linear is not None or use.affine)
-    return [n for n in names if n in trainable and (n in coupled or not affine)]
-
-
-def _node_function(program: Program, node: fx.Node, env, inputs_nodes, params, fixed_nodes=()) -> Callable:
-    """``phi(theta, *inputs, fixed=())``: the node's value with its graph inputs and
-    parameters replaced (and, when given, its integer inputs ``fixed_nodes``: one sample's)."""
-
-    def phi(theta: Dict[str, Tensor], *inputs: Tensor, fixed: Sequence[Tensor] = ()):
-        local = {**dict(zip(fixed_nodes, fixed)), **dict(zip(inputs_nodes, inputs))}
-        load = lambda a: fx.node.map_arg(a, lambda n: local[n] if n in local else env[n])  # noqa: E731
-        use = program.functional.get(node) if node.op != "call_module" else None
-        if use is not None:
-            return functional.evaluate(use, program.root, program.param_names, {**params, **theta}, list(inputs),
-                                       {a: local[a] if a in local else env[a] for a in use.fixed})
-        return program.apply(node, load(node.args), load(node.kwargs), {**params, **theta})
-
-    return phi

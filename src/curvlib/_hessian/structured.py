@@ -112,26 +112,38 @@ def row_columns(layout, R: Tensor):
     """Signed columns ``q √λ±`` of block-diagonal residuals ``R [N, rows, S, S]`` (one block per
     row of ``layout``, which maps ``[*lead, N, rows, S]`` back to the input's layout), one per
     (row, eigenvector), built per chunk."""
-    n, rows, s = R.shape[:3]
     if flows(R):  # eigh's and √'s derivatives are not finite everywhere: αI ± R/(4α)
         scaled = polarised(R)
     else:
         evals, evecs = linalg.eigh(R)  # [N, rows, S], [N, rows, S, S]
         scaled = [evecs * lam.sqrt().unsqueeze(-2) for lam in (evals.clamp(min=0), (-evals).clamp(min=0))]
-    sets = []
-    for sign, w in zip((1.0, -1.0), scaled):  # column j of row r: w[:, r, :, j]
+    return [(sign, {0: _row_lazy(layout, w)}, {}) for sign, w in zip((1.0, -1.0), scaled)]
 
-        def make(start, stop, w=w):
-            c = torch.arange(start, stop, device=w.device)
-            r, j = c // s, c % s
-            # column c is w[:, r, :, j] placed in row r: a one-hot product, not an
-            # index_put (whose vmap batching rule misplaces the batch dim of the values)
-            rows_of = (r.unsqueeze(1) == torch.arange(rows, device=w.device)).to(w.dtype)  # [C, rows]
-            out = w.permute(1, 3, 0, 2)[r, j].unsqueeze(2) * rows_of[:, None, :, None]  # [C, N, rows, S]
-            return layout.back(out, 1)
 
-        sets.append((sign, {0: LazyColumns(rows * s, make)}, {}))
-    return sets
+def row_columns_weighted(layout, R: Tensor):
+    """``[(w [rows·S, N], {0: columns}, {})]``: one set of columns ``q √|λ|`` with the sign of
+    ``λ`` per (column, sample) as weight (``R`` of plain values: its eigenvectors' derivatives
+    are not wanted)."""
+    evals, evecs = linalg.eigh(R)  # [N, rows, S], [N, rows, S, S]
+    weights = torch.where(evals >= 0, 1.0, -1.0).to(R.dtype).permute(1, 2, 0).reshape(-1, R.shape[0])
+    return [(weights, {0: _row_lazy(layout, evecs * evals.abs().sqrt().unsqueeze(-2))}, {})]
+
+
+def _row_lazy(layout, w: Tensor) -> "LazyColumns":
+    """Columns of per-row vectors ``w [N, rows, S, S]`` (column ``c = (r, j)`` is ``w[:, r, :, j]``
+    placed in row ``r``), built per chunk."""
+    n, rows, s = w.shape[:3]
+
+    def make(start, stop):
+        c = torch.arange(start, stop, device=w.device)
+        r, j = c // s, c % s
+        # column c is w[:, r, :, j] placed in row r: a one-hot product, not an
+        # index_put (whose vmap batching rule misplaces the batch dim of the values)
+        rows_of = (r.unsqueeze(1) == torch.arange(rows, device=w.device)).to(w.dtype)  # [C, rows]
+        out = w.permute(1, 3, 0, 2)[r, j].unsqueeze(2) * rows_of[:, None, :, None]  # [C, N, rows, S]
+        return layout.back(out, 1)
+
+    return LazyColumns(rows * s, make)
 
 
 def row_operator(layout, R: Tensor, clip: bool) -> Callable:

@@ -149,8 +149,7 @@ def _record(run: _Run, node: fx.Node, before) -> None:
         if overwrites_input(program, node) and isinstance(node.args[0], fx.Node):
             env[node.args[0]] = env[node]  # (``h += p``: a later read of ``h`` sees the site's output)
     if node in rec.residual_nodes:
-        _residuals.record(program, node, rec.residual_nodes[node], env, run.params, run.trainable, rec,
-                          program.dependent, before)
+        _residuals.record(program, node, rec.residual_nodes[node], env, run.params, run.trainable, rec, before)
         if before is not None:
             # In eager PyTorch the overwritten input *is* the output: alias it, so
             # that later uses of the input see the output's probe too.

@@ -37,7 +37,7 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._core.site import Recorder, Site
+from .._core.site import Recorder, ResidualParts, Site
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class StepNodes:
         """``z = W x (+ b)`` of ``site``; ``coupled``: ``x`` depends on the site's weight."""
         if self.coupling is None or not coupled or "weight" not in site.params:
             return z
-        return self.rec.residual(self._name(node), "bilinear", None, [x], z, site=site)
+        return self.rec.residual(self._name(node), "bilinear", None, [x], z, ResidualParts(site=site))
 
 
 def rnn_step(nodes: StepNodes, mode: str, pre: Tensor) -> Tensor:
