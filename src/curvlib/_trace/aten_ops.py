@@ -297,9 +297,9 @@ def _group_norm(x, groups, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
     return F.group_norm(x, groups, weight, bias, eps)
 
 
-def _batch_norm(x, weight, bias, mean, var, training, momentum, eps, cudnn_enabled=True):
+def _batch_norm(x, weight, bias, mean, var, training, momentum, eps, *_cudnn_enabled):
     """``aten::batch_norm``, with that op's own signature (the replay passes its arguments as the
-    ATen graph holds them)."""
+    ATen graph holds them; the last, ``cudnn_enabled``, chooses a kernel and is not read)."""
     if not training and mean is not None and var is not None:  # (torch's backward: rules.batchnorm.eval_batch_norm)
         return eval_batch_norm(x, mean, var, weight, bias, eps)
     return F.batch_norm(x, mean, var, weight, bias, training, momentum, eps)
