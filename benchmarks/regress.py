@@ -4,16 +4,17 @@
     python benchmarks/regress.py --against 70af9ec --out benchmarks/results/cpu/regress-<date>.md
     python benchmarks/regress.py --problems 3c3d --methods DiagGGNExact BatchDiagGGNExact --rounds 9
 
-``--against REF``'s ``src/`` is copied out of git (``git archive``, into a temporary
-folder removed at the end; nothing in the repository changes). Two worker processes, one
-importing curvlib from each tree (``PYTHONPATH=<tree>/src``), build the same problems
-(this tree's :mod:`problems`, same seed) and set up the same methods. Then come the timed
-rounds: each round calls every (tree, method) pair once in a freshly shuffled order, one
-call at a time, so that drifts in machine load hit both trees alike. Each tree's ratio is
-its median time over its own ``backward``'s median in the same rounds. A method whose
-ratio grew by more than ``--threshold`` (15%) is timed again for ``--confirm-rounds``
-rounds (both trees, that method and ``backward`` only) and flagged only if it is slower in
-those too. Exit status 1 if any method is flagged, else 0.
+``--against REF``'s ``src/`` is copied out of git (``git archive``, into a temporary folder
+removed at the end; nothing in the repository changes). Two worker processes, one importing
+curvlib from each tree (``PYTHONPATH=<tree>/src``), build the same problems (this tree's
+:mod:`problems`, same seed) and set up the same methods. Then come the timed rounds: each
+round times every (tree, method) pair once in a freshly shuffled order, one at a time (a
+sample repeats the call up to :data:`MIN_SAMPLE_S`), so that drifts in machine load hit both
+trees alike. A ratio is a tree's median time over the median of ``backward`` in the same
+rounds (both trees' backwards pooled: it is the same torch code). A method whose ratio grew
+by more than ``--threshold`` (15%) is timed again for ``--confirm-rounds`` rounds (both
+trees, that method and ``backward`` only) and flagged only if it is slower in those too.
+Exit status 1 if any method is flagged, else 0.
 
 Problems: the quick ones of ``run.py`` (:data:`QUICK`); methods: every curvlib extension
 of ``run.py`` that fits (the same ``--max-result-gb`` / ``--max-columns`` skips). One torch
@@ -24,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -38,6 +41,8 @@ ROOT = os.path.dirname(HERE)
 
 #: The problems of ``run.py`` whose whole set of curvlib extensions takes a few minutes on 2 CPU cores.
 QUICK = ("mlp", "3c3d", "transformer")
+#: A timed sample repeats a method's call until it takes about this long (seconds).
+MIN_SAMPLE_S = 0.05
 #: Reply lines of a worker start with this (anything else it prints is passed through to stderr).
 TAG = "@@regress "
 
@@ -68,10 +73,11 @@ def _worker(args) -> int:
                 status[m] = _setup(m, problem, runs, METHODS, args, result_bytes, too_many_columns)
             reply({"status": status})
         elif req["op"] == "time":
-            run = runs[req["method"]]
+            run, calls = runs[req["method"]]
             t0 = time.perf_counter()
-            run()
-            reply({"s": time.perf_counter() - t0})
+            for _ in range(calls):
+                run()
+            reply({"s": (time.perf_counter() - t0) / calls})
     return 0
 
 
@@ -86,10 +92,12 @@ def _setup(m, problem, runs, methods, args, result_bytes, too_many_columns) -> s
     try:
         run = methods[m](problem)
         for _ in range(1 + args.warmup):
+            t0 = time.perf_counter()
             run()
     except Exception as err:  # noqa: BLE001 - a refusal (CurvatureError) or an error of the old tree
         return "refused: " + (str(err).splitlines() or [type(err).__name__])[0][:80]
-    runs[m] = run
+    # (calls per sample: at least MIN_SAMPLE_S, so that a millisecond call is not one time slice)
+    runs[m] = (run, max(1, math.ceil(MIN_SAMPLE_S / max(time.perf_counter() - t0, 1e-6))))
     return "ok"
 
 
@@ -139,12 +147,11 @@ def time_rounds(workers: dict, methods: list, rounds: int) -> dict:
 
 
 def ratios(times: dict, trees, methods) -> dict:
-    """``{(tree, method): median / median of the tree's backward}``."""
-    out = {}
-    for tree in trees:
-        base = statistics.median(times[(tree, "backward")])
-        out.update({(tree, m): statistics.median(times[(tree, m)]) / base for m in methods})
-    return out
+    """``{(tree, method): median / median of backward}``; the backward (plain torch, the same in
+    both trees) is pooled over the trees, so that its own noise (a few ms on the MLP) does not
+    shift one tree's ratios against the other's."""
+    base = statistics.median([t for tree in trees for t in times[(tree, "backward")]])
+    return {(tree, m): statistics.median(times[(tree, m)]) / base for tree in trees for m in methods}
 
 
 def compare_problem(problem: str, workers: dict, methods: list, args) -> list:
@@ -218,6 +225,7 @@ def main(argv=None) -> int:
     args = parse(argv)
     if args.worker:
         return _worker(args)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (so that the copy is removed)
     sys.path.insert(0, HERE)
     from problems import FIRST_ORDER, SECOND_ORDER
 
