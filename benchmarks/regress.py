@@ -230,6 +230,8 @@ def main(argv=None) -> int:
     from problems import FIRST_ORDER, SECOND_ORDER
 
     methods = args.methods or list(FIRST_ORDER + SECOND_ORDER)
+    head = subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"], capture_output=True,
+                          text=True).stdout.strip()  # (at the start: the tree the workers import)
     tmp = tempfile.mkdtemp(prefix="curvlib-regress-")
     workers = {}
     started = time.time()
@@ -242,8 +244,6 @@ def main(argv=None) -> int:
         for w in workers.values():
             w.close()
         shutil.rmtree(tmp, ignore_errors=True)
-    head = subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"], capture_output=True,
-                          text=True).stdout.strip()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     text = (f"`python benchmarks/regress.py --against {args.against}`: this tree ({head}) against {ref}; "
             f"time / backward, medians of {args.rounds} interleaved rounds, {args.threads} torch thread(s), "

@@ -65,13 +65,11 @@ convolution), so one call (``"bmm"`` on the site's memoised unfold) gives
 strategy a whole chunk: :func:`curvlib._core.strategy.column_block_bytes`).
 For ``L = 1`` the squares separate, ``Σ_{v,n} (a_vn b_nᵀ)² = Σ_n (Σ_v a_vn²)(b_n²)ᵀ``.
 
-The pieces live in private modules, re-exported here: padding, unfolding and
-folded root columns with the per-site memo in
-:mod:`~curvlib.rules._conv_unfold`; :class:`Correlation`, a convolution
-site's correlation and the kernels that need no choice of method in
-:mod:`~curvlib.rules._conv_correlation`; the Kronecker factors in
-:mod:`~curvlib.rules._conv_kron`. The choices (:data:`METHOD`,
-:data:`COLUMN_BLOCK_BYTES`) are made here, read at call time.
+The pieces live in private modules, re-exported here: padding, unfolding and folded root
+columns with the per-site memo in :mod:`~curvlib.rules._conv_unfold`; :class:`Correlation`,
+a convolution site's correlation and the kernels that need no choice of method in
+:mod:`~curvlib.rules._conv_correlation`; the Kronecker factors in :mod:`~curvlib.rules._conv_kron`.
+The choices (:data:`METHOD`, :data:`COLUMN_BLOCK_BYTES`) are made here, read at call time.
 """
 
 from __future__ import annotations
@@ -159,9 +157,8 @@ def per_sample_weight_grad(c: Correlation) -> Tensor:
 
 
 def _column_block(c: Correlation, itemsize: int) -> int:
-    """Columns per block: ``[N, B, *W]`` near :data:`COLUMN_BLOCK_BYTES`, ``B ≥ 1``
-    (under the ``"batched"`` strategy a far larger budget, :func:`~curvlib._core.strategy.column_block_bytes`:
-    all columns of a chunk in one weight-gradient kernel)."""
+    """Columns per block: ``[N, B, *W]`` near :data:`COLUMN_BLOCK_BYTES`, ``B ≥ 1`` (``"batched"``
+    strategy: :func:`~curvlib._core.strategy.column_block_bytes`, all columns of a chunk)."""
     per_column = c.x.shape[0] * c.g.shape[1] * (c.x.shape[1] // c.groups) * prod(c.kernel_size) * itemsize
     return max(1, column_block_bytes(c.x.device, COLUMN_BLOCK_BYTES) // max(1, per_column))
 
@@ -175,9 +172,8 @@ def _column_squares(correlation: CorrelationOf, site: Site, m: Tensor, batch: bo
     return _blocked_column_squares(correlation, site, m, first, batch)
 
 
-def _blocked_column_squares(
-    correlation: CorrelationOf, site: Site, m: Tensor, first: Correlation, batch: bool
-) -> Tensor:
+def _blocked_column_squares(correlation: CorrelationOf, site: Site, m: Tensor, first: Correlation,
+                            batch: bool) -> Tensor:
     """``Σ_v R_v²`` (``[*W]``, or ``[N, *W]`` with ``batch``) over blocks of columns.
 
     A block of :func:`_column_block` columns is folded into the channels (:func:`fold_columns`),
@@ -190,9 +186,9 @@ def _blocked_column_squares(
     total = None
     for start in range(0, m.shape[0], step):
         block = m[start:start + step]
-        c = first if block.shape[0] == 1 and start == 0 else correlation(site, block, True)
-        r = _column_weight_grads(c)
         b = block.shape[0]
+        c = first if b == 1 and start == 0 else correlation(site, block, True)
+        r = _column_weight_grads(c, site, b)
         if c.columns == "g":  # channels (g, b, o) of R
             r = r.reshape(n, groups, b, -1)
         else:  # input channels (b, c) of R within each group
@@ -205,11 +201,14 @@ def _blocked_column_squares(
     return total.reshape(((n,) if batch else ()) + w_shape)
 
 
-def _column_weight_grads(c: Correlation) -> Tensor:
-    """``R`` of a block of root columns in ``g``: ``"bmm"`` on the site's memoised unfold (formed once
-    for all the call's columns: the faster on every shape), else :func:`per_sample_weight_grad`."""
+def _column_weight_grads(c: Correlation, site: Site, b: int) -> Tensor:
+    """``R`` of ``b`` root columns in ``g``: ``"bmm"`` on the site's memoised unfold (formed once, then the
+    faster on every shape) for several columns or from the site's second on; else :func:`per_sample_weight_grad`."""
     if METHOD is None and c.columns == "g" and c.unfolded is not None and not in_functorch_transform(c.g):
-        return per_sample_by_bmm(c)
+        earlier = site.meta.get("_columns_read", 0)
+        site.meta["_columns_read"] = earlier + b
+        if earlier or b > 1:
+            return per_sample_by_bmm(c)
     return per_sample_weight_grad(c)
 
 
