@@ -188,7 +188,7 @@ def _blocked_column_squares(correlation: CorrelationOf, site: Site, m: Tensor, f
         block = m[start:start + step]
         b = block.shape[0]
         c = first if b == 1 and start == 0 else correlation(site, block, True)
-        r = _column_weight_grads(c, site, b)
+        r = _column_weight_grads(c)
         if c.columns == "g":  # channels (g, b, o) of R
             r = r.reshape(n, groups, b, -1)
         else:  # input channels (b, c) of R within each group
@@ -201,14 +201,11 @@ def _blocked_column_squares(correlation: CorrelationOf, site: Site, m: Tensor, f
     return total.reshape(((n,) if batch else ()) + w_shape)
 
 
-def _column_weight_grads(c: Correlation, site: Site, b: int) -> Tensor:
-    """``R`` of ``b`` root columns in ``g``: ``"bmm"`` on the site's memoised unfold (formed once, then the
-    faster on every shape) for several columns or from the site's second on; else :func:`per_sample_weight_grad`."""
+def _column_weight_grads(c: Correlation) -> Tensor:
+    """``R`` of a block of root columns in ``g``: ``"bmm"`` on the site's memoised unfold (formed once
+    for all the call's columns: the faster on every shape), else :func:`per_sample_weight_grad`."""
     if METHOD is None and c.columns == "g" and c.unfolded is not None and not in_functorch_transform(c.g):
-        earlier = site.meta.get("_columns_read", 0)
-        site.meta["_columns_read"] = earlier + b
-        if earlier or b > 1:
-            return per_sample_by_bmm(c)
+        return per_sample_by_bmm(c)
     return per_sample_weight_grad(c)
 
 
