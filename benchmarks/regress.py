@@ -239,7 +239,10 @@ def main(argv=None) -> int:
         ref = checkout(args.against, tmp)
         workers = {"before": Worker(f"before ({ref})", os.path.join(tmp, "src"), args),
                    "after": Worker("after (this tree)", os.path.join(ROOT, "src"), args)}
-        rows = [row for problem in args.problems for row in compare_problem(problem, workers, methods, args)]
+        rows = []
+        for problem in args.problems:  # (each problem's table as it is done: a stopped run keeps them)
+            rows += compare_problem(problem, workers, methods, args)
+            print(table([r for r in rows if r[0] == problem], ref, args.threshold), file=sys.stderr, flush=True)
     finally:
         for w in workers.values():
             w.close()
