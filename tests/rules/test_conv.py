@@ -238,7 +238,7 @@ PER_SAMPLE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("method", ["conv", "bmm"])
+@pytest.mark.parametrize("method", ["conv", "bmm", None])  # None: by shape (columns: bmm on the memoised unfold)
 @pytest.mark.parametrize("block_bytes", [0, 300, 2**30], ids=["one", "some", "all"])
 @pytest.mark.parametrize("case", range(len(PER_SAMPLE_CASES)))
 def test_per_sample_methods(method, block_bytes, case):

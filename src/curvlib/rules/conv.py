@@ -59,22 +59,18 @@ The GGN diagonal ``Σ_v Σ_n (J_Wᵀ m_v)²`` (:func:`outer_rule`'s
 ``sum_squares_over_columns``; per sample: ``batch_sum_squares_over_columns``)
 takes the columns ``v`` in blocks: a block of ``B`` columns is folded into
 the channels of ``g`` (``B·C_g/G`` per group; of ``g̃`` for the transposed
-convolution), so one call gives ``[N, G, B, C_g/G, C_x/G, *k]``, squared in
-place and summed; blocks are sized so that this stays near
-:attr:`~curvlib._core.settings.Settings.conv_column_block_bytes` (at least one column: the block sizes hardly
-change the time on a CPU, the memory stays that of one individual gradient;
-under the ``"batched"`` strategy, the CUDA default, a block holds a whole chunk:
-:func:`curvlib._core.strategy.column_block_bytes`). For ``L = 1`` the squares
-separate, ``Σ_{v,n} (a_vn b_nᵀ)² = Σ_n (Σ_v a_vn²)(b_n²)ᵀ``.
+convolution), so one call (``"bmm"`` on the site's memoised unfold) gives
+``[N, G, B, C_g/G, C_x/G, *k]``, squared in place and summed; blocks stay near
+:attr:`~curvlib._core.settings.Settings.conv_column_block_bytes` (at least one column; under the ``"batched"``
+strategy a whole chunk: :func:`curvlib._core.strategy.column_block_bytes`).
+For ``L = 1`` the squares separate, ``Σ_{v,n} (a_vn b_nᵀ)² = Σ_n (Σ_v a_vn²)(b_n²)ᵀ``.
 
-The pieces live in private modules, re-exported here: padding, unfolding and
-folded root columns with the per-site memo in
-:mod:`~curvlib.rules._conv_unfold`; :class:`Correlation`, a convolution
-site's correlation and the kernels that need no choice of method in
-:mod:`~curvlib.rules._conv_correlation`; the Kronecker factors in
-:mod:`~curvlib.rules._conv_kron`. The choices are made here, with the
-:class:`~curvlib._core.settings.Settings` read at call time (``conv_method``,
-``conv_column_block_bytes``).
+The pieces live in private modules, re-exported here: padding, unfolding and folded root
+columns with the per-site memo in :mod:`~curvlib.rules._conv_unfold`; :class:`Correlation`,
+a convolution site's correlation and the kernels that need no choice of method in
+:mod:`~curvlib.rules._conv_correlation`; the Kronecker factors in :mod:`~curvlib.rules._conv_kron`.
+The choices are made here, with :class:`~curvlib._core.settings.Settings` read at call time
+(``conv_method``, ``conv_column_block_bytes``).
 """
 
 from __future__ import annotations
@@ -156,37 +152,29 @@ def per_sample_weight_grad(c: Correlation) -> Tensor:
 
 
 def _column_block(c: Correlation, itemsize: int) -> int:
-    """Columns per block: ``[N, B, *W]`` near
-    :attr:`~curvlib._core.settings.Settings.conv_column_block_bytes`, ``B ≥ 1``
-    (under the ``"batched"`` strategy a far larger budget, :func:`~curvlib._core.strategy.column_block_bytes`:
-    all columns of a chunk in one weight-gradient kernel)."""
+    """Columns per block: ``[N, B, *W]`` near :attr:`~curvlib._core.settings.Settings.conv_column_block_bytes`, ``B ≥ 1`` (``"batched"``
+    strategy: :func:`~curvlib._core.strategy.column_block_bytes`, all columns of a chunk)."""
     per_column = c.x.shape[0] * c.g.shape[1] * (c.x.shape[1] // c.groups) * prod(c.kernel_size) * itemsize
     budget = column_block_bytes(c.x.device, settings.current().conv_column_block_bytes)
     return max(1, budget // max(1, per_column))
 
 
 def _column_squares(correlation: CorrelationOf, site: Site, m: Tensor, batch: bool) -> Tensor:
-    """``Σ_v R_v²``, summed over samples (``[*W]``) or not (``batch``: ``[N, *W]``).
-
-    ``m [V, N, *out]``. ``L = 1``:
-    :func:`~curvlib.rules._conv_correlation.one_position_column_squares`; otherwise
-    :func:`_blocked_column_squares`.
-    """
+    """``Σ_v R_v²`` of ``m [V, N, *out]``, summed over samples (``[*W]``) or not (``batch``: ``[N, *W]``);
+    ``L = 1``: :func:`~curvlib.rules._conv_correlation.one_position_column_squares`."""
     first = correlation(site, m[:1], True)
     if prod(first.g.shape[2:]) == 1:
         return one_position_column_squares(correlation, site, m, first, batch)
     return _blocked_column_squares(correlation, site, m, first, batch)
 
 
-def _blocked_column_squares(
-    correlation: CorrelationOf, site: Site, m: Tensor, first: Correlation, batch: bool
-) -> Tensor:
+def _blocked_column_squares(correlation: CorrelationOf, site: Site, m: Tensor, first: Correlation,
+                            batch: bool) -> Tensor:
     """``Σ_v R_v²`` (``[*W]``, or ``[N, *W]`` with ``batch``) over blocks of columns.
 
-    A block of :func:`_column_block` columns is folded into the channels
-    (:func:`fold_columns`), so one :func:`per_sample_weight_grad` gives
-    ``R_v`` for all its ``v``; they are squared in place and summed, so the
-    memory stays that of one block. ``first``: the first column's correlation.
+    A block of :func:`_column_block` columns is folded into the channels (:func:`fold_columns`),
+    so one :func:`_column_weight_grads` gives ``R_v`` for all its ``v``; they are squared in place
+    and summed, so the memory stays that of one block. ``first``: the first column's correlation.
     """
     n, c_g, groups = first.g.shape[0], first.g.shape[1], first.groups
     w_shape = (c_g, first.x.shape[1] // groups) + tuple(first.kernel_size)
@@ -194,9 +182,9 @@ def _blocked_column_squares(
     total = None
     for start in range(0, m.shape[0], step):
         block = m[start:start + step]
-        c = first if block.shape[0] == 1 and start == 0 else correlation(site, block, True)
-        r = per_sample_weight_grad(c)
         b = block.shape[0]
+        c = first if b == 1 and start == 0 else correlation(site, block, True)
+        r = _column_weight_grads(c)
         if c.columns == "g":  # channels (g, b, o) of R
             r = r.reshape(n, groups, b, -1)
         else:  # input channels (b, c) of R within each group
@@ -207,6 +195,14 @@ def _blocked_column_squares(
             part = square_fresh(r).sum((0, 2))
         total = part if total is None else total.add_(part)
     return total.reshape(((n,) if batch else ()) + w_shape)
+
+
+def _column_weight_grads(c: Correlation) -> Tensor:
+    """``R`` of a block of root columns in ``g``: ``"bmm"`` on the site's memoised unfold (formed once
+    for all the call's columns: the faster on every shape), else :func:`per_sample_weight_grad`."""
+    if settings.current().conv_method is None and c.columns == "g" and c.unfolded is not None and not inside_transform(c.g):
+        return per_sample_by_bmm(c)
+    return per_sample_weight_grad(c)
 
 
 def _weight_squared_norms(c: Correlation) -> Tensor:
@@ -360,8 +356,7 @@ def check_batched(module: nn.Module, where: str, x: Tensor) -> None:
 
 
 def forward(module: nn.Module, where: str, names: dict, tensors: dict, args, kwargs, rec: Recorder):
-    """Run ``nn.Conv1d/2d/3d`` functionally (as its own forward does) and record its site.
-    """
+    """Run ``nn.Conv1d/2d/3d`` functionally (as its own forward does) and record its site."""
     x = argument(args, kwargs, 0, "input")
     check_batched(module, where, x)
     conv = _CONV[len(module.kernel_size)]
