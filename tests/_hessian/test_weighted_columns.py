@@ -15,6 +15,7 @@ from curvlib._hessian.algebra import factor
 from curvlib._hessian.weighted import weighted_factor
 
 from oracles.checks import check_close
+from oracles.on_device import DEVICE, seeded
 
 N, D = 3, 5
 
@@ -72,14 +73,15 @@ def test_flowing_columns_keep_two_sets():
 def test_halves_read_every_column_with_its_sign(seed):
     """``_halves``: ``Σ_sign sign Σ_rows m²`` per sample is ``Σ_v w_vn m_vn²`` (all of one sign,
     mixed, and a sample with no column of one sign)."""
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     v = 7
-    w = torch.where(torch.rand(v, N, generator=g) < 0.5, 1.0, -1.0).double()
+    w = torch.where(torch.rand(v, N, generator=g, device=DEVICE) < 0.5, 1.0, -1.0).double()
     if seed == 1:
         w[:, 0] = 1.0
     if seed == 2:
         w[:] = -1.0
-    pulled = [torch.randn(v, N, 2, 3, generator=g, dtype=torch.float64), torch.randn(v, N, generator=g, dtype=torch.float64)]
+    pulled = [torch.randn(v, N, 2, 3, generator=g, dtype=torch.float64, device=DEVICE),
+              torch.randn(v, N, generator=g, dtype=torch.float64, device=DEVICE)]
     want = [torch.einsum("vn,vn...->n...", w, m**2) for m in pulled]
     got = [0, 0]
     for sign, ms in hd._halves(pulled, w, N):
