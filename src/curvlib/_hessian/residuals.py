@@ -28,6 +28,9 @@ Kinds, by structure:
 
 * ``"diag"``: element-wise ``z = φ(a)``: ``R = diag(φ''(a) ⊙ g)`` (one node, or a region of
   element-wise nodes written out in primitives, :mod:`curvlib._hessian.pointwise`);
+* ``"row_region"``: a subgraph acting on each row (last axis) of one tensor alone (RMSNorm
+  written out in primitives, :mod:`curvlib._hessian.pointwise`): one ``[D, D]`` block per row
+  (:func:`curvlib._hessian.norm.region_residual`);
 * ``"product"``: ``z = x ⊙ y`` (same shapes): ``R = [[0, D], [D, 0]]``, ``D = diag(g)``;
 * ``"broadcast"``: ``z = x ⊙ y`` broadcasting (squeeze-excite's ``x * s[:, :, None, None]``):
   per shared index, a matrix product ``[T, 1] × [1, S]`` (:mod:`curvlib._hessian.broadcast`);
@@ -293,6 +296,9 @@ def _record_structured(at: _Evaluated, planned: Planned, params: Dict[str, Tenso
         else:
             a = fx.node.map_arg(node.args, lambda n: env[n])[0]
         env_out[node] = rec.residual(node.name, kind, phi, [a], z)
+        return True
+    if kind == "row_region":  # the region's function of its root's value, row by row
+        env_out[node] = rec.residual(node.name, kind, phi.function(program), [env[phi.input_node(program)]], z)
         return True
     if kind == "product":
         x, y = (env[a] for a in node.args)
