@@ -122,3 +122,63 @@ def test_a_reduction_over_another_axis_is_no_row_region():
     model = Normed(over_tokens).to(DT)
     X, y = _data(seed=3)
     check_hessian_diagonals(model, nn.CrossEntropyLoss(), X, y)
+
+
+def test_a_parameter_scaling_an_input_has_no_residual():
+    """``weight * x`` (the norm's scale) is linear in each apart: no residual recorded."""
+    program = trace_program(Normed(), None)
+    scaled = [n for n in program.graph.nodes if n.op == "call_function" and n.name == "mul_1"]
+    assert scaled and scaled[0] not in residual_plan(program)
+
+
+class Squared(nn.Module):
+    """``w * (w * h)``: the outer product's input depends on ``w`` (coupled: its residual stays)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.w * (self.w * self.inp(x)))).sum(1)
+
+
+def test_a_parameter_scaling_an_input_that_depends_on_it():
+    torch.manual_seed(4)
+    model = Squared().to(DT)
+    X, y = _data(seed=4)
+    check_hessian_diagonals(model, nn.CrossEntropyLoss(), X, y)
+
+
+class Float32Softmax(nn.Module):
+    """Attention-like weights as Llama computes them: ``softmax(..., dtype=float32)`` in a float64 model."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.inp, self.out = nn.Linear(3, 3), nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.inp(torch.tanh(self.pre(x)))
+        return self.out(torch.softmax(h, -1, dtype=torch.float32).to(h.dtype) * h).sum(1)
+
+
+def test_a_softmax_in_float32_is_recorded_by_rows(monkeypatch):
+    """Its rows' closed form, not a dense per-sample Hessian; within float32's rounding of the
+    float64 ``torch.func`` Hessians."""
+    from curvlib._hessian import algebra
+
+    def refuse(res, g):
+        raise AssertionError(f"dense residual at {res.where}")
+
+    torch.manual_seed(5)
+    model = Float32Softmax().to(DT)
+    X, y = _data(seed=5)
+    monkeypatch.setattr(algebra, "_dense_columns", refuse)
+    qs = curvature(model, nn.CrossEntropyLoss(), [DiagHessian(), BatchDiagHessian()])(X, y)
+    for name, p in model.named_parameters():
+        H = hessian_block(model, nn.CrossEntropyLoss(), X, y, name)
+        Hn = hessian_per_sample(model, nn.CrossEntropyLoss(), X, y, name)
+        assert qs["diag_h"][name].dtype == DT
+        torch.testing.assert_close(qs["diag_h"][name], H.diagonal().reshape(p.shape), rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(qs["diag_h_batch"][name], Hn.diagonal(dim1=1, dim2=2).reshape((3,) + tuple(p.shape)),
+                                   rtol=1e-4, atol=1e-6)

@@ -134,8 +134,8 @@ def residual_plan(program: Program, fuse: bool = True) -> Dict[fx.Node, Planned]
             if use.linear is not None:  # F.linear on parameters: a Linear site
                 if use.linear["weight"] in coupled:  # (a transposed weight: its dense block, same math)
                     plan[node] = ("dense" if use.transposed else "bilinear", None, coupled)
-            elif not (use.affine and not coupled):  # (affine, uncoupled: no residual)
-                plan[node] = ("dense", None, coupled)
+            elif not ((use.affine or _scaled_by_parameter(node, use)) and not coupled):
+                plan[node] = ("dense", None, coupled)  # (affine or x ⊙ p, uncoupled: no residual)
             continue
         kind, phi = classify(node, program.root, program.layers, dependent)
         if kind == "elementwise":
@@ -146,6 +146,20 @@ def residual_plan(program: Program, fuse: bool = True) -> Dict[fx.Node, Planned]
 
 
 _MATMULS = (torch.matmul, operator.matmul, torch.bmm)
+
+
+def _scaled_by_parameter(node: fx.Node, use) -> bool:
+    """``x * p`` (either order) of one input-dependent tensor and a parameter read as it is
+    (RMSNorm's ``weight * x``): linear in ``x`` and in ``p`` apart, so with ``p`` not coupled
+    its residual is zero (the ``p``-``x`` coupling enters no diagonal block, module doc)."""
+    product = (node.op == "call_function" and node.target in (operator.mul, torch.mul)) or \
+        (node.op == "call_method" and node.target == "mul")
+    if not product or node.kwargs or len(node.args) != 2 or len(use.inputs) != 1 or use.fixed:
+        return False
+    if not all(n.op == "get_attr" for n in use.chain):
+        return False
+    return sorted(isinstance(a, fx.Node) and a in use.inputs for a in node.args) == [False, True] and \
+        all(isinstance(a, fx.Node) and (a in use.inputs or a in use.chain) for a in node.args)
 
 
 def _structured_kind(node: fx.Node, root: nn.Module, dependent: set) -> str:
@@ -164,7 +178,7 @@ def _structured_kind(node: fx.Node, root: nn.Module, dependent: set) -> str:
 
 def softmax_axis(node: fx.Node, root: nn.Module) -> Optional[int]:
     """The axis of ``torch.softmax``/``F.softmax``/``x.softmax``/``nn.Softmax`` on one graph
-    tensor (no ``dtype``), else ``None``."""
+    tensor (computed in its own dtype or in a ``dtype`` given), else ``None``."""
     if node.op == "call_module":
         module = root.get_submodule(node.target)
         ok = type(module) is nn.Softmax and len(node.args) == 1 and not node.kwargs
@@ -174,7 +188,7 @@ def softmax_axis(node: fx.Node, root: nn.Module) -> Optional[int]:
         return None
     rest, kwargs = node.args[1:], dict(node.kwargs)
     dim = rest[0] if rest else kwargs.pop("dim", None)
-    if len(rest) > 1 or kwargs.get("dtype") is not None or set(kwargs) - {"dtype", "_stacklevel"}:
+    if len(rest) > 1 or set(kwargs) - {"dtype", "_stacklevel"}:
         return None
     return dim if isinstance(dim, int) else None
 
@@ -313,9 +327,9 @@ def _record_structured(at: _Evaluated, planned: Planned, params: Dict[str, Tenso
         return True
     if kind == "softmax":
         a = env[node.all_input_nodes[0]]
-        if isinstance(a, Tensor) and a.shape == z.shape and a.dtype == z.dtype:
+        if isinstance(a, Tensor) and a.shape == z.shape and a.is_floating_point() and z.is_floating_point():
             env_out[node] = rec.residual(node.name, kind, None, [a], z,
-                                         meta={"axis": softmax_axis(node, program.root)})
+                                         meta={"axis": softmax_axis(node, program.root), "dtype": z.dtype})
             return True
         return False
     if kind == "norm":
