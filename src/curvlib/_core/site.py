@@ -146,7 +146,7 @@ class Residual:
 
     Attributes:
         where: the graph node's name, for messages.
-        kind: ``"diag"``, ``"product"``, ``"bilinear"``, ``"softmax"``, ``"matmul"``, ``"broadcast"``, ``"norm"`` or ``"dense"``.
+        kind: ``"diag"``, ``"product"``, ``"bilinear"``, ``"softmax"``, ``"matmul"``, ``"broadcast"``, ``"norm"``, ``"row_region"`` or ``"dense"``.
         phi: ``φ(a)`` (diag) or ``φ(theta, *inputs)`` (dense); ``None`` otherwise.
         inputs: the node's graph inputs (*taps*: the forward returns them, so that
             vectors can be pulled back from them).

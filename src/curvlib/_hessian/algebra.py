@@ -79,6 +79,8 @@ def factor(res, g: Tensor) -> Columns:
         return (_residual_structured.matmul_columns if res.kind == "matmul" else broadcast_columns)(res, g)
     if res.kind == "norm":
         return _residual_norm.norm_columns(res, g)
+    if res.kind == "row_region":
+        return _residual_norm.region_columns(res, g)
     return _dense_columns(res, g)
 
 
@@ -324,6 +326,8 @@ def _structured_operator(res, g: Tensor, clip: bool) -> Callable:
         return (_residual_structured.matmul_operator if res.kind == "matmul" else broadcast_operator)(res, g, clip)
     if res.kind == "norm":
         return _residual_norm.norm_operator(res, g, clip)
+    if res.kind == "row_region":
+        return _residual_norm.region_operator(res, g, clip)
     raise AssertionError(f"curvlib internal error: residual kind {res.kind!r}")  # pragma: no cover
 
 

@@ -17,6 +17,12 @@ Per row, with ``c = x − mean(x)``, ``σ = √(mean(c²) + ε)``, ``x̂ = c/σ`
 ``[N, rows, d, d]`` per call, eigendecomposed row by row like softmax's rows
 (:func:`curvlib._hessian.structured.row_columns`): ``rows · d`` signed columns
 per sample for the Hessian diagonal, never the dense ``(rows·d)²`` matrix.
+
+A *row region* (:class:`curvlib._hessian.pointwise.RowRegion`: a normalisation written out in
+primitives, e.g. RMSNorm's ``x * rsqrt(mean(x², -1, keepdim) + ε)``) acts on each row ``x_r``
+(last axis, ``D`` entries) of its input alone: its residual is block-diagonal too, each block
+``∇²_{x_r} (g_r · φ(x_r))`` computed by :func:`torch.func.hessian` of the region's function on
+one row (:func:`region_residual`), and read like the LayerNorm's blocks.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Callable, Tuple
 
 import torch
 from torch import Tensor
+from torch.func import jacrev, vmap
 
 from .._core.errors import CurvatureError
 from .structured import row_columns, row_operator
@@ -93,4 +100,33 @@ def norm_columns(res, g: Tensor):
 def norm_operator(res, g: Tensor, clip: bool) -> Callable:
     """``mod(R)`` row by row (PCHMP)."""
     layout, R = norm_residual(res, g)
+    return row_operator(layout, R, clip)
+
+
+def region_residual(res, g: Tensor) -> Tuple[_NormRows, Tensor]:
+    """``(layout, R [N, rows, D, D])`` of a row region: per row ``∇²_x (g_r · φ(x))`` at the
+    row ``x`` of the input (module doc)."""
+    x, bdim, phi = res.inputs[0], res.in_dims[0], res.phi
+    if x.dim() < 2 or bdim == x.dim() - 1:
+        raise CurvatureError(f"graph node '{res.where}' reduces over the batch dim of its input; "
+                             "samples would be mixed.")
+    layout = _NormRows(x, bdim, x.shape[-1])
+    xr = layout.rows(x)  # [N, rows, D]
+    g = g if res.out_dim == bdim else g.movedim(res.out_dim, bdim)
+    gr = (g if bdim == 0 else g.movedim(bdim, 0)).reshape(xr.shape[0], xr.shape[1], -1)
+
+    def contracted(row: Tensor, g_row: Tensor) -> Tensor:
+        return (g_row * phi(row)).sum()
+
+    return layout, vmap(vmap(jacrev(jacrev(contracted))))(xr, gr)
+
+
+def region_columns(res, g: Tensor):
+    """Signed columns of every row's block of a row region: ``rows · D`` per sample."""
+    return row_columns(*region_residual(res, g))
+
+
+def region_operator(res, g: Tensor, clip: bool) -> Callable:
+    """``mod(R)`` of a row region, row by row (PCHMP)."""
+    layout, R = region_residual(res, g)
     return row_operator(layout, R, clip)

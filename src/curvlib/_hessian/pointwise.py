@@ -14,9 +14,17 @@ outside it. So the region is recorded as a single ``"diag"`` residual at its exi
 ``φ`` the region itself and its input the region's one graph input: ``2`` column sets instead
 of ``2 · (number of nonlinear nodes)``.
 
+A *row region* also admits reductions ``sum``/``mean`` over the last axis alone with
+``keepdim=True`` (RMSNorm written out: ``x * rsqrt(mean(x², -1, keepdim) + ε)``). Every value
+in it then has the root's shape or that shape with a last axis of ``1``, and each row (last
+axis) of the exit is a function of the same row of the root alone: the same sum of residuals
+is block-diagonal over rows, recorded as one ``"row_region"`` residual
+(:func:`curvlib._hessian.norm.region_residual`). Row regions are taken first; those without a
+reduction are left to the pointwise ones.
+
 A region is a set of nodes, each an element-wise function of graph tensors of one shape
 (an element-wise node of :func:`curvlib.rules.elementwise.classify`, or ``+ − × ÷`` and
-negation of region tensors and Python numbers: never a tensor constant, which could
+negation and powers of region tensors and Python numbers: never a tensor constant, which could
 broadcast the result to a larger shape), whose graph inputs are the region's members and
 one *root* node, and whose values, but the exit's, are used only inside the region. Regions
 with fewer than two nonlinear nodes are left as they are (nothing to gain).
@@ -35,13 +43,14 @@ from torch import Tensor, fx
 from .._trace.graph_facts import overwrites_input
 from .._trace.program import Program
 
-__all__ = ["PointwiseRegion", "fuse_pointwise_regions"]
+__all__ = ["PointwiseRegion", "RowRegion", "fuse_pointwise_regions"]
 
-# ``+ − × ÷`` and negation, out of place (in-place spellings overwrite a value the region's
+# ``+ − × ÷``, powers and negation, out of place (in-place spellings overwrite a value the region's
 # function is taken of; they end a region)
 _ARITHMETIC_FUNCTIONS = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
-                                   operator.pos, torch.add, torch.sub, torch.mul, torch.div, torch.neg})
-_ARITHMETIC_METHODS = frozenset({"add", "sub", "mul", "div", "neg"})
+                                   operator.pos, operator.pow, torch.add, torch.sub, torch.mul, torch.div,
+                                   torch.neg, torch.pow})
+_ARITHMETIC_METHODS = frozenset({"add", "sub", "mul", "div", "neg", "pow"})
 # residual kinds of the nonlinear element-wise nodes a region absorbs
 _NONLINEAR_KINDS = ("diag", "product", "dense")
 
@@ -72,19 +81,35 @@ class PointwiseRegion:
         return phi
 
 
+class RowRegion(PointwiseRegion):
+    """A row region (module doc): its function acts on each row (last axis) of its input."""
+
+
 def _by_name(program: Program) -> Dict[str, fx.Node]:
     return {node.name: node for node in program.graph.nodes}
 
 
 def fuse_pointwise_regions(program: Program, plan: Dict[fx.Node, tuple]) -> Dict[fx.Node, tuple]:
     """``plan`` (node -> ``(kind, φ, coupled)``, :func:`curvlib._hessian.residuals.residual_plan`)
-    with every pointwise region (module doc) of at least two nonlinear nodes recorded as one
-    ``"diag"`` residual at its exit (the others' entries removed)."""
+    with every row region with a reduction recorded as one ``"row_region"`` residual, then
+    every pointwise region as one ``"diag"`` residual, at its exit, each of at least two
+    nonlinear nodes (the others' entries removed; module doc)."""
     dependent = program.dependent
     member = {node for node in program.graph.nodes if _pointwise(program, node, plan, dependent)}
-    order = {node: k for k, node in enumerate(program.graph.nodes)}
+    reductions = {node for node in program.graph.nodes if _row_reduction(program, node, dependent)}
     taken: Set[fx.Node] = set()
     fused = dict(plan)
+    _fuse(program, plan, fused, (member | reductions, taken), lambda nodes: bool(nodes & reductions))
+    _fuse(program, plan, fused, (member, taken), lambda nodes: True)
+    return fused
+
+
+def _fuse(program: Program, plan, fused, where: Tuple[Set[fx.Node], Set[fx.Node]], wanted) -> None:
+    """Record in ``fused`` the regions of the nodes ``where[0]`` not yet in ``where[1]`` (added
+    there) for which ``wanted(nodes)``: row regions where a reduction is among them."""
+    member, taken = where
+    dependent = program.dependent
+    order = {node: k for k, node in enumerate(program.graph.nodes)}
     for exit_node in reversed(list(program.graph.nodes)):
         if exit_node in taken or exit_node not in member:  # (a sum of nonlinear parts may end a region)
             continue
@@ -92,14 +117,36 @@ def fuse_pointwise_regions(program: Program, plan: Dict[fx.Node, tuple]) -> Dict
         if found is None:
             continue
         root, nodes = found
-        if sum(plan.get(n, ("",))[0] in _NONLINEAR_KINDS for n in nodes) < 2:
+        if sum(plan.get(n, ("",))[0] in _NONLINEAR_KINDS for n in nodes) < 2 or not wanted(nodes):
             continue
         taken.update(nodes)
         for node in nodes:
             fused.pop(node, None)
         ordered = tuple(n.name for n in sorted(nodes, key=order.__getitem__))
-        fused[exit_node] = ("diag", PointwiseRegion(root.name, ordered), frozenset())
-    return fused
+        rows = any(_row_reduction(program, n, dependent) for n in nodes)
+        fused[exit_node] = ("row_region", RowRegion(root.name, ordered), frozenset()) if rows else \
+            ("diag", PointwiseRegion(root.name, ordered), frozenset())
+
+
+_REDUCTIONS = (torch.sum, torch.mean)
+
+
+def _row_reduction(program: Program, node: fx.Node, dependent) -> bool:
+    """Whether ``node`` is ``sum``/``mean`` of one graph tensor over its last axis alone, with
+    ``keepdim=True`` and no ``dtype``."""
+    if node not in dependent or node.meta.get("no_grad"):
+        return False
+    if not ((node.op == "call_function" and node.target in _REDUCTIONS)
+            or (node.op == "call_method" and node.target in ("sum", "mean"))):
+        return False
+    args, kwargs = list(node.args), dict(node.kwargs)
+    if len(args) > 3 or not args or not isinstance(args[0], fx.Node) or args[0] not in dependent:
+        return False
+    dim = args[1] if len(args) > 1 else kwargs.pop("dim", None)
+    keepdim = args[2] if len(args) > 2 else kwargs.pop("keepdim", False)
+    if kwargs:  # (dtype, out)
+        return False
+    return keepdim is True and (dim == -1 or (isinstance(dim, (list, tuple)) and list(dim) == [-1]))
 
 
 def _pointwise(program: Program, node: fx.Node, plan, dependent) -> bool:

@@ -28,6 +28,9 @@ Kinds, by structure:
 
 * ``"diag"``: element-wise ``z = φ(a)``: ``R = diag(φ''(a) ⊙ g)`` (one node, or a region of
   element-wise nodes written out in primitives, :mod:`curvlib._hessian.pointwise`);
+* ``"row_region"``: a subgraph acting on each row (last axis) of one tensor alone (RMSNorm
+  written out in primitives, :mod:`curvlib._hessian.pointwise`): one ``[D, D]`` block per row
+  (:func:`curvlib._hessian.norm.region_residual`);
 * ``"product"``: ``z = x ⊙ y`` (same shapes): ``R = [[0, D], [D, 0]]``, ``D = diag(g)``;
 * ``"broadcast"``: ``z = x ⊙ y`` broadcasting (squeeze-excite's ``x * s[:, :, None, None]``):
   per shared index, a matrix product ``[T, 1] × [1, S]`` (:mod:`curvlib._hessian.broadcast`);
@@ -131,8 +134,8 @@ def residual_plan(program: Program, fuse: bool = True) -> Dict[fx.Node, Planned]
             if use.linear is not None:  # F.linear on parameters: a Linear site
                 if use.linear["weight"] in coupled:  # (a transposed weight: its dense block, same math)
                     plan[node] = ("dense" if use.transposed else "bilinear", None, coupled)
-            elif not (use.affine and not coupled):  # (affine, uncoupled: no residual)
-                plan[node] = ("dense", None, coupled)
+            elif not ((use.affine or _scaled_by_parameter(node, use)) and not coupled):
+                plan[node] = ("dense", None, coupled)  # (affine or x ⊙ p, uncoupled: no residual)
             continue
         kind, phi = classify(node, program.root, program.layers, dependent)
         if kind == "elementwise":
@@ -143,6 +146,20 @@ def residual_plan(program: Program, fuse: bool = True) -> Dict[fx.Node, Planned]
 
 
 _MATMULS = (torch.matmul, operator.matmul, torch.bmm)
+
+
+def _scaled_by_parameter(node: fx.Node, use) -> bool:
+    """``x * p`` (either order) of one input-dependent tensor and a parameter read as it is
+    (RMSNorm's ``weight * x``): linear in ``x`` and in ``p`` apart, so with ``p`` not coupled
+    its residual is zero (the ``p``-``x`` coupling enters no diagonal block, module doc)."""
+    product = (node.op == "call_function" and node.target in (operator.mul, torch.mul)) or \
+        (node.op == "call_method" and node.target == "mul")
+    if not product or node.kwargs or len(node.args) != 2 or len(use.inputs) != 1 or use.fixed:
+        return False
+    if not all(n.op == "get_attr" for n in use.chain):
+        return False
+    return sorted(isinstance(a, fx.Node) and a in use.inputs for a in node.args) == [False, True] and \
+        all(isinstance(a, fx.Node) and (a in use.inputs or a in use.chain) for a in node.args)
 
 
 def _structured_kind(node: fx.Node, root: nn.Module, dependent: set) -> str:
@@ -161,7 +178,7 @@ def _structured_kind(node: fx.Node, root: nn.Module, dependent: set) -> str:
 
 def softmax_axis(node: fx.Node, root: nn.Module) -> Optional[int]:
     """The axis of ``torch.softmax``/``F.softmax``/``x.softmax``/``nn.Softmax`` on one graph
-    tensor (no ``dtype``), else ``None``."""
+    tensor (computed in its own dtype or in a ``dtype`` given), else ``None``."""
     if node.op == "call_module":
         module = root.get_submodule(node.target)
         ok = type(module) is nn.Softmax and len(node.args) == 1 and not node.kwargs
@@ -171,7 +188,7 @@ def softmax_axis(node: fx.Node, root: nn.Module) -> Optional[int]:
         return None
     rest, kwargs = node.args[1:], dict(node.kwargs)
     dim = rest[0] if rest else kwargs.pop("dim", None)
-    if len(rest) > 1 or kwargs.get("dtype") is not None or set(kwargs) - {"dtype", "_stacklevel"}:
+    if len(rest) > 1 or set(kwargs) - {"dtype", "_stacklevel"}:
         return None
     return dim if isinstance(dim, int) else None
 
@@ -294,6 +311,9 @@ def _record_structured(at: _Evaluated, planned: Planned, params: Dict[str, Tenso
             a = fx.node.map_arg(node.args, lambda n: env[n])[0]
         env_out[node] = rec.residual(node.name, kind, phi, [a], z)
         return True
+    if kind == "row_region":  # the region's function of its root's value, row by row
+        env_out[node] = rec.residual(node.name, kind, phi.function(program), [env[phi.input_node(program)]], z)
+        return True
     if kind == "product":
         x, y = (env[a] for a in node.args)
         if not (isinstance(x, Tensor) and isinstance(y, Tensor)):
@@ -307,9 +327,9 @@ def _record_structured(at: _Evaluated, planned: Planned, params: Dict[str, Tenso
         return True
     if kind == "softmax":
         a = env[node.all_input_nodes[0]]
-        if isinstance(a, Tensor) and a.shape == z.shape and a.dtype == z.dtype:
+        if isinstance(a, Tensor) and a.shape == z.shape and a.is_floating_point() and z.is_floating_point():
             env_out[node] = rec.residual(node.name, kind, None, [a], z,
-                                         meta={"axis": softmax_axis(node, program.root)})
+                                         meta={"axis": softmax_axis(node, program.root), "dtype": z.dtype})
             return True
         return False
     if kind == "norm":

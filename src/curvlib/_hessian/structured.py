@@ -101,11 +101,11 @@ def softmax_residual(res, g: Tensor) -> Tuple[_Rows, Tensor]:
     """``(layout, R [N, rows, S, S])``: the per-row residuals (module doc)."""
     a = res.inputs[0]
     layout = _Rows(a, res.in_dims[0], res.meta["axis"])
-    s = layout.rows(torch.softmax(a, res.meta["axis"]))
+    s = layout.rows(torch.softmax(a, res.meta["axis"], dtype=res.meta.get("dtype")))
     gr = layout.rows(g if res.out_dim == res.in_dims[0] else g.movedim(res.out_dim, res.in_dims[0]))
     b = s * (gr - (s * gr).sum(-1, keepdim=True))
     R = torch.diag_embed(b) - b.unsqueeze(-1) * s.unsqueeze(-2) - s.unsqueeze(-1) * b.unsqueeze(-2)
-    return layout, R
+    return layout, R.to(a.dtype)  # (a softmax in another dtype: its R, over the input)
 
 
 def row_columns(layout, R: Tensor):

@@ -2,7 +2,7 @@
 
 :func:`curvlib._hessian.algebra.factor` gives two column sets, one per sign. For the
 element-wise residual ``diag(r)`` (columns ``e_k √r₊`` and ``e_k √r₋``) and the per-row
-eigendecompositions of softmax and normalisation rows (columns ``q √λ₊`` and ``q √λ₋``),
+eigendecompositions of softmax and normalisation rows (and row regions) (columns ``q √λ₊`` and ``q √λ₋``),
 every (column, sample) is non-zero in one of the two sets only, so one set ``e_k √|r|``
 (``q √|λ|``) with the sign of ``r`` (``λ``) as its weight holds the same terms in half the
 columns: the Hessian diagonal pulls back half as many. Where derivatives flow through the
@@ -22,7 +22,7 @@ from torch.fx.experimental import proxy_tensor
 from .._core.tensors import is_concrete
 from ..rules.elementwise import second_derivative
 from .algebra import factor
-from .norm import norm_residual
+from .norm import norm_residual, region_residual
 from .smooth import flows
 from .structured import LazyColumns, one_hot_columns, row_columns, row_columns_weighted, softmax_residual
 
@@ -31,6 +31,10 @@ from .structured import LazyColumns, one_hot_columns, row_columns, row_columns_w
 WeightedColumns = List[Tuple[Union[float, Tensor], Dict[int, LazyColumns], Dict[str, Tensor]]]
 
 __all__ = ["weighted_factor", "WeightedColumns"]
+
+
+#: Residual kinds with one block per row: ``(layout, R [N, rows, S, S])`` of each
+_ROWS = {"norm": norm_residual, "softmax": softmax_residual, "row_region": region_residual}
 
 
 def _plain(t: Tensor) -> bool:
@@ -49,7 +53,7 @@ def weighted_factor(res, g: Tensor) -> WeightedColumns:
         if _plain(r):
             weights = torch.where(r >= 0, 1.0, -1.0).to(r.dtype).reshape(r.shape[0], -1).t()  # [D, N]
             return [(weights, {0: one_hot_columns(r.abs().sqrt(), d)}, {})]
-    elif res.kind in ("norm", "softmax"):
-        layout, R = (norm_residual if res.kind == "norm" else softmax_residual)(res, g)
+    elif res.kind in _ROWS:
+        layout, R = _ROWS[res.kind](res, g)
         return row_columns_weighted(layout, R) if _plain(R) else row_columns(layout, R)
     return factor(res, g)
