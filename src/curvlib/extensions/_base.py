@@ -9,6 +9,7 @@ table checked before any work (second-order extensions).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Optional, Sequence, Tuple
 
@@ -106,9 +107,10 @@ class Extension:
     per_sample: ClassVar[bool] = False
     ggn: ClassVar[bool] = False
 
-    @property
+    @functools.cached_property
     def options(self) -> Options:
-        """Its options as one typed record (the one place the stages read them)."""
+        """Its options as one typed record (the one place the stages read them; made once per
+        extension, as the fields are frozen: the column loops read it per chunk)."""
         return Options(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in _OPTIONS})
 
     def from_individual(self, batch: Tensor) -> Tensor:
