@@ -29,7 +29,7 @@ from .._core.errors import CurvatureError, CurvatureTypeError
 from .._hessian.smooth import derivatives_requested, refuse_pchmp
 from .._core.site import Recorder
 
-__all__ = ["products", "rng_state", "replay_rng"]
+__all__ = ["products", "rng_state", "replay_rng", "guarded"]
 
 
 def rng_state(device: torch.device):
@@ -108,7 +108,7 @@ class _Products:
             _check_directions(ext, name, self.values[name], V)
             return V.new_zeros(V.shape) if V.shape[0] == 0 else product(V)
 
-        return _guarded(checked, label)
+        return guarded(checked, label)
 
     def _outputs(self, name: str, p: Tensor, with_taps: bool):
         """The model output with ``p`` as parameter ``name`` (and the residuals' inputs)."""
@@ -210,7 +210,7 @@ def _check_directions(ext, name: str, p0: Tensor, V) -> None:
         )
 
 
-def _guarded(product: Callable[[Tensor], Tensor], name: str = ""):
+def guarded(product: Callable[[Tensor], Tensor], name: str = ""):
     """``product`` evaluated safely whenever it is called: outside inference mode (an
     inference tensor ``V`` is copied; under ``no_grad`` the result is detached; the call's
     dropout masks come with its re-runs' recorder, :meth:`_Products._outputs`), and under

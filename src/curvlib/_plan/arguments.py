@@ -188,5 +188,5 @@ def warn_linear_loss(spec: losses.LossSpec, extensions) -> None:
         f"{', '.join(wanted)} will be exactly 0 (also after nn.LogSoftmax, whose curvature the GGN "
         "linearises away). For the GGN of a softmax classifier, drop the LogSoftmax and use "
         "nn.CrossEntropyLoss on the logits (same loss and gradient).",
-        UserWarning, stacklevel=4,  # warn_linear_loss, _Setup, curvature, the user's line
+        UserWarning, stacklevel=4,  # warn_linear_loss, Setup, curvature, the user's line
     )

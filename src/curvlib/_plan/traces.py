@@ -119,7 +119,7 @@ def warn_opaque(program: Program) -> None:
         "torch.fx could not trace the forward of these submodules; curvlib treats each as one opaque "
         "graph node, run as it is (exact results for the branch each call takes; KFAC/KFLR/KFRA are "
         "refused for parameters inside them):\n" + "\n".join(lines),
-        UserWarning, stacklevel=6,  # warn_opaque, Traces.get, _Setup.traced, _Setup, curvature, the user's line
+        UserWarning, stacklevel=6,  # warn_opaque, Traces.get, Setup.traced, Setup, curvature, the user's line
     )
 
 

@@ -32,7 +32,7 @@ __all__ = ["evaluate"]
 
 
 def evaluate(s, c: CallContext) -> Dict[str, object]:
-    """Stages 4-7 for the setup ``s`` (:class:`curvlib._transform.entry._Setup`: the loss, the
+    """Stages 4-7 for the setup ``s`` (:class:`curvlib._transform.entry.Setup`: the loss, the
     extensions, the options) and the call ``c`` (the caller's buffers are in the model's slots for
     this call; the block products put them there again whenever they are evaluated). Where it can,
     the first order is read during the loss's backward, after the second order

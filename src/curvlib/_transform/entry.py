@@ -2,11 +2,11 @@
 
 The stages (numbered so in README.md, CONTRIBUTING.md and every module that names one):
 
-1. **trace**, at ``curvature`` time (:class:`_Setup`): the arguments checked
+1. **trace**, at ``curvature`` time (:class:`Setup`): the arguments checked
    (:mod:`curvlib._plan.arguments`) and the model traced once per ``training`` flags and
    input structure, with the refusals the trace shows (:mod:`curvlib._plan.traces`);
 
-then per call of ``f(X, y, params=None, generator=None, buffers=None)`` (:class:`_Call`):
+then per call of ``f(X, y, params=None, generator=None, buffers=None)`` (:class:`CurvatureCall`):
 
 2. **inputs**: ``X``, ``y``, ``params`` and ``buffers`` checked (buffers:
    :mod:`curvlib._core.buffers`); every parameter's value;
@@ -51,7 +51,7 @@ from .._plan.checks import CallContext
 from .call import evaluate
 from .chunking import check_batch_chunk_size, over_samples
 
-__all__ = ["curvature"]
+__all__ = ["curvature", "Setup", "CurvatureCall"]
 
 
 def curvature(
@@ -106,13 +106,13 @@ def curvature(
         CurvatureTypeError: an argument has the wrong type.
         CurvatureError: anything else curvlib cannot handle, named in the message.
     """
-    setup = _Setup(model, lossfn, extensions, process_group, chunk_size, batch_chunk_size, output)
+    setup = Setup(model, lossfn, extensions, process_group, chunk_size, batch_chunk_size, output)
     options = _compiled.check(compile, setup)
     prepare_forward_ad()  # torch's own one-time jvp set-up warns; not inside the user's call
-    return _wrapped(_Call(setup), setup, options, batch_chunk_size, process_group)
+    return _wrapped(CurvatureCall(setup), setup, options, batch_chunk_size, process_group)
 
 
-def _wrapped(f: "_Call", setup: "_Setup", options, batch_chunk_size, process_group) -> Callable[..., Dict[str, object]]:
+def _wrapped(f: "CurvatureCall", setup: "Setup", options, batch_chunk_size, process_group) -> Callable[..., Dict[str, object]]:
     """The call as users get it: compiled, or in batch slices and aggregated over ranks, with
     the parameter names of a ``torch.compile``d model's original module."""
     if options is not None:
@@ -143,7 +143,7 @@ def _without(f: Callable[..., Dict[str, object]], names) -> Callable[..., Dict[s
 # ----------------------------------------------------------------------------- setup
 
 
-class _Setup:
+class Setup:
     """``curvature``'s arguments, checked, and the model's traces."""
 
     def __init__(self, model, lossfn, extensions, process_group, chunk_size, batch_chunk_size, output=None):
@@ -203,10 +203,10 @@ class _Setup:
 # ----------------------------------------------------------------------------- one call
 
 
-class _Call:
+class CurvatureCall:
     """``f(X, y, params=None, generator=None, buffers=None)`` of one :func:`curvature` (module doc, stages 2-7)."""
 
-    def __init__(self, setup: _Setup):
+    def __init__(self, setup: Setup):
         self.setup = setup
 
     def __call__(self, X, y: Tensor, params: Optional[Mapping[str, Tensor]] = None,
@@ -229,7 +229,28 @@ class _Call:
 
     def _run(self, X, y, params, generator, buffers, _into) -> Dict[str, object]:
         s = self.setup
-        n = _inputs.check_input(X)
+        call = self.context(X, y, params, generator, buffers, _into)
+        # planned with the model's buffers (same shapes); run with the caller's
+        with _buffers.using(s.model, call.buffers):
+            try:
+                return evaluate(s, call)
+            except (NodeFailure, NotImplementedError) as exc:
+                raise self.failure(call, exc) from exc
+
+    def failure(self, call: CallContext, exc: Exception) -> Exception:
+        """The error to raise for ``exc`` from running ``call``'s forward: a clear one for a
+        forward-mode gap or a node that fails on real values (the shape passes did not), else ``exc``."""
+        forward_mode = forward_mode_failure(exc, ", ".join(type(e).__name__ for e in self.setup.second) or "products")
+        if forward_mode is not None:
+            return forward_mode
+        if not isinstance(exc, NodeFailure):
+            return exc
+        return forward_failure(call.traced.program, call.X, call.values, exc, _inputs.batch_size(call.X))
+
+    def context(self, X, y, params=None, generator=None, buffers=None, _into=None) -> CallContext:
+        """Stages 2-3 for ``f(X, y, ...)``: the inputs checked, the plan and every refusal."""
+        s = self.setup
+        _inputs.check_input(X)
         params, buffers = _buffers.split(s.model, params, buffers)
         _buffers.refuse_unbuffered(s.model, params, buffers)
         values, trainable = _arguments.parameter_values(s.model, params)
@@ -246,20 +267,8 @@ class _Call:
         differentiable = torch.is_grad_enabled() and (
             any(t.requires_grad for t in _inputs.tensors(X)) or any(v.requires_grad for v in values.values())
         )
-        call = CallContext(traced, plan, X, _targets.prepare_targets(s.spec, y), values, tuple(trainable),
+        return CallContext(traced, plan, X, _targets.prepare_targets(s.spec, y), values, tuple(trainable),
                            seed, differentiable, negative, buffers, _into)
-        # planned with the model's buffers (same shapes); run with the caller's
-        with _buffers.using(s.model, buffers):
-            try:
-                return evaluate(s, call)
-            except (NodeFailure, NotImplementedError) as exc:
-                forward_mode = forward_mode_failure(exc, ", ".join(type(e).__name__ for e in s.second))
-                if forward_mode is not None:
-                    raise forward_mode from exc
-                if not isinstance(exc, NodeFailure):
-                    raise
-                # the real forward failed where the shape passes did not
-                raise forward_failure(traced.program, X, values, exc, n) from exc
 
     def kron_root_last(self, X, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, bool]:
         """Parameter name -> whether its Kronecker root factor is the last (Embedding's layout),

@@ -1,0 +1,120 @@
+"""A model and its loss as pure functions of the parameters, one batch at a time: what the
+whole-network operators (:mod:`curvlib.operators`) multiply with.
+
+:class:`Network` runs stage 1 of :mod:`curvlib._transform.entry` (the trace) once; its
+:meth:`Network.batch` runs stages 2-3 (inputs, plan, every refusal) for one ``(X, y)`` and
+returns a :class:`Batch`: the forward ``θ ↦ f(X; θ)`` through the traced program (code under
+``no_grad`` inside the model constant, as in its own backward; dropout masks fixed by the
+batch's draw), the loss ``L(θ) = c·Σ_n ℓ(f(x_n; θ), y_n)`` and its Hessian with respect to the
+output, ``c·∇²ℓ`` per sample in closed form (:func:`curvlib.losses.curvature_at`). The same
+front end as ``curvature``: every model it takes, wrapped or not, with the same conventions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .. import losses
+from .._core import buffers as _buffers, inputs as _inputs
+from .._core.errors import CurvatureError
+from .._core.site import Recorder
+from .._evaluate.products import replay_rng, rng_state
+from .._interpret.graph import NodeFailure, run_graph
+from .._plan.checks import CallContext
+from .entry import CurvatureCall, Setup
+from .failures import internal_failure
+
+__all__ = ["Network", "Batch", "translated"]
+
+
+class Network:
+    """``model`` and ``lossfn`` traced once; ``output`` selects the tensor of a container output
+    (as ``curvature``'s). Nothing on the model changes."""
+
+    def __init__(self, model: nn.Module, lossfn, output=None):
+        self.setup = Setup(model, lossfn, (), None, None, None, output)
+        self.runner = CurvatureCall(self.setup)
+
+    @property
+    def spec(self) -> losses.LossSpec:
+        return self.setup.spec
+
+    @property
+    def model(self) -> nn.Module:
+        return self.setup.model
+
+    def batch(self, X, y, params: Optional[Mapping[str, Tensor]] = None,
+              buffers: Optional[Mapping[str, Tensor]] = None,
+              generator: Optional[torch.Generator] = None) -> "Batch":
+        """Stages 2-3 for ``(X, y)``; ``generator`` draws the batch's dropout masks."""
+        call = translated(self.model, lambda: self.runner.context(X, y, params, generator, buffers))
+        return Batch(self, call, rng_state(call.device))
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One batch of a :class:`Network`: its checked inputs and plan (``call``) and the random
+    state its forward replays (``rng``), so every evaluation is the same function."""
+
+    network: Network
+    call: CallContext
+    rng: tuple
+
+    @property
+    def trainable(self) -> Tuple[str, ...]:
+        """The parameters whose curvature is wanted (every ``requires_grad`` one, or ``params``' entries)."""
+        return self.call.trainable
+
+    @property
+    def values(self) -> Mapping[str, Tensor]:
+        return self.call.values
+
+    @property
+    def size(self) -> int:
+        return _inputs.batch_size(self.call.X)
+
+    def normaliser(self) -> Optional[float]:
+        """``M`` with ``c = 1/M`` (``"mean"``), 1 (``"sum"``), ``None`` for a loss curvlib cannot
+        count (:func:`curvlib.losses.normaliser`)."""
+        return losses.normaliser(self.network.spec, self.call.y)
+
+    def output(self, values: Mapping[str, Tensor]) -> Tensor:
+        """``f(X; θ)`` with ``values`` replacing those parameters (any subset)."""
+        merged = dict(self.call.values)
+        merged.update(values)
+        rec = Recorder(None, dropout_seed=self.call.dropout_seed)  # the batch's masks
+        model, call = self.network.model, self.call
+        with _buffers.using(model, call.buffers), replay_rng(self.rng, call.device):
+            try:
+                return run_graph(call.program, call.X, merged, frozenset(), rec)
+            except (NodeFailure, NotImplementedError) as exc:
+                raise self.network.runner.failure(call, exc) from exc
+
+    def loss(self, out: Tensor) -> Tensor:
+        """``L = c·Σ_n ℓ(out_n, y_n)``, by the user's loss."""
+        value = losses.loss_value(self.network.spec, out, self.call.y)
+        if not isinstance(value, Tensor) or value.dim() != 0:
+            raise CurvatureError(
+                f"lossfn {self.network.spec.name} returned {getattr(value, 'shape', type(value).__name__)}, "
+                "not a scalar: curvlib needs the sum or mean over samples of per-sample terms.")
+        return value
+
+    def loss_hessian(self, out: Tensor, check: bool = False):
+        """``c·∇²ℓ`` at ``out``, per sample (``matvec``, ``sampled_roots``); ``check``: refuse a
+        generic loss that couples samples."""
+        return losses.curvature_at(self.network.spec, out, self.call.y, check=check, negative=self.call.negative)
+
+
+def translated(model: nn.Module, work: Callable[[], object]):
+    """``work()``, with curvlib's internal failures turned into a :class:`CurvatureError` naming the model."""
+    try:
+        return work()
+    except Exception as exc:
+        failure = internal_failure(exc, model)
+        if failure is None:
+            raise
+        raise failure from exc

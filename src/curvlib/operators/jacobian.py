@@ -1,0 +1,90 @@
+"""The model's Jacobian ``J = ∂f/∂θ`` as an operator ``[R, P]`` and its transpose ``[P, R]``.
+
+Rows are the model outputs (the tensor the loss takes) of every sample, flattened row-major
+per batch, batches in the data's order: ``R = Σ_b numel(f(X_b))``. ``J @ v`` is one
+Jacobian-vector product per batch (forward mode), ``J.T @ u`` one vector-Jacobian product.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+from torch import Tensor
+
+from .._evaluate.products import guarded
+from .._transform.network import translated
+from .base import CurvatureOperator
+from .network import NetworkOperator
+
+__all__ = ["Jacobian", "TransposedJacobian"]
+
+
+class Jacobian(NetworkOperator):
+    """``J [R, P]`` (module doc); arguments as :class:`curvlib.operators.GGN`'s (the loss and
+    targets only define the data's batches here)."""
+
+    symmetric = False
+
+    def __init__(self, *args, **kwargs):
+        self.rows: List[int] = []
+        super().__init__(*args, **kwargs)
+        self.codomain = None
+
+    def _shape(self, space):
+        with torch.no_grad():
+            self.rows = [int(batch.output({}).numel()) for _, _, batch in self.data]
+        return sum(self.rows), space.dim
+
+    def _chunk(self, M: Tensor) -> Tensor:
+        V = self.domain.unflatten(M)
+        parts = []
+        for _, _, batch in self.data:
+            theta = {n: batch.values[n] for n in V}
+
+            def one(v, batch=batch, theta=theta):
+                return torch.func.jvp(batch.output, (theta,), (v,))[1]
+
+            jv = translated(self.network.model, lambda: torch.func.vmap(one, randomness="same")(V))
+            parts.append(jv.reshape(jv.shape[0], -1).T)
+        return torch.cat(parts, dim=0)
+
+    @property
+    def T(self) -> "TransposedJacobian":
+        return TransposedJacobian(self)
+
+
+class TransposedJacobian(CurvatureOperator):
+    """``Jᵀ [P, R]`` of a :class:`Jacobian`: ``Jᵀ u = Σ_b J_bᵀ u_b``."""
+
+    symmetric = False
+
+    def __init__(self, jacobian: Jacobian):
+        rows, cols = jacobian.shape
+        super().__init__(cols, rows, jacobian.dtype, jacobian.device, domain=None, codomain=jacobian.domain)
+        self.jacobian = jacobian
+        self._guarded = guarded(self._product, "Jacobian.T")
+
+    @property
+    def T(self) -> Jacobian:
+        return self.jacobian
+
+    def matmat(self, M: Tensor) -> Tensor:
+        return self._guarded(M)
+
+    def _product(self, M: Tensor) -> Tensor:
+        jac, space = self.jacobian, self.jacobian.domain
+        total = M.new_zeros(space.dim, M.shape[1])
+        start = 0
+        for (_, _, batch), rows in zip(jac.data, jac.rows):
+            theta = {n: batch.values[n] for n in space.names}
+            block = M[start:start + rows]
+            start += rows
+
+            def pulled(batch=batch, theta=theta, block=block):
+                out, pull = torch.func.vjp(batch.output, theta)
+                cot = block.T.reshape((block.shape[1],) + tuple(out.shape))
+                return torch.func.vmap(lambda c: pull(c)[0], randomness="same")(cot)
+
+            total = total + space.flatten(translated(jac.network.model, pulled))
+        return total
