@@ -11,6 +11,7 @@ each individual gradient, with ``w_b²``.
 
 from __future__ import annotations
 
+import collections.abc
 from dataclasses import dataclass
 from typing import Iterator, List, Mapping, Optional, Tuple
 
@@ -104,7 +105,7 @@ def _check_loader(data) -> None:
         raise CurvatureTypeError(
             f"data must be a pair (X, y) or a re-iterable loader of pairs (a DataLoader, a list), got "
             f"{type(data).__name__}.")
-    if iter(data) is data:
+    if isinstance(data, collections.abc.Iterator):
         raise CurvatureTypeError(
             f"data is a one-pass iterator ({type(data).__name__}): every product iterates over the data "
             "again. Pass a DataLoader or a list of (X, y) pairs.")

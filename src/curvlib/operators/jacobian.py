@@ -36,6 +36,9 @@ class Jacobian(NetworkOperator):
             self.rows = [int(batch.output({}).numel()) for _, _, batch in self.data]
         return sum(self.rows), space.dim
 
+    def block_shape(self, space):
+        return sum(self.rows), space.dim
+
     def _chunk(self, M: Tensor) -> Tensor:
         V = self.domain.unflatten(M)
         parts = []

@@ -20,7 +20,8 @@ changed, and ``A @ v`` is differentiable and ``vmap``-able in ``v``.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Mapping, Optional
+import copy
+from typing import Callable, Dict, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -99,6 +100,40 @@ class NetworkOperator(CurvatureOperator):
         """One batch's matrix times ``V`` (``{name: [K, *p]}``)."""
         raise NotImplementedError
 
+    def block(self, names: Sequence[str]) -> "NetworkOperator":
+        """The diagonal block of the parameters ``names`` (in that order): the same curvature as a
+        function of those parameters alone, the others held at their values. Shares this
+        operator's trace and data (a layer's top eigenvalue, a block's trace)."""
+        names = (names,) if isinstance(names, str) else tuple(names)
+        unknown = [n for n in names if n not in self.domain.names]
+        if not names or unknown or len(set(names)) != len(names):
+            raise CurvatureError(
+                f"{type(self).__name__}.block(names): names must be distinct parameters of the operator "
+                f"({list(self.domain.names)[:6]}{', ...' if len(self.domain.names) > 6 else ''}), got {list(names)[:6]}.")
+        where = {n: k for k, n in enumerate(self.domain.names)}
+        space = ParameterSpace(names, tuple(self.domain.shapes[where[n]] for n in names), self.dtype, self.device)
+        sub = copy.copy(self)
+        sub.domain = space
+        sub.codomain = space if self.codomain is not None else None
+        sub.shape = sub.block_shape(space)
+        sub._guarded = guarded(sub._product, type(self).__name__)
+        return sub
+
+    def block_shape(self, space: ParameterSpace):
+        """The shape of the block on ``space``."""
+        return space.dim, space.dim
+
+    def blocks(self, by: str = "module") -> Dict[str, "NetworkOperator"]:
+        """The diagonal blocks: one per module owning parameters (``by="module"``, keyed by its
+        path, ``""`` for the model's own) or one per parameter (``by="parameter"``)."""
+        if by not in ("module", "parameter"):
+            raise CurvatureError(f"blocks(by=...) must be 'module' or 'parameter', got {by!r}.")
+        groups: Dict[str, list] = {}
+        for name in self.domain.names:
+            key = name if by == "parameter" else (name.rsplit(".", 1)[0] if "." in name else "")
+            groups.setdefault(key, []).append(name)
+        return {key: self.block(names) for key, names in groups.items()}
+
     def parameters(self) -> Dict[str, Tensor]:
         """The values the operator is evaluated at, parameter name -> tensor."""
         return {n: self.data.first.values[n] for n in self.domain.names}
@@ -166,10 +201,23 @@ class EmpiricalFisher(NetworkOperator):
 
 
 class Hessian(NetworkOperator):
-    """The Hessian ``∇²_θ L`` (module doc), by forward-over-reverse autodiff; its diagonal is
-    ``DiagHessian``."""
+    """The Hessian ``∇²_θ L`` (module doc), by forward-over-reverse autodiff (a Jacobian-vector
+    product of the gradient); its diagonal is ``DiagHessian``. Where torch has no forward-mode
+    derivative of the loss's backward (``MSELoss(reduction="mean")`` in torch 2.13 meets an
+    immutable zero tensor), reverse-over-reverse: the Hessian is symmetric, so
+    ``H v = (vᵀ H)ᵀ``, a vector-Jacobian product of the gradient."""
+
+    reverse_over_reverse = False
 
     def batch_product(self, batch, seeds, V):
         theta = {n: batch.values[n] for n in V}
         gradient = torch.func.grad(lambda th: batch.loss(batch.output(th)))
-        return torch.func.vmap(lambda v: torch.func.jvp(gradient, (theta,), (v,))[1], randomness="same")(V)
+        if not self.reverse_over_reverse:
+            try:
+                return torch.func.vmap(lambda v: torch.func.jvp(gradient, (theta,), (v,))[1], randomness="same")(V)
+            except RuntimeError as exc:
+                if "ZeroTensors are immutable" not in str(exc):
+                    raise
+                self.reverse_over_reverse = True
+        _, pull = torch.func.vjp(gradient, theta)
+        return torch.func.vmap(lambda v: pull(v)[0], randomness="same")(V)

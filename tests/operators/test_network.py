@@ -1,0 +1,315 @@
+"""The whole-network operators against dense float64 brute force from ``torch.func``.
+
+Brute force: the parameters as one flat vector ``θ``; ``J = jacrev(f)(θ)``, the loss Hessian
+with respect to the output ``H_out = hessian(L ∘ out)``, so ``G = Jᵀ H_out J``; ``∇²L =
+hessian(L ∘ f)(θ)``; the individual gradients ``g_n`` by ``vmap(grad)`` of ``c·ℓ(f(x_n), y_n)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch import nn
+
+from curvlib import CurvatureError, CurvatureTypeError, curvature
+from curvlib.extensions import DiagGGNExact, DiagHessian, SumGradSquared
+from curvlib.operators import GGN, EmpiricalFisher, FisherMC, Hessian, Jacobian
+
+from oracles.on_device import seeded
+
+D = torch.float64
+ACTIVATIONS = {"tanh": nn.Tanh, "sigmoid": nn.Sigmoid, "gelu": nn.GELU, "softplus": nn.Softplus}
+
+
+def _loss(kind: str, reduction: str) -> nn.Module:
+    return {"ce": nn.CrossEntropyLoss, "mse": nn.MSELoss, "bce": nn.BCEWithLogitsLoss}[kind](reduction=reduction)
+
+
+def _problem(seed, widths, act, kind, reduction, n):
+    torch.manual_seed(seed)
+    g = seeded(seed)
+    layers = []
+    for a, b in zip(widths[:-1], widths[1:]):
+        layers += [nn.Linear(a, b), ACTIVATIONS[act]()]
+    model = nn.Sequential(*layers[:-1]).to(D)
+    X = torch.randn(n, widths[0], generator=g, dtype=D)
+    if kind == "ce":
+        y = torch.randint(0, widths[-1], (n,), generator=g)
+    elif kind == "bce":
+        y = torch.randint(0, 2, (n, widths[-1]), generator=g).to(D)
+    else:
+        y = torch.randn(n, widths[-1], generator=g, dtype=D)
+    return model, _loss(kind, reduction), X, y
+
+
+class Brute:
+    """Dense float64 references for one ``(model, lossfn, X, y)``."""
+
+    def __init__(self, model, lossfn, X, y):
+        self.model, self.lossfn, self.X, self.y = model, lossfn, X, y
+        self.params = {n: p.detach() for n, p in model.named_parameters()}
+        self.theta = torch.cat([p.reshape(-1) for p in self.params.values()])
+
+    def unflat(self, theta):
+        out, start = {}, 0
+        for name, p in self.params.items():
+            out[name] = theta[start:start + p.numel()].reshape(p.shape)
+            start += p.numel()
+        return out
+
+    def f(self, theta, X=None):
+        return torch.func.functional_call(self.model, self.unflat(theta), (self.X if X is None else X,))
+
+    def loss(self, theta):
+        return self.lossfn(self.f(theta), self.y)
+
+    def jacobian(self):
+        J = torch.func.jacrev(self.f)(self.theta)
+        return J.reshape(-1, self.theta.numel())
+
+    def ggn(self):
+        out = self.f(self.theta).detach()
+        H = torch.func.hessian(lambda o: self.lossfn(o, self.y))(out).reshape(out.numel(), out.numel())
+        J = self.jacobian()
+        return J.T @ H @ J
+
+    def hessian(self):
+        return torch.func.hessian(self.loss)(self.theta)
+
+    def individual_gradients(self):
+        """``g_n = ∂(c·ℓ_n)/∂θ``, ``[N, P]``."""
+        summed = self.lossfn.__class__(reduction="sum")
+        scale = _mean_scale(self.lossfn, self.y, self.X.shape[0])
+
+        def one(x, y):
+            return torch.func.grad(lambda t: summed(self.f(t, x[None]), y[None]))(self.theta)
+
+        return scale * torch.func.vmap(one)(self.X, self.y)
+
+    def empirical_fisher(self):
+        G = self.individual_gradients()
+        return G.T @ G
+
+
+def _mean_scale(lossfn, y, n):
+    if lossfn.reduction == "sum":
+        return 1.0
+    if isinstance(lossfn, nn.CrossEntropyLoss):
+        return 1.0 / n
+    return 1.0 / y.numel()
+
+
+def _close(actual, expected, what, rtol=1e-9, atol=1e-11):
+    err = float((actual - expected).abs().max()) if actual.numel() else 0.0
+    scale = float(expected.abs().max()) if expected.numel() else 0.0
+    assert err <= atol + rtol * scale, f"{what}: max error {err:.3g} at scale {scale:.3g}"
+
+
+configs = st.tuples(
+    st.integers(0, 10_000),
+    st.lists(st.integers(1, 4), min_size=2, max_size=4),
+    st.sampled_from(sorted(ACTIVATIONS)),
+    st.sampled_from(["ce", "mse", "bce"]),
+    st.sampled_from(["mean", "sum"]),
+    st.integers(1, 5),
+)
+
+
+@settings(max_examples=20)
+@given(configs)
+def test_dense_operators_equal_brute_force(config):
+    seed, widths, act, kind, reduction, n = config
+    if kind == "ce" and widths[-1] < 2:
+        widths = widths[:-1] + [2]
+    model, lossfn, X, y = _problem(seed, widths, act, kind, reduction, n)
+    brute = Brute(model, lossfn, X, y)
+    data = (X, y)
+    _close(GGN(model, lossfn, data).to_dense(), brute.ggn(), "GGN")
+    _close(Hessian(model, lossfn, data).to_dense(), brute.hessian(), "Hessian")
+    _close(EmpiricalFisher(model, lossfn, data).to_dense(), brute.empirical_fisher(), "empirical Fisher")
+    J = Jacobian(model, lossfn, data)
+    _close(J.to_dense(), brute.jacobian(), "Jacobian")
+    _close(J.T.to_dense(), brute.jacobian().T, "Jacobian transpose")
+
+
+@settings(max_examples=15)
+@given(configs, st.integers(1, 3), st.data())
+def test_a_loader_gives_the_operator_of_all_its_samples(config, parts, data):
+    seed, widths, act, kind, reduction, n = config
+    if kind == "ce" and widths[-1] < 2:
+        widths = widths[:-1] + [2]
+    n = max(n, parts)
+    model, lossfn, X, y = _problem(seed, widths, act, kind, reduction, n)
+    cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), max_size=parts - 1)) if n > 1 else [])
+    edges = [0] + list(cuts) + [n]
+    loader = [(X[a:b], y[a:b]) for a, b in zip(edges[:-1], edges[1:])]
+    for Op in (GGN, Hessian, EmpiricalFisher):
+        _close(Op(model, lossfn, loader).to_dense(), Op(model, lossfn, (X, y)).to_dense(), f"{Op.__name__} over a loader")
+
+
+def test_a_loader_weighs_cross_entropy_by_counted_targets():
+    model, _, X, y = _problem(3, [3, 4, 3], "tanh", "ce", "mean", 6)
+    y[1] = y[4] = -100  # ignored: the batches count 2 and 2 targets of 3 and 3 samples
+    lossfn = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 0.5], dtype=D))
+    brute = Brute(model, lossfn, X, y)
+    loader = [(X[:3], y[:3]), (X[3:], y[3:])]
+    _close(GGN(model, lossfn, loader).to_dense(), brute.ggn(), "GGN, weighted and ignored targets")
+    _close(Hessian(model, lossfn, loader).to_dense(), brute.hessian(), "Hessian, weighted and ignored targets")
+
+
+def test_diagonals_are_curvatures_quantities():
+    model, lossfn, X, y = _problem(5, [4, 5, 3], "gelu", "ce", "mean", 7)
+    qs = curvature(model, lossfn, [DiagGGNExact(), DiagHessian(), SumGradSquared()])(X, y)
+    flat = lambda d: torch.cat([t.reshape(-1) for t in d.values()])  # noqa: E731
+    for Op, key in [(GGN, "diag_ggn_exact"), (Hessian, "diag_h"), (EmpiricalFisher, "sum_grad_squared")]:
+        _close(Op(model, lossfn, (X, y)).to_dense().diagonal(), flat(qs[key]), key)
+
+
+def test_monte_carlo_fisher_is_unbiased_within_its_spread():
+    model, lossfn, X, y = _problem(7, [3, 4, 3], "tanh", "ce", "mean", 4)
+    G = GGN(model, lossfn, (X, y)).to_dense()
+    draws = torch.stack([FisherMC(model, lossfn, (X, y), generator=seeded(s), mc_samples=4).to_dense() for s in range(40)])
+    mean, spread = draws.mean(0), draws.std(0) / math.sqrt(len(draws))
+    assert bool(((mean - G).abs() <= 5 * spread + 1e-12).all()), float(((mean - G).abs() / (spread + 1e-30)).max())
+    # the same generator state gives the same matrix; another gives another
+    a = FisherMC(model, lossfn, (X, y), generator=seeded(0)).to_dense()
+    b = FisherMC(model, lossfn, (X, y), generator=seeded(0)).to_dense()
+    assert torch.equal(a, b) and not torch.equal(a, draws[1])
+    _close(a, a.T, "Monte-Carlo Fisher symmetric", atol=1e-14)
+
+
+def test_products_on_dicts_blocks_vmap_and_scipy():
+    model, lossfn, X, y = _problem(11, [3, 4, 2], "tanh", "mse", "mean", 5)
+    G = GGN(model, lossfn, (X, y))
+    dense = G.to_dense()
+    V = torch.randn(dense.shape[0], 3, dtype=D, generator=seeded(1))
+    _close(G @ V, dense @ V, "matmat")
+    _close(torch.func.vmap(lambda v: G @ v)(V.T).T, dense @ V, "vmap over vectors")
+    as_dict = G.domain.unflatten(V[:, 0])
+    _close(G.domain.flatten(G @ as_dict), dense @ V[:, 0], "dict in, dict out")
+    _close(G.domain.flatten(G @ G.domain.unflatten(V)), dense @ V, "dict of [K, *p]")
+    _close(torch.as_tensor(G.to_scipy() @ V[:, 0].numpy()), dense @ V[:, 0], "to_scipy")
+    offsets = G.domain.offsets()
+    for key, block in G.blocks().items():
+        rows = torch.cat([torch.arange(offsets[n].start, offsets[n].stop) for n in block.domain.names])
+        _close(block.to_dense(), dense[rows][:, rows], f"block {key!r}")
+    w = model[2].weight
+    only = GGN(model, lossfn, (X, y), params={"2.weight": w.detach()})
+    sl = offsets["2.weight"]
+    _close(only.to_dense(), dense[sl, sl], "params= a subset")
+
+
+def test_the_operator_differentiates_through_its_vector():
+    model, lossfn, X, y = _problem(2, [3, 3, 2], "softplus", "ce", "sum", 4)
+    H = Hessian(model, lossfn, (X, y))
+    dense = H.to_dense()
+    v = torch.randn(dense.shape[0], dtype=D, generator=seeded(3), requires_grad=True)
+    (g,) = torch.autograd.grad((H @ v).pow(2).sum(), v)
+    _close(g, 2 * dense.T @ dense @ v.detach(), "gradient of |Hv|² in v")
+
+
+class NoGradScale(nn.Module):
+    """A model whose forward computes a scale under ``no_grad``: constant, as in its own backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(3, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            s = torch.sigmoid(self.b(x))
+        return self.a(x) * s
+
+
+def test_code_under_no_grad_is_constant():
+    torch.manual_seed(0)
+    model = NoGradScale().to(D)
+    X, y = torch.randn(5, 3, dtype=D), torch.randint(0, 4, (5,))
+    lossfn = nn.CrossEntropyLoss()
+    s = torch.sigmoid(model.b(X)).detach()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def loss(theta):
+        p = dict(params)
+        p.update(theta)
+        return lossfn(torch.func.functional_call(model.a, {"weight": p["a.weight"], "bias": p["a.bias"]}, (X,)) * s, y)
+
+    names = list(params)
+    flat = lambda d: torch.cat([d[n].reshape(-1) for n in names])  # noqa: E731
+    H = Hessian(model, lossfn, (X, y)).to_dense()
+    full = torch.func.hessian(lambda t: loss(_split(t, params)))(flat(params))
+    _close(H, full, "Hessian with a no_grad region")
+    assert float(H[-16:].abs().max()) == 0.0  # b's rows (weight 4x3, bias 4): constant
+
+
+def _split(t, params):
+    out, start = {}, 0
+    for n, p in params.items():
+        out[n] = t[start:start + p.numel()].reshape(p.shape)
+        start += p.numel()
+    return out
+
+
+def test_dropout_masks_are_fixed_for_the_operators_lifetime():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Dropout(0.5), nn.Linear(6, 2)).to(D).train()
+    X, y = torch.randn(4, 3, dtype=D), torch.randint(0, 2, (4,))
+    with pytest.warns(UserWarning, match="[Dd]ropout"):
+        G = GGN(model, nn.CrossEntropyLoss(), (X, y), generator=seeded(0))
+    a, b = G.to_dense(), G.to_dense()
+    assert torch.equal(a, b)
+    _close(a, a.T, "symmetric", atol=1e-14)
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (lambda G: G @ torch.zeros(3, dtype=D), CurvatureError, "shape"),
+    (lambda G: G @ torch.zeros(G.shape[1]), CurvatureTypeError, "float64"),
+    (lambda G: G @ [1.0], CurvatureTypeError, "tensor"),
+    (lambda G: G @ {"0.weight": torch.zeros(4, 3, dtype=D)}, CurvatureError, "missing"),
+    (lambda G: G.block(["nope"]), CurvatureError, "names"),
+    (lambda G: G.blocks(by="layer"), CurvatureError, "module"),
+])
+def test_bad_vectors_are_refused(bad, error, match):
+    model, lossfn, X, y = _problem(0, [3, 4, 2], "tanh", "ce", "mean", 3)
+    with pytest.raises(error, match=match):
+        bad(GGN(model, lossfn, (X, y)))
+
+
+def test_bad_data_is_refused():
+    model, lossfn, X, y = _problem(0, [3, 4, 2], "tanh", "ce", "mean", 4)
+    with pytest.raises(CurvatureTypeError, match="one-pass"):
+        GGN(model, lossfn, iter([(X, y)]))
+    with pytest.raises(CurvatureError, match="no batches"):
+        GGN(model, lossfn, [])
+    with pytest.raises(CurvatureError, match="pair"):
+        GGN(model, lossfn, [(X, y), X])
+    with pytest.raises(CurvatureError, match="cannot know"):
+        GGN(model, lambda o, t: ((o - 1) ** 2).sum(), [(X[:2], y[:2]), (X[2:], y[2:])])
+    with pytest.raises(CurvatureError, match="chunk_size"):
+        GGN(model, lossfn, (X, y), chunk_size=0)
+
+    class Shuffled:
+        def __init__(self):
+            self.calls = 0
+
+        def __iter__(self):
+            self.calls += 1
+            order = [0, 1] if self.calls == 1 else [1, 0]
+            return iter([(X[2 * k:2 * k + 2], y[2 * k:2 * k + 2]) for k in order])
+
+    G = GGN(model, lossfn, Shuffled())
+    with pytest.raises(CurvatureError, match="changed between passes"):
+        G @ torch.zeros(G.shape[1], dtype=D)
+
+
+def test_the_model_is_not_changed():
+    model, lossfn, X, y = _problem(4, [3, 4, 2], "tanh", "ce", "mean", 3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    hooks = (len(model._forward_hooks), len(model._forward_pre_hooks))
+    H = Hessian(model, lossfn, (X, y))
+    H @ torch.ones(H.shape[1], dtype=D)
+    assert all(torch.equal(before[n], p) and p.grad is None for n, p in model.named_parameters())
+    assert hooks == (len(model._forward_hooks), len(model._forward_pre_hooks))
