@@ -9,6 +9,8 @@ the same family), so the default run still covers every quantity, family and fro
 """
 
 SLOW = frozenset({
+    "tests/operators/test_models.py::test_products_on_the_sweeps_models[transformers/causal_lm/qwen2_moe-direct]",  # 56 s
+    "tests/operators/test_models.py::test_products_on_the_sweeps_models[transformers/seq_cls/qwen2-direct]",  # 15 s
     "tests/project/test_examples_smoke.py::test_example_runs_quick_and_writes_png[influence.py]",  # 156 s
     "tests/rules/test_rnn_hessian.py::test_pchmp",  # 82 s
     "tests/rules/test_attention_models.py::test_whole_transformer",  # 74 s
