@@ -77,7 +77,7 @@ class Brute:
         return J.T @ H @ J
 
     def hessian(self):
-        return torch.func.hessian(self.loss)(self.theta)
+        return torch.func.jacrev(torch.func.jacrev(self.loss))(self.theta)  # (reverse only: every kernel has it)
 
     def individual_gradients(self):
         """``g_n = ∂(c·ℓ_n)/∂θ``, ``[N, P]``."""
@@ -313,3 +313,17 @@ def test_the_model_is_not_changed():
     H @ torch.ones(H.shape[1], dtype=D)
     assert all(torch.equal(before[n], p) and p.grad is None for n, p in model.named_parameters())
     assert hooks == (len(model._forward_hooks), len(model._forward_pre_hooks))
+
+
+def test_operations_without_forward_mode_use_reverse_mode():
+    """``weight_norm``'s kernel has no forward-mode derivative in torch: the products go reverse
+    over reverse and stay exact."""
+    torch.manual_seed(1)
+    with pytest.warns(FutureWarning):
+        model = nn.Sequential(nn.utils.weight_norm(nn.Linear(3, 4)), nn.Tanh(), nn.Linear(4, 2)).to(D)
+    X, y = torch.randn(5, 3, dtype=D), torch.randint(0, 2, (5,))
+    lossfn = nn.CrossEntropyLoss()
+    brute = Brute(model, lossfn, X, y)
+    _close(GGN(model, lossfn, (X, y)).to_dense(), brute.ggn(), "GGN")
+    _close(Hessian(model, lossfn, (X, y)).to_dense(), brute.hessian(), "Hessian")
+    _close(Jacobian(model, lossfn, (X, y)).to_dense(), brute.jacobian(), "Jacobian")

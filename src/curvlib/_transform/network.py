@@ -28,7 +28,7 @@ from .._plan.checks import CallContext
 from .entry import CurvatureCall, Setup
 from .failures import internal_failure
 
-__all__ = ["Network", "Batch", "translated"]
+__all__ = ["Network", "Batch", "translated", "lacks_forward_mode"]
 
 
 class Network:
@@ -118,3 +118,14 @@ def translated(model: nn.Module, work: Callable[[], object]):
         if failure is None:
             raise
         raise failure from exc
+
+
+def lacks_forward_mode(exc: Optional[BaseException]) -> bool:
+    """Whether ``exc``, or an error it was raised from, is torch's "no forward-mode derivative"
+    for one of the model's operations (e.g. ``_weight_norm_interface``, fused attention on CPU)."""
+    while exc is not None:
+        cause = exc.exc if isinstance(exc, NodeFailure) else exc
+        if isinstance(cause, NotImplementedError) and "forward AD" in str(cause):
+            return True
+        exc = exc.__cause__
+    return False

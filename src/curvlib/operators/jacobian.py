@@ -44,11 +44,7 @@ class Jacobian(NetworkOperator):
         parts = []
         for _, _, batch in self.data:
             theta = {n: batch.values[n] for n in V}
-
-            def one(v, batch=batch, theta=theta):
-                return torch.func.jvp(batch.output, (theta,), (v,))[1]
-
-            jv = translated(self.network.model, lambda: torch.func.vmap(one, randomness="same")(V))
+            jv = translated(self.network.model, lambda: self.jacobian_products(batch, theta, V))  # noqa: B023
             parts.append(jv.reshape(jv.shape[0], -1).T)
         return torch.cat(parts, dim=0)
 

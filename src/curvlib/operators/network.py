@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from .._core.errors import CurvatureError
 from .._evaluate.products import guarded
-from .._transform.network import Batch, Network, translated
+from .._transform.network import Batch, Network, lacks_forward_mode, translated
 from .base import CurvatureOperator, ParameterSpace
 from .data import BatchSeeds, Data
 
@@ -52,6 +52,9 @@ class NetworkOperator(CurvatureOperator):
             for the operator's lifetime) and Monte-Carlo samples.
         chunk_size: vectors multiplied at once by ``A @ M`` (memory grows with it).
     """
+
+    #: Jacobian-vector products in forward mode (off once torch lacks one for the model)
+    forward_mode = True
 
     def __init__(self, model: nn.Module, lossfn, data, params: Optional[Mapping[str, Tensor]] = None,
                  buffers: Optional[Mapping[str, Tensor]] = None, output=None,
@@ -134,19 +137,33 @@ class NetworkOperator(CurvatureOperator):
             groups.setdefault(key, []).append(name)
         return {key: self.block(names) for key, names in groups.items()}
 
+    def output_curvature(self, batch: Batch, V: Directions, apply: Callable[[Tensor, Tensor], Tensor]) -> Directions:
+        """``Jᵀ D J V`` for an output-space matrix ``D``: ``apply(out, JV)`` with ``JV [K, N, *out]``.
+        One forward kept for the vector-Jacobian products, ``K`` Jacobian-vector products."""
+        theta = {n: batch.values[n] for n in V}
+        out, pull = torch.func.vjp(batch.output, theta)
+        djv = apply(out.detach(), self.jacobian_products(batch, theta, V, pull, out))
+        return torch.func.vmap(lambda c: pull(c)[0], randomness="same")(djv)
+
+    def jacobian_products(self, batch: Batch, theta, V: Directions, pull=None, out: Optional[Tensor] = None) -> Tensor:
+        """``J V`` (``[K, N, *out]``) in forward mode; where torch has no forward-mode derivative
+        of some operation of the model, as the vector-Jacobian product of the linear map
+        ``u ↦ Jᵀu`` (reverse over reverse: ``(Jᵀ)ᵀ v = J v``)."""
+        if self.forward_mode:
+            try:
+                return torch.func.vmap(lambda v: torch.func.jvp(batch.output, (theta,), (v,))[1], randomness="same")(V)
+            except CurvatureError as exc:
+                if not lacks_forward_mode(exc):
+                    raise
+                self.forward_mode = False
+        if pull is None:
+            out, pull = torch.func.vjp(batch.output, theta)
+        _, transposed = torch.func.vjp(lambda u: pull(u)[0], torch.zeros_like(out))
+        return torch.func.vmap(lambda v: transposed(v)[0], randomness="same")(V)
+
     def parameters(self) -> Dict[str, Tensor]:
         """The values the operator is evaluated at, parameter name -> tensor."""
         return {n: self.data.first.values[n] for n in self.domain.names}
-
-
-def _output_curvature(batch: Batch, V: Directions, apply: Callable[[Tensor, Tensor], Tensor]) -> Directions:
-    """``Jᵀ D J V`` for an output-space matrix ``D``: ``apply(out, JV)`` with ``JV [K, N, *out]``.
-    One forward kept for the vector-Jacobian products, ``K`` Jacobian-vector products."""
-    theta = {n: batch.values[n] for n in V}
-    out, pull = torch.func.vjp(batch.output, theta)
-    jv = torch.func.vmap(lambda v: torch.func.jvp(batch.output, (theta,), (v,))[1], randomness="same")(V)
-    djv = apply(out.detach(), jv)
-    return torch.func.vmap(lambda c: pull(c)[0], randomness="same")(djv)
 
 
 def _per_sample_inner(a: Tensor, b: Tensor) -> Tensor:
@@ -160,7 +177,7 @@ class GGN(NetworkOperator):
     """The generalised Gauss-Newton ``G = Jᵀ (c∇²ℓ) J`` (module doc); its diagonal is ``DiagGGNExact``."""
 
     def batch_product(self, batch, seeds, V):
-        return _output_curvature(batch, V, lambda out, jv: batch.loss_hessian(out).matvec(jv))
+        return self.output_curvature(batch, V, lambda out, jv: batch.loss_hessian(out).matvec(jv))
 
 
 class FisherMC(NetworkOperator):
@@ -183,7 +200,7 @@ class FisherMC(NetworkOperator):
                 inner = _per_sample_inner(jv.unsqueeze(1), S)  # [K, M, N, 1...]
                 total = total + sign * (inner * S.unsqueeze(0)).sum(1)
             return total
-        return _output_curvature(batch, V, apply)
+        return self.output_curvature(batch, V, apply)
 
 
 class EmpiricalFisher(NetworkOperator):
@@ -197,27 +214,25 @@ class EmpiricalFisher(NetworkOperator):
         def apply(out: Tensor, jv: Tensor) -> Tensor:
             u = torch.func.grad(batch.loss)(out)  # row n: c∇ℓ_n, sample n's own output gradient
             return u * _per_sample_inner(jv, u)
-        return _output_curvature(batch, V, apply)
+        return self.output_curvature(batch, V, apply)
 
 
 class Hessian(NetworkOperator):
     """The Hessian ``∇²_θ L`` (module doc), by forward-over-reverse autodiff (a Jacobian-vector
     product of the gradient); its diagonal is ``DiagHessian``. Where torch has no forward-mode
-    derivative of the loss's backward (``MSELoss(reduction="mean")`` in torch 2.13 meets an
-    immutable zero tensor), reverse-over-reverse: the Hessian is symmetric, so
-    ``H v = (vᵀ H)ᵀ``, a vector-Jacobian product of the gradient."""
-
-    reverse_over_reverse = False
+    derivative of an operation of the model or of the loss's backward (``MSELoss(reduction=
+    "mean")`` in torch 2.13 meets an immutable zero tensor), reverse-over-reverse: the Hessian
+    is symmetric, so ``H v = (vᵀ H)ᵀ``, a vector-Jacobian product of the gradient."""
 
     def batch_product(self, batch, seeds, V):
         theta = {n: batch.values[n] for n in V}
         gradient = torch.func.grad(lambda th: batch.loss(batch.output(th)))
-        if not self.reverse_over_reverse:
+        if self.forward_mode:
             try:
                 return torch.func.vmap(lambda v: torch.func.jvp(gradient, (theta,), (v,))[1], randomness="same")(V)
-            except RuntimeError as exc:
-                if "ZeroTensors are immutable" not in str(exc):
+            except (RuntimeError, CurvatureError) as exc:
+                if not (lacks_forward_mode(exc) or "ZeroTensors are immutable" in str(exc)):
                     raise
-                self.reverse_over_reverse = True
+                self.forward_mode = False
         _, pull = torch.func.vjp(gradient, theta)
         return torch.func.vmap(lambda v: pull(v)[0], randomness="same")(V)
