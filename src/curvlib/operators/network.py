@@ -220,9 +220,11 @@ class EmpiricalFisher(NetworkOperator):
 class Hessian(NetworkOperator):
     """The Hessian ``∇²_θ L`` (module doc), by forward-over-reverse autodiff (a Jacobian-vector
     product of the gradient); its diagonal is ``DiagHessian``. Where torch has no forward-mode
-    derivative of an operation of the model or of the loss's backward (``MSELoss(reduction=
-    "mean")`` in torch 2.13 meets an immutable zero tensor), reverse-over-reverse: the Hessian
-    is symmetric, so ``H v = (vᵀ H)ᵀ``, a vector-Jacobian product of the gradient."""
+    derivative of the loss's backward (``MSELoss(reduction="mean")`` in torch 2.13 meets an
+    immutable zero tensor), reverse-over-reverse: the Hessian is symmetric, so ``H v = (vᵀ H)ᵀ``,
+    a vector-Jacobian product of the gradient. A model operation without a forward-mode
+    derivative is refused: the second derivatives of such kernels are not reliable in reverse
+    mode either (``weight_norm``'s is wrong in torch 2.13)."""
 
     def batch_product(self, batch, seeds, V):
         theta = {n: batch.values[n] for n in V}
@@ -230,9 +232,13 @@ class Hessian(NetworkOperator):
         if self.forward_mode:
             try:
                 return torch.func.vmap(lambda v: torch.func.jvp(gradient, (theta,), (v,))[1], randomness="same")(V)
-            except (RuntimeError, CurvatureError) as exc:
-                if not (lacks_forward_mode(exc) or "ZeroTensors are immutable" in str(exc)):
+            except RuntimeError as exc:
+                if "ZeroTensors are immutable" not in str(exc):
                     raise
                 self.forward_mode = False
+            except CurvatureError as exc:
+                if lacks_forward_mode(exc):
+                    raise CurvatureError(f"Hessian: {str(exc).split(': ', 1)[1]}") from exc
+                raise
         _, pull = torch.func.vjp(gradient, theta)
         return torch.func.vmap(lambda v: pull(v)[0], randomness="same")(V)
