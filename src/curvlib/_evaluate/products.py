@@ -139,13 +139,27 @@ class _Products:
         return ops
 
     def _hmp(self, ext, name: str, p0: Tensor):
+        """``∇²_p L v`` by forward-over-reverse autodiff (a Jacobian-vector product of the
+        gradient). Where the loss's backward has no forward mode (``MSELoss(reduction="mean")``
+        meets an immutable zero tensor in torch 2.13): reverse-over-reverse, the block being
+        symmetric. A model operation without forward mode is refused (:func:`guarded`): the
+        reverse-mode second derivatives of such kernels are not reliable (``weight_norm``'s is
+        wrong in torch 2.13)."""
         def loss_of(p):
             return losses.loss_value(self.spec, self._outputs(name, p, False)[0], self.y)
 
+        reverse = []  # (set once the forward-over-reverse product met the zero tensor)
+
         def hmp(V):
-            # Reverse-over-reverse (the block is symmetric): forward-over-reverse
-            # hits an immutable ZeroTensor in torch 2.13 for MSELoss(mean).
-            _, pull = torch.func.vjp(torch.func.grad(loss_of), p0)
+            gradient = torch.func.grad(loss_of)
+            if not reverse:
+                try:
+                    return torch.func.vmap(lambda v: torch.func.jvp(gradient, (p0,), (v,))[1], randomness="same")(V)
+                except RuntimeError as exc:
+                    if "ZeroTensors are immutable" not in str(exc):
+                        raise
+                    reverse.append(True)
+            _, pull = torch.func.vjp(gradient, p0)
             return torch.func.vmap(lambda v: pull(v)[0])(V)
 
         return hmp

@@ -91,7 +91,8 @@ def forward_mode_failure(exc: BaseException, what: str) -> Optional[CurvatureErr
     where = f" (graph node '{node.name}')" if node is not None else ""
     return CurvatureError(
         f"{what}: forward-mode derivatives (torch.func.jvp) of the model's operations are needed, but "
-        f"torch has none for one of them{where}: {str(cause).splitlines()[0]} Use HMP (reverse mode only) "
-        "or the GGN diagonals and square roots for this model, or write the operation without it "
+        f"torch has none for one of them{where}: {str(cause).splitlines()[0]} (Reverse-mode second "
+        "derivatives of such kernels are not reliable: weight_norm's is wrong in torch 2.13.) Use the GGN "
+        "diagonals, square roots and Kronecker factors for this model, or write the operation without it "
         "(e.g. weight normalisation as w = g * v / v.norm(...) in a parametrization)."
     )

@@ -238,7 +238,20 @@ class Hessian(NetworkOperator):
                 self.forward_mode = False
             except CurvatureError as exc:
                 if lacks_forward_mode(exc):
-                    raise CurvatureError(f"Hessian: {str(exc).split(': ', 1)[1]}") from exc
+                    raise CurvatureError(
+                        "Hessian: forward-mode derivatives (torch.func.jvp) of the model's operations are needed, "
+                        f"but torch has none for one of them ({_first_cause(exc)}), and the reverse-mode second "
+                        "derivatives of such kernels are not reliable (weight_norm's is wrong in torch 2.13). The "
+                        "GGN, Fisher and Jacobian operators work on this model; or write the operation without "
+                        "the kernel (weight normalisation as w = g * v / v.norm(...) in a parametrization).") from exc
                 raise
         _, pull = torch.func.vjp(gradient, theta)
         return torch.func.vmap(lambda v: pull(v)[0], randomness="same")(V)
+
+
+def _first_cause(exc: BaseException) -> str:
+    """The first line of the innermost error ``exc`` was raised from."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    inner = getattr(exc, "exc", exc)
+    return str(inner).splitlines()[0] if str(inner) else type(inner).__name__
