@@ -91,11 +91,10 @@ class Accumulator:
         return mu * mu if self.squared else mu
 
     def root_scale(self) -> float:
-        """``1 / Σ μ_b`` (squared for the empirical Fisher); 1 for ``"sum"`` or one batch."""
-        if self.reduction != "mean" or self.batches == 1:
+        """``1 / Σ_b μ_b`` (squared for the empirical Fisher) for ``"mean"``; 1 for ``"sum"`` or
+        a loss of unknown normalisation (one batch); 1 for batches without a counted target."""
+        if self.reduction != "mean" or self.mass == 0:
             return 1.0
-        if self.mass == 0:
-            return 0.0
         return 1.0 / (self.mass * self.mass if self.squared else self.mass)
 
     def add_factors(self, total: Optional[Dict[str, List[Tensor]]], part: Dict[str, Sequence[Tensor]],
