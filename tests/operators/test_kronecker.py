@@ -94,6 +94,54 @@ def test_dense_is_block_diag_of_combined_factors(hidden, n_in, n_out, sizes, los
     torch.testing.assert_close(CurvatureOperator.to_dense(K), want, rtol=1e-10, atol=1e-12)
 
 
+def _targets(loss, n, n_out, gen):
+    if loss == "bce":
+        return torch.rand(n, n_out, dtype=DT, generator=gen).round()
+    if loss == "mse":
+        return torch.randn(n, n_out, dtype=DT, generator=gen)
+    return torch.randint(0, n_out, (n,), generator=gen)
+
+
+@settings(max_examples=12)
+@given(sizes=st.lists(st.integers(1, 4), min_size=2, max_size=3), loss=st.sampled_from(["ce", "ce_options", "mse", "bce"]),
+       reduction=st.sampled_from(["mean", "sum"]), fisher_type=st.sampled_from(["exact", "empirical"]),
+       ekfac=st.booleans(), seed=st.integers(0, 99))
+def test_a_loader_is_its_batches_concatenated(sizes, loss, reduction, fisher_type, ekfac, seed):
+    """Over a loader the operator is that of all its samples as one batch (``c = 1/Σ_b M_b``),
+    also with ``ignore_index`` and class ``weight`` (the batches' normalisers are weighted masses)."""
+    model, gen = _mlp([3, 3, 3], seed), seeded(seed)
+    lossfn = {"ce": nn.CrossEntropyLoss(reduction=reduction), "mse": nn.MSELoss(reduction=reduction),
+              "bce": nn.BCEWithLogitsLoss(reduction=reduction),
+              "ce_options": nn.CrossEntropyLoss(weight=torch.rand(3, dtype=DT, generator=gen) + 0.1, ignore_index=2,
+                                                reduction=reduction)}[loss]
+    data = [(torch.randn(n, 3, dtype=DT, generator=gen), _targets(loss, n, 3, gen)) for n in sizes]
+    if loss == "ce_options":
+        data[0][1][0] = 0  # one counted target at least
+    whole = (torch.cat([X for X, _ in data]), torch.cat([y for _, y in data]))
+    Op = EKFAC if ekfac else KFAC
+    got, want = Op(model, lossfn, data, fisher_type=fisher_type), Op(model, lossfn, whole, fisher_type=fisher_type)
+    torch.testing.assert_close(got.to_dense(), want.to_dense(), rtol=1e-9, atol=1e-12)
+
+
+def test_max_factor_dim_over_a_loader():
+    """``max_factor_dim``: a side above it is the diagonal of the dense one, combined over batches
+    like it (a Linear's ``B [O]`` is its root factor although it comes first and is 1-D)."""
+    model, gen = _mlp([2, 5, 3], 6), seeded(6)
+    data = _batches("ce", [3, 4], 2, 3, gen)
+    small = KFAC(model, nn.CrossEntropyLoss(), data, fisher_type="exact", max_factor_dim=3)
+    dense = KFAC(model, nn.CrossEntropyLoss(), data, fisher_type="exact")
+    want = {}
+    for name, f in dense.factors.items():
+        want[name] = [t.diagonal() if t.dim() == 2 and t.shape[0] > 3 else t for t in f]
+        for a, b in zip(small.factors[name], want[name]):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    blocks = [torch.kron(*[t if t.dim() == 2 else torch.diag(t) for t in f]) if len(f) == 2 else
+              (f[0] if f[0].dim() == 2 else torch.diag(f[0])) for f in want.values()]
+    torch.testing.assert_close(small.to_dense(), torch.block_diag(*blocks), rtol=1e-10, atol=1e-12)
+    v = torch.randn(small.shape[0], dtype=DT, generator=gen)
+    torch.testing.assert_close(small.inverse(0.1) @ (small @ v + 0.1 * v), v, rtol=0, atol=1e-10)
+
+
 @settings(max_examples=10)
 @given(n_in=st.integers(1, 4), n_out=st.integers(1, 3), sizes=st.lists(st.integers(1, 4), min_size=1, max_size=3),
        reduction=st.sampled_from(["mean", "sum"]), seed=st.integers(0, 99))
