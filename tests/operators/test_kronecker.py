@@ -79,7 +79,7 @@ def _data_arg(data):
     return data[0] if len(data) == 1 else data
 
 
-@settings(max_examples=12)
+@settings(max_examples=8)
 @given(hidden=st.integers(1, 4), n_in=st.integers(1, 3), n_out=st.integers(2, 3),
        sizes=st.lists(st.integers(1, 4), min_size=1, max_size=3), loss=st.sampled_from(["ce", "mse"]),
        reduction=st.sampled_from(["mean", "sum"]), fisher_type=st.sampled_from(["exact", "mc", "empirical"]),
@@ -102,7 +102,7 @@ def _targets(loss, n, n_out, gen):
     return torch.randint(0, n_out, (n,), generator=gen)
 
 
-@settings(max_examples=12)
+@settings(max_examples=10)
 @given(sizes=st.lists(st.integers(1, 4), min_size=2, max_size=3), loss=st.sampled_from(["ce", "ce_options", "mse", "bce"]),
        reduction=st.sampled_from(["mean", "sum"]), fisher_type=st.sampled_from(["exact", "empirical"]),
        ekfac=st.booleans(), seed=st.integers(0, 99))

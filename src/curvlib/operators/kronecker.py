@@ -161,25 +161,30 @@ class KFAC(KroneckerOperator):
         super().__init__(space, layouts)
         self._eigen: Dict[str, _kronbasis.Eigen] = {}
 
-    def batches(self, extension: ext.Extension):
-        """``(qs, N_b, root weight μ_b)`` per batch of the data, ``qs = curvature(...)`` with ``extension``."""
+    def batches(self, extension: ext.Extension, accumulator: _kronblocks.Accumulator):
+        """``(qs, N_b, root weight μ_b)`` per batch of the data (``accumulator`` counts it, and
+        refuses a batch it cannot weight before its work), ``qs = curvature(...)`` with ``extension``."""
         f = curvature(self.model, self.lossfn, [extension], output=self.output)
         for X, y in pairs(self.data):
-            qs = f(X, y, params=self.params, buffers=self.buffers)
-            yield qs, _inputs.batch_size(X), self.accumulator.root_weight(losses.normaliser(self.spec, y))
+            weight = accumulator.root_weight(losses.normaliser(self.spec, y))
+            yield f(X, y, params=self.params, buffers=self.buffers), _inputs.batch_size(X), weight
+
+    def accumulator(self) -> _kronblocks.Accumulator:
+        """A fresh accumulator of the data's batches for this loss and ``fisher_type``."""
+        return _kronblocks.Accumulator(self.spec.reduction, self.fisher_type == "empirical", self.spec.name)
 
     def _accumulate(self, extension, max_factor_dim):
-        self.accumulator = _kronblocks.Accumulator(self.spec.reduction, self.fisher_type == "empirical", self.spec.name)
+        accumulator = self.accumulator()
         total, sides, space = None, None, None
-        for qs, samples, weight in self.batches(extension):
+        for qs, samples, weight in self.batches(extension, accumulator):
             part = qs[extension.name]
             if space is None:
                 space = ParameterSpace.of(qs["grad"])
                 sides = _kronblocks.root_sides(self.model, part, max_factor_dim)
-            total = self.accumulator.add_factors(total, part, sides, samples, weight)
+            total = accumulator.add_factors(total, part, sides, samples, weight)
         if total is None:
             raise CurvatureError("data has no batches: pass (X, y) or a loader yielding at least one (X, y).")
-        return self.accumulator.factors(total, sides), space
+        return accumulator.factors(total, sides), space
 
     def block(self, name, v):
         return _kronblocks.multiply(self.layouts[name], self.factors[name], v)
@@ -238,14 +243,14 @@ class EKFAC(KFAC):
 
     def _correct(self, root: ext.Extension) -> Dict[str, Tensor]:
         eigen = self.eigen
-        self.accumulator = _kronblocks.Accumulator(self.spec.reduction, self.fisher_type == "empirical", self.spec.name)
+        accumulator = self.accumulator()
         total: Dict[str, Tensor] = {}
-        for qs, _, weight in self.batches(root):
+        for qs, _, weight in self.batches(root, accumulator):
             for name, shape in zip(self.domain.names, self.domain.shapes):
                 columns = qs[root.name][name].reshape(-1, *shape)  # [C·N or M·N or N, *p], this batch only
                 part = weight * _kronblocks.projected_squares(self.layouts[name], eigen[name], [columns])
                 total[name] = part if name not in total else total[name] + part
-        scale = self.accumulator.root_scale()
+        scale = accumulator.root_scale()
         return {name: s * scale for name, s in total.items()}
 
     def block(self, name, v):
