@@ -374,3 +374,24 @@ def test_bad_data_is_refused():
         KFAC(model, nn.CrossEntropyLoss(), iter(data))
     with pytest.raises(CurvatureError, match="heuristic"):
         EKFAC(model, nn.CrossEntropyLoss(), data).inverse(0.1, heuristic=True)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("kfac_approx", ["expand", "reduce"])
+def test_conv_against_curvlinops(reduction, kfac_approx):
+    """A Conv2d network with Eschenhagen et al.'s ``kfac_approx``, one batch and a loader of two:
+    KFAC and EKFAC (``"exact"``) equal curvlinops' (``type-2``). Enough samples that the conv's
+    ``A [8, 8]`` is non-singular: in a degenerate eigenspace the eigenbasis is arbitrary, and
+    EKFAC with it (for ``"reduce"``, whose individual gradients leave the span of ``A``)."""
+    curvlinops = pytest.importorskip("curvlinops")
+    torch.manual_seed(0)
+    model, gen = nn.Sequential(nn.Conv2d(2, 3, 2), nn.Tanh(), nn.Flatten(), nn.Linear(27, 2)).to(DT), seeded(0)
+    data = [(torch.randn(n, 2, 4, 4, dtype=DT, generator=gen), torch.randint(0, 2, (n,), generator=gen)) for n in (10, 9)]
+    lossfn = nn.CrossEntropyLoss(reduction=reduction)
+    for batches in (data[:1], data):
+        for mine, theirs in [(KFAC, curvlinops.KFACLinearOperator), (EKFAC, curvlinops.EKFACLinearOperator)]:
+            got = mine(model, lossfn, batches, fisher_type="exact", kfac_approx=kfac_approx).to_dense()
+            op = theirs(model, lossfn, list(model.parameters()), batches, fisher_type="type-2",
+                        kfac_approx=kfac_approx, check_deterministic=False)
+            want = op @ torch.eye(got.shape[0], dtype=DT)
+            assert ((got - want).norm() / want.norm()) < 1e-6, (mine.__name__, len(batches))
