@@ -26,7 +26,7 @@ diagonal), and its inverse ``(R ⊗ I + λ)⁻¹`` as ``Q_R [(Q_Rᵀ C Q_I) / (�
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -35,7 +35,7 @@ from .._core import kronlayout
 from .._core.errors import CurvatureError
 from ..precondition import _kronbasis
 
-__all__ = ["Accumulator", "root_sides", "multiply", "spectral", "damped_spectrum", "dense_block"]
+__all__ = ["Accumulator", "root_sides", "multiply", "spectral", "damped_spectrum", "dense_block", "projected_squares"]
 
 #: modules whose weights have BackPACK's ``[B, A]`` layout: root factor first, even when 1-D
 ROOT_FIRST = (nn.Linear, nn.modules.conv._ConvNd, nn.RNNBase, nn.MultiheadAttention)
@@ -170,10 +170,6 @@ def dense_block(apply: Callable[[Tensor], Tensor], shape: Tuple[int, ...], dtype
     return apply(eye).reshape(size, size).T
 
 
-def projected_squares(layout: _kronbasis.Layout, eigen: _kronbasis.Eigen, columns: Iterable[Tensor]) -> Tensor:
-    """``Σ_s (Qᵀ s)²`` over ``columns`` (each ``[*p]``, given as ``[S, *p]``), in the core's layout ``[G, o, a]``."""
-    total = None
-    for rows in columns:
-        part = eigen.rotate(layout.to_core(rows)).square().sum(0)
-        total = part if total is None else total + part
-    return total
+def projected_squares(layout: _kronbasis.Layout, eigen: _kronbasis.Eigen, rows: Tensor) -> Tensor:
+    """``Σ_s ((Qᵀ s)_i)²`` over the rows ``s`` of ``rows [S, *p]``, in the core's layout ``[G, o, a]``."""
+    return eigen.rotate(layout.to_core(rows)).square().sum(0)

@@ -120,7 +120,14 @@ class KFAC(KroneckerOperator):
         mc_samples: sampled labels per sample (``"mc"`` only).
         max_factor_dim: a factor side larger than it is diagonal (as for the extensions).
         kfac_approx: ``None``, ``"expand"`` or ``"reduce"`` for weights shared by positions (as
-            for the extensions).
+            for the extensions; curvlinops' default is ``"expand"``; the three coincide without
+            shared positions).
+
+    Attributes:
+        factors: parameter name -> its list of factors, combined over the data (``curvature``'s
+            layout; what :func:`curvlib.precondition.kron_preconditioner` takes).
+        layouts: parameter name -> how the parameter reshapes to its block's core ``[G, o, a]``.
+        eigen: parameter name -> the factors' eigendecompositions (see :attr:`eigen`).
 
     Raises:
         CurvatureError: an unsupported ``fisher_type``, ``mc_samples`` or option, data without
@@ -248,7 +255,7 @@ class EKFAC(KFAC):
         for qs, _, weight in self.batches(root, accumulator):
             for name, shape in zip(self.domain.names, self.domain.shapes):
                 columns = qs[root.name][name].reshape(-1, *shape)  # [C·N or M·N or N, *p], this batch only
-                part = weight * _kronblocks.projected_squares(self.layouts[name], eigen[name], [columns])
+                part = weight * _kronblocks.projected_squares(self.layouts[name], eigen[name], columns)
                 total[name] = part if name not in total else total[name] + part
         scale = accumulator.root_scale()
         return {name: s * scale for name, s in total.items()}
