@@ -1,7 +1,8 @@
 """The whole network's curvature: linear operators over all parameters and a data loader, and
 the spectral, trace and solver tools that act on them.
 
-Operators (:mod:`~curvlib.operators.network`, :mod:`~curvlib.operators.jacobian`): ``A @ v``
+Operators (:mod:`~curvlib.operators.network`, :mod:`~curvlib.operators.jacobian`,
+:mod:`~curvlib.operators.kronecker` for KFAC and EKFAC and their damped inverses): ``A @ v``
 multiplies without forming the matrix, ``A.to_scipy()``, ``A.to_dense()``.
 
 Example::
@@ -20,9 +21,11 @@ Example::
 
 from .base import CurvatureOperator, ParameterSpace
 from .jacobian import Jacobian, TransposedJacobian
+from .kronecker import EKFAC, KFAC, KroneckerInverse, KroneckerOperator
 from .network import GGN, EmpiricalFisher, FisherMC, Hessian, NetworkOperator
 
 __all__ = [
     "CurvatureOperator", "ParameterSpace", "NetworkOperator",
     "GGN", "FisherMC", "EmpiricalFisher", "Hessian", "Jacobian", "TransposedJacobian",
+    "KroneckerOperator", "KFAC", "EKFAC", "KroneckerInverse",
 ]

@@ -22,7 +22,7 @@ from .._core import inputs as _inputs
 from .._core.errors import CurvatureError, CurvatureTypeError
 from .._transform.network import Batch, Network
 
-__all__ = ["Data", "BatchSeeds"]
+__all__ = ["Data", "BatchSeeds", "pairs"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,21 @@ class Data:
             yield self.weights[k], seeds, self.network.batch(X, y, self.params, self.buffers, seeds.generator("dropout"))
         if k + 1 != self.count:
             raise _changed(k + 1)
+
+
+def pairs(data) -> Iterator[Tuple[object, Tensor]]:
+    """The ``(X, y)`` batches of ``data`` (one pair, or a re-iterable loader of pairs), checked
+    as :class:`Data` checks them; one pass over the loader per call."""
+    if _is_pair(data):
+        yield data[0], data[1]
+        return
+    _check_loader(data)
+    for k, pair in enumerate(data):
+        if not _is_pair(pair):
+            raise CurvatureError(
+                f"data's batch {k} is a {type(pair).__name__}, not a pair (X, y): the loader must yield "
+                "(input, target) pairs.")
+        yield pair[0], pair[1]
 
 
 def _is_pair(data) -> bool:

@@ -1,0 +1,175 @@
+"""Kronecker-factored blocks over a data set: the factors of every batch combined into the data's,
+and one block's product, inverse and dense form by mode products on the reshaped parameter.
+
+**Combining batches.** ``curvature``'s factors of batch ``b`` (``N_b`` samples, normaliser
+``M_b``: ``c_b = 1/M_b`` for ``"mean"``) are per parameter a list with exactly one root
+factor ``R_b`` (the one built from backpropagated columns, carrying ``c_b``;
+:mod:`curvlib._core.kronlayout`) and input factors ``I_b`` (batch means of the layer's inputs,
+no ``c``). The data's factors are
+
+* ``I = Σ_b N_b I_b / Σ_b N_b``: the mean over all samples;
+* ``R = Σ_b w_b R_b`` for the GGN and the Monte-Carlo Fisher, ``R = Σ_b w_b² R_b`` for the
+  empirical Fisher (quadratic in the individual gradients), with the batch weights of
+  :mod:`curvlib.operators.data`: ``w_b = M_b / Σ_b' M_b'`` for ``"mean"``, ``1`` for ``"sum"``,
+
+so that ``R`` is the root factor of all samples at once (``c = 1/Σ_b M_b``), and for one batch
+the data's factors are ``curvature``'s. For the GGN and the MC Fisher this is curvlinops'
+``KFACLinearOperator`` convention; its empirical ``B`` carries ``c`` where curvlib's carries
+``c²`` (as the diagonal ``SumGradSquared`` and the :class:`~curvlib.operators.EmpiricalFisher`).
+EKFAC's corrected eigenvalues are summed over batches with the root factor's weights.
+
+**One block.** :mod:`curvlib.precondition._kronbasis` maps every layout to a core
+``C [G, o, a]`` on which the block acts as ``C[g] ↦ R[g] C[g] I[g]ᵀ`` (a 1-D factor: a
+diagonal), and its inverse ``(R ⊗ I + λ)⁻¹`` as ``Q_R [(Q_Rᵀ C Q_I) / (λ_R λ_Iᵀ + λ)] Q_Iᵀ``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .._core import kronlayout
+from .._core.errors import CurvatureError
+from ..precondition import _kronbasis
+
+__all__ = ["Accumulator", "root_sides", "multiply", "spectral", "damped_spectrum", "dense_block", "projected_squares"]
+
+#: modules whose weights have BackPACK's ``[B, A]`` layout: root factor first, even when 1-D
+ROOT_FIRST = (nn.Linear, nn.modules.conv._ConvNd, nn.RNNBase, nn.MultiheadAttention)
+
+
+def root_sides(model: nn.Module, factors: Dict[str, List[Tensor]], max_factor_dim: Optional[int]) -> Dict[str, int]:
+    """Parameter name -> the index of its root factor.
+
+    Without ``max_factor_dim`` the shapes tell (:func:`curvlib._core.kronlayout.root_index`);
+    with it a weight's diagonal ``B [O]`` looks like Embedding's ``A [V]``: the owning module
+    tells them apart, and a 1-D first factor larger than ``max_factor_dim`` of any other module
+    is refused (it cannot be told apart, and batches could not be combined correctly).
+    """
+    modules = dict(model.named_modules())
+    sides = {}
+    for name, f in factors.items():
+        owner = modules.get(name.rpartition(".")[0])
+        if len(f) != 2 or f[0].dim() != 1:
+            sides[name] = 0
+        elif isinstance(owner, ROOT_FIRST):
+            sides[name] = 0
+        elif isinstance(owner, nn.Embedding) or max_factor_dim is None or f[0].numel() <= max_factor_dim:
+            sides[name] = kronlayout.root_index(f)
+        else:
+            raise CurvatureError(
+                f"parameter {name!r}: with max_factor_dim={max_factor_dim} its factors of shapes "
+                f"{[list(t.shape) for t in f]} are either a diagonal output factor (a Linear's) or an input "
+                f"count (an Embedding's), which its module {type(owner).__name__} does not tell; pass one "
+                "batch, or a larger max_factor_dim.")
+    return sides
+
+
+class Accumulator:
+    """Sums of ``N_b I_b`` and ``μ_b R_b`` over batches (module doc); ``μ_b = M_b`` (or ``M_b²``,
+    ``squared``) for ``"mean"``, 1 for ``"sum"``; :meth:`factors` and :meth:`root_scale` divide."""
+
+    def __init__(self, reduction: Optional[str], squared: bool, describe: str):
+        self.reduction, self.squared, self.describe = reduction, squared, describe
+        self.samples, self.mass, self.batches = 0, 0.0, 0
+
+    def root_weight(self, normaliser: Optional[float]) -> float:
+        """Count one batch; its root-side weight ``μ_b`` before the final division."""
+        self.batches += 1
+        if normaliser is None:
+            if self.batches > 1:
+                raise CurvatureError(
+                    f"data with several batches and lossfn {self.describe}: curvlib sums batches by the "
+                    "reduction of nn.MSELoss, nn.CrossEntropyLoss and nn.BCEWithLogitsLoss, which it cannot "
+                    "know for another loss. Use one of those, or one batch.")
+            return 1.0
+        mu = 1.0 if self.reduction == "sum" else float(normaliser)
+        self.mass += mu
+        return mu * mu if self.squared else mu
+
+    def root_scale(self) -> float:
+        """``1 / Σ_b μ_b`` (squared for the empirical Fisher) for ``"mean"``; 1 for ``"sum"`` or
+        a loss of unknown normalisation (one batch); 1 for batches without a counted target."""
+        if self.reduction != "mean" or self.mass == 0:
+            return 1.0
+        return 1.0 / (self.mass * self.mass if self.squared else self.mass)
+
+    def add_factors(self, total: Optional[Dict[str, List[Tensor]]], part: Dict[str, Sequence[Tensor]],
+                    sides: Dict[str, int], samples: int, root_weight: float) -> Dict[str, List[Tensor]]:
+        """``total`` plus one batch's factors ``part`` (``samples`` = ``N_b``)."""
+        self.samples += samples
+        out = {}
+        for name, f in part.items():
+            scaled = [t.detach() * (root_weight if i == sides[name] else samples) for i, t in enumerate(f)]
+            out[name] = scaled if total is None else [a + b for a, b in zip(total[name], scaled)]
+        return out
+
+    def factors(self, total: Dict[str, List[Tensor]], sides: Dict[str, int]) -> Dict[str, List[Tensor]]:
+        """The data's factors from the sums (module doc)."""
+        scale = self.root_scale()
+        return {name: [t * (scale if i == sides[name] else 1.0 / self.samples) for i, t in enumerate(f)]
+                for name, f in total.items()}
+
+
+def _side(factor: Tensor, groups: int) -> Tuple[Tensor, bool]:
+    """A factor as ``[G, n, n]`` (dense) or ``[G, n]`` (diagonal, ``True``)."""
+    if factor.dim() == 1:
+        return factor.reshape(groups, -1), True
+    n = factor.shape[-1]
+    return factor.reshape(groups, n, n), False
+
+
+def _core_factors(layout: _kronbasis.Layout, factors: Sequence[Tensor]):
+    """The factors acting on the core's ``o`` side and ``a`` side (``None``: identity)."""
+    if layout.single:
+        return _side(factors[0], 1), None
+    r = 1 if layout.kind == "rows" else 0
+    return _side(factors[r], layout.groups), _side(factors[1 - r], layout.groups)
+
+
+def multiply(layout: _kronbasis.Layout, factors: Sequence[Tensor], v: Tensor) -> Tensor:
+    """``(F₁ ⊗ F₂) v`` for ``v [K, *p]``: ``C ↦ R C Iᵀ`` per group on the core (module doc)."""
+    core = layout.to_core(v)  # [K, G, o, a]
+    out_side, in_side = _core_factors(layout, factors)
+    matrix, diagonal = out_side
+    core = core * matrix[:, :, None] if diagonal else torch.einsum("gpo,kgoa->kgpa", matrix, core)
+    if in_side is not None:
+        matrix, diagonal = in_side
+        core = core * matrix[:, None, :] if diagonal else torch.einsum("kgoa,gba->kgob", core, matrix)
+    return layout.from_core(core)
+
+
+def damped_spectrum(eigen: _kronbasis.Eigen, layout: _kronbasis.Layout, damping: float, heuristic: bool) -> Tensor:
+    """``[G, o, a]``: the eigenvalues of ``R ⊗ I + λ`` (exact), or of
+    ``(R + √λ/π)(I + π√λ)`` (``heuristic``, Martens & Grosse's π-damping,
+    ``π = √((tr I / dim I) / (tr R / dim R))``, 1 where a trace is 0; a single factor: exact)."""
+    lo, li = eigen.lam_out, eigen.lam_in
+    if not heuristic or layout.single:
+        return lo[:, :, None] * li[:, None, :] + damping
+    root = math.sqrt(damping)
+    mean_o, mean_i = lo.mean(-1, keepdim=True), li.mean(-1, keepdim=True)
+    ok = (mean_o > 0) & (mean_i > 0)
+    pi = torch.where(ok, (mean_i / torch.where(ok, mean_o, torch.ones_like(mean_o))).sqrt(), torch.ones_like(mean_o))
+    return (lo + root / pi)[:, :, None] * (li + root * pi)[:, None, :]
+
+
+def spectral(layout: _kronbasis.Layout, eigen: _kronbasis.Eigen, multiplier: Tensor, v: Tensor) -> Tensor:
+    """``Q diag(multiplier) Qᵀ v`` for ``v [K, *p]``, ``Q`` the eigenbasis and ``multiplier
+    [G, o, a]`` in the core's layout (module doc)."""
+    return layout.from_core(eigen.unrotate(eigen.rotate(layout.to_core(v)) * multiplier))
+
+
+def dense_block(apply: Callable[[Tensor], Tensor], shape: Tuple[int, ...], dtype: torch.dtype,
+                device: torch.device) -> Tensor:
+    """The ``[P, P]`` matrix of ``apply`` (``[K, *p] -> [K, *p]``), from the identity's columns."""
+    size = math.prod(shape)
+    eye = torch.eye(size, dtype=dtype, device=device).reshape(size, *shape)
+    return apply(eye).reshape(size, size).T
+
+
+def projected_squares(layout: _kronbasis.Layout, eigen: _kronbasis.Eigen, rows: Tensor) -> Tensor:
+    """``Σ_s ((Qᵀ s)_i)²`` over the rows ``s`` of ``rows [S, *p]``, in the core's layout ``[G, o, a]``."""
+    return eigen.rotate(layout.to_core(rows)).square().sum(0)

@@ -1,0 +1,277 @@
+"""Kronecker-factored curvature over a data set: :class:`KFAC` and :class:`EKFAC`, block-diagonal
+operators with one block per parameter, and their damped inverses.
+
+:class:`KFAC`'s block of parameter ``p`` is the Kronecker product of ``p``'s factors, in
+``curvature``'s layout (BackPACK's ``[B, A]`` for Linear and Conv weights, ``B ⊗ A`` acting on
+the weight flattened row-major; ``[B]`` for biases; Embedding's ``[A [V], B]``; the exact block
+``[F]`` of a norm's parameters; docs/conventions.md), combined over the batches of ``data``
+(input factors averaged over all samples, the root factor summed like the loss;
+:mod:`curvlib.operators._kronblocks`). ``fisher_type`` chooses the matrix approximated:
+
+| ``fisher_type`` | factors (``curvature`` extension) | approximates |
+|---|---|---|
+| ``"exact"`` | ``KFLR`` (the loss Hessian's exact root) | :class:`~curvlib.operators.GGN` |
+| ``"mc"`` | ``KFAC(mc_samples)`` (sampled labels) | :class:`~curvlib.operators.FisherMC` |
+| ``"empirical"`` | ``KFACEmpirical`` (individual gradients) | :class:`~curvlib.operators.EmpiricalFisher` |
+
+:class:`EKFAC` (George et al., 2018) keeps KFAC's eigenbasis ``Q = Q₁ ⊗ Q₂`` per block and
+replaces its eigenvalues by ``Λ*_i = Σ_s ((Qᵀ s)_i)²`` over the columns ``s`` of the matrix's
+root (``SqrtGGNExact``, ``SqrtGGNMC`` or ``BatchGrad``), streamed one batch at a time: for
+``"exact"`` and ``"empirical"``, ``Λ*`` is the diagonal of ``Qᵀ G Q`` on the block.
+
+``A.inverse(damping)`` is ``(A + λI)⁻¹``, exact for the blocks, by eigendecompositions of the
+factors (never the Kronecker product): ``Q (Λ + λ)⁻¹ Qᵀ``. Everything is computed once, at
+construction: the operators are fixed matrices (pure: the model is not changed).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Dict, List, Mapping, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .. import extensions as ext
+from .. import losses
+from .._core import inputs as _inputs
+from .._core.errors import CurvatureError, CurvatureTypeError
+from .._transform.entry import curvature
+from ..precondition import _kronbasis, transposed_weights
+from . import _kronblocks
+from .base import CurvatureOperator, ParameterSpace
+from .data import pairs
+
+__all__ = ["KFAC", "EKFAC", "KroneckerInverse", "FISHER_TYPES"]
+
+FISHER_TYPES = ("mc", "exact", "empirical")
+_FACTORS = {"mc": "kfac", "exact": "kflr", "empirical": "kfac_empirical"}
+_ROOTS = {"mc": "sqrt_ggn_mc", "exact": "sqrt_ggn_exact", "empirical": "grad_batch"}
+
+
+def _check_options(fisher_type, mc_samples, generator) -> None:
+    if not isinstance(fisher_type, str) or fisher_type not in FISHER_TYPES:
+        raise CurvatureError(f"fisher_type={fisher_type!r} is not supported; use one of {FISHER_TYPES}.")
+    if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
+        raise CurvatureError(f"mc_samples={mc_samples!r}: must be a positive int.")
+    if fisher_type != "mc" and mc_samples != 1:
+        raise CurvatureError(f"mc_samples={mc_samples} is for fisher_type='mc' only (fisher_type={fisher_type!r} "
+                             "draws nothing).")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise CurvatureTypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}.")
+
+
+def _check_damping(damping) -> float:
+    if isinstance(damping, bool) or not isinstance(damping, numbers.Real) or not math.isfinite(float(damping)) \
+            or not float(damping) > 0:
+        raise CurvatureError(f"damping={damping!r}: must be a positive finite number (λ in (A + λI)⁻¹).")
+    return float(damping)
+
+
+class KroneckerOperator(CurvatureOperator):
+    """A block-diagonal operator over named parameters, one Kronecker-factored block each."""
+
+    def __init__(self, space: ParameterSpace, layouts: Dict[str, _kronbasis.Layout]):
+        super().__init__(space.dim, space.dim, space.dtype, space.device, domain=space, codomain=space)
+        self.layouts = layouts
+
+    def block(self, name: str, v: Tensor) -> Tensor:
+        """The block of parameter ``name`` times ``v [K, *p]``."""
+        raise NotImplementedError
+
+    def matmat(self, M: Tensor) -> Tensor:
+        V = self.domain.unflatten(M)
+        return self.domain.flatten({name: self.block(name, v) for name, v in V.items()})
+
+    def to_dense(self, chunk: int = 64) -> Tensor:
+        """The matrix ``[P, P]``: the blocks on the diagonal, each formed on its own."""
+        blocks = [_kronblocks.dense_block(lambda v, n=name: self.block(n, v), shape, self.dtype, self.device)
+                  for name, shape in zip(self.domain.names, self.domain.shapes)]
+        return torch.block_diag(*blocks)
+
+
+class KroneckerInverse(KroneckerOperator):
+    """``(A + λI)⁻¹`` of a Kronecker operator ``A``, per block ``Q diag(Λ + λ)⁻¹ Qᵀ`` (``Λ``: the
+    spectrum ``spectra[name]``, ``[G, o, a]`` in the block's core layout); from ``A.inverse``."""
+
+    def __init__(self, space: ParameterSpace, layouts, eigen: Dict[str, _kronbasis.Eigen], spectra: Dict[str, Tensor]):
+        super().__init__(space, layouts)
+        self.eigen, self.spectra = eigen, spectra
+
+    def block(self, name, v):
+        return _kronblocks.spectral(self.layouts[name], self.eigen[name], 1.0 / self.spectra[name], v)
+
+
+class KFAC(KroneckerOperator):
+    """KFAC of ``model``'s curvature on ``data`` (module doc): one block per parameter, the
+    Kronecker product of its factors.
+
+    Args:
+        model: any module ``curvature`` takes.
+        lossfn: as for ``curvature``.
+        data: ``(X, y)``, or a re-iterable loader of such pairs (one pass; EKFAC: two).
+        params: parameter name -> tensor: these values, and the operator acts on exactly these
+            parameters; default: the model's, on every ``requires_grad`` one.
+        buffers: buffer name -> tensor, replacing the model's (as for ``curvature``).
+        output: the tensor of a container output the loss takes (as for ``curvature``).
+        generator: draws the Monte-Carlo labels (``fisher_type="mc"``); seeded, reproducible.
+        fisher_type: ``"mc"`` (default), ``"exact"`` or ``"empirical"`` (module doc).
+        mc_samples: sampled labels per sample (``"mc"`` only).
+        max_factor_dim: a factor side larger than it is diagonal (as for the extensions).
+        kfac_approx: ``None``, ``"expand"`` or ``"reduce"`` for weights shared by positions (as
+            for the extensions; curvlinops' default is ``"expand"``; the three coincide without
+            shared positions).
+
+    Attributes:
+        factors: parameter name -> its list of factors, combined over the data (``curvature``'s
+            layout; what :func:`curvlib.precondition.kron_preconditioner` takes).
+        layouts: parameter name -> how the parameter reshapes to its block's core ``[G, o, a]``.
+        eigen: parameter name -> the factors' eigendecompositions (see :attr:`eigen`).
+
+    Raises:
+        CurvatureError: an unsupported ``fisher_type``, ``mc_samples`` or option, data without
+            batches, several batches of a loss of unknown normalisation, or what ``curvature``
+            refuses.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib.operators import KFAC
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        >>> X, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+        >>> K = KFAC(model, nn.CrossEntropyLoss(), (X, y), fisher_type="exact")
+        >>> K.shape, [f.shape for f in K.factors["0.weight"]]
+        ((26, 26), [torch.Size([4, 4]), torch.Size([3, 3])])
+        >>> v = torch.randn(26)
+        >>> torch.allclose(K.inverse(0.1) @ (K @ v + 0.1 * v), v, atol=1e-4)
+        True
+    """
+
+    def __init__(self, model: nn.Module, lossfn, data, params: Optional[Mapping[str, Tensor]] = None,
+                 buffers: Optional[Mapping[str, Tensor]] = None, output=None,
+                 generator: Optional[torch.Generator] = None, fisher_type: str = "mc", mc_samples: int = 1,
+                 max_factor_dim: Optional[int] = None, kfac_approx: Optional[str] = None):
+        _check_options(fisher_type, mc_samples, generator)
+        self.fisher_type, self.mc_samples, self.generator = fisher_type, mc_samples, generator
+        self.spec = losses.loss_spec(lossfn)
+        self.model, self.lossfn, self.data, self.output = model, lossfn, data, output
+        self.params, self.buffers = params, buffers
+        options = dict(max_factor_dim=max_factor_dim, kfac_approx=kfac_approx)
+        extension = {"mc": lambda: ext.KFAC(mc_samples=mc_samples, generator=generator, **options),
+                     "exact": lambda: ext.KFLR(**options),
+                     "empirical": lambda: ext.KFACEmpirical(**options)}[fisher_type]()
+        self.factors, space = self._accumulate(extension, max_factor_dim)
+        transposed = transposed_weights(model)
+        layouts = {n: _kronbasis.layout_of(n, self.factors[n], s, n in transposed) for n, s in zip(space.names, space.shapes)}
+        super().__init__(space, layouts)
+        self._eigen: Dict[str, _kronbasis.Eigen] = {}
+
+    def batches(self, extension: ext.Extension, accumulator: _kronblocks.Accumulator):
+        """``(qs, N_b, root weight μ_b)`` per batch of the data (``accumulator`` counts it, and
+        refuses a batch it cannot weight before its work), ``qs = curvature(...)`` with ``extension``."""
+        f = curvature(self.model, self.lossfn, [extension], output=self.output)
+        for X, y in pairs(self.data):
+            weight = accumulator.root_weight(losses.normaliser(self.spec, y))
+            yield f(X, y, params=self.params, buffers=self.buffers), _inputs.batch_size(X), weight
+
+    def accumulator(self) -> _kronblocks.Accumulator:
+        """A fresh accumulator of the data's batches for this loss and ``fisher_type``."""
+        return _kronblocks.Accumulator(self.spec.reduction, self.fisher_type == "empirical", self.spec.name)
+
+    def _accumulate(self, extension, max_factor_dim):
+        accumulator = self.accumulator()
+        total, sides, space = None, None, None
+        for qs, samples, weight in self.batches(extension, accumulator):
+            part = qs[extension.name]
+            if space is None:
+                space = ParameterSpace.of(qs["grad"])
+                sides = _kronblocks.root_sides(self.model, part, max_factor_dim)
+            total = accumulator.add_factors(total, part, sides, samples, weight)
+        if total is None:
+            raise CurvatureError("data has no batches: pass (X, y) or a loader yielding at least one (X, y).")
+        return accumulator.factors(total, sides), space
+
+    def block(self, name, v):
+        return _kronblocks.multiply(self.layouts[name], self.factors[name], v)
+
+    @property
+    def eigen(self) -> Dict[str, _kronbasis.Eigen]:
+        """Parameter name -> the eigendecompositions of its factors (computed once, when first
+        needed; eigenvalues clamped at 0: ``lam_out [G, o]``, ``lam_in [G, a]``, ``q_out``, ``q_in``)."""
+        for name in self.domain.names:
+            if name not in self._eigen:
+                self._eigen[name] = _kronbasis.eigen_of(self.factors[name], self.layouts[name], name)
+        return self._eigen
+
+    def inverse(self, damping: float, heuristic: bool = False) -> KroneckerInverse:
+        """``(K + λI)⁻¹``, exact per block (``heuristic=True``: Martens & Grosse's π-damping,
+        ``(R + √λ/π)⁻¹ ⊗ (I + π√λ)⁻¹`` per two-factor block; a single factor: exact).
+
+        Raises:
+            CurvatureError: ``damping`` not a positive finite number.
+        """
+        lam = _check_damping(damping)
+        spectra = {n: _kronblocks.damped_spectrum(e, self.layouts[n], lam, bool(heuristic)) for n, e in self.eigen.items()}
+        return KroneckerInverse(self.domain, self.layouts, self.eigen, spectra)
+
+
+class EKFAC(KFAC):
+    """Eigenvalue-corrected KFAC (George et al., 2018; module doc): KFAC's eigenbasis, eigenvalues
+    ``Λ*`` fitted to the columns of the matrix's root, batch by batch. Arguments as :class:`KFAC`.
+
+    ``eigenvalues``: parameter name -> ``Λ* [G, o, a]`` in the block's core layout (what
+    :func:`curvlib.precondition.ekfac_preconditioner` takes, with ``factors``).
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib.operators import EKFAC
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        >>> X, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+        >>> E = EKFAC(model, nn.CrossEntropyLoss(), (X, y), fisher_type="exact")
+        >>> E.eigenvalues["0.weight"].shape                 # [G, o, a]
+        torch.Size([1, 4, 3])
+        >>> v = torch.randn(26)
+        >>> torch.allclose(E.inverse(0.1) @ (E @ v + 0.1 * v), v, atol=1e-4)
+        True
+    """
+
+    def __init__(self, model: nn.Module, lossfn, data, params=None, buffers=None, output=None, generator=None,
+                 fisher_type: str = "mc", mc_samples: int = 1, max_factor_dim: Optional[int] = None,
+                 kfac_approx: Optional[str] = None):
+        super().__init__(model, lossfn, data, params, buffers, output, generator, fisher_type, mc_samples,
+                         max_factor_dim, kfac_approx)
+        root = {"mc": lambda: ext.SqrtGGNMC(mc_samples=mc_samples, generator=generator),
+                "exact": ext.SqrtGGNExact, "empirical": ext.BatchGrad}[fisher_type]()
+        self.eigenvalues = self._correct(root)
+
+    def _correct(self, root: ext.Extension) -> Dict[str, Tensor]:
+        eigen = self.eigen
+        accumulator = self.accumulator()
+        total: Dict[str, Tensor] = {}
+        for qs, _, weight in self.batches(root, accumulator):
+            for name, shape in zip(self.domain.names, self.domain.shapes):
+                columns = qs[root.name][name].reshape(-1, *shape)  # [C·N or M·N or N, *p], this batch only
+                part = weight * _kronblocks.projected_squares(self.layouts[name], eigen[name], columns)
+                total[name] = part if name not in total else total[name] + part
+        scale = accumulator.root_scale()
+        return {name: s * scale for name, s in total.items()}
+
+    def block(self, name, v):
+        return _kronblocks.spectral(self.layouts[name], self.eigen[name], self.eigenvalues[name], v)
+
+    def inverse(self, damping: float, heuristic: bool = False) -> KroneckerInverse:
+        """``(E + λI)⁻¹ = Q diag(Λ* + λ)⁻¹ Qᵀ`` per block, exact (``heuristic`` is refused: π-damping
+        splits λ between two factors, which EKFAC's eigenvalues are not).
+
+        Raises:
+            CurvatureError: ``damping`` not a positive finite number, or ``heuristic=True``.
+        """
+        lam = _check_damping(damping)
+        if heuristic:
+            raise CurvatureError("EKFAC.inverse(heuristic=True) is not supported: its eigenvalues are not a "
+                                 "Kronecker product of two factors' to split the damping between; use heuristic=False.")
+        return KroneckerInverse(self.domain, self.layouts, self.eigen, {n: s + lam for n, s in self.eigenvalues.items()})
