@@ -175,10 +175,9 @@ def hutchpp_trace(A, num_matvecs: int, generator=None, distribution: str = "rade
     G = _test_vectors(A, size, num_matvecs - 2 * sketch_count, generator, distribution)
     Q = torch.linalg.qr(_validate.apply(A, S)).Q
     low_rank_trace = (Q * _validate.apply(A, Q)).sum()
-    # (I − QQᵀ) A (I − QQᵀ) G: deflate G, multiply, deflate again.
+    # gᵀ (I − QQᵀ) A (I − QQᵀ) g = g'ᵀ A g' with g' = (I − QQᵀ) g
     G_deflated = G - Q @ (Q.T @ G)
-    AG = _validate.apply(A, G_deflated)
-    samples = (G_deflated * (AG - Q @ (Q.T @ AG))).sum(dim=0)
+    samples = (G_deflated * _validate.apply(A, G_deflated)).sum(dim=0)
     rest = _mean_and_error(samples, num_matvecs)
     return Estimate(low_rank_trace + rest.value, rest.standard_error, num_matvecs)
 
