@@ -82,6 +82,9 @@ def test_an_invariant_subspace_is_continued():
     assert pairs.converged
     identity = lanczos(torch.eye(20, dtype=torch.float64), k=3, generator=seeded(3))
     assert torch.allclose(identity.values, torch.ones(3, dtype=torch.float64)) and identity.num_matvecs == 6
+    zero = lanczos(torch.zeros(6, 6, dtype=torch.float64), k=3, generator=seeded(4))  # exact breakdown
+    assert torch.equal(zero.values, torch.zeros(3, dtype=torch.float64)) and zero.converged
+    assert torch.allclose(zero.vectors.T @ zero.vectors, torch.eye(3, dtype=torch.float64))
 
 
 def test_a_block_finds_a_repeated_eigenvalue():
