@@ -108,6 +108,8 @@ def lanczos(A, k=1, which="largest", num_iterations=None, tol=None, block_size=1
     (breakdown) is continued with a random orthogonal block. Each distinct eigenvalue
     appears in ``V`` with multiplicity at most ``block_size`` before a breakdown.
 
+    Memory: the basis, ``P ×`` the Krylov dimension reached (at most twice that while it grows).
+
     Bound: for symmetric ``A`` and returned ``(λᵢ, vᵢ, rᵢ)``, some eigenvalue lies in
     ``[λᵢ − rᵢ, λᵢ + rᵢ]`` (and within ``rᵢ²/δ`` given a gap ``δ``; see ``Eigenpairs``).
 
@@ -158,10 +160,8 @@ def lanczos(A, k=1, which="largest", num_iterations=None, tol=None, block_size=1
 
 def _block_lanczos(A, size, k, which, max_dim, tol, block_size, generator) -> Eigenpairs:
     """The iteration of ``lanczos`` on checked arguments."""
-    V = A.new_zeros(size, max_dim) if isinstance(A, Tensor) else torch.zeros(
-        size, max_dim, dtype=A.dtype, device=A.device)
     start = _validate.draw("normal", (size, block_size), generator, A.dtype, A.device)
-    V[:, :block_size] = torch.linalg.qr(start).Q
+    V = _grown(torch.linalg.qr(start).Q, min(max_dim, max(2 * k, 8 * block_size)))
     T = V.new_zeros(max_dim, max_dim)
     begin, end, matvecs, scale = 0, block_size, 0, V.new_zeros(())
     while True:
@@ -179,10 +179,20 @@ def _block_lanczos(A, size, k, which, max_dim, tol, block_size, generator) -> Ei
                 break
         width = min(block_size, size - end, max_dim - end)
         new = _orthonormal_block(V[:, :end], residual, width, generator, scale)
+        if end + width > V.shape[1]:
+            V = _grown(V[:, :end], min(max_dim, 2 * V.shape[1]))
         V[:, end:end + width] = new
         T[end:end + width, begin:end] = new.T @ residual
         begin, end = end, end + width
     return _finish(A, V[:, :end] @ ritz_coefficients, values, tol * norm, matvecs)
+
+
+def _grown(columns: Tensor, capacity: int) -> Tensor:
+    """``columns`` at the start of a ``[P, capacity]`` buffer: the basis doubles as it grows,
+    so memory stays within twice the Krylov dimension reached."""
+    buffer = columns.new_zeros(columns.shape[0], capacity)
+    buffer[:, : columns.shape[1]] = columns
+    return buffer
 
 
 def _finish(A, vectors: Tensor, values: Tensor, tolerance: Tensor, matvecs: int) -> Eigenpairs:
@@ -260,7 +270,9 @@ def spectral_density(A, num_probes=10, num_steps=50, generator=None, distributio
     ``tr f(A) ≈ (1/n) Σ ‖z‖² Σⱼ ωⱼ f(θⱼ)``: the quadrature is exact for polynomials
     ``f`` of degree ``< 2·num_steps``, the probe average is Hutchinson's with variance
     ``O(1/n)``; for analytic ``f`` the quadrature error decays geometrically in
-    ``num_steps``. All probes advance together: one product ``A @ [P, num_probes]`` per step.
+    ``num_steps``. All probes advance together: one product ``A @ [P, num_probes]`` per
+    step; memory ``P · num_steps · num_probes`` for the bases (split the probes over
+    calls and average the ``trace_of`` values when that is too much).
 
     Args:
         A: symmetric operator ``[P, P]``.

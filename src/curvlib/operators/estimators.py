@@ -78,7 +78,8 @@ def hutchinson_trace(A, num_matvecs: int, generator=None, distribution: str = "r
 
     Args:
         A: symmetric operator ``[P, P]``.
-        num_matvecs: number of test vectors ``m >= 1`` (all multiplied as one block).
+        num_matvecs: number of test vectors ``m >= 1``, all multiplied as one block
+            ``[P, m]`` (average calls with independent generators for a smaller block).
         generator: ``torch.Generator`` for the test vectors.
         distribution: ``"rademacher"`` (default, lower variance) or ``"normal"``.
 
