@@ -179,3 +179,12 @@ def test_full_krylov_space_gives_exact_quadrature_for_any_function():
     assert torch.allclose(density.trace_of(torch.exp).value, log_det.value, rtol=1e-10)
     low = spectral_density(low_rank(30, 2, seed=1), num_probes=2, num_steps=10, generator=seeded(4))
     assert torch.isfinite(low.nodes).all() and torch.allclose(low.weights.sum(dim=1), torch.ones(2, dtype=torch.float64))
+
+
+def test_float32_operators_stay_in_float32():
+    A = with_spectrum(_gapped_spectrum(30, 1), seed=1).float()
+    pairs = lanczos(A, k=2, generator=seeded(0))
+    assert pairs.values.dtype == pairs.vectors.dtype == torch.float32 and pairs.converged
+    assert torch.allclose(pairs.values, torch.tensor([3.0, 2.2]), atol=1e-4)
+    density = spectral_density(A, num_probes=2, num_steps=5, generator=seeded(0))
+    assert density.nodes.dtype == torch.float32 and density.trace().value.dtype == torch.float32

@@ -146,3 +146,12 @@ def test_a_preconditioner_without_matmul_is_refused():
     A = with_spectrum(torch.linspace(1.0, 2.0, 6), seed=0)
     with pytest.raises(CurvatureTypeError, match="preconditioner must support"):
         cg(A, torch.ones(6, dtype=torch.float64), preconditioner=2.0)
+
+
+@pytest.mark.parametrize("solve", [cg, minres])
+def test_float32_systems_stay_in_float32(solve):
+    A = with_spectrum(torch.linspace(1.0, 4.0, 20), seed=13).float()
+    b = _right_hand_sides(20, 2, 14).float()
+    solution = solve(A, b, tol=1e-5)
+    assert solution.x.dtype == torch.float32 and solution.converged.all()
+    assert torch.allclose(A @ solution.x, b, atol=1e-4)

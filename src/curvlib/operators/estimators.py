@@ -142,7 +142,9 @@ def hutchpp_trace(A, num_matvecs: int, generator=None, distribution: str = "rade
     With ``s = ⌊m/3⌋`` sketch vectors ``S``, ``Q = orth(A S)`` (``[P, s]``) and the other
     ``g = m − 2s`` vectors ``G``:
     ``t = tr(Qᵀ A Q) + (1/g) Σᵢ gᵢᵀ (I − QQᵀ) A (I − QQᵀ) gᵢ``.
-    Unbiased; exact when ``rank A <= s`` (then ``(I − QQᵀ) A = 0``). For PSD ``A``,
+    Unbiased; exact when ``rank A <= s`` and ``A S`` has ``A``'s rank (then
+    ``(I − QQᵀ) A = 0``; almost surely for normal ``S``, for Rademacher ``S`` unless its
+    columns are dependent, a chance that falls like ``2^{−P}``). For PSD ``A``,
     ``|t − tr A| <= ε tr A`` with probability ``1 − δ`` when ``m = O(√log(1/δ) / ε)``.
     The standard error is the Hutchinson part's sample one (given ``Q``, the first
     term is exact).
@@ -183,7 +185,7 @@ def hutchpp_trace(A, num_matvecs: int, generator=None, distribution: str = "rade
     return Estimate(low_rank_trace + rest.value, rest.standard_error, num_matvecs)
 
 
-def _leave_one_out(A, size: int, num_matvecs, generator, name: str):
+def _leave_one_out(A, size: int, num_matvecs, generator, name: str, distribution: str):
     """XTrace's shared stage: ``W``, ``Y = A W``, ``Q R = Y``, ``A Q`` and the vectors ``sᵢ``.
 
     ``sᵢ`` is the unit vector with ``Qᵢ Qᵢᵀ = Q (I − sᵢ sᵢᵀ) Qᵀ``, ``Qᵢ`` an orthonormal
@@ -197,7 +199,7 @@ def _leave_one_out(A, size: int, num_matvecs, generator, name: str):
             f"num_matvecs must be at most 2·P = {2 * size} for {name}; got {num_matvecs}. "
             f"With P matvecs the exact value is available from A @ torch.eye(P)."
         )
-    W = _test_vectors(A, size, count, generator, "rademacher")
+    W = _test_vectors(A, size, count, generator, distribution)
     Y = _validate.apply(A, W)
     Q, R = torch.linalg.qr(Y)
     pivots = R.diagonal()
@@ -210,13 +212,15 @@ def _leave_one_out(A, size: int, num_matvecs, generator, name: str):
     return W, Y, Q, R, _validate.apply(A, Q), S
 
 
-def xtrace(A, num_matvecs: int, generator=None) -> Estimate:
+def xtrace(A, num_matvecs: int, generator=None, distribution: str = "rademacher") -> Estimate:
     """XTrace (Epperly, Tropp, Webber 2024): Hutch++ made exchangeable.
 
-    With ``s = ⌊m/2⌋`` Rademacher vectors ``W``, ``Y = A W`` and, for each ``i``,
+    With ``s = ⌊m/2⌋`` test vectors ``W``, ``Y = A W`` and, for each ``i``,
     ``Qᵢ`` an orthonormal basis of the other ``s − 1`` columns of ``Y``:
     ``tᵢ = tr(Qᵢᵀ A Qᵢ) + wᵢᵀ (I − QᵢQᵢᵀ) A (I − QᵢQᵢᵀ) wᵢ`` is unbiased, and
-    ``t = (1/s) Σᵢ tᵢ``. Exact when ``rank A <= s − 1``. All ``tᵢ`` come from ``2s``
+    ``t = (1/s) Σᵢ tᵢ``. Exact when ``rank A <= s − 1`` and every ``s − 1`` columns of
+    ``W`` are independent (for Gaussian ``W`` almost surely, for Rademacher ``W`` but for a
+    chance falling like ``2^{−P}``). All ``tᵢ`` come from ``2s``
     matvecs (``A W`` and ``A Q``) through ``QᵢQᵢᵀ = Q (I − sᵢsᵢᵀ) Qᵀ``. The error
     estimate is the paper's ``ε̂ = √(Σᵢ (tᵢ − t)² / (s(s − 1)))``.
 
@@ -224,12 +228,14 @@ def xtrace(A, num_matvecs: int, generator=None) -> Estimate:
         A: symmetric operator ``[P, P]``.
         num_matvecs: ``m`` with ``2 <= m <= 2P``; ``2⌊m/2⌋`` matvecs are used.
         generator: ``torch.Generator`` for ``W``.
+        distribution: entries of ``W``: ``"rademacher"`` (default) or ``"normal"``.
 
     Returns:
         ``Estimate`` with a scalar ``value``.
 
     Raises:
-        CurvatureError: ``A`` not square, ``num_matvecs`` outside ``[2, 2P]``.
+        CurvatureError: ``A`` not square, ``num_matvecs`` outside ``[2, 2P]``, unknown
+            ``distribution``.
 
     Examples::
 
@@ -241,8 +247,8 @@ def xtrace(A, num_matvecs: int, generator=None) -> Estimate:
         >>> bool(torch.isclose(est.value, A.trace()))
         True
     """
-    size = _checked(A, num_matvecs, 2, generator)
-    W, Y, Q, R, AQ, S = _leave_one_out(A, size, num_matvecs, generator, "xtrace")
+    size = _checked(A, num_matvecs, 2, generator, distribution)
+    W, Y, Q, R, AQ, S = _leave_one_out(A, size, num_matvecs, generator, "xtrace", distribution)
     H = Q.T @ AQ
     # tr(Qᵢᵀ A Qᵢ) = tr H − sᵢᵀ H sᵢ
     projected = H.trace() - (S * (H @ S)).sum(dim=0)
@@ -259,7 +265,8 @@ def xdiag(A, num_matvecs: int, generator=None) -> Estimate:
 
     With ``W``, ``Y = A W`` and ``Qᵢ`` as in ``xtrace`` (``s = ⌊m/2⌋``):
     ``dᵢ = diag(QᵢQᵢᵀ A) + wᵢ ⊙ (I − QᵢQᵢᵀ) A wᵢ`` is unbiased (Rademacher ``wᵢ``,
-    ``wᵢ ⊙ wᵢ = 1``) and ``d = (1/s) Σᵢ dᵢ``; exact when ``rank A <= s − 1``. Uses
+    ``wᵢ ⊙ wᵢ = 1``) and ``d = (1/s) Σᵢ dᵢ``; exact when ``rank A <= s − 1`` (and every
+    ``s − 1`` columns of ``W`` independent, as in ``xtrace``). Uses
     ``A`` symmetric (``Qᵀ A = (A Q)ᵀ``). The per-entry error estimate is
     ``√(Σᵢ (dᵢ − d)² / (s(s − 1)))``.
 
@@ -285,7 +292,7 @@ def xdiag(A, num_matvecs: int, generator=None) -> Estimate:
         True
     """
     size = _checked(A, num_matvecs, 2, generator)
-    W, Y, Q, R, AQ, S = _leave_one_out(A, size, num_matvecs, generator, "xdiag")
+    W, Y, Q, R, AQ, S = _leave_one_out(A, size, num_matvecs, generator, "xdiag", "rademacher")
     # diag(QᵢQᵢᵀ A) = diag(Q QᵀA) − (Q sᵢ) ⊙ (A Q sᵢ)
     projected = (Q * AQ).sum(dim=1, keepdim=True) - (Q @ S) * (AQ @ S)
     # (I − QᵢQᵢᵀ) A wᵢ = yᵢ − Q (I − sᵢsᵢᵀ) Qᵀ yᵢ, and Qᵀ Y = R
