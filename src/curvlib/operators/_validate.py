@@ -93,11 +93,17 @@ def right_hand_side(b, A, size: int) -> tuple[Tensor, bool]:
         raise CurvatureTypeError(f"b must be a torch.Tensor of shape [P] or [P, K]; got {type(b).__name__}.")
     if b.dim() not in (1, 2) or b.shape[0] != size:
         raise CurvatureError(f"b must have shape [P] or [P, K] with P = {size} (A's size); got {tuple(b.shape)}.")
-    if b.dtype != A.dtype or b.device != torch.device(A.device):
+    if b.dtype != A.dtype or not same_device(b.device, A.device):
         raise CurvatureTypeError(
             f"b must have A's dtype and device ({A.dtype}, {A.device}); got ({b.dtype}, {b.device})."
         )
     return (b.unsqueeze(1) if b.dim() == 1 else b), b.dim() == 1
+
+
+def same_device(actual: torch.device, wanted) -> bool:
+    """``actual`` is ``wanted``; a ``wanted`` without index (``"cuda"``) matches any index."""
+    wanted = torch.device(wanted)
+    return actual.type == wanted.type and (wanted.index is None or actual.index == wanted.index)
 
 
 def apply(A, X: Tensor, name: str = "A") -> Tensor:
