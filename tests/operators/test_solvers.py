@@ -130,6 +130,7 @@ def test_a_block_is_multiplied_as_one_product():
         (lambda A: torch.ones(5, dtype=torch.float64), {}, CurvatureError, r"b must have shape \[P\] or \[P, K\]"),
         (lambda A: torch.ones(6, 2, 1, dtype=torch.float64), {}, CurvatureError, "b must have shape"),
         (lambda A: torch.ones(6, dtype=torch.float32), {}, CurvatureTypeError, "b must have A's dtype"),
+        (lambda A: torch.ones(6, dtype=torch.float64, device="meta"), {}, CurvatureTypeError, "and device"),
         (lambda A: [1.0] * 6, {}, CurvatureTypeError, "b must be a torch.Tensor"),
         (lambda A: torch.ones(6, dtype=torch.float64), {"tol": 0.0}, CurvatureError, "tol must be"),
         (lambda A: torch.ones(6, dtype=torch.float64), {"max_iterations": 0}, CurvatureError, "max_iterations"),
