@@ -2,8 +2,8 @@
 
 An *operator* is anything with ``shape == (P, P)``, ``dtype``, ``device`` and ``A @ X``
 for ``X`` of shape ``[P]`` or ``[P, K]``; a dense ``torch.Tensor`` is one. Every check
-runs before any product with the operator and raises :class:`CurvatureError` (bad
-value) or :class:`CurvatureTypeError` (bad type) naming the argument.
+runs before any product with the operator and raises ``CurvatureError`` (bad
+value) or ``CurvatureTypeError`` (bad type) naming the argument.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Krylov solvers for ``(A + damping·I) x = b`` with a symmetric linear operator ``A [P, P]``.
 
-:func:`cg` (preconditioned conjugate gradients) for positive definite ``A + damping·I``;
-:func:`minres` (Paige–Saunders) for symmetric indefinite or singular ones. ``b`` is
+``cg`` (preconditioned conjugate gradients) for positive definite ``A + damping·I``;
+``minres`` (Paige–Saunders) for symmetric indefinite or singular ones. ``b`` is
 ``[P]`` or a block ``[P, K]`` whose columns are solved independently but multiplied
 together, one product ``A @ [P, K]`` per iteration. ``A`` is anything with ``shape``,
 ``dtype``, ``device`` and ``A @ X`` (a dense tensor, or a curvlib operator).
@@ -35,6 +35,14 @@ class Solution(NamedTuple):
             (not the recurrence's value).
         iterations: ``[]`` or ``[K]`` (int64): iterations until the column converged.
         converged: ``[]`` or ``[K]`` (bool): ``residual_norm <= tol·‖b‖``.
+
+    Examples::
+
+        >>> import torch
+        >>> from curvlib.operators import cg
+        >>> solution = cg(2 * torch.eye(3, dtype=torch.float64), torch.ones(3, 2, dtype=torch.float64))
+        >>> solution.x[:, 0].tolist(), solution.iterations.tolist(), solution.converged.tolist()
+        ([0.5, 0.5, 0.5], [1, 1], [True, True])
     """
 
     x: Tensor
@@ -92,14 +100,16 @@ def cg(A, b, damping=0.0, tol=1e-8, max_iterations=None, preconditioner=None) ->
         preconditioner: anything with ``M @ X`` for ``X [P, K]``, or ``None``.
 
     Returns:
-        :class:`Solution`.
+        ``Solution``.
 
     Raises:
         CurvatureError: bad shapes, dtypes or devices; ``A + damping·I`` (or ``M``) found
-            not positive definite along a search direction (use :func:`minres`).
+            not positive definite along a search direction (use ``minres``).
 
     Examples::
 
+        >>> import torch
+        >>> from curvlib.operators import cg
         >>> A = torch.tensor([[4.0, 1.0], [1.0, 3.0]], dtype=torch.float64)
         >>> b = torch.tensor([1.0, 2.0], dtype=torch.float64)
         >>> solution = cg(A, b)
@@ -150,13 +160,15 @@ def minres(A, b, damping=0.0, tol=1e-8, max_iterations=None) -> Solution:
         max_iterations: cap per column, default ``5·P`` (scipy's).
 
     Returns:
-        :class:`Solution`.
+        ``Solution``.
 
     Raises:
         CurvatureError: bad shapes, dtypes or devices.
 
     Examples::
 
+        >>> import torch
+        >>> from curvlib.operators import minres
         >>> A = torch.tensor([[1.0, 2.0], [2.0, -1.0]], dtype=torch.float64)
         >>> b = torch.tensor([1.0, 0.0], dtype=torch.float64)
         >>> solution = minres(A, b)
