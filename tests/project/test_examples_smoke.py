@@ -28,7 +28,7 @@ DEFAULT_NEEDS = ["sklearn"]  # the digits examples
 def test_every_example_is_discovered():
     names = {os.path.basename(p) for p in EXAMPLES}
     assert {"dp_sgd.py", "noise_monitor.py", "pruning.py", "laplace_digits.py", "ddp_curvature.py",
-            "architectures.py"} <= names, names
+            "architectures.py", "hessian_spectrum.py"} <= names, names
 
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=os.path.basename)

@@ -62,3 +62,48 @@ def test_demo_figure_ticks_apart_and_tolerance_marked():
     marks = [line for line in colourbar.get_lines() if math.isclose(line.get_ydata()[0], -8.0)]
     assert marks, "no tolerance line on the colour bar"
     plt.close(fig)
+
+
+def _spectrum_log():
+    """A log of ``examples/hessian_spectrum.py``'s shape: SLQ of a random symmetric matrix at the ends."""
+    import torch
+
+    from curvlib.operators import spectral_density
+
+    gen = torch.Generator().manual_seed(0)
+    B = torch.randn(40, 40, dtype=torch.float64, generator=gen)
+    A = (B + B.T) / 10
+    steps = [0, 4, 26, 136]
+    points = []
+    for k, step in enumerate(steps):
+        entry = lambda scale: {"values": [scale * v for v in (2.0, 1.5, 1.0, 0.5)], "residuals": [1e-9] * 4,
+                               "matvecs": 40, "trace": 10.0 * scale, "trace_se": 0.5, "trace_exact": 10.2 * scale}
+        point = {"Hessian": entry(1 + k), "GGN": entry(0.8 + k)}
+        if k in (0, len(steps) - 1):
+            point["Hessian"]["slq"] = spectral_density(A, 4, 20, generator=gen)
+        points.append(point)
+    return {"P": 40, "steps": steps, "points": points, "dense": {"Hessian": torch.linalg.eigvalsh(A)}}
+
+
+def test_hessian_spectrum_figure_fits_a_docs_column():
+    """800 px wide at the 100 dpi it is saved with, every text >= 9 pt and inside the canvas, and no
+    legend over a panel's data area."""
+    import matplotlib.pyplot as plt
+
+    fig = _load("hessian_spectrum").figure(_spectrum_log())
+    fig.set_dpi(100)
+    fig.canvas.draw()
+    assert tuple(fig.get_size_inches() * 100) == (800, 660)
+    texts = [t for t in fig.findobj(plt.Text) if t.get_visible() and t.get_text().strip()]
+    assert len(texts) > 20
+    for text in texts:
+        assert text.get_fontsize() >= 9, f"{text.get_text()!r}: {text.get_fontsize()} pt"
+    drawn = fig.get_tightbbox()  # every drawn artist, in inches
+    assert drawn.x0 >= -0.01 and drawn.y0 >= -0.01 and drawn.x1 <= 8.01 and drawn.y1 <= 6.61, drawn
+    axes = [ax for ax in fig.get_axes() if ax.get_visible()]
+    legends = [leg for leg in fig.findobj(plt.Artist) if type(leg).__name__ == "Legend"]
+    assert len(axes) == 3 and len(legends) == 2
+    for legend in legends:
+        for ax in axes:
+            assert not legend.get_window_extent().overlaps(ax.get_window_extent()), (legend, ax)
+    plt.close(fig)
