@@ -33,7 +33,19 @@ Vectors = Union[Tensor, Mapping[str, Tensor]]
 
 @dataclass(frozen=True)
 class ParameterSpace:
-    """Named parameters, each flattened row-major and concatenated in ``names`` order."""
+    """Named parameters, each flattened row-major and concatenated in ``names`` order.
+
+    Examples::
+
+        >>> import torch
+        >>> from curvlib.operators import ParameterSpace
+        >>> space = ParameterSpace.of({"w": torch.zeros(2, 3), "b": torch.zeros(2)})
+        >>> space.dim, space.offsets()["b"]
+        (8, slice(6, 8, None))
+        >>> space.unflatten(torch.arange(8.0))["w"]
+        tensor([[0., 1., 2.],
+                [3., 4., 5.]])
+    """
 
     names: Tuple[str, ...]
     shapes: Tuple[torch.Size, ...]
@@ -101,10 +113,24 @@ def _leading_dims(space: ParameterSpace, tensors: Mapping[str, Tensor]) -> Optio
 
 
 class CurvatureOperator:
-    """A linear map ``[rows, cols]`` applied by :meth:`matmat` (module doc).
+    """A linear map ``[rows, cols]`` applied by ``matmat`` (module doc): ``A @ x`` on ``[cols]``,
+    ``[cols, K]`` or a dict over ``domain``; ``to_dense()``; ``to_scipy()``; ``A.T``.
 
     Subclasses set ``domain`` (the parameter space of the columns, or ``None`` for a plain
-    flat space), ``codomain`` likewise for the rows, and implement :meth:`matmat`.
+    flat space), ``codomain`` likewise for the rows, and implement ``matmat``.
+
+    Examples::
+
+        >>> import torch
+        >>> from curvlib.operators import CurvatureOperator
+        >>> class Twice(CurvatureOperator):
+        ...     def matmat(self, M):
+        ...         return 2 * M
+        >>> A = Twice(3, 3, torch.float32, "cpu")
+        >>> A @ torch.ones(3)
+        tensor([2., 2., 2.])
+        >>> A.to_scipy().matvec([1.0, 0.0, 0.0])
+        array([2., 0., 0.])
     """
 
     #: whether ``A = Aᵀ`` (curvature matrices are; the Jacobian is not)

@@ -21,8 +21,23 @@ __all__ = ["Jacobian", "TransposedJacobian"]
 
 
 class Jacobian(NetworkOperator):
-    """``J [R, P]`` (module doc); arguments as :class:`curvlib.operators.GGN`'s (the loss and
-    targets only define the data's batches here)."""
+    """The model's Jacobian ``J = ∂f/∂θ``, ``[R, P]`` with ``R`` the outputs of all samples, each
+    batch's flattened row-major, batches in order. Arguments as ``NetworkOperator``'s (the loss
+    and targets only define the batches here). ``J.T`` is its transpose.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib.operators import Jacobian
+        >>> model = nn.Sequential(nn.Linear(3, 2))
+        >>> X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+        >>> J = Jacobian(model, nn.CrossEntropyLoss(), (X, y))
+        >>> J.shape, J.T.shape                                        # 5 samples x 2 outputs, 8 parameters
+        ((10, 8), (8, 10))
+        >>> (J.T @ torch.ones(10)).shape
+        torch.Size([8])
+    """
 
     symmetric = False
 
@@ -54,7 +69,19 @@ class Jacobian(NetworkOperator):
 
 
 class TransposedJacobian(CurvatureOperator):
-    """``Jᵀ [P, R]`` of a :class:`Jacobian`: ``Jᵀ u = Σ_b J_bᵀ u_b``."""
+    """``Jᵀ [P, R]`` of a ``Jacobian``: ``Jᵀ u = Σ_b J_bᵀ u_b``, one vector-Jacobian product per batch.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib.operators import Jacobian
+        >>> model = nn.Sequential(nn.Linear(3, 2))
+        >>> X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+        >>> J = Jacobian(model, nn.CrossEntropyLoss(), (X, y))
+        >>> torch.allclose(J.T.to_dense(), J.to_dense().T)
+        True
+    """
 
     symmetric = False
 

@@ -1,20 +1,20 @@
-"""Kronecker-factored curvature over a data set: :class:`KFAC` and :class:`EKFAC`, block-diagonal
+"""Kronecker-factored curvature over a data set: ``KFAC`` and ``EKFAC``, block-diagonal
 operators with one block per parameter, and their damped inverses.
 
-:class:`KFAC`'s block of parameter ``p`` is the Kronecker product of ``p``'s factors, in
+``KFAC``'s block of parameter ``p`` is the Kronecker product of ``p``'s factors, in
 ``curvature``'s layout (BackPACK's ``[B, A]`` for Linear and Conv weights, ``B ⊗ A`` acting on
 the weight flattened row-major; ``[B]`` for biases; Embedding's ``[A [V], B]``; the exact block
 ``[F]`` of a norm's parameters; docs/conventions.md), combined over the batches of ``data``
-(input factors averaged over all samples, the root factor summed like the loss;
-:mod:`curvlib.operators._kronblocks`). ``fisher_type`` chooses the matrix approximated:
+(input factors averaged over all samples, the root factor summed with the weights of the
+loss's batches, as the operators' data). ``fisher_type`` chooses the matrix approximated:
 
 | ``fisher_type`` | factors (``curvature`` extension) | approximates |
 |---|---|---|
-| ``"exact"`` | ``KFLR`` (the loss Hessian's exact root) | :class:`~curvlib.operators.GGN` |
-| ``"mc"`` | ``KFAC(mc_samples)`` (sampled labels) | :class:`~curvlib.operators.FisherMC` |
-| ``"empirical"`` | ``KFACEmpirical`` (individual gradients) | :class:`~curvlib.operators.EmpiricalFisher` |
+| ``"exact"`` | ``KFLR`` (the loss Hessian's exact root) | ``GGN`` |
+| ``"mc"`` | ``KFAC(mc_samples)`` (sampled labels) | ``FisherMC`` |
+| ``"empirical"`` | ``KFACEmpirical`` (individual gradients) | ``EmpiricalFisher`` |
 
-:class:`EKFAC` (George et al., 2018) keeps KFAC's eigenbasis ``Q = Q₁ ⊗ Q₂`` per block and
+``EKFAC`` (George et al., 2018) keeps KFAC's eigenbasis ``Q = Q₁ ⊗ Q₂`` per block and
 replaces its eigenvalues by ``Λ*_i = Σ_s ((Qᵀ s)_i)²`` over the columns ``s`` of the matrix's
 root (``SqrtGGNExact``, ``SqrtGGNMC`` or ``BatchGrad``), streamed one batch at a time: for
 ``"exact"`` and ``"empirical"``, ``Λ*`` is the diagonal of ``Qᵀ G Q`` on the block.
@@ -70,36 +70,62 @@ def _check_damping(damping) -> float:
 
 
 class KroneckerOperator(CurvatureOperator):
-    """A block-diagonal operator over named parameters, one Kronecker-factored block each."""
+    """A block-diagonal operator over named parameters, one Kronecker-factored block each
+    (``KFAC``, ``EKFAC`` and their inverses); ``block_product(name, v)`` multiplies one block.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib.operators import KFAC
+        >>> model = nn.Sequential(nn.Linear(3, 2))
+        >>> X, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+        >>> K = KFAC(model, nn.CrossEntropyLoss(), (X, y), fisher_type="exact")
+        >>> K.block_product("0.weight", torch.ones(1, 2, 3)).shape       # [K, *p] -> [K, *p]
+        torch.Size([1, 2, 3])
+    """
 
     def __init__(self, space: ParameterSpace, layouts: Dict[str, _kronbasis.Layout]):
         super().__init__(space.dim, space.dim, space.dtype, space.device, domain=space, codomain=space)
         self.layouts = layouts
 
-    def block(self, name: str, v: Tensor) -> Tensor:
+    def block_product(self, name: str, v: Tensor) -> Tensor:
         """The block of parameter ``name`` times ``v [K, *p]``."""
         raise NotImplementedError
 
     def matmat(self, M: Tensor) -> Tensor:
         V = self.domain.unflatten(M)
-        return self.domain.flatten({name: self.block(name, v) for name, v in V.items()})
+        return self.domain.flatten({name: self.block_product(name, v) for name, v in V.items()})
 
     def to_dense(self, chunk: int = 64) -> Tensor:
         """The matrix ``[P, P]``: the blocks on the diagonal, each formed on its own."""
-        blocks = [_kronblocks.dense_block(lambda v, n=name: self.block(n, v), shape, self.dtype, self.device)
+        blocks = [_kronblocks.dense_block(lambda v, n=name: self.block_product(n, v), shape, self.dtype, self.device)
                   for name, shape in zip(self.domain.names, self.domain.shapes)]
         return torch.block_diag(*blocks)
 
 
 class KroneckerInverse(KroneckerOperator):
     """``(A + λI)⁻¹`` of a Kronecker operator ``A``, per block ``Q diag(Λ + λ)⁻¹ Qᵀ`` (``Λ``: the
-    spectrum ``spectra[name]``, ``[G, o, a]`` in the block's core layout); from ``A.inverse``."""
+    spectrum ``spectra[name]``, ``[G, o, a]`` in the block's core layout); from ``A.inverse``.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib.operators import KFAC
+        >>> model = nn.Sequential(nn.Linear(3, 2)).double()
+        >>> X, y = torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 2, (8,))
+        >>> K = KFAC(model, nn.CrossEntropyLoss(), (X, y), fisher_type="exact")
+        >>> dense = K.to_dense() + 0.1 * torch.eye(K.shape[0], dtype=torch.float64)
+        >>> torch.allclose(K.inverse(0.1).to_dense(), torch.linalg.inv(dense))
+        True
+    """
 
     def __init__(self, space: ParameterSpace, layouts, eigen: Dict[str, _kronbasis.Eigen], spectra: Dict[str, Tensor]):
         super().__init__(space, layouts)
         self.eigen, self.spectra = eigen, spectra
 
-    def block(self, name, v):
+    def block_product(self, name, v):
         return _kronblocks.spectral(self.layouts[name], self.eigen[name], 1.0 / self.spectra[name], v)
 
 
@@ -125,9 +151,9 @@ class KFAC(KroneckerOperator):
 
     Attributes:
         factors: parameter name -> its list of factors, combined over the data (``curvature``'s
-            layout; what :func:`curvlib.precondition.kron_preconditioner` takes).
+            layout; what ``curvlib.precondition.kron_preconditioner`` takes).
         layouts: parameter name -> how the parameter reshapes to its block's core ``[G, o, a]``.
-        eigen: parameter name -> the factors' eigendecompositions (see :attr:`eigen`).
+        eigen: parameter name -> the factors' eigendecompositions (clamped at 0).
 
     Raises:
         CurvatureError: an unsupported ``fisher_type``, ``mc_samples`` or option, data without
@@ -193,7 +219,7 @@ class KFAC(KroneckerOperator):
             raise CurvatureError("data has no batches: pass (X, y) or a loader yielding at least one (X, y).")
         return accumulator.factors(total, sides), space
 
-    def block(self, name, v):
+    def block_product(self, name, v):
         return _kronblocks.multiply(self.layouts[name], self.factors[name], v)
 
     @property
@@ -219,10 +245,10 @@ class KFAC(KroneckerOperator):
 
 class EKFAC(KFAC):
     """Eigenvalue-corrected KFAC (George et al., 2018; module doc): KFAC's eigenbasis, eigenvalues
-    ``Λ*`` fitted to the columns of the matrix's root, batch by batch. Arguments as :class:`KFAC`.
+    ``Λ*`` fitted to the columns of the matrix's root, batch by batch. Arguments as ``KFAC``'s.
 
     ``eigenvalues``: parameter name -> ``Λ* [G, o, a]`` in the block's core layout (what
-    :func:`curvlib.precondition.ekfac_preconditioner` takes, with ``factors``).
+    ``curvlib.precondition.ekfac_preconditioner`` takes, with ``factors``).
 
     Examples::
 
@@ -260,7 +286,7 @@ class EKFAC(KFAC):
         scale = accumulator.root_scale()
         return {name: s * scale for name, s in total.items()}
 
-    def block(self, name, v):
+    def block_product(self, name, v):
         return _kronblocks.spectral(self.layouts[name], self.eigen[name], self.eigenvalues[name], v)
 
     def inverse(self, damping: float, heuristic: bool = False) -> KroneckerInverse:

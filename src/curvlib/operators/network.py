@@ -51,6 +51,24 @@ class NetworkOperator(CurvatureOperator):
         generator: draws the dropout masks of a model in training mode (one per batch, fixed
             for the operator's lifetime) and Monte-Carlo samples.
         chunk_size: vectors multiplied at once by ``A @ M`` (memory grows with it).
+
+    Raises:
+        CurvatureTypeError: an argument of the wrong type (``data`` a one-pass iterator).
+        CurvatureError: anything ``curvature`` refuses for this model and loss, no parameter to act
+            on, a loader whose batches change between passes, a bad ``chunk_size``.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib.operators import GGN
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        >>> X, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+        >>> G = GGN(model, nn.CrossEntropyLoss(), (X, y))
+        >>> G.shape, G.domain.names
+        ((26, 26), ('0.weight', '0.bias', '2.weight', '2.bias'))
+        >>> G.block(["2.weight"]).shape, sorted(G.blocks())
+        ((8, 8), ['0', '2'])
     """
 
     #: Jacobian-vector products in forward mode (off once torch lacks one for the model)
@@ -174,16 +192,48 @@ def _per_sample_inner(a: Tensor, b: Tensor) -> Tensor:
 
 
 class GGN(NetworkOperator):
-    """The generalised Gauss-Newton ``G = Jᵀ (c∇²ℓ) J`` (module doc); its diagonal is ``DiagGGNExact``."""
+    """The generalised Gauss-Newton ``G = Jᵀ (c∇²ℓ) J`` of all the parameters: one Jacobian-vector
+    product, the loss Hessian per sample in closed form (softmax: ``diag(p) − p pᵀ``) and one
+    vector-Jacobian product per multiplication. Its diagonal is ``DiagGGNExact``'s. Arguments as
+    ``NetworkOperator``'s.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib.operators import GGN
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        >>> X, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+        >>> G = GGN(model, nn.CrossEntropyLoss(), [(X[:4], y[:4]), (X[4:], y[4:])])   # a loader
+        >>> v = torch.randn(G.shape[1])
+        >>> bool((v @ (G @ v)) >= 0)                                  # positive semi-definite
+        True
+        >>> {name: t.shape for name, t in (G @ G.domain.unflatten(v)).items()}["2.weight"]
+        torch.Size([2, 4])
+    """
 
     def batch_product(self, batch, seeds, V):
         return self.output_curvature(batch, V, lambda out, jv: batch.loss_hessian(out).matvec(jv))
 
 
 class FisherMC(NetworkOperator):
-    """The Monte-Carlo Fisher ``Σ_n Σ_m s_nm s_nmᵀ`` (module doc) with ``mc_samples`` draws per
-    sample, fixed by ``generator`` for the operator's lifetime; ``E[F̂] = GGN``, and its diagonal
-    is ``DiagGGNMC``'s with the same draws."""
+    """The Monte-Carlo Fisher ``F̂ = Σ_n Σ_m s_nm s_nmᵀ``, ``s_nm = √(c/M)·Jₙᵀ∇ℓ(f_n, ŷ_nm)`` with
+    ``mc_samples = M`` targets ``ŷ_nm`` per sample drawn from the model's predictive distribution,
+    fixed by ``generator`` for the operator's lifetime: ``E[F̂] = G`` (the GGN). Arguments as
+    ``NetworkOperator``'s, and ``mc_samples``.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib.operators import FisherMC
+        >>> model = nn.Sequential(nn.Linear(3, 2))
+        >>> X, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+        >>> F = FisherMC(model, nn.CrossEntropyLoss(), (X, y), generator=torch.Generator().manual_seed(0))
+        >>> v = torch.randn(F.shape[1])
+        >>> torch.equal(F @ v, F @ v)                                 # the same draws every time
+        True
+    """
 
     def __init__(self, model, lossfn, data, params=None, buffers=None, output=None, generator=None,
                  chunk_size: int = 16, mc_samples: int = 1):
@@ -204,8 +254,25 @@ class FisherMC(NetworkOperator):
 
 
 class EmpiricalFisher(NetworkOperator):
-    """The empirical Fisher ``E = Σ_n g_n g_nᵀ`` of the individual gradients (module doc); its
-    diagonal is ``SumGradSquared``. Batches enter with ``w_b²`` (:mod:`curvlib.operators.data`)."""
+    """The empirical Fisher ``E = Σ_n g_n g_nᵀ`` of the individual gradients ``g_n = ∂(c·ℓ_n)/∂θ``
+    (BackPACK's convention: its diagonal is ``SumGradSquared``'s; curvlinops' ``EFLinearOperator``
+    scales by ``c`` once, so for ``"mean"`` it is ``M`` times this). Batches of a loader enter with
+    their weight squared. Arguments as ``NetworkOperator``'s.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib import curvature
+        >>> from curvlib.extensions import SumGradSquared
+        >>> from curvlib.operators import EmpiricalFisher
+        >>> model = nn.Sequential(nn.Linear(3, 2))
+        >>> X, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+        >>> E = EmpiricalFisher(model, nn.CrossEntropyLoss(), (X, y))
+        >>> sgs = curvature(model, nn.CrossEntropyLoss(), [SumGradSquared()])(X, y)["sum_grad_squared"]
+        >>> torch.allclose(E.to_dense().diagonal(), E.domain.flatten(sgs))
+        True
+    """
 
     def batch_weight(self, weight: float) -> float:
         return weight * weight
@@ -224,7 +291,20 @@ class Hessian(NetworkOperator):
     immutable zero tensor), reverse-over-reverse: the Hessian is symmetric, so ``H v = (vᵀ H)ᵀ``,
     a vector-Jacobian product of the gradient. A model operation without a forward-mode
     derivative is refused: the second derivatives of such kernels are not reliable in reverse
-    mode either (``weight_norm``'s is wrong in torch 2.13)."""
+    mode either (``weight_norm``'s is wrong in torch 2.13). Arguments as ``NetworkOperator``'s.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib.operators import Hessian, lanczos
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+        >>> X, y = torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 2, (8,))
+        >>> H = Hessian(model, nn.CrossEntropyLoss(), (X, y))
+        >>> top = lanczos(H, k=1).values[0]
+        >>> bool(torch.isclose(top, torch.linalg.eigvalsh(H.to_dense())[-1]))
+        True
+    """
 
     def batch_product(self, batch, seeds, V):
         theta = {n: batch.values[n] for n in V}
