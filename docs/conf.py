@@ -50,6 +50,7 @@ autodoc_mock_imports = ["laplace"]  # laplace-torch is an optional peer
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
+napoleon_use_ivar = True  # "Attributes:" as a field list: no second description of a NamedTuple field
 
 html_theme = "alabaster"
 html_title = "curvlib"

@@ -335,3 +335,16 @@ def test_operations_without_forward_mode_use_reverse_mode():
     e[5] = 1e-6  # a weight_g/weight_v entry
     by_differences = (gradient(brute.theta + e) - gradient(brute.theta - e)) / 2e-6
     assert float((brute.hessian()[5] - by_differences).abs().max()) > 1e-2  # torch's own is off
+
+
+@pytest.mark.parametrize("lossfn", [nn.HuberLoss(), nn.SmoothL1Loss(reduction="sum"),
+                                    lambda out, y: ((out - y) ** 4).mean()], ids=["huber", "smooth_l1", "quartic"])
+def test_per_sample_losses_of_any_form(lossfn):
+    """A loss curvlib has no closed form for: its Hessian by autodiff (``huber_loss_backward`` has
+    no forward mode: the Hessian operator goes reverse over reverse there)."""
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+    X, y = torch.randn(5, 3, dtype=D), torch.randn(5, 2, dtype=D)
+    brute = Brute(model, lossfn, X, y)
+    _close(GGN(model, lossfn, (X, y)).to_dense(), brute.ggn(), "GGN")
+    _close(Hessian(model, lossfn, (X, y)).to_dense(), brute.hessian(), "Hessian")

@@ -29,7 +29,7 @@ from .._core.errors import CurvatureError, CurvatureTypeError
 from .._hessian.smooth import derivatives_requested, refuse_pchmp
 from .._core.site import Recorder
 
-__all__ = ["products", "rng_state", "replay_rng", "guarded"]
+__all__ = ["products", "rng_state", "replay_rng", "guarded", "loss_lacks_forward_mode"]
 
 
 def rng_state(device: torch.device):
@@ -141,8 +141,8 @@ class _Products:
     def _hmp(self, ext, name: str, p0: Tensor):
         """``∇²_p L v`` by forward-over-reverse autodiff (a Jacobian-vector product of the
         gradient). Where the loss's backward has no forward mode (``MSELoss(reduction="mean")``
-        meets an immutable zero tensor in torch 2.13): reverse-over-reverse, the block being
-        symmetric. A model operation without forward mode is refused (:func:`guarded`): the
+        meets an immutable zero tensor in torch 2.13, ``huber_loss_backward`` has none):
+        reverse-over-reverse, the block being symmetric. A model operation without forward mode is refused (:func:`guarded`): the
         reverse-mode second derivatives of such kernels are not reliable (``weight_norm``'s is
         wrong in torch 2.13)."""
         def loss_of(p):
@@ -155,8 +155,10 @@ class _Products:
             if not reverse:
                 try:
                     return torch.func.vmap(lambda v: torch.func.jvp(gradient, (p0,), (v,))[1], randomness="same")(V)
-                except RuntimeError as exc:
-                    if "ZeroTensors are immutable" not in str(exc):
+                except NodeFailure:
+                    raise  # (a model operation: refused by ``guarded``)
+                except (RuntimeError, NotImplementedError) as exc:
+                    if not loss_lacks_forward_mode(exc):
                         raise
                     reverse.append(True)
             _, pull = torch.func.vjp(gradient, p0)
@@ -199,6 +201,12 @@ class _Products:
             return torch.func.vjp(f, p0)[1]((hjv, cot_taps))[0] + direct
 
         return lambda V: torch.func.vmap(one, randomness="same")(V)
+
+
+def loss_lacks_forward_mode(exc: BaseException) -> bool:
+    """Whether ``exc``, raised outside the model's graph (by the loss's backward), is torch's
+    missing forward-mode derivative: none implemented, or an immutable zero tensor met."""
+    return "ZeroTensors are immutable" in str(exc) or (isinstance(exc, NotImplementedError) and "forward AD" in str(exc))
 
 
 def _owns(res, name: str) -> bool:

@@ -11,7 +11,7 @@ For the loss ``L(θ) = c·Σ_n ℓ(f(x_n; θ), y_n)`` with Jacobian ``J = ∂f/�
 * :class:`EmpiricalFisher`: ``E = Σ_n g_n g_nᵀ``, ``g_n = ∂(c·ℓ_n)/∂θ`` (its diagonal is
   ``SumGradSquared``);
 * :class:`Hessian`: ``H = ∇²_θ L``, by forward-over-reverse autodiff;
-* :class:`Jacobian`: ``J`` itself, ``[N·C, P]`` (rows: the outputs of each batch, flattened per
+* :class:`~curvlib.operators.Jacobian`: ``J`` itself, ``[N·C, P]`` (rows: the outputs of each batch, flattened per
   sample, batches in order); ``J.T`` its transpose.
 
 Each is pure: the parameters are those of ``params`` (else the model's), the model is never
@@ -27,12 +27,12 @@ import torch
 from torch import Tensor, nn
 
 from .._core.errors import CurvatureError
-from .._evaluate.products import guarded
+from .._evaluate.products import guarded, loss_lacks_forward_mode
 from .._transform.network import Batch, Network, lacks_forward_mode, translated
 from .base import CurvatureOperator, ParameterSpace
 from .data import BatchSeeds, Data
 
-__all__ = ["GGN", "FisherMC", "EmpiricalFisher", "Hessian", "Jacobian"]
+__all__ = ["NetworkOperator", "GGN", "FisherMC", "EmpiricalFisher", "Hessian"]
 
 Directions = Dict[str, Tensor]  # parameter name -> [K, *p.shape]
 
@@ -288,7 +288,7 @@ class Hessian(NetworkOperator):
     """The Hessian ``∇²_θ L`` (module doc), by forward-over-reverse autodiff (a Jacobian-vector
     product of the gradient); its diagonal is ``DiagHessian``. Where torch has no forward-mode
     derivative of the loss's backward (``MSELoss(reduction="mean")`` in torch 2.13 meets an
-    immutable zero tensor), reverse-over-reverse: the Hessian is symmetric, so ``H v = (vᵀ H)ᵀ``,
+    immutable zero tensor; ``huber_loss_backward`` has none), reverse-over-reverse: the Hessian is symmetric, so ``H v = (vᵀ H)ᵀ``,
     a vector-Jacobian product of the gradient. A model operation without a forward-mode
     derivative is refused: the second derivatives of such kernels are not reliable in reverse
     mode either (``weight_norm``'s is wrong in torch 2.13). Arguments as ``NetworkOperator``'s.
@@ -312,8 +312,8 @@ class Hessian(NetworkOperator):
         if self.forward_mode:
             try:
                 return torch.func.vmap(lambda v: torch.func.jvp(gradient, (theta,), (v,))[1], randomness="same")(V)
-            except RuntimeError as exc:
-                if "ZeroTensors are immutable" not in str(exc):
+            except (RuntimeError, NotImplementedError) as exc:  # (the model's own are CurvatureErrors)
+                if not loss_lacks_forward_mode(exc):
                     raise
                 self.forward_mode = False
             except CurvatureError as exc:
