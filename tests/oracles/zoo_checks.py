@@ -17,11 +17,11 @@ import torch
 from oracles import zoo_reference as oz
 from oracles.on_device import seeded
 from oracles import zoo
-from curvlib import curvature
+from curvlib import curvature, operators
 from curvlib.extensions import (HMP, KFAC, KFLR, BatchDiagGGNExact, BatchDiagGGNMC, BatchDiagHessian, BatchGrad,
                                 BatchL2Grad, DiagGGNExact, DiagGGNMC, DiagHessian, GGNMP, SumGradSquared, Variance)
 
-GROUPS = ["first_order", "ggn", "hessian", "kflr", "products", "mc_ggn", "mc_kfac"]
+GROUPS = ["first_order", "ggn", "hessian", "kflr", "products", "mc_ggn", "mc_kfac", "operators"]
 
 # 4 x 256 = 1024 draws per sample: an entry's MC standard error is ~ sqrt(var/mean^2 / 1024),
 # a few % of the largest entry for CE over 3-160 outputs; the max over thousands of entries
@@ -155,6 +155,28 @@ def check(name: str, group: str) -> Dict[str, float]:
     return check_problem(zoo.build(name), group)
 
 
+def _check_operators(prob: zoo.Problem, rtol: float, errors: Dict[str, float]) -> None:
+    """The whole-network GGN and Hessian products (``curvlib.operators``) with one random
+    direction over every trainable parameter, against plain autograd on the model itself."""
+    _phase("curvlib")
+    computed = prob.computed if getattr(prob, "computed", None) is not None else prob
+    gen = torch.Generator().manual_seed(0)
+    v = {k: torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype)
+         for k, p in oz.trainable(prob.model).items()}
+    dtypes = {k: p.dtype for k, p in oz.trainable(computed.model).items()}
+    v_computed = {k: t.to(dtypes[k]) for k, t in v.items()}
+    data = (computed.X, computed.y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gv = operators.GGN(computed.model, computed.lossfn, data, output=computed.output) @ v_computed
+        hv = operators.Hessian(computed.model, computed.lossfn, data, output=computed.output) @ v_computed
+    _phase("oracle")
+    gv_ref, hv_ref = oz.operator_products(prob, v)
+    compare("ggn_product", {k: t.to(torch.float64) for k, t in gv.items()}, gv_ref, rtol, errors)
+    compare("hessian_product", {k: t.to(torch.float64) for k, t in hv.items()}, hv_ref,
+            10 * rtol if rtol > 1e-8 else rtol, errors)  # (float32 norms: as the "hessian" group)
+
+
 def check_problem(prob: zoo.Problem, group: str) -> Dict[str, float]:
     """Curvlib against the oracles for one ``Problem`` and one group of :data:`GROUPS`."""
     rtol, errors = prob.rtol, {}
@@ -177,6 +199,8 @@ def check_problem(prob: zoo.Problem, group: str) -> Dict[str, float]:
         d = oz.ggn_diagonals(oz.ggn_parts(prob))
         compare("diag_ggn_exact_batch", qs["diag_ggn_exact_batch"], d, rtol, errors)
         compare("diag_ggn_exact", qs["diag_ggn_exact"], {k: v.sum(0) for k, v in d.items()}, rtol, errors)
+    elif group == "operators":
+        _check_operators(prob, rtol, errors)
     elif group == "hessian":
         qs = run(prob, [DiagHessian(), BatchDiagHessian()])
         if rtol > 1e-8:

@@ -432,3 +432,29 @@ def kron(factors: List[Tensor]) -> Tensor:
     for f in factors:
         out = torch.kron(out, torch.diag(f) if f.dim() == 1 else f)
     return out
+
+
+def operator_products(prob, v: Dict[str, Tensor]):
+    """``(G v, H v)`` over every trainable parameter by plain reverse-mode autograd on the model's
+    own forward (some kernels have no forward mode): ``J v`` as the derivative of ``⟨Jᵀu, v⟩`` in
+    ``u``, the loss Hessian at the output by a double backward, ``H v`` as the gradient of
+    ``⟨∇L, v⟩``. Parameters the loss does not reach get zeros."""
+    params = trainable(prob.model)
+    names = list(params)
+    out = forward(prob.model, prob.X, prob.output)
+    u = torch.zeros_like(out, requires_grad=True)
+    jtu = torch.autograd.grad(out, [params[n] for n in names], u, create_graph=True, allow_unused=True)
+    used = [k for k, g in enumerate(jtu) if g is not None]
+    jv = torch.autograd.grad([jtu[k] for k in used], u, [v[names[k]] for k in used])[0]
+    o = out.detach().requires_grad_(True)
+    (g_out,) = torch.autograd.grad(prob.lossfn(o, prob.y), o, create_graph=True)
+    (hjv,) = torch.autograd.grad(g_out, o, jv)
+    gv = torch.autograd.grad(out, [params[n] for n in names], hjv, allow_unused=True, retain_graph=True)
+    grads = torch.autograd.grad(prob.lossfn(out, prob.y), [params[n] for n in names], create_graph=True, allow_unused=True)
+    reached = [k for k, g in enumerate(grads) if g is not None and g.requires_grad]
+    hv = torch.autograd.grad([grads[k] for k in reached], [params[names[k]] for k in reached],
+                             [v[names[k]] for k in reached], allow_unused=True)
+    hv_of = dict(zip([names[k] for k in reached], hv))
+    zero = {n: torch.zeros_like(p) for n, p in params.items()}
+    return ({n: (g.detach() if g is not None else zero[n]) for n, g in zip(names, gv)},
+            {n: (hv_of[n].detach() if hv_of.get(n) is not None else zero[n]) for n in names})
