@@ -58,7 +58,8 @@ def run_graph(
     Returns:
         The model output.
     """
-    run = _Run(program, params, trainable, rec, fake_tensor, {} if env is None else env, preserve_inputs)
+    run = _Run(program, params, trainable, rec, fake_tensor, {} if env is None else env, preserve_inputs,
+               env is not None)
     where: List[Optional[fx.Node]] = [None]  # the node being run
     try:
         return _interpret(run, X, where)
@@ -79,6 +80,13 @@ class _Run:
     fake_tensor: Optional[Callable[[Tensor], Tensor]]
     env: Dict[fx.Node, object]
     preserve_inputs: bool
+    keeps_values: bool  # the caller reads ``env`` afterwards
+
+    @property
+    def releases(self) -> bool:
+        """Whether values may be dropped after their last reader: nobody asked for them (no
+        ``env`` given) and nothing is recorded (no sites, no residuals, no planning pass)."""
+        return not (self.keeps_values or self.trainable or self.rec.residual_nodes or self.fake_tensor is not None)
 
 
 class NodeFailure(RuntimeError):
@@ -97,6 +105,10 @@ def _interpret(run: _Run, X, where: List[Optional[fx.Node]]) -> Tensor:
     noises = env.setdefault(_dropout.NOISES, {}) if dropout is not None else None
     placeholders_seen = 0
     result = None
+    # a run that records nothing and keeps no values (products, operators): each value is
+    # dropped after its last reader, as eager PyTorch frees it (a forward-mode pass then holds
+    # one layer's primals and tangents, not the whole network's)
+    free = _last_readers(program) if run.releases else {}
     for node in program.graph.nodes:
         where[0] = node
         load = lambda a: fx.node.map_arg(a, lambda n: env[n])  # noqa: E731
@@ -124,7 +136,26 @@ def _interpret(run: _Run, X, where: List[Optional[fx.Node]]) -> Tensor:
             result = load(node.args[0])
             if program.out_spec is not None:
                 result = pytree.tree_unflatten(list(result), program.out_spec)
+        for done in free.get(node, ()):
+            env.pop(done, None)
     return result if isinstance(result, Tensor) else _chosen(program, result)
+
+
+def _last_readers(program: Program) -> Dict[fx.Node, List[fx.Node]]:
+    """Node -> the nodes whose values no later node reads (its inputs, and the inputs and fixed
+    values of the functional use it records)."""
+    last: Dict[fx.Node, fx.Node] = {}
+    for node in program.graph.nodes:
+        reads = list(node.all_input_nodes)
+        use = program.functional.get(node)
+        if use is not None:
+            reads += [a for a in list(getattr(use, "inputs", ())) + list(getattr(use, "fixed", ())) if isinstance(a, fx.Node)]
+        for read in reads:
+            last[read] = node
+    frees: Dict[fx.Node, List[fx.Node]] = {}
+    for read, node in last.items():
+        frees.setdefault(node, []).append(read)
+    return frees
 
 
 def _attribute(run: _Run, node: fx.Node):

@@ -157,16 +157,20 @@ class NetworkOperator(CurvatureOperator):
 
     def output_curvature(self, batch: Batch, V: Directions, apply: Callable[[Tensor, Tensor], Tensor]) -> Directions:
         """``Jᵀ D J V`` for an output-space matrix ``D``: ``apply(out, JV)`` with ``JV [K, N, *out]``.
-        One forward kept for the vector-Jacobian products, ``K`` Jacobian-vector products."""
+        The Jacobian-vector products first (forward mode holds one layer at a time), then one
+        forward kept for the vector-Jacobian products: the peak is a backward's and ``JV``."""
         theta = {n: batch.values[n] for n in V}
+        jv = self.forward_jacobian_products(batch, theta, V)
         out, pull = torch.func.vjp(batch.output, theta)
-        djv = apply(out.detach(), self.jacobian_products(batch, theta, V, pull, out))
+        if jv is None:
+            jv = reverse_jacobian_products(pull, out, V)
+        djv = apply(out.detach(), jv)
+        del jv
         return torch.func.vmap(lambda c: pull(c)[0], randomness="same")(djv)
 
-    def jacobian_products(self, batch: Batch, theta, V: Directions, pull=None, out: Optional[Tensor] = None) -> Tensor:
-        """``J V`` (``[K, N, *out]``) in forward mode; where torch has no forward-mode derivative
-        of some operation of the model, as the vector-Jacobian product of the linear map
-        ``u ↦ Jᵀu`` (reverse over reverse: ``(Jᵀ)ᵀ v = J v``)."""
+    def forward_jacobian_products(self, batch: Batch, theta, V: Directions) -> Optional[Tensor]:
+        """``J V`` (``[K, N, *out]``) in forward mode; ``None`` where torch has no forward-mode
+        derivative of some operation of the model (then :func:`reverse_jacobian_products`)."""
         if self.forward_mode:
             try:
                 return torch.func.vmap(lambda v: torch.func.jvp(batch.output, (theta,), (v,))[1], randomness="same")(V)
@@ -174,14 +178,26 @@ class NetworkOperator(CurvatureOperator):
                 if not lacks_forward_mode(exc):
                     raise
                 self.forward_mode = False
-        if pull is None:
+        return None
+
+    def jacobian_products(self, batch: Batch, theta, V: Directions) -> Tensor:
+        """``J V`` (``[K, N, *out]``), in forward mode where torch has it."""
+        jv = self.forward_jacobian_products(batch, theta, V)
+        if jv is None:
             out, pull = torch.func.vjp(batch.output, theta)
-        _, transposed = torch.func.vjp(lambda u: pull(u)[0], torch.zeros_like(out))
-        return torch.func.vmap(lambda v: transposed(v)[0], randomness="same")(V)
+            jv = reverse_jacobian_products(pull, out, V)
+        return jv
 
     def parameters(self) -> Dict[str, Tensor]:
         """The values the operator is evaluated at, parameter name -> tensor."""
         return {n: self.data.first.values[n] for n in self.domain.names}
+
+
+def reverse_jacobian_products(pull, out: Tensor, V: Directions) -> Tensor:
+    """``J V`` as the vector-Jacobian product of the linear map ``u ↦ Jᵀu`` (``pull``, the
+    model's at ``out``): reverse over reverse, ``(Jᵀ)ᵀ v = J v``."""
+    _, transposed = torch.func.vjp(lambda u: pull(u)[0], torch.zeros_like(out))
+    return torch.func.vmap(lambda v: transposed(v)[0], randomness="same")(V)
 
 
 def _per_sample_inner(a: Tensor, b: Tensor) -> Tensor:
