@@ -318,7 +318,8 @@ def test_the_model_is_not_changed():
 def test_operations_without_forward_mode_use_reverse_mode():
     """``weight_norm``'s kernel has no forward-mode derivative in torch: the GGN's and the
     Jacobian's products go reverse over reverse and stay exact; the Hessian is refused (torch's
-    own second derivative of that kernel is wrong: checked here by finite differences)."""
+    own second derivative of that kernel is wrong, checked here by finite differences, and its
+    products are not symmetric)."""
     torch.manual_seed(1)
     with pytest.warns(FutureWarning):
         model = nn.Sequential(nn.utils.weight_norm(nn.Linear(3, 4)), nn.Tanh(), nn.Linear(4, 2)).to(D)
@@ -328,7 +329,7 @@ def test_operations_without_forward_mode_use_reverse_mode():
     _close(GGN(model, lossfn, (X, y)).to_dense(), brute.ggn(), "GGN")
     _close(Jacobian(model, lossfn, (X, y)).to_dense(), brute.jacobian(), "Jacobian")
     H = Hessian(model, lossfn, (X, y))
-    with pytest.raises(CurvatureError, match="Hessian: forward-mode derivatives"):
+    with pytest.raises(CurvatureError, match="not symmetric"):
         H @ torch.ones(H.shape[1], dtype=D)
     gradient = torch.func.grad(brute.loss)
     e = torch.zeros_like(brute.theta)
@@ -348,3 +349,45 @@ def test_per_sample_losses_of_any_form(lossfn):
     brute = Brute(model, lossfn, X, y)
     _close(GGN(model, lossfn, (X, y)).to_dense(), brute.ggn(), "GGN")
     _close(Hessian(model, lossfn, (X, y)).to_dense(), brute.hessian(), "Hessian")
+
+
+class NoForwardMode(torch.autograd.Function):
+    """``x ↦ x³`` with its derivatives written out in reverse mode only (no ``jvp``): a kernel
+    torch has no forward mode for, whose reverse-mode second derivative is right."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x ** 3
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x ** 2 * g
+
+
+class CubeNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(NoForwardMode.apply(self.a(x)))
+
+
+def test_a_kernel_without_forward_mode_whose_second_derivative_is_right():
+    """The Hessian goes reverse over reverse after its symmetry check, and is exact."""
+    torch.manual_seed(3)
+    model = CubeNet().to(D)
+    X, y = torch.randn(5, 3, dtype=D), torch.randint(0, 2, (5,))
+    lossfn = nn.CrossEntropyLoss()
+    brute = Brute(model, lossfn, X, y)
+    H = Hessian(model, lossfn, (X, y))
+    _close(H.to_dense(), brute.hessian(), "Hessian")
+    assert H.needs_symmetry and H.symmetric_checked
+    _close(GGN(model, lossfn, (X, y)).to_dense(), brute.ggn(), "GGN")

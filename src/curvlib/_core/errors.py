@@ -13,3 +13,9 @@ class CurvatureError(ValueError):
 
 class CurvatureTypeError(CurvatureError, TypeError):
     """A :class:`CurvatureError` about the *type* of an argument."""
+
+
+def missing_forward_mode(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's "no forward-mode derivative": a kernel without one
+    ("forward AD"), or a custom ``autograd.Function`` without ``jvp`` ("forward mode AD")."""
+    return isinstance(exc, NotImplementedError) and ("forward AD" in str(exc) or "forward mode AD" in str(exc))

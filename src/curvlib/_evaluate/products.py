@@ -25,7 +25,7 @@ from .. import losses
 from .._core.sync import LOCK
 from .._interpret.diagnose import forward_mode_failure
 from .._interpret.graph import NodeFailure, run_graph
-from .._core.errors import CurvatureError, CurvatureTypeError
+from .._core.errors import CurvatureError, CurvatureTypeError, missing_forward_mode
 from .._hessian.smooth import derivatives_requested, refuse_pchmp
 from .._core.site import Recorder
 
@@ -206,7 +206,7 @@ class _Products:
 def loss_lacks_forward_mode(exc: BaseException) -> bool:
     """Whether ``exc``, raised outside the model's graph (by the loss's backward), is torch's
     missing forward-mode derivative: none implemented, or an immutable zero tensor met."""
-    return "ZeroTensors are immutable" in str(exc) or (isinstance(exc, NotImplementedError) and "forward AD" in str(exc))
+    return "ZeroTensors are immutable" in str(exc) or missing_forward_mode(exc)
 
 
 def _owns(res, name: str) -> bool:

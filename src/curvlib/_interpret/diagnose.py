@@ -15,7 +15,7 @@ from typing import Dict, Optional
 from torch import Tensor, fx
 
 from .._core import inputs as _inputs
-from .._core.errors import CurvatureError
+from .._core.errors import CurvatureError, missing_forward_mode
 from .graph import NodeFailure
 
 __all__ = ["forward_failure", "forward_mode_failure"]
@@ -86,7 +86,7 @@ def forward_mode_failure(exc: BaseException, what: str) -> Optional[CurvatureErr
     runs forward-mode AD; ``None`` for any other error."""
     node = exc.node if isinstance(exc, NodeFailure) else None
     cause = exc.exc if isinstance(exc, NodeFailure) else exc
-    if not (isinstance(cause, NotImplementedError) and "forward AD" in str(cause)):
+    if not missing_forward_mode(cause):
         return None
     where = f" (graph node '{node.name}')" if node is not None else ""
     return CurvatureError(

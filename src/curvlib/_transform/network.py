@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from .. import losses
 from .._core import buffers as _buffers, inputs as _inputs
-from .._core.errors import CurvatureError
+from .._core.errors import CurvatureError, missing_forward_mode
 from .._core.site import Recorder
 from .._evaluate.products import replay_rng, rng_state
 from .._interpret.graph import NodeFailure, run_graph
@@ -125,7 +125,7 @@ def lacks_forward_mode(exc: Optional[BaseException]) -> bool:
     for one of the model's operations (e.g. ``_weight_norm_interface``, fused attention on CPU)."""
     while exc is not None:
         cause = exc.exc if isinstance(exc, NodeFailure) else exc
-        if isinstance(cause, NotImplementedError) and "forward AD" in str(cause):
+        if missing_forward_mode(cause):
             return True
         exc = exc.__cause__
     return False

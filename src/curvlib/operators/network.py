@@ -304,10 +304,13 @@ class Hessian(NetworkOperator):
     """The Hessian ``∇²_θ L`` (module doc), by forward-over-reverse autodiff (a Jacobian-vector
     product of the gradient); its diagonal is ``DiagHessian``. Where torch has no forward-mode
     derivative of the loss's backward (``MSELoss(reduction="mean")`` in torch 2.13 meets an
-    immutable zero tensor; ``huber_loss_backward`` has none), reverse-over-reverse: the Hessian is symmetric, so ``H v = (vᵀ H)ᵀ``,
-    a vector-Jacobian product of the gradient. A model operation without a forward-mode
-    derivative is refused: the second derivatives of such kernels are not reliable in reverse
-    mode either (``weight_norm``'s is wrong in torch 2.13). Arguments as ``NetworkOperator``'s.
+    immutable zero tensor; ``huber_loss_backward`` has none), reverse-over-reverse: the Hessian is
+    symmetric, so ``H v = (vᵀ H)ᵀ``, a vector-Jacobian product of the gradient. Where a model
+    operation has no forward-mode derivative (grouped expert matmuls, ``weight_norm``'s kernel),
+    reverse-over-reverse too, once its products pass a symmetry check on the first batch,
+    ``|uᵀ(Hw) − wᵀ(Hu)| ≤ √ε (‖u‖‖Hw‖ + ‖w‖‖Hu‖)`` for random ``u, w``: torch's reverse-mode
+    second derivative of such a kernel can be wrong (``weight_norm``'s is, in torch 2.13, and is
+    refused so). Arguments as ``NetworkOperator``'s.
 
     Examples::
 
@@ -322,6 +325,10 @@ class Hessian(NetworkOperator):
         True
     """
 
+    #: whether reverse-over-reverse products must pass the symmetry check first (a model
+    #: operation without forward mode), and whether they have
+    needs_symmetry, symmetric_checked = False, False
+
     def batch_product(self, batch, seeds, V):
         theta = {n: batch.values[n] for n in V}
         gradient = torch.func.grad(lambda th: batch.loss(batch.output(th)))
@@ -331,18 +338,34 @@ class Hessian(NetworkOperator):
             except (RuntimeError, NotImplementedError) as exc:  # (the model's own are CurvatureErrors)
                 if not loss_lacks_forward_mode(exc):
                     raise
-                self.forward_mode = False
             except CurvatureError as exc:
-                if lacks_forward_mode(exc):
-                    raise CurvatureError(
-                        "Hessian: forward-mode derivatives (torch.func.jvp) of the model's operations are needed, "
-                        f"but torch has none for one of them ({_first_cause(exc)}), and the reverse-mode second "
-                        "derivatives of such kernels are not reliable (weight_norm's is wrong in torch 2.13). The "
-                        "GGN, Fisher and Jacobian operators work on this model; or write the operation without "
-                        "the kernel (weight normalisation as w = g * v / v.norm(...) in a parametrization).") from exc
-                raise
+                if not lacks_forward_mode(exc):
+                    raise
+                self.needs_symmetry, self.cause = True, exc
+            self.forward_mode = False
         _, pull = torch.func.vjp(gradient, theta)
+        if self.needs_symmetry and not self.symmetric_checked:
+            self._check_symmetric(pull, theta)
         return torch.func.vmap(lambda v: pull(v)[0], randomness="same")(V)
+
+    def _check_symmetric(self, pull, theta) -> None:
+        """Refuse reverse-mode second derivatives that are not symmetric (module doc)."""
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        u, w = ({n: torch.randn(t.shape, generator=gen, dtype=t.dtype, device=t.device) for n, t in theta.items()}
+                for _ in range(2))
+        hu, hw = pull(u)[0], pull(w)[0]
+        dot = lambda a, b: sum(float((a[n] * b[n]).sum()) for n in a)  # noqa: E731
+        norm = lambda a: dot(a, a) ** 0.5  # noqa: E731
+        gap, scale = abs(dot(u, hw) - dot(w, hu)), norm(u) * norm(hw) + norm(w) * norm(hu)
+        if gap > torch.finfo(self.dtype).eps ** 0.5 * scale:
+            raise CurvatureError(
+                "Hessian: forward-mode derivatives (torch.func.jvp) of the model's operations are needed, "
+                f"but torch has none for one of them ({_first_cause(self.cause)}), and its reverse-mode "
+                f"second derivative is wrong here: the products are not symmetric (uᵀHw − wᵀHu = {gap:.2g} "
+                f"at scale {scale:.2g}; weight_norm's kernel is known wrong in torch 2.13). The GGN, Fisher "
+                "and Jacobian operators work on this model; or write the operation without the kernel "
+                "(weight normalisation as w = g * v / v.norm(...) in a parametrization).") from self.cause
+        self.symmetric_checked = True
 
 
 def _first_cause(exc: BaseException) -> str:
