@@ -47,14 +47,17 @@ def squares(m: Tensor, x: Tensor, roles: Sequence[str], per_sample: bool) -> Rol
     """``Σ_v (J_pᵀ m_v)²`` per sample (``per_sample``: weight ``[N, O, I]``, bias ``[N, O]``) or
     also summed over the samples (weight ``[1, O, I]``, bias ``[1, O]``: one block of columns)."""
     n, s = x.shape[0], x.shape[1]
-    mf = m.reshape(m.shape[0], n, s, m.shape[-1])
-    M = torch.einsum("vnso,vnto->nsto", mf, mf)  # [N, S, S, O]
+    # M as [N, O, S, S]: the columns moved last once (one copy), then one batched product per
+    # (sample, output) reading that copy and its transpose (an einsum copied both operands)
+    mo = m.reshape(m.shape[0], n, s, m.shape[-1]).permute(1, 3, 2, 0).contiguous()  # [N, O, S, V]
+    M = torch.matmul(mo, mo.transpose(-1, -2))  # [N, O, S, S]
+    o = M.shape[1]
     out = {}
     if "weight" in roles:
         xx = (x.unsqueeze(2) * x.unsqueeze(1)).reshape(n, s * s, -1)  # [N, S·S, I]
-        Mf = M.reshape(n, s * s, -1)
-        out["weight"] = torch.bmm(Mf.transpose(1, 2), xx) if per_sample else \
-            (Mf.reshape(n * s * s, -1).t() @ xx.reshape(n * s * s, -1)).unsqueeze(0)
+        Mf = M.reshape(n, o, s * s)
+        out["weight"] = torch.bmm(Mf, xx) if per_sample else \
+            (Mf.transpose(0, 1).reshape(o, n * s * s) @ xx.reshape(n * s * s, -1)).unsqueeze(0)
     if "bias" in roles:
-        out["bias"] = M.sum((1, 2)) if per_sample else M.sum((0, 1, 2)).unsqueeze(0)
+        out["bias"] = M.sum((2, 3)) if per_sample else M.sum((0, 2, 3)).unsqueeze(0)
     return out
