@@ -26,12 +26,14 @@ from curvlib._hessian.pointwise import PairRegion
 from curvlib._hessian.residuals import residual_plan
 from curvlib._plan.plan import make_plan
 from curvlib._plan.traces import trace
+from curvlib import curvature
 from curvlib._trace.program import trace_program
 from curvlib.extensions import DiagHessian
 
 from oracles.cases import DT
 from oracles.checks import check_close, check_hessian_diagonals, check_hessian_family
 from oracles.on_device import seeded
+from oracles.second_order import hessian_block
 
 
 def _gelu_written(x):
@@ -91,11 +93,13 @@ class Gated(nn.Module):
 
     ``chunk``: ``gate`` and ``up`` one Linear chunked (GLM-4); ``late``: the batch in dim 1;
     ``shared``: ``"a"``, ``"b"`` or ``"act"`` also read by a second Linear; ``narrow``: ``up``
-    has one output, broadcast over the activation's."""
+    has one output, broadcast over the activation's; ``first``: ``b`` of the first token alone."""
 
-    def __init__(self, act: str, f: int = 3, chunk=False, late=False, shared=None, narrow=False, swap=False):
+    def __init__(self, act: str, f: int = 3, chunk=False, late=False, shared=None, narrow=False, swap=False,
+                 first=False):
         super().__init__()
         self.act, self.chunk, self.late, self.shared, self.swap = ACTIVATIONS[act], chunk, late, shared, swap
+        self.first = first
         self.inp, self.down = nn.Linear(3, 3), nn.Linear(f, 2)
         if chunk:
             self.gate_up = nn.Linear(3, 2 * f)
@@ -108,6 +112,7 @@ class Gated(nn.Module):
         h = torch.tanh(self.inp(x))
         h = h.transpose(0, 1) if self.late else h
         a, b = self.gate_up(h).chunk(2, dim=-1) if self.chunk else (self.gate(h), self.up(h))
+        b = b[:, :1] if self.first else b  # (the first token's: broadcast over tokens unless there is one)
         act = self.act(a)
         out = self.down(b * act if self.swap else act * b)
         if self.shared is not None:
@@ -154,3 +159,18 @@ def test_a_pair_that_broadcasts_is_split_back():
     make_plan(traced.program, X, values, frozenset(values), traced.residual_nodes)
     assert sorted(kind for kind, _, _ in traced.residual_nodes.values()) == ["diag", "diag", "product"]  # (tanh, silu, ⊙)
     check_hessian_diagonals(model, nn.CrossEntropyLoss(), X, y)
+
+
+def test_a_pair_split_by_a_later_input_replans_the_earlier_ones():
+    """``act(a) * b[:, :1]`` has one shape for one token and broadcasts for two: the call on two
+    tokens splits the region, and the call on one token after it is planned again (exact)."""
+    torch.manual_seed(5)
+    model = Gated("gelu", first=True).to(DT)
+    f = curvature(model, nn.CrossEntropyLoss(), [DiagHessian()])
+    for t in (1, 2, 1):
+        X = torch.randn(3, t, 3, generator=seeded(t), dtype=DT)
+        y = torch.tensor([0, 1, 1])
+        got = f(X, y)["diag_h"]
+        for name, p in model.named_parameters():
+            H = hessian_block(model, nn.CrossEntropyLoss(), X, y, name)
+            check_close(got[name], H.diagonal().reshape(p.shape), f"T={t}: diag_h[{name}]")
