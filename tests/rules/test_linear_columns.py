@@ -55,3 +55,25 @@ def test_embedding_grad_batch_columns(v, n, p, e, d, pad, seed):
     got = embedding.grad_batch_columns(site, m, ["weight"])["weight"]
     want = torch.stack([embedding.grad_batch(site, m[k], ["weight"])["weight"] for k in range(v)])
     check_close(got, want, "embedding grad_batch_columns")
+
+
+@settings(max_examples=25, deadline=None)
+@given(v=st.integers(2, 40), n=st.integers(1, 3), s=st.integers(2, 6), i=st.integers(1, 9), o=st.integers(1, 5),
+       transposed=st.booleans(), per_sample=st.booleans(), seed=st.integers(0, 2**16))
+def test_linear_weighted_column_read_offs(v, n, s, i, o, transposed, per_sample, seed):
+    """Columns with a sign per (column, sample) read as they are, ``Σ_v w_vn grad_batch(m_v)²``, equal
+    the per-column ``grad_batch`` squared and weighted; ``None`` where the Gram matrices cost more."""
+    g = seeded(seed)
+    x = torch.randn(n, s, i, generator=g, dtype=torch.float64)
+    m = torch.randn(v, n, s, o, generator=g, dtype=torch.float64)
+    w = torch.where(torch.rand(v, n, generator=g) < 0.5, 1.0, -1.0).to(torch.float64)
+    site = _linear_site(x, transposed)
+    rule, roles = site.rule, ["weight", "bias"]
+    got = rule.weighted_squares_over_columns(site, m, roles, w, per_sample)
+    if s * (v + i) >= v * i:
+        assert got is None
+        return
+    for r in roles:
+        cols = torch.stack([rule.grad_batch(site, m[k], roles)[r] for k in range(v)])  # [V, N, *p]
+        want = (w.reshape(v, n, *([1] * (cols.dim() - 2))) * cols ** 2).sum(0)
+        check_close(got[r], want if per_sample else want.sum(0), f"weighted_squares_over_columns[{r}]")

@@ -88,6 +88,10 @@ class Rule:
     sum_squares_over_columns: Optional[RuleFn] = None
     # (site, m [V, *out], roles) -> role -> [N, *p]: Σ_v grad_batch(m_v)².
     batch_sum_squares_over_columns: Optional[RuleFn] = None
+    # (site, m [V, *out], roles, weights [V, N], per_sample) -> role -> Σ_v w_vn grad_batch(m_v)²
+    # ([N, *p], or summed over samples [*p]) where the layer reads columns of mixed signs without
+    # sorting them by sign (a Linear's Gram matrices over positions), else None
+    weighted_squares_over_columns: Optional[Callable[..., Optional[RoleTensors]]] = None
     # (site, m [V, *out], roles) -> role -> [V, N, *p]: grad_batch of every column in one
     # batched call (no loop over columns, no vmap)
     grad_batch_columns: Optional[RuleFn] = None

@@ -14,9 +14,12 @@ one, as many as the largest single set (so the memory of a pullback stays that o
 set's) or :attr:`~curvlib._core.settings.Settings.packed_columns`, whichever is more; a set larger than that is split. A pullback
 runs from its highest tap down for every column, so nodes of similar depth are packed together
 (:func:`_packed`, a cost model); consecutive batches are then joined up to the same bound and
-read together. Their columns are read once per sign: columns of mixed weights are sorted, per
-sample, into the positive and the negative ones (:func:`_halves`; a sample with fewer columns
-of a sign gets zero columns), each half read like the GGN's columns. Exact for any packing:
+read together. A site that reads columns of mixed weights as they are (a Linear's Gram
+matrices over positions, :attr:`~curvlib._core.site.Rule.weighted_squares_over_columns`) reads
+them once; for the other parameters the columns are read once per sign: columns of mixed
+weights are sorted, per sample, into the positive and the negative ones (:func:`_halves`, only
+at the sites those parameters read; a sample with fewer columns of a sign gets zero columns),
+each half read like the GGN's columns. Exact for any packing:
 each column's pulled-back square is the same, and the read-offs sum over columns.
 """
 
@@ -81,7 +84,11 @@ def hessian_diag(lin, uses, ggn: Dict[str, Tensor], residual_grads, request: Dia
             cols = sqrt_columns(uses, pulled, name) if uses.get(name) else 0.0
             total[name] = total[name] + _square_sum(direct[name] + cols, batch, weights, fresh=True)
         rest = [name for name in names if name not in direct]
-        for sign, m in _halves(pulled, weights, n) if rest else ():
+        for name, part in _weighted_reads(uses, pulled, rest, weights, batch).items():
+            total[name] = total[name] + part
+            rest.remove(name)
+        for sign, m in _halves(pulled, weights, n, {site.key for name in rest for site, _ in uses.get(name, ())}) \
+                if rest else ():
             cache: Dict[tuple, object] = {}
             for name in rest:
                 part = batch_diag(uses, m, name, params, n, cache) if batch else diag(uses, m, name, params, cache)
@@ -149,15 +156,41 @@ def _entries(lin, residual_grads, n: int) -> List[_Entry]:
     return out
 
 
-def _halves(pulled: List[Tensor], weights: Weights, n: int) -> Iterator[Tuple[float, List[Tensor]]]:
-    """``(sign, site columns)`` of one sign each: the batch as it is for one weight (a number),
-    else, per sign, every sample's columns of that sign moved to the front (one stable sort per
-    sample) and the rows past the sample's count zeroed: ``[P, N, ...]`` with ``P`` the largest
-    count of any sample."""
+def _weighted_reads(uses, pulled: List[Tensor], names: List[str], weights: Weights, batch: bool) -> Dict[str, Tensor]:
+    """``Σ_v w_v (J_pᵀ m_v)²`` (per sample: ``batch``) of the parameters in ``names`` whose one
+    site reads columns of mixed signs as they are (:attr:`~curvlib._core.site.Rule.weighted_squares_over_columns`),
+    the columns' weights ``[V, N]`` or one number per column; none for weights of one number."""
+    if not isinstance(weights, (tuple, Tensor)):
+        return {}
+    out: Dict[str, Tensor] = {}
+    by_site: Dict[int, object] = {}
+    for name in names:
+        u = uses.get(name, ())
+        if len(u) != 1 or u[0][0].rule.weighted_squares_over_columns is None:
+            continue
+        site, role = u[0]
+        if site.key not in by_site:
+            m = pulled[site.key]
+            w = weights if isinstance(weights, Tensor) else \
+                torch.tensor(weights, dtype=m.dtype, device=m.device).unsqueeze(1).expand(-1, m.shape[1])
+            roles = [r for r, p in site.params.items() if len(uses.get(p, ())) == 1]
+            by_site[site.key] = site.rule.weighted_squares_over_columns(site, m, roles, w, batch)
+        if by_site[site.key] is not None and role in by_site[site.key]:
+            out[name] = by_site[site.key][role]
+    return out
+
+
+def _halves(pulled: List[Tensor], weights: Weights, n: int, keys=None) -> Iterator[Tuple[float, List[Optional[Tensor]]]]:
+    """``(sign, site columns)`` of one sign each, of the sites ``keys`` (all by default; ``None``
+    at the others):
+    the batch as it is for one weight (a number), else, per sign, every sample's columns of that
+    sign moved to the front (one stable sort per sample) and the rows past the sample's count
+    zeroed: ``[P, N, ...]`` with ``P`` the largest count of any sample."""
+    keys = range(len(pulled)) if keys is None else keys
     if isinstance(weights, tuple):  # a number per column: the columns of each, as they are
         for w in sorted(set(weights), reverse=True):
             at = torch.tensor([i for i, x in enumerate(weights) if x == w], device=pulled[0].device)
-            yield w, [t.index_select(0, at) for t in pulled]
+            yield w, [t.index_select(0, at) if k in keys else None for k, t in enumerate(pulled)]
         return
     if not isinstance(weights, Tensor):
         yield weights, pulled
@@ -175,7 +208,7 @@ def _halves(pulled: List[Tensor], weights: Weights, n: int) -> Iterator[Tuple[fl
         keep = (at < count) if sign > 0 else (at >= count)  # [P, N]
         rows = (order[start:stop] * n + samples).flatten()  # entry (p, s): row idx·N + s of [V·N, ...]
         drop = None if bool(keep.all()) else (~keep).flatten().nonzero().squeeze(1)
-        yield sign, [_picked(t, rows, drop, stop - start) for t in pulled]
+        yield sign, [_picked(t, rows, drop, stop - start) if k in keys else None for k, t in enumerate(pulled)]
 
 
 def _picked(t: Tensor, rows: Tensor, drop: Optional[Tensor], p: int) -> Tensor:

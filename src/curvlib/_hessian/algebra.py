@@ -27,6 +27,7 @@ from . import norm as _residual_norm, structured as _residual_structured
 from .structured import one_hot_columns
 from .._core.tensors import is_concrete
 from .broadcast import broadcast_columns, broadcast_operator
+from .pairs import pair_columns
 from .rows import check_dense_size, rows_sets
 from .smooth import diag_pair, flows, polarised, product_pair, row_scale
 from .._core.sync import LOCK
@@ -71,17 +72,7 @@ def factor(res, g: Tensor) -> Columns:
         pos = {0: one_hot_columns(m, d), 1: one_hot_columns(ms, d)}
         neg = {0: one_hot_columns(m, d), 1: one_hot_columns(-ms, d)}
         return [(1.0, pos, {}), (-1.0, neg, {})]
-    if res.kind == "bilinear":
-        return _bilinear_columns(res, g)
-    if res.kind == "softmax":
-        return _residual_structured.softmax_columns(res, g)
-    if res.kind in ("matmul", "broadcast"):
-        return (_residual_structured.matmul_columns if res.kind == "matmul" else broadcast_columns)(res, g)
-    if res.kind == "norm":
-        return _residual_norm.norm_columns(res, g)
-    if res.kind == "row_region":
-        return _residual_norm.region_columns(res, g)
-    return _dense_columns(res, g)
+    return _COLUMNS.get(res.kind, _dense_columns)(res, g)
 
 
 def _bilinear_layout(res, g: Tensor) -> Tuple[Tensor, Tensor]:
@@ -113,6 +104,12 @@ def _bilinear_columns(res, g: Tensor) -> Columns:
     w_part = torch.einsum("nao,cd->acnod", w_scale, eye_i).reshape(s * i, n, gs.shape[2], i)
     name = res.site.params["weight"]
     return [(1.0, {0: x_part}, {name: w_part}), (-1.0, {0: -x_part}, {name: w_part})]
+
+
+#: Signed columns of the structured kinds besides ``"diag"`` and ``"product"`` (others: dense)
+_COLUMNS = {"bilinear": _bilinear_columns, "softmax": _residual_structured.softmax_columns,
+            "matmul": _residual_structured.matmul_columns, "broadcast": broadcast_columns,
+            "norm": _residual_norm.norm_columns, "row_region": _residual_norm.region_columns, "pair": pair_columns}
 
 
 def _layout(res):

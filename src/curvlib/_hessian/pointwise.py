@@ -28,6 +28,13 @@ negation and powers of region tensors and Python numbers: never a tensor constan
 broadcast the result to a larger shape), whose graph inputs are the region's members and
 one *root* node, and whose values, but the exit's, are used only inside the region. Regions
 with fewer than two nonlinear nodes are left as they are (nothing to gain).
+
+A *pair region* has two graph inputs instead of one: a gated MLP's ``act(a) ⊙ b`` (with the
+activation a region of its own or one node). It is one function ``z = φ(a, b)`` acting entry by
+entry when ``a``, ``b`` and ``z`` have one shape, recorded as one ``"pair"`` residual
+(:mod:`curvlib._hessian.pairs`), taken after the regions of one input (which it may contain).
+Whether the shapes agree is known once a planning pass has run: a pair whose inputs broadcast
+is split back into its nodes' entries then (:func:`split_unequal_pairs`).
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from torch import Tensor, fx
 from .._trace.graph_facts import overwrites_input
 from .._trace.program import Program
 
-__all__ = ["PointwiseRegion", "RowRegion", "fuse_pointwise_regions"]
+__all__ = ["PointwiseRegion", "RowRegion", "PairRegion", "fuse_pointwise_regions", "split_unequal_pairs"]
 
 # ``+ − × ÷``, powers and negation, out of place (in-place spellings overwrite a value the region's
 # function is taken of; they end a region)
@@ -68,21 +75,53 @@ class PointwiseRegion:
 
     def function(self, program: Program) -> Callable[[Tensor], Tensor]:
         """``φ(x)``: the region's nodes of ``program`` evaluated on ``x`` at the root."""
-        named = _by_name(program)
-        root, nodes = named[self.root], [named[k] for k in self.nodes]
+        return _evaluated(program, (self.root,), self.nodes)
 
-        def phi(x: Tensor) -> Tensor:
-            local: Dict[fx.Node, object] = {root: x}
-            load = lambda a: fx.node.map_arg(a, local.__getitem__)  # noqa: E731
-            for node in nodes:
-                local[node] = program.apply(node, load(node.args), load(node.kwargs), {})
-            return local[nodes[-1]]
 
-        return phi
+def _evaluated(program: Program, roots: Tuple[str, ...], names: Tuple[str, ...]) -> Callable[..., Tensor]:
+    """The nodes ``names`` of ``program`` (graph order, the exit last) as a function of the
+    values at ``roots``."""
+    named = _by_name(program)
+    inputs, nodes = [named[k] for k in roots], [named[k] for k in names]
+
+    def phi(*xs: Tensor) -> Tensor:
+        local: Dict[fx.Node, object] = dict(zip(inputs, xs))
+        load = lambda a: fx.node.map_arg(a, local.__getitem__)  # noqa: E731
+        for node in nodes:
+            local[node] = program.apply(node, load(node.args), load(node.kwargs), {})
+        return local[nodes[-1]]
+
+    return phi
 
 
 class RowRegion(PointwiseRegion):
     """A row region (module doc): its function acts on each row (last axis) of its input."""
+
+
+@dataclass(frozen=True)
+class PairRegion:
+    """A pair region (module doc) by its nodes' names: ``roots``, its two inputs in graph order,
+    ``nodes`` in graph order, the exit last, and ``unfused``, the plan's entries of its nodes
+    without it (``(name, entry)``: what :func:`split_unequal_pairs` puts back)."""
+
+    roots: Tuple[str, str]
+    nodes: Tuple[str, ...]
+    unfused: Tuple[Tuple[str, tuple], ...]
+
+    def input_nodes(self, program: Program) -> List[fx.Node]:
+        named = _by_name(program)
+        return [named[k] for k in self.roots]
+
+    def function(self, program: Program) -> Callable[[Tensor, Tensor], Tensor]:
+        """``φ(a, b)``: the region's nodes of ``program`` evaluated on ``a`` and ``b`` at the roots."""
+        return _evaluated(program, self.roots, self.nodes)
+
+    def aligned(self, program: Program, env: Dict[fx.Node, object]) -> bool:
+        """Whether, in ``env`` (values by node), both inputs and the exit are floating-point tensors
+        of one shape (each exit entry a function of the same entry of the inputs)."""
+        named = _by_name(program)
+        values = [env.get(named[k]) for k in self.roots + (self.nodes[-1],)]
+        return all(isinstance(v, Tensor) and v.is_floating_point() and v.shape == values[0].shape for v in values)
 
 
 def _by_name(program: Program) -> Dict[str, fx.Node]:
@@ -101,7 +140,43 @@ def fuse_pointwise_regions(program: Program, plan: Dict[fx.Node, tuple]) -> Dict
     fused = dict(plan)
     _fuse(program, plan, fused, (member | reductions, taken), lambda nodes: bool(nodes & reductions))
     _fuse(program, plan, fused, (member, taken), lambda nodes: True)
+    _fuse_pairs(program, plan, fused, member - taken)
     return fused
+
+
+def _fuse_pairs(program: Program, plan, fused, free: Set[fx.Node]) -> None:
+    """Record in ``fused`` the pair regions of the nodes ``free`` (not in a region) and of the
+    regions of one input (whole), each of at least two nonlinear nodes (module doc)."""
+    dependent = program.dependent
+    order = {node: k for k, node in enumerate(program.graph.nodes)}
+    named = _by_name(program)
+    wholes = [frozenset(named[k] for k in entry[1].nodes) for entry in fused.values() if type(entry[1]) is PointwiseRegion]
+    pool = set(free).union(*wholes)
+    for exit_node in reversed(list(program.graph.nodes)):
+        if exit_node not in pool:
+            continue
+        grown = _grown(exit_node, pool, dependent)
+        roots = sorted({a for n in grown for a in _dependent_args(n, dependent)} - grown, key=order.__getitem__)
+        if len(roots) != 2 or sum(plan.get(n, ("",))[0] in _NONLINEAR_KINDS for n in grown) < 2 \
+                or any(whole & grown and not whole <= grown for whole in wholes):  # (a region of one input: whole)
+            continue
+        ordered = sorted(grown, key=order.__getitem__)
+        unfused = tuple((n.name, fused.pop(n)) for n in ordered if n in fused)
+        pool -= grown
+        fused[exit_node] = ("pair", PairRegion((roots[0].name, roots[1].name), tuple(n.name for n in ordered), unfused),
+                            frozenset())
+
+
+def split_unequal_pairs(program: Program, plan: Dict[fx.Node, tuple], env: Dict[fx.Node, object]) -> bool:
+    """Replace in ``plan`` (in place) every pair region that is not
+    :meth:`~PairRegion.aligned` in ``env`` (a planning pass's values: its inputs broadcast) by
+    its nodes' own entries; whether any was."""
+    named = _by_name(program)
+    split = [node for node, entry in plan.items() if isinstance(entry[1], PairRegion) and not entry[1].aligned(program, env)]
+    for node in split:
+        region = plan.pop(node)[1]
+        plan.update({named[k]: entry for k, entry in region.unfused})
+    return bool(split)
 
 
 def _fuse(program: Program, plan, fused, where: Tuple[Set[fx.Node], Set[fx.Node]], wanted) -> None:

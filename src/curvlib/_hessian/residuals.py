@@ -31,6 +31,7 @@ Kinds, by structure:
 * ``"row_region"``: a subgraph acting on each row (last axis) of one tensor alone (RMSNorm
   written out in primitives, :mod:`curvlib._hessian.pointwise`): one ``[D, D]`` block per row
   (:func:`curvlib._hessian.norm.region_residual`);
+* ``"pair"``: a gated MLP's ``act(a) ⊙ b``, any element-wise ``φ(a, b)`` (:mod:`curvlib._hessian.pairs`);
 * ``"product"``: ``z = x ⊙ y`` (same shapes): ``R = [[0, D], [D, 0]]``, ``D = diag(g)``;
 * ``"broadcast"``: ``z = x ⊙ y`` broadcasting (squeeze-excite's ``x * s[:, :, None, None]``):
   per shared index, a matrix product ``[T, 1] × [1, S]`` (:mod:`curvlib._hessian.broadcast`);
@@ -73,6 +74,7 @@ from .._core.site import Recorder, ResidualParts
 from ..rules.elementwise import classify
 from .broadcast import broadcastable
 from .dense_node import AFFINE_IN_PARAMETERS, node_function, own_parameters  # noqa: F401 (AFFINE_IN_PARAMETERS: this module's too)
+from .pairs import record_pair
 from .pointwise import PointwiseRegion, fuse_pointwise_regions
 from .rows import linear_in_inputs, separable_rows
 from ..rules.rnn_steps import Coupling
@@ -83,7 +85,6 @@ AFFINE_FAMILIES = FamilyKinds(lambda f: f.affine_in_input)
 #: Normalisations with a block-diagonal residual over their input (``"norm"`` kind,
 #: :attr:`~curvlib._core.family.Family.norm_residual`).
 NORM_FAMILIES = FamilyKinds(lambda f: f.norm_residual is not None)
-
 
 
 def _describe(program: Program, node: fx.Node) -> str:
@@ -101,11 +102,10 @@ def residual_plan(program: Program, fuse: bool = True) -> Dict[fx.Node, Planned]
     element-wise subgraph as one residual (:func:`curvlib._hessian.pointwise.fuse_pointwise_regions`).
 
     Returns:
-        node -> ``(kind, phi, coupled)``: ``phi`` is ``φ(a)`` for ``"diag"``, the
-        :class:`~curvlib.rules.rnn_steps.Coupling` for ``"layer"`` (a recurrent
-        module, whose rule records its unrolled nodes itself), ``None`` otherwise (a dense node's function is built from the node);
-        ``coupled`` the node's own parameters (canonical names) on which one of
-        its inputs depends (see the module doc).
+        node -> ``(kind, phi, coupled)``: ``phi`` is ``φ(a)`` for ``"diag"`` (or a region), the
+        :class:`~curvlib.rules.rnn_steps.Coupling` for ``"layer"`` (a recurrent module, whose rule
+        records its unrolled nodes itself), ``None`` otherwise (a dense node's function is built
+        from the node); ``coupled`` the node's own parameters on which one of its inputs depends.
     """
     graph = program.graph
     dependent = program.dependent
@@ -311,8 +311,9 @@ def _record_structured(at: _Evaluated, planned: Planned, params: Dict[str, Tenso
             a = fx.node.map_arg(node.args, lambda n: env[n])[0]
         env_out[node] = rec.residual(node.name, kind, phi, [a], z)
         return True
-    if kind == "row_region":  # the region's function of its root's value, row by row
-        env_out[node] = rec.residual(node.name, kind, phi.function(program), [env[phi.input_node(program)]], z)
+    if kind in ("row_region", "pair"):  # a region's function of its roots' values (by rows, by entries)
+        env_out[node] = record_pair(program, node, phi, env, rec, z) if kind == "pair" else \
+            rec.residual(node.name, kind, phi.function(program), [env[phi.input_node(program)]], z)
         return True
     if kind == "product":
         x, y = (env[a] for a in node.args)

@@ -23,6 +23,7 @@ from .._core.tensors import is_concrete
 from ..rules.elementwise import second_derivative
 from .algebra import factor
 from .norm import norm_residual, region_residual
+from .pairs import pair_blocks, pair_weighted
 from .smooth import flows
 from .structured import LazyColumns, one_hot_columns, row_columns, row_columns_weighted, softmax_residual
 
@@ -53,6 +54,10 @@ def weighted_factor(res, g: Tensor) -> WeightedColumns:
         if _plain(r):
             weights = torch.where(r >= 0, 1.0, -1.0).to(r.dtype).reshape(r.shape[0], -1).t()  # [D, N]
             return [(weights, {0: one_hot_columns(r.abs().sqrt(), d)}, {})]
+    elif res.kind == "pair":
+        blocks = pair_blocks(res, g)
+        if _plain(blocks[0]):
+            return pair_weighted(res, blocks)
     elif res.kind in _ROWS:
         layout, R = _ROWS[res.kind](res, g)
         return row_columns_weighted(layout, R) if _plain(R) else row_columns(layout, R)

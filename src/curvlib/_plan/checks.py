@@ -147,8 +147,10 @@ def cached_plan(traced: Traced, X, values: Mapping[str, Tensor], trainable: froz
     )
     plan = traced.plans.get(key)
     if plan is None or traced.runner is not None:  # an untraced model's path may change per call
-        plan = traced.plans[key] = make_plan(
-            traced.program, X, values, trainable, traced.residual_nodes, runner=traced.runner
-        )
+        residuals = len(traced.residual_nodes)
+        plan = make_plan(traced.program, X, values, trainable, traced.residual_nodes, runner=traced.runner)
+        if len(traced.residual_nodes) != residuals:  # (regions split back into nodes: other plans are stale)
+            traced.plans.clear()
+        traced.plans[key] = plan
         traced.program = plan.program  # (a rewrite that split merged batches off made a new program)
     return plan

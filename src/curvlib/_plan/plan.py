@@ -27,6 +27,7 @@ from .._trace.program import Program
 from .._core.batch_layout import batch_first_shape
 from .._core.site import Recorder, Site
 from .._hessian.rows import check_dense_size
+from .._hessian.pointwise import split_unequal_pairs
 
 from .._interpret.graph import run_graph
 from ..rules import checker_for
@@ -238,6 +239,9 @@ def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=Non
     n = _inputs.batch_size(X)
     # (every node's value in both passes: for _independence)
     (rec_a, out_a, env_a), (rec_b, _, env_b) = _two_passes(program, X, params, trainable, residual_nodes, runner)
+    if residual_nodes and split_unequal_pairs(program, residual_nodes, env_a):
+        # (element-wise regions of two tensors that broadcast: recorded node by node, planned again)
+        return make_plan(program, X, params, trainable, residual_nodes, runner)
     merged = split_merged_batches(program, rec_a, rec_b, env_a, env_b, n, trainable)
     if merged is not None:
         return make_plan(merged, X, params, trainable, residual_nodes, runner)

@@ -9,16 +9,18 @@ the positions that share the weight: for columns ``m [V, N, S, O]`` and the laye
 
 ``V·N·S²·O`` products for ``M`` and ``N·S²·O·I`` for the rest, against ``V·N·S·O·I`` for the
 individual gradients: fewer where ``S (V + I) < V·I`` (a language model's layers under the
-Hessian's residual columns, ``V`` a sample's activations). The bias's is ``Σ_{s,t} M``.
+Hessian's residual columns, ``V`` a sample's activations). The bias's is ``Σ_{s,t} M``. Weighted columns (the Hessian's, a sign per column and sample:
+``Σ_v w_vn (J_pᵀ m_v)²``) weight ``M``'s terms, with no sorting of the columns by sign.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
+from .._core import settings
 from .._core.site import RoleTensors, Site
 
 
@@ -43,18 +45,38 @@ def cheaper(m: Tensor, x: Tensor, entries: int) -> bool:
     return s > 1 and v > 1 and s * (v + i) < v * i and n * s * s * max(o, i) <= entries
 
 
-def squares(m: Tensor, x: Tensor, roles: Sequence[str], per_sample: bool) -> RoleTensors:
+def squares(m: Tensor, x: Tensor, roles: Sequence[str], per_sample: bool, weights: Optional[Tensor] = None) -> RoleTensors:
     """``Σ_v (J_pᵀ m_v)²`` per sample (``per_sample``: weight ``[N, O, I]``, bias ``[N, O]``) or
-    also summed over the samples (weight ``[1, O, I]``, bias ``[1, O]``: one block of columns)."""
-    n, s = x.shape[0], x.shape[1]
-    mf = m.reshape(m.shape[0], n, s, m.shape[-1])
-    M = torch.einsum("vnso,vnto->nsto", mf, mf)  # [N, S, S, O]
+    also summed over the samples (weight ``[1, O, I]``, bias ``[1, O]``: one block of columns);
+    with ``weights [V, N]``, ``Σ_v w_vn (J_pᵀ m_v)²`` (``M = Σ_v w_vn m_vn m_vnᵀ``)."""
+    n, s, v = x.shape[0], x.shape[1], m.shape[0]
+    # M as [N, O, S, S]: the columns moved last once (one copy), then one batched product per
+    # (sample, output) reading that copy and its transpose (an einsum copied both operands)
+    mo = m.reshape(v, n, s, m.shape[-1]).permute(1, 3, 2, 0).contiguous()  # [N, O, S, V]
+    mw = mo if weights is None else mo * weights.t().reshape(n, 1, 1, v).to(mo.dtype)
+    M = torch.matmul(mw, mo.transpose(-1, -2))  # [N, O, S, S]
+    o = M.shape[1]
     out = {}
     if "weight" in roles:
         xx = (x.unsqueeze(2) * x.unsqueeze(1)).reshape(n, s * s, -1)  # [N, S·S, I]
-        Mf = M.reshape(n, s * s, -1)
-        out["weight"] = torch.bmm(Mf.transpose(1, 2), xx) if per_sample else \
-            (Mf.reshape(n * s * s, -1).t() @ xx.reshape(n * s * s, -1)).unsqueeze(0)
+        Mf = M.reshape(n, o, s * s)
+        out["weight"] = torch.bmm(Mf, xx) if per_sample else \
+            (Mf.transpose(0, 1).reshape(o, n * s * s) @ xx.reshape(n * s * s, -1)).unsqueeze(0)
     if "bias" in roles:
-        out["bias"] = M.sum((1, 2)) if per_sample else M.sum((0, 1, 2)).unsqueeze(0)
+        out["bias"] = M.sum((2, 3)) if per_sample else M.sum((0, 2, 3)).unsqueeze(0)
+    return out
+
+
+def weighted_squares(site: Site, m: Tensor, roles: Sequence[str], weights: Tensor, per_sample: bool,
+                     transposed: bool = False) -> Optional[RoleTensors]:
+    """``Σ_v w_vn (J_pᵀ m_v)²`` for ``weights [V, N]`` (weight ``[N, O, I]``, ``transposed``:
+    ``[N, I, O]``, bias ``[N, O]``; without ``per_sample`` summed over the samples), from the
+    Gram matrices where they are :func:`cheaper`, else ``None``."""
+    x = site.saved["x"]
+    x = x.reshape(x.shape[0], -1, x.shape[-1])  # [N, S, I]
+    if not cheaper(m, x, settings.current().linear_squares_entries):
+        return None
+    out = {r: t if per_sample else t[0] for r, t in squares(m, x, roles, per_sample, weights).items()}
+    if transposed and "weight" in out:
+        out["weight"] = out["weight"].transpose(-1, -2)
     return out

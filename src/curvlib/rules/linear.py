@@ -291,6 +291,7 @@ LINEAR = Rule(
     batch_sum_squares_over_columns=batch_sum_squares_over_columns,
     outer_factors=outer_factors,
     grad_batch_columns=_linear_columns.grad_batch_columns,
+    weighted_squares_over_columns=_linear_columns.weighted_squares,
     column_statistic=column_statistic,
     column_squares=column_squares,
 )
@@ -323,6 +324,7 @@ LINEAR_TRANSPOSED = Rule(
     batch_sum_squares_over_columns=_weight_transposed(batch_sum_squares_over_columns),
     outer_factors=outer_factors,
     grad_batch_columns=functools.partial(_linear_columns.grad_batch_columns, transposed=True),
+    weighted_squares_over_columns=functools.partial(_linear_columns.weighted_squares, transposed=True),
     column_statistic=column_statistic,
     column_squares=lambda site, m2, roles, per_sample: _weight_transposed(
         functools.partial(column_squares, per_sample=per_sample))(site, m2, roles),
