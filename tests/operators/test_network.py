@@ -391,3 +391,50 @@ def test_a_kernel_without_forward_mode_whose_second_derivative_is_right():
     _close(H.to_dense(), brute.hessian(), "Hessian")
     assert H.needs_symmetry and H.symmetric_checked
     _close(GGN(model, lossfn, (X, y)).to_dense(), brute.ggn(), "GGN")
+
+
+class OldStyleGelu(torch.autograd.Function):
+    """A custom Function written the old way (``forward(ctx, x)``, Bloom's GeLU): no ``torch.func``
+    transform runs it; plain autograd does."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(1.702 * x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(1.702 * x)
+        return g * (s + 1.702 * x * s * (1 - s))
+
+
+class OldStyleNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(OldStyleGelu.apply(self.a(x)))
+
+
+def test_a_function_torch_func_cannot_transform_runs_on_plain_autograd():
+    torch.manual_seed(4)
+    model = OldStyleNet().to(D)
+    X, y = torch.randn(5, 3, dtype=D), torch.randint(0, 2, (5,))
+    lossfn = nn.CrossEntropyLoss()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    theta = torch.cat([p.reshape(-1) for p in params.values()])
+    f = lambda t: torch.func.functional_call(model, _split(t, params), (X,))  # noqa: E731
+    J = torch.autograd.functional.jacobian(f, theta).reshape(-1, theta.numel())
+    out = f(theta).detach()
+    H_out = torch.autograd.functional.hessian(lambda o: lossfn(o.reshape(out.shape), y), out.reshape(-1))
+    H = torch.autograd.functional.hessian(lambda t: lossfn(f(t), y), theta)
+    _close(GGN(model, lossfn, (X, y)).to_dense(), J.T @ H_out @ J, "GGN")
+    _close(Hessian(model, lossfn, (X, y)).to_dense(), H, "Hessian")
+    Jop = Jacobian(model, lossfn, (X, y))
+    _close(Jop.to_dense(), J, "Jacobian")
+    _close(Jop.T.to_dense(), J.T, "Jacobian transpose")
+    G = GGN(model, lossfn, (X, y))
+    with pytest.raises(CurvatureError, match="cannot be vmapped"):
+        torch.func.vmap(lambda v: G @ v)(torch.eye(G.shape[1], dtype=D))

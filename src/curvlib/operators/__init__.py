@@ -35,7 +35,8 @@ from .eigen import Eigenpairs, SpectralDensity, lanczos, spectral_density
 from .estimators import Estimate, hutchinson_diagonal, hutchinson_trace, hutchpp_trace, xdiag, xtrace
 from .jacobian import Jacobian, TransposedJacobian
 from .kronecker import EKFAC, KFAC, KroneckerInverse, KroneckerOperator
-from .network import GGN, EmpiricalFisher, FisherMC, Hessian, NetworkOperator
+from .hessian import Hessian
+from .network import GGN, EmpiricalFisher, FisherMC, NetworkOperator
 from .solvers import Solution, cg, minres
 
 __all__ = [

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .._evaluate.products import guarded
 from .._transform.network import translated
+from . import plain
 from .base import CurvatureOperator
 from .network import NetworkOperator
 
@@ -112,5 +113,8 @@ class TransposedJacobian(CurvatureOperator):
                 cot = block.T.reshape((block.shape[1],) + tuple(out.shape))
                 return torch.func.vmap(lambda c: pull(c)[0], randomness="same")(cot)
 
-            total = total + space.flatten(translated(jac.network.model, pulled))
+            def by_autograd(batch=batch, block=block):
+                return plain.transposed_products(batch, space.names, block.T)
+
+            total = total + space.flatten(translated(jac.network.model, lambda: jac.with_fallback(pulled, by_autograd)))
         return total

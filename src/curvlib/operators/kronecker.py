@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, Mapping, Optional
 
 import torch
 from torch import Tensor, nn

@@ -10,7 +10,7 @@ For the loss ``L(θ) = c·Σ_n ℓ(f(x_n; θ), y_n)`` with Jacobian ``J = ∂f/�
   ``ŷ_nm`` drawn from the model's predictive distribution (``E[F̂] = G`` for these losses);
 * :class:`EmpiricalFisher`: ``E = Σ_n g_n g_nᵀ``, ``g_n = ∂(c·ℓ_n)/∂θ`` (its diagonal is
   ``SumGradSquared``);
-* :class:`Hessian`: ``H = ∇²_θ L``, by forward-over-reverse autodiff;
+* :class:`~curvlib.operators.Hessian`: ``H = ∇²_θ L``, by forward-over-reverse autodiff;
 * :class:`~curvlib.operators.Jacobian`: ``J`` itself, ``[N·C, P]`` (rows: the outputs of each batch, flattened per
   sample, batches in order); ``J.T`` its transpose.
 
@@ -21,20 +21,22 @@ changed, and ``A @ v`` is differentiable and ``vmap``-able in ``v``.
 from __future__ import annotations
 
 import copy
-from typing import Callable, Dict, Mapping, Optional, Sequence
+from typing import Callable, Dict, Mapping, Optional, Sequence, TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from .._core.errors import CurvatureError
-from .._evaluate.products import guarded, loss_lacks_forward_mode
+from .._evaluate.products import guarded
 from .._transform.network import Batch, Network, lacks_forward_mode, translated
 from .base import CurvatureOperator, ParameterSpace
+from . import plain
 from .data import BatchSeeds, Data
 
-__all__ = ["NetworkOperator", "GGN", "FisherMC", "EmpiricalFisher", "Hessian"]
+__all__ = ["NetworkOperator", "GGN", "FisherMC", "EmpiricalFisher"]
 
 Directions = Dict[str, Tensor]  # parameter name -> [K, *p.shape]
+T = TypeVar("T")
 
 
 class NetworkOperator(CurvatureOperator):
@@ -71,8 +73,9 @@ class NetworkOperator(CurvatureOperator):
         ((8, 8), ['0', '2'])
     """
 
-    #: Jacobian-vector products in forward mode (off once torch lacks one for the model)
-    forward_mode = True
+    #: Jacobian-vector products in forward mode (off once torch lacks one for the model); plain
+    #: autograd instead of torch.func (on once torch.func refuses the model)
+    forward_mode, plain = True, False
 
     def __init__(self, model: nn.Module, lossfn, data, params: Optional[Mapping[str, Tensor]] = None,
                  buffers: Optional[Mapping[str, Tensor]] = None, output=None,
@@ -155,10 +158,26 @@ class NetworkOperator(CurvatureOperator):
             groups.setdefault(key, []).append(name)
         return {key: self.block(names) for key, names in groups.items()}
 
+    def with_fallback(self, functorch: Callable[[], T], plain_autograd: Callable[[], T]) -> T:
+        """``functorch()``, or ``plain_autograd()`` from the first model ``torch.func`` cannot
+        differentiate on (a custom ``autograd.Function`` without ``setup_context``, :mod:`~curvlib.operators.plain`)."""
+        if not self.plain:
+            try:
+                return functorch()
+            except Exception as exc:  # noqa: BLE001 - re-raised unless it is torch.func's refusal
+                if not plain.needs_plain_autograd(exc):
+                    raise
+                self.plain = True
+        return plain_autograd()
+
     def output_curvature(self, batch: Batch, V: Directions, apply: Callable[[Tensor, Tensor], Tensor]) -> Directions:
         """``Jᵀ D J V`` for an output-space matrix ``D``: ``apply(out, JV)`` with ``JV [K, N, *out]``.
         The Jacobian-vector products first (forward mode holds one layer at a time), then one
         forward kept for the vector-Jacobian products: the peak is a backward's and ``JV``."""
+        return self.with_fallback(lambda: self._output_curvature(batch, V, apply),
+                                  lambda: plain.output_curvature(batch, V, apply))
+
+    def _output_curvature(self, batch: Batch, V: Directions, apply) -> Directions:
         theta = {n: batch.values[n] for n in V}
         jv = self.forward_jacobian_products(batch, theta, V)
         out, pull = torch.func.vjp(batch.output, theta)
@@ -182,11 +201,14 @@ class NetworkOperator(CurvatureOperator):
 
     def jacobian_products(self, batch: Batch, theta, V: Directions) -> Tensor:
         """``J V`` (``[K, N, *out]``), in forward mode where torch has it."""
-        jv = self.forward_jacobian_products(batch, theta, V)
-        if jv is None:
-            out, pull = torch.func.vjp(batch.output, theta)
-            jv = reverse_jacobian_products(pull, out, V)
-        return jv
+        def functorch() -> Tensor:
+            jv = self.forward_jacobian_products(batch, theta, V)
+            if jv is None:
+                out, pull = torch.func.vjp(batch.output, theta)
+                jv = reverse_jacobian_products(pull, out, V)
+            return jv
+
+        return self.with_fallback(functorch, lambda: plain.jacobian_products(batch, V))
 
     def parameters(self) -> Dict[str, Tensor]:
         """The values the operator is evaluated at, parameter name -> tensor."""
@@ -298,79 +320,3 @@ class EmpiricalFisher(NetworkOperator):
             u = torch.func.grad(batch.loss)(out)  # row n: c∇ℓ_n, sample n's own output gradient
             return u * _per_sample_inner(jv, u)
         return self.output_curvature(batch, V, apply)
-
-
-class Hessian(NetworkOperator):
-    """The Hessian ``∇²_θ L`` (module doc), by forward-over-reverse autodiff (a Jacobian-vector
-    product of the gradient); its diagonal is ``DiagHessian``. Where torch has no forward-mode
-    derivative of the loss's backward (``MSELoss(reduction="mean")`` in torch 2.13 meets an
-    immutable zero tensor; ``huber_loss_backward`` has none), reverse-over-reverse: the Hessian is
-    symmetric, so ``H v = (vᵀ H)ᵀ``, a vector-Jacobian product of the gradient. Where a model
-    operation has no forward-mode derivative (grouped expert matmuls, ``weight_norm``'s kernel),
-    reverse-over-reverse too, once its products pass a symmetry check on the first batch,
-    ``|uᵀ(Hw) − wᵀ(Hu)| ≤ √ε (‖u‖‖Hw‖ + ‖w‖‖Hu‖)`` for random ``u, w``: torch's reverse-mode
-    second derivative of such a kernel can be wrong (``weight_norm``'s is, in torch 2.13, and is
-    refused so). Arguments as ``NetworkOperator``'s.
-
-    Examples::
-
-        >>> import torch
-        >>> from torch import nn
-        >>> from curvlib.operators import Hessian, lanczos
-        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
-        >>> X, y = torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 2, (8,))
-        >>> H = Hessian(model, nn.CrossEntropyLoss(), (X, y))
-        >>> top = lanczos(H, k=1).values[0]
-        >>> bool(torch.isclose(top, torch.linalg.eigvalsh(H.to_dense())[-1]))
-        True
-    """
-
-    #: whether reverse-over-reverse products must pass the symmetry check first (a model
-    #: operation without forward mode), and whether they have
-    needs_symmetry, symmetric_checked = False, False
-
-    def batch_product(self, batch, seeds, V):
-        theta = {n: batch.values[n] for n in V}
-        gradient = torch.func.grad(lambda th: batch.loss(batch.output(th)))
-        if self.forward_mode:
-            try:
-                return torch.func.vmap(lambda v: torch.func.jvp(gradient, (theta,), (v,))[1], randomness="same")(V)
-            except (RuntimeError, NotImplementedError) as exc:  # (the model's own are CurvatureErrors)
-                if not loss_lacks_forward_mode(exc):
-                    raise
-            except CurvatureError as exc:
-                if not lacks_forward_mode(exc):
-                    raise
-                self.needs_symmetry, self.cause = True, exc
-            self.forward_mode = False
-        _, pull = torch.func.vjp(gradient, theta)
-        if self.needs_symmetry and not self.symmetric_checked:
-            self._check_symmetric(pull, theta)
-        return torch.func.vmap(lambda v: pull(v)[0], randomness="same")(V)
-
-    def _check_symmetric(self, pull, theta) -> None:
-        """Refuse reverse-mode second derivatives that are not symmetric (module doc)."""
-        gen = torch.Generator(device=self.device).manual_seed(0)
-        u, w = ({n: torch.randn(t.shape, generator=gen, dtype=t.dtype, device=t.device) for n, t in theta.items()}
-                for _ in range(2))
-        hu, hw = pull(u)[0], pull(w)[0]
-        dot = lambda a, b: sum(float((a[n] * b[n]).sum()) for n in a)  # noqa: E731
-        norm = lambda a: dot(a, a) ** 0.5  # noqa: E731
-        gap, scale = abs(dot(u, hw) - dot(w, hu)), norm(u) * norm(hw) + norm(w) * norm(hu)
-        if gap > torch.finfo(self.dtype).eps ** 0.5 * scale:
-            raise CurvatureError(
-                "Hessian: forward-mode derivatives (torch.func.jvp) of the model's operations are needed, "
-                f"but torch has none for one of them ({_first_cause(self.cause)}), and its reverse-mode "
-                f"second derivative is wrong here: the products are not symmetric (uᵀHw − wᵀHu = {gap:.2g} "
-                f"at scale {scale:.2g}; weight_norm's kernel is known wrong in torch 2.13). The GGN, Fisher "
-                "and Jacobian operators work on this model; or write the operation without the kernel "
-                "(weight normalisation as w = g * v / v.norm(...) in a parametrization).") from self.cause
-        self.symmetric_checked = True
-
-
-def _first_cause(exc: BaseException) -> str:
-    """The first line of the innermost error ``exc`` was raised from."""
-    while exc.__cause__ is not None:
-        exc = exc.__cause__
-    inner = getattr(exc, "exc", exc)
-    return str(inner).splitlines()[0] if str(inner) else type(inner).__name__

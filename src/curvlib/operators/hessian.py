@@ -1,0 +1,102 @@
+"""The whole network's Hessian ``∇²_θ L`` as an operator (:mod:`curvlib.operators.network`'s
+arguments and data), by forward-over-reverse autodiff where torch has it."""
+
+from __future__ import annotations
+
+import torch
+
+from .._core.errors import CurvatureError
+from .._evaluate.products import loss_lacks_forward_mode
+from .._transform.network import lacks_forward_mode
+from . import plain
+from .network import NetworkOperator
+
+__all__ = ["Hessian"]
+
+
+class Hessian(NetworkOperator):
+    """The Hessian ``∇²_θ L`` (module doc), by forward-over-reverse autodiff (a Jacobian-vector
+    product of the gradient); its diagonal is ``DiagHessian``. Where torch has no forward-mode
+    derivative of the loss's backward (``MSELoss(reduction="mean")`` in torch 2.13 meets an
+    immutable zero tensor; ``huber_loss_backward`` has none), reverse-over-reverse: the Hessian is
+    symmetric, so ``H v = (vᵀ H)ᵀ``, a vector-Jacobian product of the gradient. Where a model
+    operation has no forward-mode derivative (grouped expert matmuls, ``weight_norm``'s kernel),
+    reverse-over-reverse too, once its products pass a symmetry check on the first batch,
+    ``|uᵀ(Hw) − wᵀ(Hu)| ≤ √ε (‖u‖‖Hw‖ + ‖w‖‖Hu‖)`` for random ``u, w``: torch's reverse-mode
+    second derivative of such a kernel can be wrong (``weight_norm``'s is, in torch 2.13, and is
+    refused so). Arguments as ``NetworkOperator``'s.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib.operators import Hessian, lanczos
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+        >>> X, y = torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 2, (8,))
+        >>> H = Hessian(model, nn.CrossEntropyLoss(), (X, y))
+        >>> top = lanczos(H, k=1).values[0]
+        >>> bool(torch.isclose(top, torch.linalg.eigvalsh(H.to_dense())[-1]))
+        True
+    """
+
+    #: whether reverse-over-reverse products must pass the symmetry check first (a model
+    #: operation without forward mode), and whether they have
+    needs_symmetry, symmetric_checked = False, False
+
+    def batch_product(self, batch, seeds, V):
+        return self.with_fallback(lambda: self._functorch_product(batch, V), lambda: self._plain_product(batch, V))
+
+    def _plain_product(self, batch, V):
+        hv, product = plain.hessian_products(batch, V)
+        if not self.symmetric_checked:  # (reverse over reverse through the model's own backward)
+            self._check_symmetric(product, {n: batch.values[n] for n in V},
+                                  "torch.func cannot transform a custom autograd.Function of the model, so its "
+                                  "products run on plain autograd, reverse over reverse")
+        return hv
+
+    def _functorch_product(self, batch, V):
+        theta = {n: batch.values[n] for n in V}
+        gradient = torch.func.grad(lambda th: batch.loss(batch.output(th)))
+        if self.forward_mode:
+            try:
+                return torch.func.vmap(lambda v: torch.func.jvp(gradient, (theta,), (v,))[1], randomness="same")(V)
+            except (RuntimeError, NotImplementedError) as exc:  # (the model's own are CurvatureErrors)
+                if not loss_lacks_forward_mode(exc):
+                    raise
+            except CurvatureError as exc:
+                if not lacks_forward_mode(exc):
+                    raise
+                self.needs_symmetry = True
+                self.reverse_reason = ("torch has no forward-mode derivative of one of the model's operations "
+                                       f"({_first_cause(exc)}), so its products run reverse over reverse")
+            self.forward_mode = False
+        _, pull = torch.func.vjp(gradient, theta)
+        if self.needs_symmetry and not self.symmetric_checked:
+            self._check_symmetric(lambda u: pull(u)[0], theta, self.reverse_reason)
+        return torch.func.vmap(lambda v: pull(v)[0], randomness="same")(V)
+
+    def _check_symmetric(self, product, theta, reason: str) -> None:
+        """Refuse reverse-mode second derivatives that are not symmetric (module doc)."""
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        u, w = ({n: torch.randn(t.shape, generator=gen, dtype=t.dtype, device=t.device) for n, t in theta.items()}
+                for _ in range(2))
+        hu, hw = product(u), product(w)
+        dot = lambda a, b: sum(float((a[n] * b[n]).sum()) for n in a)  # noqa: E731
+        norm = lambda a: dot(a, a) ** 0.5  # noqa: E731
+        gap, scale = abs(dot(u, hw) - dot(w, hu)), norm(u) * norm(hw) + norm(w) * norm(hu)
+        if gap > torch.finfo(self.dtype).eps ** 0.5 * scale:
+            raise CurvatureError(
+                f"Hessian: {reason}, and torch's reverse-mode second derivative is wrong here: the products "
+                f"are not symmetric (uᵀHw − wᵀHu = {gap:.2g} at scale {scale:.2g}; weight_norm's kernel is known "
+                "wrong in torch 2.13). The GGN, Fisher and Jacobian operators work on this model; or write the "
+                "operation without the kernel (weight normalisation as w = g * v / v.norm(...) in a "
+                "parametrization).")
+        self.symmetric_checked = True
+
+
+def _first_cause(exc: BaseException) -> str:
+    """The first line of the innermost error ``exc`` was raised from."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    inner = getattr(exc, "exc", exc)
+    return str(inner).splitlines()[0] if str(inner) else type(inner).__name__
