@@ -21,8 +21,14 @@ Example::
 from .base import CurvatureOperator, ParameterSpace
 from .jacobian import Jacobian, TransposedJacobian
 from .network import GGN, EmpiricalFisher, FisherMC, Hessian, NetworkOperator
+from .eigen import Eigenpairs, SpectralDensity, lanczos, spectral_density
+from .estimators import Estimate, hutchinson_diagonal, hutchinson_trace, hutchpp_trace, xdiag, xtrace
+from .solvers import Solution, cg, minres
 
 __all__ = [
     "CurvatureOperator", "ParameterSpace", "NetworkOperator",
     "GGN", "FisherMC", "EmpiricalFisher", "Hessian", "Jacobian", "TransposedJacobian",
+    "Eigenpairs", "SpectralDensity", "lanczos", "spectral_density",
+    "Estimate", "hutchinson_trace", "hutchpp_trace", "xtrace", "hutchinson_diagonal", "xdiag",
+    "Solution", "cg", "minres",
 ]
