@@ -332,8 +332,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpt-n", type=int, default=1, help="gpt2-small's sequences N")
     parser.add_argument("--gpt-t", type=int, default=32, help="gpt2-small's tokens per sequence T")
     parser.add_argument("--eig-tol", type=float, default=1e-3, help="target relative error of the eigenvalue")
-    parser.add_argument("--trace-matvecs", type=int, default=30, help="products per trace estimate")
-    parser.add_argument("--trace-seeds", type=int, default=3,
+    parser.add_argument("--trace-matvecs", type=int, default=24, help="products per trace estimate")
+    parser.add_argument("--trace-seeds", type=int, default=1,
                         help="estimates per trace estimator (seeds): the error is their mean, the time their median")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory processes")
     parser.add_argument("--quick", action="store_true",

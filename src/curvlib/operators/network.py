@@ -80,7 +80,8 @@ class NetworkOperator(CurvatureOperator):
         if M.shape[1] == 0:
             return M.new_zeros(self.shape[0], 0)
         parts = [self._chunk(M[:, k:k + self.chunk_size]) for k in range(0, M.shape[1], self.chunk_size)]
-        return torch.cat(parts, dim=1)
+        # one chunk: no copy (a [P, K] cat of transposed chunks copies element by element)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def _chunk(self, M: Tensor) -> Tensor:
         V = self.domain.unflatten(M)
@@ -88,7 +89,10 @@ class NetworkOperator(CurvatureOperator):
         for weight, seeds, batch in self.data:
             part = translated(self.network.model, lambda: self.batch_product(batch, seeds, V))
             scale = self.batch_weight(weight)
-            total = {n: scale * part[n] + (0 if total is None else total[n]) for n in part}
+            if total is None:  # the first batch: no zeros added, no copy when its weight is 1
+                total = part if scale == 1 else {n: scale * p for n, p in part.items()}
+            else:
+                total = {n: total[n] + scale * p for n, p in part.items()}
         return self.codomain.flatten(total)
 
     def batch_weight(self, weight: float) -> float:
@@ -106,12 +110,29 @@ class NetworkOperator(CurvatureOperator):
 
 def _output_curvature(batch: Batch, V: Directions, apply: Callable[[Tensor, Tensor], Tensor]) -> Directions:
     """``Jᵀ D J V`` for an output-space matrix ``D``: ``apply(out, JV)`` with ``JV [K, N, *out]``.
-    One forward kept for the vector-Jacobian products, ``K`` Jacobian-vector products."""
+    ``K`` Jacobian-vector products first, then one forward kept for the vector-Jacobian products
+    (in this order the forward-mode pass's values are gone before the kept forward's are made)."""
     theta = {n: batch.values[n] for n in V}
+    jv = _over_vectors(lambda v: torch.func.jvp(batch.output, (theta,), (v,))[1], V)
     out, pull = torch.func.vjp(batch.output, theta)
-    jv = torch.func.vmap(lambda v: torch.func.jvp(batch.output, (theta,), (v,))[1], randomness="same")(V)
     djv = apply(out.detach(), jv)
-    return torch.func.vmap(lambda c: pull(c)[0], randomness="same")(djv)
+    del jv
+    return _over_vectors(lambda c: pull(c)[0], djv)
+
+
+def _over_vectors(fn: Callable, stacked):
+    """``fn`` on each of ``K`` stacked inputs (a tensor or a dict of tensors ``[K, ...]``), the
+    results stacked the same way: ``vmap`` for ``K > 1``; one vector is called directly (``vmap``
+    over one turns every matmul into a batched one, slower on CPU)."""
+    first = next(iter(stacked.values())) if isinstance(stacked, Mapping) else stacked
+    if first.shape[0] != 1:
+        return torch.func.vmap(fn, randomness="same")(stacked)
+    return _each(fn(_each(stacked, lambda t: t[0])), lambda t: t.unsqueeze(0))
+
+
+def _each(x, fn: Callable):
+    """``fn`` on a tensor, or on every value of a dict of tensors."""
+    return {n: fn(t) for n, t in x.items()} if isinstance(x, Mapping) else fn(x)
 
 
 def _per_sample_inner(a: Tensor, b: Tensor) -> Tensor:
@@ -172,4 +193,4 @@ class Hessian(NetworkOperator):
     def batch_product(self, batch, seeds, V):
         theta = {n: batch.values[n] for n in V}
         gradient = torch.func.grad(lambda th: batch.loss(batch.output(th)))
-        return torch.func.vmap(lambda v: torch.func.jvp(gradient, (theta,), (v,))[1], randomness="same")(V)
+        return _over_vectors(lambda v: torch.func.jvp(gradient, (theta,), (v,))[1], V)
