@@ -1,8 +1,8 @@
 """curvlib's whole-network operators (``curvlib.operators``) against the libraries that offer the
 same products: GGN- and Hessian-vector products, the top eigenvalue and the trace.
 
-    python benchmarks/operators.py                      # mlp, 3c3d, gpt2-small (N=1, T=32): ~15 min
-    python benchmarks/operators.py --quick              # mlp only, fewer rounds: < 2 min
+    python benchmarks/operators.py                      # mlp, 3c3d, gpt2-small (N=1, T=32); eigen, trace on mlp, 3c3d
+    python benchmarks/operators.py --quick              # mlp only, fewer rounds: 25 s (load 3)
     python benchmarks/operators.py --problems 3c3d --parts products --rounds 5
     python benchmarks/operators.py --device cuda --out benchmarks/results/cuda
 
@@ -14,7 +14,8 @@ the graph it keeps, ``eigenvalues`` (power iteration), ``trace`` (Hutchinson); H
 and hessian-eigenthings 1.0.0a5 (``GGNOperator``, ``HessianOperator``, ``power_iteration_one``,
 ``lanczos``, ``hutchinson``, ``hutch_plus_plus``).
 
-Three parts, each in fresh processes (``memory_knobs.spawn``; ``PYTHONPATH`` is the tree's ``src``):
+Measured on 2 shared cores: the products 8 min (load 3-4), eigen and trace 20 min (load 6); about
+15 min in all on an idle machine. Three parts, each in fresh processes (``memory_knobs.spawn``; ``PYTHONPATH`` is the tree's ``src``):
 
 * **products** (``--parts products``): one product ``A @ v`` with a seeded random ``v [P]`` in
   the peer's own format. *Memory*: one process per (problem, method) builds the problem and the
@@ -142,9 +143,9 @@ def operator(problem, method: str, v):
         vs = None if v is None else [t.view_as(p) for t, p in zip(torch.split(v, [p.numel() for p in params]), params)]
         flat = lambda r: torch.cat([t.reshape(-1) for t in r])  # noqa: E731
         if library == "pyhessian[batch]":  # the graph of one backward kept, each product a backward of it
-            h = hessian(model, lossfn, data=(X, y), cuda=False)
+            h = hessian(model, lossfn, data=(X, y), cuda=X.is_cuda)
             return Operator(lambda: hessian_vector_product(h.gradsH, h.params, vs), flat, h)
-        h = hessian(model, lossfn, dataloader=[(X, y)], cuda=False)
+        h = hessian(model, lossfn, dataloader=[(X, y)], cuda=X.is_cuda)
         return Operator(lambda: h.dataloader_hv_product(vs)[1], flat, h)
     raise ValueError(f"unknown method {method!r}")
 
