@@ -14,8 +14,8 @@ the graph it keeps, ``eigenvalues`` (power iteration), ``trace`` (Hutchinson); H
 and hessian-eigenthings 1.0.0a5 (``GGNOperator``, ``HessianOperator``, ``power_iteration_one``,
 ``lanczos``, ``hutchinson``, ``hutch_plus_plus``).
 
-Measured on 2 shared cores: the products 8 min (load 3-4), eigen and trace 20 min (load 6); about
-15 min in all on an idle machine. Three parts, each in fresh processes (``memory_knobs.spawn``; ``PYTHONPATH`` is the tree's ``src``):
+Measured on 2 shared cores: the products 8 min (load 3-4), eigen and trace 6.4 min (load 3; 20 at load 6):
+about 15 min in all. Three parts, each in processes forked after the imports (CUDA: fresh ones, ``memory_knobs.spawn``):
 
 * **products** (``--parts products``): one product ``A @ v`` with a seeded random ``v [P]`` in
   the peer's own format. *Memory*: one process per (problem, method) builds the problem and the
