@@ -9,7 +9,7 @@ from .._core.errors import CurvatureError
 from .._evaluate.products import loss_lacks_forward_mode
 from .._transform.network import lacks_forward_mode
 from . import plain
-from .network import NetworkOperator
+from .network import NetworkOperator, over_vectors
 
 __all__ = ["Hessian"]
 
@@ -59,7 +59,7 @@ class Hessian(NetworkOperator):
         gradient = torch.func.grad(lambda th: batch.loss(batch.output(th)))
         if self.forward_mode:
             try:
-                return torch.func.vmap(lambda v: torch.func.jvp(gradient, (theta,), (v,))[1], randomness="same")(V)
+                return over_vectors(lambda v: torch.func.jvp(gradient, (theta,), (v,))[1], V)
             except (RuntimeError, NotImplementedError) as exc:  # (the model's own are CurvatureErrors)
                 if not loss_lacks_forward_mode(exc):
                     raise
@@ -73,7 +73,7 @@ class Hessian(NetworkOperator):
         _, pull = torch.func.vjp(gradient, theta)
         if self.needs_symmetry and not self.symmetric_checked:
             self._check_symmetric(lambda u: pull(u)[0], theta, self.reverse_reason)
-        return torch.func.vmap(lambda v: pull(v)[0], randomness="same")(V)
+        return over_vectors(lambda v: pull(v)[0], V)
 
     def _check_symmetric(self, product, theta, reason: str) -> None:
         """Refuse reverse-mode second derivatives that are not symmetric (module doc)."""

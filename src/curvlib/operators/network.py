@@ -33,7 +33,7 @@ from .base import CurvatureOperator, ParameterSpace
 from . import plain
 from .data import BatchSeeds, Data
 
-__all__ = ["NetworkOperator", "GGN", "FisherMC", "EmpiricalFisher"]
+__all__ = ["NetworkOperator", "GGN", "FisherMC", "EmpiricalFisher", "over_vectors"]
 
 Directions = Dict[str, Tensor]  # parameter name -> [K, *p.shape]
 T = TypeVar("T")
@@ -105,7 +105,8 @@ class NetworkOperator(CurvatureOperator):
         if M.shape[1] == 0:
             return M.new_zeros(self.shape[0], 0)
         parts = [self._chunk(M[:, k:k + self.chunk_size]) for k in range(0, M.shape[1], self.chunk_size)]
-        return torch.cat(parts, dim=1)
+        # one chunk: no copy (a [P, K] cat of transposed chunks copies element by element)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def _chunk(self, M: Tensor) -> Tensor:
         V = self.domain.unflatten(M)
@@ -113,7 +114,10 @@ class NetworkOperator(CurvatureOperator):
         for weight, seeds, batch in self.data:
             part = translated(self.network.model, lambda: self.batch_product(batch, seeds, V))
             scale = self.batch_weight(weight)
-            total = {n: scale * part[n] + (0 if total is None else total[n]) for n in part}
+            if total is None:  # the first batch: no zeros added, no copy when its weight is 1
+                total = part if scale == 1 else {n: scale * p for n, p in part.items()}
+            else:
+                total = {n: total[n] + scale * p for n, p in part.items()}
         return self.codomain.flatten(total)
 
     def batch_weight(self, weight: float) -> float:
@@ -185,14 +189,14 @@ class NetworkOperator(CurvatureOperator):
             jv = reverse_jacobian_products(pull, out, V)
         djv = apply(out.detach(), jv)
         del jv
-        return torch.func.vmap(lambda c: pull(c)[0], randomness="same")(djv)
+        return over_vectors(lambda c: pull(c)[0], djv)
 
     def forward_jacobian_products(self, batch: Batch, theta, V: Directions) -> Optional[Tensor]:
         """``J V`` (``[K, N, *out]``) in forward mode; ``None`` where torch has no forward-mode
         derivative of some operation of the model (then :func:`reverse_jacobian_products`)."""
         if self.forward_mode:
             try:
-                return torch.func.vmap(lambda v: torch.func.jvp(batch.output, (theta,), (v,))[1], randomness="same")(V)
+                return over_vectors(lambda v: torch.func.jvp(batch.output, (theta,), (v,))[1], V)
             except CurvatureError as exc:
                 if not lacks_forward_mode(exc):
                     raise
@@ -219,7 +223,22 @@ def reverse_jacobian_products(pull, out: Tensor, V: Directions) -> Tensor:
     """``J V`` as the vector-Jacobian product of the linear map ``u ↦ Jᵀu`` (``pull``, the
     model's at ``out``): reverse over reverse, ``(Jᵀ)ᵀ v = J v``."""
     _, transposed = torch.func.vjp(lambda u: pull(u)[0], torch.zeros_like(out))
-    return torch.func.vmap(lambda v: transposed(v)[0], randomness="same")(V)
+    return over_vectors(lambda v: transposed(v)[0], V)
+
+
+def over_vectors(fn: Callable, stacked):
+    """``fn`` on each of ``K`` stacked inputs (a tensor or a dict of tensors ``[K, ...]``), the
+    results stacked the same way: ``vmap`` for ``K > 1``; one vector is called directly (``vmap``
+    over one turns every matmul into a batched one, slower on CPU)."""
+    first = next(iter(stacked.values())) if isinstance(stacked, Mapping) else stacked
+    if first.shape[0] != 1:
+        return torch.func.vmap(fn, randomness="same")(stacked)
+    return _each(fn(_each(stacked, lambda t: t[0])), lambda t: t.unsqueeze(0))
+
+
+def _each(x, fn: Callable):
+    """``fn`` on a tensor, or on every value of a dict of tensors."""
+    return {n: fn(t) for n, t in x.items()} if isinstance(x, Mapping) else fn(x)
 
 
 def _per_sample_inner(a: Tensor, b: Tensor) -> Tensor:
