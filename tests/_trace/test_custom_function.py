@@ -181,9 +181,10 @@ def test_functorch_capable_function_gets_exact_second_order():
 
 def test_weight_norm():
     """``weight_norm`` (parametrization or old-style hook): first order and the GGN family
-    equal the oracle; torch has no forward-mode derivative for its kernel (and its reverse-mode
-    second derivative is wrong), so GGNMP, HMP, PCHMP and the Hessian diagonals are refused with
-    a CurvatureError saying so; the hook's ``module.weight`` is left as it was (no torch.func
+    equal the oracle; torch has no forward-mode derivative for its kernel, so GGNMP, PCHMP and the
+    Hessian diagonals are refused with a CurvatureError saying so, and HMP goes reverse over
+    reverse where its products pass the symmetry check: ``v``'s block, whose reverse-mode second
+    derivative torch gets wrong, fails it and is refused; the hook's ``module.weight`` is left as it was (no torch.func
     wrapper behind)."""
     from torch.nn.utils import weight_norm as hooked_weight_norm
     from torch.nn.utils.parametrizations import weight_norm
@@ -196,7 +197,11 @@ def test_weight_norm():
         attrs = {k: v for k, v in vars(model[0]).items() if isinstance(v, torch.Tensor)}
         exts = [e for e in exact_extensions(hessian=False) if e.name not in ("ggnmp", "hmp")]
         qs = curvature(model, nn.CrossEntropyLoss(), exts)(X, y)
-        for ext in (GGNMP(), HMP(), DiagHessian(), PCHMP()):
+        v_name, v = [(n, p) for n, p in model.named_parameters() if n != "0.bias"][1]  # (v: g's block is right)
+        hmp = curvature(model, nn.CrossEntropyLoss(), [HMP()])(X, y)["hmp"][v_name]
+        with pytest.raises(CurvatureError, match=r"_weight_norm_interface.*not reliable here: the products are not symmetric"):
+            hmp(torch.ones((1,) + tuple(v.shape), dtype=DT))
+        for ext in (GGNMP(), DiagHessian(), PCHMP()):
             with pytest.raises(CurvatureError, match=r"forward-mode derivatives \(torch\.func\.jvp\) .* are needed, but "
                                                      r"torch has none for one of them.*_weight_norm_interface.*not reliable"):
                 out = curvature(model, nn.CrossEntropyLoss(), [ext])(X, y)

@@ -29,7 +29,7 @@ from .._core.errors import CurvatureError, CurvatureTypeError, missing_forward_m
 from .._hessian.smooth import derivatives_requested, refuse_pchmp
 from .._core.site import Recorder
 
-__all__ = ["products", "rng_state", "replay_rng", "guarded", "loss_lacks_forward_mode"]
+__all__ = ["products", "rng_state", "replay_rng", "guarded", "loss_lacks_forward_mode", "check_symmetric"]
 
 
 def rng_state(device: torch.device):
@@ -140,28 +140,33 @@ class _Products:
 
     def _hmp(self, ext, name: str, p0: Tensor):
         """``∇²_p L v`` by forward-over-reverse autodiff (a Jacobian-vector product of the
-        gradient). Where the loss's backward has no forward mode (``MSELoss(reduction="mean")``
-        meets an immutable zero tensor in torch 2.13, ``huber_loss_backward`` has none):
-        reverse-over-reverse, the block being symmetric. A model operation without forward mode is refused (:func:`guarded`): the
-        reverse-mode second derivatives of such kernels are not reliable (``weight_norm``'s is
-        wrong in torch 2.13)."""
+        gradient). Where torch has no forward mode, reverse-over-reverse (the block is
+        symmetric): for the loss's backward (``MSELoss(reduction="mean")`` meets an immutable
+        zero tensor in torch 2.13, ``huber_loss_backward`` has none) at once; for a model
+        operation once the products pass :func:`check_symmetric` (``weight_norm``'s reverse-mode
+        second derivative is wrong in torch 2.13, and fails it)."""
         def loss_of(p):
             return losses.loss_value(self.spec, self._outputs(name, p, False)[0], self.y)
 
-        reverse = []  # (set once the forward-over-reverse product met the zero tensor)
+        state = {"reverse": False, "check": None}  # the model's failure to check symmetry against
 
         def hmp(V):
             gradient = torch.func.grad(loss_of)
-            if not reverse:
+            if not state["reverse"]:
                 try:
                     return torch.func.vmap(lambda v: torch.func.jvp(gradient, (p0,), (v,))[1], randomness="same")(V)
-                except NodeFailure:
-                    raise  # (a model operation: refused by ``guarded``)
+                except NodeFailure as exc:
+                    if not missing_forward_mode(exc.exc):
+                        raise
+                    state["check"] = exc
                 except (RuntimeError, NotImplementedError) as exc:
                     if not loss_lacks_forward_mode(exc):
                         raise
-                    reverse.append(True)
+                state["reverse"] = True
             _, pull = torch.func.vjp(gradient, p0)
+            if state["check"] is not None:
+                check_symmetric(lambda u: {name: pull(u[name])[0]}, {name: p0}, "HMP's products", state["check"])
+                state["check"] = None
             return torch.func.vmap(lambda v: pull(v)[0])(V)
 
         return hmp
@@ -201,6 +206,32 @@ class _Products:
             return torch.func.vjp(f, p0)[1]((hjv, cot_taps))[0] + direct
 
         return lambda V: torch.func.vmap(one, randomness="same")(V)
+
+
+def check_symmetric(product: Callable, theta: Dict[str, Tensor], what: str, failure: BaseException) -> None:
+    """Refuse reverse-over-reverse Hessian products that are not symmetric: for random ``u, w``,
+    ``|uᵀ(Hw) − wᵀ(Hu)| ≤ √ε (‖u‖‖Hw‖ + ‖w‖‖Hu‖)``. They run where a model operation has no
+    forward-mode derivative (``failure``), whose reverse-mode second derivative torch can get wrong
+    (``weight_norm``'s kernel in torch 2.13: not symmetric). ``product``: dict -> dict."""
+    first = next(iter(theta.values()))
+    gen = torch.Generator(device=first.device).manual_seed(0)
+    u, w = ({n: torch.randn(t.shape, generator=gen, dtype=t.dtype, device=t.device) for n, t in theta.items()}
+            for _ in range(2))
+    hu, hw = product(u), product(w)
+    dot = lambda a, b: sum(float((a[n] * b[n]).sum()) for n in a)  # noqa: E731
+    gap = abs(dot(u, hw) - dot(w, hu))
+    scale = dot(u, u) ** 0.5 * dot(hw, hw) ** 0.5 + dot(w, w) ** 0.5 * dot(hu, hu) ** 0.5
+    if gap > torch.finfo(first.dtype).eps ** 0.5 * scale:
+        node = getattr(failure, "node", None)
+        cause = getattr(failure, "exc", failure)
+        raise CurvatureError(
+            f"{what}: forward-mode derivatives (torch.func.jvp) of the model's operations are needed, but torch "
+            f"has none for one of them{f' (graph node {node.name!r})' if node is not None else ''}: "
+            f"{str(cause).splitlines()[0]} Its reverse-mode second derivative is not reliable here: the products "
+            f"are not symmetric (uᵀHw − wᵀHu = {gap:.2g} at scale {scale:.2g}; weight_norm's kernel is known wrong "
+            "in torch 2.13). Use the GGN diagonals, square roots, products and Kronecker factors for this model, "
+            "or write the operation without the kernel (weight normalisation as w = g * v / v.norm(...) in a "
+            "parametrization).")
 
 
 def loss_lacks_forward_mode(exc: BaseException) -> bool:
