@@ -160,7 +160,7 @@ def _check_operators(prob: zoo.Problem, rtol: float, errors: Dict[str, float]) -
     direction over every trainable parameter, against plain autograd on the model itself."""
     _phase("curvlib")
     computed = prob.computed if getattr(prob, "computed", None) is not None else prob
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     v = {k: torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype)
          for k, p in oz.trainable(prob.model).items()}
     dtypes = {k: p.dtype for k, p in oz.trainable(computed.model).items()}
