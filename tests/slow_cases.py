@@ -9,6 +9,8 @@ the same family), so the default run still covers every quantity, family and fro
 """
 
 SLOW = frozenset({
+    "tests/project/test_examples_smoke.py::test_example_runs_quick_and_writes_png[hessian_spectrum.py]",  # 77 s
+    "tests/operators/test_models.py::test_products_on_the_sweeps_models[transformers/causal_lm/gpt2-direct]",  # 35 s
     "tests/operators/test_models.py::test_products_on_the_sweeps_models[transformers/causal_lm/qwen2_moe-direct]",  # 56 s
     "tests/operators/test_models.py::test_products_on_the_sweeps_models[transformers/seq_cls/qwen2-direct]",  # 15 s
     "tests/project/test_examples_smoke.py::test_example_runs_quick_and_writes_png[influence.py]",  # 156 s
