@@ -29,7 +29,8 @@ from .._core.errors import CurvatureError, CurvatureTypeError, missing_forward_m
 from .._hessian.smooth import derivatives_requested, refuse_pchmp
 from .._core.site import Recorder
 
-__all__ = ["products", "rng_state", "replay_rng", "guarded", "loss_lacks_forward_mode", "check_symmetric"]
+__all__ = ["products", "rng_state", "replay_rng", "guarded", "loss_lacks_forward_mode", "check_symmetric",
+           "missing_forward_mode_reason"]
 
 
 def rng_state(device: torch.device):
@@ -165,7 +166,8 @@ class _Products:
                 state["reverse"] = True
             _, pull = torch.func.vjp(gradient, p0)
             if state["check"] is not None:
-                check_symmetric(lambda u: {name: pull(u[name])[0]}, {name: p0}, "HMP's products", state["check"])
+                check_symmetric(lambda u: {name: pull(u[name])[0]}, {name: p0}, "HMP's products",
+                                missing_forward_mode_reason(state["check"]))
                 state["check"] = None
             return torch.func.vmap(lambda v: pull(v)[0])(V)
 
@@ -208,11 +210,11 @@ class _Products:
         return lambda V: torch.func.vmap(one, randomness="same")(V)
 
 
-def check_symmetric(product: Callable, theta: Dict[str, Tensor], what: str, failure: BaseException) -> None:
+def check_symmetric(product: Callable, theta: Dict[str, Tensor], what: str, reason: str) -> None:
     """Refuse reverse-over-reverse Hessian products that are not symmetric: for random ``u, w``,
-    ``|uᵀ(Hw) − wᵀ(Hu)| ≤ √ε (‖u‖‖Hw‖ + ‖w‖‖Hu‖)``. They run where a model operation has no
-    forward-mode derivative (``failure``), whose reverse-mode second derivative torch can get wrong
-    (``weight_norm``'s kernel in torch 2.13: not symmetric). ``product``: dict -> dict."""
+    ``|uᵀ(Hw) − wᵀ(Hu)| ≤ √ε (‖u‖‖Hw‖ + ‖w‖‖Hu‖)``. They run where torch cannot take the
+    forward-mode route (``reason``, a sentence), and torch's reverse-mode second derivative of a
+    kernel can be wrong (``weight_norm``'s in torch 2.13: not symmetric). ``product``: dict -> dict."""
     first = next(iter(theta.values()))
     gen = torch.Generator(device=first.device).manual_seed(0)
     u, w = ({n: torch.randn(t.shape, generator=gen, dtype=t.dtype, device=t.device) for n, t in theta.items()}
@@ -222,16 +224,20 @@ def check_symmetric(product: Callable, theta: Dict[str, Tensor], what: str, fail
     gap = abs(dot(u, hw) - dot(w, hu))
     scale = dot(u, u) ** 0.5 * dot(hw, hw) ** 0.5 + dot(w, w) ** 0.5 * dot(hu, hu) ** 0.5
     if gap > torch.finfo(first.dtype).eps ** 0.5 * scale:
-        node = getattr(failure, "node", None)
-        cause = getattr(failure, "exc", failure)
         raise CurvatureError(
-            f"{what}: forward-mode derivatives (torch.func.jvp) of the model's operations are needed, but torch "
-            f"has none for one of them{f' (graph node {node.name!r})' if node is not None else ''}: "
-            f"{str(cause).splitlines()[0]} Its reverse-mode second derivative is not reliable here: the products "
-            f"are not symmetric (uᵀHw − wᵀHu = {gap:.2g} at scale {scale:.2g}; weight_norm's kernel is known wrong "
-            "in torch 2.13). Use the GGN diagonals, square roots, products and Kronecker factors for this model, "
-            "or write the operation without the kernel (weight normalisation as w = g * v / v.norm(...) in a "
-            "parametrization).")
+            f"{what}: {reason} Its reverse-mode second derivative is not reliable here: the products are not "
+            f"symmetric (uᵀHw − wᵀHu = {gap:.2g} at scale {scale:.2g}; weight_norm's kernel is known wrong in "
+            "torch 2.13). Use the GGN quantities for this model, or write the operation without the kernel "
+            "(weight normalisation as w = g * v / v.norm(...) in a parametrization).")
+
+
+def missing_forward_mode_reason(failure: BaseException) -> str:
+    """The sentence saying which model operation has no forward-mode derivative (``failure``:
+    torch's error, or a :class:`NodeFailure` holding it)."""
+    node = getattr(failure, "node", None)
+    cause = getattr(failure, "exc", failure)
+    return (f"forward-mode derivatives (torch.func.jvp) of the model's operations are needed, but torch has none "
+            f"for one of them{f' (graph node {node.name!r})' if node is not None else ''}: {str(cause).splitlines()[0]}")
 
 
 def loss_lacks_forward_mode(exc: BaseException) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .._core.errors import CurvatureError
-from .._evaluate.products import loss_lacks_forward_mode
+from .._evaluate.products import check_symmetric, loss_lacks_forward_mode, missing_forward_mode_reason
 from .._transform.network import lacks_forward_mode
 from . import plain
 from .network import NetworkOperator, over_vectors
@@ -51,7 +51,7 @@ class Hessian(NetworkOperator):
         if not self.symmetric_checked:  # (reverse over reverse through the model's own backward)
             self._check_symmetric(product, {n: batch.values[n] for n in V},
                                   "torch.func cannot transform a custom autograd.Function of the model, so its "
-                                  "products run on plain autograd, reverse over reverse")
+                                  "products run on plain autograd, reverse over reverse.")
         return hv
 
     def _functorch_product(self, batch, V):
@@ -67,8 +67,10 @@ class Hessian(NetworkOperator):
                 if not lacks_forward_mode(exc):
                     raise
                 self.needs_symmetry = True
-                self.reverse_reason = ("torch has no forward-mode derivative of one of the model's operations "
-                                       f"({_first_cause(exc)}), so its products run reverse over reverse")
+                inner = exc
+                while inner.__cause__ is not None:  # (torch's own error, under curvlib's)
+                    inner = inner.__cause__
+                self.reverse_reason = missing_forward_mode_reason(inner) + " The products go reverse over reverse."
             self.forward_mode = False
         _, pull = torch.func.vjp(gradient, theta)
         if self.needs_symmetry and not self.symmetric_checked:
@@ -76,27 +78,6 @@ class Hessian(NetworkOperator):
         return over_vectors(lambda v: pull(v)[0], V)
 
     def _check_symmetric(self, product, theta, reason: str) -> None:
-        """Refuse reverse-mode second derivatives that are not symmetric (module doc)."""
-        gen = torch.Generator(device=self.device).manual_seed(0)
-        u, w = ({n: torch.randn(t.shape, generator=gen, dtype=t.dtype, device=t.device) for n, t in theta.items()}
-                for _ in range(2))
-        hu, hw = product(u), product(w)
-        dot = lambda a, b: sum(float((a[n] * b[n]).sum()) for n in a)  # noqa: E731
-        norm = lambda a: dot(a, a) ** 0.5  # noqa: E731
-        gap, scale = abs(dot(u, hw) - dot(w, hu)), norm(u) * norm(hw) + norm(w) * norm(hu)
-        if gap > torch.finfo(self.dtype).eps ** 0.5 * scale:
-            raise CurvatureError(
-                f"Hessian: {reason}, and torch's reverse-mode second derivative is wrong here: the products "
-                f"are not symmetric (uᵀHw − wᵀHu = {gap:.2g} at scale {scale:.2g}; weight_norm's kernel is known "
-                "wrong in torch 2.13). The GGN, Fisher and Jacobian operators work on this model; or write the "
-                "operation without the kernel (weight normalisation as w = g * v / v.norm(...) in a "
-                "parametrization).")
+        """Refuse reverse-mode second derivatives that are not symmetric (class doc), once."""
+        check_symmetric(product, theta, "Hessian", reason)
         self.symmetric_checked = True
-
-
-def _first_cause(exc: BaseException) -> str:
-    """The first line of the innermost error ``exc`` was raised from."""
-    while exc.__cause__ is not None:
-        exc = exc.__cause__
-    inner = getattr(exc, "exc", exc)
-    return str(inner).splitlines()[0] if str(inner) else type(inner).__name__
