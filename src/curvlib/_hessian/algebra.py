@@ -242,7 +242,7 @@ def _dense_matrix(res, g: Tensor) -> Tensor:
     inputs = [_front(a, d).reshape(n, -1) for a, d in zip(res.inputs, res.in_dims)]
     u = torch.cat(theta_flat + inputs, dim=1)
 
-    # integer inputs (token ids, masks): sample n's rows where they carry the batch
+    # fixed inputs (token ids, masks, constants that carry the batch): sample n's rows where they do
     fixed, fixed_dims = list(res.meta.get("fixed", ())), tuple(res.meta.get("fixed_dims", ()))
     fixed_dims = fixed_dims + (None,) * (len(fixed) - len(fixed_dims))
 

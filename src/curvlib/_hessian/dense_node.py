@@ -32,7 +32,7 @@ def own_parameters(program: Program, node: fx.Node, trainable: frozenset, couple
 
 def node_function(program: Program, node: fx.Node, env, inputs_nodes, params, fixed_nodes=()) -> Callable:
     """``phi(theta, *inputs, fixed=())``: the node's value with its graph inputs and
-    parameters replaced (and, when given, its integer inputs ``fixed_nodes``: one sample's)."""
+    parameters replaced (and, when given, its other tensor inputs ``fixed_nodes``: one sample's)."""
 
     def phi(theta: Dict[str, Tensor], *inputs: Tensor, fixed: Sequence[Tensor] = ()):
         local = {**dict(zip(fixed_nodes, fixed)), **dict(zip(inputs_nodes, inputs))}

@@ -20,10 +20,11 @@ diagonal are exact either way; PCHMP modifies the eigenvalues of this ``R``
 restricted, for the block of ``p``, to what moves with ``p`` (the inputs, and
 ``p`` where it is the node's own): a shared Linear's ``R|x = 0`` leaves the
 blocks of the parameters before it as without sharing
-(:func:`curvlib._hessian.algebra.positive_curvature`). Integer inputs of a
-dense node (token ids, masks) are not in ``u``; they travel with the residual
-(``meta["fixed"]``, batch dims ``meta["fixed_dims"]``) so that ``R_n`` uses
-sample ``n``'s.
+(:func:`curvlib._hessian.algebra.positive_curvature`). A dense node's
+other tensor inputs (token ids, masks, values that do not depend on the model
+input such as ``baddbmm``'s ``torch.zeros(N, T, S)``) are not in ``u``; they
+travel with the residual (``meta["fixed"]``, batch dims ``meta["fixed_dims"]``)
+so that ``R_n`` uses sample ``n``'s rows where they carry the batch.
 Kinds, by structure:
 
 * ``"diag"``: element-wise ``z = φ(a)``: ``R = diag(φ''(a) ⊙ g)`` (one node, or a region of
@@ -357,13 +358,15 @@ def _record_structured(at: _Evaluated, planned: Planned, params: Dict[str, Tenso
 def _record_dense(at: _Evaluated, params: Dict[str, Tensor], trainable: frozenset, coupled, rec: Recorder) -> None:
     """Record the node's dense residual."""
     program, node, env, dependent = at.program, at.node, at.env, at.program.dependent
-    # the node as a function of its graph inputs (and its trainable parameters);
-    # integer and boolean inputs (sizes, masks) are constants of it
-    batched = [a for a in node.all_input_nodes if a in dependent and isinstance(env[a], Tensor)]
-    inputs_nodes = [a for a in batched if env[a].is_floating_point() or env[a].is_complex()]
-    # integer/boolean inputs that depend on the model input (token ids, masks): per sample
-    # they are sample n's rows (``R_n = ∇²_u (g_n · f(θ, x_n; ids_n))``), never the batch's
-    fixed_nodes = [a for a in batched if a not in inputs_nodes]
+    # the node as a function of its input-dependent floating-point graph inputs ``u`` (and its
+    # trainable parameters); every other tensor input is a constant of it: integer and boolean
+    # values (token ids, masks) and values that do not depend on the model input, which may still
+    # carry the batch (``torch.zeros(N, T, S)`` added to attention scores by ``baddbmm``). Per
+    # sample they are sample n's rows where they carry the batch (``R_n = ∇²_u (g_n · f(θ, x_n;
+    # c_n))``, the plan finds the dim, :func:`curvlib._plan.plan.residual_batch_dims`), never the batch's
+    tensors = [a for a in node.all_input_nodes if isinstance(env[a], Tensor)]
+    inputs_nodes = [a for a in tensors if a in dependent and (env[a].is_floating_point() or env[a].is_complex())]
+    fixed_nodes = [a for a in tensors if a not in inputs_nodes]
     inputs = [env[a] for a in inputs_nodes]
     own = own_parameters(program, node, trainable, coupled)
     if not inputs and not own:

@@ -304,12 +304,14 @@ def residual_batch_dims(rec_a: Recorder, rec_b: Recorder) -> Tuple[Tuple[Tuple[i
         if len(changed) > 1:
             raise CurvatureError(
                 f"The Hessian extensions need the second derivative of graph node '{ra.where}', per "
-                f"sample; its integer input of shape {list(x.shape)} changes with the batch size in "
-                "several dimensions, so it cannot be split per sample. Keep the batch in one dimension.")
+                f"sample; its input of shape {list(x.shape)} (an integer tensor or a value that does not "
+                "depend on the model input, held fixed) changes with the batch size in several "
+                "dimensions, so it cannot be split per sample. Keep the batch in one dimension.")
         return changed[0] if changed else None
 
-    # the in_dims of a dense residual go on with those of its integer inputs
-    # (``meta["fixed"]``; ``None``: the same for every sample): see engine._finish
+    # the in_dims of a dense residual go on with those of its fixed inputs (integer tensors and
+    # values that do not depend on the model input, ``meta["fixed"]``; ``None``: the same for
+    # every sample): see curvlib._evaluate.linearise._finish
     return tuple(
         (tuple(dim(x.shape, y.shape) for x, y in zip(ra.inputs, rb.inputs))
          + tuple(fixed_dim(ra, x, y) for x, y in zip(ra.meta.get("fixed", ()), rb.meta.get("fixed", ()))),

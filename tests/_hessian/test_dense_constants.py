@@ -1,0 +1,81 @@
+"""A dense residual's node that also reads a value not computed from the model input, which
+carries the batch all the same (``baddbmm(torch.zeros(N, T, S), q, kᵀ)`` in GPT-NeoX-Japanese's
+attention, a buffer expanded to ``[N, ...]``): per sample, the node is evaluated on sample
+``n``'s rows of that value, not on the whole batch's (which broadcasts the one-sample output
+back to ``N`` rows and scales its residual by ``N``). The Hessian diagonals of such models
+equal ``torch.func`` Hessians, on the symbolic trace and on the ATen-level one."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch import nn
+
+from oracles.cases import DT
+from oracles.checks import check_hessian_diagonals
+from oracles.on_device import seeded
+from oracles.second_order import hessian_per_sample
+
+#: dense nodes ``f(h, c)`` of an input-dependent ``h [N, T, D]`` and a constant ``c`` that
+#: carries the batch (built from ``h``'s shape and a buffer, never from its values)
+NODES = ["baddbmm", "atan2", "pow_base", "addcmul", "where"]
+
+
+class ConstantInside(nn.Module):
+    """``[N, T, 3]`` -> Linear -> ``f(h, c)`` -> Linear, ``c`` a buffer expanded to the batch."""
+
+    def __init__(self, node: str, t: int, d: int = 4):
+        super().__init__()
+        self.node, self.d = node, d
+        self.a, self.b = nn.Linear(3, 2 * d), nn.Linear(t if node == "baddbmm" else d, 2)
+        # position-dependent, sample-independent (a position table): 0.5 ... 1.5
+        self.register_buffer("table", torch.linspace(0.5, 1.5, t * d).reshape(t, d))
+
+    def forward(self, x):
+        q, k = self.a(x).split(self.d, -1)  # [N, T, D] each
+        n, t, d = q.shape
+        if self.node == "baddbmm":  # scores = zeros + q kᵀ / √d, the zeros made per batch
+            base = torch.zeros(n, t, t, dtype=q.dtype, device=q.device) + self.table[:, :1].T
+            h = torch.baddbmm(base, q, k.transpose(1, 2), beta=1.0, alpha=1 / math.sqrt(d)).softmax(-1)
+        else:
+            c = self.table.expand(n, t, d)
+            if self.node == "atan2":
+                h = torch.atan2(q * k, c)
+            elif self.node == "pow_base":
+                h = torch.pow(c, q)
+            elif self.node == "addcmul":
+                h = torch.addcmul(c, q, k.tanh(), value=0.5)
+            else:
+                h = torch.where(c > 1.0, q * k, c)
+        return self.b(h)
+
+
+class DictConstantInside(ConstantInside):
+    """The same behind a dict input (the ATen-level front end)."""
+
+
+@settings(max_examples=12, deadline=None)
+@given(node=st.sampled_from(NODES), n=st.integers(1, 3), t=st.integers(1, 3), seed=st.integers(0, 50))
+def test_hessian_diagonals_with_a_constant_that_carries_the_batch(node, n, t, seed):
+    g = seeded(seed)
+    torch.manual_seed(seed)
+    X, y = torch.randn(n, t, 3, generator=g, dtype=DT), torch.randn(n, t, 2, generator=g, dtype=DT)
+    check_hessian_diagonals(ConstantInside(node, t).to(DT), nn.MSELoss(), X, y)
+
+
+@pytest.mark.parametrize("node", NODES)
+def test_on_the_aten_trace(node):
+    from curvlib import curvature
+    from curvlib.extensions import BatchDiagHessian
+
+    g = seeded(3)
+    torch.manual_seed(3)
+    X, y = torch.randn(3, 2, 3, generator=g, dtype=DT), torch.randn(3, 2, 2, generator=g, dtype=DT)
+    model = DictConstantInside(node, 2).to(DT)
+    qs = curvature(model, nn.MSELoss(), [BatchDiagHessian()])({"x": X}, y)
+    for name, p in model.named_parameters():
+        Hn = hessian_per_sample(model, nn.MSELoss(), X, y, name)
+        torch.testing.assert_close(qs["diag_h_batch"][name], Hn.diagonal(dim1=1, dim2=2).reshape((3,) + tuple(p.shape)))
