@@ -86,6 +86,40 @@ def test_auto_chunk_size_follows_the_byte_budget(monkeypatch):
         assert budget.auto_chunk_size(plan, [DiagGGNExact()], "cpu") == 3
 
 
+def test_auto_chunk_size_counts_the_largest_intermediate(monkeypatch):
+    """A column's backward holds cotangents of the largest value the forward computes (a chunked
+    linear attention's intermediates can dwarf every site's output): the budget counts two of
+    them per column where they exceed the sites', and the plan records that value's bytes."""
+    import curvlib._plan.budget as budget
+    from curvlib._plan.plan import Plan
+
+    sites = dict(out_shape=(4, 3), out_dtype=torch.float32, site_shapes=((4, 5),), site_dtypes=(torch.float32,),
+                 batch_dims=(0,))
+    monkeypatch.setattr("curvlib._core.tensors.available_bytes", lambda device: None)
+    with override(auto_chunk_bytes=8000, auto_chunk_bytes_cpu=8000):
+        assert budget.auto_chunk_size(Plan(**sites, largest_value_bytes=40), [DiagGGNExact()], "cpu") == 100
+        assert budget.auto_chunk_size(Plan(**sites, largest_value_bytes=400), [DiagGGNExact()], "cpu") == 10
+
+    class Wide(nn.Module):  # a [N, 64, 64] intermediate between two small Linear layers
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 64), nn.Linear(64, 2)
+
+        def forward(self, x):
+            h = self.a(x)
+            return self.b(torch.tanh(h[:, :, None] * h[:, None, :]).mean(1))
+
+    from curvlib._hessian.residuals import residual_plan
+    from curvlib._plan.plan import make_plan
+    from curvlib._trace.program import trace_program
+
+    model = Wide().double()
+    program = trace_program(model)
+    params = dict(model.named_parameters())
+    plan = make_plan(program, torch.randn(5, 3, dtype=torch.float64), params, frozenset(params), residual_plan(program))
+    assert plan.largest_value_bytes == 5 * 64 * 64 * 8
+
+
 def test_sqrt_columns_loop_equals_vmap():
     """SqrtGGNExact/MC column by column (default) and vmapped over columns agree."""
     torch.manual_seed(0)

@@ -95,3 +95,31 @@ def test_half_precision_model_with_float32_norm(half):
             assert float((got.to(torch.float64) - want).abs().max()) <= 0.05 * scale + 1e-3, (key, name)
     V = torch.randn(2, 4, 3, generator=g).to(half)
     assert qs["pchmp"]["a.weight"](V).dtype == half
+
+
+class InnerMatmul(nn.Module):
+    """A nonlinear node computing in ``inner`` dtype whose output meets another ``inner`` tensor in
+    a matrix product (mixing dtypes there is an error): its residual's probe keeps its dtype."""
+
+    def __init__(self, inner: torch.dtype):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 3)
+        self.mix = nn.Parameter(torch.randn(4, 4, generator=seeded(5)) / 2)
+        self.inner = inner
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x).to(self.inner))
+        return self.b((h @ self.mix.to(self.inner)).sigmoid().to(x.dtype))
+
+
+@pytest.mark.parametrize("outer", [torch.float64, torch.float32])
+def test_a_residual_in_an_inner_dtype_keeps_it(outer):
+    inner = torch.float32 if outer == torch.float64 else torch.float64
+    torch.manual_seed(2)
+    model = InnerMatmul(inner).to(outer)
+    g = seeded(2)
+    X, y = torch.randn(4, 3, generator=g, dtype=outer), torch.randint(0, 3, (4,), generator=g)
+    lossfn = nn.CrossEntropyLoss()
+    qs = curvature(model, lossfn, exact_extensions(hessian=True))(X, y)
+    ref = reference(model, lossfn, X, y, hessian=True, pchmp=False)
+    assert_matches({k: v for k, v in qs.items() if k != "pchmp"}, ref, f"{outer}", rtol=2e-4)

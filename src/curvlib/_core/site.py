@@ -241,6 +241,7 @@ class Recorder:
         self.out_dtypes: List[torch.dtype] = []
         self.residuals: List[Residual] = []
         self.residual_shapes: List[Tuple[int, ...]] = []
+        self.residual_dtypes: List[torch.dtype] = []
         # Set while a layer whose rule records its own nonlinear nodes runs (a recurrent
         # module: its rnn_steps.Coupling); None when no residuals are wanted from it.
         self.layer_residuals: Any = None
@@ -261,6 +262,7 @@ class Recorder:
                      meta=dict(meta or {}))
         )
         self.residual_shapes.append(tuple(z.shape))
+        self.residual_dtypes.append(z.dtype)
         if self.residual_probes is None:
             return z
         return z + self.residual_probes[k]

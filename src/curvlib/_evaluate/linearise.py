@@ -172,8 +172,8 @@ def _zero_probes(plan: Plan, X: Tensor, requires_grad: bool):
         for shape, dtype in zip(plan.site_shapes, plan.site_dtypes)
     ]
     rprobes = [
-        torch.zeros(shape, dtype=plan.out_dtype, device=_inputs.first(X).device, requires_grad=requires_grad)
-        for shape in plan.residual_shapes
+        torch.zeros(shape, dtype=dtype, device=_inputs.first(X).device, requires_grad=requires_grad)
+        for shape, dtype in zip(plan.residual_shapes, plan.residual_dtypes)
     ]
     return probes, rprobes
 
@@ -236,8 +236,8 @@ def _autograd_probes(plan, X, direct: bool):
         return (*_zero_probes(plan, X, requires_grad=True), X)
     probes = _LazyProbes(plan, X)
     rprobes = [
-        torch.zeros(shape, dtype=plan.out_dtype, device=_inputs.first(X).device, requires_grad=True)
-        for shape in plan.residual_shapes
+        torch.zeros(shape, dtype=dtype, device=_inputs.first(X).device, requires_grad=True)
+        for shape, dtype in zip(plan.residual_shapes, plan.residual_dtypes)
     ]
     # A floating input that requires grad puts the first layers' outputs into the
     # autograd graph (the engine never computes the input's own gradient).

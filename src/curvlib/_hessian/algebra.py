@@ -246,11 +246,15 @@ def _dense_matrix(res, g: Tensor) -> Tensor:
     fixed, fixed_dims = list(res.meta.get("fixed", ())), tuple(res.meta.get("fixed_dims", ()))
     fixed_dims = fixed_dims + (None,) * (len(fixed) - len(fixed_dims))
 
+    # (u in its parts' widest dtype; each back in its own inside: a float32 node keeps float32 operands)
+    dtypes_p, dtypes_in = [res.params[k].dtype for k in names], [a.dtype for a in res.inputs]
+
     def contracted(u_n: Tensor, g_n: Tensor, fixed_n) -> Tensor:
         parts = list(torch.split(u_n, sizes_p + sizes_in))
-        theta = {k: p.reshape(sh) for k, p, sh in zip(names, parts[: len(names)], shapes_p)}
+        theta = {k: p.reshape(sh).to(dt) for k, p, sh, dt in zip(names, parts[: len(names)], shapes_p, dtypes_p)}
         # one sample, batch of one in the input's own batch dimension
-        xs = [_back(p.reshape((1,) + sh), d) for p, sh, d in zip(parts[len(names):], shapes_in, res.in_dims)]
+        xs = [_back(p.reshape((1,) + sh).to(dt), d)
+              for p, sh, d, dt in zip(parts[len(names):], shapes_in, res.in_dims, dtypes_in)]
         ids = [f if d is None else f.unsqueeze(d) for f, d in zip(fixed_n, fixed_dims)]
         return (_front(res.phi(theta, *xs, fixed=ids), res.out_dim).squeeze(0) * g_n).sum()
 

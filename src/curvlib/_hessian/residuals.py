@@ -59,7 +59,6 @@ operators for PCHMP) is in :mod:`curvlib._hessian.algebra`.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -74,10 +73,9 @@ from .._core.batch_layout import from_batch_first
 from .._core.site import Recorder, ResidualParts
 from ..rules.elementwise import classify
 from .broadcast import broadcastable
-from .dense_node import AFFINE_IN_PARAMETERS, node_function, own_parameters  # noqa: F401 (AFFINE_IN_PARAMETERS: this module's too)
+from .dense_node import AFFINE_IN_PARAMETERS, Evaluated, record_dense  # noqa: F401 (AFFINE_IN_PARAMETERS: this module's too)
 from .pairs import record_pair
 from .pointwise import PointwiseRegion, fuse_pointwise_regions
-from .rows import linear_in_inputs, separable_rows
 from ..rules.rnn_steps import Coupling
 
 #: Families whose layers are affine in their input: no residual of their own unless the input
@@ -243,19 +241,6 @@ def _out_of_place(fn: Callable) -> Callable:
     return lambda *xs, **kw: fn(*(x.clone() if isinstance(x, Tensor) else x for x in xs), **kw)
 
 
-@dataclass(frozen=True)
-class _Evaluated:
-    """A node being recorded: its values ``env`` (its inputs as they were before it ran, for an
-    in-place node), ``env_out`` (which receives its output + probe) and its output ``z``."""
-
-    program: Program
-    node: fx.Node
-    env: Dict[fx.Node, object]
-    env_out: Dict[fx.Node, object]
-    z: Tensor
-    inplace: bool
-
-
 def record(program: Program, node: fx.Node, planned: Planned, env: Dict[fx.Node, object],
            params: Dict[str, Tensor], trainable: frozenset, rec: Recorder,
            before: Optional[Dict[fx.Node, Tensor]] = None) -> None:
@@ -285,10 +270,10 @@ def record(program: Program, node: fx.Node, planned: Planned, env: Dict[fx.Node,
         )
     if not (z.is_floating_point() or z.is_complex()):
         return  # integer or boolean values (indices, masks, comparisons): not differentiable
-    at = _Evaluated(program, node, env, env_out, z, inplace)
+    at = Evaluated(program, node, env, env_out, z, inplace)
     if _record_structured(at, (kind, phi, coupled), params, rec):
         return
-    _record_dense(at, params, trainable, coupled, rec)
+    record_dense(at, params, trainable, coupled, rec)
 
 
 def _leaves(value) -> List[Tensor]:
@@ -297,7 +282,7 @@ def _leaves(value) -> List[Tensor]:
     return [t for v in value for t in _leaves(v)] if isinstance(value, (tuple, list)) else []
 
 
-def _record_structured(at: _Evaluated, planned: Planned, params: Dict[str, Tensor], rec: Recorder) -> bool:
+def _record_structured(at: Evaluated, planned: Planned, params: Dict[str, Tensor], rec: Recorder) -> bool:
     """Record a residual of a structured kind (element-wise, product, softmax rows,
     normalisation rows, ``X @ Y``, a tied Linear's bilinear term); ``False`` when the
     node's values do not have the structure after all (it is then recorded dense)."""
@@ -353,35 +338,6 @@ def _record_structured(at: _Evaluated, planned: Planned, params: Dict[str, Tenso
         env_out[node] = rec.residual(node.name, kind, None, [x], z, ResidualParts(site=site))
         return True
     return False
-
-
-def _record_dense(at: _Evaluated, params: Dict[str, Tensor], trainable: frozenset, coupled, rec: Recorder) -> None:
-    """Record the node's dense residual."""
-    program, node, env, dependent = at.program, at.node, at.env, at.program.dependent
-    # the node as a function of its input-dependent floating-point graph inputs ``u`` (and its
-    # trainable parameters); every other tensor input is a constant of it: integer and boolean
-    # values (token ids, masks) and values that do not depend on the model input, which may still
-    # carry the batch (``torch.zeros(N, T, S)`` added to attention scores by ``baddbmm``). Per
-    # sample they are sample n's rows where they carry the batch (``R_n = ∇²_u (g_n · f(θ, x_n;
-    # c_n))``, the plan finds the dim, :func:`curvlib._plan.plan.residual_batch_dims`), never the batch's
-    tensors = [a for a in node.all_input_nodes if isinstance(env[a], Tensor)]
-    inputs_nodes = [a for a in tensors if a in dependent and (env[a].is_floating_point() or env[a].is_complex())]
-    fixed_nodes = [a for a in tensors if a not in inputs_nodes]
-    inputs = [env[a] for a in inputs_nodes]
-    own = own_parameters(program, node, trainable, coupled)
-    if not inputs and not own:
-        return
-    phi = node_function(program, node, env, inputs_nodes, params, fixed_nodes)
-    if at.inplace:
-        phi_inplace = phi
-        phi = lambda theta, *xs, fixed=(): phi_inplace(theta, *(x.clone() for x in xs), fixed=fixed)  # noqa: E731
-    free = [n for n in own if n not in coupled]
-    # free parameters whose rows act on output channels of their own: their blocks' diagonals
-    # without the dense blocks (a weight-standardised convolution, :mod:`curvlib._hessian.rows`)
-    rows = tuple(n for n in free if n in separable_rows(program, node, env, params)) if free else ()
-    zero = len(free) == len(own) and linear_in_inputs(program, node)  # (no coupled parameter)
-    at.env_out[node] = rec.residual(node.name, "dense", phi, inputs, at.z, ResidualParts({n: params[n] for n in own}, free=free),
-                                    meta={"fixed": [env[a] for a in fixed_nodes], "rows": rows, "zero_inputs": zero})
 
 
 def _record_norm(program: Program, node: fx.Node, env, params: Dict[str, Tensor], rec: Recorder, z: Tensor):

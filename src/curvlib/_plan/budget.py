@@ -42,6 +42,8 @@ from ..rules import FAMILY_OF
 __all__ = ["auto_chunk_size", "check_factor_sizes", "check_roots", "dense_sides"]
 
 _last_free: Dict[str, int] = {}  # device -> free bytes at the last reading
+#: cotangents of the largest intermediate value a backward holds at once (per column)
+LIVE_COTANGENTS = 2
 
 
 def _gib(b: int) -> str:
@@ -110,6 +112,10 @@ def auto_chunk_size(plan, exts: Sequence = (), device: Union[str, torch.device] 
         free = _core.available_bytes(device)
         budget = max(budget, int((free or 0) * knobs.auto_chunk_free_share))
     per_column = sum(bytes_of(shape, dtype) for shape, dtype in zip(plan.site_shapes, plan.site_dtypes))
+    # one column's backward also holds the cotangents of the values it passes through: at least
+    # the largest one's, and the next one's beside it while a node pulls back (a chunked linear
+    # attention's [N, H, chunks, C, C, d] intermediates can be far larger than every site's output)
+    per_column = max(per_column, LIVE_COTANGENTS * plan.largest_value_bytes)
     return max(1, budget // max(per_column, 1))
 
 

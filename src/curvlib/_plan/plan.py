@@ -60,6 +60,8 @@ class Plan:
     # per site whose rule re-runs its op per sample (else None): saved key -> batch dim or None
     saved_dims: Tuple[Optional[Dict[str, Optional[int]]], ...] = ()
     residual_shapes: Tuple[Tuple[int, ...], ...] = ()
+    # their dtypes: a node computing in float32 inside a float64 model keeps its own (its probe's)
+    residual_dtypes: Tuple[torch.dtype, ...] = ()
     sites: Tuple[Site, ...] = ()
     # per residual: the batch dim of each input and of the output
     residual_dims: Tuple[Tuple[Tuple[int, ...], int], ...] = ()
@@ -68,6 +70,9 @@ class Plan:
     residual_merges: Tuple[Optional[Tuple[int, int]], ...] = ()
     # the program the plan was made on: the traced one, or its rewrite with merged batches split off
     program: Optional[Program] = None
+    # the largest floating-point value the forward computes from the input (bytes): one column's
+    # backward holds cotangents of that size, beside the sites' (curvlib._plan.budget.auto_chunk_size)
+    largest_value_bytes: int = 0
 
 
 def module_checks(program: Program) -> List[Callable[[], None]]:
@@ -268,12 +273,24 @@ def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=Non
         batch_dims=tuple(batch_dims),
         saved_dims=saved_dims,
         residual_shapes=tuple(rec_a.residual_shapes),
+        residual_dtypes=tuple(rec_a.residual_dtypes),
         residual_dims=residual_dims,
         independence=independence,  # samples mixed?
         residual_merges=residual_merges(program, rec_a.residuals, residual_dims, independence, n),
         sites=tuple(Site(s.rule, dict(s.params), s.where, meta=dict(s.meta), key=s.key) for s in rec_a.sites),
         program=program,
+        largest_value_bytes=_largest_value_bytes(program, env_a),
     )
+
+
+def _largest_value_bytes(program: Program, env) -> int:
+    """The bytes of the largest floating-point tensor a node computes from the model input."""
+    sizes = [0]
+    for node, value in env.items():
+        if node in program.dependent:
+            fx.node.map_aggregate(value, lambda t: sizes.append(t.numel() * t.element_size())
+                                  if isinstance(t, Tensor) and t.is_floating_point() else None)
+    return max(sizes)
 
 
 def _same_nodes(program, other, table):

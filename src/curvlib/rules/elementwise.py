@@ -76,6 +76,25 @@ _LINEAR_METHODS = {
 _LINEAR_ATEN = frozenset("""split split_with_sizes unbind chunk tensor_split index_select gather take_along_dim
 select slice narrow view _unsafe_view reshape expand permute transpose squeeze unsqueeze cat stack clone
 index unique_consecutive alias""".split())
+# Piecewise linear in all their floating-point arguments together, for fixed integer and boolean
+# ones (second derivative zero wherever it exists, as for ReLU): they select, compare, place or
+# sum entries. A mixture-of-experts router's ``topk`` (its values are some of its input's, its
+# indices integers), ``where``/``masked_fill`` on a mask (``where(c, a, b)`` is linear in ``(a, b)``
+# jointly), ``clamp``/``abs``/``maximum``, ``max``/``sort`` along a dim, scatter-adds of rows
+# back into place, ``tril``/``triu``, ``cumsum``; ``floor``/``sign`` and the like have derivative
+# zero. Not ``prod``-like reductions (``cumprod``, ``scatter_reduce``): those multiply entries.
+_PIECEWISE_LINEAR = frozenset("""where masked_fill masked_scatter clamp clamp_min clamp_max clip abs maximum minimum fmax
+fmin max min amax amin topk sort msort kthvalue median nanmedian mode cummax cummin index_add index_copy index_fill
+index_put _unsafe_index_put scatter scatter_add diagonal diag_embed diag tril triu take tile repeat
+repeat_interleave nan_to_num cumsum diff sign floor ceil round trunc fix rot90 constant_pad_nd flip roll
+hardtanh threshold relu relu6 zeros_like ones_like full_like new_zeros new_ones new_full fill masked_select
+gt lt ge le eq ne greater less greater_equal less_equal logical_and logical_or logical_not isnan isinf isfinite
+real imag view_as_real view_as_complex conj conj_physical resolve_conj resolve_neg complex
+_fft_c2c _fft_r2c _fft_c2r
+""".split()) | {"__gt__", "__lt__", "__ge__", "__le__", "__eq__", "__ne__", "__and__", "__or__", "__invert__"}
+# the same as Python operators (``h > 0.1`` in a traced graph): boolean results, derivative zero
+_COMPARISONS = {operator.gt, operator.lt, operator.ge, operator.le, operator.eq, operator.ne, operator.and_,
+                operator.or_, operator.invert, operator.not_}
 _ELEMENTWISE_FUNCTIONS = {
     torch.sigmoid, torch.tanh, torch.exp, torch.sin, torch.cos, torch.log1p,
     torch.rsqrt, torch.sqrt, torch.log, torch.reciprocal,  # (RMSNorm's 1/√(mean x² + ε))
@@ -94,6 +113,16 @@ _ELEMENTWISE_METHODS = {"sigmoid", "tanh", "exp", "sin", "cos", "log1p", "rsqrt"
 _AUGMENTED = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
               operator.itruediv: operator.truediv}
 _SCALAR_ARITHMETIC = {operator.mul, operator.truediv, torch.mul, torch.div, "mul", "div"}
+
+
+def _name(target) -> str:
+    """A torch function's name (``torch.where`` -> ``"where"``), else ``""``."""
+    return getattr(target, "__name__", "") if callable(target) else ""
+
+
+def _multiplies(node: fx.Node) -> bool:
+    """``scatter(..., reduce="multiply")``: a product of entries, not piecewise linear."""
+    return node.kwargs.get("reduce") == "multiply" or "multiply" in node.args[1:]
 
 
 def _depends_on_input(arg, dependent: set) -> bool:
@@ -162,15 +191,21 @@ def _classify_from_tables(node: fx.Node, target, dependent: set) -> Optional[Tup
     """The kind from the tables of linear and element-wise methods and functions (``None``: not
     in them)."""
     if node.op == "call_method":
-        if target in _LINEAR_METHODS:
+        if target in _LINEAR_METHODS or (target in _PIECEWISE_LINEAR and not _multiplies(node)):
             return "linear", None
         if target in _ELEMENTWISE_METHODS:
             rest, kwargs = node.args[1:], node.kwargs
             return "elementwise", (lambda a, t=target, r=rest, k=kwargs: getattr(a, t)(*r, **k))
     if node.op != "call_function":
         return None
-    if target in _LINEAR_FUNCTIONS or (isinstance(target, torch._ops.OpOverload)
+    if target in _LINEAR_FUNCTIONS or target in _COMPARISONS or (isinstance(target, torch._ops.OpOverload)
                                        and target.overloadpacket.__name__ in _LINEAR_ATEN):
+        return "linear", None
+    aten = isinstance(target, torch._ops.OpOverload) and target.overloadpacket.__name__ in _PIECEWISE_LINEAR
+    if (aten or (_name(target) in _PIECEWISE_LINEAR and getattr(target, "__module__", None) == "torch")) \
+            and not _multiplies(node):
+        return "linear", None
+    if getattr(target, "__module__", None) == "torch._C._fft":  # torch.fft.*: linear maps (FNet's mixing)
         return "linear", None
     first_only = _depends_on_input(node.args[0], dependent) and not any(
         _depends_on_input(a, dependent) for a in node.args[1:])
