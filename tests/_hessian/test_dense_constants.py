@@ -79,3 +79,27 @@ def test_on_the_aten_trace(node):
     for name, p in model.named_parameters():
         Hn = hessian_per_sample(model, nn.MSELoss(), X, y, name)
         torch.testing.assert_close(qs["diag_h_batch"][name], Hn.diagonal(dim1=1, dim2=2).reshape((3,) + tuple(p.shape)))
+
+
+class FunctionalEmbedding(nn.Module):
+    """``F.embedding(ids, W)`` on the module's own weight (I-BERT's quantised embedding), read as
+    it is (affine in ``W``: no residual) or computed from it (``tanh(W)``: a dense residual over
+    ``W`` whose per-sample function takes sample ``n``'s ids)."""
+
+    def __init__(self, computed: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(7, 3, generator=seeded(1)))
+        self.computed = computed
+        self.out = nn.Linear(3, 2)
+
+    def forward(self, ids):
+        w = torch.tanh(self.weight) if self.computed else self.weight
+        return self.out(torch.sigmoid(nn.functional.embedding(ids, w)))
+
+
+@pytest.mark.parametrize("computed", [False, True])
+def test_a_functional_embedding(computed):
+    g = seeded(8)
+    X = torch.randint(0, 7, (3, 4), generator=g)
+    y = torch.randn(3, 4, 2, generator=g, dtype=DT)
+    check_hessian_diagonals(FunctionalEmbedding(computed).to(DT), nn.MSELoss(), X, y)
