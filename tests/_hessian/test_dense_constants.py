@@ -103,3 +103,28 @@ def test_a_functional_embedding(computed):
     X = torch.randint(0, 7, (3, 4), generator=g)
     y = torch.randn(3, 4, 2, generator=g, dtype=DT)
     check_hessian_diagonals(FunctionalEmbedding(computed).to(DT), nn.MSELoss(), X, y)
+
+
+class PositionsInPlace(nn.Module):
+    """``h.add_(positions(arange(T)))`` (FNet's embeddings): affine in the table and in ``h``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.positions, self.out = nn.Linear(3, 4), nn.Embedding(6, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        h.add_(self.positions(torch.arange(x.shape[1], device=x.device)))
+        return self.out(torch.tanh(h))
+
+
+def test_positions_added_in_place_carry_no_residual():
+    from curvlib._hessian.residuals import residual_plan
+    from curvlib._trace.program import trace_program
+
+    model = PositionsInPlace().to(DT)
+    kinds = [kind for kind, _, _ in residual_plan(trace_program(model)).values()]
+    assert kinds == ["diag"], kinds
+    g = seeded(9)
+    X, y = torch.randn(3, 5, 3, generator=g, dtype=DT), torch.randn(3, 5, 2, generator=g, dtype=DT)
+    check_hessian_diagonals(model, nn.MSELoss(), X, y)

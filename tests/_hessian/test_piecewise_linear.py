@@ -1,7 +1,7 @@
 """Operations piecewise linear in their floating-point arguments (for fixed integer and boolean
 ones) have no Hessian residual: a mixture-of-experts router's ``topk``, ``where``/``masked_fill``
 on masks, ``clamp``, ``maximum``, ``max``/``sort``/``cummax`` along a dim, scatter-adds of rows
-back into place, ``tril``. They are planned as linear (no dense per-sample matrix, which for large
+back into place, ``tril``; FFTs are linear maps. They are planned as linear (no dense per-sample matrix, which for large
 nodes was refused for size, and ``topk``'s tuple output was refused outright), and the Hessian
 diagonals of models using them equal ``torch.func`` Hessians, on both front ends."""
 
@@ -39,10 +39,13 @@ def _op(how: str, h):
         return torch.cummax(h, dim=-1).values
     if how == "index_add":
         return torch.zeros_like(h).index_add(1, torch.tensor([5, 4, 3, 2, 1, 0]), h)
+    if how == "fft":  # FNet's token mixing: linear maps through complex values
+        mixed = torch.fft.fftn(h.unflatten(-1, (2, 3)), dim=(1, 2))
+        return torch.cat([mixed.real, torch.fft.rfft(h, dim=-1).imag[:, :1, None].expand(-1, 2, 1)], -1)[..., :3].flatten(1)
     return torch.tril(h.unflatten(-1, (2, 3)), diagonal=1).flatten(1)  # "tril"
 
 
-HOW = ["topk", "sort", "where", "masked_fill", "clamp", "maximum", "max", "cummax", "index_add", "tril"]
+HOW = ["topk", "sort", "where", "masked_fill", "clamp", "maximum", "max", "cummax", "index_add", "tril", "fft"]
 
 
 class Routed(nn.Module):
@@ -80,7 +83,7 @@ def test_they_carry_no_residual(how):
     assert kinds == ["diag", "diag"], kinds  # the two activations only
 
 
-@pytest.mark.parametrize("how", ["topk", "where", "clamp", "cummax"])
+@pytest.mark.parametrize("how", ["topk", "where", "clamp", "cummax", "fft"])
 def test_on_the_aten_trace(how):
     from curvlib import curvature
     from curvlib.extensions import BatchDiagHessian

@@ -81,8 +81,9 @@ index unique_consecutive alias""".split())
 # sum entries. A mixture-of-experts router's ``topk`` (its values are some of its input's, its
 # indices integers), ``where``/``masked_fill`` on a mask (``where(c, a, b)`` is linear in ``(a, b)``
 # jointly), ``clamp``/``abs``/``maximum``, ``max``/``sort`` along a dim, scatter-adds of rows
-# back into place, ``tril``/``triu``, ``cumsum``; ``floor``/``sign`` and the like have derivative
-# zero. Not ``prod``-like reductions (``cumprod``, ``scatter_reduce``): those multiply entries.
+# back into place, ``tril``/``triu``, ``cumsum``; ``floor``/``sign`` and comparisons have derivative
+# zero; complex views (``real``, ``view_as_real``) and FFTs are linear maps. Not ``prod``-like
+# reductions (``cumprod``, ``scatter_reduce``): those multiply entries.
 _PIECEWISE_LINEAR = frozenset("""where masked_fill masked_scatter clamp clamp_min clamp_max clip abs maximum minimum fmax
 fmin max min amax amin topk sort msort kthvalue median nanmedian mode cummax cummin index_add index_copy index_fill
 index_put _unsafe_index_put scatter scatter_add diagonal diag_embed diag tril triu take tile repeat
@@ -205,7 +206,8 @@ def _classify_from_tables(node: fx.Node, target, dependent: set) -> Optional[Tup
     if (aten or (_name(target) in _PIECEWISE_LINEAR and getattr(target, "__module__", None) == "torch")) \
             and not _multiplies(node):
         return "linear", None
-    if getattr(target, "__module__", None) == "torch._C._fft":  # torch.fft.*: linear maps (FNet's mixing)
+    if getattr(target, "__module__", None) == "torch._C._fft" or (  # torch.fft.*: linear maps (FNet's mixing)
+            isinstance(target, torch._ops.OpOverload) and target.overloadpacket.__name__.lstrip("_").startswith("fft")):
         return "linear", None
     first_only = _depends_on_input(node.args[0], dependent) and not any(
         _depends_on_input(a, dependent) for a in node.args[1:])

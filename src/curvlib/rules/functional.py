@@ -352,7 +352,8 @@ def linear_transposed(node: fx.Node) -> bool:
 
 # Operations affine in all their tensor arguments jointly, and the reshaping ops a parameter
 # may go through on the way (a slice of a packed bias, ``bias_k.expand(...)``).
-_AFFINE_OPS = {operator.add, operator.sub, torch.add, torch.sub, torch.cat, F.linear, F.embedding, torch.embedding}
+_AFFINE_OPS = {operator.add, operator.sub, torch.add, torch.sub, torch.cat, F.linear, F.embedding, torch.embedding,
+               operator.iadd, operator.isub, "add", "sub", "add_", "sub_"}
 _RESHAPING = {operator.getitem, "__getitem__", "view", "reshape", "expand", "repeat", "unsqueeze", "squeeze",
               "flatten", "unflatten", "transpose", "permute", "t", "contiguous", torch.reshape, torch.transpose,
               torch.unsqueeze, torch.flatten, "chunk", "split", torch.chunk, torch.split}
