@@ -128,3 +128,29 @@ def test_positions_added_in_place_carry_no_residual():
     g = seeded(9)
     X, y = torch.randn(3, 5, 3, generator=g, dtype=DT), torch.randn(3, 5, 2, generator=g, dtype=DT)
     check_hessian_diagonals(model, nn.MSELoss(), X, y)
+
+
+class TableReadTwice(nn.Module):
+    """One position table read at two index sets and summed (LayoutLM's ``x`` coordinates of a
+    box's left and right edges): the sum is affine in the table, its input depends on the table."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.table, self.out = nn.Linear(3, 4), nn.Embedding(6, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        t = x.shape[1]
+        left, right = torch.arange(t, device=x.device), torch.arange(t, device=x.device).flip(0)
+        return self.out(torch.tanh(self.a(x) + self.table(left) + self.table(right)))
+
+
+def test_a_table_read_twice_carries_no_residual():
+    from curvlib._hessian.residuals import residual_plan
+    from curvlib._trace.program import trace_program
+
+    model = TableReadTwice().to(DT)
+    kinds = [kind for kind, _, _ in residual_plan(trace_program(model)).values()]
+    assert kinds == ["diag"], kinds
+    g = seeded(10)
+    X, y = torch.randn(3, 5, 3, generator=g, dtype=DT), torch.randn(3, 5, 2, generator=g, dtype=DT)
+    check_hessian_diagonals(model, nn.MSELoss(), X, y)

@@ -133,8 +133,11 @@ def residual_plan(program: Program, fuse: bool = True) -> Dict[fx.Node, Planned]
             if use.linear is not None:  # F.linear on parameters: a Linear site
                 if use.linear["weight"] in coupled:  # (a transposed weight: its dense block, same math)
                     plan[node] = ("dense" if use.transposed else "bilinear", None, coupled)
-            elif not ((use.affine or _scaled_by_parameter(node, use)) and not coupled):
-                plan[node] = ("dense", None, coupled)  # (affine or x ⊙ p, uncoupled: no residual)
+            elif not (use.affine or (_scaled_by_parameter(node, use) and not coupled)):
+                # (affine in inputs and parameters together: no residual, even where an input
+                # depends on the parameter, LayoutLM's table read twice and summed; x ⊙ p: none
+                # unless x depends on p)
+                plan[node] = ("dense", None, coupled)
             continue
         kind, phi = classify(node, program.root, program.layers, dependent)
         if kind == "elementwise":
