@@ -151,3 +151,27 @@ class TableReadTwice(nn.Module):
 
 def test_a_table_read_twice_carries_no_residual():
     _only_the_activation_has_a_residual(TableReadTwice().to(DT), seed=10)
+
+
+class TableShapedLikeTheBatch(nn.Module):
+    """A position table brought to the batch's shape before it is added: ``expand_as`` (FlauBERT)
+    or ``permute``/``unsqueeze``/``expand(N, ...)``/``contiguous`` then ``add_`` (MPNet's relative
+    attention bias): affine in the table, which now carries the batch."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.a, self.table, self.out = nn.Linear(3, 4), nn.Embedding(6, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        rows = self.table(torch.arange(x.shape[1], device=x.device))  # [T, 4]
+        if self.how == "expand_as":
+            return self.out(torch.tanh(h + rows.expand_as(h)))
+        bias = torch.permute(rows, (1, 0)).unsqueeze(0).expand(x.shape[0], -1, -1).contiguous()  # [N, 4, T]
+        return self.out(torch.tanh(h.add_(bias.transpose(1, 2))))
+
+
+@pytest.mark.parametrize("how", ["expand_as", "expand"])
+def test_a_table_shaped_like_the_batch_carries_no_residual(how):
+    _only_the_activation_has_a_residual(TableShapedLikeTheBatch(how).to(DT), seed=11)

@@ -76,7 +76,7 @@ def record_dense(at: Evaluated, params: Dict[str, Tensor], trainable: frozenset,
     # c_n))``, the plan finds the dim, :func:`curvlib._plan.plan.residual_batch_dims`), never the batch's
     # (parameters, and values a functional use computes from them, are ``θ``'s: not constants)
     use = program.functional.get(node)
-    from_parameters = set(use.chain) if use is not None else set()
+    from_parameters = set(use.chain) - set(use.fixed) if use is not None else set()
     tensors = [a for a in node.all_input_nodes if isinstance(env[a], Tensor)]
     inputs_nodes = [a for a in tensors if a in dependent and (env[a].is_floating_point() or env[a].is_complex())]
     fixed_nodes = [a for a in tensors if a not in inputs_nodes and a.op != "get_attr" and a not in from_parameters]

@@ -356,7 +356,13 @@ _AFFINE_OPS = {operator.add, operator.sub, torch.add, torch.sub, torch.cat, F.li
                operator.iadd, operator.isub, "add", "sub", "add_", "sub_"}
 _RESHAPING = {operator.getitem, "__getitem__", "view", "reshape", "expand", "repeat", "unsqueeze", "squeeze",
               "flatten", "unflatten", "transpose", "permute", "t", "contiguous", torch.reshape, torch.transpose,
-              torch.unsqueeze, torch.flatten, "chunk", "split", torch.chunk, torch.split}
+              torch.unsqueeze, torch.flatten, "chunk", "split", torch.chunk, torch.split, torch.permute, torch.squeeze,
+              torch.movedim, torch.swapaxes, torch.t, torch.narrow, torch.select, "movedim", "narrow", "select", "clone",
+              torch.clone}
+
+
+#: reshapes to another tensor's shape (``pos.expand_as(x)``): linear in the first, the other's values unused
+_SHAPED_LIKE = {"expand_as", "view_as", "reshape_as"}
 
 
 def is_affine(node: fx.Node, chain: Sequence[fx.Node], fixed: Sequence[fx.Node] = (),
@@ -364,7 +370,8 @@ def is_affine(node: fx.Node, chain: Sequence[fx.Node], fixed: Sequence[fx.Node] 
     """Whether the node is affine in its inputs and its parameters together (``x + b[:E]``,
     ``cat([k, bias_k.expand(...)])``, ``x + wpe(arange(T))``; not ``F.linear``, whose weight
     multiplies the input). ``fixed``: chain nodes that read no parameter (indices)."""
-    if node.target is F.linear or not (node.target in _AFFINE_OPS or getattr(node.target, "curvlib_linear", False)):
+    if node.target is F.linear or not (node.target in _AFFINE_OPS or node.target in _RESHAPING
+                                       or node.target in _SHAPED_LIKE or getattr(node.target, "curvlib_linear", False)):
         return False
     return all(n.op == "get_attr" or n.target in _RESHAPING or n in fixed or _lookup_embedding(n, root)
                for n in chain)
