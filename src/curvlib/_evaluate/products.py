@@ -26,11 +26,11 @@ from .._core.sync import LOCK
 from .._interpret.diagnose import forward_mode_failure
 from .._interpret.graph import NodeFailure, run_graph
 from .._core.errors import CurvatureError, CurvatureTypeError, missing_forward_mode
+from .._core.reverse import check_symmetric, missing_forward_mode_reason
 from .._hessian.smooth import derivatives_requested, refuse_pchmp
 from .._core.site import Recorder
 
-__all__ = ["products", "rng_state", "replay_rng", "guarded", "loss_lacks_forward_mode", "check_symmetric",
-           "missing_forward_mode_reason"]
+__all__ = ["products", "rng_state", "replay_rng", "guarded", "loss_lacks_forward_mode"]
 
 
 def rng_state(device: torch.device):
@@ -208,36 +208,6 @@ class _Products:
             return torch.func.vjp(f, p0)[1]((hjv, cot_taps))[0] + direct
 
         return lambda V: torch.func.vmap(one, randomness="same")(V)
-
-
-def check_symmetric(product: Callable, theta: Dict[str, Tensor], what: str, reason: str) -> None:
-    """Refuse reverse-over-reverse Hessian products that are not symmetric: for random ``u, w``,
-    ``|uᵀ(Hw) − wᵀ(Hu)| ≤ √ε (‖u‖‖Hw‖ + ‖w‖‖Hu‖)``. They run where torch cannot take the
-    forward-mode route (``reason``, a sentence), and torch's reverse-mode second derivative of a
-    kernel can be wrong (``weight_norm``'s in torch 2.13: not symmetric). ``product``: dict -> dict."""
-    first = next(iter(theta.values()))
-    gen = torch.Generator(device=first.device).manual_seed(0)
-    u, w = ({n: torch.randn(t.shape, generator=gen, dtype=t.dtype, device=t.device) for n, t in theta.items()}
-            for _ in range(2))
-    hu, hw = product(u), product(w)
-    dot = lambda a, b: sum(float((a[n] * b[n]).sum()) for n in a)  # noqa: E731
-    gap = abs(dot(u, hw) - dot(w, hu))
-    scale = dot(u, u) ** 0.5 * dot(hw, hw) ** 0.5 + dot(w, w) ** 0.5 * dot(hu, hu) ** 0.5
-    if gap > torch.finfo(first.dtype).eps ** 0.5 * scale:
-        raise CurvatureError(
-            f"{what}: {reason} Its reverse-mode second derivative is not reliable here: the products are not "
-            f"symmetric (uᵀHw − wᵀHu = {gap:.2g} at scale {scale:.2g}; weight_norm's kernel is known wrong in "
-            "torch 2.13). Use the GGN quantities for this model, or write the operation without the kernel "
-            "(weight normalisation as w = g * v / v.norm(...) in a parametrization).")
-
-
-def missing_forward_mode_reason(failure: BaseException) -> str:
-    """The sentence saying which model operation has no forward-mode derivative (``failure``:
-    torch's error, or a :class:`NodeFailure` holding it)."""
-    node = getattr(failure, "node", None)
-    cause = getattr(failure, "exc", failure)
-    return (f"forward-mode derivatives (torch.func.jvp) of the model's operations are needed, but torch has none "
-            f"for one of them{f' (graph node {node.name!r})' if node is not None else ''}: {str(cause).splitlines()[0]}")
 
 
 def loss_lacks_forward_mode(exc: BaseException) -> bool:

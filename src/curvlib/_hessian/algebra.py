@@ -21,15 +21,18 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
-from torch.func import hessian
+from torch.func import hessian, jacrev
 
 from . import norm as _residual_norm, structured as _residual_structured
 from .structured import one_hot_columns
 from .._core.tensors import is_concrete
 from .broadcast import broadcast_columns, broadcast_operator
 from .pairs import pair_columns
-from .rows import check_dense_size, rows_sets
+from .free_blocks import free_sets
+from .rows import check_dense_size
 from .smooth import diag_pair, flows, polarised, product_pair, row_scale
+from .._core.errors import missing_forward_mode
+from .._core.reverse import check_symmetric_matrices, missing_forward_mode_reason
 from .._core.sync import LOCK
 from ..rules.elementwise import second_derivative
 from ..rules.generic import map_samples
@@ -135,73 +138,29 @@ def _dense_columns(res, g: Tensor) -> Columns:
     """``R = Q Λ Qᵀ`` per sample: columns ``q_j √λ_j±``, split into the parameters'
     (direct) and the inputs' parts.
 
-    ``R`` is block diagonal (:func:`_dense_matrix`: each ``free`` parameter couples with
-    nothing else), so each block is decomposed on its own, and a free parameter's
-    columns have no input part: nothing to pull back through the graph (a standardised
-    convolution weight, ``conv(x, std(W))``, gives ``D = |W| + |x|`` but only the
-    ``|W| x |W|`` block is not zero). Columns whose eigenvalue is negligible in every
-    sample, ``|λ_j| ≤ 10 ε max|λ|`` (below eigh's own error), are dropped: each entry
+    A ``free`` parameter couples with nothing else in a diagonal block of the Hessian, so
+    its block is not formed here: two columns ``√(diag R_pp)±`` from Hessian-vector products
+    (:mod:`curvlib._hessian.free_blocks`; a standardised convolution weight,
+    ``conv(x, std(W))``, or an MoE layer's expert weights). The rest, ``(coupled
+    parameters, inputs)``, is decomposed dense. Columns whose eigenvalue is negligible in
+    every sample, ``|λ_j| ≤ 10 ε max|λ|`` (below eigh's own error), are dropped: each entry
     of a diagonal ``Σ_j λ_j (J q_j)_p²`` moves by at most that bound times ``‖J_p‖²``.
     """
-    if res.meta.get("rows") or res.meta.get("zero_inputs"):  # (curvlib._hessian.rows)
-        sets, rest = rows_sets(res, g)
+    if res.free or res.meta.get("zero_inputs"):
+        sets, rest = free_sets(res, g)
         return sets + (_dense_columns(rest, g) if rest is not None else [])
     layout = _layout(res)
-    n = _front(g, res.out_dim).shape[0]
     R = _dense_matrix(res, g)  # [N, D, D]
-    everything = (slice(0, R.shape[1]), set(layout[0]), True)
     if flows(R):  # eigh's and √'s derivatives are not finite everywhere: αI ± R/(4α)
-        return _column_sets(res, layout, polarised(R), everything)
-    sets: Columns = []
-    for block in _blocks(res, layout, R.device):
-        idx = block[0]
-        if isinstance(idx, slice):  # one run of coordinates (a free parameter): a view
-            sub = R[:, idx, idx]
-        else:
-            sub = R.index_select(1, idx).index_select(2, idx)
-        if is_concrete(sub) and not sub.any():
-            continue  # exactly zero (an input the node is linear in): no columns, no eigh
-        evals, evecs = linalg.eigh(sub)
-        scaled = []
-        for lam in (evals, -evals):
-            keep = _needed(lam, evals)
-            w = evecs[:, :, keep] * lam[:, keep].clamp(min=0).sqrt().unsqueeze(1)  # [N, d, V]
-            if isinstance(idx, slice):  # a free parameter's own columns: no zeros around them
-                scaled.append(w)
-            else:
-                scaled.append(R.new_zeros((n, R.shape[1], w.shape[2])).index_copy_(1, idx, w))
-        sets += _free_column_sets(layout, scaled, block) if isinstance(idx, slice) else \
-            _column_sets(res, layout, scaled, block)
-    return sets
-
-
-def _free_column_sets(layout, scaled: Sequence[Tensor], block) -> Columns:
-    """``(±1, {}, {name: [V, N, *p]})`` from a free parameter's block columns ``[N, |p|, V]``
-    (its coordinates only: the other parts of ``u`` are zero by construction)."""
-    names, shapes_p = layout[0], layout[1]
-    (name,) = block[1]
-    shape = shapes_p[names.index(name)]
-    return [(sign, {}, {name: w.permute(2, 0, 1).reshape((w.shape[2], w.shape[0]) + shape)})
-            for sign, w in zip((1.0, -1.0), scaled) if w.shape[2]]
-
-
-def _blocks(res, layout, device) -> List[Tuple[object, set, bool]]:
-    """``R``'s diagonal blocks: ``(coordinates of u, parameters in it, whether the inputs
-    are)``; one per free parameter (a ``slice``), one for the rest (inputs and coupled
-    parameters; an index tensor)."""
-    names, _, sizes_p, _, sizes_in = layout
-    starts = [0]
-    for size in sizes_p + sizes_in:
-        starts.append(starts[-1] + size)
-    blocks = []
-    rest = [k for k, name in enumerate(names) if name not in res.free] + list(range(len(names), len(starts) - 1))
-    if rest:
-        idx = torch.cat([torch.arange(starts[k], starts[k + 1]) for k in rest]).to(device)
-        blocks.append((idx, {names[k] for k in rest if k < len(names)}, bool(sizes_in)))
-    for k, name in enumerate(names):
-        if name in res.free:
-            blocks.append((slice(starts[k], starts[k + 1]), {name}, False))
-    return blocks
+        return _column_sets(res, layout, polarised(R))
+    if is_concrete(R) and not R.any():
+        return []  # exactly zero (an input the node is linear in): no columns, no eigh
+    evals, evecs = linalg.eigh(R)
+    scaled = []
+    for lam in (evals, -evals):
+        keep = _needed(lam, evals)
+        scaled.append(evecs[:, :, keep] * lam[:, keep].clamp(min=0).sqrt().unsqueeze(1))  # [N, D, V]
+    return _column_sets(res, layout, scaled)
 
 
 def _needed(lam: Tensor, evals: Tensor) -> Tensor:
@@ -213,11 +172,10 @@ def _needed(lam: Tensor, evals: Tensor) -> Tensor:
     return (lam > tol).any(0)
 
 
-def _column_sets(res, layout, scaled: Sequence[Tensor], block: Tuple[Tensor, set, bool]) -> Columns:
-    """``(+1, taps, direct), (-1, ...)`` from per-sample columns ``[N, D, V]`` of one block of
-    ``R``: the parts of the block's parameters (direct) and of the inputs (taps), if in it."""
+def _column_sets(res, layout, scaled: Sequence[Tensor]) -> Columns:
+    """``(+1, taps, direct), (-1, ...)`` from per-sample columns ``[N, D, V]`` of ``R``: the
+    parameters' parts (direct) and the inputs' (taps)."""
     names, shapes_p, sizes_p, _, sizes_in = layout
-    _, members, has_inputs = block
     sets: Columns = []
     for sign, w in zip((1.0, -1.0), scaled):
         cols = w.permute(2, 0, 1)  # [V, N, D]
@@ -225,9 +183,8 @@ def _column_sets(res, layout, scaled: Sequence[Tensor], block: Tuple[Tensor, set
             continue
         n = cols.shape[1]
         parts = torch.split(cols, sizes_p + sizes_in, dim=2)
-        direct = {k: p.reshape((cols.shape[0], n) + sh)
-                  for k, p, sh in zip(names, parts[: len(names)], shapes_p) if k in members}
-        taps = dict(enumerate(_split_taps(res, parts[len(names):], (cols.shape[0],)))) if has_inputs else {}
+        direct = {k: p.reshape((cols.shape[0], n) + sh) for k, p, sh in zip(names, parts[: len(names)], shapes_p)}
+        taps = dict(enumerate(_split_taps(res, parts[len(names):], (cols.shape[0],))))
         sets.append((sign, taps, direct))
     return sets
 
@@ -260,7 +217,15 @@ def _dense_matrix(res, g: Tensor) -> Tensor:
 
     with LOCK:  # hessian is forward-over-reverse: forward-mode AD state is process-wide
         # (a loop for value-dependent branches)
-        R = map_samples(hessian(contracted), (0, 0, list(fixed_dims)))(u, gc, fixed)
+        try:
+            R = map_samples(hessian(contracted), (0, 0, list(fixed_dims)))(u, gc, fixed)
+        except NotImplementedError as exc:
+            if not missing_forward_mode(exc):
+                raise
+            # reverse over reverse where a node operation has no forward mode, if symmetric
+            R = map_samples(jacrev(jacrev(contracted)), (0, 0, list(fixed_dims)))(u, gc, fixed)
+            check_symmetric_matrices(R, f"The Hessian extensions at graph node '{res.where}'",
+                                     missing_forward_mode_reason(exc))
     R = (R + R.transpose(1, 2)) / 2
     if res.free:
         # block id per coordinate: 1 + k for the k-th free parameter, 0 for the rest of u

@@ -1,48 +1,36 @@
-"""A node's own parameters whose rows act separately: the Hessian diagonal of their block
-without the dense block (weight-standardised convolutions: timm's ``ScaledStdConv2d``, NFNets).
+"""A node's own parameters whose rows act separately, read off its chain; dense residual sizes.
 
 A functional site ``z = conv(x, h(W, γ), b)`` whose weight chain ``h`` is nonlinear has a
 dense residual over ``(θ, x)`` (:mod:`curvlib._hessian.residuals`); each parameter none of
 its inputs depends on (``free``) keeps only its own block ``R_pp = ∇²_p (gᵀ z)`` per sample,
-``|p| × |p|``: for NFNet's convolutions tens of thousands squared. When output channel ``o``
-of the node depends on row ``o`` of the parameters alone (the chain standardises each output
-channel's weight on its own), ``R_pp`` is block-diagonal over the rows of ``p``, and its
-diagonal comes from ``K = |p| / rows`` Hessian-vector products per sample, the tangent of
-product ``k`` one-hot at entry ``k`` of *every* row (a row's block sees only its own one-hot).
+whose diagonal comes from Hessian-vector products (:mod:`curvlib._hessian.free_blocks`).
+When output channel ``o`` of the node depends on row ``o`` of the parameters alone (the
+chain standardises each output channel's weight on its own: timm's ``ScaledStdConv2d``,
+NFNets), ``R_pp`` is block-diagonal over the rows of ``p``, and ``|p| / rows`` products per
+sample give the diagonal instead of ``|p|``.
 
 :func:`separable_rows` reads that structure off the chain (:data:`_ELEMENTWISE` ops,
 reshapes that keep the row axis whole, reductions over other axes, ``batch_norm`` over the
 row axis as channels, and a final ``conv``/``linear`` whose output channels are the weight's
-rows); anything else leaves the block dense. Only the Hessian diagonal reads the block then
-(:func:`rows_columns`: one signed column ``√(diag R_pp)±`` per sign, exact for the diagonal,
-which sums the squares of a free parameter's columns); the eigenvalue-modified operator
-(PCHMP) forms it dense, refused above
-:attr:`~curvlib._core.settings.Settings.max_dense_residual_entries`.
+rows); elsewhere the products themselves probe it. :func:`check_dense_size` refuses a dense
+block above :attr:`~curvlib._core.settings.Settings.max_dense_residual_entries`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 import operator
 from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, fx
-from torch.func import grad, jvp, vmap
 
 from .._core import settings
 from .._core.errors import CurvatureError
-from .._core.sync import LOCK
 from ..rules import functional
-from ..rules.generic import map_samples
-from .smooth import diag_pair, flows
 
-__all__ = ["separable_rows", "linear_in_inputs", "rows_sets", "check_dense_size"]
-
-#: Tangent entries per sample in one batch of Hessian-vector products (:func:`rows_columns`).
-_HVP_ENTRIES = 2**22
+__all__ = ["separable_rows", "linear_in_inputs", "check_dense_size"]
 
 _ARITHMETIC = ("add", "sub", "mul", "div", "truediv", "neg", "pow", "sqrt", "rsqrt", "reciprocal", "abs", "exp")
 _ELEMENTWISE = frozenset(_ARITHMETIC) | {"__add__", "__sub__", "__mul__", "__truediv__", "__radd__", "__rmul__"}
@@ -170,57 +158,3 @@ def check_dense_size(where: str, n: int, d: int, why: str = "") -> None:
             f"(limit: N·d² ≤ {limit}). Use the GGN extensions (DiagGGNExact, "
             "BatchDiagGGNExact) or HMP (exact Hessian-vector products) for this model."
         )
-
-
-def _front(t: Tensor, dim: int) -> Tensor:
-    return t if dim == 0 else t.movedim(dim, 0)
-
-
-def _back(t: Tensor, dim: int) -> Tensor:
-    return t if dim == 0 else t.movedim(0, dim)
-
-
-def rows_sets(res, g: Tensor):
-    """``(column sets of the separable parameters, the residual left for the dense path or None)``:
-    ``meta["rows"]`` (:func:`separable_rows`) by :func:`rows_columns`; the rest dense, unless
-    nothing is left (``meta["zero_inputs"]``: the input block is zero, :func:`linear_in_inputs`)."""
-    rows = tuple(res.meta.get("rows", ()))
-    sets = [c for name in rows for c in rows_columns(res, g, name)]
-    params = {k: v for k, v in res.params.items() if k not in rows}
-    if not params and (res.meta.get("zero_inputs") or not res.inputs):
-        return sets, None
-    rest = replace(res, params=params, free=tuple(k for k in res.free if k not in rows),
-                   meta={**res.meta, "rows": (), "zero_inputs": False})
-    return sets, rest
-
-
-def rows_columns(res, g: Tensor, name: str) -> list:
-    """``[(+1, {}, {name: √d₊ [1, N, *p]}), (-1, {}, {name: √d₋})]`` with ``d = diag R_pp`` per
-    sample, from ``K`` Hessian-vector products (module doc): exact for the Hessian diagonal,
-    which reads a free parameter's columns only through the sum of their squares."""
-    p = res.params[name]
-    k = p[0].numel()
-    colors = torch.eye(k, dtype=p.dtype, device=p.device).reshape((k, 1) + tuple(p.shape[1:])).expand((k,) + tuple(p.shape))
-    gc = _front(g, res.out_dim)
-    xs = [_front(a, d) for a, d in zip(res.inputs, res.in_dims)]
-    fixed, fixed_dims = list(res.meta.get("fixed", ())), tuple(res.meta.get("fixed_dims", ()))
-    fixed_dims = fixed_dims + (None,) * (len(fixed) - len(fixed_dims))
-
-    def diagonal(xs_n, g_n, fixed_n):
-        # one sample, batch of one in each input's own batch dimension
-        inputs = [_back(x.unsqueeze(0), d) for x, d in zip(xs_n, res.in_dims)]
-        ids = [f if d is None else f.unsqueeze(d) for f, d in zip(fixed_n, fixed_dims)]
-
-        def fn(q):
-            return (_front(res.phi({name: q}, *inputs, fixed=ids), res.out_dim).squeeze(0) * g_n).sum()
-
-        out = 0
-        for c in torch.split(colors, max(1, _HVP_ENTRIES // max(p.numel(), 1))):  # (memory: a chunk of K)
-            hvp = vmap(lambda t: jvp(grad(fn), (p,), (t,))[1])(c)  # [C, *p]: entry k of every row's column k
-            out = out + (hvp * c).sum(0)
-        return out
-
-    with LOCK:  # forward-over-reverse: forward-mode AD state is process-wide
-        d = map_samples(diagonal, (0, 0, list(fixed_dims)))(xs, gc, fixed)  # [N, *p]
-    plus, minus = diag_pair(d) if flows(d) else (d.clamp(min=0).sqrt(), (-d).clamp(min=0).sqrt())
-    return [(1.0, {}, {name: plus.unsqueeze(0)}), (-1.0, {}, {name: minus.unsqueeze(0)})]

@@ -353,8 +353,8 @@ def check_residual_sizes(residuals, dims, n: int) -> None:
         per_sample = [a.numel() // max(a.shape[k], 1) if k < a.dim() else a.numel()
                       for a, k in zip(res.inputs, in_dims)]
         if res.kind == "dense":
-            # (free parameters with separable rows: only their diagonals, curvlib._hessian.rows)
-            own = {k: p.numel() for k, p in res.params.items() if k not in res.meta.get("rows", ())}
+            # (free parameters: only their diagonals, from products, curvlib._hessian.free_blocks)
+            own = {k: p.numel() for k, p in res.params.items() if k not in res.free}
             inputs = 0 if res.meta.get("zero_inputs") and not own else sum(per_sample)  # (a zero input block)
             check_dense_size(f"'{res.where}'", n, inputs + sum(own.values()),
                              f" over its inputs {[list(a.shape) for a in res.inputs]}"

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from .._core.errors import CurvatureError
-from .._evaluate.products import check_symmetric, loss_lacks_forward_mode, missing_forward_mode_reason
+from .._core.reverse import check_symmetric, missing_forward_mode_reason
+from .._evaluate.products import loss_lacks_forward_mode
 from .._transform.network import lacks_forward_mode
 from . import plain
 from .network import NetworkOperator, over_vectors
