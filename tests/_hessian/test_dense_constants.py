@@ -175,3 +175,24 @@ class TableShapedLikeTheBatch(nn.Module):
 @pytest.mark.parametrize("how", ["expand_as", "expand"])
 def test_a_table_shaped_like_the_batch_carries_no_residual(how):
     _only_the_activation_has_a_residual(TableShapedLikeTheBatch(how).to(DT), seed=11)
+
+
+class StreamsConcatenated(nn.Module):
+    """ProphetNet's predicting streams: ``cat([h, ngram[k] + pos(positions), ...])`` with the
+    positions built per call (``[N, T]``: the sum carries the batch); the concatenation, and the
+    sums its chain forms from the two tables, are affine in both."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.ngram, self.pos, self.out = nn.Linear(3, 4), nn.Embedding(2, 4), nn.Embedding(6, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        n, t = x.shape[:2]
+        p = self.pos(torch.arange(t, device=x.device).unsqueeze(0).expand(n, t))  # [N, T, 4]
+        streams = [self.ngram.weight[k] + p for k in range(2)]
+        h = torch.tanh(torch.cat([self.a(x)] + streams, dim=1))  # [N, 3T, 4]
+        return self.out(h.reshape(n, 3, t, 4).sum(1))
+
+
+def test_streams_concatenated_carry_no_residual():
+    _only_the_activation_has_a_residual(StreamsConcatenated().to(DT), seed=12)

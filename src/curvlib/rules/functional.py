@@ -369,12 +369,14 @@ def is_affine(node: fx.Node, chain: Sequence[fx.Node], fixed: Sequence[fx.Node] 
               root: Optional[nn.Module] = None) -> bool:
     """Whether the node is affine in its inputs and its parameters together (``x + b[:E]``,
     ``cat([k, bias_k.expand(...)])``, ``x + wpe(arange(T))``; not ``F.linear``, whose weight
-    multiplies the input). ``fixed``: chain nodes that read no parameter (indices)."""
+    multiplies the input). ``fixed``: chain nodes that read no parameter (indices). The chain
+    may sum and concatenate what it computes from the parameters (``ngram[0] + wpe(positions)``:
+    sums of affine functions are affine)."""
     if node.target is F.linear or not (node.target in _AFFINE_OPS or node.target in _RESHAPING
                                        or node.target in _SHAPED_LIKE or getattr(node.target, "curvlib_linear", False)):
         return False
     return all(n.op == "get_attr" or n.target in _RESHAPING or n in fixed or _lookup_embedding(n, root)
-               for n in chain)
+               or (n.target in _AFFINE_OPS and n.target is not F.linear) for n in chain)
 
 
 def _lookup_embedding(node: fx.Node, root: Optional[nn.Module]) -> bool:
