@@ -184,3 +184,30 @@ def test_a_tensor_constant_ends_the_region():
 
     regions, _ = _regions(WithConstant())
     assert all("mul" not in r.nodes for r in regions)
+
+
+class _RouterOnMergedRows(nn.Module):
+    """A router on tokens merged across the batch (``[N·T, D]``, an MoE layer's), its scores an
+    element-wise region of the router's output (``√softplus``, DeepSeek-V4's; ``σ(s)·tanh(s)``):
+    the plan gives the router the batch as a dim of its own, and the region reads its output
+    merged back."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.embed, self.router, self.head = nn.Linear(3, 4), nn.Linear(4, 5), nn.Linear(5, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.embed(x))
+        s = self.router(h.reshape(-1, h.shape[-1]))  # [N·T, 5]
+        scores = torch.nn.functional.softplus(s).sqrt() if self.how == "softplus" else torch.sigmoid(s) * torch.tanh(s)
+        return self.head(scores.reshape(h.shape[:-1] + (5,))).mean(1)
+
+
+@settings(max_examples=6, deadline=None)
+@given(how=st.sampled_from(["softplus", "gate"]), n=st.integers(1, 3), t=st.integers(1, 4), seed=st.integers(0, 50))
+def test_a_region_on_rows_merged_across_the_batch(how, n, t, seed):
+    g = seeded(seed)
+    torch.manual_seed(seed)
+    X, y = torch.randn(n, t, 3, generator=g, dtype=DT), torch.randint(0, 2, (n,), generator=g)
+    check_hessian_diagonals(_RouterOnMergedRows(how).to(DT), nn.CrossEntropyLoss(), X, y)

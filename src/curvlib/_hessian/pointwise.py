@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import numbers
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import torch
@@ -50,7 +50,8 @@ from torch import Tensor, fx
 from .._trace.graph_facts import overwrites_input
 from .._trace.program import Program
 
-__all__ = ["PointwiseRegion", "RowRegion", "PairRegion", "fuse_pointwise_regions", "split_unequal_pairs"]
+__all__ = ["PointwiseRegion", "RowRegion", "PairRegion", "fuse_pointwise_regions", "split_unequal_pairs",
+           "reroot_regions"]
 
 # ``+ − × ÷``, powers and negation, out of place (in-place spellings overwrite a value the region's
 # function is taken of; they end a region)
@@ -177,6 +178,40 @@ def split_unequal_pairs(program: Program, plan: Dict[fx.Node, tuple], env: Dict[
         region = plan.pop(node)[1]
         plan.update({named[k]: entry for k, entry in region.unfused})
     return bool(split)
+
+
+def reroot_regions(program: Program, plan: Dict[fx.Node, tuple]) -> None:
+    """Re-root in ``plan`` (in place) the regions whose root a graph rewrite gave the batch as a
+    dim of its own (:func:`curvlib._plan.batch_merges.split_merged_batches`): their nodes read
+    the root's value merged back to the layout they were found in (``unflatten``, ``movedim``,
+    ``flatten`` of the root), which becomes their root."""
+    named = _by_name(program)
+    for key, (kind, region, coupled) in list(plan.items()):
+        if not isinstance(region, (PointwiseRegion, PairRegion)):
+            continue
+        roots = (region.root,) if isinstance(region, PointwiseRegion) else region.roots
+        inside, moved = set(roots) | set(region.nodes), dict.fromkeys(roots)
+        for name in region.nodes:
+            for a in named[name].all_input_nodes:
+                origin = None if a.name in inside else _merged_back_from(a, roots)
+                if origin is not None:
+                    moved[origin] = a.name
+        if any(moved.values()):
+            new = tuple(moved[r] or r for r in roots)
+            region = replace(region, root=new[0]) if isinstance(region, PointwiseRegion) else replace(region, roots=new)
+            plan[key] = (kind, region, coupled)
+
+
+def _merged_back_from(node: fx.Node, roots: Tuple[str, ...], depth: int = 4) -> Optional[str]:
+    """The root ``node`` is computed from alone by a few one-input nodes (a merge back), if any."""
+    for _ in range(depth):
+        inputs = node.all_input_nodes
+        if len(inputs) != 1:
+            return None
+        node = inputs[0]
+        if node.name in roots:
+            return node.name
+    return None
 
 
 def _fuse(program: Program, plan, fused, where: Tuple[Set[fx.Node], Set[fx.Node]], wanted) -> None:

@@ -27,7 +27,7 @@ from .._trace.program import Program
 from .._core.batch_layout import batch_first_shape
 from .._core.site import Recorder, Site
 from .._hessian.rows import check_dense_size
-from .._hessian.pointwise import split_unequal_pairs
+from .._hessian.pointwise import reroot_regions, split_unequal_pairs
 
 from .._interpret.graph import run_graph
 from ..rules import checker_for
@@ -249,6 +249,8 @@ def make_plan(program: Program, X: Tensor, params, trainable, residual_nodes=Non
         return make_plan(program, X, params, trainable, residual_nodes, runner)
     merged = split_merged_batches(program, rec_a, rec_b, env_a, env_b, n, trainable)
     if merged is not None:
+        if residual_nodes:  # (regions whose root now holds the batch in a dim of its own)
+            reroot_regions(merged, residual_nodes)
         return make_plan(merged, X, params, trainable, residual_nodes, runner)
     batch_dims = []
     independence = _independence.analyse(program, env_a, env_b, n, trainable)
