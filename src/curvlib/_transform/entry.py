@@ -43,7 +43,8 @@ from .._core.site import uses_of
 from .._plan.traces import Traced, Traces, warn_hooks
 from .failures import internal_failure
 from .._trace.branches import BranchChanged, batch_guard_values, check_branches_per_sample, guard_values_per_sample
-from ..distributed import aggregated
+from ..distributed import aggregated, result_kinds
+from ..distributed.sharded import ShardedModel, batch_group, fsdp_mesh, sharded
 from ..extensions import Extension, SecondOrder
 from ..losses import _targets
 from . import compiled as _compiled, wrappers as _wrappers
@@ -106,10 +107,29 @@ def curvature(
         CurvatureTypeError: an argument has the wrong type.
         CurvatureError: anything else curvlib cannot handle, named in the message.
     """
+    mesh = fsdp_mesh(model) if isinstance(model, nn.Module) else None
+    if mesh is not None:
+        return _on_shards(model, mesh, (lossfn, extensions), (process_group, chunk_size, batch_chunk_size, compile, output))
     setup = Setup(model, lossfn, extensions, process_group, chunk_size, batch_chunk_size, output)
     options = _compiled.check(compile, setup)
     prepare_forward_ad()  # torch's own one-time jvp set-up warns; not inside the user's call
     return _wrapped(CurvatureCall(setup), setup, options, batch_chunk_size, process_group)
+
+
+def _on_shards(model: nn.Module, mesh, problem, options) -> Callable[..., Dict[str, object]]:
+    """:func:`curvature` of a model sharded with FSDP's ``fully_shard`` over ``mesh``: of its
+    twin with the parameters gathered per call, aggregated over the mesh's ranks, summed results
+    sharded like the parameters (:mod:`curvlib.distributed.sharded`)."""
+    (lossfn, extensions), (process_group, chunk_size, batch_chunk_size, compile, output) = problem, options
+    if process_group is not None:
+        raise CurvatureError(
+            "curvature(..., process_group=...) on a model sharded with fully_shard: f is a collective over "
+            "the model's device mesh already (every rank passes its own batch); leave process_group out.")
+    if compile:
+        raise CurvatureError("curvature(..., compile=True) does not take a model sharded with fully_shard.")
+    twin = ShardedModel(model, mesh)
+    f = curvature(twin.module, lossfn, extensions, batch_group(mesh), chunk_size, batch_chunk_size, False, output)
+    return _wrappers.public(sharded(f, twin, result_kinds(extensions)), curvature.__doc__)
 
 
 def _wrapped(f: "CurvatureCall", setup: "Setup", options, batch_chunk_size, process_group) -> Callable[..., Dict[str, object]]:

@@ -88,7 +88,7 @@ from ..extensions.combine import Combine
 from ._allreduce import aggregate, times
 from ..losses import LossSpec, normaliser
 
-__all__ = ["aggregated"]
+__all__ = ["aggregated", "result_kinds"]
 
 # How each result is aggregated: an extension's ``ranks``, a curvlib.extensions.combine.Combine
 # (per-sample kinds stay the rank's own rows, scaled; summed kinds are summed over ranks).
@@ -166,6 +166,12 @@ def aggregated(
                          later)
 
     return g
+
+
+def result_kinds(exts: Tuple) -> Dict[str, Combine]:
+    """How each result of ``exts`` combines over ranks (result key -> kind; ``loss`` and ``grad``
+    summed); refuses what cannot be combined."""
+    return _aggregation_kinds(tuple(exts))[0]
 
 
 def _member_rank(dist, process_group) -> int:

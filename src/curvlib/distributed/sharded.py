@@ -1,0 +1,223 @@
+"""FSDP2-sharded models (``torch.distributed.fsdp.fully_shard``) as they are.
+
+``fully_shard`` turns a model's parameters into DTensors sharded over a device mesh and gives
+its modules FSDP classes whose hooks gather the parameters around each forward and backward.
+curvlib runs no hooks and takes derivatives with ``torch.func``, so it runs a *twin* of the
+model instead: the same module objects' state (buffers, attributes, submodules, shared
+modules shared) under their classes before ``fully_shard``, without hooks, whose parameters
+are plain tensors of the full shapes. Their values are gathered (``DTensor.full_tensor()``)
+when ``f`` is called and released when it returns, so between calls a rank holds its shards
+alone; during a call it holds every parameter once (what FSDP's own forward and backward
+hold in turn, block by block).
+
+``f(X_local, y_local)`` is a collective over the mesh, every rank passing its own batch:
+the data-parallel aggregation over the ranks of the mesh (:mod:`curvlib.distributed`) makes
+summed results those of the global batch. They come back as DTensors: a parameter-shaped
+result (``grad``, ``sum_grad_squared``, ``variance``, the diagonals) with its parameter's
+placements and dtype (each rank keeps its own shard), each Kronecker factor replicated (the
+whole, which every rank computed). Per-sample results stay plain tensors of the rank's own
+rows, and the loss a plain 0-dim tensor.
+
+A mixed precision policy (``MixedPrecisionPolicy(param_dtype=...)``) is followed as FSDP
+follows it: the twin computes with the parameters in ``param_dtype`` (and the inputs cast to
+it where the policy casts forward inputs); summed results return in the parameters' dtype.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import Callable, Dict, Iterator, List, Mapping, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .._core.errors import CurvatureError
+from ..extensions.combine import Combine
+
+__all__ = ["fsdp_mesh", "ShardedModel", "sharded"]
+
+#: Hook tables of ``nn.Module`` left empty in the twin (curvlib runs no hooks; FSDP's live here).
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_hooks",
+                "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
+                "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+#: Kronecker kinds: a list of factors per parameter, returned replicated.
+_KRONECKER = (Combine.KRON, Combine.KRON_SQUARED, Combine.KRON_WHOLE_ROOT)
+
+
+def _dtensor_type():
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def fsdp_mesh(model: nn.Module):
+    """The device mesh of the model's DTensor parameters, or ``None`` when it has none."""
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return None
+    meshes: List[object] = []
+    for p in model.parameters():  # (each fully_shard call without a mesh makes an equal one of its own)
+        if isinstance(p, dtensor) and not any(p.device_mesh == m for m in meshes):
+            meshes.append(p.device_mesh)
+    if len(meshes) > 1:
+        raise CurvatureError(
+            f"The model's parameters are DTensors on {len(meshes)} device meshes; curvlib supports a model "
+            "sharded with fully_shard over one mesh (1-D, or 2-D for hybrid sharding).")
+    return meshes[0] if meshes else None
+
+
+def _plain_class(cls: type) -> type:
+    """The module's class before ``fully_shard`` (which makes ``FSDP<Class>(FSDPModule, Class)``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+
+
+def _placeholder(shape, dtype: torch.dtype, device) -> Tensor:
+    """A tensor of ``shape`` holding one element (the twin's parameters between calls)."""
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
+
+
+class ShardedModel:
+    """The twin of an FSDP model (module doc) and its parameters' shards.
+
+    ``module``: the twin; ``gathered(params)``: a context in which its parameters hold the
+    full values (the model's shards gathered, or ``params`` given as DTensors or full tensors)."""
+
+    def __init__(self, model: nn.Module, mesh):
+        self.mesh = mesh
+        self.compute_dtypes = _compute_dtypes(model)
+        self.cast_inputs = _casts_forward_inputs(model)
+        self._twins: Dict[int, object] = {}
+        self.module = self._twin(model)
+        self.shards = dict(model.named_parameters())
+        self._slots = {name: self._twins[id(p)] for name, p in self.shards.items()}
+
+    def _twin(self, m: nn.Module) -> nn.Module:
+        if id(m) in self._twins:
+            return self._twins[id(m)]
+        cls = _plain_class(type(m))
+        twin = cls.__new__(cls)
+        state = dict(m.__dict__)
+        for table in _HOOK_TABLES:
+            if table in state:
+                state[table] = collections.OrderedDict()
+        state["_parameters"] = {k: None if p is None else self._parameter(p) for k, p in m._parameters.items()}
+        state["_modules"] = {k: None if c is None else self._twin(c) for k, c in m._modules.items()}
+        twin.__dict__.update(state)
+        self._twins[id(m)] = twin
+        return twin
+
+    def _parameter(self, p: nn.Parameter) -> nn.Parameter:
+        if id(p) not in self._twins:  # (a parameter shared by two modules: one twin)
+            dtype = self.compute_dtypes.get(id(p), p.dtype)
+            device = p.to_local().device if hasattr(p, "to_local") else p.device
+            self._twins[id(p)] = nn.Parameter(_placeholder(p.shape, dtype, device), requires_grad=p.requires_grad)
+        return self._twins[id(p)]
+
+    def full(self, name: str, value: Tensor) -> Tensor:
+        """``value`` (a parameter's, sharded or whole) as the twin computes with it."""
+        whole = value.full_tensor() if hasattr(value, "full_tensor") else value
+        return whole.detach().to(self._slots[name].dtype)
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        slots = self._slots
+        try:
+            for name, shard in self.shards.items():
+                slots[name].data = self.full(name, shard)  # (an all-gather per parameter, FSDP's collective)
+            yield
+        finally:
+            for name, slot in slots.items():
+                slot.data = _placeholder(slot.shape, slot.dtype, slot.device)
+
+
+def _fsdp_params(model: nn.Module) -> List[object]:
+    """FSDP's records of the model's sharded parameters (``sharded_param``, ``param_dtype``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found = []
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
+            found += list(getattr(group, "fsdp_params", ()))
+    return found
+
+
+def _compute_dtypes(model: nn.Module) -> Dict[int, torch.dtype]:
+    """``id(parameter) -> dtype`` FSDP computes it in (its mixed precision ``param_dtype``)."""
+    return {id(fp.sharded_param): fp.param_dtype for fp in _fsdp_params(model)
+            if getattr(fp, "param_dtype", None) is not None}
+
+
+def _casts_forward_inputs(model: nn.Module) -> Optional[torch.dtype]:
+    """The dtype the root's policy casts floating-point forward inputs to, if it does."""
+    state = model._get_fsdp_state() if hasattr(model, "_get_fsdp_state") else None
+    policy = getattr(state, "_mp_policy", None)
+    if policy is None or not policy.cast_forward_inputs:
+        return None
+    return policy.param_dtype
+
+
+def batch_group(mesh):
+    """The process group of the mesh's ranks, over which the batch is split (every rank has
+    its own data: one dim of the mesh, or the whole world for a 2-D hybrid mesh)."""
+    import torch.distributed as dist
+
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    raise CurvatureError(
+        f"The model is sharded over a {mesh.ndim}-D device mesh of {mesh.size()} of the "
+        f"{dist.get_world_size()} ranks; curvlib aggregates a multi-dimensional mesh over the whole world only.")
+
+
+def sharded(f: Callable[..., Dict[str, object]], model: ShardedModel, kinds: Mapping[str, Combine]) -> Callable:
+    """``f`` (curvature of the twin, aggregated over the mesh's ranks) on the model's shards:
+    parameters gathered for the call, summed results sharded like the parameters (module doc)."""
+
+    def g(X, y, params: Optional[Mapping[str, Tensor]] = None, generator=None, buffers=None):
+        if model.cast_inputs is not None:
+            X = _cast_floating(X, model.cast_inputs)
+        with model.gathered():
+            whole = None if params is None else {k: model.full(k, v) for k, v in params.items()}
+            results = f(X, y, params=whole, generator=generator, buffers=buffers)
+        return {key: _distributed(value, kinds.get(key), model) for key, value in results.items()}
+
+    return g
+
+
+def _cast_floating(X, dtype: torch.dtype):
+    if isinstance(X, Tensor):
+        return X.to(dtype) if X.is_floating_point() else X
+    if isinstance(X, Mapping):
+        return type(X)({k: _cast_floating(v, dtype) for k, v in X.items()})
+    if isinstance(X, (tuple, list)):
+        return type(X)(_cast_floating(v, dtype) for v in X)
+    return X
+
+
+def _distributed(value, kind: Optional[Combine], model: ShardedModel):
+    """One result as returned on a sharded model (module doc)."""
+    if kind is None or not isinstance(value, Mapping) or kind.samples_dim is not None:
+        return value  # (the loss; per-sample results: the rank's own rows)
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    out = {}
+    for name, v in value.items():
+        shard = model.shards[name]
+        dtype = shard.dtype
+        mesh = getattr(shard, "device_mesh", model.mesh)
+        if kind in _KRONECKER:
+            out[name] = [DTensor.from_local(t.to(dtype), mesh, [Replicate()] * mesh.ndim, run_check=False) for t in v]
+        elif hasattr(shard, "placements"):
+            out[name] = distribute_tensor(v.to(dtype), mesh, shard.placements, src_data_rank=None)
+        else:
+            out[name] = v.to(dtype)
+    return out
