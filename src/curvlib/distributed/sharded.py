@@ -144,15 +144,20 @@ def _fsdp_params(model: nn.Module) -> List[object]:
     found = []
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
-            found += list(getattr(group, "fsdp_params", ()))
+            for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", ()):
+                found += list(getattr(group, "fsdp_params", ()))
     return found
 
 
 def _compute_dtypes(model: nn.Module) -> Dict[int, torch.dtype]:
-    """``id(parameter) -> dtype`` FSDP computes it in (its mixed precision ``param_dtype``)."""
-    return {id(fp.sharded_param): fp.param_dtype for fp in _fsdp_params(model)
-            if getattr(fp, "param_dtype", None) is not None}
+    """``id(parameter) -> dtype`` FSDP computes it in: its policy's ``param_dtype`` for a
+    floating-point parameter (set before FSDP's first forward, unlike its own record)."""
+    found = {}
+    for fp in _fsdp_params(model):
+        policy, p = getattr(fp, "mp_policy", None), fp.sharded_param
+        if policy is not None and policy.param_dtype is not None and p.dtype.is_floating_point:
+            found[id(p)] = policy.param_dtype
+    return found
 
 
 def _casts_forward_inputs(model: nn.Module) -> Optional[torch.dtype]:

@@ -1,0 +1,189 @@
+"""Models sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``) on 2 gloo processes.
+
+Every rank shards the same model (per block and at the root, the usual recipe; one unit; a
+2-D hybrid mesh; a mixed precision policy) and calls ``f`` on its own slice of one global
+batch (uneven sizes). Inside the worker its results are checked against the unsharded model
+on the whole batch (a copy taken before ``fully_shard``): the gradient against autograd, the
+other quantities against curvlib's single-process results (tested against brute force
+elsewhere). Summed results are DTensors with the parameter's placements and dtype whose
+``full_tensor()`` is the global batch's; Kronecker factors replicated DTensors; per-sample
+results the rank's own rows; the model's shards, classes and hooks are as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from curvlib import CurvatureError, curvature
+from curvlib.extensions import (KFAC, KFLR, BatchDiagGGNExact, BatchDiagHessian, BatchGrad, BatchL2Grad, DiagGGNExact,
+                                DiagGGNMC, DiagHessian, SqrtGGNExact, SumGradSquared, Variance)
+from oracles.processes import gloo_available, spawn
+
+pytestmark = pytest.mark.skipif(not gloo_available(), reason="torch.distributed with gloo is not available")
+
+SIZES = (3, 4)  # the ranks' local batch sizes
+EXACT = [BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), DiagGGNExact(), BatchDiagGGNExact(), KFLR(),
+         DiagHessian(), BatchDiagHessian(), SqrtGGNExact()]
+
+
+def _model(arch: str) -> nn.Module:
+    torch.manual_seed(7)
+    if arch == "mlp":
+        return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5), nn.Sigmoid(), nn.Linear(5, 3)).double()
+    if arch == "conv":
+        return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 3, 3), nn.Flatten(),
+                             nn.Linear(12, 3)).double()
+    layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=12, dropout=0.0, batch_first=True)
+    return nn.Sequential(nn.Linear(4, 8), layer, copy.deepcopy(layer), _MeanTokens(), nn.Linear(8, 3)).double()
+
+
+class _MeanTokens(nn.Module):
+    def forward(self, x):
+        return x.mean(1)
+
+
+def _batch(arch: str, n: int):
+    g = torch.Generator().manual_seed(11)
+    shape = {"mlp": (n, 4), "conv": (n, 2, 4, 4), "transformer": (n, 5, 4)}[arch]
+    return torch.randn(shape, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+
+
+def _shard(model: nn.Module, how: str, mesh=None, mp=None) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    kw = {k: v for k, v in (("mesh", mesh), ("mp_policy", mp)) if v is not None}
+    if how == "blocks":
+        for m in model:
+            if any(True for _ in m.parameters()):
+                fully_shard(m, **kw)
+    fully_shard(model, **kw)
+
+
+def _rows(rank: int):
+    start = sum(SIZES[:rank])
+    return slice(start, start + SIZES[rank])
+
+
+def _close(a, b, what, rtol=1e-9):
+    torch.testing.assert_close(a, b, rtol=rtol, atol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def _check_results(q, r, sharded_model, rank, rtol=1e-9, mc=()):
+    from torch.distributed.tensor import DTensor, Replicate
+
+    shards = dict(sharded_model.named_parameters())
+    _close(q["loss"], r["loss"].to(q["loss"].dtype), "loss", rtol)
+    per_sample = {"grad_batch": 0, "batch_l2": 0, "diag_ggn_exact_batch": 0, "diag_h_batch": 0, "sqrt_ggn_exact": 1}
+    for key, value in q.items():
+        if key == "loss":
+            continue
+        for name, t in value.items():
+            p = shards[name]
+            ref = r[key][name]
+            if key in per_sample:  # the rank's own rows, plain
+                assert not isinstance(t, DTensor), key
+                _close(t, ref.narrow(per_sample[key], _rows(rank).start, SIZES[rank]).to(t.dtype), f"{key}[{name}]", rtol)
+            elif isinstance(t, list):  # Kronecker factors: replicated
+                for k, (a, b) in enumerate(zip(t, ref)):
+                    assert isinstance(a, DTensor) and all(isinstance(pl, Replicate) for pl in a.placements), key
+                    if (key, k) not in mc:
+                        _close(a.full_tensor(), b.to(a.dtype), f"{key}[{name}][{k}]", rtol)
+            else:  # summed: sharded like the parameter
+                assert isinstance(t, DTensor) and t.placements == p.placements and t.dtype == p.dtype, (key, name)
+                if key not in mc:
+                    _close(t.full_tensor(), ref.to(t.dtype), f"{key}[{name}]", rtol)
+
+
+def _state(model: nn.Module):
+    return ([(n, type(p).__name__, p.to_local().clone()) for n, p in model.named_parameters()],
+            [(type(m).__name__, len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()])
+
+
+def _same_as_unsharded(rank, world, arch, how, lossfn, exts):
+    model = _model(arch)
+    ref = copy.deepcopy(model)
+    _shard(model, how)
+    Xg, yg = _batch(arch, sum(SIZES))
+    before = _state(model)
+    q = curvature(model, lossfn, exts)(Xg[_rows(rank)], yg[_rows(rank)])
+    after = _state(model)
+    assert [(a[0], a[1]) for a in before[0]] == [(a[0], a[1]) for a in after[0]] and before[1] == after[1]
+    assert all(torch.equal(a[2], b[2]) for a, b in zip(before[0], after[0]))
+    r = curvature(ref, lossfn, exts)(Xg, yg)
+    _check_results(q, r, model, rank, mc={("kfac", 0), "diag_ggn_mc"})
+    # the gradient against autograd on the whole batch
+    ref.zero_grad()
+    lossfn(ref(Xg), yg).backward()
+    for name, p in ref.named_parameters():
+        _close(q["grad"][name].full_tensor(), p.grad, f"autograd grad[{name}]")
+
+
+@pytest.mark.parametrize("arch,how", [("mlp", "blocks"), ("conv", "root"), ("transformer", "blocks")])
+def test_sharded_equals_unsharded(arch, how):
+    spawn(_same_as_unsharded, (arch, how, nn.CrossEntropyLoss(), EXACT), world=len(SIZES))
+
+
+def test_sum_reduction_and_monte_carlo():
+    spawn(_same_as_unsharded, ("mlp", "blocks", nn.CrossEntropyLoss(reduction="sum"),
+                               [BatchGrad(), DiagGGNExact(), DiagGGNMC(), KFAC(), KFLR()]), world=len(SIZES))
+
+
+def _mixed_precision(rank, world):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = _model("mlp")
+    ref = copy.deepcopy(model).float()
+    _shard(model, "blocks", mp=MixedPrecisionPolicy(param_dtype=torch.float32))
+    Xg, yg = _batch("mlp", sum(SIZES))
+    exts = [BatchGrad(), DiagGGNExact(), KFLR(), DiagHessian()]
+    q = curvature(model, nn.CrossEntropyLoss(), exts)(Xg[_rows(rank)], yg[_rows(rank)])
+    r = curvature(ref, nn.CrossEntropyLoss(), exts)(Xg.float(), yg)
+    assert q["grad"]["0.weight"].dtype == torch.float64  # (the parameters' dtype; computed in float32)
+    _check_results(q, r, model, rank, rtol=1e-5)
+
+
+def test_mixed_precision_policy():
+    spawn(_mixed_precision, (), world=len(SIZES))
+
+
+def _hybrid(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    model = _model("mlp")
+    ref = copy.deepcopy(model)
+    _shard(model, "blocks", mesh=mesh)
+    Xg, yg = _batch("mlp", sum(SIZES))
+    exts = [BatchL2Grad(), SumGradSquared(), DiagGGNExact(), KFLR()]
+    q = curvature(model, nn.CrossEntropyLoss(), exts)(Xg[_rows(rank)], yg[_rows(rank)])
+    _check_results(q, curvature(ref, nn.CrossEntropyLoss(), exts)(Xg, yg), model, rank)
+
+
+def test_hybrid_sharding_mesh():
+    spawn(_hybrid, (), world=len(SIZES))
+
+
+def _params_and_refusals(rank, world):
+    model = _model("mlp")
+    ref = copy.deepcopy(model)
+    _shard(model, "blocks")
+    Xg, yg = _batch("mlp", sum(SIZES))
+    chosen = {n: p for n, p in model.named_parameters() if n.startswith("2.")}
+    q = curvature(model, nn.CrossEntropyLoss(), [DiagGGNExact()])(Xg[_rows(rank)], yg[_rows(rank)], params=chosen)
+    assert set(q["diag_ggn_exact"]) == set(chosen) == set(q["grad"])
+    r = curvature(ref, nn.CrossEntropyLoss(), [DiagGGNExact()])(
+        Xg, yg, params={n: p.detach() for n, p in ref.named_parameters() if n in chosen})
+    _check_results(q, r, model, rank)
+    import torch.distributed as dist
+
+    for kw, match in [({"process_group": dist.group.WORLD}, "leave process_group out"), ({"compile": True}, "compile")]:
+        with pytest.raises(CurvatureError, match=match):
+            curvature(model, nn.CrossEntropyLoss(), [DiagGGNExact()], **kw)
+
+
+def test_params_subset_and_refusals():
+    spawn(_params_and_refusals, (), world=len(SIZES))
