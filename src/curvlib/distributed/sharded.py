@@ -27,9 +27,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
+import sys
+import types
 from typing import Callable, Dict, Iterator, List, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from .._core.errors import CurvatureError
@@ -47,12 +51,19 @@ _HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forwar
 _KRONECKER = (Combine.KRON, Combine.KRON_SQUARED, Combine.KRON_WHOLE_ROOT)
 
 
-def _dtensor_type():
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.tensor import DTensor
+def _dtensor_type() -> Optional[type]:
+    """``DTensor`` where it is loaded (a model with DTensor parameters loaded it; no import here,
+    which would cost every call a second)."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
 
-    return DTensor
+
+@functools.lru_cache(maxsize=None)
+def _api() -> types.SimpleNamespace:
+    """torch's FSDP2 and DTensor names (loaded once a sharded model is met)."""
+    from torch.distributed import fsdp, tensor
+
+    return types.SimpleNamespace(FSDPModule=fsdp.FSDPModule, DTensor=tensor.DTensor, Replicate=tensor.Replicate,
+                                 distribute_tensor=tensor.distribute_tensor)
 
 
 def fsdp_mesh(model: nn.Module):
@@ -73,9 +84,7 @@ def fsdp_mesh(model: nn.Module):
 
 def _plain_class(cls: type) -> type:
     """The module's class before ``fully_shard`` (which makes ``FSDP<Class>(FSDPModule, Class)``)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+    return next(c for c in cls.__mro__ if not issubclass(c, _api().FSDPModule))
 
 
 def _placeholder(shape, dtype: torch.dtype, device) -> Tensor:
@@ -138,12 +147,10 @@ class ShardedModel:
 
 
 def _fsdp_params(model: nn.Module) -> List[object]:
-    """FSDP's records of the model's sharded parameters (``sharded_param``, ``param_dtype``)."""
-    from torch.distributed.fsdp import FSDPModule
-
+    """FSDP's records of the model's sharded parameters (``sharded_param``, ``mp_policy``)."""
     found = []
     for m in model.modules():
-        if isinstance(m, FSDPModule):
+        if isinstance(m, _api().FSDPModule):
             for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", ()):
                 found += list(getattr(group, "fsdp_params", ()))
     return found
@@ -172,8 +179,6 @@ def _casts_forward_inputs(model: nn.Module) -> Optional[torch.dtype]:
 def batch_group(mesh):
     """The process group of the mesh's ranks, over which the batch is split (every rank has
     its own data: one dim of the mesh, or the whole world for a 2-D hybrid mesh)."""
-    import torch.distributed as dist
-
     if mesh.ndim == 1:
         return mesh.get_group()
     if mesh.size() == dist.get_world_size():
@@ -212,17 +217,17 @@ def _distributed(value, kind: Optional[Combine], model: ShardedModel):
     """One result as returned on a sharded model (module doc)."""
     if kind is None or not isinstance(value, Mapping) or kind.samples_dim is not None:
         return value  # (the loss; per-sample results: the rank's own rows)
-    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
-
+    api = _api()
     out = {}
     for name, v in value.items():
         shard = model.shards[name]
         dtype = shard.dtype
         mesh = getattr(shard, "device_mesh", model.mesh)
         if kind in _KRONECKER:
-            out[name] = [DTensor.from_local(t.to(dtype), mesh, [Replicate()] * mesh.ndim, run_check=False) for t in v]
+            out[name] = [api.DTensor.from_local(t.to(dtype), mesh, [api.Replicate()] * mesh.ndim, run_check=False)
+                         for t in v]
         elif hasattr(shard, "placements"):
-            out[name] = distribute_tensor(v.to(dtype), mesh, shard.placements, src_data_rank=None)
+            out[name] = api.distribute_tensor(v.to(dtype), mesh, shard.placements, src_data_rank=None)
         else:
             out[name] = v.to(dtype)
     return out
