@@ -240,3 +240,34 @@ def _params_and_refusals(rank, world):
 
 def test_params_subset_and_refusals():
     spawn(_params_and_refusals, (), world=len(SIZES))
+
+
+def _dp_sgd(rank, world):
+    """DP-SGD's clipped sum on a sharded model: per-sample norms from curvlib, then the model's
+    own (FSDP) backward of the reweighted loss ``Σ_n c_n ℓ_n`` (examples/dp_sgd.py, ghost way)."""
+    model = _model("mlp")
+    ref = copy.deepcopy(model)
+    _shard(model, "blocks")
+    for m in model.modules():  # (FSDP averages gradients over the ranks: the clipped *sum*)
+        if hasattr(m, "set_gradient_divide_factor"):
+            m.set_gradient_divide_factor(1.0)
+    lossfn, per_sample, max_norm = nn.CrossEntropyLoss(reduction="sum"), nn.CrossEntropyLoss(reduction="none"), 1.2
+    Xg, yg = _batch("mlp", sum(SIZES))
+    X, y = Xg[_rows(rank)], yg[_rows(rank)]
+
+    def clip(batch_l2):
+        return (max_norm / (torch.stack(list(batch_l2.values())).sum(0).sqrt() + 1e-6)).clamp(max=1.0)
+
+    c = clip(curvature(model, lossfn, [BatchL2Grad()])(X, y)["batch_l2"])
+    (c * per_sample(model(X), y)).sum().backward()
+    # reference: one process, the whole batch, individual gradients materialised
+    qs = curvature(ref, lossfn, [BatchGrad(), BatchL2Grad()])(Xg, yg)
+    c_all = clip(qs["batch_l2"])
+    _close(c, c_all[_rows(rank)], "clip factors")
+    assert 0 < int((c_all < 1).sum()) < len(c_all)  # (some clipped, some not)
+    for name, p in model.named_parameters():
+        _close(p.grad.full_tensor(), torch.einsum("n,n...->...", c_all, qs["grad_batch"][name]), f"clipped sum[{name}]")
+
+
+def test_dp_sgd_clipping_under_fsdp():
+    spawn(_dp_sgd, (), world=len(SIZES))
