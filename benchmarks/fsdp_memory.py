@@ -1,0 +1,149 @@
+"""Memory per rank of curvlib on an FSDP2-sharded model, against the unsharded model.
+
+    python benchmarks/fsdp_memory.py [--world 2] [--width 1024] [--depth 8] [--batch 16]
+        [--out benchmarks/results/cpu/fsdp-memory.md]
+
+Every rank (a fresh gloo process on CPU, one thread) builds the same float32 MLP (``depth``
+``Linear(width, width)`` + ``tanh`` layers and a 10-way head), shards it with ``fully_shard``
+per layer and at the root, and runs ``curvature(model, CrossEntropyLoss(), [ext])`` on its own
+micro-batch of ``batch`` samples, once to warm up and once measured; then the same on an
+unsharded copy with the same micro-batch (what a rank of plain data parallelism holds). Per
+rank and method: the model's resident memory (``VmRSS`` after building it, above the process
+before), and the call's own peak above the memory just before it (``VmHWM`` reset through
+``/proc/self/clear_refs``). Figures are rank 0's (the ranks agree to within a page or two).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import socket
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+METHODS = ("BatchL2Grad", "DiagGGNMC", "KFAC")
+
+
+def _status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+def _call_peak(fn) -> float:
+    """MiB the call ``fn()`` holds at its peak above the resident memory just before it."""
+    before = _status_mib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    fn()
+    return _status_mib("VmHWM") - before
+
+
+def _extension(name: str):
+    from curvlib import extensions
+
+    return extensions.KFAC(max_factor_dim=256) if name == "KFAC" else getattr(extensions, name)()
+
+
+def _rank(rank: int, world: int, port: int, args: dict, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))
+    from torch.distributed.fsdp import fully_shard
+
+    from curvlib import curvature
+
+    torch.manual_seed(0)
+    width, depth, n = args["width"], args["depth"], args["batch"]
+    before = _status_mib("VmRSS")
+    layers = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())]
+    model = nn.Sequential(*layers, nn.Linear(width, 10))
+    plain = copy.deepcopy(model)
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m)
+    fully_shard(model)
+    sharded_mib = _status_mib("VmRSS") - before  # (both models: the plain one is subtracted below)
+    params_mib = sum(p.numel() * p.element_size() for p in plain.parameters()) / 2**20
+    g = torch.Generator().manual_seed(rank)
+    X, y = torch.randn(n, width, generator=g), torch.randint(0, 10, (n,), generator=g)
+    rows = []
+    for method in METHODS:
+        ext = _extension(method)
+        f_sharded = curvature(model, nn.CrossEntropyLoss(), [ext])
+        f_plain = curvature(plain, nn.CrossEntropyLoss(), [_extension(method)])
+        f_sharded(X, y)
+        sharded = _call_peak(lambda: f_sharded(X, y))
+        f_plain(X, y)
+        unsharded = _call_peak(lambda: f_plain(X, y))
+        rows.append({"method": method, "sharded_call_mib": sharded, "unsharded_call_mib": unsharded})
+    local_mib = sum(p.to_local().numel() * p.element_size() for p in model.parameters()) / 2**20
+    if rank == 0:
+        Path(out).write_text(json.dumps({"world": world, **args, "params_mib": params_mib, "shard_mib": local_mib,
+                                         "rss_both_models_mib": sharded_mib, "rows": rows}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def report(res: dict) -> str:
+    lines = [
+        "# curvlib on an FSDP2-sharded model: memory per rank",
+        "",
+        f"`python benchmarks/fsdp_memory.py --world {res['world']} --width {res['width']} --depth {res['depth']} "
+        f"--batch {res['batch']}` (CPU, gloo, one thread per rank, float32; rank 0's figures).",
+        "",
+        f"Model: {res['depth']} x `Linear({res['width']}, {res['width']})` + tanh and a 10-way head, "
+        f"{res['params_mib']:.1f} MiB of parameters; each rank holds a shard of {res['shard_mib']:.1f} MiB "
+        f"between calls. Micro-batch: {res['batch']} samples per rank.",
+        "",
+        "| method | sharded: call's peak above before (MiB) | unsharded, same micro-batch (MiB) | sharded / unsharded |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in res["rows"]:
+        ratio = r["sharded_call_mib"] / max(r["unsharded_call_mib"], 1e-9)
+        lines.append(f"| {r['method']} | {r['sharded_call_mib']:.1f} | {r['unsharded_call_mib']:.1f} | {ratio:.2f} |")
+    lines += [
+        "",
+        "A sharded call gathers every parameter whole (one all-gather each) and releases them when it "
+        "returns: its peak holds the whole model once more than the unsharded call's (which reads the "
+        "model's own tensors), plus the same per-sample work. Between calls a rank holds its shard only.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--out", default="benchmarks/results/cpu/fsdp-memory.md")
+    a = parser.parse_args()
+    import torch.multiprocessing as mp
+
+    raw = a.out + ".json"
+    args = {"width": a.width, "depth": a.depth, "batch": a.batch}
+    mp.start_processes(_rank, args=(a.world, _free_port(), args, raw), nprocs=a.world, start_method="spawn")
+    res = json.loads(Path(raw).read_text())
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    Path(a.out).write_text(report(res))
+    sys.stdout.write(report(res))
+
+
+if __name__ == "__main__":
+    main()
