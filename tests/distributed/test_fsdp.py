@@ -225,6 +225,13 @@ def _params_and_refusals(rank, world):
     ref = copy.deepcopy(model)
     _shard(model, "blocks")
     Xg, yg = _batch("mlp", sum(SIZES))
+    # (train/eval set after curvature was built reaches the call: dropout on, then off)
+    dropped = nn.Sequential(nn.Dropout(0.5), copy.deepcopy(ref))
+    _shard(dropped, "root")
+    f = curvature(dropped, nn.CrossEntropyLoss(), [DiagGGNExact()])
+    dropped.eval()
+    plain = curvature(nn.Sequential(nn.Dropout(0.5), ref).eval(), nn.CrossEntropyLoss(), [DiagGGNExact()])
+    _check_results(f(Xg[_rows(rank)], yg[_rows(rank)]), plain(Xg, yg), dropped, rank)
     chosen = {n: p for n, p in model.named_parameters() if n.startswith("2.")}
     q = curvature(model, nn.CrossEntropyLoss(), [DiagGGNExact()])(Xg[_rows(rank)], yg[_rows(rank)], params=chosen)
     assert set(q["diag_ggn_exact"]) == set(chosen) == set(q["grad"])

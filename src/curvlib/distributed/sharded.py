@@ -103,6 +103,7 @@ class ShardedModel:
         self.compute_dtypes = _compute_dtypes(model)
         self.cast_inputs = _casts_forward_inputs(model)
         self._twins: Dict[int, object] = {}
+        self._pairs: List[tuple] = []  # (module, its twin)
         self.module = self._twin(model)
         self.shards = dict(model.named_parameters())
         self._slots = {name: self._twins[id(p)] for name, p in self.shards.items()}
@@ -120,6 +121,7 @@ class ShardedModel:
         state["_modules"] = {k: None if c is None else self._twin(c) for k, c in m._modules.items()}
         twin.__dict__.update(state)
         self._twins[id(m)] = twin
+        self._pairs.append((m, twin))
         return twin
 
     def _parameter(self, p: nn.Parameter) -> nn.Parameter:
@@ -137,6 +139,9 @@ class ShardedModel:
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
         slots = self._slots
+        for m, twin in self._pairs:  # (what may change between calls: train/eval, reassigned buffers)
+            twin.training = m.training
+            twin._buffers.update(m._buffers)
         try:
             for name, shard in self.shards.items():
                 slots[name].data = self.full(name, shard)  # (an all-gather per parameter, FSDP's collective)
