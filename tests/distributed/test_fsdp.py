@@ -68,7 +68,7 @@ class _MeanTokens(nn.Module):
 
 
 def _batch(arch: str, n: int):
-    g = torch.Generator().manual_seed(11)
+    g = torch.Generator(device="cpu").manual_seed(11)  # (ranks run on CPU, gloo)
     if arch == "llama":
         return torch.randint(0, 32, (n, 5), generator=g), torch.randint(0, 32, (n,), generator=g)
     shape = {"mlp": (n, 4), "conv": (n, 2, 4, 4), "transformer": (n, 5, 4)}[arch]

@@ -88,7 +88,7 @@ from ..extensions.combine import Combine
 from ._allreduce import aggregate, times
 from ..losses import LossSpec, normaliser
 
-__all__ = ["aggregated", "result_kinds"]
+__all__ = ["aggregated"]
 
 # How each result is aggregated: an extension's ``ranks``, a curvlib.extensions.combine.Combine
 # (per-sample kinds stay the rank's own rows, scaled; summed kinds are summed over ranks).
