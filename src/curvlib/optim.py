@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from . import precondition as pre
 from ._core.errors import CurvatureError, CurvatureTypeError
 from ._transform.entry import curvature as _curvature
+from .distributed.sharded import is_sharded
 from .extensions import KFAC, KFLR, BatchGrad
 
 __all__ = ["KFACOptimizer"]
@@ -91,6 +92,10 @@ class KFACOptimizer(torch.optim.Optimizer):
         self._names = {n: p for n, p in model.named_parameters() if p.requires_grad}
         if not self._names:
             raise CurvatureError("KFACOptimizer: the model has no trainable parameters.")
+        if curvature == "ekfac" and any(is_sharded(p) for p in self._names.values()):
+            raise CurvatureError(
+                "KFACOptimizer(curvature='ekfac') on a model sharded with fully_shard: EKFAC's eigenvalues "
+                "sum per-sample gradients over the ranks, which curvlib does not do yet; use 'kfac' or 'kflr'.")
         if kl_clip is not None and not kl_clip > 0:
             raise CurvatureError(f"KFACOptimizer(kl_clip={kl_clip!r}): must be positive or None.")
         defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay, kl_clip=kl_clip)

@@ -6,7 +6,7 @@ batch (uneven sizes). Inside the worker its results are checked against the unsh
 on the whole batch (a copy taken before ``fully_shard``): the gradient against autograd, the
 other quantities against curvlib's single-process results (tested against brute force
 elsewhere). Summed results are DTensors with the parameter's placements and dtype whose
-``full_tensor()`` is the global batch's; Kronecker factors replicated DTensors; per-sample
+``full_tensor()`` is the global batch's; Kronecker factors DTensors split along their rows; per-sample
 results the rank's own rows; the model's shards, classes and hooks are as they were.
 """
 
@@ -99,7 +99,7 @@ def _close(a, b, what, rtol=1e-10):
 
 
 def _check_results(q, r, sharded_model, rank, rtol=1e-10, mc=(), sizes=SIZES):
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor, Shard
 
     shards = dict(sharded_model.named_parameters())
     _close(q["loss"], r["loss"].to(q["loss"].dtype), "loss", rtol)
@@ -116,9 +116,10 @@ def _check_results(q, r, sharded_model, rank, rtol=1e-10, mc=(), sizes=SIZES):
                     rows = _rows(rank, sizes)
                     ref = ref.narrow(per_sample[key], rows.start, sizes[rank])
                 _close(t, ref.to(t.dtype), f"{key}[{name}]", rtol)
-            elif isinstance(t, list):  # Kronecker factors: replicated
+            elif isinstance(t, list):  # Kronecker factors: split along their rows like the parameter
+                rows = tuple(Shard(0) if pl.is_shard() else pl for pl in p.placements)
                 for k, (a, b) in enumerate(zip(t, ref)):
-                    assert isinstance(a, DTensor) and all(isinstance(pl, Replicate) for pl in a.placements), key
+                    assert isinstance(a, DTensor) and a.placements == rows, (key, a.placements)
                     if (key, k) not in mc:
                         _close(a.full_tensor(), b.to(a.dtype), f"{key}[{name}][{k}]", rtol)
             else:  # summed: sharded like the parameter
@@ -278,3 +279,49 @@ def _dp_sgd(rank, world):
 
 def test_dp_sgd_clipping_under_fsdp():
     spawn(_dp_sgd, (), world=len(SIZES))
+
+
+def _preconditioned(rank, world):
+    """Kronecker preconditioning on sharded results: each layer's factors eigendecomposed by its
+    owner, the step scattered back in shards; ``KFACOptimizer`` on the sharded model takes the
+    same steps as on the unsharded one over the whole batch."""
+    from torch.distributed.tensor import DTensor
+
+    from curvlib.optim import KFACOptimizer
+    from curvlib.precondition import kron_inverse_vp
+
+    model = _model("mlp")
+    ref = copy.deepcopy(model)
+    _shard(model, "blocks")
+    Xg, yg = _batch("mlp", sum(SIZES))
+    X, y = Xg[_rows(rank)], yg[_rows(rank)]
+    qs = curvature(model, nn.CrossEntropyLoss(), [KFLR()])(X, y)
+    rs = curvature(ref, nn.CrossEntropyLoss(), [KFLR()])(Xg, yg)
+    import curvlib.precondition as pre
+
+    decomposed, eigen_of = [], pre.eigen_of
+    pre.eigen_of = lambda *a: (decomposed.append(a[2]), eigen_of(*a))[1]
+    try:
+        kron_inverse_vp(qs["kflr"], qs["grad"], 1e-2)
+    finally:
+        pre.eigen_of = eigen_of
+    assert decomposed == [n for k, n in enumerate(sorted(qs["grad"])) if k % world == rank]  # (the owner's only)
+    with pytest.raises(CurvatureError, match="ekfac"):
+        KFACOptimizer(model, nn.CrossEntropyLoss(), curvature="ekfac")
+    for method in ("pi", "exact"):
+        step = kron_inverse_vp(qs["kflr"], qs["grad"], 1e-2, method=method)
+        expected = kron_inverse_vp(rs["kflr"], rs["grad"], 1e-2, method=method)
+        for name, t in step.items():
+            assert isinstance(t, DTensor) and t.placements == qs["grad"][name].placements
+            _close(t.full_tensor(), expected[name], f"{method} step[{name}]")
+    kw = dict(lr=0.2, damping=1e-2, curvature="kflr", momentum=0.5, weight_decay=1e-3)
+    opt, ref_opt = KFACOptimizer(model, nn.CrossEntropyLoss(), **kw), KFACOptimizer(ref, nn.CrossEntropyLoss(), **kw)
+    for _ in range(3):
+        _close(opt.step(X, y), ref_opt.step(Xg, yg), "loss")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert isinstance(p, DTensor)
+        _close(p.full_tensor(), q.detach(), f"after three steps: {name}")
+
+
+def test_kronecker_preconditioning_and_kfac_optimizer():
+    spawn(_preconditioned, (), world=len(SIZES))

@@ -14,9 +14,12 @@ hold in turn, block by block).
 the data-parallel aggregation over the ranks of the mesh (:mod:`curvlib.distributed`) makes
 summed results those of the global batch. They come back as DTensors: a parameter-shaped
 result (``grad``, ``sum_grad_squared``, ``variance``, the diagonals) with its parameter's
-placements and dtype (each rank keeps its own shard), each Kronecker factor replicated (the
-whole, which every rank computed). Per-sample results stay plain tensors of the rank's own
-rows, and the loss a plain 0-dim tensor.
+placements and dtype (each rank keeps its own shard), each Kronecker factor split over the
+ranks the same way along its rows. Per-sample results stay plain tensors of the rank's own
+rows, and the loss a plain 0-dim tensor. :mod:`curvlib.precondition` (and so
+:class:`curvlib.optim.KFACOptimizer`) takes such results: each layer's factors are
+eigendecomposed by one rank, its owner, which preconditions that layer's vectors and scatters
+the result back in shards (:func:`on_owners`).
 
 A mixed precision policy (``MixedPrecisionPolicy(param_dtype=...)``) is followed as FSDP
 follows it: the twin computes with the parameters in ``param_dtype`` (and the inputs cast to
@@ -39,7 +42,7 @@ from torch import Tensor, nn
 from .._core.errors import CurvatureError
 from ..extensions.combine import Combine
 
-__all__ = ["fsdp_mesh", "ShardedModel", "sharded"]
+__all__ = ["fsdp_mesh", "ShardedModel", "sharded", "batch_group", "is_sharded", "on_owners", "whole"]
 
 #: Hook tables of ``nn.Module`` left empty in the twin (curvlib runs no hooks; FSDP's live here).
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
@@ -63,7 +66,7 @@ def _api() -> types.SimpleNamespace:
     from torch.distributed import fsdp, tensor
 
     return types.SimpleNamespace(FSDPModule=fsdp.FSDPModule, DTensor=tensor.DTensor, Replicate=tensor.Replicate,
-                                 distribute_tensor=tensor.distribute_tensor)
+                                 Shard=tensor.Shard, distribute_tensor=tensor.distribute_tensor)
 
 
 def fsdp_mesh(model: nn.Module):
@@ -228,11 +231,46 @@ def _distributed(value, kind: Optional[Combine], model: ShardedModel):
         shard = model.shards[name]
         dtype = shard.dtype
         mesh = getattr(shard, "device_mesh", model.mesh)
-        if kind in _KRONECKER:
-            out[name] = [api.DTensor.from_local(t.to(dtype), mesh, [api.Replicate()] * mesh.ndim, run_check=False)
-                         for t in v]
+        if kind in _KRONECKER:  # (split over the ranks like the parameter, along the factor's rows)
+            placements = [api.Shard(0) if p.is_shard() else p for p in shard.placements] \
+                if hasattr(shard, "placements") else [api.Replicate()] * mesh.ndim
+            out[name] = [api.distribute_tensor(t.to(dtype), mesh, placements, src_data_rank=None) for t in v]
         elif hasattr(shard, "placements"):
             out[name] = api.distribute_tensor(v.to(dtype), mesh, shard.placements, src_data_rank=None)
         else:
             out[name] = v.to(dtype)
+    return out
+
+
+def whole(t: Tensor) -> Tensor:
+    """``t`` whole: a DTensor's ``full_tensor()`` (a collective), any other tensor itself."""
+    return t.full_tensor() if is_sharded(t) else t
+
+
+def is_sharded(t: object) -> bool:
+    """Whether ``t`` is a DTensor (a result on a sharded model)."""
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(t, dtensor)
+
+
+def on_owners(vectors: Mapping[str, Tensor], states: Dict[str, object], prepare: Callable[[str, Tensor, bool], object],
+              apply: Callable[[str, object, Tensor], Tensor]) -> Dict[str, Tensor]:
+    """``{name: apply(name, state, v)}`` for DTensor ``vectors``, layer by layer on one rank each.
+
+    Layer ``k`` (in sorted order, the same on every rank) is owned by rank ``k mod W``. Every
+    rank gathers the layer's vector (``full_tensor``, a collective) and, the first time, calls
+    ``prepare(name, v, mine)`` (which gathers the layer's factors, collectives every rank takes
+    part in, and, where ``mine``, returns the layer's state: its eigendecomposition); the owner
+    computes ``apply(name, state, v)``, whose result is scattered from it in the vector's
+    placements. Each layer's state is kept in ``states`` on its owner only."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for k, name in enumerate(sorted(vectors)):
+        v, owner = vectors[name], k % world
+        full = whole(v)
+        if name not in states:
+            states[name] = prepare(name, full, rank == owner)
+        result = apply(name, states[name], full) if rank == owner else torch.empty_like(full)
+        out[name] = _api().distribute_tensor(result, v.device_mesh, v.placements, src_data_rank=owner) \
+            if is_sharded(v) else result
     return out

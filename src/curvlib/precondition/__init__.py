@@ -19,6 +19,11 @@ and ``V [o, a]`` the vector as a matrix, ``(B ⊗ A + λ I)⁻¹ vec V`` is appr
 * ``"exact"``: ``(B ⊗ A + λ I)⁻¹`` exactly, by eigendecompositions ``B = Q_B Λ_B Q_Bᵀ``,
   ``A = Q_A Λ_A Q_Aᵀ``: ``Q_B [(Q_Bᵀ V Q_A) / (λ_B λ_Aᵀ + λ)] Q_Aᵀ``.
 
+On a model sharded with FSDP2 the factors and vectors are DTensors: each layer's factors are
+gathered and eigendecomposed once, by the rank that owns the layer, which also preconditions
+that layer's vectors; the results come back sharded like the vectors
+(:mod:`curvlib.distributed.sharded`).
+
 Grouped factors ``[B [G, o, o], A [G, a, a]]`` act per group (``π`` per group);
 Embedding's ``[A [V], B [D, D]]`` is ``diag(A) ⊗ B``; a single factor ``[F [P, P]]`` or
 ``[F [P]]`` (biases, norms, generic parameters) is the whole block, inverted as
@@ -60,6 +65,7 @@ from torch import Tensor, nn
 
 from .._core.errors import CurvatureError
 from ._kronbasis import Eigen, Layout, eigen_of, layout_of
+from ..distributed.sharded import is_sharded, on_owners, whole
 from ..losses import loss_spec, normaliser
 
 __all__ = [
@@ -146,7 +152,17 @@ def _in_eigenbasis(factors, model: Optional[nn.Module], denominator) -> Callable
     transposed = transposed_weights(model) if model is not None else None
     cache: Dict[str, Eigen] = {}
 
+    def prepare(name: str, v: Tensor, mine: bool) -> Optional[Eigen]:  # (a sharded model's factors gathered whole)
+        gathered = [whole(f) for f in _factors_of(factors, name)]
+        return eigen_of(gathered, _layout(factors, name, v.shape, transposed), name) if mine else None
+
+    def apply(name: str, eig: Eigen, v: Tensor) -> Tensor:
+        layout = _layout(factors, name, v.shape, transposed)
+        return _apply(eig, layout, denominator(name, eig, layout), v)
+
     def precondition(vectors: Vectors) -> Dict[str, Tensor]:
+        if any(is_sharded(v) for v in vectors.values()):  # one rank per layer (curvlib.distributed.sharded)
+            return on_owners(vectors, cache, prepare, apply)
         out = {}
         for name, v in vectors.items():
             layout = _layout(factors, name, v.shape, transposed)
