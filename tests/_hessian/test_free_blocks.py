@@ -157,3 +157,14 @@ def test_asymmetric_reverse_mode_is_refused(monkeypatch):
     monkeypatch.setattr(ProductNoJvp, "apply", Skewed.apply)
     with pytest.raises(CurvatureError, match="not symmetric"):
         curvature(model, lossfn, [DiagHessian(), BatchDiagHessian()])(X, y)
+
+
+def test_too_many_products_are_refused_before_any_work():
+    """A free block whose diagonal takes more products than the limit is refused at planning,
+    naming the node and the parameter."""
+    model, lossfn, X, y = _problem(1, 2, 3, 3, 2, "moe")
+    with settings.override(max_free_block_products=2 * model.experts.gate_up[0].numel() - 1):
+        with pytest.raises(CurvatureError, match="experts.*gate_up.*Hessian-vector products"):
+            curvature(model, lossfn, [DiagHessian()])(X, y)
+    with settings.override(max_free_block_products=2 * model.experts.gate_up[0].numel()):
+        curvature(model, lossfn, [DiagHessian()])(X, y)

@@ -94,6 +94,9 @@ class Settings:
     kfra_max_entries: int = 2**27
     #: A dense per-sample residual ``[N, d, d]`` is refused above ``N·d²`` entries.
     max_dense_residual_entries: int = 2**26
+    #: A dense node's free parameter whose Hessian diagonal takes more Hessian-vector products
+    #: of the node than this over the batch (``N · |p| / rows``) is refused.
+    max_free_block_products: int = 2**20
     #: Entries of cumulative class probabilities formed at once when Monte-Carlo labels are drawn
     #: (whole rows, at least one).
     draw_entries: int = 2**20

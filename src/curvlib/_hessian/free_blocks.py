@@ -37,14 +37,15 @@ import torch
 from torch import Tensor
 from torch.func import grad, jvp, vjp, vmap
 
-from .._core.errors import missing_forward_mode
+from .._core import settings
+from .._core.errors import CurvatureError, missing_forward_mode
 from .._core.reverse import check_symmetric, missing_forward_mode_reason
 from .._core.sync import LOCK
 from .._core.tensors import is_concrete
 from ..rules.generic import map_samples
 from .smooth import diag_pair, flows
 
-__all__ = ["free_sets"]
+__all__ = ["free_sets", "check_free_block_cost"]
 
 #: Tangent entries per sample in one batch of Hessian-vector products (memory: a chunk of colours).
 _HVP_ENTRIES = 2**22
@@ -72,6 +73,21 @@ def free_sets(res, g: Tensor):
         return sets, None
     rest = replace(res, params=params, free=(), meta={**res.meta, "rows": (), "zero_inputs": False})
     return sets, rest
+
+
+def check_free_block_cost(where: str, name: str, p: Tensor, n: int) -> None:
+    """Refuse (at planning) a free parameter whose diagonal takes more than
+    :attr:`~curvlib._core.settings.Settings.max_free_block_products` Hessian-vector products of
+    the node over the batch at best (``N · |p| / rows``, rows separate along dim 0)."""
+    limit = settings.current().max_free_block_products
+    colours = p.numel() // p.shape[0] if p.dim() >= 2 and p.shape[0] > 1 else p.numel()
+    if n * colours > limit:
+        raise CurvatureError(
+            f"The Hessian extensions need the diagonal of the second derivative of graph node '{where}' "
+            f"in its parameter '{name}' (shape {list(p.shape)}): at least {colours} Hessian-vector products "
+            f"of the node per sample here (N={n}), too many (limit: N·products ≤ {limit}, "
+            "curvlib._core.settings.Settings.max_free_block_products). Use the GGN extensions (DiagGGNExact, "
+            "BatchDiagGGNExact) or HMP (exact Hessian-vector products) for this model.")
 
 
 def _diagonal_columns(res, g: Tensor, name: str) -> list:

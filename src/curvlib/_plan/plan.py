@@ -26,6 +26,7 @@ from .batch_merges import residual_merges, split_merged_batches
 from .._trace.program import Program
 from .._core.batch_layout import batch_first_shape
 from .._core.site import Recorder, Site
+from .._hessian.free_blocks import check_free_block_cost
 from .._hessian.rows import check_dense_size
 from .._hessian.pointwise import reroot_regions, split_unequal_pairs
 
@@ -361,5 +362,7 @@ def check_residual_sizes(residuals, dims, n: int) -> None:
             check_dense_size(f"'{res.where}'", n, inputs + sum(own.values()),
                              f" over its inputs {[list(a.shape) for a in res.inputs]}"
                              + (f" and parameters {sorted(own)}" if own else ""))
+            for name in res.free:
+                check_free_block_cost(res.where, name, res.params[name], n)
         elif res.kind == "bilinear":
             check_dense_size(f"'{res.where}'", n, per_sample[0], " (a Linear layer whose input depends on its weight)")
