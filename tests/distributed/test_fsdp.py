@@ -49,10 +49,31 @@ class _LastToken(nn.Module):
         return self.hf(input_ids=ids).logits[:, -1]
 
 
+class _LastTokenGPT2(_LastToken):
+    """A tiny transformers GPT-2 (its head tied to its token embedding) at its last position."""
+
+    def __init__(self):
+        nn.Module.__init__(self)
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=32, n_positions=16)
+        self.hf = GPT2LMHeadModel(config).double().eval()  # (no dropout)
+
+
 def _model(arch: str) -> nn.Module:
     torch.manual_seed(7)
     if arch == "llama":
         return _LastToken()
+    if arch == "gpt2":
+        import torchvision_shim
+
+        torchvision_shim.install()
+        return _LastTokenGPT2()
+    if arch == "frozen_norm":  # a frozen bias and an eval-mode BatchNorm's running statistics
+        model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 3)).double().eval()
+        model[1].running_mean.uniform_()
+        model[0].bias.requires_grad_(False)
+        return model
     if arch == "mlp":
         return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5), nn.Sigmoid(), nn.Linear(5, 3)).double()
     if arch == "conv":
@@ -69,8 +90,10 @@ class _MeanTokens(nn.Module):
 
 def _batch(arch: str, n: int):
     g = torch.Generator(device="cpu").manual_seed(11)  # (ranks run on CPU, gloo)
-    if arch == "llama":
+    if arch in ("llama", "gpt2"):
         return torch.randint(0, 32, (n, 5), generator=g), torch.randint(0, 32, (n,), generator=g)
+    if arch == "frozen_norm":
+        return torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
     shape = {"mlp": (n, 4), "conv": (n, 2, 4, 4), "transformer": (n, 5, 4)}[arch]
     return torch.randn(shape, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
 
@@ -80,7 +103,7 @@ def _shard(model: nn.Module, how: str, mesh=None, mp=None) -> None:
 
     kw = {k: v for k, v in (("mesh", mesh), ("mp_policy", mp)) if v is not None}
     if how == "layers":  # (a transformers model's decoder layers, then the root)
-        for layer in model.hf.model.layers:
+        for layer in (model.hf.model.layers if hasattr(model.hf, "model") else model.hf.transformer.h):
             fully_shard(layer, **kw)
     elif how == "blocks":
         for m in model:
@@ -145,7 +168,7 @@ def _same_as_unsharded(rank, world, arch, how, lossfn, exts, sizes=SIZES):
     assert [(a[0], a[1]) for a in before[0]] == [(a[0], a[1]) for a in after[0]] and before[1] == after[1]
     assert all(torch.equal(a[2], b[2]) for a, b in zip(before[0], after[0]))
     mc = {("kfac", 0), "diag_ggn_mc"}
-    if arch == "llama":
+    if arch in ("llama", "gpt2"):
         # (its RMSNorm computes in float32: a float64 matrix product's last bit, which depends on
         # the batch's size, can move the float32 rounding by one unit, 6e-8 relative. Against the
         # unsharded model on the same local batches aggregated over the ranks to 1e-10, against
@@ -160,13 +183,27 @@ def _same_as_unsharded(rank, world, arch, how, lossfn, exts, sizes=SIZES):
     # the gradient against autograd on the whole batch
     ref.zero_grad()
     lossfn(ref(Xg), yg).backward()
+    assert set(q["grad"]) == {name for name, p in ref.named_parameters() if p.requires_grad}
     for name, p in ref.named_parameters():
-        _close(q["grad"][name].full_tensor(), p.grad, f"autograd grad[{name}]")
+        if p.requires_grad:
+            _close(q["grad"][name].full_tensor(), p.grad, f"autograd grad[{name}]")
 
 
 @pytest.mark.parametrize("arch,how", [("mlp", "blocks"), ("conv", "root"), ("transformer", "blocks")])
 def test_sharded_equals_unsharded(arch, how):
     spawn(_same_as_unsharded, (arch, how, nn.CrossEntropyLoss(), EXACT), world=len(SIZES))
+
+
+def _models(rank, world, cases):
+    for arch, how, exts in cases:
+        _same_as_unsharded(rank, world, arch, how, nn.CrossEntropyLoss(), exts)
+
+
+def test_tied_weights_frozen_parameters_and_buffers():
+    """GPT-2's head tied to its embedding (one parameter, one result); a frozen parameter (no
+    result) and an eval-mode BatchNorm's running statistics (the model's buffers)."""
+    exts = [BatchL2Grad(), DiagGGNExact(), KFLR()]
+    spawn(_models, ([("gpt2", "layers", exts), ("frozen_norm", "blocks", exts)],), world=len(SIZES), timeout_s=240)
 
 
 def test_transformers_llama_sharded_per_layer():
