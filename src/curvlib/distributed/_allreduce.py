@@ -91,10 +91,8 @@ def _reduce(summed, groups, local, n_local: int, m_local: float, mean: bool, gro
         pre = (r, n_local / n_global)
     buffers, works = {}, []
     for key, idx in groups.items():
-        flat = [times(summed[i][3].detach(), summed[i][4].factor(*pre)).reshape(-1) for i in idx]
-        if key == size_key:
-            flat.append(torch.tensor([n_local, m_local], dtype=key[0], device=key[1]))
-        buf = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
+        buf = _filled(summed, idx, pre, key, (n_local, m_local) if key == size_key else None)
+        _release(local, summed, idx)
         buffers[key] = buf
         works.append(dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True))
     for work in works:
@@ -109,6 +107,41 @@ def _reduce(summed, groups, local, n_local: int, m_local: float, mean: bool, gro
     r = m_local / m_global if m_global else 0.0
     post = (1.0 / m_global if m_global else 0.0, 1.0 / n_global)  # the weights of (1/M_global, 1/N_global)
     return buffers, (n_global, m_global, r, post)
+
+
+def _filled(summed, idx: List[int], pre, key, sizes) -> Tensor:
+    """One flat buffer of the entries ``idx``, each scaled by its weight's factor of ``pre`` as
+    it is written (no scaled copy beside the buffer), the ``sizes`` at its end."""
+    total = sum(summed[i][3].numel() for i in idx) + (2 if sizes is not None else 0)
+    buf = torch.empty(total, dtype=key[0], device=key[1])
+    offset = 0
+    for i in idx:
+        t, factor = summed[i][3].detach(), summed[i][4].factor(*pre)
+        part = buf[offset:offset + t.numel()]
+        if factor == 0:  # (a rank with nothing counted: zeros, not its NaN, 0/0; see times)
+            part.zero_()
+        else:
+            torch.mul(t.reshape(-1), factor, out=part)
+        offset += t.numel()
+    if sizes is not None:
+        buf[offset:] = torch.tensor(sizes, dtype=key[0], device=key[1])
+    return buf
+
+
+def _release(local: Dict[str, object], summed: List[Entry], idx: List[int]) -> None:
+    """Drop the local tensors of the entries ``idx`` (now in their buffer) from ``local`` and
+    ``summed``: shape-only stand-ins take their places, so that the local results are freed
+    before the global ones are unpacked (two copies of a summed result at the peak, not three)."""
+    for i in idx:
+        key, name, j, t, weight = summed[i]
+        stand_in = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        summed[i] = (key, name, j, stand_in, weight)
+        if name is None:
+            local[key] = stand_in
+        elif j is None:
+            local[key][name] = stand_in
+        else:
+            local[key][name][j] = stand_in
 
 
 def _local_results(local: Dict[str, object], kinds, r: float) -> Dict[str, object]:
