@@ -10,8 +10,6 @@ limit, and are always torn down. The ranks run on CPU whatever
 
 from __future__ import annotations
 
-import socket
-import time
 from datetime import timedelta
 
 import pytest
@@ -43,6 +41,7 @@ from curvlib.extensions import (
     Variance,
 )
 from oracles.on_device import CPU_ONLY, ON_CPU
+from oracles.processes import spawn
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
@@ -52,61 +51,14 @@ pytestmark = pytest.mark.skipif(
 TIMEOUT_S = 90
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _cases(rank: int, world: int, case: str, sizes: tuple) -> None:
+    for name in case.split("+"):
+        CASES[name](rank, world, sizes)
 
 
-def _worker(rank: int, world: int, port: int, case: str, sizes: tuple) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=TIMEOUT_S),
-    )
-    try:
-        for name in case.split("+"):
-            CASES[name](rank, world, sizes)
-        dist.barrier()  # nobody tears down while another rank still talks to it
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(case: str, sizes: tuple, attempts: int = 2) -> None:
-    """Run ``CASES[case]`` on ``len(sizes)`` gloo processes; fail on error or timeout.
-
-    A worker that *raised* (a wrong value) fails at once. A worker killed by a
-    signal (gloo aborts on a lost TCP connection, e.g. a port taken between
-    choosing and binding it on a loaded machine) is retried once on a fresh port.
-    """
-    import torch.multiprocessing as mp
-
-    for attempt in range(attempts):
-        try:
-            return _spawn_once(case, sizes)
-        except mp.ProcessExitedException as e:
-            if e.signal_name is None or attempt == attempts - 1:
-                raise
-
-
-def _spawn_once(case: str, sizes: tuple) -> None:
-    import torch.multiprocessing as mp
-
-    world = len(sizes)
-    ctx = mp.start_processes(
-        _worker, args=(world, _free_port(), case, sizes), nprocs=world, join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1.0):  # raises if a worker raised
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"case {case!r} on {world} processes ran past {TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
+def _spawn(case: str, sizes: tuple) -> None:
+    """Run ``CASES[case]`` on ``len(sizes)`` gloo processes (``oracles.processes.spawn``)."""
+    spawn(_cases, (case, sizes), world=len(sizes), timeout_s=TIMEOUT_S)
 
 
 # ----------------------------------------------------------------------------- problems
