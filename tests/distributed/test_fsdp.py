@@ -278,6 +278,8 @@ def _params_and_refusals(rank, world):
     _check_results(q, r, model, rank)
     import torch.distributed as dist
 
+    with pytest.raises(CurvatureError, match="not a parameter of the model"):
+        curvature(model, nn.CrossEntropyLoss(), [DiagGGNExact()])(Xg[_rows(rank)], yg[_rows(rank)], params={"nope": Xg})
     for kw, match in [({"process_group": dist.group.WORLD}, "leave process_group out"), ({"compile": True}, "compile")]:
         with pytest.raises(CurvatureError, match=match):
             curvature(model, nn.CrossEntropyLoss(), [DiagGGNExact()], **kw)

@@ -135,7 +135,10 @@ class ShardedModel:
         return self._twins[id(p)]
 
     def full(self, name: str, value: Tensor) -> Tensor:
-        """``value`` (a parameter's, sharded or whole) as the twin computes with it."""
+        """``value`` (a parameter's, sharded or whole) as the twin computes with it (anything
+        else as it is: :func:`curvlib.curvature` names what is wrong with it)."""
+        if name not in self._slots or not isinstance(value, Tensor):
+            return value
         whole = value.full_tensor() if hasattr(value, "full_tensor") else value
         return whole.detach().to(self._slots[name].dtype)
 
