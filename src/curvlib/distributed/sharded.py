@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .._core.errors import CurvatureError
+from .._core.inputs import map_tensors
 from ..extensions.combine import Combine
 
 __all__ = ["fsdp_mesh", "ShardedModel", "sharded", "batch_group", "is_sharded", "on_owners", "whole"]
@@ -139,8 +140,7 @@ class ShardedModel:
         else as it is: :func:`curvlib.curvature` names what is wrong with it)."""
         if name not in self._slots or not isinstance(value, Tensor):
             return value
-        whole = value.full_tensor() if hasattr(value, "full_tensor") else value
-        return whole.detach().to(self._slots[name].dtype)
+        return whole(value).detach().to(self._slots[name].dtype)
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
@@ -205,23 +205,13 @@ def sharded(f: Callable[..., Dict[str, object]], model: ShardedModel, kinds: Map
 
     def g(X, y, params: Optional[Mapping[str, Tensor]] = None, generator=None, buffers=None):
         if model.cast_inputs is not None:
-            X = _cast_floating(X, model.cast_inputs)
+            X = map_tensors(lambda t: t.to(model.cast_inputs) if t.is_floating_point() else t, X)
         with model.gathered():
             whole = None if params is None else {k: model.full(k, v) for k, v in params.items()}
             results = f(X, y, params=whole, generator=generator, buffers=buffers)
         return {key: _distributed(value, kinds.get(key), model) for key, value in results.items()}
 
     return g
-
-
-def _cast_floating(X, dtype: torch.dtype):
-    if isinstance(X, Tensor):
-        return X.to(dtype) if X.is_floating_point() else X
-    if isinstance(X, Mapping):
-        return type(X)({k: _cast_floating(v, dtype) for k, v in X.items()})
-    if isinstance(X, (tuple, list)):
-        return type(X)(_cast_floating(v, dtype) for v in X)
-    return X
 
 
 def _distributed(value, kind: Optional[Combine], model: ShardedModel):
