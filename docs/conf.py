@@ -10,6 +10,7 @@ from ``examples/*.py`` (docstring, committed figure, source): see ``examples_pag
 """
 
 import os
+import re
 import sys
 
 DOCS = os.path.dirname(os.path.abspath(__file__))
@@ -24,7 +25,15 @@ import examples_pages  # noqa: E402
 project = "curvlib"
 author = "the curvlib authors"
 copyright = "curvlib authors, MIT license"
-release = "0.1.0"
+# the version shown in the header and the page titles: pyproject.toml's, read rather than copied
+with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as _fh:
+    release = re.search(r'^version = "([^"]+)"', _fh.read(), re.M).group(1)
+version = release
+
+# The repository's address: the header's link, the footer's icon, "Get started"'s `git clone`.
+# PLACEHOLDER until the project publishes one: set CURVLIB_REPOSITORY to the real address when
+# building the site for readers (no address is recorded in pyproject.toml or the README yet).
+REPOSITORY = os.environ.get("CURVLIB_REPOSITORY", "https://github.com/OWNER/curvlib")
 
 extensions = [
     "myst_parser",
@@ -39,7 +48,10 @@ exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]
 
 # Markdown: `#kronecker-factors-per-layer` style links resolve to headings, as on GitHub
 myst_heading_anchors = 4
-myst_enable_extensions = ["dollarmath"]
+# formulas are $...$ and $$...$$ (MathJax); {{ repository }} in prose is REPOSITORY
+myst_enable_extensions = ["dollarmath", "substitution"]
+myst_dmath_double_inline = True
+myst_substitutions = {"repository": REPOSITORY, "version": release}
 
 # API reference: one page per public name, members in source order, the signature's
 # annotations in the description (they are long: Mapping[str, Tensor], ...)
@@ -52,11 +64,23 @@ napoleon_numpy_docstring = False
 napoleon_use_rtype = False
 napoleon_use_ivar = True  # "Attributes:" as a field list: no second description of a NamedTuple field
 
-html_theme = "alabaster"
-html_title = "curvlib"
+# Furo: previous/next links under every page, a search box, light and dark; the version in the
+# title, the repository in the footer and the sidebar (_templates/sidebar/repository.html).
+html_theme = "furo"
+html_title = f"curvlib {release}"
 html_static_path = ["_static"]
-html_theme_options = {"description": "Per-sample gradients and curvature for PyTorch",
-                      "fixed_sidebar": True, "page_width": "1100px"}
+templates_path = ["_templates"]
+html_css_files = ["curvlib.css"]  # wide tables scroll; the example gallery's grid
+html_context = {"repository": REPOSITORY}
+html_theme_options = {
+    "source_repository": REPOSITORY,
+    "source_branch": "main",
+    "source_directory": "docs/",
+    "top_of_page_buttons": ["view"],
+    "footer_icons": [{"name": "Repository", "url": REPOSITORY, "html": "Source code", "class": ""}],
+}
+html_sidebars = {"**": ["sidebar/brand.html", "sidebar/search.html", "sidebar/scroll-start.html",
+                        "sidebar/navigation.html", "sidebar/repository.html", "sidebar/scroll-end.html"]}
 
 
 def setup(app):
