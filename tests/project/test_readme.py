@@ -57,7 +57,8 @@ def test_readme_is_a_front_page():
     """At most ~200 lines; the rest is on the documentation site's pages."""
     text = open(README, encoding="utf-8").read()
     assert text.count("\n") <= 200
-    for page in ("docs/transform.md", "docs/large-models.md", "docs/model-zoos.md", "docs/install.md"):
+    for page in ("docs/get-started.md", "docs/transform.md", "docs/large-models.md", "docs/model-zoos.md",
+                 "docs/install.md"):
         assert f"]({page}" in text, f"the README links no {page}"
 
 
