@@ -55,8 +55,33 @@ def test_docs_build_is_warning_free():
     assert proc.returncode == 0, f"the docs build failed or warned:\n{log}"
     assert "WARNING" not in proc.stderr, log
     html = os.path.join(ROOT, argv[-1])
-    for page in ("index", "api", "transform", "large-models", "model-zoos", "examples/index"):
+    for page in ("index", "get-started", "api", "transform", "large-models", "model-zoos", "examples/index"):
         assert os.path.exists(os.path.join(html, f"{page}.html")), f"no {page}.html in {html}"
+    check_built_pages(html)
+
+
+def _read(html, page):
+    return open(os.path.join(html, f"{page}.html"), encoding="utf-8").read()
+
+
+def check_built_pages(html):
+    """What a reader sees: math as MathJax, previous/next links, the version, the repository, the gallery."""
+    conventions = _read(html, "conventions")
+    # MyST's dollarmath writes MathJax's delimiters into these nodes, and the page loads MathJax
+    assert conventions.count('<span class="math notranslate nohighlight">') >= 20, "no inline math on conventions"
+    assert '<div class="math notranslate nohighlight">' in conventions, "no display math on conventions"
+    assert "mathjax" in conventions.lower()
+    assert 'class="next-page"' in conventions and 'class="prev-page"' in conventions, "no previous/next links"
+    release = re.search(r'^version = "([^"]+)"', open(os.path.join(ROOT, "pyproject.toml")).read(), re.M).group(1)
+    assert f"Version {release}" in conventions and f"curvlib {release}" in conventions, "the version is not shown"
+    assert "Repository (source code)" in conventions
+    gallery = _read(html, "examples/index")
+    names = sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "examples")) if f.endswith(".py"))
+    for name in names:
+        assert f'<img src="../_static/examples/{name}.png"' in gallery, f"no thumbnail for {name}"
+        assert os.path.exists(os.path.join(html, "_static", "examples", f"{name}.png"))
+    assert "``" not in re.sub(r'<div class="highlight.*?</pre></div>', "", _read(html, "examples/dp_sgd"), flags=re.S), \
+        "the example's docstring is shown as raw reStructuredText"
 
 
 def test_every_example_has_a_committed_figure():
