@@ -3,8 +3,9 @@
 The build (Sphinx + MyST, ``docs/conf.py``) imports curvlib for the API reference and writes
 the example pages; it does not run the examples (their figures are committed). It runs in
 a subprocess with the command the README gives, so the README's command is the one checked.
-The ``docs`` extra installs Sphinx and MyST; without them the build test skips, except in
-CI (``CI=true``, .ci/run), where it fails: the test command installs them.
+The ``docs`` extra installs Sphinx, MyST and the Furo theme; without them the build test skips,
+except in CI (``CI=true``, .ci/run), where it fails: the test command installs them. The build
+test then checks what a reader sees on the built pages (``check_built_pages``).
 """
 
 import importlib.util
@@ -33,7 +34,7 @@ def readme_docs_command():
 
 
 def _need_sphinx():
-    missing = [m for m in ("sphinx", "myst_parser") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("sphinx", "myst_parser", "furo") if importlib.util.find_spec(m) is None]
     if missing and os.environ.get("CI"):
         pytest.fail(f"{missing} not installed in CI: the README's test command installs the docs extra")
     if missing:
