@@ -5,8 +5,8 @@ MyST's dollarmath instead. Two checks, both without Sphinx (fast; the full build
 tests/project/test_docs_site.py, which also checks the built pages carry MathJax nodes):
 
 * no inline code span of a page holds formula notation (a sum, a Kronecker product, an inverse,
-  a root, a transpose, a gradient, a norm, LaTeX-like sub- or superscripts). Code spans stay
-  for code: names, calls, shapes such as ``[N, *p.shape]``;
+  a root, a transpose, a gradient, a norm, LaTeX-like sub- or superscripts), nor does its prose.
+  Code spans stay for code: names, calls, shapes such as ``[N, *p.shape]``;
 * the pages that define quantities parse (MyST's docutils parser, dollarmath on) into math
   nodes, and their formulas are valid enough to close: no ``$`` left over in the text.
 """
@@ -47,6 +47,15 @@ def test_no_formulas_in_code_spans(page):
     text = open(os.path.join(DOCS, page), encoding="utf-8").read()
     bad = formula_spans(text)
     assert bad == [], f"docs/{page}: formulas in code spans, write them as $...$ math: {bad}"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_no_unicode_formulas_in_prose(page):
+    """Outside code and math, no formula notation either (a Unicode ``Σ_n g_nᵀ`` in prose)."""
+    text = FENCE.sub("", open(os.path.join(DOCS, page), encoding="utf-8").read())
+    prose = re.sub(r"\$\$.*?\$\$|\$[^$\n]+\$|`[^`\n]+`", "", text, flags=re.S)
+    bad = [line.strip() for line in prose.splitlines() if re.search(r"[Σ∑⊗⊙√ᵀ∇∂‖²⁻]", line)]
+    assert bad == [], f"docs/{page}: formulas outside math: {bad}"
 
 
 def _doctree(page):
