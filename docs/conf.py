@@ -4,9 +4,10 @@ Build (from the repository root; the README names this command, tests/project/te
 
     python -m sphinx -W --keep-going -b html docs docs/_build/html
 
-The pages are Markdown (MyST); the API reference comes from the docstrings (autodoc +
-autosummary, Google style through napoleon). The example pages are written at build time
-from ``examples/*.py`` (docstring, committed figure, source): see ``examples_pages.py``.
+The pages are Markdown (MyST), formulas in ``$...$`` / ``$$...$$`` (MathJax); the API
+reference comes from the docstrings (autodoc + autosummary, Google style through napoleon). The
+example gallery and pages are written at build time from ``examples/*.py`` (docstring,
+committed figure, source): see ``examples_pages.py``. The theme is Furo.
 """
 
 import os
