@@ -21,7 +21,7 @@ PAGES = sorted(f for f in os.listdir(DOCS) if f.endswith(".md"))
 
 # pages whose formulas are the point: each must render at least one math node
 FORMULA_PAGES = ["conventions.md", "preconditioning.md", "operators.md", "laplace.md", "how-it-works.md",
-                 "many-devices.md", "transform.md", "supported-models.md"]
+                 "many-devices.md", "transform.md", "supported-models.md", "migrating-from-backpack.md"]
 
 FENCE = re.compile(r"^(```+|~~~+).*?^\1[ \t]*$", re.S | re.M)
 SPAN = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
@@ -73,6 +73,13 @@ def test_formula_pages_render_math(page):
     tree = _doctree(page)
     inline, display = list(tree.findall(nodes.math)), list(tree.findall(nodes.math_block))
     assert inline or display, f"docs/{page} has no math node"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_no_stray_dollar(page):
+    from docutils import nodes
+
+    tree = _doctree(page)
     # an unclosed or mis-delimited $ stays in the text as a literal dollar sign
     stray = [t.astext() for t in tree.findall(nodes.Text) if "$" in t.astext()
              and not isinstance(t.parent, (nodes.literal, nodes.literal_block, nodes.math, nodes.math_block))]
