@@ -10,6 +10,7 @@ by ``torch.fx``; sizes are tiny so that float64 brute-force oracles stay fast.
   a submodule, one pre-LayerNorm encoder block whose multi-head self-attention
   is written with ``nn.Linear`` projections and torch ops, a GELU MLP,
   residuals; output per token ``[N, C, T]`` or mean-pooled ``[N, C]``.
+* :class:`TinyCausalLM`: a causal language model of bias-free Linear layers, logits ``[N, T, V]``.
 * :class:`TiedAutoencoder`: decoder weight = encoder weight transposed, either
   through a shared ``Parameter`` held by a decoder module (``"shared"``) or
   read directly in the parent's forward (``"functional"``); MSE loss.
@@ -151,6 +152,31 @@ class TinyTransformer(nn.Module):
         if self.pool == "mean":
             return self.head(h.mean(dim=1))
         return self.head(h).permute(0, 2, 1)
+
+
+class TinyCausalLM(nn.Module):
+    """A causal language model of bias-free ``nn.Linear`` layers (what kronfluence can track):
+    token embedding plus positions, one pre-LN block (single-head causal attention, a tanh
+    MLP), an untied head; logits ``[N, T, V]``."""
+
+    def __init__(self, vocab: int = 11, d: int = 8, length: int = 5):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(vocab, d), nn.Parameter(0.1 * torch.randn(length, d))
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+        self.up, self.down = nn.Linear(d, 2 * d, bias=False), nn.Linear(2 * d, d, bias=False)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids: Tensor) -> Tensor:  # ids [N, T] (long)
+        T = ids.shape[1]
+        h = self.embed(ids) + self.pos[:T]
+        x = self.norm1(h)
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        scores = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])
+        causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+        h = h + self.o(scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v)
+        h = h + self.down(torch.tanh(self.up(self.norm2(h))))
+        return self.head(h)
 
 
 # ----------------------------------------------------------------------------- tied autoencoder

@@ -1,0 +1,112 @@
+"""One fitted block at work: its damping, the preconditioned query, pairwise and self scores.
+
+Per block (:mod:`curvlib.influence._fit`), with ``C(v)`` a vector's core ``[G, o, a]``,
+``R(C) = Q_outᵀ C Q_in`` the rotation into the block's basis and ``λ_p`` its damping,
+
+    P g = C⁻¹( Rᵀ( R(C(g)) / (s + λ_p) ) ),       score(q, n) = Σ_p ⟨P g_q, g_n⟩_p,
+    self(n) = Σ_p Σ_i R(C(g_n))_i² / (s_i + λ_p),
+
+``g`` an example's gradient: ``curvature``'s ``grad_batch`` row times the batch's loss
+normaliser ``M_b``, the gradient of the example's loss summed over its positions. With
+``rank = r``, a preconditioned query's core whose sides both exceed ``r`` is replaced by its
+best rank-``r`` approximation per group (truncated SVD, ``U_r diag(σ_r) V_rᵀ``): ``r (o + a)``
+numbers per group instead of ``o a``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Dict, Mapping, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from .._core.errors import CurvatureError
+from ..precondition import _kronbasis
+from ._fit import layout_of
+
+__all__ = ["HEURISTIC_DAMPING", "block_dampings", "precondition", "pairwise", "self_scores", "check_rank",
+           "compress"]
+
+#: ``damping=None``: ``λ_p = 0.1 · mean(s_p)`` per block (kronfluence's heuristic, per module there)
+HEURISTIC_DAMPING = 0.1
+
+Query = Union[Tensor, Tuple[Tensor, Tensor]]  # a block's core [Q, G, o, a], or (left [Q,G,o,r], right [Q,G,r,a])
+
+
+def _eigen(block: Mapping) -> Optional[_kronbasis.Eigen]:
+    if block["q_out"] is None and block["q_in"] is None:
+        return None
+    return _kronbasis.Eigen(block["q_out"], block["lam_out"], block["q_in"], block["lam_in"])
+
+
+def block_dampings(fitted: Mapping, damping: Optional[float]) -> Dict[str, float]:
+    """Parameter name -> ``λ_p``: ``damping``, or the heuristic (``HEURISTIC_DAMPING · mean(s_p)``;
+    a block whose spectrum is all zero takes the mean over every block's entries)."""
+    blocks = fitted["blocks"]
+    if damping is not None:
+        if isinstance(damping, bool) or not isinstance(damping, numbers.Real) or not damping > 0 \
+                or not math.isfinite(damping):
+            raise CurvatureError(f"damping={damping!r}: must be a positive finite number, or None for "
+                                 f"{HEURISTIC_DAMPING} times each block's mean eigenvalue.")
+        return {name: float(damping) for name in blocks}
+    spectra = {n: b["spectrum"] for n, b in blocks.items() if b["spectrum"] is not None}
+    if not spectra:
+        return {name: 0.0 for name in blocks}  # the identity strategy: no curvature, no damping
+    total = sum(float(s.sum()) for s in spectra.values())
+    count = sum(s.numel() for s in spectra.values())
+    if total <= 0:
+        raise CurvatureError("every fitted eigenvalue is zero, so the heuristic damping is zero: pass damping=.")
+    fallback = HEURISTIC_DAMPING * total / count
+    return {n: (HEURISTIC_DAMPING * float(s.mean())) or fallback for n, s in spectra.items()}
+
+
+def precondition(block: Mapping, damping: float, g: Tensor) -> Tensor:
+    """``P g`` as cores ``[K, G, o, a]`` for ``g [K, *p]`` (module doc)."""
+    core = layout_of(block)
+    c = core.to_core(g.to(_dtype(block, g)))
+    if block["spectrum"] is None:
+        return c
+    eigen = _eigen(block)
+    denominator = block["spectrum"] + damping
+    if eigen is None:
+        return c / denominator
+    return eigen.unrotate(eigen.rotate(c) / denominator)
+
+
+def _dtype(block: Mapping, g: Tensor) -> torch.dtype:
+    return block["spectrum"].dtype if block["spectrum"] is not None else g.dtype
+
+
+def check_rank(rank) -> None:
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+        raise CurvatureError(f"query_rank={rank!r}: must be a positive int, or None to keep the queries whole.")
+
+
+def compress(core: Tensor, rank: Optional[int]) -> Query:
+    """The best rank-``r`` approximation per query and group, as ``(U_r diag(σ_r), V_rᵀ)``, when
+    both sides of the core exceed ``r``; else the core itself."""
+    if rank is None or min(core.shape[-2:]) <= rank:
+        return core
+    u, sigma, vh = torch.linalg.svd(core, full_matrices=False)
+    return (u[..., :rank] * sigma[..., None, :rank]).contiguous(), vh[..., :rank, :].contiguous()
+
+
+def pairwise(query: Query, block: Mapping, g: Tensor) -> Tensor:
+    """``[Q, N_b]``: ``⟨P g_q, g_n⟩`` on one block, ``g [N_b, *p]`` the batch's gradients."""
+    core = layout_of(block).to_core(g)
+    if isinstance(query, tuple):
+        left, right = query
+        return torch.einsum("qgor,ngoa,qgra->qn", left, core.to(left.dtype), right)
+    return torch.einsum("qgoa,ngoa->qn", query, core.to(query.dtype))
+
+
+def self_scores(block: Mapping, damping: float, g: Tensor) -> Tensor:
+    """``[N_b]``: ``g_nᵀ P g_n`` on one block."""
+    c = layout_of(block).to_core(g.to(_dtype(block, g)))
+    if block["spectrum"] is None:
+        return c.square().flatten(1).sum(1)
+    eigen = _eigen(block)
+    rotated = c if eigen is None else eigen.rotate(c)
+    return (rotated.square() / (block["spectrum"] + damping)).flatten(1).sum(1)
