@@ -21,7 +21,7 @@ PAGES = sorted(f for f in os.listdir(DOCS) if f.endswith(".md"))
 
 # pages whose formulas are the point: each must render at least one math node
 FORMULA_PAGES = ["conventions.md", "preconditioning.md", "operators.md", "laplace.md", "how-it-works.md",
-                 "many-devices.md", "transform.md", "supported-models.md", "migrating-from-backpack.md"]
+                 "many-devices.md", "transform.md", "influence.md", "supported-models.md", "migrating-from-backpack.md"]
 
 FENCE = re.compile(r"^(```+|~~~+).*?^\1[ \t]*$", re.S | re.M)
 SPAN = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import curvlib
-from curvlib import distributed, extensions, losses, operators
+from curvlib import distributed, extensions, influence, losses, operators
 
 CONTRACT_EXTENSIONS = [
     "BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance",
@@ -36,6 +36,7 @@ def _public():
     names += [("curvlib.losses", n) for n in losses.__all__]
     names += [("curvlib.laplace", n) for n in ("CurvlibGGN", "CurvlibEF", "CurvlibInterface")]
     names += [("curvlib.operators", n) for n in operators.__all__]
+    names += [("curvlib.influence", n) for n in influence.__all__]
     return names
 
 
@@ -74,7 +75,7 @@ def test_docstring_examples_run(module, name):
     assert runner.failures == 0
 
 
-@pytest.mark.parametrize("module", [curvlib, extensions, extensions.firstorder, extensions.secondorder, extensions.kronecker, extensions.products, losses, operators])
+@pytest.mark.parametrize("module", [curvlib, extensions, extensions.firstorder, extensions.secondorder, extensions.kronecker, extensions.products, losses, operators, influence])
 def test_modules_render_cleanly(module):
     rendered = pydoc.render_doc(module, renderer=pydoc.plaintext)
     assert "!!!" not in rendered
