@@ -247,6 +247,10 @@ def test_bad_arguments_are_refused_before_any_work():
             influence.scores(model, lossfn, factors, (X, y), (X, y), damping=damping)
     with pytest.raises(CurvatureError, match="query_rank="):
         influence.scores(model, lossfn, factors, (X, y), (X, y), query_rank=0)
+    with pytest.raises(CurvatureError, match="method='vjp'"):
+        influence.scores(model, lossfn, factors, (X, y), (X, y), method="vjp")
+    with pytest.raises(CurvatureError, match="chunk_size=0"):
+        influence.scores(model, lossfn, factors, (X, y), (X, y), method="jvp", chunk_size=0)
     with pytest.raises(CurvatureTypeError, match="curvlib.influence.fit returns"):
         influence.scores(model, lossfn, {"kfac": {}}, (X, y), (X, y))
     prepared = influence.precondition_queries(model, lossfn, factors, (X, y))
@@ -255,3 +259,63 @@ def test_bad_arguments_are_refused_before_any_work():
     other = nn.Sequential(nn.Linear(3, 2)).to(DT)
     with pytest.raises(CurvatureError, match="does not have"):
         influence.scores(other, lossfn, factors, (X, y), (X, y))
+
+
+def _weight_norm_mlp(seed):
+    """``weight_norm``'s kernel has no forward-mode derivative: Jacobian-vector products go
+    reverse over reverse."""
+    import warnings
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nn.utils.weight_norm's deprecation notice
+        first = nn.utils.weight_norm(nn.Linear(3, 4))
+    return nn.Sequential(first, nn.Tanh(), nn.Linear(4, 3)).to(DT)
+
+
+@pytest.mark.parametrize("case", ["ce-mean", "mse-sum", "weight-norm"])
+@pytest.mark.parametrize("strategy", ["identity", "ekfac"])
+@pytest.mark.parametrize("rank", [None, 1])
+def test_scores_by_jacobian_vector_products_equal_dense_influence(case, strategy, rank):
+    """``method="jvp"``: no example gradient formed, the same scores (chunks of 2 queries)."""
+    gen = seeded(23)
+    loss = "mse" if case == "mse-sum" else "ce"
+    model = _weight_norm_mlp(23) if case == "weight-norm" else _mlp([3, 4, 3], 23)
+    lossfn = _lossfn(loss, "sum" if case == "mse-sum" else "mean")
+    X, y = _data(loss, 12, 3, 3, gen)
+    Xq, yq = _data(loss, 3, 3, 3, gen)
+    train = _split(X, y, [5, 7])
+    factors = influence.fit(model, lossfn, train, strategy=strategy, fisher_type="exact")
+    want = influence.scores(model, lossfn, factors, (Xq, yq), train, query_rank=rank)
+    got = influence.scores(model, lossfn, factors, (Xq, yq), train, query_rank=rank, method="jvp", chunk_size=2)
+    torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
+    if case == "ce-mean" and rank is None:  # and the gradients' path against the oracle
+        problem = oracle.Problem(model, lossfn, X, y)
+        S = oracle.strategy_matrix(problem, strategy, "exact")
+        lam = [0.0] * 4 if strategy == "identity" else oracle.heuristic_dampings(problem, S)
+        torch.testing.assert_close(got, oracle.scores(problem, S, lam, problem.gradients(Xq, yq), problem.gradients()),
+                                   rtol=1e-7, atol=1e-9)
+
+
+def test_scores_by_jvp_on_a_sequence_model_with_tied_embeddings():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(1)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=30, n_positions=8,
+                                  attn_implementation="eager", bos_token_id=0, eos_token_id=0)
+    lm = transformers.GPT2LMHeadModel(cfg).to(DT).eval()
+
+    class Logits(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids):
+            return self.inner(input_ids=ids).logits.transpose(1, 2)
+
+    model, lossfn = Logits(lm), nn.CrossEntropyLoss()
+    gen = seeded(1)
+    X, y = torch.randint(0, 30, (6, 5), generator=gen), torch.randint(0, 30, (6, 5), generator=gen)
+    train = [(X[:3], y[:3]), (X[3:], y[3:])]
+    factors = influence.fit(model, lossfn, train, strategy="ekfac", fisher_type="empirical")
+    want = influence.scores(model, lossfn, factors, (X[:2], y[:2]), train)
+    got = influence.scores(model, lossfn, factors, (X[:2], y[:2]), train, method="jvp")
+    torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)

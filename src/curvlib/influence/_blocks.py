@@ -27,7 +27,7 @@ from ..precondition import _kronbasis
 from ._fit import layout_of
 
 __all__ = ["HEURISTIC_DAMPING", "block_dampings", "precondition", "pairwise", "self_scores", "check_rank",
-           "compress"]
+           "compress", "dense"]
 
 #: ``damping=None``: ``λ_p = 0.1 · mean(s_p)`` per block (kronfluence's heuristic, per module there)
 HEURISTIC_DAMPING = 0.1
@@ -91,6 +91,11 @@ def compress(core: Tensor, rank: Optional[int]) -> Query:
         return core
     u, sigma, vh = torch.linalg.svd(core, full_matrices=False)
     return (u[..., :rank] * sigma[..., None, :rank]).contiguous(), vh[..., :rank, :].contiguous()
+
+
+def dense(query: Query) -> Tensor:
+    """A query's core ``[Q, G, o, a]``, multiplied out where it is held at low rank."""
+    return query[0] @ query[1] if isinstance(query, tuple) else query
 
 
 def pairwise(query: Query, block: Mapping, g: Tensor) -> Tensor:

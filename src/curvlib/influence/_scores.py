@@ -14,6 +14,7 @@ from .. import losses
 from .._core.errors import CurvatureError, CurvatureTypeError
 from .._transform.entry import curvature
 from ..operators.data import pairs
+from ._directional import Directional, check_method, first_pair
 from ._blocks import block_dampings, check_rank, compress, pairwise, precondition, self_scores
 from ._fit import check_fitted
 
@@ -116,7 +117,8 @@ def _cat(chunks):
 
 def scores(model: nn.Module, lossfn, factors: Mapping, queries, train, *, damping: Optional[float] = None,
            query_rank: Optional[int] = None, params: Optional[Mapping[str, Tensor]] = None,
-           buffers: Optional[Mapping[str, Tensor]] = None, output=None) -> Tensor:
+           buffers: Optional[Mapping[str, Tensor]] = None, output=None, method: str = "gradients",
+           chunk_size: int = 8) -> Tensor:
     """Pairwise influence ``[Q, N]``: ``score(q, n) = g_qᵀ (G + λ)⁻¹ g_n`` (``curvlib.influence``).
 
     Args:
@@ -125,13 +127,15 @@ def scores(model: nn.Module, lossfn, factors: Mapping, queries, train, *, dampin
         factors: what ``curvlib.influence.fit`` returned.
         queries: ``(X, y)``, a loader of pairs, or ``precondition_queries``'s result (then
             ``damping`` and ``query_rank`` were fixed there and must be left ``None``).
-        train: ``(X, y)`` or a re-iterable loader: the training examples scored, in order, one
-            batch's gradients at a time.
+        train: ``(X, y)`` or a re-iterable loader: the training examples scored, in order.
         damping: ``λ``, or ``None`` for ``0.1 · mean(s_p)`` per block.
         query_rank: as for ``precondition_queries``.
-        params: parameter name -> value, for the parameters ``factors`` were fitted on.
-        buffers: buffer name -> tensor, replacing the model's.
-        output: the tensor of a container output the loss takes.
+        params, buffers, output: as for ``precondition_queries``.
+        method: ``"gradients"``: each training batch's example gradients ``[N_b, P]``, contracted
+            block by block (time independent of ``Q``); ``"jvp"``: one Jacobian-vector product per
+            query and batch, contracted with each example's output gradient (memory a forward's
+            plus ``chunk_size`` output-sized tangents, whatever ``P``; time grows with ``Q``).
+        chunk_size: queries per Jacobian-vector product (``"jvp"``).
 
     Returns:
         ``[Q, N]`` in the factors' dtype: a positive score means training on ``n`` lowered the
@@ -154,25 +158,34 @@ def scores(model: nn.Module, lossfn, factors: Mapping, queries, train, *, dampin
         >>> S.shape
         torch.Size([3, 16])
     """
-    if isinstance(queries, Mapping):
-        if not queries.get("preconditioned"):
-            raise CurvatureTypeError("queries must be (X, y), a loader of such pairs, or what "
-                                     "curvlib.influence.precondition_queries returns.")
-        if damping is not None or query_rank is not None:
-            raise CurvatureError("queries are already preconditioned: damping and query_rank were fixed by "
-                                 "precondition_queries; leave them None here.")
-        prepared = queries
-    else:
-        prepared = precondition_queries(model, lossfn, factors, queries, damping=damping, query_rank=query_rank,
-                                        params=params, buffers=buffers, output=output)
+    check_method(method, chunk_size)
+    prepared = _prepared(queries, damping, query_rank) or precondition_queries(
+        model, lossfn, factors, queries, damping=damping, query_rank=query_rank, params=params, buffers=buffers,
+        output=output)
     examples = _examples(model, lossfn, factors, params, buffers, output)
     if set(prepared["blocks"]) != set(factors["blocks"]):
         raise CurvatureError("the preconditioned queries and the factors name different parameters.")
+    if method == "jvp":
+        directional = Directional(model, lossfn, first_pair(train), examples.params, buffers, output, chunk_size)
+        return torch.cat([directional.scores(X, y, factors, prepared) for X, y in pairs(train)], dim=1)
     columns = []
     for grads in examples.batches(train):
         columns.append(sum(pairwise(prepared["blocks"][name], block, grads[name])
                            for name, block in factors["blocks"].items()))
     return torch.cat(columns, dim=1)
+
+
+def _prepared(queries, damping, query_rank) -> Optional[Mapping]:
+    """``queries`` if ``precondition_queries`` made them (checked), else ``None``."""
+    if not isinstance(queries, Mapping):
+        return None
+    if not queries.get("preconditioned"):
+        raise CurvatureTypeError("queries must be (X, y), a loader of such pairs, or what "
+                                 "curvlib.influence.precondition_queries returns.")
+    if damping is not None or query_rank is not None:
+        raise CurvatureError("queries are already preconditioned: damping and query_rank were fixed by "
+                             "precondition_queries; leave them None here.")
+    return queries
 
 
 def self_influence(model: nn.Module, lossfn, factors: Mapping, train, *, damping: Optional[float] = None,
