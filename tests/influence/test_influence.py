@@ -319,3 +319,24 @@ def test_scores_by_jvp_on_a_sequence_model_with_tied_embeddings():
     want = influence.scores(model, lossfn, factors, (X[:2], y[:2]), train)
     got = influence.scores(model, lossfn, factors, (X[:2], y[:2]), train, method="jvp")
     torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("strategy", ["ekfac", "diagonal"])
+def test_one_example_per_call_gives_the_same_factors_and_scores(strategy):
+    """``batch_size=1``: the rows-heavy passes (EK-FAC's eigenvalues, each example's gradient) one
+    example per ``curvature`` call, at about a backward's memory: the same results."""
+    gen = seeded(29)
+    model, lossfn = _mlp([3, 4, 3], 29), nn.CrossEntropyLoss()
+    X, y = _data("ce", 10, 3, 3, gen)
+    train = _split(X, y, [4, 6])
+    whole = influence.fit(model, lossfn, train, strategy=strategy, fisher_type="exact")
+    sliced = influence.fit(model, lossfn, train, strategy=strategy, fisher_type="exact", batch_size=1)
+    for name, block in whole["blocks"].items():
+        torch.testing.assert_close(sliced["blocks"][name]["spectrum"], block["spectrum"], rtol=1e-10, atol=1e-14)
+    query = (X[:3], y[:3])
+    torch.testing.assert_close(influence.scores(model, lossfn, whole, query, train, batch_size=1),
+                               influence.scores(model, lossfn, whole, query, train), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(influence.self_influence(model, lossfn, whole, train, batch_size=3),
+                               influence.self_influence(model, lossfn, whole, train), rtol=1e-10, atol=1e-12)
+    with pytest.raises(CurvatureError, match="batch_size=0"):
+        influence.fit(model, lossfn, train, strategy=strategy, batch_size=0)

@@ -395,3 +395,21 @@ def test_conv_against_curvlinops(reduction, kfac_approx):
                         kfac_approx=kfac_approx, check_deterministic=False)
             want = op @ torch.eye(got.shape[0], dtype=DT)
             assert ((got - want).norm() / want.norm()) < 1e-6, (mine.__name__, len(batches))
+
+
+@pytest.mark.parametrize("fisher_type", ["exact", "empirical"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_ekfac_eigenvalues_do_not_depend_on_the_correction_slices(fisher_type, reduction):
+    """``correction_batch_size``: the eigenvalue pass one slice of samples per call, every slice
+    weighted by its normaliser: the same ``Λ*`` as on the loader's batches."""
+    gen = seeded(31)
+    model = _mlp([3, 4, 2], 31)
+    data = _batches("ce", [5, 3], 3, 2, gen)
+    lossfn = _lossfn("ce", reduction)
+    whole = EKFAC(model, lossfn, data, fisher_type=fisher_type)
+    for size in (1, 2):
+        sliced = EKFAC(model, lossfn, data, fisher_type=fisher_type, correction_batch_size=size)
+        for name, lam in whole.eigenvalues.items():
+            torch.testing.assert_close(sliced.eigenvalues[name], lam, rtol=1e-10, atol=1e-14)
+    with pytest.raises(CurvatureError, match="batch_size=0"):
+        EKFAC(model, lossfn, data, correction_batch_size=0)

@@ -32,7 +32,7 @@ from .._core import inputs as _inputs
 from .._core.errors import CurvatureError, CurvatureTypeError
 from .._transform.entry import curvature
 from ..operators import EKFAC, KFAC
-from ..operators.data import pairs
+from ..operators.data import Sliced, pairs
 from ..precondition import _kronbasis
 
 __all__ = ["STRATEGIES", "FISHER_TYPES", "fit", "check_fitted", "data_size", "layout_of"]
@@ -124,7 +124,8 @@ def _identity_blocks(model, params: Optional[Mapping[str, Tensor]]) -> Dict[str,
 def fit(model: nn.Module, lossfn, data, *, strategy: str = "ekfac", fisher_type: str = "mc",
         params: Optional[Mapping[str, Tensor]] = None, buffers: Optional[Mapping[str, Tensor]] = None,
         output=None, generator: Optional[torch.Generator] = None, mc_samples: int = 1,
-        max_factor_dim: Optional[int] = None, kfac_approx: Optional[str] = "expand") -> dict:
+        max_factor_dim: Optional[int] = None, kfac_approx: Optional[str] = "expand",
+        batch_size: Optional[int] = None) -> dict:
     """The curvature of influence functions over ``data``: a dict of tensors, ``torch.save``-able.
 
     Args:
@@ -144,6 +145,9 @@ def fit(model: nn.Module, lossfn, data, *, strategy: str = "ekfac", fisher_type:
         max_factor_dim: a Kronecker factor side larger than this is kept diagonal (a 50k
             vocabulary's).
         kfac_approx: ``"expand"`` (default) or ``"reduce"`` for weights shared by positions.
+        batch_size: examples per ``curvature`` call in EK-FAC's eigenvalue pass, whose curvature
+            roots are ``[N_b, P]`` per column (``None``: the loader's batches; 1 keeps the pass at
+            about a backward's memory). The same factors either way.
 
     Returns:
         ``{"strategy", "fisher_type", "examples": N, "blocks": {name: block}}``, each block a dict
@@ -176,8 +180,12 @@ def fit(model: nn.Module, lossfn, data, *, strategy: str = "ekfac", fisher_type:
     if generator is not None and not isinstance(generator, torch.Generator):
         raise CurvatureTypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}.")
     options = dict(params=params, buffers=buffers, output=output, generator=generator, mc_samples=mc_samples)
-    blocks, examples = _fitted_blocks(model, lossfn, data, strategy, fisher_type, options,
-                                      dict(max_factor_dim=max_factor_dim, kfac_approx=kfac_approx))
+    kronecker = dict(max_factor_dim=max_factor_dim, kfac_approx=kfac_approx)
+    if strategy == "ekfac":
+        kronecker["correction_batch_size"] = batch_size
+    else:
+        Sliced(data, batch_size)  # checks the size
+    blocks, examples = _fitted_blocks(model, lossfn, data, strategy, fisher_type, options, kronecker)
     return dict(strategy=strategy, fisher_type=fisher_type, examples=examples, blocks=blocks)
 
 

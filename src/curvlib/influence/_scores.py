@@ -13,7 +13,7 @@ from .. import extensions as ext
 from .. import losses
 from .._core.errors import CurvatureError, CurvatureTypeError
 from .._transform.entry import curvature
-from ..operators.data import pairs
+from ..operators.data import Sliced, pairs
 from ._directional import Directional, check_method, first_pair
 from ._blocks import block_dampings, check_rank, compress, pairwise, precondition, self_scores
 from ._fit import check_fitted
@@ -44,8 +44,8 @@ class Examples:
         scale = 1.0 if self.spec.reduction == "sum" else normaliser
         return {n: g.detach() * scale for n, g in qs["grad_batch"].items()}
 
-    def batches(self, data) -> Iterator[Dict[str, Tensor]]:
-        for X, y in pairs(data):
+    def batches(self, data, size: Optional[int] = None) -> Iterator[Dict[str, Tensor]]:
+        for X, y in Sliced(data, size):
             yield self.gradients(X, y)
 
 
@@ -118,7 +118,7 @@ def _cat(chunks):
 def scores(model: nn.Module, lossfn, factors: Mapping, queries, train, *, damping: Optional[float] = None,
            query_rank: Optional[int] = None, params: Optional[Mapping[str, Tensor]] = None,
            buffers: Optional[Mapping[str, Tensor]] = None, output=None, method: str = "gradients",
-           chunk_size: int = 8) -> Tensor:
+           chunk_size: int = 8, batch_size: Optional[int] = None) -> Tensor:
     """Pairwise influence ``[Q, N]``: ``score(q, n) = g_qᵀ (G + λ)⁻¹ g_n`` (``curvlib.influence``).
 
     Args:
@@ -136,6 +136,8 @@ def scores(model: nn.Module, lossfn, factors: Mapping, queries, train, *, dampin
             query and batch, contracted with each example's output gradient (memory a forward's
             plus ``chunk_size`` output-sized tangents, whatever ``P``; time grows with ``Q``).
         chunk_size: queries per Jacobian-vector product (``"jvp"``).
+        batch_size: training examples per ``curvature`` call (``"gradients"``; ``None``: the
+            loader's batches); the queries' gradients likewise.
 
     Returns:
         ``[Q, N]`` in the factors' dtype: a positive score means training on ``n`` lowered the
@@ -159,9 +161,10 @@ def scores(model: nn.Module, lossfn, factors: Mapping, queries, train, *, dampin
         torch.Size([3, 16])
     """
     check_method(method, chunk_size)
+    Sliced(train, batch_size)  # checks the size
     prepared = _prepared(queries, damping, query_rank) or precondition_queries(
-        model, lossfn, factors, queries, damping=damping, query_rank=query_rank, params=params, buffers=buffers,
-        output=output)
+        model, lossfn, factors, Sliced(queries, batch_size), damping=damping, query_rank=query_rank, params=params,
+        buffers=buffers, output=output)
     examples = _examples(model, lossfn, factors, params, buffers, output)
     if set(prepared["blocks"]) != set(factors["blocks"]):
         raise CurvatureError("the preconditioned queries and the factors name different parameters.")
@@ -169,7 +172,7 @@ def scores(model: nn.Module, lossfn, factors: Mapping, queries, train, *, dampin
         directional = Directional(model, lossfn, first_pair(train), examples.params, buffers, output, chunk_size)
         return torch.cat([directional.scores(X, y, factors, prepared) for X, y in pairs(train)], dim=1)
     columns = []
-    for grads in examples.batches(train):
+    for grads in examples.batches(train, batch_size):
         columns.append(sum(pairwise(prepared["blocks"][name], block, grads[name])
                            for name, block in factors["blocks"].items()))
     return torch.cat(columns, dim=1)
@@ -190,7 +193,7 @@ def _prepared(queries, damping, query_rank) -> Optional[Mapping]:
 
 def self_influence(model: nn.Module, lossfn, factors: Mapping, train, *, damping: Optional[float] = None,
                    params: Optional[Mapping[str, Tensor]] = None, buffers: Optional[Mapping[str, Tensor]] = None,
-                   output=None) -> Tensor:
+                   output=None, batch_size: Optional[int] = None) -> Tensor:
     """``[N]``: each training example's influence on itself, ``g_nᵀ (G + λ)⁻¹ g_n``.
 
     Args:
@@ -202,6 +205,7 @@ def self_influence(model: nn.Module, lossfn, factors: Mapping, train, *, damping
         params: parameter name -> value, for the parameters ``factors`` were fitted on.
         buffers: buffer name -> tensor, replacing the model's.
         output: the tensor of a container output the loss takes.
+        batch_size: examples per ``curvature`` call (``None``: the loader's batches).
 
     Returns:
         ``[N]``, the diagonal of ``scores(..., train, train)`` (large: an example the model
@@ -222,10 +226,11 @@ def self_influence(model: nn.Module, lossfn, factors: Mapping, train, *, damping
         >>> influence.self_influence(model, nn.CrossEntropyLoss(), factors, (X, y)).shape
         torch.Size([16])
     """
+    Sliced(train, batch_size)  # checks the size
     examples = _examples(model, lossfn, factors, params, buffers, output)
     dampings = block_dampings(factors, damping)
     values = []
-    for grads in examples.batches(train):
+    for grads in examples.batches(train, batch_size):
         values.append(sum(self_scores(block, dampings[name], grads[name])
                           for name, block in factors["blocks"].items()))
     return torch.cat(values)

@@ -22,7 +22,7 @@ from .._core import inputs as _inputs
 from .._core.errors import CurvatureError, CurvatureTypeError
 from .._transform.network import Batch, Network
 
-__all__ = ["Data", "BatchSeeds", "pairs"]
+__all__ = ["Data", "BatchSeeds", "pairs", "Sliced"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,25 @@ def pairs(data) -> Iterator[Tuple[object, Tensor]]:
                 f"data's batch {k} is a {type(pair).__name__}, not a pair (X, y): the loader must yield "
                 "(input, target) pairs.")
         yield pair[0], pair[1]
+
+
+class Sliced:
+    """``data``'s batches cut into consecutive slices of at most ``size`` samples: a re-iterable
+    loader of smaller batches with the same samples in the same order (``size=None``: ``data``'s
+    own batches). A ``"mean"`` loss's slices are weighted by their normalisers, so a quantity
+    summed over the data is the same."""
+
+    def __init__(self, data, size: Optional[int]):
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise CurvatureError(f"batch_size={size!r}: must be a positive int (samples per call), or None.")
+        self.data, self.size = data, size
+
+    def __iter__(self) -> Iterator[Tuple[object, Tensor]]:
+        for X, y in pairs(self.data):
+            n = _inputs.batch_size(X)
+            step = n if self.size is None else self.size
+            for start in range(0, n, step):
+                yield _inputs.slice_batch(X, start, start + step), y[start:start + step]
 
 
 def _is_pair(data) -> bool:

@@ -41,7 +41,7 @@ from .._transform.entry import curvature
 from ..precondition import _kronbasis, transposed_weights
 from . import _kronblocks
 from .base import CurvatureOperator, ParameterSpace
-from .data import pairs
+from .data import Sliced, pairs
 
 __all__ = ["KFAC", "EKFAC", "KroneckerInverse", "FISHER_TYPES"]
 
@@ -194,11 +194,12 @@ class KFAC(KroneckerOperator):
         super().__init__(space, layouts)
         self._eigen: Dict[str, _kronbasis.Eigen] = {}
 
-    def batches(self, extension: ext.Extension, accumulator: _kronblocks.Accumulator):
+    def batches(self, extension: ext.Extension, accumulator: _kronblocks.Accumulator, size: Optional[int] = None):
         """``(qs, N_b, root weight μ_b)`` per batch of the data (``accumulator`` counts it, and
-        refuses a batch it cannot weight before its work), ``qs = curvature(...)`` with ``extension``."""
+        refuses a batch it cannot weight before its work), ``qs = curvature(...)`` with ``extension``;
+        ``size``: batches cut into slices of at most that many samples (:class:`~curvlib.operators.data.Sliced`)."""
         f = curvature(self.model, self.lossfn, [extension], output=self.output)
-        for X, y in pairs(self.data):
+        for X, y in Sliced(self.data, size):
             weight = accumulator.root_weight(losses.normaliser(self.spec, y))
             yield f(X, y, params=self.params, buffers=self.buffers), _inputs.batch_size(X), weight
 
@@ -248,7 +249,9 @@ class EKFAC(KFAC):
     ``Λ*`` fitted to the columns of the matrix's root, batch by batch. Arguments as ``KFAC``'s.
 
     ``eigenvalues``: parameter name -> ``Λ* [G, o, a]`` in the block's core layout (what
-    ``curvlib.precondition.ekfac_preconditioner`` takes, with ``factors``).
+    ``curvlib.precondition.ekfac_preconditioner`` takes, with ``factors``). ``correction_batch_size``:
+    samples per ``curvature`` call in the eigenvalue pass, whose roots are ``[C·N_b, P]`` (or
+    ``[M·N_b, P]``, ``[N_b, P]``); ``None``: the data's batches. The same eigenvalues either way.
 
     Examples::
 
@@ -267,7 +270,9 @@ class EKFAC(KFAC):
 
     def __init__(self, model: nn.Module, lossfn, data, params=None, buffers=None, output=None, generator=None,
                  fisher_type: str = "mc", mc_samples: int = 1, max_factor_dim: Optional[int] = None,
-                 kfac_approx: Optional[str] = None):
+                 kfac_approx: Optional[str] = None, correction_batch_size: Optional[int] = None):
+        Sliced(data, correction_batch_size)  # checks the size before any work
+        self.correction_batch_size = correction_batch_size
         super().__init__(model, lossfn, data, params, buffers, output, generator, fisher_type, mc_samples,
                          max_factor_dim, kfac_approx)
         root = {"mc": lambda: ext.SqrtGGNMC(mc_samples=mc_samples, generator=generator),
@@ -278,7 +283,7 @@ class EKFAC(KFAC):
         eigen = self.eigen
         accumulator = self.accumulator()
         total: Dict[str, Tensor] = {}
-        for qs, _, weight in self.batches(root, accumulator):
+        for qs, _, weight in self.batches(root, accumulator, self.correction_batch_size):
             for name, shape in zip(self.domain.names, self.domain.shapes):
                 columns = qs[root.name][name].reshape(-1, *shape)  # [C·N or M·N or N, *p], this batch only
                 part = weight * _kronblocks.projected_squares(self.layouts[name], eigen[name], columns)
