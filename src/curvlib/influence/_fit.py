@@ -175,18 +175,21 @@ def fit(model: nn.Module, lossfn, data, *, strategy: str = "ekfac", fisher_type:
         >>> block["q_out"].shape, block["q_in"].shape, block["spectrum"].shape   # [G, o, o], [G, a, a], [G, o, a]
         (torch.Size([1, 6, 6]), torch.Size([1, 4, 4]), torch.Size([1, 6, 4]))
     """
+    kronecker = _checked_options(strategy, fisher_type, generator, data, batch_size)
+    kronecker.update(max_factor_dim=max_factor_dim, kfac_approx=kfac_approx)
+    options = dict(params=params, buffers=buffers, output=output, generator=generator, mc_samples=mc_samples)
+    blocks, examples = _fitted_blocks(model, lossfn, data, strategy, fisher_type, options, kronecker)
+    return dict(strategy=strategy, fisher_type=fisher_type, examples=examples, blocks=blocks)
+
+
+def _checked_options(strategy, fisher_type, generator, data, batch_size) -> dict:
+    """Refuse bad options before any work; EK-FAC's options for its eigenvalue pass."""
     _check_choice("strategy", strategy, STRATEGIES)
     _check_choice("fisher_type", fisher_type, FISHER_TYPES)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise CurvatureTypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}.")
-    options = dict(params=params, buffers=buffers, output=output, generator=generator, mc_samples=mc_samples)
-    kronecker = dict(max_factor_dim=max_factor_dim, kfac_approx=kfac_approx)
-    if strategy == "ekfac":
-        kronecker["correction_batch_size"] = batch_size
-    else:
-        Sliced(data, batch_size)  # checks the size
-    blocks, examples = _fitted_blocks(model, lossfn, data, strategy, fisher_type, options, kronecker)
-    return dict(strategy=strategy, fisher_type=fisher_type, examples=examples, blocks=blocks)
+    Sliced(data, batch_size)  # checks the size
+    return dict(correction_batch_size=batch_size) if strategy == "ekfac" else {}
 
 
 def _fitted_blocks(model, lossfn, data, strategy, fisher_type, options, kronecker) -> Tuple[Dict[str, dict], int]:

@@ -136,8 +136,7 @@ def scores(model: nn.Module, lossfn, factors: Mapping, queries, train, *, dampin
             query and batch, contracted with each example's output gradient (memory a forward's
             plus ``chunk_size`` output-sized tangents, whatever ``P``; time grows with ``Q``).
         chunk_size: queries per Jacobian-vector product (``"jvp"``).
-        batch_size: training examples per ``curvature`` call (``"gradients"``; ``None``: the
-            loader's batches); the queries' gradients likewise.
+        batch_size: examples per ``curvature`` call (``"gradients"``; ``None``: the loader's batches).
 
     Returns:
         ``[Q, N]`` in the factors' dtype: a positive score means training on ``n`` lowered the
