@@ -413,3 +413,37 @@ def test_ekfac_eigenvalues_do_not_depend_on_the_correction_slices(fisher_type, r
             torch.testing.assert_close(sliced.eigenvalues[name], lam, rtol=1e-10, atol=1e-14)
     with pytest.raises(CurvatureError, match="batch_size=0"):
         EKFAC(model, lossfn, data, correction_batch_size=0)
+
+
+@pytest.mark.parametrize("max_factor_dim", [None, 16])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_a_loader_combines_transposed_weights_by_their_root_factor(max_factor_dim, reduction):
+    """transformers' ``Conv1D`` stores its weight ``[in, out]``: factors ``[A, B]``, the root last,
+    which only the model's sites tell (not the shapes; with ``max_factor_dim`` a diagonal side
+    either way). Over a loader of unequal batches the factors are one batch's of all samples:
+    ``"sum"`` adds the root factors and averages the input factors, so a side mistaken for the
+    other is off by the batches' shares."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=20, n_positions=8,
+                                  attn_implementation="eager", bos_token_id=0, eos_token_id=0)
+    lm = transformers.GPT2LMHeadModel(cfg).to(DT).eval()
+
+    class Logits(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids):
+            return self.inner(input_ids=ids).logits.transpose(1, 2)
+
+    model, lossfn = Logits(lm), nn.CrossEntropyLoss(reduction=reduction)
+    gen = seeded(37)
+    X, y = torch.randint(0, 20, (6, 5), generator=gen), torch.randint(0, 20, (6, 5), generator=gen)
+    y[4:, 3:] = -100  # ignored targets: the batches' normalisers are not their sizes' shares
+    one = KFAC(model, lossfn, (X, y), fisher_type="exact", max_factor_dim=max_factor_dim)
+    two = KFAC(model, lossfn, [(X[:2], y[:2]), (X[2:], y[2:])], fisher_type="exact", max_factor_dim=max_factor_dim)
+    assert any(f[0].shape[0] == 8 and f[1].shape[0] == 32 for n, f in one.factors.items() if "c_fc" in n)
+    for name, factors in one.factors.items():
+        for a, b in zip(factors, two.factors[name]):
+            torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-12)

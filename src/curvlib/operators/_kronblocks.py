@@ -26,7 +26,7 @@ diagonal), and its inverse ``(R ⊗ I + λ)⁻¹`` as ``Q_R [(Q_Rᵀ C Q_I) / (�
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -37,35 +37,14 @@ from ..precondition import _kronbasis
 
 __all__ = ["Accumulator", "root_sides", "multiply", "spectral", "damped_spectrum", "dense_block", "projected_squares"]
 
-#: modules whose weights have BackPACK's ``[B, A]`` layout: root factor first, even when 1-D
-ROOT_FIRST = (nn.Linear, nn.modules.conv._ConvNd, nn.RNNBase, nn.MultiheadAttention)
-
-
-def root_sides(model: nn.Module, factors: Dict[str, List[Tensor]], max_factor_dim: Optional[int]) -> Dict[str, int]:
-    """Parameter name -> the index of its root factor.
-
-    Without ``max_factor_dim`` the shapes tell (:func:`curvlib._core.kronlayout.root_index`);
-    with it a weight's diagonal ``B [O]`` looks like Embedding's ``A [V]``: the owning module
-    tells them apart, and a 1-D first factor larger than ``max_factor_dim`` of any other module
-    is refused (it cannot be told apart, and batches could not be combined correctly).
-    """
-    modules = dict(model.named_modules())
-    sides = {}
-    for name, f in factors.items():
-        owner = modules.get(name.rpartition(".")[0])
-        if len(f) != 2 or f[0].dim() != 1:
-            sides[name] = 0
-        elif isinstance(owner, ROOT_FIRST):
-            sides[name] = 0
-        elif isinstance(owner, nn.Embedding) or max_factor_dim is None or f[0].numel() <= max_factor_dim:
-            sides[name] = kronlayout.root_index(f)
-        else:
-            raise CurvatureError(
-                f"parameter {name!r}: with max_factor_dim={max_factor_dim} its factors of shapes "
-                f"{[list(t.shape) for t in f]} are either a diagonal output factor (a Linear's) or an input "
-                f"count (an Embedding's), which its module {type(owner).__name__} does not tell; pass one "
-                "batch, or a larger max_factor_dim.")
-    return sides
+def root_sides(factors: Dict[str, List[Tensor]], root_last: Mapping[str, bool]) -> Dict[str, int]:
+    """Parameter name -> the index of its root factor, from ``root_last`` (parameter name -> whether
+    its root factor is the last, read off the sites of the model's plan by ``curvature``:
+    Embedding's ``[A [V], B]``, a weight stored transposed as transformers' ``Conv1D``'s ``[A, B]``);
+    a parameter no site reads (a zero block) by its shapes (:func:`curvlib._core.kronlayout.root_index`).
+    Shapes alone cannot tell ``[B [O], A]`` (a Linear's, ``max_factor_dim``) from ``[A [V], B]``
+    nor ``[B, A]`` from ``[A, B]``."""
+    return {name: kronlayout.root_index(f, root_last.get(name)) for name, f in factors.items()}
 
 
 class Accumulator:

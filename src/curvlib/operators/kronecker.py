@@ -38,6 +38,7 @@ from .. import losses
 from .._core import inputs as _inputs
 from .._core.errors import CurvatureError, CurvatureTypeError
 from .._transform.entry import curvature
+from .._transform.network import Network
 from ..precondition import _kronbasis, transposed_weights
 from . import _kronblocks
 from .base import CurvatureOperator, ParameterSpace
@@ -188,7 +189,7 @@ class KFAC(KroneckerOperator):
         extension = {"mc": lambda: ext.KFAC(mc_samples=mc_samples, generator=generator, **options),
                      "exact": lambda: ext.KFLR(**options),
                      "empirical": lambda: ext.KFACEmpirical(**options)}[fisher_type]()
-        self.factors, space = self._accumulate(extension, max_factor_dim)
+        self.factors, space = self._accumulate(extension)
         transposed = transposed_weights(model)
         layouts = {n: _kronbasis.layout_of(n, self.factors[n], s, n in transposed) for n, s in zip(space.names, space.shapes)}
         super().__init__(space, layouts)
@@ -201,20 +202,21 @@ class KFAC(KroneckerOperator):
         f = curvature(self.model, self.lossfn, [extension], output=self.output)
         for X, y in Sliced(self.data, size):
             weight = accumulator.root_weight(losses.normaliser(self.spec, y))
-            yield f(X, y, params=self.params, buffers=self.buffers), _inputs.batch_size(X), weight
+            yield f(X, y, params=self.params, buffers=self.buffers), _inputs.batch_size(X), weight, X
 
     def accumulator(self) -> _kronblocks.Accumulator:
         """A fresh accumulator of the data's batches for this loss and ``fisher_type``."""
         return _kronblocks.Accumulator(self.spec.reduction, self.fisher_type == "empirical", self.spec.name)
 
-    def _accumulate(self, extension, max_factor_dim):
+    def _accumulate(self, extension):
         accumulator = self.accumulator()
         total, sides, space = None, None, None
-        for qs, samples, weight in self.batches(extension, accumulator):
+        for qs, samples, weight, X in self.batches(extension, accumulator):
             part = qs[extension.name]
             if space is None:
                 space = ParameterSpace.of(qs["grad"])
-                sides = _kronblocks.root_sides(self.model, part, max_factor_dim)
+                runner = Network(self.model, self.lossfn, self.output).runner
+                sides = _kronblocks.root_sides(part, runner.kron_root_last(X, self.params))
             total = accumulator.add_factors(total, part, sides, samples, weight)
         if total is None:
             raise CurvatureError("data has no batches: pass (X, y) or a loader yielding at least one (X, y).")
@@ -283,7 +285,7 @@ class EKFAC(KFAC):
         eigen = self.eigen
         accumulator = self.accumulator()
         total: Dict[str, Tensor] = {}
-        for qs, _, weight in self.batches(root, accumulator, self.correction_batch_size):
+        for qs, _, weight, _ in self.batches(root, accumulator, self.correction_batch_size):
             for name, shape in zip(self.domain.names, self.domain.shapes):
                 columns = qs[root.name][name].reshape(-1, *shape)  # [C·N or M·N or N, *p], this batch only
                 part = weight * _kronblocks.projected_squares(self.layouts[name], eigen[name], columns)
