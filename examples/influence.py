@@ -311,24 +311,23 @@ def planted_run(cfg: Config) -> dict:
     model = train(cfg, train_seqs)
     print(f"{sum(p.numel() for p in model.parameters())} parameters, {len(train_seqs)} training sequences, "
           f"{len(queries)} queries; damping: 0.1 · mean of each block's spectrum")
-    scores, ranks, margins, factors = {}, {}, {}, None
+    scores, ranks, margins, fitted = {}, {}, {}, {}
     for strategy in STRATEGIES:
         t = time.perf_counter()
-        fitted = fit(model, train_seqs, strategy, cfg.seed)
-        scores[strategy] = score(model, fitted, train_seqs, queries)
+        fitted[strategy] = fit(model, train_seqs, strategy, cfg.seed)
+        scores[strategy] = score(model, fitted[strategy], train_seqs, queries)
         ranks[strategy] = planted_ranks(scores[strategy], planted)
         margins[strategy] = copy_margin(scores[strategy], planted)
         top = sum(sorted(r) == [1, 2] for r in ranks[strategy].tolist())
         print(f"  {strategy:9s} planted copies are the top two for {top} of {len(queries)} queries, "
               f"worst copy's rank {int(ranks[strategy].max())}; near-copy / best other sequence >= "
               f"{margins[strategy]:.2f} ({time.perf_counter() - t:.1f} s)")
-        factors = fitted
     ekfac = scores["ekfac"]
     for q in range(len(queries)):
         print(f"query {q}: {text_of(queries[q])!r}  EK-FAC ranks its planted copies {ranks['ekfac'][q].tolist()}")
         for i in ekfac[q].argsort(descending=True)[:3].tolist():
             print(f"   {float(ekfac[q, i]):9.3g}  {text_of(train_seqs[i])!r}")
-    selfs = influence.self_influence(model, LOSS, factors, loader(train_seqs))
+    selfs = influence.self_influence(model, LOSS, fitted["ekfac"], loader(train_seqs))
     print("largest EK-FAC self-influence (sequences the model fits least by the others):")
     for i in selfs.argsort(descending=True)[:4].tolist():
         print(f"   {float(selfs[i]):9.3g}  {text_of(train_seqs[i])!r}")
