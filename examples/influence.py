@@ -1,25 +1,32 @@
-"""EK-FAC influence functions on a small language model: which training sequences explain a query.
+"""``curvlib.influence`` on a small language model: which training sequences explain a query.
 
 What it shows. Influence functions (Koh & Liang 2017; Grosse et al. 2023 on language
-models, as kronfluence implements them) score how much training sequence ``z_i`` helped
-the model on a query ``z_q``: with ``L(z, θ)`` a sequence's summed token loss,
+models, as kronfluence implements them) score how much training sequence ``n`` helped the
+model on a query ``q``: with ``ℓ_n`` a sequence's summed token loss and ``g_n = ∇ℓ_n``,
 
-    influence(z_q, z_i) = ∇L(z_q)ᵀ (G + λ I)⁻¹ ∇L(z_i),
+    score(q, n) = g_qᵀ (G + λ I)⁻¹ g_n,        self(n) = g_nᵀ (G + λ I)⁻¹ g_n,
+    G = (1/N) Σ_n F_n,
 
-``G`` the Gauss-Newton matrix (the Fisher) of the training loss and ``λ`` a damping. A
-positive score: up-weighting ``z_i`` lowers the query's loss. ``G`` is too large to
-invert for a real model, so it is replaced by EK-FAC (George et al. 2018):
+``F_n`` sequence ``n``'s Fisher (labels sampled from the model; in expectation its GGN) and
+``λ`` a damping. A positive score: up-weighting ``n`` lowers the query's loss. ``G`` is too
+large to invert for a real model, so ``curvlib.influence`` replaces it per parameter by one
+of four strategies, compared side by side here:
 
-    G ≈ (Q_B ⊗ Q_A) diag(s) (Q_B ⊗ Q_A)ᵀ    per parameter,
-    s = (1/N) Σ_i (Q_Bᵀ ĝ_i Q_A)²,
+    identity   G ≈ I                       (gradient dot products, no λ)
+    diagonal   G ≈ diag(G)
+    kfac       G ≈ B ⊗ A                   (KFAC's factors, kfac_approx="expand")
+    ekfac      G ≈ (Q_B ⊗ Q_A) diag(s) (Q_B ⊗ Q_A)ᵀ,   s = (1/N) Σ_n (Q_Bᵀ R_n Q_A)²
 
-``Q_B``, ``Q_A`` the eigenvectors of ``KFAC``'s factors (``kfac_approx="expand"``, labels
-sampled from the model) and ``ĝ_i`` the per-sequence gradient at labels sampled from the
-model (``BatchGrad``), so ``E[ĝ ĝᵀ] = G``. Everything streams through the training set in
-batches (``curvlib.precondition.ekfac_eigenvalues`` per batch, summed): per-sample gradients
-of one batch at a time, never an ``[N, P]`` for the whole set. The vocabulary side of the
-head (128 byte values) is kept diagonal with ``KFAC(max_factor_dim=127)``, the choice that
-makes a 50k vocabulary fit. ``λ = 0.1 · mean(s)`` (kronfluence's heuristic).
+(EK-FAC, George et al. 2018: KFAC's eigenbasis, eigenvalues refitted to the columns ``R_n``
+of each sequence's Fisher root). Each is three calls: ``influence.fit(model, loss, loader,
+strategy=...)`` once over the training loader, ``influence.scores(model, loss, factors,
+queries, loader)`` streaming the training set one batch's per-sequence gradients at a time
+(never an ``[N, P]`` for the whole set), and ``influence.self_influence`` for ``self(n)``.
+``damping=None`` is ``λ_p = 0.1 · mean(s_p)`` per parameter (kronfluence's heuristic).
+``max_factor_dim=127`` keeps every Kronecker factor side larger than 127 diagonal: here only
+the vocabulary's (128 byte values: the head's outputs, the embedding's inputs), the choice
+that makes a 50k vocabulary fit (a dense 50257² factor is 10 GB, its eigendecomposition out
+of reach; diagonal, it is 50257 numbers), while every other side (at most 120) stays dense.
 
 The model: a causal transformer from PyTorch's own layers (pre-LN
 ``nn.TransformerEncoderLayer``; 2 blocks of d = 32 with ``--quick``, 3 of d = 40 otherwise),
@@ -29,25 +36,35 @@ of ``difflib``'s docstrings, which are held out, except that each query is *plan
 the training set twice: once verbatim and once with 3 of its characters changed. Two
 checks make the scores meaningful:
 
-* **planted duplicates rank top**: for every query, its two planted copies get the two
-  highest scores of all training sequences (printed with the top sequences' text);
-* **EK-FAC vs exact**, on a tiny configuration (1 block of d = 16, 200 sequences of 16
-  characters, 6.7 k parameters): the same scores with the exact damped GGN
-  ``(G + λ I)⁻¹`` of the whole model (not block-diagonal; conjugate gradients on
-  GGN-vector products from ``torch.func``, preconditioned by EK-FAC, float64), compared
-  by Spearman rank correlation over all training sequences, per query. Measured: 0.37 to
-  0.53, against 0.06 to 0.39 for plain gradient dot products (``λ``-free, ``G = I``):
-  EK-FAC orders the bulk of small scores better than no curvature, far from exactly.
+* **planted copies rank top**, per strategy: for how many queries the two planted copies
+  get the two highest scores of all training sequences, and by how much the edited copy
+  beats the best unplanted sequence (its score over that sequence's, the smallest over
+  queries). Measured, full run (8 queries, 1216 sequences): identity 7 of 8 (a copy at
+  rank 3; ×0.88), diagonal 8 of 8 (×1.04), kfac 8 of 8 (×1.33), ekfac 8 of 8 (×1.37);
+  ``--quick`` (4 queries, 328 sequences): 4 of 4 for every strategy. The training
+  sequences with the largest EK-FAC self-influence are the ones unlike the rest (full
+  run: an enumeration of letter pairs, URLs), up to 5 times the median;
+* **strategies vs exact**, on a tiny configuration (1 block of d = 16, 200 sequences of 16
+  characters, 6.7 k parameters): every strategy's scores at one damping
+  ``λ = 0.1 · tr(G)/P`` (the mean of EK-FAC's spectrum), against the exact damped GGN
+  ``(G + λ I)⁻¹`` of the whole model (not block-diagonal; ``curvlib.operators.cg`` on
+  ``curvlib.operators.GGN`` products, preconditioned by ``EKFAC(...).inverse``, float64),
+  by Spearman rank correlation over all training sequences, per query. Measured (150 CG
+  iterations, relative residual 1.3e-3): identity 0.06 to 0.39, diagonal 0.15 to 0.40,
+  kfac 0.36 to 0.50, ekfac 0.40 to 0.53. ``--quick`` stops CG at 30 iterations (residual
+  5e-2), which moves these by at most 0.02. Curvature orders the bulk of small scores
+  better than none, and EK-FAC's refitted eigenvalues better than KFAC's; none is exact.
 
 Run (needs matplotlib)::
 
-    python examples/influence.py              # larger model, more data: a few minutes
+    python examples/influence.py              # larger model, more data: about 2.5 minutes
     python examples/influence.py --quick      # under a minute on 2 CPU cores
     python examples/influence.py --out DIR    # where influence.png goes (default figures/)
 
-The figure ``influence.png``: left, every training sequence's score per query (planted
-copies marked); right, EK-FAC against exact influence (all query × train pairs, per-query
-normalised) with the Spearman correlation.
+The figure ``influence.png``: left, every training sequence's EK-FAC score per query
+(divided by its largest magnitude), the planted copies marked; right, per strategy, the
+Spearman correlation with exact influence on the tiny model (one dot per query, the bar
+their mean), labelled with the planted-copies check of the left run.
 """
 
 from __future__ import annotations
@@ -59,19 +76,23 @@ import inspect
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.func import functional_call, jvp, vjp, vmap
 
-from curvlib import curvature
-from curvlib.extensions import KFAC, BatchGrad
-from curvlib.precondition import ekfac_eigenvalues, ekfac_preconditioner
+from curvlib import curvature, influence
+from curvlib.extensions import BatchGrad
+from curvlib.operators import EKFAC, GGN, cg
 
 VOCAB = 128  # byte values of ASCII text; the head's output side, kept diagonal
+# ``max_factor_dim``: a Kronecker factor side larger than this is kept diagonal. Only the
+# vocabulary sides exceed it (the head's output, the embedding's one-hot input); every other
+# side is at most 120. For GPT-2's 50257-token vocabulary a dense factor is 50257² floats
+# (10 GB) and its eigendecomposition out of reach; diagonal, it is 50257 numbers.
+MAX_FACTOR_DIM = VOCAB - 1
+STRATEGIES = ("identity", "diagonal", "kfac", "ekfac")
 TRAIN_MODULES = ("textwrap", "string", "json", "argparse", "collections", "functools", "itertools",
                  "heapq", "random", "statistics", "fractions", "pathlib", "shutil", "csv", "calendar",
                  "fnmatch", "glob", "base64")
@@ -96,6 +117,8 @@ class Config:
 
 QUICK = Config()
 FULL = Config(d=40, layers=3, hidden=120, n_train=1200, n_queries=8, steps=800)
+TINY = Config(d=16, layers=1, hidden=32, length=16, n_train=192, n_queries=4, steps=200, cg_iters=150)
+TINY_QUICK = replace(TINY, cg_iters=30)  # the Spearman correlations move by <= 0.02 from 30 to 150
 
 
 # ----------------------------------------------------------------------------- data
@@ -192,161 +215,69 @@ def train(cfg: Config, seqs: Tensor) -> GPT:
     return model.eval()
 
 
-# ----------------------------------------------------------------------------- EK-FAC influence
+# ----------------------------------------------------------------------------- influence, four ways
 
-# Per-sequence losses are summed over tokens (reduction="sum"): BatchGrad's rows are then
-# exactly ∇L(z_i), with no 1/(N·T) reduction factor to undo.
-SUM_CE = nn.CrossEntropyLoss(reduction="sum")
-
-
-def sampled_targets(model: nn.Module, X: Tensor, gen: torch.Generator) -> Tensor:
-    """Labels drawn from the model's predictive distribution, ``[N, T]`` (kronfluence's fit:
-    gradients at sampled labels have ``E[ĝ ĝᵀ] = G``, the Fisher = GGN of cross-entropy)."""
-    with torch.no_grad():
-        probs = model(X).softmax(1).transpose(1, 2)  # [N, T, V]
-    return torch.multinomial(probs.reshape(-1, VOCAB), 1, generator=gen).reshape(X.shape)
+# The training loss (the mean over every token). ``curvlib.influence`` reads each example's loss
+# off it as the sequence's summed token loss, whatever the reduction.
+LOSS = nn.CrossEntropyLoss()
 
 
-def kfac_factors(model: nn.Module, seqs: Tensor, batch: int, max_factor_dim: int,
-                 gen: torch.Generator) -> Dict[str, List[Tensor]]:
-    """KFAC's factors averaged over the training set's batches (only their eigenvectors are
-    used: EK-FAC re-fits the eigenvalues, so the factors' scale does not matter)."""
-    f = curvature(model, SUM_CE, [KFAC(kfac_approx="expand", max_factor_dim=max_factor_dim, generator=gen)])
-    total, count = None, 0
-    for start in range(0, len(seqs), batch):
-        qs = f(*split(seqs[start:start + batch]))
-        kfac = {n: [t.detach() for t in fs] for n, fs in qs["kfac"].items()}
-        total = kfac if total is None else {n: [a + b for a, b in zip(total[n], kfac[n])] for n in kfac}
-        count += 1
-    return {n: [t / count for t in fs] for n, fs in total.items()}
+def loader(seqs: Tensor, batch: int = 64) -> List[Tuple[Tensor, Tensor]]:
+    """The sequences as a re-iterable loader of ``(inputs, targets)`` batches, in order."""
+    return [split(seqs[start:start + batch]) for start in range(0, len(seqs), batch)]
 
 
-def fit_eigenvalues(model: nn.Module, factors, seqs: Tensor, batch: int,
-                    gen: torch.Generator) -> Dict[str, Tensor]:
-    """``s = (1/N) Σ_i (Q_Bᵀ ĝ_i Q_A)²``, streamed: one batch's ``[B, *p]`` at a time."""
-    f = curvature(model, SUM_CE, [BatchGrad()])
-    s: Dict[str, Tensor] = {}
-    for start in range(0, len(seqs), batch):
-        X, _ = split(seqs[start:start + batch])
-        rows = f(X, sampled_targets(model, X, gen))["grad_batch"]
-        part = ekfac_eigenvalues(factors, rows, scale=1.0 / len(seqs), model=model)
-        s = {n: s[n] + v if n in s else v for n, v in part.items()}
-    return s
+def fit(model: nn.Module, seqs: Tensor, strategy: str, seed: int) -> dict:
+    """``influence.fit`` over the training sequences, the Fisher's labels sampled from the model
+    (``fisher_type="mc"``, kronfluence's choice), the vocabulary sides kept diagonal."""
+    return influence.fit(model, LOSS, loader(seqs), strategy=strategy, fisher_type="mc",
+                         generator=torch.Generator().manual_seed(seed), max_factor_dim=MAX_FACTOR_DIM)
 
 
-def heuristic_damping(eigenvalues: Dict[str, Tensor], factor: float = 0.1) -> float:
-    """``λ = factor · mean(s)`` over every parameter's eigenvalues (kronfluence's default)."""
-    flat = torch.cat([v.flatten() for v in eigenvalues.values()])
-    return factor * float(flat.mean())
+def score(model: nn.Module, factors: dict, seqs: Tensor, queries: Tensor, damping=None) -> Tensor:
+    """``[Q, N]``: every query against every training sequence, streamed one batch at a time
+    (``damping=None``: ``0.1 · mean`` of each block's spectrum)."""
+    return influence.scores(model, LOSS, factors, split(queries), loader(seqs), damping=damping)
 
 
-def query_gradients(model: nn.Module, queries: Tensor) -> Dict[str, Tensor]:
-    """``∇L(z_q)`` per query at its true next characters, ``name -> [Q, *p]``."""
-    return curvature(model, SUM_CE, [BatchGrad()])(*split(queries))["grad_batch"]
-
-
-def preconditioned(factors, eigenvalues, damping: float, grads: Dict[str, Tensor],
-                   model: nn.Module) -> Dict[str, Tensor]:
-    """``(G_EKFAC + λ I)⁻¹ ∇L(z_q)`` for every query (``vmap`` over the leading ``Q``)."""
-    P = ekfac_preconditioner(factors, eigenvalues, damping, model=model)
-    return vmap(P)(grads)
-
-
-def scores_against(model: nn.Module, directions: Dict[str, Tensor], seqs: Tensor, batch: int) -> Tensor:
-    """``[Q, N]``: ``⟨direction_q, ∇L(z_i)⟩`` streamed over the training set in batches."""
-    f = curvature(model, SUM_CE, [BatchGrad()])
-    out = []
-    for start in range(0, len(seqs), batch):
-        rows = f(*split(seqs[start:start + batch]))["grad_batch"]
-        out.append(sum(torch.einsum("qp,np->qn", directions[n].flatten(1), r.flatten(1))
-                       for n, r in rows.items()))
-    return torch.cat(out, 1)
-
-
-def ekfac_influence(model: nn.Module, seqs: Tensor, queries: Tensor, batch: int = 64,
-                    max_factor_dim: int = VOCAB - 1, seed: int = 0):
-    """EK-FAC influence scores ``[Q, N]`` with what made them (factors, eigenvalues, damping)."""
-    gen = torch.Generator().manual_seed(seed)
-    factors = kfac_factors(model, seqs, batch, max_factor_dim, gen)
-    eigenvalues = fit_eigenvalues(model, factors, seqs, batch, gen)
-    damping = heuristic_damping(eigenvalues)
-    directions = preconditioned(factors, eigenvalues, damping, query_gradients(model, queries), model)
-    return scores_against(model, directions, seqs, batch), factors, eigenvalues, damping
+def global_damping(factors: dict, factor: float = 0.1) -> float:
+    """``λ = factor · mean(s)`` over every parameter's fitted spectrum: ``0.1 · tr(G) / P`` for
+    EK-FAC (a rotation keeps each block's trace), one ``λ`` for every strategy and the exact GGN."""
+    spectra = [b["spectrum"] for b in factors["blocks"].values()]
+    return factor * float(sum(s.sum() for s in spectra) / sum(s.numel() for s in spectra))
 
 
 # ----------------------------------------------------------------------------- exact reference
 
-def ggn_operator(model: nn.Module, seqs: Tensor):
-    """``v -> G v`` with ``G = (1/N) Σ_i J_iᵀ H_i J_i`` the exact GGN of the summed token
-    loss over the whole training set (``J_i`` the logits' Jacobian, ``H_i`` cross-entropy's
-    Hessian ``diag(p) - p pᵀ`` per token): one forward-mode and one reverse-mode pass per
-    product, ``v`` a dict of ``[Q, *p]`` (``vmap`` over ``Q``)."""
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    X, _ = split(seqs)
-    # train mode (dropout is 0: the same function) keeps PyTorch off its fused inference
-    # path for the encoder layers, which has no forward-mode derivative
-    model = copy.deepcopy(model).train()
-
-    def logits_of(ps):
-        # the math attention kernel: CPU flash attention has no forward-mode derivative
-        with sdpa_kernel(SDPBackend.MATH):
-            return functional_call(model, ps, (X,))
-
-    logits, vjp_fn = vjp(logits_of, params)
-    probs = logits.softmax(1)  # [N, V, T]
-
-    def product(v):
-        u = jvp(logits_of, (params,), (v,))[1]
-        hu = probs * (u - (probs * u).sum(1, keepdim=True))  # (diag(p) - p pᵀ) u per token
-        return {n: g / len(seqs) for n, g in vjp_fn(hu)[0].items()}
-
-    return vmap(product)
+SUM_CE = nn.CrossEntropyLoss(reduction="sum")  # Σ over sequences of their summed token losses
 
 
-def conjugate_gradients(apply, b: Dict[str, Tensor], damping: float, iters: int, precondition=None,
-                        tol: float = 1e-8):
-    """Solve ``(A + λ I) x = b`` for every leading row ``q`` of ``b`` (independent CG runs,
-    batched), preconditioned by ``precondition`` (≈ ``(A + λ I)⁻¹``; EK-FAC's here, which
-    cuts the iterations several-fold); returns ``(x, largest relative residual)``."""
-    def dot(u, v):
-        return sum((u[n] * v[n]).flatten(1).sum(1) for n in u)
-
-    def axpy(a, u, v):  # v + a u, a per row
-        return {n: v[n] + a.reshape(-1, *[1] * (v[n].dim() - 1)) * u[n] for n in v}
-
-    precondition = precondition or (lambda r: r)
-    x = {n: torch.zeros_like(t) for n, t in b.items()}
-    r = dict(b)
-    z = precondition(r)
-    p, rz, bb = z, dot(r, z), dot(b, b)
-    for _ in range(iters):
-        Ap = axpy(torch.full_like(rz, damping), p, apply(p))
-        alpha = rz / dot(p, Ap)
-        x, r = axpy(alpha, p, x), axpy(-alpha, Ap, r)
-        if bool((dot(r, r) <= tol ** 2 * bb).all()):
-            break
-        z = precondition(r)
-        rz_new = dot(r, z)
-        p, rz = axpy(rz_new / rz, p, z), rz_new
-    return x, float((dot(r, r) / bb).sqrt().max())
+def per_example_gradients(model: nn.Module, seqs: Tensor) -> Dict[str, Tensor]:
+    """``∇ℓ_n`` per sequence at its true next characters, ``name -> [N, *p]``."""
+    f = curvature(model, SUM_CE, [BatchGrad()])
+    parts = [f(X, y)["grad_batch"] for X, y in loader(seqs)]
+    return {n: torch.cat([p[n] for p in parts]) for n in parts[0]}
 
 
-def exact_influence(model: nn.Module, seqs: Tensor, queries: Tensor, factors, eigenvalues,
-                    damping: float, iters: int, batch: int = 64) -> Tuple[Tensor, float]:
-    """``[Q, N]`` scores with the exact damped GGN ``(G + λ I)⁻¹`` (EK-FAC-preconditioned CG
-    in float64) and the relative CG residual reached."""
-    twin = copy.deepcopy(model).double()  # CG to 1e-8 needs more than float32's 1e-7
-    to64 = {n: [t.double() for t in fs] for n, fs in factors.items()}
-    P = vmap(ekfac_preconditioner(to64, {n: v.double() for n, v in eigenvalues.items()}, damping, model=twin))
-    b = query_gradients(twin, queries)
-    x, residual = conjugate_gradients(ggn_operator(twin, seqs), b, damping, iters, P)
-    return scores_against(twin, x, seqs, batch).float(), residual
+def exact_influence(model: nn.Module, seqs: Tensor, queries: Tensor, damping: float, iters: int,
+                    seed: int) -> Tuple[Tensor, float]:
+    """``[Q, N]`` scores with the exact damped GGN of the whole model (not block-diagonal):
+    ``x_q = (G + λ I)⁻¹ g_q`` by conjugate gradients on GGN-vector products, float64, and the
+    largest relative CG residual. ``GGN`` of the summed loss is ``Σ_n F_n = N G``, so
+    ``(N G + N λ) x = N g_q`` is solved; CG is preconditioned by ``EKFAC(...).inverse``."""
+    twin = copy.deepcopy(model).double()  # CG to a small residual needs more than float32
+    data, n = loader(seqs), len(seqs)
+    G = GGN(twin, SUM_CE, data, chunk_size=len(queries))
+    P = EKFAC(twin, SUM_CE, data, generator=torch.Generator().manual_seed(seed), kfac_approx="expand",
+              max_factor_dim=MAX_FACTOR_DIM).inverse(n * damping)
+    b = G.domain.flatten(per_example_gradients(twin, queries))            # [P, Q]
+    solution = cg(G, n * b, damping=n * damping, tol=1e-6, max_iterations=iters, preconditioner=P)
+    residual = float((solution.residual_norm / (n * b).norm(dim=0)).max())
+    train_grads = G.domain.flatten(per_example_gradients(twin, seqs))    # [P, N]
+    return (solution.x.T @ train_grads).float(), residual
 
 
 # ----------------------------------------------------------------------------- checks, figure, main
-
-TINY = Config(d=16, layers=1, hidden=32, length=16, n_train=192, n_queries=4, steps=200, cg_iters=150)
-
 
 def spearman(a: Tensor, b: Tensor) -> float:
     """Spearman rank correlation of two 1-D tensors (Pearson's of their ranks; no ties in
@@ -364,66 +295,105 @@ def planted_ranks(scores: Tensor, planted: Tensor) -> Tensor:
     return rank.gather(1, planted)
 
 
+def copy_margin(scores: Tensor, planted: Tensor) -> float:
+    """The smallest, over queries, of the near-duplicate copy's score over the best score of a
+    sequence that is not planted: above 1, the edited copy still stands out."""
+    others = scores.clone()
+    others.scatter_(1, planted, float("-inf"))
+    near = scores.gather(1, planted[:, 1:]).squeeze(1)
+    return float((near / others.max(1).values).min())
+
+
 def planted_run(cfg: Config) -> dict:
-    """Train on the data with planted copies; EK-FAC scores, the copies' ranks, the top texts."""
+    """Train on the data with planted copies; every strategy's scores and the copies' ranks;
+    EK-FAC's top sequences per query and the largest self-influences."""
     train_seqs, queries, planted = make_data(cfg)
     model = train(cfg, train_seqs)
-    scores, _, _, damping = ekfac_influence(model, train_seqs, queries, seed=cfg.seed)
-    ranks = planted_ranks(scores, planted)
-    top = sum(sorted(r) == [1, 2] for r in ranks.tolist())
     print(f"{sum(p.numel() for p in model.parameters())} parameters, {len(train_seqs)} training sequences, "
-          f"λ = {damping:.3g}: planted copies are the top two for {top} of {len(queries)} queries")
+          f"{len(queries)} queries; damping: 0.1 · mean of each block's spectrum")
+    scores, ranks, margins, fitted = {}, {}, {}, {}
+    for strategy in STRATEGIES:
+        t = time.perf_counter()
+        fitted[strategy] = fit(model, train_seqs, strategy, cfg.seed)
+        scores[strategy] = score(model, fitted[strategy], train_seqs, queries)
+        ranks[strategy] = planted_ranks(scores[strategy], planted)
+        margins[strategy] = copy_margin(scores[strategy], planted)
+        top = sum(sorted(r) == [1, 2] for r in ranks[strategy].tolist())
+        print(f"  {strategy:9s} planted copies are the top two for {top} of {len(queries)} queries, "
+              f"worst copy's rank {int(ranks[strategy].max())}; near-copy / best other sequence >= "
+              f"{margins[strategy]:.2f} ({time.perf_counter() - t:.1f} s)")
+    ekfac = scores["ekfac"]
     for q in range(len(queries)):
-        print(f"query {q}: {text_of(queries[q])!r}  planted copies rank {ranks[q].tolist()}")
-        for i in scores[q].argsort(descending=True)[:3].tolist():
-            print(f"   {float(scores[q, i]):9.3g}  {text_of(train_seqs[i])!r}")
-    return {"scores": scores, "planted": planted, "ranks": ranks, "damping": damping, "queries": queries}
+        print(f"query {q}: {text_of(queries[q])!r}  EK-FAC ranks its planted copies {ranks['ekfac'][q].tolist()}")
+        for i in ekfac[q].argsort(descending=True)[:3].tolist():
+            print(f"   {float(ekfac[q, i]):9.3g}  {text_of(train_seqs[i])!r}")
+    selfs = influence.self_influence(model, LOSS, fitted["ekfac"], loader(train_seqs))
+    print("largest EK-FAC self-influence (sequences the model fits least by the others):")
+    for i in selfs.argsort(descending=True)[:4].tolist():
+        print(f"   {float(selfs[i]):9.3g}  {text_of(train_seqs[i])!r}")
+    print(f"   median {float(selfs.median()):.3g}")
+    return {"scores": scores, "planted": planted, "ranks": ranks, "margins": margins, "self": selfs}
 
 
 def exact_run(cfg: Config) -> dict:
-    """On a tiny configuration: EK-FAC, exact-GGN and plain gradient-dot scores, Spearman."""
+    """On a tiny configuration: every strategy's scores at one damping against the exact
+    damped-GGN influence, by Spearman rank correlation per query."""
     train_seqs, queries, _ = make_data(cfg)
     model = train(cfg, train_seqs)
-    scores, factors, eigenvalues, damping = ekfac_influence(model, train_seqs, queries, seed=cfg.seed)
-    exact, residual = exact_influence(model, train_seqs, queries, factors, eigenvalues, damping, cfg.cg_iters)
-    dots = scores_against(model, query_gradients(model, queries), train_seqs, 64)
-    rho = [spearman(scores[q], exact[q]) for q in range(len(queries))]
-    rho_dot = [spearman(dots[q], exact[q]) for q in range(len(queries))]
-    print(f"tiny model ({sum(p.numel() for p in model.parameters())} parameters, {len(train_seqs)} sequences): "
-          f"CG relative residual {residual:.1e}; Spearman vs exact per query: EK-FAC "
-          f"{', '.join(f'{r:.2f}' for r in rho)}; gradient dot product {', '.join(f'{r:.2f}' for r in rho_dot)}")
-    return {"ekfac": scores, "exact": exact, "rho": rho, "rho_dot": rho_dot, "residual": residual}
+    fitted = {strategy: fit(model, train_seqs, strategy, cfg.seed) for strategy in STRATEGIES}
+    damping = global_damping(fitted["ekfac"])
+    scores = {strategy: score(model, fitted[strategy], train_seqs, queries, damping=damping)
+              for strategy in STRATEGIES}
+    rho = {}
+    t = time.perf_counter()
+    exact, residual = exact_influence(model, train_seqs, queries, damping, cfg.cg_iters, cfg.seed)
+    print(f"tiny model ({sum(p.numel() for p in model.parameters())} parameters, {len(train_seqs)} sequences), "
+          f"λ = {damping:.3g} for all: exact influence by CG, relative residual {residual:.1e} "
+          f"({time.perf_counter() - t:.1f} s); Spearman vs exact per query:")
+    for strategy in STRATEGIES:
+        rho[strategy] = [spearman(scores[strategy][q], exact[q]) for q in range(len(queries))]
+        print(f"  {strategy:9s} {', '.join(f'{r:.2f}' for r in rho[strategy])}")
+    return {"scores": scores, "exact": exact, "rho": rho, "residual": residual, "damping": damping}
 
 
 def plot(planted: dict, exact: dict, path: str) -> None:
-    """Left: scores per query, planted copies marked; right: EK-FAC vs exact scatter."""
+    """Left: EK-FAC scores per query, planted copies marked; right: Spearman vs exact per strategy."""
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
-    scores, marks = planted["scores"], planted["planted"]
-    for q in range(len(scores)):
-        s = scores[q] / scores[q].abs().max()
-        jitter = q + 0.25 * (torch.rand(len(s), generator=torch.Generator().manual_seed(q)) - 0.5)
-        left.scatter(jitter, s, s=6, color="0.6", label="other training sequences" if q == 0 else None)
-        left.scatter(jitter[marks[q]], s[marks[q]], s=40, color="C3", marker="*",
-                     label="planted copies of the query" if q == 0 else None)
-    left.set_xticks(range(len(scores)))
-    left.set_xlabel("query")
-    left.set_ylabel("EK-FAC influence / its largest magnitude")
-    left.set_title(f"Planted copies rank {planted['ranks'].max().item()} or better (of {scores.shape[1]})")
-    left.legend(loc="lower right", fontsize=8)
-    ekfac, ref = exact["ekfac"], exact["exact"]
-    for q in range(len(ekfac)):
-        right.scatter(ref[q] / ref[q].abs().max(), ekfac[q] / ekfac[q].abs().max(), s=8,
-                      label=f"query {q}: Spearman {exact['rho'][q]:.2f} (gradient dot {exact['rho_dot'][q]:.2f})")
-    right.set_xlabel("exact damped-GGN influence (normalised)")
-    right.set_ylabel("EK-FAC influence (normalised)")
-    right.set_title("EK-FAC vs exact, tiny model")
-    right.legend(fontsize=7)
-    fig.suptitle("EK-FAC influence on a character-level transformer trained on stdlib docstrings")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with plt.rc_context({"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "xtick.labelsize": 10,
+                         "ytick.labelsize": 10, "legend.fontsize": 10}):
+        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2), layout="constrained",
+                                          gridspec_kw={"width_ratios": [1.15, 1]})
+        scores, marks = planted["scores"]["ekfac"], planted["planted"]
+        for q in range(len(scores)):
+            s = scores[q] / scores[q].abs().max()
+            jitter = q + 0.3 * (torch.rand(len(s), generator=torch.Generator().manual_seed(q)) - 0.5)
+            left.scatter(jitter, s, s=6, color="0.6", label="other training sequences" if q == 0 else None)
+            left.scatter(jitter[marks[q]], s[marks[q]], s=70, color="C3", marker="*",
+                         label="planted copies of the query" if q == 0 else None)
+        left.set_xticks(range(len(scores)))
+        left.set_xlabel("query")
+        left.set_ylabel("EK-FAC score / largest |score|")
+        left.set_title(f"EK-FAC scores: planted copies rank {int(planted['ranks']['ekfac'].max())} "
+                       f"or better of {scores.shape[1]}")
+        left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.17), ncol=2, frameon=False)
+        names = list(STRATEGIES)
+        for k, strategy in enumerate(names):
+            rho = exact["rho"][strategy]
+            right.scatter(rho, [k] * len(rho), s=30, color="0.45", label="one query" if k == 0 else None, zorder=3)
+            mean = sum(rho) / len(rho)
+            right.barh(k, mean, height=0.55, color="C0", alpha=0.5, label="mean over queries" if k == 0 else None)
+        ranks = planted["ranks"]
+        right.set_yticks(range(len(names)), [f"{s}\nplanted top-2: {sum(sorted(r) == [1, 2] for r in ranks[s].tolist())}"
+                                             f"/{len(ranks[s])}\nnear-copy ×{planted['margins'][s]:.2f}" for s in names])
+        right.invert_yaxis()
+        right.set_xlim(min(0.0, min(min(r) for r in exact["rho"].values()) - 0.05), 1)
+        right.set_xlabel("Spearman ρ with exact damped-GGN influence")
+        right.set_title("Tiny model: rank agreement with exact influence")
+        right.grid(axis="x", alpha=0.3)
+        right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.17), ncol=2, frameon=False)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
 
 
 def main(argv=None) -> dict:
@@ -441,7 +411,7 @@ def main(argv=None) -> dict:
         torch.set_num_threads(1)  # small matrices: threads only contend on a shared 2-core runner
     start = time.perf_counter()
     planted = planted_run(QUICK if args.quick else FULL)
-    exact = exact_run(TINY)
+    exact = exact_run(TINY_QUICK if args.quick else TINY)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "influence.png")
     plot(planted, exact, path)

@@ -1,16 +1,14 @@
-"""``examples/influence.py`` against brute force on its tiny configuration.
+"""``examples/influence.py``: its exact reference against a dense solve, and its checks.
 
-Oracles, independent of curvlib's machinery: per-sample gradients from ``torch.func``
-(``vmap(grad)``, float64), each factor's eigenvectors from ``torch.linalg.eigh`` in float64,
-and the EK-FAC matrix of each parameter built densely,
+The example fits and scores through ``curvlib.influence`` (tested against dense influence in
+``tests/influence``); what is its own is the exact damped-GGN reference (``cg`` on ``GGN``
+products, preconditioned by ``EKFAC``), the planted-copies check and the helpers. The oracle
+here, independent of curvlib: on a micro configuration, the dense GGN of the whole model from
+``torch.func`` (each sequence's logit Jacobian ``J_n``, float64),
 
-    M_p = (Q_1 ⊗ Q_2) diag(s) (Q_1 ⊗ Q_2)ᵀ + λ I,   s = (1/N) Σ_i ((Q_1 ⊗ Q_2)ᵀ ĝ_i)²,
+    G = (1/N) Σ_n Σ_t J_ntᵀ (diag(p_nt) − p_nt p_ntᵀ) J_nt,
 
-(``Q_k`` the eigenvectors of the k-th listed factor, the identity for a 1-D one: the
-Kronecker product of the listed factors approximates the block of the parameter flattened
-row-major), then solved with ``torch.linalg.solve``. The example's streamed eigenvalues and
-its inverse-vector products must equal these; and on the same data its planted copies of
-each query must be the two most influential training sequences.
+and the scores ``g_qᵀ (G + λ I)⁻¹ g_n`` by ``torch.linalg.solve``.
 """
 
 import os
@@ -19,13 +17,15 @@ import sys
 import pytest
 import torch
 from torch import nn
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, grad, jacrev, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import influence  # noqa: E402
+
+MICRO = influence.Config(d=4, layers=1, hidden=8, length=6, n_train=16, n_queries=2, steps=30)
 
 
 @pytest.fixture(autouse=True)
@@ -35,91 +35,77 @@ def _on_cpu():
         yield
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    """The tiny configuration trained once: data, model, EK-FAC pieces (on the CPU: a
-    module fixture runs before the function-scoped ``_on_cpu``)."""
-    cfg = influence.TINY
+def trained(cfg):
     with torch.device("cpu"):
         seqs, queries, planted = influence.make_data(cfg)
-        model = influence.train(cfg, seqs)
-        factors = influence.kfac_factors(model, seqs, 64, influence.VOCAB - 1,
-                                         torch.Generator(device="cpu").manual_seed(0))
-        eigenvalues = influence.fit_eigenvalues(model, factors, seqs, 64, torch.Generator(device="cpu").manual_seed(1))
-    return dict(cfg=cfg, seqs=seqs, queries=queries, planted=planted, model=model, factors=factors,
-                eigenvalues=eigenvalues)
+        return seqs, queries, planted, influence.train(cfg, seqs)
 
 
-def per_sample_grads(model, X, y):
-    """``name -> [N, P]`` float64 gradients of each sequence's summed token loss (torch.func)."""
-    twin = influence.copy.deepcopy(model).double().train()  # dropout 0: same function
+@pytest.fixture(scope="module")
+def micro():
+    return trained(MICRO)
+
+
+def dense_influence(model, seqs, queries, damping):
+    """``[Q, N]`` from the dense GGN and per-sequence gradients, float64 (module doc)."""
+    twin = influence.copy.deepcopy(model).double().train()  # dropout 0: the same function
     params = {n: p.detach() for n, p in twin.named_parameters()}
+    names = list(params)
 
-    def loss(ps, x, t):
-        return nn.functional.cross_entropy(functional_call(twin, ps, (x[None],)), t[None], reduction="sum")
+    def logits(flat, x):  # [V, T] for one sequence
+        shaped, offset = {}, 0
+        for n in names:
+            shaped[n] = flat[offset:offset + params[n].numel()].view_as(params[n])
+            offset += params[n].numel()
+        return functional_call(twin, shaped, (x[None],))[0]
 
+    flat = torch.cat([params[n].reshape(-1) for n in names])
+    X, _ = influence.split(seqs)
+    G = torch.zeros(len(flat), len(flat), dtype=torch.float64)
     with sdpa_kernel(SDPBackend.MATH):  # flash attention has no vmap rule on the CPU
-        grads = vmap(grad(loss), in_dims=(None, 0, 0))(params, X, y)
-    return {n: g.flatten(1) for n, g in grads.items()}
+        for x in X:
+            J = jacrev(logits)(flat, x).transpose(0, 1)            # [T, V, P]
+            p = logits(flat, x).softmax(0).T.detach()               # [T, V]
+            HJ = p[..., None] * (J - torch.einsum("tv,tvp->tp", p, J)[:, None])
+            G += torch.einsum("tvp,tvq->pq", J, HJ)
+
+        def loss(w, x, t):
+            return nn.functional.cross_entropy(logits(w, x)[None], t[None], reduction="sum")
+
+        per = vmap(grad(loss), in_dims=(None, 0, 0))
+        g_train, g_query = per(flat, *influence.split(seqs)), per(flat, *influence.split(queries))
+    G /= len(seqs)
+    x = torch.linalg.solve(G + damping * torch.eye(len(flat), dtype=torch.float64), g_query.T)
+    return x.T @ g_train.T
 
 
-def basis(factors):
-    """``Q_1 ⊗ Q_2 ⊗ ...`` in float64, the identity for a 1-D (diagonal) factor."""
-    q = torch.ones(1, 1, dtype=torch.float64)
-    for f in factors:
-        f = f.double()
-        qf = torch.linalg.eigh(f)[1] if f.dim() == 2 else torch.eye(len(f), dtype=torch.float64)
-        q = torch.kron(q, qf.contiguous())  # (kron refuses eigh's column-major output)
-    return q
+def test_exact_influence_matches_a_dense_solve(micro):
+    seqs, queries, _, model = micro
+    damping = influence.global_damping(influence.fit(model, seqs, "ekfac", 0))
+    got, residual = influence.exact_influence(model, seqs, queries, damping, iters=200, seed=0)
+    want = dense_influence(model, seqs, queries, damping)
+    assert residual < 1e-4
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
-def in_parameter_order(values, factors):
-    """EK-FAC eigenvalues (the core ``[G, o, a]``) flattened as the parameter is: a layout
-    whose 1-D factor comes first (Embedding, ``pos``, a diagonal head side) keeps the
-    parameter transposed in its core (``curvlib.precondition._kronbasis``'s table)."""
-    if len(factors) == 2 and factors[0].dim() == 1 and factors[1].dim() == 2:
-        return values.reshape(len(factors[1]), len(factors[0])).T.flatten()
-    return values.flatten()
+def test_vocabulary_sides_are_diagonal_and_the_rest_dense(micro):
+    seqs, _, _, model = micro
+    blocks = influence.fit(model, seqs, "ekfac", 0)["blocks"]
+    sides = {n: [q.shape[-1] for q in (b["q_out"], b["q_in"]) if q is not None] for n, b in blocks.items()}
+    assert all(max(s, default=0) <= influence.MAX_FACTOR_DIM for s in sides.values()), sides
+    assert sides["head.weight"] == [MICRO.d] and sides["embed.weight"] == [MICRO.d]  # the 128 side: diagonal
+    assert sides["blocks.layers.0.linear1.weight"] == [MICRO.hidden, MICRO.d]          # both sides dense
 
 
-def sampled_rows(tiny):
-    """The rows ``ĝ_i`` the example fits with: same generator, same batches, same draws."""
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    model, seqs = tiny["model"], tiny["seqs"]
-    rows = []
-    for start in range(0, len(seqs), 64):
-        X, _ = influence.split(seqs[start:start + 64])
-        rows.append(per_sample_grads(model, X, influence.sampled_targets(model, X, gen)))
-    return {n: torch.cat([r[n] for r in rows]) for n in rows[0]}
-
-
-def test_streamed_eigenvalues_and_inverse_vector_products_match_dense_ekfac(tiny):
-    model, factors, s = tiny["model"], tiny["factors"], tiny["eigenvalues"]
-    rows = sampled_rows(tiny)
-    damping = influence.heuristic_damping(s)
-    queries = influence.query_gradients(model, tiny["queries"])
-    got = influence.preconditioned(factors, s, damping, queries, model)
-    b = per_sample_grads(model, *influence.split(tiny["queries"]))
-    assert (1 <= sum(f.dim() == 1 for fs in factors.values() for f in fs)), "a diagonal factor is exercised"
-    assert [f.dim() for f in factors["head.weight"]] == [1, 2]  # max_factor_dim: the vocabulary side
-    for name, g in rows.items():
-        q = basis(factors[name])
-        s_dense = ((g @ q) ** 2).mean(0)  # (1/N) Σ_i (Qᵀ ĝ_i)²
-        torch.testing.assert_close(in_parameter_order(s[name], factors[name]).double(), s_dense, rtol=1e-3,
-                                   atol=1e-6 * float(s_dense.max()), msg=name)
-        dense = q @ torch.diag(s_dense) @ q.T + damping * torch.eye(len(q), dtype=torch.float64)
-        want = torch.linalg.solve(dense, b[name].T).T
-        torch.testing.assert_close(got[name].flatten(1).double(), want, rtol=2e-3,
-                                   atol=2e-4 * float(want.abs().max()), msg=name)
-
-
-def test_planted_copies_rank_first_and_second(tiny):
-    scores, _, _, _ = influence.ekfac_influence(tiny["model"], tiny["seqs"], tiny["queries"])
-    ranks = influence.planted_ranks(scores, tiny["planted"])
+def test_planted_copies_rank_first_and_second():
+    seqs, queries, planted, model = trained(influence.TINY)
+    scores = influence.score(model, influence.fit(model, seqs, "ekfac", 0), seqs, queries)
+    ranks = influence.planted_ranks(scores, planted)
     assert all(sorted(r) == [1, 2] for r in ranks.tolist()), ranks
+    assert influence.copy_margin(scores, planted) > 1
     # the rank helper against a plain argsort
     order = scores[0].argsort(descending=True)
-    assert order[ranks[0, 0] - 1] == tiny["planted"][0, 0]
+    assert order[ranks[0, 0] - 1] == planted[0, 0]
 
 
 def test_spearman_helper():
