@@ -340,3 +340,44 @@ def test_one_example_per_call_gives_the_same_factors_and_scores(strategy):
                                influence.self_influence(model, lossfn, whole, train), rtol=1e-10, atol=1e-12)
     with pytest.raises(CurvatureError, match="batch_size=0"):
         influence.fit(model, lossfn, train, strategy=strategy, batch_size=0)
+
+
+class _OldStyleTanh(torch.autograd.Function):
+    """``forward(ctx, x)`` without ``setup_context``: torch.func transforms refuse it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.tanh(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * (1 - y * y)
+
+
+class _OldStyleNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.b(_OldStyleTanh.apply(self.a(x)))
+
+
+@pytest.mark.parametrize("method", ["gradients", "jvp"])
+def test_a_custom_function_without_setup_context_is_scored(method):
+    """Bloom's GeLU is such a Function: the scores take the model's values detached (they are not
+    differentiated), so curvature's plain-autograd route serves them."""
+    torch.manual_seed(41)
+    model, lossfn = _OldStyleNet().to(DT), nn.CrossEntropyLoss()
+    gen = seeded(41)
+    X, y = _data("ce", 8, 3, 3, gen)
+    factors = influence.fit(model, lossfn, (X, y), strategy="identity")
+    per_example = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+        nn.CrossEntropyLoss(reduction="sum")(model(x[None]), t[None]), list(model.parameters()))])
+        for x, t in zip(X, y)])
+    got = influence.scores(model, lossfn, factors, (X[:2], y[:2]), (X, y), method=method)
+    torch.testing.assert_close(got, per_example[:2] @ per_example.T, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(influence.self_influence(model, lossfn, factors, (X, y)), (per_example ** 2).sum(1))

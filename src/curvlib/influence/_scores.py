@@ -31,7 +31,10 @@ class Examples:
         missing = [n for n in names if (params is None or n not in params) and n not in named]
         if missing:
             raise CurvatureError(f"factors name parameters {missing} that the model does not have.")
-        self.params = {n: params[n] if params is not None and n in params else named[n] for n in names}
+        # detached: scores are not differentiated, and values that require grad would take
+        # curvature's differentiable (torch.func) route, which custom Functions without
+        # setup_context refuse
+        self.params = {n: (params[n] if params is not None and n in params else named[n]).detach() for n in names}
         self.buffers = buffers
 
     def gradients(self, X, y) -> Dict[str, Tensor]:
