@@ -2,7 +2,7 @@
 layers kronfluence can track.
 
     python benchmarks/influence_coverage.py [--models gpt2 llama ...] [--no-kronfluence]
-        [--out benchmarks/results/cpu] [--name influence-coverage]
+        [--out benchmarks/results/cpu] [--name influence-coverage] [--report-from <json>]
 
 Each model is the ecosystem sweep's ``transformers/causal_lm/<type>`` problem
 (``tests/oracles/ecosystem.py``: the class built from its shrunk config, random weights, float64,
@@ -12,17 +12,19 @@ float32 is taken on its float64 experts path). Per model:
 * **parameters**: in total; in the leaf modules kronfluence wraps (``nn.Linear``, ``nn.Conv2d``:
   weights and biases) as a count and a share; the tensors it cannot track, by kind: embeddings
   (``nn.Embedding``), norms (modules named ``*Norm*``), ``Conv1D`` (transformers' GPT-2 layer),
-  experts (parameters of modules named ``*Expert*``/``*MoE*``/``*SparseMoe*``, stacked per
-  expert and used functionally) and other (a bare ``nn.Parameter`` used in the forward: routers,
-  state-space parameters, convolutions of other kinds). A weight tied between an embedding and a
+  experts (parameters of modules named ``*Expert*``/``*MoE*``/``*Moe*``, stacked per expert and
+  used functionally) and other (parameters of other modules, used functionally: routers named
+  ``*Router*``/``*Gate*``, state-space parameters, ``nn.Conv1d``). A weight tied between an embedding and a
   ``Linear`` head counts as tracked (kronfluence sees its head use only).
 * **EK-FAC on every parameter**: ``influence.fit(strategy="ekfac", fisher_type="empirical",
   max_factor_dim=48)`` (the vocabulary side, 64, kept diagonal) and ``influence.scores`` of 2
-  query sequences against the 3 training sequences; seconds, or the refusal's first line.
+  query sequences against the 3 training sequences; seconds of each, or the step that failed and
+  its exception's first line (a refused fit is retried without ``max_factor_dim``).
 * **check**: ``influence.fit(strategy="identity")`` + ``scores`` against the dot products of
   per-example gradients from plain autograd (each sequence alone, ``CrossEntropyLoss(reduction=
   "sum")``: its loss summed over its positions), every parameter; the largest error relative to
-  the largest reference entry, passing at 1e-8.
+  the largest reference entry, passing at 1e-8, or at 1e-6 (†) where the float64 model computes
+  in float32 inside (RMSNorm, softmax, routers cast their input: both sides hold its rounding).
 * **kronfluence** (``--no-kronfluence`` skips it): kronfluence 1.0 EK-FAC with the empirical
   Fisher on the same model (``tests/oracles/kronfluence_peer.py``), float64; runs or the
   exception's first line, and the modules it wrapped.
@@ -75,6 +77,8 @@ def _kind(module: nn.Module) -> str:
         return "norms"
     if name == "Conv1D":
         return "Conv1D"
+    if "Router" in name or "Gate" in name:
+        return "other"
     if any(s in name for s in ("Expert", "MoE", "Moe", "SparseMoe")):
         return "experts"
     return "other"
@@ -168,16 +172,27 @@ def run_kronfluence(prob, queries) -> dict:
 def run_ekfac(prob, train, queries, max_factor_dim) -> dict:
     from curvlib import influence
 
+    out = {"ok": False, "max_factor_dim": max_factor_dim, "step": "fit"}
     start = time.perf_counter()
     try:
         factors = influence.fit(prob.model, prob.lossfn, train, strategy="ekfac", fisher_type="empirical",
                                 output=prob.output, max_factor_dim=max_factor_dim)
+        out.update(blocks=len(factors["blocks"]), fit_seconds=time.perf_counter() - start, step="scores")
+        start = time.perf_counter()
         s = influence.scores(prob.model, prob.lossfn, factors, queries, train, output=prob.output)
-        return {"ok": bool(torch.isfinite(s).all()), "shape": list(s.shape), "blocks": len(factors["blocks"]),
-                "max_factor_dim": max_factor_dim, "seconds": time.perf_counter() - start}
+        out.update(ok=bool(torch.isfinite(s).all()), shape=list(s.shape), scores_seconds=time.perf_counter() - start)
     except Exception as e:  # noqa: BLE001 - the report's
-        return {"ok": False, "error": first_line(e), "max_factor_dim": max_factor_dim,
-                "seconds": time.perf_counter() - start, "trace": traceback.format_exc(limit=-3)}
+        out.update(error=first_line(e), trace=traceback.format_exc(limit=-3))
+    return out
+
+
+def computes_in_float32(prob) -> bool:
+    """Whether the float64 model's forward computes in a lower floating precision anywhere."""
+    from oracles.ecosystem import _FloatDtypes
+
+    with torch.no_grad(), _FloatDtypes() as mode:
+        _call(prob.model, prob.X, prob.output)
+    return any(d != torch.float64 for d in mode.seen)
 
 
 def run_model(model_type: str, kron: bool) -> dict:
@@ -192,11 +207,12 @@ def run_model(model_type: str, kron: bool) -> dict:
     row["class"] = type(prob.model).__name__
     row["notes"] = prob.notes
     row.update(coverage(prob.model))
+    row["float32_inside"] = computes_in_float32(prob)
     train = (prob.X, prob.y)
     queries = queries_of(prob)
     lossfn = prob.lossfn
     row["ekfac"] = run_ekfac(prob, train, queries, MAX_FACTOR_DIM)
-    if not row["ekfac"]["ok"]:
+    if not row["ekfac"]["ok"] and row["ekfac"]["step"] == "fit":
         row["ekfac_dense"] = run_ekfac(prob, train, queries, None)
     start = time.perf_counter()
     try:
@@ -204,7 +220,7 @@ def run_model(model_type: str, kron: bool) -> dict:
         s = influence.scores(prob.model, lossfn, factors, queries, train, output=prob.output)
         ref = autograd_gradients(prob, *queries) @ autograd_gradients(prob, *train).T
         err = ((s - ref).abs().max() / ref.abs().max()).item()
-        tol = LOWER_RTOL if "computes in" in prob.notes else RTOL
+        tol = LOWER_RTOL if row["float32_inside"] else RTOL
         row["identity"] = {"error": err, "tol": tol, "ok": err <= tol, "seconds": time.perf_counter() - start}
     except Exception as e:  # noqa: BLE001 - the report's
         row["identity"] = {"ok": False, "error_text": first_line(e), "seconds": time.perf_counter() - start,
@@ -220,7 +236,28 @@ def _kinds_cell(row) -> str:
 
 
 def _ekfac_cell(e) -> str:
-    return f"✓ {e['blocks']} blocks, {e['seconds']:.1f} s" if e["ok"] else f"✗ {e.get('error', 'non-finite')}"
+    if e["ok"]:
+        return f"✓ {e['blocks']} blocks; fit {e['fit_seconds']:.1f} s, scores {e['scores_seconds']:.1f} s"
+    return f"✗ {e['step']}: {e.get('error', 'non-finite scores')}"
+
+
+def header(command: str) -> str:
+    import platform
+
+    import transformers
+
+    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    try:
+        import kronfluence
+        versions += f", kronfluence {kronfluence.__version__}"
+    except (ImportError, AttributeError):
+        pass
+    return (f"# Influence on every parameter of tiny causal language models\n\n`{command}`; {platform.machine()}, "
+            f"one torch thread, {versions}. EK-FAC: `influence.fit(strategy=\"ekfac\", fisher_type=\"empirical\", "
+            f"max_factor_dim={MAX_FACTOR_DIM})` + `influence.scores`, {QUERIES} queries against 3 training sequences "
+            "of 5 tokens; identity: `strategy=\"identity\"` scores against autograd's per-sequence gradient dot "
+            f"products (relative to the largest entry; passing at {RTOL:g}, † at {LOWER_RTOL:g}: the float64 model "
+            "computes in float32 inside).\n\n")
 
 
 def markdown(rows) -> str:
@@ -242,10 +279,10 @@ def markdown(rows) -> str:
         if k is None:
             kr = "-"
         elif k["ok"]:
-            kr = f"✓ {k['modules']} modules, {k['seconds']:.1f} s"
+            kr = f"✓ {k['modules']} module{'s' if k['modules'] != 1 else ''}, {k['seconds']:.1f} s"
         else:
             kr = f"✗ ({k['modules']} modules) {k.get('error', 'non-finite')}"
-        tied = f" (tied head {len(r['tied'])})" if r["tied"] else ""
+        tied = " (incl. the tied embedding)" if r["tied"] else ""
         lines.append(f"| {r['model']} | {r['class']} | {r['total']} | {r['tracked']} ({pct:.0f}%){tied} | {_kinds_cell(r)} | "
                      f"{ek} | {ident} | {kr} |")
     return "\n".join(lines) + "\n"
@@ -257,9 +294,29 @@ def main(argv=None) -> int:
     ap.add_argument("--no-kronfluence", action="store_true")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "cpu"))
     ap.add_argument("--name", default="influence-coverage")
+    ap.add_argument("--report-from", default=None, help="rewrite the report from this JSON (no run)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
+    command = "python benchmarks/influence_coverage.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.report_from is not None:
+        with open(args.report_from) as f:
+            rows = json.load(f)
+        command = rows[0].get("command", command) if rows else command
+    else:
+        rows = run_all(args, command)
+    text = header(command) + markdown(rows)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, args.name + ".md"), "w") as f:
+        f.write(text)
+    if args.report_from is None:
+        with open(os.path.join(args.out, args.name + ".json"), "w") as f:
+            json.dump(rows, f, indent=1, default=str)
+    print(text)
+    return 0
+
+
+def run_all(args, command: str) -> list:
     rows = []
     for m in args.models:
         start = time.perf_counter()
@@ -268,16 +325,10 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - the report's
             row = {"model": m, "not_eligible": f"harness: {first_line(e)}"}
         row["wall_seconds"] = time.perf_counter() - start
+        row["command"] = command
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "untracked"}, default=str), file=sys.stderr, flush=True)
-    text = markdown(rows)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, args.name + ".md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, args.name + ".json"), "w") as f:
-        json.dump(rows, f, indent=1, default=str)
-    print(text)
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
