@@ -154,7 +154,8 @@ def run_kronfluence(prob, queries) -> dict:
     from oracles.kronfluence_peer import kronfluence_scores
 
     wrapped = _Logits(prob.model)
-    modules = [n for n, m in wrapped.named_modules() if not list(m.children()) and isinstance(m, (nn.Linear, nn.Conv2d))]
+    modules = [n for n, m in wrapped.named_modules()
+               if not list(m.children()) and isinstance(m, (nn.Linear, nn.Conv2d))]
     out = {"modules": len(modules)}
     start = time.perf_counter()
     try:
@@ -261,7 +262,8 @@ def header(command: str) -> str:
 
 
 def markdown(rows) -> str:
-    lines = ["| model | class | parameters | in `nn.Linear`/`nn.Conv2d` (kronfluence) | not trackable: tensors (parameters) "
+    lines = ["| model | class | parameters | in `nn.Linear`/`nn.Conv2d` (kronfluence) "
+             "| not trackable: tensors (parameters) "
              "by kind | curvlib EK-FAC, every parameter | identity vs autograd (rel. error) | kronfluence EK-FAC |",
              "|---|---|---:|---:|---|---|---|---|"]
     for r in rows:
@@ -283,7 +285,8 @@ def markdown(rows) -> str:
         else:
             kr = f"✗ ({k['modules']} modules) {k.get('error', 'non-finite')}"
         tied = " (incl. the tied embedding)" if r["tied"] else ""
-        lines.append(f"| {r['model']} | {r['class']} | {r['total']} | {r['tracked']} ({pct:.0f}%){tied} | {_kinds_cell(r)} | "
+        lines.append(f"| {r['model']} | {r['class']} | {r['total']} | {r['tracked']} ({pct:.0f}%){tied} "
+                     f"| {_kinds_cell(r)} | "
                      f"{ek} | {ident} | {kr} |")
     return "\n".join(lines) + "\n"
 
