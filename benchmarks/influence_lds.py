@@ -1,7 +1,7 @@
 """The linear datamodeling score (LDS) of ``curvlib.influence``'s strategies, beside kronfluence's.
 
-    python benchmarks/influence_lds.py                   # both problems, every method
-    python benchmarks/influence_lds.py --quick           # fewer subsets, one seed, fewer methods
+    python benchmarks/influence_lds.py                   # both problems, every method: 13 min (2 cores, load 2-6)
+    python benchmarks/influence_lds.py --quick           # 6 subsets, one seed, fewer methods: under a minute
     python benchmarks/influence_lds.py --problems mlp --subsets 32 --seeds 2
 
 The LDS (Park et al. 2023, TRAK) asks whether influence scores predict what retraining does. Draw
