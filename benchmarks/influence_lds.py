@@ -223,6 +223,7 @@ def lds(scores: Tensor, masks: Tensor, actual: Tensor) -> Tensor:
 
 
 def mean_se(x: Tensor):
+    """``(mean, standard error)`` of the finite entries."""
     x = x[torch.isfinite(x)]
     return float(x.mean()), float(x.std() / math.sqrt(len(x))) if len(x) > 1 else float("nan")
 
@@ -256,7 +257,9 @@ def methods(prob_name: str, quick: bool, damping: float, exact: bool = False) ->
 
 
 def curvlib_scores(prob: dict, model: nn.Module, strategy: str, fisher: str, damping, subset: str, batch: int,
-                   draw: int = 0):
+                   draw: int = 0) -> Tensor:
+    """curvlib's ``[Q, N]`` scores: ``fit`` and ``scores`` over a loader of ``batch`` examples;
+    ``subset`` ``"linear"``: the LM's Linear weights only (``params=``)."""
     wrapped, lossfn = prob["wrap"](model), nn.CrossEntropyLoss()
     params = None
     if subset == "linear":
@@ -269,7 +272,8 @@ def curvlib_scores(prob: dict, model: nn.Module, strategy: str, fisher: str, dam
 
 
 def kronfluence_scores(prob: dict, model: nn.Module, strategy: str, fisher: str, damping, batch: int,
-                       draw: int = 0):
+                       draw: int = 0) -> Tensor:
+    """kronfluence's ``[Q, N]`` pairwise scores on the same model and data (its tracked layers)."""
     from oracles.kronfluence_peer import kronfluence_scores as peer
 
     torch.manual_seed(draw)  # kronfluence draws its Monte-Carlo labels from the global generator
@@ -281,6 +285,7 @@ def kronfluence_scores(prob: dict, model: nn.Module, strategy: str, fisher: str,
 # ----------------------------------------------------------------------------- driver
 
 def run_problem(name: str, args) -> dict:
+    """One problem's retraining, every method's LDS and time, and EK-FAC over label draws."""
     prob = problem(name, args.quick)
     N = len(prob["train"][1])
     gen = torch.Generator(device="cpu").manual_seed(1)
@@ -354,17 +359,20 @@ def run_problem(name: str, args) -> dict:
 
 
 def fmt_lds(row) -> str:
+    """A row's LDS as ``mean ± s.e.``, or why it was skipped."""
     if "error" in row:
         return "skipped: " + row["error"]
     return f"{row['lds'][0]:.3f} ± {row['lds'][1]:.3f}"
 
 
 def report(results: dict, args, command: str) -> str:
+    """The result file's Markdown: machine and load, then per problem its settings and table."""
     lines = ["# Influence: linear datamodeling score", "",
              f"`{command}`", "",
              f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, 1 thread, "
              f"torch {torch.__version__}; load average at the start {args.load_start}, at the end "
-             f"{os.getloadavg()[0]:.1f} (shared machine). Time: fit + pairwise scores, one run after an untimed warm-up call per library.", ""]
+             f"{os.getloadavg()[0]:.1f} (shared machine). Time: fit + pairwise scores, one run after an "
+             "untimed warm-up call per library.", ""]
     for name, res in results.items():
         lines += [f"## {name}: {res['description']}", "",
                   f"{res['subsets']} subsets of {res['alpha']:.0%} of the {res['N']} training examples, "
