@@ -46,9 +46,10 @@ def _task(kronfluence, tracked):
 
 def kronfluence_scores(model: nn.Module, train, queries, output_dir: str, *, strategy: str, empirical: bool = True,
                        damping: Optional[float] = None, query_rank: Optional[int] = None,
-                       tracked=None, batch_size: int = 8, dtype: torch.dtype = torch.float64) -> dict:
+                       tracked=None, batch_size: int = 8, dtype: torch.dtype = torch.float64,
+                       self_scores: bool = True) -> dict:
     """``{"pairwise": [Q, N], "self": [N]}`` from kronfluence for ``train = (X, y)`` and ``queries``,
-    every computation in ``dtype``."""
+    every computation in ``dtype``; without ``self_scores``, ``{"pairwise": [Q, N]}``."""
     import kronfluence
     from kronfluence.arguments import FactorArguments, ScoreArguments
 
@@ -67,7 +68,9 @@ def kronfluence_scores(model: nn.Module, train, queries, output_dir: str, *, str
     analyzer.compute_pairwise_scores("pairwise", "factors", query_set, train_set, per_device_query_batch_size=batch_size,
                                      per_device_train_batch_size=batch_size, score_args=score_args,
                                      overwrite_output_dir=True)
-    analyzer.compute_self_scores("self", "factors", train_set, per_device_train_batch_size=batch_size,
-                                 score_args=score_args, overwrite_output_dir=True)
-    return {"pairwise": analyzer.load_pairwise_scores("pairwise")["all_modules"],
-            "self": analyzer.load_self_scores("self")["all_modules"]}
+    out = {"pairwise": analyzer.load_pairwise_scores("pairwise")["all_modules"]}
+    if self_scores:
+        analyzer.compute_self_scores("self", "factors", train_set, per_device_train_batch_size=batch_size,
+                                     score_args=score_args, overwrite_output_dir=True)
+        out["self"] = analyzer.load_self_scores("self")["all_modules"]
+    return out
