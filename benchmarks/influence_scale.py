@@ -91,7 +91,7 @@ def _runner(problem, method: str, factors_path: str, seed: int):
     held = {"factors_mib": _tensor_mib(factors)}
     if method.startswith("self:"):
         return (lambda: influence.self_influence(model, lossfn, factors, (X, y), batch_size=1)), held
-    prepared = influence.precondition_queries(model, lossfn, factors, _queries(problem, seed), batch_size=1)
+    prepared = influence.precondition_queries(model, lossfn, factors, _queries(problem, seed))
     held["queries_mib"] = _tensor_mib(prepared["blocks"])
     options = {"scores:gradients": {}, "scores:gradients-1": {"batch_size": 1},
                "scores:jvp": {"method": "jvp", "chunk_size": 1}}[method]
