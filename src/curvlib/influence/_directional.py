@@ -10,7 +10,7 @@ of parameters; the time grows with the number of queries (one forward-mode pass 
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping
 
 import torch
 from torch import Tensor, nn

@@ -29,7 +29,7 @@ import math
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .._core import kronlayout
 from .._core.errors import CurvatureError
