@@ -12,6 +12,7 @@ from torch import nn
 
 from curvlib import CurvatureError, CurvatureTypeError, influence
 from oracles import influence as oracle
+from oracles.models import tiny_gpt2
 from oracles.on_device import seeded
 
 DT = torch.float64
@@ -186,21 +187,8 @@ def test_every_parameter_of_a_language_model_with_tied_embeddings_takes_part():
     """GPT-2 (transformers) from a tiny config: the tied embedding/head (its vocabulary side above
     ``max_factor_dim``: diagonal), position embeddings, norms and attention all get blocks; identity scores are the dot products of per-example gradients
     from plain autograd, and the Kronecker strategies' are finite."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=50, n_positions=8,
-                                  attn_implementation="eager", bos_token_id=0, eos_token_id=0)
-    lm = transformers.GPT2LMHeadModel(cfg).to(DT).eval()
-
-    class Logits(nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, ids):
-            return self.inner(input_ids=ids).logits.transpose(1, 2)
-
-    model, lossfn = Logits(lm), nn.CrossEntropyLoss()
+    pytest.importorskip("transformers")
+    model, lossfn = tiny_gpt2(50, seed=0), nn.CrossEntropyLoss()
     gen = seeded(0)
     X, y = torch.randint(0, 50, (4, 6), generator=gen), torch.randint(0, 50, (4, 6), generator=gen)
     names = [n for n, _ in model.named_parameters()]
@@ -297,21 +285,8 @@ def test_scores_by_jacobian_vector_products_equal_dense_influence(case, strategy
 
 
 def test_scores_by_jvp_on_a_sequence_model_with_tied_embeddings():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(1)
-    cfg = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=30, n_positions=8,
-                                  attn_implementation="eager", bos_token_id=0, eos_token_id=0)
-    lm = transformers.GPT2LMHeadModel(cfg).to(DT).eval()
-
-    class Logits(nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, ids):
-            return self.inner(input_ids=ids).logits.transpose(1, 2)
-
-    model, lossfn = Logits(lm), nn.CrossEntropyLoss()
+    pytest.importorskip("transformers")
+    model, lossfn = tiny_gpt2(30, seed=1), nn.CrossEntropyLoss()
     gen = seeded(1)
     X, y = torch.randint(0, 30, (6, 5), generator=gen), torch.randint(0, 30, (6, 5), generator=gen)
     train = [(X[:3], y[:3]), (X[3:], y[3:])]

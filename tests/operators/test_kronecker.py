@@ -22,6 +22,7 @@ from curvlib import extensions as ext
 from curvlib.operators import EKFAC, GGN, KFAC, EmpiricalFisher
 from curvlib.operators.base import CurvatureOperator
 from curvlib.precondition import ekfac_preconditioner, kron_preconditioner
+from oracles.models import tiny_gpt2
 from oracles.on_device import seeded
 
 DT = torch.float64
@@ -423,21 +424,8 @@ def test_a_loader_combines_transposed_weights_by_their_root_factor(max_factor_di
     either way). Over a loader of unequal batches the factors are one batch's of all samples:
     ``"sum"`` adds the root factors and averages the input factors, so a side mistaken for the
     other is off by the batches' shares."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=20, n_positions=8,
-                                  attn_implementation="eager", bos_token_id=0, eos_token_id=0)
-    lm = transformers.GPT2LMHeadModel(cfg).to(DT).eval()
-
-    class Logits(nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, ids):
-            return self.inner(input_ids=ids).logits.transpose(1, 2)
-
-    model, lossfn = Logits(lm), nn.CrossEntropyLoss(reduction=reduction)
+    pytest.importorskip("transformers")
+    model, lossfn = tiny_gpt2(20, seed=0), nn.CrossEntropyLoss(reduction=reduction)
     gen = seeded(37)
     X, y = torch.randint(0, 20, (6, 5), generator=gen), torch.randint(0, 20, (6, 5), generator=gen)
     y[4:, 3:] = -100  # ignored targets: the batches' normalisers are not their sizes' shares

@@ -10,7 +10,8 @@ by ``torch.fx``; sizes are tiny so that float64 brute-force oracles stay fast.
   a submodule, one pre-LayerNorm encoder block whose multi-head self-attention
   is written with ``nn.Linear`` projections and torch ops, a GELU MLP,
   residuals; output per token ``[N, C, T]`` or mean-pooled ``[N, C]``.
-* :class:`TinyCausalLM`: a causal language model of bias-free Linear layers, logits ``[N, T, V]``.
+* :class:`TinyCausalLM`: a causal language model of bias-free Linear layers, logits ``[N, T, V]``;
+  :func:`tiny_gpt2`: transformers' GPT-2 from a tiny config, logits ``[N, V, T]``.
 * :class:`TiedAutoencoder`: decoder weight = encoder weight transposed, either
   through a shared ``Parameter`` held by a decoder module (``"shared"``) or
   read directly in the parent's forward (``"functional"``); MSE loss.
@@ -177,6 +178,28 @@ class TinyCausalLM(nn.Module):
         h = h + self.o(scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v)
         h = h + self.down(torch.tanh(self.up(self.norm2(h))))
         return self.head(h)
+
+
+class SequenceLogits(nn.Module):
+    """A Hugging Face language model's logits as ``nn.CrossEntropyLoss`` takes them, ``[N, V, T]``."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.inner(input_ids=ids).logits.transpose(1, 2)
+
+
+def tiny_gpt2(vocab: int, seed: int = 0) -> nn.Module:
+    """transformers' ``GPT2LMHeadModel`` (``Conv1D`` layers, the embedding tied to the head): one
+    block of width 8, eager attention, float64, eval; logits ``[N, V, T]`` (:class:`SequenceLogits`)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=vocab, n_positions=8,
+                                  attn_implementation="eager", bos_token_id=0, eos_token_id=0)
+    return SequenceLogits(transformers.GPT2LMHeadModel(cfg).to(DT).eval())
 
 
 # ----------------------------------------------------------------------------- tied autoencoder
