@@ -177,8 +177,7 @@ def fit(model: nn.Module, lossfn, data, *, strategy: str = "ekfac", fisher_type:
     """
     kronecker = _checked_options(strategy, fisher_type, generator, data, batch_size)
     kronecker.update(max_factor_dim=max_factor_dim, kfac_approx=kfac_approx)
-    if params is not None:  # not differentiated (and a custom Function may lack torch.func support)
-        params = {n: p.detach() for n, p in params.items()}
+    params = None if params is None else {n: p.detach() for n, p in params.items()}  # never differentiated
     options = dict(params=params, buffers=buffers, output=output, generator=generator, mc_samples=mc_samples)
     blocks, examples = _fitted_blocks(model, lossfn, data, strategy, fisher_type, options, kronecker)
     return dict(strategy=strategy, fisher_type=fisher_type, examples=examples, blocks=blocks)
