@@ -22,6 +22,13 @@ the eigenvalue pass one sequence per call); ``scores:gradients`` (each batch's g
 ``[4, P]``), ``scores:gradients-1`` (``batch_size=1``), ``scores:jvp`` (Jacobian-vector products,
 ``chunk_size=1``), ``self:gradients-1`` (``self_influence(batch_size=1)``).
 
+**peers**: curvlib and kronfluence side by side, each in a fresh process, on a causal language
+model of bias-free Linear layers (``oracles.models.TinyCausalLM`` at d 256, vocabulary 256, T 64;
+kronfluence tracks its Linear layers, curvlib gets them as ``params``): EK-FAC with the empirical
+Fisher fitted on 256 sequences (batches of 32) and 16 queries scored against them, float32; the
+process's peak above one that only built the problem (``ru_maxrss``), and the seconds of fit +
+scores (kronfluence writes its factors and scores to a temporary folder).
+
 **stream**: a small GPT (``problems.gpt``: d 64, 2 blocks, vocabulary 256, T 32) and
 ``--sequences`` training sequences in batches of 64, fitted (EK-FAC, MC) and scored against
 16 queries (``scores``, gradients), timed, with the process's peak memory. Writes
@@ -162,8 +169,73 @@ def _child_stream(job: dict) -> dict:
     return out
 
 
+def _peer_problem(seed: int):
+    import torch
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from oracles.models import TinyCausalLM
+
+    torch.manual_seed(seed)
+    lm = TinyCausalLM(vocab=256, d=256, length=64).eval()
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    X, y = torch.randint(0, 256, (272, 64), generator=gen), torch.randint(0, 256, (272, 64), generator=gen)
+    return lm, (X[:256], y[:256]), (X[256:], y[256:])
+
+
+class _Logits:
+    """``[N, T, V]`` -> ``[N, V, T]`` (built lazily: torch is imported in the child only)."""
+
+    @staticmethod
+    def wrap(lm):
+        import torch
+
+        class Logits(torch.nn.Module):
+            def __init__(self, inner):
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, ids):
+                return self.inner(ids).transpose(1, 2)
+
+        return Logits(lm)
+
+
+def _child_peers(job: dict) -> dict:
+    import resource
+    import tempfile
+
+    import torch
+    from torch import nn
+
+    torch.set_num_threads(job["threads"] or torch.get_num_threads())
+    lm, (X, y), queries = _peer_problem(job["seed"])
+    tracked = [n for n, m in lm.named_modules() if isinstance(m, nn.Linear)]
+    out = {"library": job["library"], "parameters": sum(p.numel() for p in lm.parameters()),
+           "tracked": sum(lm.get_submodule(n).weight.numel() for n in tracked)}
+    if job["library"] == "none":
+        out["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+        return out
+    start = time.perf_counter()
+    if job["library"] == "kronfluence":
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
+        from oracles.kronfluence_peer import kronfluence_scores
+        with tempfile.TemporaryDirectory() as folder:
+            kronfluence_scores(lm, (X, y), queries, folder, strategy="ekfac", tracked=tracked, batch_size=32,
+                               dtype=torch.float32, self_scores=False)
+    else:
+        from curvlib import influence
+        model, lossfn = _Logits.wrap(lm), nn.CrossEntropyLoss()
+        linear = {f"inner.{n}.weight": lm.get_submodule(n).weight for n in tracked}
+        train = [(X[k:k + 32], y[k:k + 32]) for k in range(0, 256, 32)]
+        factors = influence.fit(model, lossfn, train, strategy="ekfac", fisher_type="empirical", params=linear)
+        influence.scores(model, lossfn, factors, queries, train, params=linear)
+    out["seconds"] = time.perf_counter() - start
+    out["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    return out
+
+
 def _child(job: dict) -> None:
-    out = _child_stream(job) if job["mode"] == "stream" else _child_memory(job)
+    modes = {"stream": _child_stream, "peers": _child_peers, "memory": _child_memory}
+    out = modes[job["mode"]](job)
     print(json.dumps(out))
 
 
@@ -186,7 +258,7 @@ def _markdown_gpt(rows: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", nargs="?", choices=("gpt2-small", "stream"), default="gpt2-small")
+    ap.add_argument("what", nargs="?", choices=("gpt2-small", "stream", "peers"), default="gpt2-small")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--sequences", type=int, default=10_000)
     ap.add_argument("--factors", default="/tmp/curvlib-influence-gpt2-small-factors.pt")
@@ -201,7 +273,17 @@ def main(argv=None) -> int:
         return 0
     src = os.path.join(ROOT, "src")
     base = {"seed": args.seed, "threads": args.threads}
-    if args.what == "stream":
+    if args.what == "peers":
+        rows = {lib: spawn(src, {**base, "mode": "peers", "library": lib}, args.threads, script=__file__)
+                for lib in ("none", "curvlib", "kronfluence")}
+        base_mib = rows["none"].get("peak_mib", 0)
+        text = "| library | parameters (tracked) | fit + scores (s) | process peak above the problem (MiB) |\n" \
+               "|---|---:|---:|---:|\n"
+        for lib in ("curvlib", "kronfluence"):
+            r = rows[lib]
+            text += (f"| {lib} | {r['parameters']} ({r['tracked']}) | {r['seconds']:.1f} | "
+                     f"{r['peak_mib'] - base_mib:.0f} |\n" if "error" not in r else f"| {lib} | {r['error']} | | |\n")
+    elif args.what == "stream":
         row = spawn(src, {**base, "mode": "stream", "sequences": args.sequences}, args.threads, script=__file__)
         text = "| sequences | parameters | fit (s) | scores, 16 queries (s) | sequences / s | peak (MiB) | factors (MiB) |\n" \
                "|---:|---:|---:|---:|---:|---:|---:|\n"
