@@ -81,7 +81,7 @@ def _kronecker_blocks(operator: KFAC, scale: float, corrected: bool) -> Dict[str
             spectrum = operator.eigenvalues[name]
         else:
             spectrum = eigen.lam_out[:, :, None] * eigen.lam_in[:, None, :]
-        blocks[name] = _block(operator.layouts[name], eigen, (spectrum * scale).detach())
+        blocks[name] = _block(operator.layouts[name], eigen, spectrum.detach().mul_(scale))  # the operator's own
     return blocks
 
 

@@ -83,13 +83,14 @@ class Accumulator:
         out = {}
         for name, f in part.items():
             scaled = [t.detach() * (root_weight if i == sides[name] else samples) for i, t in enumerate(f)]
-            out[name] = scaled if total is None else [a + b for a, b in zip(total[name], scaled)]
+            # the sums are this accumulator's own tensors (made above, one per factor): added in place
+            out[name] = scaled if total is None else [a.add_(b) for a, b in zip(total[name], scaled)]
         return out
 
     def factors(self, total: Dict[str, List[Tensor]], sides: Dict[str, int]) -> Dict[str, List[Tensor]]:
-        """The data's factors from the sums (module doc)."""
+        """The data's factors from the sums (module doc), divided in place (``total`` is consumed)."""
         scale = self.root_scale()
-        return {name: [t * (scale if i == sides[name] else 1.0 / self.samples) for i, t in enumerate(f)]
+        return {name: [t.mul_(scale if i == sides[name] else 1.0 / self.samples) for i, t in enumerate(f)]
                 for name, f in total.items()}
 
 

@@ -218,6 +218,7 @@ class KFAC(KroneckerOperator):
                 runner = Network(self.model, self.lossfn, self.output).runner
                 sides = _kronblocks.root_sides(part, runner.kron_root_last(X, self.params))
             total = accumulator.add_factors(total, part, sides, samples, weight)
+            del qs, part  # the batch's own factors and gradient: not alive beside the next batch's
         if total is None:
             raise CurvatureError("data has no batches: pass (X, y) or a loader yielding at least one (X, y).")
         return accumulator.factors(total, sides), space
@@ -288,10 +289,11 @@ class EKFAC(KFAC):
         for qs, _, weight, _ in self.batches(root, accumulator, self.correction_batch_size):
             for name, shape in zip(self.domain.names, self.domain.shapes):
                 columns = qs[root.name][name].reshape(-1, *shape)  # [C·N or M·N or N, *p], this batch only
-                part = weight * _kronblocks.projected_squares(self.layouts[name], eigen[name], columns)
-                total[name] = part if name not in total else total[name] + part
+                part = _kronblocks.projected_squares(self.layouts[name], eigen[name], columns).mul_(weight)
+                total[name] = part if name not in total else total[name].add_(part)
+            del qs
         scale = accumulator.root_scale()
-        return {name: s * scale for name, s in total.items()}
+        return {name: s.mul_(scale) for name, s in total.items()}
 
     def block_product(self, name, v):
         return _kronblocks.spectral(self.layouts[name], self.eigen[name], self.eigenvalues[name], v)
