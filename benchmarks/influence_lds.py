@@ -44,12 +44,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import importlib.util
 import inspect
 import json
 import math
 import os
 import platform
-import re
 import sys
 import tempfile
 import time
@@ -96,24 +96,17 @@ def digits(n_train: int, n_query: int):
     return (X[:n_train], y[:n_train]), (X[n_train:n_train + n_query], y[n_train:n_train + n_query])
 
 
-def docstring_text(module: str) -> str:
-    """A module's docstring and its public functions' and classes' docstrings, whitespace
-    collapsed to single spaces, non-ASCII characters replaced by ``?``."""
-    mod = importlib.import_module(module)
-    docs = [inspect.getdoc(mod) or ""]
-    for key, value in sorted(vars(mod).items()):
-        if not key.startswith("_") and (inspect.isfunction(value) or inspect.isclass(value)) \
-                and getattr(value, "__module__", None) == module:
-            docs.append(inspect.getdoc(value) or "")
-    text = re.sub(r"\s+", " ", " ".join(docs))
-    return "".join(c if ord(c) < VOCAB else "?" for c in text)
+def _example():
+    """examples/influence.py, whose data this benchmark shares (stdlib docstrings as byte windows)."""
+    spec = importlib.util.spec_from_file_location("influence_example", os.path.join(HERE, "..", "examples", "influence.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while being made
+    spec.loader.exec_module(module)
+    return module
 
 
-def windows(text: str, size: int) -> Tensor:
-    """Non-overlapping windows of ``size`` characters as byte codes, ``[K, size]`` int64."""
-    codes = torch.tensor(list(text.encode("ascii")), dtype=torch.long)
-    k = len(codes) // size
-    return codes[: k * size].reshape(k, size)
+_EXAMPLE = _example()
+docstring_text, windows = _EXAMPLE.docstring_text, _EXAMPLE.windows
 
 
 def docstrings(n_train: int, n_query: int, length: int):
