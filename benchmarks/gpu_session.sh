@@ -6,7 +6,8 @@
 #                                                    # peers' wheels into .wheels/ (ignored
 #                                                    # by git; carry it to the GPU machine)
 #   bash benchmarks/gpu_session.sh tests OUT [ARGS]  # the suite on CUDA, pytest ARGS (e.g. a
-#                                                    # few files, to split it into parts)
+#                                                    # few files, to split it into parts,
+#                                                    # or -n 15 --timeout 90)
 #   bash benchmarks/gpu_session.sh bench OUT PROBLEM...
 #                                                    # eager and compiled curvlib and the peers
 #                                                    # on CUDA; one or two problems a call (the
@@ -23,10 +24,12 @@ step=${1:?usage: gpu_session.sh wheels | tests OUT [pytest args] | bench OUT [pr
 shift
 
 install_carried() {
+    # the GPU machine's Python is python3 alone
+    command -v python >/dev/null || { mkdir -p /tmp/bin; ln -sf "$(command -v python3)" /tmp/bin/python; export PATH="/tmp/bin:$PATH"; }
     # curvlib from the working tree (no build step offline), the peers from .wheels/
     export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
     if compgen -G ".wheels/*.whl" >/dev/null; then
-        pip install -q --no-deps --no-index .wheels/*.whl 2>&1 | grep -v "as the 'root' user" || true
+        python -m pip install -q --no-deps --no-index .wheels/*.whl 2>&1 | grep -v "as the 'root' user" || true
     fi
     python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
 }
@@ -36,9 +39,8 @@ wheels)
     mkdir -p .wheels
     grep -v '^#' requirements-peers.txt | grep . | xargs pip download -q --no-deps -d .wheels
     pip download -q --no-deps -d .wheels tqdm
-    # scipy (curvlinops, laplace-torch, the examples) for the GPU machine's Python 3.12
-    pip download -q --no-deps -d .wheels --only-binary=:all: --python-version 3.12 \
-        --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 scipy
+    # the GPU machine's image has its own torchvision (built for its torch) and scipy
+    rm -f .wheels/torchvision-*.whl .wheels/scipy-*.whl
     ls .wheels
     ;;
 tests)
@@ -46,7 +48,10 @@ tests)
     mkdir -p "$out"
     install_carried
     tag=$(date +%H%M%S)
-    CURVLIB_TEST_DEVICE=cuda CI=true python -m pytest -q -p no:cacheprovider \
+    # failure_log.py writes each failure's traceback as it happens, so a run stopped
+    # by the machine's time limit still brings its tracebacks back
+    PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" CURVLIB_FAILURE_LOG="$out/failures-$tag.txt" \
+    CURVLIB_TEST_DEVICE=cuda CI=true python -m pytest -q -p no:cacheprovider -p failure_log \
         --junitxml="$out/junit-$tag.xml" "$@" 2>&1 | tee "$out/tests-$tag.txt" | tail -25
     ;;
 bench)
@@ -63,6 +68,11 @@ bench)
              compiled:backward compiled:BatchGrad compiled:SumGradSquared compiled:Variance
              compiled:DiagGGNExact compiled:BatchDiagGGNExact compiled:DiagHessian compiled:DiagGGNMC
              compiled:KFAC compiled:KFLR)
+    if [ "${EAGER:-0}" = 1 ]; then  # leave out the compiled methods (their first calls take minutes)
+        eager=()
+        for m in "${methods[@]}"; do [[ $m == compiled:* ]] || eager+=("$m"); done
+        methods=("${eager[@]}")
+    fi
     python benchmarks/run.py --device cuda --problems "${problems[@]}" --methods "${methods[@]}" \
         --budget 20 --first-call-timeout 120 --sweep-classes "${memory[@]}" --out "$out" 2>&1 \
         | tee "$out/bench.log" | tail -60
