@@ -81,8 +81,8 @@ def mlp(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, 
     model = nn.Sequential(
         nn.Linear(d, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, classes)
     )
-    X = torch.rand(n, d, generator=gen)
-    y = torch.randint(0, classes, (n,), generator=gen)
+    X = torch.rand(n, d, generator=gen, device=gen.device)
+    y = torch.randint(0, classes, (n,), generator=gen, device=gen.device)
     return _place(Problem(model, nn.CrossEntropyLoss(), X, y), device, dtype)
 
 
@@ -122,8 +122,8 @@ def cifar10_3c3d(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: 
         nn.ReLU(),
         nn.Linear(256, classes),
     )
-    X = torch.rand(n, 3, 32, 32, generator=gen)
-    y = torch.randint(0, classes, (n,), generator=gen)
+    X = torch.rand(n, 3, 32, 32, generator=gen, device=gen.device)
+    y = torch.randint(0, classes, (n,), generator=gen, device=gen.device)
     return _place(Problem(model, nn.CrossEntropyLoss(), X, y), device, dtype)
 
 
@@ -153,8 +153,8 @@ def allcnnc(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int =
         *conv(w2, w2, 3), *conv(w2, w2, 1), *conv(w2, classes, 1),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(),
     )
-    X = torch.rand(n, 3, 32, 32, generator=gen)
-    y = torch.randint(0, classes, (n,), generator=gen)
+    X = torch.rand(n, 3, 32, 32, generator=gen, device=gen.device)
+    y = torch.randint(0, classes, (n,), generator=gen, device=gen.device)
     return _place(Problem(model, nn.CrossEntropyLoss(), X, y), device, dtype)
 
 
@@ -201,11 +201,11 @@ def resnet(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, nn.BatchNorm2d):
-                m.running_mean.copy_(0.1 * torch.randn(m.num_features, generator=gen))
-                m.running_var.copy_(0.5 + torch.rand(m.num_features, generator=gen))
+                m.running_mean.copy_(0.1 * torch.randn(m.num_features, generator=gen, device=gen.device))
+                m.running_var.copy_(0.5 + torch.rand(m.num_features, generator=gen, device=gen.device))
     model.eval()
-    X = torch.rand(n, 3, 32, 32, generator=gen)
-    y = torch.randint(0, classes, (n,), generator=gen)
+    X = torch.rand(n, 3, 32, 32, generator=gen, device=gen.device)
+    y = torch.randint(0, classes, (n,), generator=gen, device=gen.device)
     return _place(Problem(model, nn.CrossEntropyLoss(), X, y), device, dtype)
 
 
@@ -247,8 +247,8 @@ def transformer(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: i
     torch.manual_seed(seed)
     n, vocab, length, classes = 32, 1000, 32, 10
     model = _EncoderBlock(vocab, length, d=64, heads=4, hidden=256, classes=classes)
-    X = torch.randint(0, vocab, (n, length), generator=gen)
-    y = torch.randint(0, classes, (n,), generator=gen)
+    X = torch.randint(0, vocab, (n, length), generator=gen, device=gen.device)
+    y = torch.randint(0, classes, (n,), generator=gen, device=gen.device)
     return Problem(model.to(device=device, dtype=dtype), nn.CrossEntropyLoss(), X.to(device), y.to(device))
 
 
@@ -263,8 +263,8 @@ def gpt(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, 
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model = GPT(vocab=vocab, length=length, **size).eval()
-    X = torch.randint(0, vocab, (n, length), generator=gen)
-    y = torch.randint(0, vocab, (n, length), generator=gen)
+    X = torch.randint(0, vocab, (n, length), generator=gen, device=gen.device)
+    y = torch.randint(0, vocab, (n, length), generator=gen, device=gen.device)
     return Problem(model.to(device=device, dtype=dtype), nn.CrossEntropyLoss(), X.to(device), y.to(device))
 
 
@@ -299,8 +299,8 @@ def lstm(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0)
     torch.manual_seed(seed)
     n, length, features, classes = 64, 50, 32, 10
     model = LSTMClassifier(features=features, hidden=128, layers=2, classes=classes)
-    X = torch.randn(n, length, features, generator=gen)
-    y = torch.randint(0, classes, (n,), generator=gen)
+    X = torch.randn(n, length, features, generator=gen, device=gen.device)
+    y = torch.randint(0, classes, (n,), generator=gen, device=gen.device)
     return _place(Problem(model, nn.CrossEntropyLoss(), X, y), device, dtype)
 
 
@@ -345,8 +345,8 @@ def gpt2_hf(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int =
     config = GPT2Config(vocab_size=vocab, n_positions=length, n_embd=128, n_layer=2, n_head=4,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     model = HFLogits(GPT2LMHeadModel(config)).eval()
-    X = torch.randint(0, vocab, (n, length), generator=gen)
-    y = torch.randint(0, vocab, (n, length), generator=gen)
+    X = torch.randint(0, vocab, (n, length), generator=gen, device=gen.device)
+    y = torch.randint(0, vocab, (n, length), generator=gen, device=gen.device)
     return Problem(model.to(device=device, dtype=dtype), nn.CrossEntropyLoss(), X.to(device), y.to(device))
 
 
@@ -382,8 +382,8 @@ def vit_timm(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int 
                               num_classes=classes).eval()
     if wrap:
         model = Forward1(model).eval()
-    X = torch.rand(n, 3, 32, 32, generator=gen)
-    y = torch.randint(0, classes, (n,), generator=gen)
+    X = torch.rand(n, 3, 32, 32, generator=gen, device=gen.device)
+    y = torch.randint(0, classes, (n,), generator=gen, device=gen.device)
     return _place(Problem(model, nn.CrossEntropyLoss(), X, y), device, dtype)
 
 

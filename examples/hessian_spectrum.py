@@ -300,7 +300,8 @@ def figure(log: Dict):
 
     style = {"font.size": 10, "axes.titlesize": 10, "axes.labelsize": 10, "xtick.labelsize": 9,
              "ytick.labelsize": 9, "legend.fontsize": 9}
-    with plt.rc_context(style):
+    # the panels' tensors on the CPU, whatever torch's default device: matplotlib reads them as arrays
+    with plt.rc_context(style), torch.device("cpu"):
         fig = plt.figure(figsize=(8, 6.6), layout="constrained")
         fig.suptitle(f"Curvature of an MLP on digits along training (P = {log['P']}, curvlib.operators)")
         top, bottom = fig.subfigures(2, 1, height_ratios=[1.1, 1])

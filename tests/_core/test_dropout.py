@@ -82,7 +82,8 @@ def _noise_shape(m, x_shape):
 
 def masks(model: nn.Sequential, X, generator=None):
     """The noise curvlib draws for one call (module doc), per active dropout child."""
-    seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
+    where = generator.device if generator is not None else "cpu"  # (the global state: the CPU's)
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=where).item())
     g = seeded(seed)
     shapes, x = {}, X
     with torch.no_grad():

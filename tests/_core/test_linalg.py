@@ -13,9 +13,11 @@ from hypothesis import given, settings, strategies as st
 
 from curvlib._core import linalg
 
+from oracles.on_device import DEVICE, seeded
+
 
 def _stored() -> torch.Tensor:
-    d = torch.load(Path(__file__).parent / "data" / "eigh_no_convergence.pt")
+    d = torch.load(Path(__file__).parent / "data" / "eigh_no_convergence.pt", map_location=DEVICE)
     A = torch.zeros(d["shape"], dtype=d["values"].dtype)
     A[d["indices"][:, 0].long(), d["indices"][:, 1].long()] = d["values"]
     return A
@@ -45,7 +47,7 @@ def test_a_matrix_lapack_does_not_converge_on():
 @given(n=st.integers(1, 12), exponent=st.integers(-30, 10), dtype=st.sampled_from([torch.float32, torch.float64]),
        seed=st.integers(0, 1000))
 def test_eigh_at_every_scale(n, exponent, dtype, seed):
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    g = seeded(seed)
     M = torch.randn(2, n, n, generator=g, dtype=torch.float64)
     A = ((M + M.transpose(1, 2)) * 10.0**exponent).to(dtype)
     _check(A, 1e-4 if dtype == torch.float32 else 1e-10)

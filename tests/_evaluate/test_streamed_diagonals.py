@@ -1,7 +1,8 @@
 """GGN diagonals read while columns are pulled back one at a time (the streamed read-off, CPU):
 a Linear with one position per sample sums its columns' statistic ``Σ_v m_v²`` over the columns
 and squares once (``Rule.column_statistic``). DiagGGNExact and BatchDiagGGNExact against the
-float64 brute force, with the streamed path forced on and checked to be taken."""
+float64 brute force, with the streamed path forced on and checked to be taken (the looped
+strategy, which CUDA does not default to, pinned)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import nn
 
 from curvlib import curvature
 from curvlib._core.settings import override
+from curvlib._core.strategy import strategy
 from curvlib._evaluate import second_order
 from curvlib.extensions import BatchDiagGGNExact, DiagGGNExact
 
@@ -32,7 +34,7 @@ def test_streamed_linear_diagonals(n, c, seed):
     taken = []
     original = second_order.column_statistic
     # (tiny sites: read as the backward reaches them)
-    with override(stream_min_bytes=0), pytest.MonkeyPatch.context() as mp:
+    with override(stream_min_bytes=0), strategy("looped"), pytest.MonkeyPatch.context() as mp:
         mp.setattr(second_order, "column_statistic", lambda *a: taken.append(a) or original(*a))
         qs = curvature(model, lossfn, [DiagGGNExact(), BatchDiagGGNExact()])(X, y)
     assert taken, "the streamed read-off was not taken"

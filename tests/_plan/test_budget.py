@@ -10,6 +10,7 @@ from torch import nn
 import curvlib._plan.budget as budget
 from curvlib import CurvatureError, curvature
 from curvlib._core.settings import current
+from curvlib._core.strategy import strategy
 from curvlib.extensions import DiagGGNExact, SqrtGGNMC
 
 
@@ -24,7 +25,8 @@ def free(monkeypatch):
 
     monkeypatch.setattr("curvlib._core.tensors.available_bytes", available)
     monkeypatch.setattr(budget, "_last_free", {})
-    return state
+    with strategy("looped"):  # (the batched strategy, CUDA's default, also reads it to size its blocks)
+        yield state
 
 
 def _f(ext):

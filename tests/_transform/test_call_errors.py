@@ -21,7 +21,7 @@ from curvlib.extensions import (
 )
 
 from oracles.reference import assert_matches, assert_same, exact_extensions, kflr_map, reference
-from oracles.on_device import seeded
+from oracles.on_device import DEVICE, seeded
 
 DT = torch.float64
 
@@ -142,7 +142,7 @@ def test_monte_carlo_columns_that_cannot_fit_are_refused_before_any_work(ext):
     if ext is KFAC:
         layer.scale.requires_grad_(False)  # (no Kronecker factors for a generic layer)
     with pytest.raises(CurvatureError, match=rf"{ext.__name__}: its Monte-Carlo columns \[1000000000000, 5, 2\] would "
-                                             r"take 7\.45e\+04 GiB \(torch\.float64\), more than the .* GiB free on cpu\. "
+                                             rf"take 7\.45e\+04 GiB \(torch\.float64\), more than the .* GiB free on {DEVICE.type}(:\d+)?\. "
                                              r"Use fewer mc_samples \(at most \d+ fit\)"):
         curvature(model, nn.CrossEntropyLoss(), exts)(X, y)
     assert layer.real_runs == 0

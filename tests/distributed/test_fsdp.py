@@ -21,9 +21,11 @@ from torch import nn
 from curvlib import CurvatureError, curvature
 from curvlib.extensions import (KFAC, KFLR, BatchDiagGGNExact, BatchDiagHessian, BatchGrad, BatchL2Grad, DiagGGNExact,
                                 DiagGGNMC, DiagHessian, SqrtGGNExact, SumGradSquared, Variance)
+from oracles.on_device import CPU_ONLY, ON_CPU
 from oracles.processes import gloo_available, spawn
 
-pytestmark = pytest.mark.skipif(not gloo_available(), reason="torch.distributed with gloo is not available")
+pytestmark = [pytest.mark.skipif(not gloo_available(), reason="torch.distributed with gloo is not available"),
+              pytest.mark.skipif(not ON_CPU, reason=CPU_ONLY + " (gloo's processes)")]
 
 SIZES = (3, 4)  # the ranks' local batch sizes (four ranks: SIZES_4)
 SIZES_4 = (2, 3, 1, 2)

@@ -25,6 +25,7 @@ DT = torch.float64
 
 
 def _relative(a, b):
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()  # (kronfluence's scores: on the CPU)
     return float((a - b).abs().max() / b.abs().max())
 
 

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 from torch import nn
-from oracles.on_device import seeded
+from oracles.on_device import ON_CPU, seeded
 
 pytest.importorskip(
     "laplace",
@@ -201,6 +201,7 @@ def test_kron_laplace_on_graphs_backpack_cannot_handle(model_fn):
     close(probs.sum(-1), torch.ones(6, dtype=DT))
 
 
+@pytest.mark.skipif(not ON_CPU, reason="laplace-torch's SubnetLaplace accepts only a CPU torch.LongTensor of indices")
 def test_subnetwork_laplace_matches_brute_force():
 
     idx = torch.tensor([0, 3, 7, 20, 30, 40, 43])

@@ -191,7 +191,7 @@ def test_products_on_dicts_blocks_vmap_and_scipy():
     as_dict = G.domain.unflatten(V[:, 0])
     _close(G.domain.flatten(G @ as_dict), dense @ V[:, 0], "dict in, dict out")
     _close(G.domain.flatten(G @ G.domain.unflatten(V)), dense @ V, "dict of [K, *p]")
-    _close(torch.as_tensor(G.to_scipy() @ V[:, 0].numpy()), dense @ V[:, 0], "to_scipy")
+    _close(torch.as_tensor(G.to_scipy() @ V[:, 0].cpu().numpy()).to(V), dense @ V[:, 0], "to_scipy")
     offsets = G.domain.offsets()
     for key, block in G.blocks().items():
         rows = torch.cat([torch.arange(offsets[n].start, offsets[n].stop) for n in block.domain.names])

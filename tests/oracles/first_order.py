@@ -19,6 +19,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call as _functional_call
 
+from oracles.on_device import plain_kernels
+
 
 def functional_call(module, tensors, args):
     """torch.func.functional_call, restoring every parameter slot afterwards
@@ -32,6 +34,7 @@ def functional_call(module, tensors, args):
             m._parameters.update(saved)
 
 
+@plain_kernels
 def individual_gradients(model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor, names=None) -> Dict[str, Tensor]:
     """``{name: [N, *p.shape]}`` by per-sample parameter copies (see module doc)."""
     params = {n: p.detach() for n, p in model.named_parameters()}

@@ -11,6 +11,7 @@ Kept free of curvlib imports so that conftest, oracles and models can use it.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -29,3 +30,16 @@ CPU_ONLY = "inherently CPU-bound: kept off the device chosen by " + SWITCH
 def seeded(seed: int) -> torch.Generator:
     """A generator on the test device, seeded with ``seed``."""
     return torch.Generator(device=DEVICE).manual_seed(seed)
+
+
+def plain_kernels(fn):
+    """``fn`` run with cuDNN off, for the oracles' brute force: the plain kernels have what
+    cuDNN's lack (an RNN's double backward and its backward in eval mode), and no TF32
+    convolutions. On the CPU it changes nothing."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with torch.backends.cudnn.flags(enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapped

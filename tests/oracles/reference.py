@@ -74,7 +74,9 @@ def reference(model: nn.Module, lossfn, X: Tensor, y: Tensor, *, hessian: bool =
         ref["ggnmp"][name], ref["hmp"][name] = G, H
         if hessian:
             Hn = hessian_per_sample(model, lossfn, X, y, name)
-            assert_close(Hn.sum(0), H, f"oracle self-check: per-sample Hessians sum to the Hessian [{name}]")
+            # (float32 models: two summation orders agree to float32's rounding, not to 1e-7)
+            assert_close(Hn.sum(0), H, f"oracle self-check: per-sample Hessians sum to the Hessian [{name}]",
+                         rtol=max(1e-7, 100 * torch.finfo(H.dtype).eps))
             ref["diag_h"][name] = H.diagonal().reshape(p.shape)
             ref["diag_h_batch"][name] = Hn.diagonal(dim1=1, dim2=2).reshape((n,) + tuple(p.shape))
         if pchmp:

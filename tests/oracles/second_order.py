@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from torch.func import grad, hessian, jacrev
 
 from oracles.first_order import functional_call
+from oracles.on_device import plain_kernels
 
 # Activation modules with a non-zero second derivative (residual terms).
 SMOOTH_ACTIVATIONS: Tuple[type, ...] = (
@@ -115,6 +116,7 @@ def loss_root(lossfn: nn.Module, out: Tensor, y: Tensor) -> Tensor:
     return S.reshape((per, n) + tuple(out.shape[1:]))
 
 
+@plain_kernels
 def output_jacobian(model: nn.Module, X: Tensor, name: str) -> Tensor:
     """``[N, C, P]``: Jacobian of the model output w.r.t. parameter ``name``."""
     f, p = _output_fn(model, X, name)
@@ -123,6 +125,7 @@ def output_jacobian(model: nn.Module, X: Tensor, name: str) -> Tensor:
     return J.reshape(n, -1, p.numel())
 
 
+@plain_kernels
 def ggn_per_sample(model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor, name: str) -> Tensor:
     """``[N, P, P]``: ``G_n = J_nᵀ H_n J_n``."""
     J = output_jacobian(model, X, name)
@@ -144,6 +147,7 @@ def _hessian(fn):
     return jacrev(jacrev(fn))
 
 
+@plain_kernels
 def hessian_block(model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor, name: str) -> Tensor:
     """``[P, P]``: ``∇²_p L`` by ``torch.func.hessian``."""
     f, p = _output_fn(model, X, name)
@@ -151,6 +155,7 @@ def hessian_block(model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor, nam
     return H.reshape(p.numel(), p.numel())
 
 
+@plain_kernels
 def hessian_per_sample(model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor, name: str) -> Tensor:
     """``[N, P, P]``: sample ``n``'s term of ``∇²_p L`` (see module doc)."""
     f, p = _output_fn(model, X, name)
@@ -187,6 +192,7 @@ class _Offset:
         return out + self.delta.reshape(self.delta.shape + (1,) * (out.dim() - 2))
 
 
+@plain_kernels
 def kron_output_factor(model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor, module_name: str) -> Tensor:
     """``B [O, O] = Σ_n J_{n,δ}ᵀ H_n J_{n,δ}`` for the per-channel output offset ``δ``."""
     module = model.get_submodule(module_name)
@@ -210,6 +216,7 @@ def kron_output_factor(model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor
     return torch.einsum("nco,ncd,ndq->oq", Jn, Hb, Jn)
 
 
+@plain_kernels
 def layer_input(model: nn.Module, X: Tensor, module_name: str) -> Tensor:
     module = model.get_submodule(module_name)
     hook = _Offset(module)
@@ -306,6 +313,7 @@ class _Taps:
             h.remove()
 
 
+@plain_kernels
 def residual_block(model: nn.Module, lossfn: nn.Module, X: Tensor, y: Tensor, name: str, modify: Optional[str] = None) -> Tensor:
     """``[P, P]``: ``Σ_act J_{p→a}ᵀ diag(mod(φ''(a) ⊙ g)) J_{p→a}`` over smooth activation modules.
 

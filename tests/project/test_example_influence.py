@@ -20,6 +20,8 @@ from torch import nn
 from torch.func import functional_call, grad, jacrev, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from oracles.on_device import ON_CPU
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
@@ -84,7 +86,7 @@ def test_exact_influence_matches_a_dense_solve(micro):
     damping = influence.global_damping(influence.fit(model, seqs, "ekfac", 0))
     got, residual = influence.exact_influence(model, seqs, queries, damping, iters=200, seed=0)
     want = dense_influence(model, seqs, queries, damping)
-    assert residual < 1e-4
+    assert residual < (1e-4 if ON_CPU else 2e-4)  # (CUDA's float32 products round differently)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 

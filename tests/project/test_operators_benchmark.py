@@ -11,6 +11,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from oracles.on_device import CPU_ONLY, ON_CPU
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 SCRIPT = os.path.join(ROOT, "benchmarks", "operators.py")
 PEERS = {"curvlinops": "curvlinops", "pyhessian": "pyhessian", "pyhessian[batch]": "pyhessian",
@@ -22,6 +26,7 @@ def _installed(method: str) -> bool:
     return library in ("backward", "curvlib") or importlib.util.find_spec(PEERS[library]) is not None
 
 
+@pytest.mark.skipif(not ON_CPU, reason=CPU_ONLY + " (the benchmark's processes fork)")
 def test_quick_run_reports_every_row(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.path.join(ROOT, "tests")]))
     done = subprocess.run([sys.executable, SCRIPT, "--quick", "--out", str(tmp_path), "--name", "smoke"],

@@ -93,6 +93,8 @@ class Net(nn.Module):
 
     def forward(self, x):
         hx = self.initial(x)
+        if hx is not None:  # (cuDNN's RNNs take contiguous states only)
+            hx = tuple(h.contiguous() for h in hx) if isinstance(hx, tuple) else hx.contiguous()
         out, state = self.rnn(x if self.batch_first else x.transpose(0, 1), hx)
         if not self.batch_first:
             out = out.transpose(0, 1)

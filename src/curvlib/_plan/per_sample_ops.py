@@ -48,7 +48,9 @@ def _drawn(value, gen: torch.Generator):
     passes hold fake tensors); ``None`` for one that is not floating point."""
     if not value.dtype.is_floating_point:
         return None
-    return torch.randn(tuple(value.shape), generator=gen, dtype=torch.float64).to(value.dtype).to(value.device)
+    # drawn on the CPU generator's device: torch's default device (set_default_device) may be another
+    draw = torch.randn(tuple(value.shape), generator=gen, dtype=torch.float64, device="cpu")
+    return draw.to(value.dtype).to(value.device)
 
 
 def agrees(node: fx.Node, env, positions, batch: Batch) -> bool:
