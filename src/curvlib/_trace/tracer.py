@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Callable, Dict, Optional
 
 import torch
@@ -95,6 +96,9 @@ class Tracer(fx.Tracer):
             return attention.scaled_dot_product_attention(*args, **kwargs)  # inlined as its math
         return super().create_proxy(kind, target, args, kwargs, *rest, **more)
 
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        return super().create_args_for_root(with_inner_signature(root_fn), is_module, concrete_args)
+
     def trace(self, root, concrete_args=None):
         tracer = self
         self.installed = {id(m) for m in root.modules()}
@@ -111,6 +115,41 @@ class Tracer(fx.Tracer):
             graph = super().trace(root, concrete_args)
         cut_no_grad_regions(graph)
         return graph
+
+
+def with_inner_signature(fn: Callable) -> Callable:
+    """``fn``, or where it wraps another function (``functools.wraps``), a function with the
+    inner one's signature that calls ``fn`` with its arguments.
+
+    torch.fx reads the signature of the innermost function but, where that takes ``*args`` or
+    ``**kwargs``, rewrites the code of ``fn`` itself to take one argument per placeholder: the
+    code of a wrapper ``(self, *args, **kwargs)`` (transformers' ``can_return_tuple``) holds too few
+    variable names for a forward with many inputs ("co_varnames is too small"). This function's
+    own code has the inner signature's named arguments and keeps the wrapper's behaviour; the
+    inner ``*args``/``**kwargs`` are left out (fx would make each one proxy, which cannot be
+    unpacked into the call), as curvlib calls the model with named inputs."""
+    inner = inspect.unwrap(fn)
+    if inner is fn:
+        return fn
+    namespace: Dict[str, object] = {"_curvlib_wrapper": fn}
+    head, call, star = [], [], False
+    for i, p in enumerate(inspect.signature(inner).parameters.values()):
+        default = ""
+        if p.default is not p.empty:
+            namespace[f"_curvlib_default_{i}"] = p.default
+            default = f"=_curvlib_default_{i}"
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            head.append(p.name + default)
+            call.append(p.name)
+        elif p.kind is p.KEYWORD_ONLY:
+            if not star:
+                head.append("*")
+                star = True
+            head.append(p.name + default)
+            call.append(f"{p.name}={p.name}")
+    source = f"def forward({', '.join(head)}):\n    return _curvlib_wrapper({', '.join(call)})\n"
+    exec(compile(source, f"<curvlib: {inner.__qualname__} as traced>", "exec"), namespace)  # noqa: S102
+    return namespace["forward"]
 
 
 @contextlib.contextmanager
