@@ -42,6 +42,7 @@ extensions = [
     "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
+    "sphinx.ext.intersphinx",
 ]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 root_doc = "index"
@@ -59,11 +60,20 @@ myst_substitutions = {"repository": REPOSITORY, "version": release}
 autosummary_generate = True
 autodoc_default_options = {"members": True, "member-order": "bysource", "show-inheritance": True}
 autodoc_typehints = "description"
+autodoc_typehints_description_target = "documented_params"  # the types go with the Args: entries
 autodoc_mock_imports = ["laplace"]  # laplace-torch is an optional peer
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
 napoleon_use_ivar = True  # "Attributes:" as a field list: no second description of a NamedTuple field
+
+# Links to PyTorch's and Python's documentation (torch.Tensor, nn.Module, dict, Callable, ...) from
+# inventories shipped in docs/_inventories (docs/make_inventories.py writes them): the build needs
+# no network, and the machines that build the site have none.
+intersphinx_mapping = {
+    "torch": ("https://pytorch.org/docs/stable/", os.path.join(DOCS, "_inventories", "torch.inv")),
+    "python": ("https://docs.python.org/3/", os.path.join(DOCS, "_inventories", "python.inv")),
+}
 
 # Furo: previous/next links under every page, a search box, light and dark; the version in the
 # title, the repository in the footer and the sidebar (_templates/sidebar/repository.html).
@@ -84,7 +94,76 @@ html_sidebars = {"**": ["sidebar/brand.html", "sidebar/search.html", "sidebar/sc
                         "sidebar/navigation.html", "sidebar/repository.html", "sidebar/scroll-end.html"]}
 
 
+# the modules of the API reference (docs/api.md): a name is public when one of them exports it
+PUBLIC_MODULES = ("curvlib", "curvlib.extensions", "curvlib.operators", "curvlib.influence",
+                  "curvlib.precondition", "curvlib.optim", "curvlib.losses", "curvlib.distributed",
+                  "curvlib.laplace")
+
+
+def _public_name(obj):
+    """``curvlib.extensions.Extension`` for the class defined in ``curvlib.extensions._base``:
+    the name under which the reference documents ``obj``, or None."""
+    for module in PUBLIC_MODULES:
+        mod = sys.modules.get(module)
+        for alias in getattr(mod, "__all__", ()):
+            if getattr(mod, alias, None) is obj:
+                return f"{module}.{alias}"
+    return None
+
+
+def _public_alias(target):
+    """The public name of the object a dotted ``target`` in curvlib names, if it has one."""
+    import importlib
+
+    if not target.startswith("curvlib."):
+        return None
+    module, _, name = target.rpartition(".")
+    try:
+        return _public_name(getattr(importlib.import_module(module), name))
+    except (ImportError, AttributeError):
+        return None
+
+
+def _public_bases(app, name, obj, options, bases):
+    """``autodoc-process-bases``: a base class that is no public name (``MonteCarlo``, the
+    products' ``BlockProduct``) is shown as its nearest public ancestor (``SecondOrder``)."""
+    import inspect
+
+    for i, base in enumerate(bases):
+        if inspect.isclass(base) and base.__module__.startswith("curvlib") and _public_name(base) is None:
+            bases[i] = next((c for c in base.__mro__ if _public_name(c)), base)
+
+
+def _public_titles(app, doctree, docname):
+    """``doctree-resolved``: a link to a name defined in a private module (``Bases: Extension``,
+    resolved through autodoc's canonical name ``curvlib.extensions._base.Extension``) shows the
+    public name in its tooltip."""
+    from docutils import nodes
+
+    for ref in doctree.findall(nodes.reference):
+        alias = _public_alias(ref.get("reftitle", "")) if "._" in ref.get("reftitle", "") else None
+        if alias:
+            ref["reftitle"] = alias
+
+
+def _mocked_class_signature(app, what, name, obj, options, signature, return_annotation):
+    """A class that derives from a mocked import (laplace-torch's interfaces) gets the mock's
+    ``(*args, **kwargs)``; sign it with its own ``__init__``, as it would be without the mock."""
+    import inspect
+
+    if what != "class" or signature != "(*args, **kwargs)" or "__init__" not in vars(obj):
+        return None
+    sig = inspect.signature(vars(obj)["__init__"])
+    params = [p.replace(annotation=inspect.Parameter.empty) for p in list(sig.parameters.values())[1:]]
+    if [p.kind for p in params] == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]:
+        return None
+    return str(sig.replace(parameters=params, return_annotation=inspect.Signature.empty)), return_annotation
+
+
 def setup(app):
     # before Sphinx reads the sources: write docs/examples/*.md from examples/*.py
     app.connect("builder-inited", examples_pages.write_pages)
     app.connect("autodoc-process-docstring", docstring_md.process)
+    app.connect("autodoc-process-signature", _mocked_class_signature)
+    app.connect("doctree-resolved", _public_titles)
+    app.connect("autodoc-process-bases", _public_bases)
