@@ -52,43 +52,54 @@ _OPTIONS = tuple(f.name for f in dataclasses.fields(Options))
 
 @dataclass(frozen=True)
 class Extension:
-    """Base class of every curvlib extension.
+    """Base class of every curvlib extension: a frozen record of a result's name and its options.
 
-    The class carries every fact the stages ask of an extension, so that a new extension is
-    one class plus, at most, one read-off in :mod:`curvlib._evaluate`.
+    ``curvature(model, lossfn, extensions)`` takes instances of the classes of
+    ``curvlib.extensions``; an extension holds no state and no code that walks the model. Its
+    class attribute ``name`` is the key of its result in the dict ``curvature`` returns
+    (BackPACK's attribute name); its constructor's arguments are its options. The other class
+    attributes describe the extension to curvlib's engine and may change.
 
-    Attributes:
-        name: key of the extension's result in the dict returned by
-            ``curvlib.curvature`` (BackPACK's attribute name).
-        order: 1 for first-order extensions (they need only the gradient
-            backpropagated once), 2 for curvature extensions.
-        quantity: what the evaluation stage reads off (first order: the result's name;
-            second order: see :class:`SecondOrder`).
-        slices: how the results of batch slices combine under ``batch_chunk_size``
-            (:class:`curvlib.extensions.combine.Combine`); ``None``: refused, for the
-            reason ``slices_refused``.
-        ranks: how the ranks' local results combine under ``process_group`` (a
-            :class:`~curvlib.extensions.combine.Combine`); ``None``: refused, for the reason
-            ``ranks_refused``.
-        needs: extensions whose results it is formed from (:meth:`formed`, after they are read
-            and again once slices or ranks have combined them, ``Combine.FORMED``); they are
-            computed with it and dropped from the results unless asked for.
-        compiles: ``curvature(..., compile=True)`` computes it.
-        function_needs: what a custom ``torch.autograd.Function`` in the model must define
-            for it: ``"setup_context"``, ``"vmap"`` (a rule), ``"jvp"`` (forward mode),
-            ``"twice"`` (a backward that is not ``@once_differentiable``).
-        layer_kinds: the layer families (:data:`curvlib.rules.FAMILY_OF`) it supports;
-            ``None``: every family.
-        independent_samples: it needs samples that do not mix inside the model.
-        root: ``"exact"`` or ``"mc"``: which factor of the loss Hessian is
-            backpropagated; ``"grad"``: the per-sample loss gradients (empirical
-            Fisher); ``None`` for extensions that need none (every first-order one).
-        hessian: it needs the nonlinearities' second derivatives (residual terms), which it
-            reads of the loss's backward.
-        per_sample: its result has one row per sample.
-        ggn: it is made of the loss Hessian alone (the GGN and its Kronecker, square-root,
-            sampled and product forms): exactly 0 for a loss linear in the model output.
+    Examples::
+
+        >>> from curvlib.extensions import KFAC, BatchGrad, Extension
+        >>> isinstance(BatchGrad(), Extension), BatchGrad.name, KFAC.name
+        (True, 'grad_batch', 'kfac')
+        >>> KFAC(mc_samples=2).mc_samples                 # the options are fields
+        2
     """
+
+    # What the stages ask of an extension (class attributes; the engine's, not the user's):
+    # name: key of the extension's result in the dict returned by
+    #     ``curvlib.curvature`` (BackPACK's attribute name).
+    # order: 1 for first-order extensions (they need only the gradient
+    #     backpropagated once), 2 for curvature extensions.
+    # quantity: what the evaluation stage reads off (first order: the result's name;
+    #     second order: see :class:`SecondOrder`).
+    # slices: how the results of batch slices combine under ``batch_chunk_size``
+    #     (:class:`curvlib.extensions.combine.Combine`); ``None``: refused, for the
+    #     reason ``slices_refused``.
+    # ranks: how the ranks' local results combine under ``process_group`` (a
+    #     :class:`~curvlib.extensions.combine.Combine`); ``None``: refused, for the reason
+    #     ``ranks_refused``.
+    # needs: extensions whose results it is formed from (:meth:`formed`, after they are read
+    #     and again once slices or ranks have combined them, ``Combine.FORMED``); they are
+    #     computed with it and dropped from the results unless asked for.
+    # compiles: ``curvature(..., compile=True)`` computes it.
+    # function_needs: what a custom ``torch.autograd.Function`` in the model must define
+    #     for it: ``"setup_context"``, ``"vmap"`` (a rule), ``"jvp"`` (forward mode),
+    #     ``"twice"`` (a backward that is not ``@once_differentiable``).
+    # layer_kinds: the layer families (:data:`curvlib.rules.FAMILY_OF`) it supports;
+    #     ``None``: every family.
+    # independent_samples: it needs samples that do not mix inside the model.
+    # root: ``"exact"`` or ``"mc"``: which factor of the loss Hessian is
+    #     backpropagated; ``"grad"``: the per-sample loss gradients (empirical
+    #     Fisher); ``None`` for extensions that need none (every first-order one).
+    # hessian: it needs the nonlinearities' second derivatives (residual terms), which it
+    #     reads of the loss's backward.
+    # per_sample: its result has one row per sample.
+    # ggn: it is made of the loss Hessian alone (the GGN and its Kronecker, square-root,
+    #     sampled and product forms): exactly 0 for a loss linear in the model output.
 
     name: ClassVar[str] = ""
     order: ClassVar[int] = 1
@@ -148,27 +159,39 @@ def _check_mc(cls_name: str, mc_samples: object, generator: object) -> None:
 
 @dataclass(frozen=True)
 class SecondOrder(Extension):
-    """Base of the curvature extensions.
+    """Base of the curvature (second-order) extensions: all but the first-order ``BatchGrad``,
+    ``BatchL2Grad``, ``SumGradSquared`` and ``Variance``.
 
-    Attributes:
-        quantity: what is read off per parameter: ``"diag"``, ``"batch_diag"``,
-            ``"sqrt"``, ``"kron"``, ``"hessian_diag"``, ``"hessian_batch_diag"``,
-            ``"kfra"``, or a product ``"ggnmp"``/``"hmp"``/``"pchmp"``.
-        kron: True for Kronecker-factored extensions (layouts: ``curvlib._core.kronlayout`` and docs/conventions.md).
-        read_as: how the quantity is read off when not as itself (the Hessian diagonals:
-            as the GGN's diagonals, from signed columns).
-        residuals_per_node: it transforms each graph node's residual on its own (PCHMP's
-            eigenvalue modification), so its result depends on how the forward is cut into
-            nodes: element-wise subgraphs stay node by node (the other Hessian extensions
-            record one residual per element-wise region, :mod:`curvlib._hessian.pointwise`).
-        recursion: it is read off the batch-averaged GGN recursion (KFRA): a chain graph,
-            the forward's node values kept, a closure of its own.
-        many_columns: its columns are pulled back many at once (the Hessian's residual
-            columns, square roots), so the forward writes LayerNorm from primitives
-            (:func:`curvlib.rules.layernorm.from_primitives`).
-        monte_carlo: the Monte-Carlo extension that gives the same quantity from sampled
-            columns (named by refusals of the exact one's memory).
+    Each backpropagates a factor of the loss Hessian (or, for the products and the Hessian
+    diagonals, the loss's second derivatives) through the model; ``order`` is 2.
+
+    Examples::
+
+        >>> from curvlib.extensions import DiagGGNExact, SecondOrder, SumGradSquared
+        >>> isinstance(DiagGGNExact(), SecondOrder), isinstance(SumGradSquared(), SecondOrder)
+        (True, False)
+        >>> DiagGGNExact.order, SumGradSquared.order
+        (2, 1)
     """
+
+    # What the stages ask of a curvature extension besides Extension's:
+    # quantity: what is read off per parameter: ``"diag"``, ``"batch_diag"``,
+    #     ``"sqrt"``, ``"kron"``, ``"hessian_diag"``, ``"hessian_batch_diag"``,
+    #     ``"kfra"``, or a product ``"ggnmp"``/``"hmp"``/``"pchmp"``.
+    # kron: True for Kronecker-factored extensions (layouts: ``curvlib._core.kronlayout`` and docs/conventions.md).
+    # read_as: how the quantity is read off when not as itself (the Hessian diagonals:
+    #     as the GGN's diagonals, from signed columns).
+    # residuals_per_node: it transforms each graph node's residual on its own (PCHMP's
+    #     eigenvalue modification), so its result depends on how the forward is cut into
+    #     nodes: element-wise subgraphs stay node by node (the other Hessian extensions
+    #     record one residual per element-wise region, :mod:`curvlib._hessian.pointwise`).
+    # recursion: it is read off the batch-averaged GGN recursion (KFRA): a chain graph,
+    #     the forward's node values kept, a closure of its own.
+    # many_columns: its columns are pulled back many at once (the Hessian's residual
+    #     columns, square roots), so the forward writes LayerNorm from primitives
+    #     (:func:`curvlib.rules.layernorm.from_primitives`).
+    # monte_carlo: the Monte-Carlo extension that gives the same quantity from sampled
+    #     columns (named by refusals of the exact one's memory).
 
     order: ClassVar[int] = 2
     kron: ClassVar[bool] = False

@@ -75,23 +75,28 @@ class KFAC(MonteCarlo):
     scaled like the loss, so that ``E[s sᵀ]`` summed over the columns is
     ``c∇²ℓ_n``: an unbiased estimate of the exact quantity.
 
-    Options: ``mc_samples`` (int ≥ 1, default 1): the number ``M`` of sampled
-    labels per sample; ``generator`` (a ``torch.Generator`` or None): where the
-    labels are drawn from (None: torch's global random state); the same
-    generator state gives the same result.
+    Args:
+        mc_samples: the number ``M`` of sampled labels per sample, an int ≥ 1.
+        generator: the ``torch.Generator`` the labels are drawn from (None: torch's
+            global random state); the same generator state gives the same result.
+        kfac_approx: None (BackPACK's), ``"expand"`` or ``"reduce"``: Eschenhagen et al.'s
+            approximations for weights shared by positions (curvlinops' definitions):
+            ``"expand"`` ``B = Σ_{v,n,s} m mᵀ``, ``A = (1/(N·S)) Σ_{n,s} x xᵀ``;
+            ``"reduce"`` ``B`` as None, ``A = (1/N) Σ_n x̄ x̄ᵀ`` (``x̄`` the mean over the
+            ``S`` positions). Without shared positions all three coincide.
+        max_factor_dim: an int ≥ 1, or None: a factor side larger than it gets a 1-D,
+            diagonal factor (kfac-jax's choice), computed as ``Σ_rows m²`` (or ``x²``) without
+            forming the dense one: the language-model head ``[V, D]`` gets ``[B [V], A [D, D]]``;
+            a 1-D parameter's exact block ``[F [P, P]]`` becomes ``[F [P]]``. With None, a
+            dense factor over 1 GiB is refused before any work.
 
-    ``kfac_approx`` (None, ``"expand"`` or ``"reduce"``):
-    None is BackPACK's; ``"expand"``/``"reduce"`` are Eschenhagen et al.'s
-    approximations for weights shared by positions (curvlinops' definitions):
-    ``"expand"`` ``B = Σ_{v,n,s} m mᵀ``, ``A = (1/(N·S)) Σ_{n,s} x xᵀ``;
-    ``"reduce"`` ``B`` as None, ``A = (1/N) Σ_n x̄ x̄ᵀ`` (``x̄`` the mean over the
-    ``S`` positions). Without shared positions all three coincide.
-    ``max_factor_dim`` (int ≥ 1 or None): a factor side larger than it gets a 1-D,
-    diagonal factor (kfac-jax's choice), computed as ``Σ_rows m²`` (or ``x²``) without
-    forming the dense one: the language-model head ``[V, D]`` gets ``[B [V], A [D, D]]``;
-    a 1-D parameter's exact block ``[F [P, P]]`` becomes ``[F [P]]``. With None, a dense
-    factor over ``curvlib._core.settings.Settings.dense_factor_bytes`` (1 GiB) is refused before any
-    work. Refused with ``batch_chunk_size`` and ``process_group``.
+    Raises:
+        CurvatureError: ``mc_samples`` is not a positive int.
+        CurvatureTypeError: ``generator`` is neither a ``torch.Generator`` nor None.
+        CurvatureError: ``kfac_approx`` is not None, ``"expand"`` or ``"reduce"``;
+            ``max_factor_dim`` is not a positive int or None. When called: a dense factor
+            over 1 GiB without ``max_factor_dim``; ``max_factor_dim`` together with
+            ``batch_chunk_size`` or ``process_group``.
 
     Examples::
 
@@ -147,18 +152,24 @@ class KFLR(SecondOrder):
 
     ``m`` are the ``C`` exact columns of ``c∇²ℓ_n``'s factor, so ``B ⊗ A``
     approximates the GGN block (exact for one sample and no shared positions).
-    Options: ``kfac_approx`` (None, ``"expand"`` or ``"reduce"``):
-    None is BackPACK's; ``"expand"``/``"reduce"`` are Eschenhagen et al.'s
-    approximations for weights shared by positions (curvlinops' definitions):
-    ``"expand"`` ``B = Σ_{v,n,s} m mᵀ``, ``A = (1/(N·S)) Σ_{n,s} x xᵀ``;
-    ``"reduce"`` ``B`` as None, ``A = (1/N) Σ_n x̄ x̄ᵀ`` (``x̄`` the mean over the
-    ``S`` positions). Without shared positions all three coincide.
-    ``max_factor_dim`` (int ≥ 1 or None): a factor side larger than it gets a 1-D,
-    diagonal factor (kfac-jax's choice), computed as ``Σ_rows m²`` (or ``x²``) without
-    forming the dense one: the language-model head ``[V, D]`` gets ``[B [V], A [D, D]]``;
-    a 1-D parameter's exact block ``[F [P, P]]`` becomes ``[F [P]]``. With None, a dense
-    factor over ``curvlib._core.settings.Settings.dense_factor_bytes`` (1 GiB) is refused before any
-    work. Refused with ``batch_chunk_size`` and ``process_group``.
+
+    Args:
+        kfac_approx: None (BackPACK's), ``"expand"`` or ``"reduce"``: Eschenhagen et al.'s
+            approximations for weights shared by positions (curvlinops' definitions):
+            ``"expand"`` ``B = Σ_{v,n,s} m mᵀ``, ``A = (1/(N·S)) Σ_{n,s} x xᵀ``;
+            ``"reduce"`` ``B`` as None, ``A = (1/N) Σ_n x̄ x̄ᵀ`` (``x̄`` the mean over the
+            ``S`` positions). Without shared positions all three coincide.
+        max_factor_dim: an int ≥ 1, or None: a factor side larger than it gets a 1-D,
+            diagonal factor (kfac-jax's choice), computed as ``Σ_rows m²`` (or ``x²``) without
+            forming the dense one: the language-model head ``[V, D]`` gets ``[B [V], A [D, D]]``;
+            a 1-D parameter's exact block ``[F [P, P]]`` becomes ``[F [P]]``. With None, a
+            dense factor over 1 GiB is refused before any work.
+
+    Raises:
+        CurvatureError: ``kfac_approx`` is not None, ``"expand"`` or ``"reduce"``;
+            ``max_factor_dim`` is not a positive int or None. When called: a dense factor
+            over 1 GiB without ``max_factor_dim``; ``max_factor_dim`` together with
+            ``batch_chunk_size`` or ``process_group``.
 
     Examples::
 
@@ -213,18 +224,24 @@ class KFACEmpirical(SecondOrder):
 
     ``m`` is one column per sample: the gradient of sample ``n``'s own loss
     term at the layer's output, so ``B`` carries ``c²`` like ``SumGradSquared``.
-    Options: ``kfac_approx`` (None, ``"expand"`` or ``"reduce"``):
-    None is BackPACK's; ``"expand"``/``"reduce"`` are Eschenhagen et al.'s
-    approximations for weights shared by positions (curvlinops' definitions):
-    ``"expand"`` ``B = Σ_{v,n,s} m mᵀ``, ``A = (1/(N·S)) Σ_{n,s} x xᵀ``;
-    ``"reduce"`` ``B`` as None, ``A = (1/N) Σ_n x̄ x̄ᵀ`` (``x̄`` the mean over the
-    ``S`` positions). Without shared positions all three coincide.
-    ``max_factor_dim`` (int ≥ 1 or None): a factor side larger than it gets a 1-D,
-    diagonal factor (kfac-jax's choice), computed as ``Σ_rows m²`` (or ``x²``) without
-    forming the dense one: the language-model head ``[V, D]`` gets ``[B [V], A [D, D]]``;
-    a 1-D parameter's exact block ``[F [P, P]]`` becomes ``[F [P]]``. With None, a dense
-    factor over ``curvlib._core.settings.Settings.dense_factor_bytes`` (1 GiB) is refused before any
-    work. Refused with ``batch_chunk_size`` and ``process_group``.
+
+    Args:
+        kfac_approx: None (BackPACK's), ``"expand"`` or ``"reduce"``: Eschenhagen et al.'s
+            approximations for weights shared by positions (curvlinops' definitions):
+            ``"expand"`` ``B = Σ_{v,n,s} m mᵀ``, ``A = (1/(N·S)) Σ_{n,s} x xᵀ``;
+            ``"reduce"`` ``B`` as None, ``A = (1/N) Σ_n x̄ x̄ᵀ`` (``x̄`` the mean over the
+            ``S`` positions). Without shared positions all three coincide.
+        max_factor_dim: an int ≥ 1, or None: a factor side larger than it gets a 1-D,
+            diagonal factor (kfac-jax's choice), computed as ``Σ_rows m²`` (or ``x²``) without
+            forming the dense one: the language-model head ``[V, D]`` gets ``[B [V], A [D, D]]``;
+            a 1-D parameter's exact block ``[F [P, P]]`` becomes ``[F [P]]``. With None, a
+            dense factor over 1 GiB is refused before any work.
+
+    Raises:
+        CurvatureError: ``kfac_approx`` is not None, ``"expand"`` or ``"reduce"``;
+            ``max_factor_dim`` is not a positive int or None. When called: a dense factor
+            over 1 GiB without ``max_factor_dim``; ``max_factor_dim`` together with
+            ``batch_chunk_size`` or ``process_group``.
 
     Examples::
 

@@ -109,7 +109,14 @@ class PCHMP(BlockProduct):
     ``max(R, 0)`` (``modify="clip"``, default) or ``|R|`` (``modify="abs"``);
     other nodes and the loss Hessian have their eigenvalues modified alike.
     BackPACK 1.7.1 multiplies by ``g`` twice (``mod(φ''(u)·g·g)``); curvlib
-    follows the definition. Options: ``modify``, ``"clip"`` or ``"abs"``.
+    follows the definition.
+
+    Args:
+        modify: how a residual is made positive semi-definite: ``"clip"`` its
+            negative eigenvalues to 0, or ``"abs"`` their absolute values.
+
+    Raises:
+        CurvatureError: ``modify`` is neither ``"clip"`` nor ``"abs"``.
 
     Examples::
 

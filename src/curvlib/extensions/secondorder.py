@@ -91,10 +91,14 @@ class DiagGGNMC(MonteCarlo):
     scaled like the loss, so that ``E[s sᵀ]`` summed over the columns is
     ``c∇²ℓ_n``: an unbiased estimate of the exact quantity.
 
-    Options: ``mc_samples`` (int ≥ 1, default 1): the number ``M`` of sampled
-    labels per sample; ``generator`` (a ``torch.Generator`` or None): where the
-    labels are drawn from (None: torch's global random state); the same
-    generator state gives the same result.
+    Args:
+        mc_samples: the number ``M`` of sampled labels per sample, an int ≥ 1.
+        generator: the ``torch.Generator`` the labels are drawn from (None: torch's
+            global random state); the same generator state gives the same result.
+
+    Raises:
+        CurvatureError: ``mc_samples`` is not a positive int.
+        CurvatureTypeError: ``generator`` is neither a ``torch.Generator`` nor None.
 
     Examples::
 
@@ -164,10 +168,14 @@ class BatchDiagGGNMC(MonteCarlo):
     scaled like the loss, so that ``E[s sᵀ]`` summed over the columns is
     ``c∇²ℓ_n``: an unbiased estimate of the exact quantity.
 
-    Options: ``mc_samples`` (int ≥ 1, default 1): the number ``M`` of sampled
-    labels per sample; ``generator`` (a ``torch.Generator`` or None): where the
-    labels are drawn from (None: torch's global random state); the same
-    generator state gives the same result.
+    Args:
+        mc_samples: the number ``M`` of sampled labels per sample, an int ≥ 1.
+        generator: the ``torch.Generator`` the labels are drawn from (None: torch's
+            global random state); the same generator state gives the same result.
+
+    Raises:
+        CurvatureError: ``mc_samples`` is not a positive int.
+        CurvatureTypeError: ``generator`` is neither a ``torch.Generator`` nor None.
 
     Examples::
 
@@ -317,10 +325,14 @@ class SqrtGGNMC(MonteCarlo):
     scaled like the loss, so that ``E[s sᵀ]`` summed over the columns is
     ``c∇²ℓ_n``: an unbiased estimate of the exact quantity.
 
-    Options: ``mc_samples`` (int ≥ 1, default 1): the number ``M`` of sampled
-    labels per sample; ``generator`` (a ``torch.Generator`` or None): where the
-    labels are drawn from (None: torch's global random state); the same
-    generator state gives the same result.
+    Args:
+        mc_samples: the number ``M`` of sampled labels per sample, an int ≥ 1.
+        generator: the ``torch.Generator`` the labels are drawn from (None: torch's
+            global random state); the same generator state gives the same result.
+
+    Raises:
+        CurvatureError: ``mc_samples`` is not a positive int.
+        CurvatureTypeError: ``generator`` is neither a ``torch.Generator`` nor None.
 
     Examples::
 
