@@ -35,6 +35,12 @@ Vectors = Union[Tensor, Mapping[str, Tensor]]
 class ParameterSpace:
     """Named parameters, each flattened row-major and concatenated in ``names`` order.
 
+    Attributes:
+        names: the parameters' names, in order.
+        shapes: their shapes (``torch.Size``), in the same order.
+        dtype: the dtype of the parameters.
+        device: their device.
+
     Examples::
 
         >>> import torch
@@ -66,7 +72,11 @@ class ParameterSpace:
         return sum(self.sizes)
 
     def offsets(self) -> Dict[str, slice]:
-        """Parameter name -> its slice of the flat vector."""
+        """Parameter name -> its slice of the flat vector.
+
+        Returns:
+            dict: parameter name -> ``slice`` of the flat vector.
+        """
         out, start = {}, 0
         for name, size in zip(self.names, self.sizes):
             out[name] = slice(start, start + size)
@@ -74,7 +84,18 @@ class ParameterSpace:
         return out
 
     def flatten(self, tensors: Mapping[str, Tensor]) -> Tensor:
-        """``{name: [*p]}`` -> ``[P]``, ``{name: [K, *p]}`` -> ``[P, K]``."""
+        """``{name: [*p]}`` -> ``[P]``, ``{name: [K, *p]}`` -> ``[P, K]``.
+
+        Args:
+            tensors: one tensor per parameter of the space (any order), each ``p.shape`` (one
+                vector) or ``[K, *p.shape]`` with the same ``K`` (``K`` vectors).
+
+        Returns:
+            Tensor: ``[P]`` or ``[P, K]``, the entries in ``names`` order, each flattened row-major.
+
+        Raises:
+            CurvatureError: a missing or unknown name, or an entry of the wrong shape.
+        """
         if set(tensors) != set(self.names):
             missing, extra = set(self.names) - set(tensors), set(tensors) - set(self.names)
             raise CurvatureError(
@@ -86,7 +107,14 @@ class ParameterSpace:
         return torch.cat([tensors[n].reshape(leading, -1) for n in self.names], dim=1).T
 
     def unflatten(self, flat: Tensor) -> Dict[str, Tensor]:
-        """``[P]`` -> ``{name: [*p]}``, ``[P, K]`` -> ``{name: [K, *p]}``."""
+        """``[P]`` -> ``{name: [*p]}``, ``[P, K]`` -> ``{name: [K, *p]}``.
+
+        Args:
+            flat: ``[P]`` or ``[P, K]``.
+
+        Returns:
+            dict: parameter name -> its entries of ``flat``, ``p.shape`` (or ``[K, *p.shape]``).
+        """
         parts = torch.split(flat, self.sizes, dim=0)
         if flat.dim() == 1:
             return {n: t.reshape(s) for n, s, t in zip(self.names, self.shapes, parts)}
@@ -119,6 +147,16 @@ class CurvatureOperator:
     Subclasses set ``domain`` (the parameter space of the columns, or ``None`` for a plain
     flat space), ``codomain`` likewise for the rows, and implement ``matmat``.
 
+    Args:
+        rows: the number of rows.
+        cols: the number of columns (the length of the vectors it multiplies).
+        dtype: the dtype of the vectors it multiplies and returns.
+        device: their device (a ``torch.device`` or its name).
+        domain: the parameter space of the columns (dict vectors are flattened over it), or
+            None for flat vectors only.
+        codomain: the parameter space of the rows (products of dict vectors are unflattened
+            over it), or None.
+
     Examples::
 
         >>> import torch
@@ -143,7 +181,16 @@ class CurvatureOperator:
         self.domain, self.codomain = domain, codomain
 
     def matmat(self, M: Tensor) -> Tensor:
-        """``A M`` for ``M [cols, K]`` (checked): ``[rows, K]``."""
+        """``A M`` for ``M [cols, K]`` (checked): ``[rows, K]``.
+
+        Subclasses implement it; ``A @ x`` checks ``x`` and calls it.
+
+        Args:
+            M: ``[cols, K]``, of the operator's dtype and device.
+
+        Returns:
+            Tensor: ``[rows, K]``.
+        """
         raise NotImplementedError
 
     @property
@@ -180,7 +227,14 @@ class CurvatureOperator:
         return x
 
     def to_dense(self, chunk: int = 64) -> Tensor:
-        """The matrix ``[rows, cols]``, ``chunk`` columns at a time."""
+        """The matrix ``[rows, cols]``, ``chunk`` columns at a time.
+
+        Args:
+            chunk: columns multiplied at once (memory grows with it).
+
+        Returns:
+            Tensor: ``[rows, cols]``.
+        """
         cols = []
         for start in range(0, self.shape[1], chunk):
             stop = min(start + chunk, self.shape[1])
@@ -190,7 +244,11 @@ class CurvatureOperator:
         return torch.cat(cols, dim=1)
 
     def to_scipy(self) -> scipy.sparse.linalg.LinearOperator:
-        """A ``scipy.sparse.linalg.LinearOperator`` of float64 NumPy arrays (for ``eigsh``, ``cg``, ...)."""
+        """A ``scipy.sparse.linalg.LinearOperator`` of float64 NumPy arrays (for ``eigsh``, ``cg``, ...).
+
+        Returns:
+            scipy.sparse.linalg.LinearOperator: float64 in and out, applied by ``matmat``.
+        """
         def apply(op: "CurvatureOperator", M: np.ndarray) -> np.ndarray:
             t = torch.as_tensor(np.asarray(M), device=op.device).to(op.dtype)
             t = t.reshape(op.shape[1], -1)

@@ -237,6 +237,13 @@ class SpectralDensity:
         ``φ(t) = (1/n) Σ_probes Σⱼ ωⱼ N(t; θⱼ, σ²)``, which integrates to exactly 1 over
         the real line (PyHessian's ESD normalises on its grid instead); its expectation is
         ``(1/P) Σᵢ N(t; λᵢ, σ²)`` up to the quadrature error.
+
+        Args:
+            grid: ``[G]`` points ``t``.
+            sigma: ``σ > 0``, the width of the Gaussians.
+
+        Returns:
+            Tensor: ``[G]``, the density at each point.
         """
         sigma = _validate.positive_real(sigma, "sigma")
         grid = torch.as_tensor(grid, dtype=self.nodes.dtype, device=self.nodes.device)
@@ -250,6 +257,12 @@ class SpectralDensity:
         ``fn`` maps a tensor of nodes to ``f`` elementwise (``torch.log``, ``lambda t: t**2``).
         The standard error is the sample one over probes. ``trace_of(identity)`` equals
         Hutchinson's estimate ``(1/n) Σ zᵀ A z`` with the same probes.
+
+        Args:
+            fn: maps a tensor of nodes to ``f`` of each, elementwise.
+
+        Returns:
+            Estimate: the estimate of ``tr f(A)``, its standard error over probes and the matvecs.
         """
         samples = self.scales * (self.weights * fn(self.nodes)).sum(dim=1)
         count = samples.shape[0]
@@ -257,7 +270,11 @@ class SpectralDensity:
         return Estimate(samples.mean(), error, self.num_matvecs)
 
     def trace(self) -> Estimate:
-        """``tr A``: ``trace_of`` the identity."""
+        """``tr A``: ``trace_of`` the identity.
+
+        Returns:
+            Estimate: the estimate of ``tr A``.
+        """
         return self.trace_of(lambda nodes: nodes)
 
 

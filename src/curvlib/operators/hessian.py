@@ -25,7 +25,24 @@ class Hessian(NetworkOperator):
     reverse-over-reverse too, once its products pass a symmetry check on the first batch,
     ``|uᵀ(Hw) − wᵀ(Hu)| ≤ √ε (‖u‖‖Hw‖ + ‖w‖‖Hu‖)`` for random ``u, w``: torch's reverse-mode
     second derivative of such a kernel can be wrong (``weight_norm``'s is, in torch 2.13, and is
-    refused so). Arguments as ``NetworkOperator``'s.
+    refused so).
+
+    Args:
+        model: any module ``curvature`` takes (wrapped or not, container outputs).
+        lossfn: the loss, as for ``curvature``.
+        data: ``(X, y)``, or a re-iterable loader of such pairs (the same batches every pass).
+        params: parameter name -> tensor: these values, and the operator acts on exactly these
+            parameters; default (None): the model's, acting on every ``requires_grad`` one.
+        buffers: buffer name -> tensor, replacing the model's (as for ``curvature``).
+        output: the tensor of a container output the loss takes (as for ``curvature``).
+        generator: draws the dropout masks of a model in training mode (one per batch, fixed
+            for the operator's lifetime).
+        chunk_size: vectors multiplied at once by ``A @ M`` (memory grows with it).
+
+    Raises:
+        CurvatureTypeError: an argument of the wrong type (``data`` a one-pass iterator).
+        CurvatureError: anything ``curvature`` refuses for this model and loss, no parameter to act
+            on, a loader whose batches change between passes, a bad ``chunk_size``.
 
     Examples::
 

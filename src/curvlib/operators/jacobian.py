@@ -22,9 +22,27 @@ __all__ = ["Jacobian", "TransposedJacobian"]
 
 
 class Jacobian(NetworkOperator):
-    """The model's Jacobian ``J = ∂f/∂θ``, ``[R, P]`` with ``R`` the outputs of all samples, each
-    batch's flattened row-major, batches in order. Arguments as ``NetworkOperator``'s (the loss
-    and targets only define the batches here). ``J.T`` is its transpose.
+    """Jacobian(model, lossfn, data, params=None, buffers=None, output=None, generator=None, chunk_size=16)
+
+    The model's Jacobian ``J = ∂f/∂θ``, ``[R, P]`` with ``R`` the outputs of all samples, each
+    batch's flattened row-major, batches in order. ``J.T`` is its transpose.
+
+    Args:
+        model: any module ``curvature`` takes (wrapped or not, container outputs).
+        lossfn: the loss, as for ``curvature`` (with the targets, it only defines the batches).
+        data: ``(X, y)``, or a re-iterable loader of such pairs (the same batches every pass).
+        params: parameter name -> tensor: these values, and the operator acts on exactly these
+            parameters; default (None): the model's, acting on every ``requires_grad`` one.
+        buffers: buffer name -> tensor, replacing the model's (as for ``curvature``).
+        output: the tensor of a container output the loss takes (as for ``curvature``).
+        generator: draws the dropout masks of a model in training mode (one per batch, fixed
+            for the operator's lifetime).
+        chunk_size: vectors multiplied at once by ``A @ M`` (memory grows with it).
+
+    Raises:
+        CurvatureTypeError: an argument of the wrong type (``data`` a one-pass iterator).
+        CurvatureError: anything ``curvature`` refuses for this model and loss, no parameter to act
+            on, a loader whose batches change between passes, a bad ``chunk_size``.
 
     Examples::
 
@@ -71,6 +89,9 @@ class Jacobian(NetworkOperator):
 
 class TransposedJacobian(CurvatureOperator):
     """``Jᵀ [P, R]`` of a ``Jacobian``: ``Jᵀ u = Σ_b J_bᵀ u_b``, one vector-Jacobian product per batch.
+
+    Args:
+        jacobian: the ``Jacobian`` it transposes (``J.T`` makes it).
 
     Examples::
 

@@ -74,6 +74,11 @@ class KroneckerOperator(CurvatureOperator):
     """A block-diagonal operator over named parameters, one Kronecker-factored block each
     (``KFAC``, ``EKFAC`` and their inverses); ``block_product(name, v)`` multiplies one block.
 
+    Args:
+        space: the parameter space of its rows and columns (``ParameterSpace``).
+        layouts: parameter name -> how the parameter reshapes to its block's core ``[G, o, a]``
+            (made by ``KFAC``; the blocks are made by subclasses, not by hand).
+
     Examples::
 
         >>> import torch
@@ -91,7 +96,15 @@ class KroneckerOperator(CurvatureOperator):
         self.layouts = layouts
 
     def block_product(self, name: str, v: Tensor) -> Tensor:
-        """The block of parameter ``name`` times ``v [K, *p]``."""
+        """The block of parameter ``name`` times ``v [K, *p]``.
+
+        Args:
+            name: the parameter's name.
+            v: ``[K, *p.shape]``: ``K`` vectors shaped like the parameter.
+
+        Returns:
+            Tensor: ``[K, *p.shape]``, the block times each vector.
+        """
         raise NotImplementedError
 
     def matmat(self, M: Tensor) -> Tensor:
@@ -99,7 +112,14 @@ class KroneckerOperator(CurvatureOperator):
         return self.domain.flatten({name: self.block_product(name, v) for name, v in V.items()})
 
     def to_dense(self, chunk: int = 64) -> Tensor:
-        """The matrix ``[P, P]``: the blocks on the diagonal, each formed on its own."""
+        """The matrix ``[P, P]``: the blocks on the diagonal, each formed on its own.
+
+        Args:
+            chunk: unused (the blocks are formed whole); as ``CurvatureOperator.to_dense``'s.
+
+        Returns:
+            Tensor: ``[P, P]``, block-diagonal.
+        """
         blocks = [_kronblocks.dense_block(lambda v, n=name: self.block_product(n, v), shape, self.dtype, self.device)
                   for name, shape in zip(self.domain.names, self.domain.shapes)]
         return torch.block_diag(*blocks)
@@ -108,6 +128,12 @@ class KroneckerOperator(CurvatureOperator):
 class KroneckerInverse(KroneckerOperator):
     """``(A + λI)⁻¹`` of a Kronecker operator ``A``, per block ``Q diag(Λ + λ)⁻¹ Qᵀ`` (``Λ``: the
     spectrum ``spectra[name]``, ``[G, o, a]`` in the block's core layout); from ``A.inverse``.
+
+    Args:
+        space: the parameter space of its rows and columns (``ParameterSpace``).
+        layouts: parameter name -> the block's core layout, as ``A``'s.
+        eigen: parameter name -> the eigendecompositions of ``A``'s factors.
+        spectra: parameter name -> ``Λ + λ`` (``[G, o, a]``), the damped spectrum inverted.
 
     Examples::
 
@@ -198,14 +224,20 @@ class KFAC(KroneckerOperator):
     def batches(self, extension: ext.Extension, accumulator: _kronblocks.Accumulator, size: Optional[int] = None):
         """``(qs, N_b, root weight μ_b)`` per batch of the data (``accumulator`` counts it, and
         refuses a batch it cannot weight before its work), ``qs = curvature(...)`` with ``extension``;
-        ``size``: batches cut into slices of at most that many samples (:class:`~curvlib.operators.data.Sliced`)."""
+        ``size``: batches cut into slices of at most that many samples (:class:`~curvlib.operators.data.Sliced`).
+
+        :meta private:
+        """
         f = curvature(self.model, self.lossfn, [extension], output=self.output)
         for X, y in Sliced(self.data, size):
             weight = accumulator.root_weight(losses.normaliser(self.spec, y))
             yield f(X, y, params=self.params, buffers=self.buffers), _inputs.batch_size(X), weight, X
 
     def accumulator(self) -> _kronblocks.Accumulator:
-        """A fresh accumulator of the data's batches for this loss and ``fisher_type``."""
+        """A fresh accumulator of the data's batches for this loss and ``fisher_type``.
+
+        :meta private:
+        """
         return _kronblocks.Accumulator(self.spec.reduction, self.fisher_type == "empirical", self.spec.name)
 
     def _accumulate(self, extension):
@@ -241,6 +273,13 @@ class KFAC(KroneckerOperator):
 
         Raises:
             CurvatureError: ``damping`` not a positive finite number.
+
+        Args:
+            damping: ``λ > 0``.
+            heuristic: π-damping instead of the exact inverse of each damped block.
+
+        Returns:
+            KroneckerInverse: ``(K + λI)⁻¹``, an operator on the same parameter space.
         """
         lam = _check_damping(damping)
         spectra = {n: _kronblocks.damped_spectrum(e, self.layouts[n], lam, bool(heuristic)) for n, e in self.eigen.items()}
@@ -249,12 +288,33 @@ class KFAC(KroneckerOperator):
 
 class EKFAC(KFAC):
     """Eigenvalue-corrected KFAC (George et al., 2018; module doc): KFAC's eigenbasis, eigenvalues
-    ``Λ*`` fitted to the columns of the matrix's root, batch by batch. Arguments as ``KFAC``'s.
+    ``Λ*`` fitted to the columns of the matrix's root, batch by batch.
 
-    ``eigenvalues``: parameter name -> ``Λ* [G, o, a]`` in the block's core layout (what
-    ``curvlib.precondition.ekfac_preconditioner`` takes, with ``factors``). ``correction_batch_size``:
-    samples per ``curvature`` call in the eigenvalue pass, whose roots are ``[C·N_b, P]`` (or
-    ``[M·N_b, P]``, ``[N_b, P]``); ``None``: the data's batches. The same eigenvalues either way.
+    Args:
+        model: the network (any module ``curvature`` takes).
+        lossfn: the loss, as for ``curvature``.
+        data: ``(X, y)``, or a re-iterable loader of such pairs (two passes: the factors, then
+            the eigenvalues).
+        params: parameter name -> tensor: these values, and the operator acts on exactly these
+            parameters; default (None): the model's, on every ``requires_grad`` one.
+        buffers: buffer name -> tensor, replacing the model's (as for ``curvature``).
+        output: the tensor of a container output the loss takes (as for ``curvature``).
+        generator: draws the Monte-Carlo labels (``fisher_type="mc"``); seeded, reproducible.
+        fisher_type: ``"mc"`` (default), ``"exact"`` or ``"empirical"``, as for ``KFAC``.
+        mc_samples: sampled labels per sample (``"mc"`` only).
+        max_factor_dim: a factor side larger than it is diagonal (as for the extensions).
+        kfac_approx: ``None``, ``"expand"`` or ``"reduce"``, as for ``KFAC``.
+        correction_batch_size: samples per ``curvature`` call in the eigenvalue pass, whose roots
+            are ``[C·N_b, P]`` (or ``[M·N_b, P]``, ``[N_b, P]``); None: the data's batches. The
+            same eigenvalues either way.
+
+    Attributes:
+        eigenvalues: parameter name -> ``Λ* [G, o, a]`` in the block's core layout (what
+            ``curvlib.precondition.ekfac_preconditioner`` takes, with ``factors``).
+
+    Raises:
+        CurvatureError: as ``KFAC``, and a ``correction_batch_size`` that is not a positive int
+            or None.
 
     Examples::
 
@@ -304,6 +364,13 @@ class EKFAC(KFAC):
 
         Raises:
             CurvatureError: ``damping`` not a positive finite number, or ``heuristic=True``.
+
+        Args:
+            damping: ``λ > 0``.
+            heuristic: must be False.
+
+        Returns:
+            KroneckerInverse: ``(E + λI)⁻¹``, an operator on the same parameter space.
         """
         lam = _check_damping(damping)
         if heuristic:

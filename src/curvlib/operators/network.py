@@ -73,8 +73,8 @@ class NetworkOperator(CurvatureOperator):
         ((8, 8), ['0', '2'])
     """
 
-    #: Jacobian-vector products in forward mode (off once torch lacks one for the model); plain
-    #: autograd instead of torch.func (on once torch.func refuses the model)
+    # Jacobian-vector products in forward mode (off once torch lacks one for the model); plain
+    # autograd instead of torch.func (on once torch.func refuses the model)
     forward_mode, plain = True, False
 
     def __init__(self, model: nn.Module, lossfn, data, params: Optional[Mapping[str, Tensor]] = None,
@@ -121,17 +121,33 @@ class NetworkOperator(CurvatureOperator):
         return self.codomain.flatten(total)
 
     def batch_weight(self, weight: float) -> float:
-        """How batch ``b``'s matrix enters the data's (:mod:`curvlib.operators.data`): ``w_b``."""
+        """How batch ``b``'s matrix enters the data's (:mod:`curvlib.operators.data`): ``w_b``.
+
+        :meta private:
+        """
         return weight
 
     def batch_product(self, batch: Batch, seeds: BatchSeeds, V: Directions) -> Directions:
-        """One batch's matrix times ``V`` (``{name: [K, *p]}``)."""
+        """One batch's matrix times ``V`` (``{name: [K, *p]}``).
+
+        :meta private:
+        """
         raise NotImplementedError
 
     def block(self, names: Sequence[str]) -> "NetworkOperator":
         """The diagonal block of the parameters ``names`` (in that order): the same curvature as a
         function of those parameters alone, the others held at their values. Shares this
-        operator's trace and data (a layer's top eigenvalue, a block's trace)."""
+        operator's trace and data (a layer's top eigenvalue, a block's trace).
+
+        Args:
+            names: parameter names of the operator (a name alone: that parameter).
+
+        Returns:
+            NetworkOperator: the block, of the same class, on those parameters.
+
+        Raises:
+            CurvatureError: no name, an unknown or repeated name.
+        """
         names = (names,) if isinstance(names, str) else tuple(names)
         unknown = [n for n in names if n not in self.domain.names]
         if not names or unknown or len(set(names)) != len(names):
@@ -148,12 +164,25 @@ class NetworkOperator(CurvatureOperator):
         return sub
 
     def block_shape(self, space: ParameterSpace):
-        """The shape of the block on ``space``."""
+        """The shape of the block on ``space``.
+
+        :meta private:
+        """
         return space.dim, space.dim
 
     def blocks(self, by: str = "module") -> Dict[str, "NetworkOperator"]:
         """The diagonal blocks: one per module owning parameters (``by="module"``, keyed by its
-        path, ``""`` for the model's own) or one per parameter (``by="parameter"``)."""
+        path, ``""`` for the model's own) or one per parameter (``by="parameter"``).
+
+        Args:
+            by: ``"module"`` or ``"parameter"``.
+
+        Returns:
+            dict: module path (or parameter name) -> its block, in the parameters' order.
+
+        Raises:
+            CurvatureError: another ``by``.
+        """
         if by not in ("module", "parameter"):
             raise CurvatureError(f"blocks(by=...) must be 'module' or 'parameter', got {by!r}.")
         groups: Dict[str, list] = {}
@@ -164,7 +193,10 @@ class NetworkOperator(CurvatureOperator):
 
     def with_fallback(self, functorch: Callable[[], T], plain_autograd: Callable[[], T]) -> T:
         """``functorch()``, or ``plain_autograd()`` from the first model ``torch.func`` cannot
-        differentiate on (a custom ``autograd.Function`` without ``setup_context``, :mod:`~curvlib.operators.plain`)."""
+        differentiate on (a custom ``autograd.Function`` without ``setup_context``, :mod:`~curvlib.operators.plain`).
+
+        :meta private:
+        """
         if not self.plain:
             try:
                 return functorch()
@@ -177,7 +209,10 @@ class NetworkOperator(CurvatureOperator):
     def output_curvature(self, batch: Batch, V: Directions, apply: Callable[[Tensor, Tensor], Tensor]) -> Directions:
         """``Jᵀ D J V`` for an output-space matrix ``D``: ``apply(out, JV)`` with ``JV [K, N, *out]``.
         The Jacobian-vector products first (forward mode holds one layer at a time), then one
-        forward kept for the vector-Jacobian products: the peak is a backward's and ``JV``."""
+        forward kept for the vector-Jacobian products: the peak is a backward's and ``JV``.
+
+        :meta private:
+        """
         return self.with_fallback(lambda: self._output_curvature(batch, V, apply),
                                   lambda: plain.output_curvature(batch, V, apply))
 
@@ -193,7 +228,10 @@ class NetworkOperator(CurvatureOperator):
 
     def forward_jacobian_products(self, batch: Batch, theta, V: Directions) -> Optional[Tensor]:
         """``J V`` (``[K, N, *out]``) in forward mode; ``None`` where torch has no forward-mode
-        derivative of some operation of the model (then :func:`reverse_jacobian_products`)."""
+        derivative of some operation of the model (then :func:`reverse_jacobian_products`).
+
+        :meta private:
+        """
         if self.forward_mode:
             try:
                 return over_vectors(lambda v: torch.func.jvp(batch.output, (theta,), (v,))[1], V)
@@ -204,7 +242,10 @@ class NetworkOperator(CurvatureOperator):
         return None
 
     def jacobian_products(self, batch: Batch, theta, V: Directions) -> Tensor:
-        """``J V`` (``[K, N, *out]``), in forward mode where torch has it."""
+        """``J V`` (``[K, N, *out]``), in forward mode where torch has it.
+
+        :meta private:
+        """
         def functorch() -> Tensor:
             jv = self.forward_jacobian_products(batch, theta, V)
             if jv is None:
@@ -215,7 +256,11 @@ class NetworkOperator(CurvatureOperator):
         return self.with_fallback(functorch, lambda: plain.jacobian_products(batch, V))
 
     def parameters(self) -> Dict[str, Tensor]:
-        """The values the operator is evaluated at, parameter name -> tensor."""
+        """The values the operator is evaluated at, parameter name -> tensor.
+
+        Returns:
+            dict: parameter name -> tensor, in the operator's order.
+        """
         return {n: self.data.first.values[n] for n in self.domain.names}
 
 
@@ -251,8 +296,24 @@ def _per_sample_inner(a: Tensor, b: Tensor) -> Tensor:
 class GGN(NetworkOperator):
     """The generalised Gauss-Newton ``G = Jᵀ (c∇²ℓ) J`` of all the parameters: one Jacobian-vector
     product, the loss Hessian per sample in closed form (softmax: ``diag(p) − p pᵀ``) and one
-    vector-Jacobian product per multiplication. Its diagonal is ``DiagGGNExact``'s. Arguments as
-    ``NetworkOperator``'s.
+    vector-Jacobian product per multiplication. Its diagonal is ``DiagGGNExact``'s.
+
+    Args:
+        model: any module ``curvature`` takes (wrapped or not, container outputs).
+        lossfn: the loss, as for ``curvature``.
+        data: ``(X, y)``, or a re-iterable loader of such pairs (the same batches every pass).
+        params: parameter name -> tensor: these values, and the operator acts on exactly these
+            parameters; default (None): the model's, acting on every ``requires_grad`` one.
+        buffers: buffer name -> tensor, replacing the model's (as for ``curvature``).
+        output: the tensor of a container output the loss takes (as for ``curvature``).
+        generator: draws the dropout masks of a model in training mode (one per batch, fixed
+            for the operator's lifetime).
+        chunk_size: vectors multiplied at once by ``A @ M`` (memory grows with it).
+
+    Raises:
+        CurvatureTypeError: an argument of the wrong type (``data`` a one-pass iterator).
+        CurvatureError: anything ``curvature`` refuses for this model and loss, no parameter to act
+            on, a loader whose batches change between passes, a bad ``chunk_size``.
 
     Examples::
 
@@ -276,8 +337,25 @@ class GGN(NetworkOperator):
 class FisherMC(NetworkOperator):
     """The Monte-Carlo Fisher ``F̂ = Σ_n Σ_m s_nm s_nmᵀ``, ``s_nm = √(c/M)·Jₙᵀ∇ℓ(f_n, ŷ_nm)`` with
     ``mc_samples = M`` targets ``ŷ_nm`` per sample drawn from the model's predictive distribution,
-    fixed by ``generator`` for the operator's lifetime: ``E[F̂] = G`` (the GGN). Arguments as
-    ``NetworkOperator``'s, and ``mc_samples``.
+    fixed by ``generator`` for the operator's lifetime: ``E[F̂] = G`` (the GGN).
+
+    Args:
+        model: any module ``curvature`` takes (wrapped or not, container outputs).
+        lossfn: the loss, as for ``curvature``.
+        data: ``(X, y)``, or a re-iterable loader of such pairs (the same batches every pass).
+        params: parameter name -> tensor: these values, and the operator acts on exactly these
+            parameters; default (None): the model's, acting on every ``requires_grad`` one.
+        buffers: buffer name -> tensor, replacing the model's (as for ``curvature``).
+        output: the tensor of a container output the loss takes (as for ``curvature``).
+        generator: draws the dropout masks of a model in training mode (one per batch, fixed
+            for the operator's lifetime) and the Monte-Carlo targets.
+        chunk_size: vectors multiplied at once by ``A @ M`` (memory grows with it).
+        mc_samples: the number ``M`` of targets drawn per sample, an int ≥ 1.
+
+    Raises:
+        CurvatureTypeError: an argument of the wrong type (``data`` a one-pass iterator).
+        CurvatureError: anything ``curvature`` refuses for this model and loss, no parameter to act
+            on, a loader whose batches change between passes, a bad ``chunk_size`` or ``mc_samples``.
 
     Examples::
 
@@ -314,7 +392,24 @@ class EmpiricalFisher(NetworkOperator):
     """The empirical Fisher ``E = Σ_n g_n g_nᵀ`` of the individual gradients ``g_n = ∂(c·ℓ_n)/∂θ``
     (BackPACK's convention: its diagonal is ``SumGradSquared``'s; curvlinops' ``EFLinearOperator``
     scales by ``c`` once, so for ``"mean"`` it is ``M`` times this). Batches of a loader enter with
-    their weight squared. Arguments as ``NetworkOperator``'s.
+    their weight squared.
+
+    Args:
+        model: any module ``curvature`` takes (wrapped or not, container outputs).
+        lossfn: the loss, as for ``curvature``.
+        data: ``(X, y)``, or a re-iterable loader of such pairs (the same batches every pass).
+        params: parameter name -> tensor: these values, and the operator acts on exactly these
+            parameters; default (None): the model's, acting on every ``requires_grad`` one.
+        buffers: buffer name -> tensor, replacing the model's (as for ``curvature``).
+        output: the tensor of a container output the loss takes (as for ``curvature``).
+        generator: draws the dropout masks of a model in training mode (one per batch, fixed
+            for the operator's lifetime).
+        chunk_size: vectors multiplied at once by ``A @ M`` (memory grows with it).
+
+    Raises:
+        CurvatureTypeError: an argument of the wrong type (``data`` a one-pass iterator).
+        CurvatureError: anything ``curvature`` refuses for this model and loss, no parameter to act
+            on, a loader whose batches change between passes, a bad ``chunk_size``.
 
     Examples::
 
