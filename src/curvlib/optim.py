@@ -1,16 +1,16 @@
 """A ``torch.optim``-style KFAC / EKFAC natural-gradient optimizer on curvlib's results.
 
 Each ``step(X, y)`` evaluates the loss, its gradient and (every ``factor_interval`` steps)
-the Kronecker factors with :func:`curvlib.curvature` (no hooks, no ``.grad`` written; the
+the Kronecker factors with ``curvlib.curvature`` (no hooks, no ``.grad`` written; the
 model's parameters are the only thing changed, by the update), keeps running averages
 ``F ← d·F + (1 − d)·F_new`` (``d = ema_decay``; the first value is taken as it is),
 re-decomposes them every ``inverse_interval`` steps and updates
 
     ``Δ = ν (F + λ I)⁻¹ (∇L + w·θ)``,  ``b ← μ b + Δ``,  ``θ ← θ − lr · b``
 
-per parameter (``w`` weight decay, ``μ`` momentum, ``ν ≤ 1`` the ``kl_clip`` factor; :mod:`curvlib.precondition` for the
-damped inverse of each layout: ``"pi"``/``"plain"``/``"exact"`` damping for a Kronecker
-pair, ``(F + λ)⁻¹`` for the exact block of a LayerNorm/BatchNorm/bias parameter, the
+per parameter (``w`` weight decay, ``μ`` momentum, ``ν ≤ 1`` the ``kl_clip`` factor;
+``curvlib.precondition`` for the damped inverse of each layout: ``"pi"``/``"plain"``/``"exact"``
+damping for a Kronecker pair, ``(F + λ)⁻¹`` for the exact block of a LayerNorm/BatchNorm/bias parameter, the
 diagonal of the exact block for generic parameters curvlib has no Kronecker structure for).
 
 ``curvature``: ``"kfac"`` (MC Fisher, ``mc_samples`` labels sampled from the model),
@@ -59,24 +59,42 @@ class KFACOptimizer(torch.optim.Optimizer):
         factor_interval: steps between evaluations of the factors (and EKFAC's eigenvalues).
         inverse_interval: steps between eigendecompositions of the averaged factors.
         ema_decay: ``d`` in ``F ← d·F + (1 − d)·F_new``, in ``[0, 1)``.
-        momentum, weight_decay: as ``torch.optim.SGD``'s, applied to the preconditioned step.
+        momentum: ``μ``, as ``torch.optim.SGD``'s, applied to the preconditioned step.
+        weight_decay: ``w``, as ``torch.optim.SGD``'s: ``w·θ`` is added to the gradient before
+            it is preconditioned.
         kl_clip: ``κ`` (default ``1e-2``) or ``None`` (off): scale the step by ``ν = min(1, sqrt(κ / (lr² Δᵀ∇L)))``
             (Ba et al. 2017's trust region; ``Δᵀ∇L ≈ ΔᵀFΔ``): KFAC with small damping is
             unstable without it.
-        mc_samples, generator: of ``KFAC`` (``"kfac"``, ``"ekfac"``).
-        kfac_approx: ``None``, ``"expand"`` or ``"reduce"`` (:class:`curvlib.extensions.KFAC`).
-        max_factor_dim: factor sides larger than it are diagonal (:class:`curvlib.extensions.KFAC`;
+        mc_samples: labels sampled per sample for the Monte-Carlo factors (``"kfac"``,
+            ``"ekfac"``), as ``curvlib.extensions.KFAC``'s.
+        generator: the ``torch.Generator`` those labels are drawn from (None: torch's global one).
+        kfac_approx: ``None``, ``"expand"`` or ``"reduce"`` (as ``curvlib.extensions.KFAC``'s).
+        max_factor_dim: factor sides larger than it are diagonal (as ``curvlib.extensions.KFAC``'s;
             a language model's head).
+
+    Raises:
+        CurvatureError: an unknown ``curvature`` or ``method``, a non-positive ``damping``, an
+            option out of range, or what ``curvature`` refuses for the model and loss.
 
     ``step(X, y)`` returns the loss at the parameters before the update (detached).
     ``state_dict()``/``load_state_dict()`` hold the averaged factors, EKFAC's eigenvalues,
     momentum buffers and the step count.
 
-    Example::
+    Examples::
 
-        opt = KFACOptimizer(model, nn.MSELoss(), lr=0.5, damping=1e-3, curvature="kflr")
-        for _ in range(100):
-            opt.step(X, y)
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib.optim import KFACOptimizer
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+        >>> X, y = torch.randn(32, 3), torch.randn(32, 1)
+        >>> opt = KFACOptimizer(model, nn.MSELoss(), lr=0.5, damping=1e-3, curvature="kflr")
+        >>> first = opt.step(X, y)                 # the loss before the update
+        >>> for _ in range(20):
+        ...     last = opt.step(X, y)
+        >>> bool(last < first)
+        True
     """
 
     def __init__(self, model: nn.Module, lossfn, lr: float = 0.1, damping: float = 1e-3, *,
@@ -115,7 +133,19 @@ class KFACOptimizer(torch.optim.Optimizer):
         """One update on the batch ``(X, y)``; returns the loss before it (module doc).
 
         EKFAC re-computes its basis only on steps that also evaluate the factors (the
-        eigenvalues are re-fitted from that batch's individual gradients)."""
+        eigenvalues are re-fitted from that batch's individual gradients).
+
+        Args:
+            X: the batch's input.
+            y: the batch's targets.
+            closure: refused: the batch is passed as ``(X, y)`` (``torch.optim``'s signature).
+
+        Returns:
+            Tensor: the loss at the parameters before the update, detached.
+
+        Raises:
+            CurvatureTypeError: a closure, or no batch.
+        """
         if closure is not None or X is None or y is None:
             raise CurvatureTypeError("KFACOptimizer.step(X, y): pass the batch (curvature needs it), "
                                      "not a closure.")
@@ -203,14 +233,22 @@ class KFACOptimizer(torch.optim.Optimizer):
             p.add_(d, alpha=-group["lr"])
 
     def state_dict(self) -> dict:
-        """``torch.optim.Optimizer``'s state dict plus the step count."""
+        """``torch.optim.Optimizer``'s state dict plus the step count.
+
+        Returns:
+            dict: ``torch.optim.Optimizer``'s, with ``"curvlib_steps"``.
+        """
         sd = super().state_dict()
         sd["curvlib_steps"] = self._steps
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore factors, eigenvalues, buffers and the step count; the eigendecompositions
-        are recomputed from the restored factors at the next step."""
+        are recomputed from the restored factors at the next step.
+
+        Args:
+            state_dict: what ``state_dict()`` returned (it is not changed).
+        """
         state_dict = dict(state_dict)
         self._steps = int(state_dict.pop("curvlib_steps", 0))
         super().load_state_dict(state_dict)

@@ -58,13 +58,26 @@ def strategy(name: str) -> Iterator[None]:
             default) or ``"auto"`` (by device). Results are the same; only
             speed and memory differ.
 
-    Per thread and ``asyncio`` task (a :mod:`contextvars` variable); takes
+    Per thread and ``asyncio`` task (a ``contextvars`` variable); takes
     precedence over the ``CURVLIB_STRATEGY`` environment variable.
 
-    Example::
+    Returns:
+        A context manager; nothing is bound by ``with ... as``.
 
-        with curvlib.strategy("batched"):
-            qs = curvature(model, lossfn, [DiagGGNExact()])(X, y)
+    Raises:
+        CurvatureError: an unknown ``name``.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> import curvlib
+        >>> from curvlib.extensions import DiagGGNExact
+        >>> model, X, y = nn.Linear(3, 2), torch.randn(4, 3), torch.randint(0, 2, (4,))
+        >>> with curvlib.strategy("batched"):
+        ...     qs = curvlib.curvature(model, nn.CrossEntropyLoss(), [DiagGGNExact()])(X, y)
+        >>> qs["diag_ggn_exact"]["weight"].shape
+        torch.Size([2, 3])
     """
     token = _forced.set(_check(name, "curvlib.strategy"))
     try:

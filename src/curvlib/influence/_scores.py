@@ -133,7 +133,10 @@ def scores(model: nn.Module, lossfn, factors: Mapping, queries, train, *, dampin
         train: ``(X, y)`` or a re-iterable loader: the training examples scored, in order.
         damping: ``λ``, or ``None`` for ``0.1 · mean(s_p)`` per block.
         query_rank: as for ``precondition_queries``.
-        params, buffers, output: as for ``precondition_queries``.
+        params: parameter name -> value, for the parameters ``factors`` were fitted on (as for
+            ``precondition_queries``).
+        buffers: buffer name -> tensor, replacing the model's (as for ``curvature``).
+        output: the tensor of a container output the loss takes (as for ``curvature``).
         method: ``"gradients"``: each training batch's example gradients ``[N_b, P]``, contracted
             block by block (time independent of ``Q``); ``"jvp"``: one Jacobian-vector product per
             query and batch, contracted with each example's output gradient (memory a forward's

@@ -31,9 +31,23 @@ _COMMON = ("last_layer", "subnetwork_indices", "dict_key_x", "dict_key_y", "gene
 class CurvlibGGN(CurvlibInterface, GGNInterface):
     """laplace-torch backend: the GGN (``stochastic=True``: Monte-Carlo Fisher) from curvlib.
 
-    Args: those of ``CurvlibInterface``, plus ``stochastic`` (use Monte-Carlo
-    labels: ``DiagGGNMC``, ``KFAC``, ``SqrtGGNMC``) and ``num_samples`` (their
-    ``mc_samples``; a call's ``mc_samples=`` overrides it).
+    Args:
+        model: the network (for last-layer Laplace, laplace's ``FeatureExtractor``;
+            curvature is then taken of its last layer on the detached features).
+        likelihood: ``"classification"`` or ``"regression"``.
+        last_layer: only the last layer's parameters.
+        subnetwork_indices: indices into the flattened parameter vector
+            (``diag``, ``full``, ``gradients``, ``jacobians``).
+        dict_key_x: laplace's key of the input in a mapping batch (laplace reads batch
+            sizes with it; the model gets the whole mapping).
+        dict_key_y: laplace's key of the targets in a mapping batch.
+        stochastic: use Monte-Carlo labels (``DiagGGNMC``, ``KFAC``, ``SqrtGGNMC``).
+        num_samples: their ``mc_samples``, a positive int (a call's ``mc_samples=`` overrides it).
+        generator: optional ``torch.Generator`` for the Monte-Carlo extensions.
+        **unknown: any other keyword (laplace-torch's ``backend_kwargs``): refused.
+
+    Raises:
+        CurvatureError: an unknown keyword, a ``num_samples`` that is not a positive int.
 
     Examples::
 
@@ -82,7 +96,21 @@ class CurvlibGGN(CurvlibInterface, GGNInterface):
         return {"mc_samples": mc_samples, "generator": self.generator}
 
     def diag(self, x: Any, y: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
-        """``(factor * loss, factor * diag(GGN))`` for the batch, ``[P]``."""
+        """``(factor * loss, factor * diag(GGN))`` for the batch, ``[P]``.
+
+        Args:
+            x: the input batch: a tensor, or a mapping or tuple of tensors, batch in dim 0.
+            y: the targets: class indices ``[N]`` or probabilities ``[N, C]`` (classification),
+                ``[N, C]`` (regression).
+            **kwargs: laplace's ``N`` (ignored) and ``mc_samples`` (Monte-Carlo labels,
+                ``stochastic`` only; default ``num_samples``); any other is refused.
+
+        Returns:
+            tuple: ``(loss, diagonal [P])``, both times ``factor``.
+
+        Raises:
+            CurvatureError: an unknown keyword or a bad option.
+        """
         opts = method_options(self, "diag", kwargs)
         ext = DiagGGNMC(**self._mc(opts["mc_samples"])) if self.stochastic else DiagGGNExact()
         qs = self._run([ext], x, y)
@@ -90,7 +118,21 @@ class CurvlibGGN(CurvlibInterface, GGNInterface):
         return self.factor * qs["loss"].detach(), self.factor * H.detach()
 
     def full(self, x: Any, y: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
-        """``(factor * loss, factor * GGN)`` for the batch, ``[P, P]``, as ``Σ S Sᵀ``."""
+        """``(factor * loss, factor * GGN)`` for the batch, ``[P, P]``, as ``Σ S Sᵀ``.
+
+        Args:
+            x: the input batch: a tensor, or a mapping or tuple of tensors, batch in dim 0.
+            y: the targets: class indices ``[N]`` or probabilities ``[N, C]`` (classification),
+                ``[N, C]`` (regression).
+            **kwargs: laplace's ``N`` (ignored) and ``mc_samples`` (Monte-Carlo labels,
+                ``stochastic`` only; default ``num_samples``); any other is refused.
+
+        Returns:
+            tuple: ``(loss, matrix [P, P])``, both times ``factor``.
+
+        Raises:
+            CurvatureError: an unknown keyword or a bad option.
+        """
         opts = method_options(self, "full", kwargs)
         ext = SqrtGGNMC(**self._mc(opts["mc_samples"])) if self.stochastic else SqrtGGNExact()
         qs = self._run([ext], x, y)
@@ -106,6 +148,21 @@ class CurvlibGGN(CurvlibInterface, GGNInterface):
         (``stochastic``: Monte-Carlo) GGN block as a single Kron factor.
         ``mc_samples`` (stochastic only) and ``kfac_approx`` as for laplace's
         curvlinops backend.
+
+        Args:
+            x: the input batch: a tensor, or a mapping or tuple of tensors, batch in dim 0.
+            y: the targets: class indices ``[N]`` or probabilities ``[N, C]`` (classification),
+                ``[N, C]`` (regression).
+            N: the size of the whole data set (``A`` is rescaled by ``M / N``; see the module doc).
+            **kwargs: ``mc_samples`` (Monte-Carlo labels, ``stochastic`` only; default
+                ``num_samples``) and ``kfac_approx`` (``None``, ``"expand"`` or ``"reduce"``); any
+                other is refused.
+
+        Returns:
+            tuple: ``(loss, Kron)``: laplace's ``Kron`` of the factors, both times ``factor``.
+
+        Raises:
+            CurvatureError: an unknown keyword or a bad option.
         """
         opts = method_options(self, "kron", kwargs)
         mc = self._mc(opts["mc_samples"])
@@ -130,6 +187,22 @@ class CurvlibEF(CurvlibInterface, EFInterface):
     (``BatchGrad``); ``kron`` curvlib's ``KFACEmpirical`` (KFAC with the
     individual loss gradients backpropagated; other 1-D parameters: their exact
     empirical-Fisher block from ``BatchGrad``).
+
+    Args:
+        model: the network (for last-layer Laplace, laplace's ``FeatureExtractor``;
+            curvature is then taken of its last layer on the detached features).
+        likelihood: ``"classification"`` or ``"regression"``.
+        last_layer: only the last layer's parameters.
+        subnetwork_indices: indices into the flattened parameter vector
+            (``diag``, ``full``, ``gradients``, ``jacobians``).
+        dict_key_x: laplace's key of the input in a mapping batch (laplace reads batch
+            sizes with it; the model gets the whole mapping).
+        dict_key_y: laplace's key of the targets in a mapping batch.
+        generator: optional ``torch.Generator`` for the Monte-Carlo extensions.
+        **unknown: any other keyword (laplace-torch's ``backend_kwargs``): refused.
+
+    Raises:
+        CurvatureError: an unknown keyword.
 
     Examples::
 
@@ -162,21 +235,62 @@ class CurvlibEF(CurvlibInterface, EFInterface):
         )
 
     def diag(self, x: Any, y: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
-        """``(factor * loss, factor * Σ_n g_n²)``, ``[P]``."""
+        """``(factor * loss, factor * Σ_n g_n²)``, ``[P]``.
+
+        Args:
+            x: the input batch: a tensor, or a mapping or tuple of tensors, batch in dim 0.
+            y: the targets: class indices ``[N]`` or probabilities ``[N, C]`` (classification),
+                ``[N, C]`` (regression).
+            **kwargs: laplace's ``N`` (ignored) and ``mc_samples`` (1 only); any other is refused.
+
+        Returns:
+            tuple: ``(loss, diagonal [P])``, both times ``factor``.
+
+        Raises:
+            CurvatureError: an unknown keyword or a bad option.
+        """
         method_options(self, "diag", kwargs)
         qs = self._run([SumGradSquared()], x, y)
         H = self._select(self._flatten(qs["sum_grad_squared"], 0))
         return self.factor * qs["loss"].detach(), self.factor * H.detach()
 
     def full(self, x: Any, y: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
-        """``(factor * loss, factor * Σ_n g_n g_nᵀ)``, ``[P, P]``."""
+        """``(factor * loss, factor * Σ_n g_n g_nᵀ)``, ``[P, P]``.
+
+        Args:
+            x: the input batch: a tensor, or a mapping or tuple of tensors, batch in dim 0.
+            y: the targets: class indices ``[N]`` or probabilities ``[N, C]`` (classification),
+                ``[N, C]`` (regression).
+            **kwargs: laplace's ``N`` (ignored) and ``mc_samples`` (1 only); any other is refused.
+
+        Returns:
+            tuple: ``(loss, matrix [P, P])``, both times ``factor``.
+
+        Raises:
+            CurvatureError: an unknown keyword or a bad option.
+        """
         method_options(self, "full", kwargs)
         Gs, loss = self.gradients(x, y)
         return self.factor * loss, self.factor * (Gs.T @ Gs)
 
     def kron(self, x: Any, y: Tensor, N: int, **kwargs: Any) -> Tuple[Tensor, Kron]:
         """``(factor * loss, factor * Kron)`` of the empirical Fisher (``kfac_approx`` as for
-        laplace's curvlinops backend)."""
+        laplace's curvlinops backend).
+
+        Args:
+            x: the input batch: a tensor, or a mapping or tuple of tensors, batch in dim 0.
+            y: the targets: class indices ``[N]`` or probabilities ``[N, C]`` (classification),
+                ``[N, C]`` (regression).
+            N: the size of the whole data set (``A`` is rescaled by ``M / N``; see the module doc).
+            **kwargs: ``mc_samples`` (1 only) and ``kfac_approx`` (``None``, ``"expand"`` or
+                ``"reduce"``); any other is refused.
+
+        Returns:
+            tuple: ``(loss, Kron)``: laplace's ``Kron`` of the factors, both times ``factor``.
+
+        Raises:
+            CurvatureError: an unknown keyword or a bad option.
+        """
         opts = method_options(self, "kron", kwargs)
 
         def kron_ext(names: List[str]):

@@ -33,8 +33,9 @@ class CurvlibInterface(CurvatureInterface):
         last_layer: only the last layer's parameters.
         subnetwork_indices: indices into the flattened parameter vector
             (``diag``, ``full``, ``gradients``, ``jacobians``).
-        dict_key_x, dict_key_y: laplace's keys for mapping inputs (laplace reads
-            batch sizes and targets with them; the model gets the whole mapping).
+        dict_key_x: laplace's key of the input in a mapping batch (laplace reads batch
+            sizes with it; the model gets the whole mapping).
+        dict_key_y: laplace's key of the targets in a mapping batch.
         generator: optional ``torch.Generator`` for the Monte-Carlo extensions.
 
     Examples::
@@ -141,6 +142,13 @@ class CurvlibInterface(CurvatureInterface):
         ``C`` outputs. curvlib's results carry no autograd graph, so with
         ``enable_backprop`` (Jacobians differentiable w.r.t. ``x``) this uses
         laplace-torch's ``torch.func`` Jacobians instead.
+
+        Args:
+            x: the input batch: a tensor, or a mapping or tuple of tensors, batch in dim 0.
+            enable_backprop: Jacobians differentiable w.r.t. ``x`` (laplace's ``torch.func`` path).
+
+        Returns:
+            tuple: ``(Js [N, C, P], out [N, C])``.
         """
         if enable_backprop and not self.last_layer:
             return CurvatureInterface.jacobians(self, x, enable_backprop=True)
@@ -162,7 +170,16 @@ class CurvlibInterface(CurvatureInterface):
     def selected_output_jacobians(
         self, x: Any, outputs: Tensor, enable_backprop: bool = False
     ) -> Tuple[Tensor, Tensor]:
-        """Jacobians of the selected outputs ``outputs`` (``[N]`` or ``[N, K]``): ``[N, K, P]``."""
+        """Jacobians of the selected outputs ``outputs`` (``[N]`` or ``[N, K]``): ``[N, K, P]``.
+
+        Args:
+            x: the input batch, as for ``jacobians``.
+            outputs: the output index per sample, ``[N]``, or ``K`` of them, ``[N, K]``.
+            enable_backprop: as for ``jacobians``.
+
+        Returns:
+            tuple: ``(Js [N, K, P], out [N, C])``.
+        """
         Js, out = self.jacobians(x, enable_backprop=enable_backprop)
         if outputs.ndim == 1:
             outputs = outputs[:, None]
@@ -172,7 +189,15 @@ class CurvlibInterface(CurvatureInterface):
         return torch.gather(Js, 1, index), out
 
     def gradients(self, x: Any, y: Tensor) -> Tuple[Tensor, Tensor]:
-        """Individual gradients ``[N, P]`` of laplace's sum-reduced loss, and that loss."""
+        """Individual gradients ``[N, P]`` of laplace's sum-reduced loss, and that loss.
+
+        Args:
+            x: the input batch, as for ``jacobians``.
+            y: the targets ``[N]`` (class indices), ``[N, C]`` (probabilities or regression targets).
+
+        Returns:
+            tuple: ``(Gs [N, P], loss)``, ``loss`` the scalar sum-reduced loss.
+        """
         qs = self._run([BatchGrad()], x, y)
         Gs = self._select(self._flatten(qs["grad_batch"], 1))
         return Gs.detach(), qs["loss"].detach()

@@ -95,6 +95,13 @@ class LossSpec:
 def loss_spec(lossfn: object) -> LossSpec:
     """Check ``lossfn`` and describe it (structural or generic, see the module doc).
 
+    Args:
+        lossfn: a loss module (``nn.CrossEntropyLoss``, ``nn.MSELoss``, ``nn.BCEWithLogitsLoss``
+            or any other) or a function ``lossfn(output, y)`` returning a scalar.
+
+    Returns:
+        LossSpec: its kind (structural or generic), reduction and the loss itself.
+
     Raises:
         CurvatureTypeError: ``lossfn`` is not callable as ``lossfn(output, y)``.
         CurvatureError: it has ``reduction="none"`` (curvlib needs a scalar loss).
@@ -108,10 +115,12 @@ def loss_spec(lossfn: object) -> LossSpec:
         'ce'
         >>> losses.loss_spec(nn.HuberLoss()).kind                 # any other per-sample loss
         'generic'
-        >>> losses.loss_spec(nn.MSELoss(reduction="none"))
-        Traceback (most recent call last):
-            ...
-        curvlib._core.errors.CurvatureError: MSELoss(reduction='none') is not supported: curvlib needs a scalar loss that sums or averages per-sample terms. Use reduction='sum' (or 'mean'); individual terms are what BatchGrad and the batch diagonals return.
+        >>> from curvlib import CurvatureError
+        >>> try:
+        ...     losses.loss_spec(nn.MSELoss(reduction="none"))
+        ... except CurvatureError as err:
+        ...     print(err)
+        MSELoss(reduction='none') is not supported: curvlib needs a scalar loss that sums or averages per-sample terms. Use reduction='sum' (or 'mean'); individual terms are what BatchGrad and the batch diagonals return.
     """
     if not callable(lossfn) or isinstance(lossfn, type):
         raise CurvatureTypeError(
@@ -162,7 +171,7 @@ def check_targets(spec: LossSpec, out: Tensor, y: object, signs: bool = False) -
         out: model output ``[N, *]`` (a meta tensor is enough).
         y: targets, batch in dim 0.
         signs: also read whether the loss Hessian's scale has a negative entry (a structural
-            loss whose options allow one, see ``curvlib.losses._structural``), in the same host
+            loss whose options allow one, as a negative ``weight``), in the same host
             read as cross-entropy's class-index range (one sync on a GPU), and return it.
 
     Returns:
@@ -179,10 +188,12 @@ def check_targets(spec: LossSpec, out: Tensor, y: object, signs: bool = False) -
         >>> from curvlib import losses
         >>> spec = losses.loss_spec(nn.MSELoss())
         >>> losses.check_targets(spec, torch.zeros(4, 3), torch.zeros(4, 3))     # fine: returns None
-        >>> losses.check_targets(spec, torch.zeros(4, 3), torch.zeros(4, 2))
-        Traceback (most recent call last):
-            ...
-        curvlib._core.errors.CurvatureError: MSELoss: y has shape (4, 2), but the model output has shape (4, 3); they must be equal.
+        >>> from curvlib import CurvatureError
+        >>> try:
+        ...     losses.check_targets(spec, torch.zeros(4, 3), torch.zeros(4, 2))
+        ... except CurvatureError as err:
+        ...     print(err)
+        MSELoss: y has shape (4, 2), but the model output has shape (4, 3); they must be equal.
     """
     if not isinstance(y, Tensor):
         raise CurvatureTypeError(f"y must be a torch.Tensor, got {type(y).__name__}.")
@@ -211,6 +222,14 @@ def check_targets(spec: LossSpec, out: Tensor, y: object, signs: bool = False) -
 def loss_value(spec: LossSpec, out: Tensor, y: Tensor) -> Tensor:
     """``lossfn(out, y)``, by the user's own loss (a module's ``forward``: its hooks are not run).
 
+    Args:
+        spec: the loss, as ``loss_spec`` describes it.
+        out: the model output ``[N, *out]`` (logits for CE and BCE).
+        y: the targets (class indices ``[N, ...]`` or probabilities for CE; ``out``'s shape for MSE and BCE).
+
+    Returns:
+        Tensor: the scalar loss, as ``spec.module(out, y)`` computes it.
+
     Examples::
 
         >>> import torch
@@ -227,6 +246,15 @@ def loss_value(spec: LossSpec, out: Tensor, y: Tensor) -> Tensor:
 
 def normaliser(spec: LossSpec, y: Tensor, out_shape=None) -> Optional[float]:
     """``M`` with ``c = 1/M`` for ``"mean"`` (module doc), 1 for ``"sum"``, ``None`` if unknown (generic).
+
+    Args:
+        spec: the loss, as ``loss_spec`` describes it.
+        y: the targets (class indices ``[N, ...]`` or probabilities for CE; ``out``'s shape for MSE and BCE).
+        out_shape: the output's shape, for a generic loss's reading (optional).
+
+    Returns:
+        float or None: ``M``, the number of terms a ``"mean"`` averages over; 1.0 for ``"sum"``;
+        None for a generic loss.
 
     Examples::
 
@@ -269,6 +297,14 @@ def reduction_factor(spec: LossSpec, y: Tensor):
     strategy (``curvlib.strategy``, the CUDA default), where reading the count
     would stall a GPU's launch queue (a host sync) in the middle of the call.
 
+    Args:
+        spec: the loss, as ``loss_spec`` describes it.
+        y: the targets (class indices ``[N, ...]`` or probabilities for CE; ``out``'s shape for MSE and BCE).
+
+    Returns:
+        float or Tensor: ``c = 1/M`` (0 when nothing is counted); a 0-dim tensor where ``y``'s
+        values cannot be read as Python numbers (under ``torch.func`` transforms).
+
     Examples::
 
         >>> import torch
@@ -291,8 +327,20 @@ def curvature_at(spec: LossSpec, out: Tensor, y: Tensor, check: bool = True, neg
     """The loss Hessian at ``(out, y)``: an object with ``roots()``, ``sampled_roots(M, gen)``,
     ``matvec(mat)``, ``modified_matvec(mat, modify)``, ``signed`` and ``most_negative()``.
 
-    ``check``: for a generic loss, refuse one that couples samples (where values are readable).
-    ``negative``: whether the scale has a negative entry, when ``check_targets`` read it.
+    Args:
+        spec: the loss, as ``loss_spec`` describes it.
+        out: the model output ``[N, *out]`` (logits for CE and BCE).
+        y: the targets (class indices ``[N, ...]`` or probabilities for CE; ``out``'s shape for MSE and BCE).
+        check: for a generic loss, refuse one that couples samples (where values are readable).
+        negative: whether the scale has a negative entry, when ``check_targets`` read it (None: unknown).
+
+    Returns:
+        The loss Hessian at ``(out, y)``: an object with ``roots()`` (``[(sign, S [C, N, *out])]``),
+        ``sampled_roots(M, gen)``, ``matvec(mat)``, ``modified_matvec(mat, modify)``, ``signed`` and
+        ``most_negative()``.
+
+    Raises:
+        CurvatureError: a generic loss that couples samples (with ``check``).
 
     Examples::
 
@@ -327,8 +375,19 @@ def sqrt_hessian(spec: LossSpec, out: Tensor, y: Tensor) -> Tensor:
     * CE (per sample and position): ``∇²ℓ = diag(p) − p pᵀ``, ``p = softmax(f)``;
       column ``c'`` of the root is ``√p_{c'} (e_{c'} − p)``, non-zero only at its own position.
 
-    (Options scale each term, see ``curvlib.losses._structural``.) Raises if the
-    Hessian is indefinite (use ``curvature_at`` for signed roots).
+    (The loss's options, as ``weight`` or ``pos_weight``, scale each term.)
+
+    Args:
+        spec: the loss, as ``loss_spec`` describes it.
+        out: the model output ``[N, *out]`` (logits for CE and BCE).
+        y: the targets (class indices ``[N, ...]`` or probabilities for CE; ``out``'s shape for MSE and BCE).
+
+    Returns:
+        Tensor: ``S [C, N, *out.shape[1:]]`` with ``Σ_v S_v S_vᵀ = c∇²ℓ`` per sample (``C`` the
+        entries of one sample's output).
+
+    Raises:
+        CurvatureError: the loss Hessian is indefinite (use ``curvature_at`` for signed roots).
 
     Examples::
 
@@ -357,6 +416,16 @@ def sqrt_hessian_sampled(spec: LossSpec, out: Tensor, y: Tensor, mc_samples: int
 
     The same ``generator`` state gives the same result.
 
+    Args:
+        spec: the loss, as ``loss_spec`` describes it.
+        out: the model output ``[N, *out]`` (logits for CE and BCE).
+        y: the targets (class indices ``[N, ...]`` or probabilities for CE; ``out``'s shape for MSE and BCE).
+        mc_samples: the number ``M`` of sampled targets per sample, an int ≥ 1.
+        generator: the ``torch.Generator`` the targets are drawn from (None: torch's global one).
+
+    Returns:
+        Tensor: ``[M, N, *out.shape[1:]]``, the sampled columns ``s_m``.
+
     Examples::
 
         >>> import torch
@@ -373,6 +442,15 @@ def sqrt_hessian_sampled(spec: LossSpec, out: Tensor, y: Tensor, mc_samples: int
 
 def hessian_matvec(spec: LossSpec, out: Tensor, y: Tensor, mat: Tensor) -> Tensor:
     """``c · ∇²ℓ`` applied per sample: ``mat [V, N, *out.shape[1:]]`` -> same shape.
+
+    Args:
+        spec: the loss, as ``loss_spec`` describes it.
+        out: the model output ``[N, *out]`` (logits for CE and BCE).
+        y: the targets (class indices ``[N, ...]`` or probabilities for CE; ``out``'s shape for MSE and BCE).
+        mat: ``[V, N, *out.shape[1:]]``: ``V`` vectors per sample.
+
+    Returns:
+        Tensor: ``c∇²ℓ_n`` times each vector, the shape of ``mat``.
 
     Examples::
 

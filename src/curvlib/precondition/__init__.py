@@ -6,7 +6,7 @@ usable under ``torch.func.vmap``/``grad``. A preconditioner maps a dict of vecto
 shaped like the parameters (a gradient) to a dict of the same shapes.
 
 **Kronecker factors** (``qs["kfac"]``, ``qs["kflr"]``, ``qs["kfra"]``,
-``qs["kfac_empirical"]``; every layout of :mod:`curvlib._core.kronlayout`). For a weight with
+``qs["kfac_empirical"]``; every layout of docs/conventions.md). For a weight with
 factors ``[B [o, o], A [a, a]]`` (``B`` output side, ``A = (1/N) Σ x xᵀ`` input side)
 and ``V [o, a]`` the vector as a matrix, ``(B ⊗ A + λ I)⁻¹ vec V`` is approximated by
 ``method``:
@@ -80,8 +80,18 @@ Vectors = Mapping[str, Tensor]
 def transposed_weights(model: nn.Module) -> frozenset:
     """Names of ``model``'s ``ConvTranspose`` weights (their factors' ``B`` is on dim 1).
 
-    Example: ``transposed_weights(nn.Sequential(nn.ConvTranspose2d(2, 2, 3)))`` ->
-    ``frozenset({"0.weight"})``.
+    Args:
+        model: the model whose factors are preconditioned.
+
+    Returns:
+        frozenset: the names (``model.named_parameters()``'s) of its ``ConvTranspose`` weights.
+
+    Examples::
+
+        >>> from torch import nn
+        >>> from curvlib.precondition import transposed_weights
+        >>> transposed_weights(nn.Sequential(nn.ConvTranspose2d(2, 2, 3), nn.Conv2d(2, 2, 3)))
+        frozenset({'0.weight'})
     """
     return frozenset(
         f"{prefix}.weight" if prefix else "weight"
@@ -95,7 +105,25 @@ def reduction_scale(lossfn, y: Tensor) -> float:
     ``nn.BCEWithLogitsLoss``) on targets ``y``: ``N`` for cross-entropy with
     ``reduction="mean"`` on class indices ``[N]``, ``y.numel()`` for MSE, 1 for ``"sum"``.
 
-    Example: ``reduction_scale(nn.CrossEntropyLoss(), torch.tensor([0, 2, 1]))`` -> ``3.0``.
+    Args:
+        lossfn: the loss module the results were computed with.
+        y: the targets of the batch.
+
+    Returns:
+        float: ``1/c``, the ``scale`` ``ekfac_eigenvalues`` takes for ``qs["grad_batch"]``.
+
+    Raises:
+        CurvatureError: a generic loss, whose normaliser curvlib does not know.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib.precondition import reduction_scale
+        >>> reduction_scale(nn.CrossEntropyLoss(), torch.tensor([0, 2, 1]))
+        3.0
+        >>> reduction_scale(nn.MSELoss(reduction="sum"), torch.zeros(4, 3))
+        1.0
     """
     m = normaliser(loss_spec(lossfn), y)
     if m is None:
@@ -189,10 +217,20 @@ def kron_preconditioner(factors: Mapping[str, Sequence[Tensor]], damping: float,
         ``P``, mapping a dict of tensors shaped like the parameters (any subset of the
         factors' names; batch them with ``torch.func.vmap``) to the preconditioned dict.
 
-    Example::
+    Examples::
 
-        P = kron_preconditioner(qs["kfac"], damping=1e-3)
-        step = P(qs["grad"])        # {"0.weight": [O, I], "0.bias": [O], ...}
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib import curvature
+        >>> from curvlib.extensions import KFLR
+        >>> from curvlib.precondition import kron_preconditioner
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        >>> X, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+        >>> qs = curvature(model, nn.CrossEntropyLoss(), [KFLR()])(X, y)
+        >>> P = kron_preconditioner(qs["kflr"], damping=1e-3, model=model)
+        >>> step = P(qs["grad"])                      # a dict shaped like the parameters
+        >>> step["0.weight"].shape
+        torch.Size([4, 3])
     """
     _check_damping(damping)
     _check_method(method)
@@ -203,10 +241,37 @@ def kron_inverse_vp(factors: Mapping[str, Sequence[Tensor]], vectors: Vectors, d
                     method: str = "pi", model: Optional[nn.Module] = None) -> Dict[str, Tensor]:
     """``{name: (F_name + λ I)⁻¹ v_name}`` for Kronecker factors (module doc for ``method``).
 
-    ``vectors``: name -> tensor shaped like the parameter (e.g. ``qs["grad"]``). See
-    :func:`kron_preconditioner` (which caches the eigendecompositions) for the arguments.
+    ``kron_preconditioner`` caches the eigendecompositions for many calls.
 
-    Example: ``kron_inverse_vp(qs["kflr"], qs["grad"], 1e-2, method="exact")``.
+    Args:
+        factors: ``qs["kfac"]`` (or ``"kflr"``, ``"kfra"``, ``"kfac_empirical"``): name ->
+            list of factors (module doc for the layouts).
+        vectors: name -> tensor shaped like the parameter (e.g. ``qs["grad"]``), or
+            ``[K, *p.shape]`` for ``K`` vectors.
+        damping: ``λ > 0``.
+        method: ``"pi"``, ``"plain"`` or ``"exact"`` (module doc, with the formulas).
+        model: the model, to know its ``ConvTranspose`` weights (optional otherwise).
+
+    Returns:
+        dict: name -> the preconditioned vector, shaped like ``vectors[name]``.
+
+    Raises:
+        CurvatureError: ``damping`` is not positive, an unknown ``method``, a vector without
+            factors or of the wrong shape.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib import curvature
+        >>> from curvlib.extensions import KFLR
+        >>> from curvlib.precondition import kron_inverse_vp
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        >>> X, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+        >>> qs = curvature(model, nn.CrossEntropyLoss(), [KFLR()])(X, y)
+        >>> step = kron_inverse_vp(qs["kflr"], qs["grad"], damping=1e-2, method="exact")
+        >>> {name: tuple(t.shape) for name, t in step.items()}["2.weight"]
+        (2, 4)
     """
     return kron_preconditioner(factors, damping, method=method, model=model)(vectors)
 
@@ -220,16 +285,29 @@ def ekfac_eigenvalues(factors: Mapping[str, Sequence[Tensor]], rows: Vectors, *,
         rows: name -> ``[K, *p.shape]`` gradient-like rows ``G_n``: ``qs["grad_batch"]``
             (``K = N``), or ``qs["sqrt_ggn_mc"]``/``["sqrt_ggn_exact"]`` ``[M, N, *p]``
             (all leading dims are summed over).
-        scale: ``1/c`` for ``grad_batch`` (:func:`reduction_scale`), 1 for square roots.
+        scale: ``1/c`` for ``grad_batch`` (``reduction_scale``), 1 for square roots.
+        model: the model, to know its ``ConvTranspose`` weights (optional otherwise).
 
     Returns:
         name -> ``s``, shaped ``[G, o, a]`` (the core of the layout; ``[1, o, a]`` for an
         ungrouped weight, ``[1, P, 1]`` for a single factor; where the first factor is 1-D,
         as for an Embedding ``[V, D]`` with factors ``[A [V], B [D, D]]``, the core is the
-        parameter transposed, ``[1, D, V]``). :func:`ekfac_preconditioner` reads it so; index
+        parameter transposed, ``[1, D, V]``). ``ekfac_preconditioner`` reads it so; index
         it by parameter entry only through that layout.
 
-    Example: ``s = ekfac_eigenvalues(qs["kfac"], qs["grad_batch"], scale=len(X))``.
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib import curvature
+        >>> from curvlib.extensions import BatchGrad, KFLR
+        >>> from curvlib.precondition import ekfac_eigenvalues
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        >>> X, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+        >>> qs = curvature(model, nn.CrossEntropyLoss(), [KFLR(), BatchGrad()])(X, y)
+        >>> s = ekfac_eigenvalues(qs["kflr"], qs["grad_batch"], scale=len(X))   # 1/c of a "mean" loss
+        >>> s["0.weight"].shape                                  # [G, o, a]
+        torch.Size([1, 4, 3])
     """
     transposed = transposed_weights(model) if model is not None else None
     out = {}
@@ -259,12 +337,31 @@ def ekfac_preconditioner(factors: Mapping[str, Sequence[Tensor]], eigenvalues: M
                          damping: float, *, model: Optional[nn.Module] = None
                          ) -> Callable[[Vectors], Dict[str, Tensor]]:
     """``P(vectors) = {name: (Q_B ⊗ Q_A)(diag(s) + λ)⁻¹(Q_B ⊗ Q_A)ᵀ v}`` for ``s`` from
-    :func:`ekfac_eigenvalues` (same ``factors``).
+    ``ekfac_eigenvalues`` (same ``factors``).
 
-    Example::
+    Args:
+        factors: the Kronecker factors ``ekfac_eigenvalues`` took (their eigenvectors are the basis).
+        eigenvalues: ``ekfac_eigenvalues``' result: name -> ``s [G, o, a]``.
+        damping: ``λ > 0``.
+        model: the model, to know its ``ConvTranspose`` weights (optional otherwise).
 
-        P = ekfac_preconditioner(qs["kfac"], s, damping=1e-3)
-        step = P(qs["grad"])
+    Returns:
+        ``P``, mapping a dict of tensors shaped like the parameters to the preconditioned dict.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib import curvature
+        >>> from curvlib.extensions import BatchGrad, KFLR
+        >>> from curvlib.precondition import ekfac_eigenvalues, ekfac_preconditioner
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        >>> X, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+        >>> qs = curvature(model, nn.CrossEntropyLoss(), [KFLR(), BatchGrad()])(X, y)
+        >>> s = ekfac_eigenvalues(qs["kflr"], qs["grad_batch"], scale=len(X))
+        >>> P = ekfac_preconditioner(qs["kflr"], s, damping=1e-3)
+        >>> P(qs["grad"])["2.weight"].shape
+        torch.Size([2, 4])
     """
     _check_damping(damping)
 
@@ -278,9 +375,31 @@ def ekfac_preconditioner(factors: Mapping[str, Sequence[Tensor]], eigenvalues: M
 
 def ekfac_inverse_vp(factors: Mapping[str, Sequence[Tensor]], eigenvalues: Mapping[str, Tensor],
                      vectors: Vectors, damping: float, *, model: Optional[nn.Module] = None) -> Dict[str, Tensor]:
-    """One-shot :func:`ekfac_preconditioner` applied to ``vectors``.
+    """One-shot ``ekfac_preconditioner`` applied to ``vectors``.
 
-    Example: ``ekfac_inverse_vp(qs["kfac"], s, qs["grad"], 1e-3)``.
+    Args:
+        factors: the Kronecker factors ``ekfac_eigenvalues`` took.
+        eigenvalues: ``ekfac_eigenvalues``' result: name -> ``s [G, o, a]``.
+        vectors: name -> tensor shaped like the parameter (e.g. ``qs["grad"]``).
+        damping: ``λ > 0``.
+        model: the model, to know its ``ConvTranspose`` weights (optional otherwise).
+
+    Returns:
+        dict: name -> the preconditioned vector, shaped like ``vectors[name]``.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib import curvature
+        >>> from curvlib.extensions import BatchGrad, KFLR
+        >>> from curvlib.precondition import ekfac_eigenvalues, ekfac_inverse_vp
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        >>> X, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+        >>> qs = curvature(model, nn.CrossEntropyLoss(), [KFLR(), BatchGrad()])(X, y)
+        >>> s = ekfac_eigenvalues(qs["kflr"], qs["grad_batch"], scale=len(X))
+        >>> ekfac_inverse_vp(qs["kflr"], s, qs["grad"], damping=1e-3)["0.bias"].shape
+        torch.Size([4])
     """
     return ekfac_preconditioner(factors, eigenvalues, damping, model=model)(vectors)
 
@@ -298,7 +417,22 @@ def diag_inverse_vp(diagonal: Vectors, vectors: Vectors, damping: float, *, expo
         negative: ``"clip"`` (``max(d, 0)``), ``"abs"`` (``|d|``) or ``"error"`` (refuse a
             negative entry; needs concrete values) for an indefinite diagonal (the Hessian's).
 
-    Example: ``diag_inverse_vp(qs["diag_h"], qs["grad"], 1e-3, negative="abs")``.
+    Returns:
+        dict: name -> ``v ⊙ (d' + λ)^exponent``, shaped like ``vectors[name]``.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from curvlib import curvature
+        >>> from curvlib.extensions import DiagHessian
+        >>> from curvlib.precondition import diag_inverse_vp
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        >>> X, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+        >>> qs = curvature(model, nn.CrossEntropyLoss(), [DiagHessian()])(X, y)
+        >>> step = diag_inverse_vp(qs["diag_h"], qs["grad"], 1e-3, negative="abs")
+        >>> step["0.weight"].shape
+        torch.Size([4, 3])
     """
     _check_damping(damping)
     if negative not in ("clip", "abs", "error"):
