@@ -59,6 +59,9 @@ def test_docs_build_is_warning_free():
     for page in ("index", "get-started", "api", "transform", "large-models", "model-zoos", "examples/index"):
         assert os.path.exists(os.path.join(html, f"{page}.html")), f"no {page}.html in {html}"
     check_built_pages(html)
+    from test_api_reference import check_api_pages  # this folder is on sys.path (pytest's rootdir-less import)
+
+    check_api_pages(html)  # the API reference: nothing private, real signatures, links to PyTorch and Python
 
 
 def _read(html, page):
