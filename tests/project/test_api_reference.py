@@ -302,7 +302,7 @@ def check_api_pages(html: str):
     pages = sorted(f for f in os.listdir(api) if f.endswith(".html"))
     assert len(pages) == len(api_names()), f"{len(pages)} API pages for {len(api_names())} public names"
     problems = []
-    for page in pages:
+    for page in pages + [os.path.join("..", "api.html")]:  # and the index, with the modules' docstrings
         text = open(os.path.join(api, page), encoding="utf-8").read()
         body = text[text.find("<article"):text.find("</article>")]
         plain = re.sub(r"<[^>]+>", "", body)
@@ -311,7 +311,8 @@ def check_api_pages(html: str):
         for rubric in ("Attributes", "Methods"):
             if f'<p class="rubric">{rubric}</p>' in body:
                 problems.append(f"{page}: an autosummary table of {rubric}")
-        for item in re.findall(r"<li><p><strong>(.*?)</p></li>", body, re.S):  # a field list's entry
+        fields = "".join(re.findall(r'<dt class="field-\w+">Parameters.*?</dd>', body, re.S))
+        for item in re.findall(r"<p><strong>(.*?)</p>", fields, re.S):  # a parameter's entry
             if "\u2013" not in item:  # "name (type) – description": no dash, no description
                 problems.append(f"{page}: a parameter without description: {re.sub(r'<[^>]+>', '', item)}")
         signature = re.search(r'<dt class="sig sig-object py".*?</dt>', body, re.S)

@@ -9,13 +9,13 @@ Hessian w.r.t. the output is block diagonal over samples.
 
 Two kinds:
 
-* **structural** (the fast path, ``curvlib.losses._structural``): instances of
+* **structural** (the fast path): instances of
   ``nn.MSELoss``, ``nn.CrossEntropyLoss`` (class indices with ``ignore_index``,
   or class probabilities; ``weight``, ``label_smoothing``) and
   ``nn.BCEWithLogitsLoss`` (``weight``, ``pos_weight``) whose ``forward`` is
   PyTorch's own, with ``reduction="mean"`` or ``"sum"``: closed-form Hessian
   roots (BackPACK's) and label sampling;
-* **generic** (``curvlib.losses._generic``): any other loss module or
+* **generic**: any other loss module or
   function called as ``lossfn(output, y)`` (a subclass that overrides
   ``forward``, e.g. a focal loss; ``nn.NLLLoss``, ``nn.HuberLoss``,
   ``nn.SmoothL1Loss``, ``nn.KLDivLoss``, ``nn.BCELoss``, ...): exact per-sample
@@ -30,7 +30,7 @@ The reduction factor of a structural loss is ``c = 1`` for ``"sum"`` and
   ``ignore_index`` (their count without ``weight``);
 * CE with class probabilities ``[N, K, *D]``: ``N · prod(D)``.
 
-This module and ``curvlib.losses._structural`` are the only places that know ``c``.
+This module is the only place that knows ``c``.
 """
 
 from __future__ import annotations
