@@ -85,8 +85,7 @@ class KFACOptimizer(torch.optim.Optimizer):
         >>> import torch
         >>> from torch import nn
         >>> from curvlib.optim import KFACOptimizer
-        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
-        <torch._C.Generator object at ...>
+        >>> _ = torch.manual_seed(0)
         >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
         >>> X, y = torch.randn(32, 3), torch.randn(32, 1)
         >>> opt = KFACOptimizer(model, nn.MSELoss(), lr=0.5, damping=1e-3, curvature="kflr")
