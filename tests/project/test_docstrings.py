@@ -41,7 +41,8 @@ def _public():
     names += [("curvlib.influence", n) for n in influence.__all__]
     names += [("curvlib.precondition", n) for n in precondition.__all__]
     names += [("curvlib.optim", "KFACOptimizer"), ("curvlib", "strategy"), ("curvlib", "CurvatureError"),
-              ("curvlib", "CurvatureTypeError"), ("curvlib.extensions", "Extension"), ("curvlib.extensions", "SecondOrder")]
+              ("curvlib", "CurvatureTypeError")]
+    names += [("curvlib.extensions", "Extension"), ("curvlib.extensions", "SecondOrder")]
     return names
 
 
