@@ -40,6 +40,7 @@ HTML = os.path.join(ROOT, "docs", "_build", "html")
 
 # a private module or name in a dotted path: curvlib._core, curvlib.losses._structural, ._plan
 PRIVATE = re.compile(r"\bcurvlib(?:\.\w+)*\._[A-Za-z]\w*")
+PRIVATE_CLASS = re.compile(r"(?<![\w.])_[a-z]\w*\.[A-Z]\w*")  # a class of a private module: _kronbasis.Layout
 SECTION = re.compile(r"^(\s*)(Args|Arguments|Parameters|Keyword Args|Keyword Arguments|Other Parameters):\s*$")
 ENTRY = re.compile(r"^\s*(\*{0,2}\w+)\s*(?:\([^)]*\))?\s*:(?:\s|$)")
 ATTRIBUTES = re.compile(r"^(\s*)(Attributes):\s*$")
@@ -308,6 +309,7 @@ def check_api_pages(html: str):
         plain = re.sub(r"<[^>]+>", "", body)
         titles = " ".join(re.findall(r'title="([^"]*)"', body))  # a link's tooltip
         problems += [f"{page}: {p}" for p in sorted(set(PRIVATE.findall(plain + " " + titles)))]
+        problems += [f"{page}: {p}" for p in sorted(set(PRIVATE_CLASS.findall(plain)))]
         for rubric in ("Attributes", "Methods"):
             if f'<p class="rubric">{rubric}</p>' in body:
                 problems.append(f"{page}: an autosummary table of {rubric}")

@@ -82,8 +82,8 @@ class LossSpec:
 
     @property
     def structural(self) -> bool:
-        """curvlib knows the loss's form (MSE, cross-entropy, BCE: closed-form Hessian roots, a
-        known normaliser); otherwise a generic callable, differentiated as it is."""
+        """Whether curvlib knows the loss's form (MSE, cross-entropy, BCE), with closed-form Hessian
+        roots and a known normaliser; otherwise the loss is a generic callable, differentiated as it is."""
         return self.kind in STRUCTURAL.values()
 
     @property

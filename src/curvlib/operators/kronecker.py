@@ -76,7 +76,7 @@ class KroneckerOperator(CurvatureOperator):
 
     Args:
         space: the parameter space of its rows and columns (``ParameterSpace``).
-        layouts: parameter name -> how the parameter reshapes to its block's core ``[G, o, a]``
+        layouts (dict): parameter name -> how the parameter reshapes to its block's core ``[G, o, a]``
             (made by ``KFAC``; the blocks are made by subclasses, not by hand).
 
     Examples::
@@ -131,9 +131,9 @@ class KroneckerInverse(KroneckerOperator):
 
     Args:
         space: the parameter space of its rows and columns (``ParameterSpace``).
-        layouts: parameter name -> the block's core layout, as ``A``'s.
-        eigen: parameter name -> the eigendecompositions of ``A``'s factors.
-        spectra: parameter name -> ``Λ + λ`` (``[G, o, a]``), the damped spectrum inverted.
+        layouts (dict): parameter name -> the block's core layout, as ``A``'s.
+        eigen (dict): parameter name -> the eigendecompositions of ``A``'s factors.
+        spectra (dict): parameter name -> ``Λ + λ`` (``[G, o, a]``), the damped spectrum inverted.
 
     Examples::
 
