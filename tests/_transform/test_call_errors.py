@@ -9,13 +9,15 @@ are absent from every result, and the others equal the oracle.
 from __future__ import annotations
 
 import logging
+import pickle
 import re
+import traceback
 
 import pytest
 import torch
 from torch import nn
 
-from curvlib import CurvatureError, curvature
+from curvlib import CurvatureError, CurvatureTypeError, curvature
 from curvlib.extensions import (
     GGNMP, KFAC, KFLR, KFRA, BatchGrad, DiagGGNExact, DiagGGNMC, DiagHessian, SqrtGGNExact, SqrtGGNMC,
 )
@@ -196,3 +198,12 @@ def test_all_parameters_frozen():
     qs = curvature(model, nn.CrossEntropyLoss(), [BatchGrad(), DiagGGNExact(), GGNMP(), KFRA()])(X, y)
     assert all(qs[k] == {} for k in ("grad", "grad_batch", "diag_ggn_exact", "ggnmp", "kfra"))
     torch.testing.assert_close(qs["loss"], nn.CrossEntropyLoss()(model(X), y))
+
+
+def test_errors_are_shown_by_their_public_names():
+    """A traceback names ``curvlib.CurvatureError`` (how users import it), not the private module
+    defining it; pickling finds the class there."""
+    with pytest.raises(CurvatureTypeError) as info:
+        curvature(nn.Linear(3, 2), "mse", [BatchGrad()])
+    assert traceback.format_exception_only(info.value)[0].startswith("curvlib.CurvatureTypeError: ")
+    assert type(pickle.loads(pickle.dumps(info.value))) is CurvatureTypeError

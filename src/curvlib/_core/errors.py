@@ -38,6 +38,10 @@ class CurvatureTypeError(CurvatureError, TypeError):
     """
 
 
+# shown as the public names they are imported by (``curvlib.CurvatureError`` in tracebacks)
+CurvatureError.__module__ = CurvatureTypeError.__module__ = "curvlib"
+
+
 def missing_forward_mode(exc: BaseException) -> bool:
     """Whether ``exc`` is torch's "no forward-mode derivative": a kernel without one
     ("forward AD"), or a custom ``autograd.Function`` without ``jvp`` ("forward mode AD")."""

@@ -44,7 +44,7 @@ def _check_max_factor_dim(cls_name: str, max_factor_dim: object) -> None:
                                        or max_factor_dim < 1):
         raise CurvatureError(
             f"{cls_name}(max_factor_dim={max_factor_dim!r}): must be a positive int (a factor side "
-            "larger than it is diagonal) or None (dense factors, refused above curvlib._plan.budget's budget)."
+            "larger than it is diagonal) or None (dense factors, refused where they would not fit in memory)."
         )
 
 
