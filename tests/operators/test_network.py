@@ -16,7 +16,7 @@ from torch import nn
 
 from curvlib import CurvatureError, CurvatureTypeError, curvature
 from curvlib.extensions import DiagGGNExact, DiagHessian, SumGradSquared
-from curvlib.operators import GGN, EmpiricalFisher, FisherMC, Hessian, Jacobian
+from curvlib.operators import GGN, EmpiricalFisher, FisherMC, Hessian, Jacobian, plain
 
 from oracles.on_device import seeded
 
@@ -211,6 +211,78 @@ def test_the_operator_differentiates_through_its_vector():
     _close(g, 2 * dense.T @ dense @ v.detach(), "gradient of |Hv|² in v")
 
 
+@settings(max_examples=15)
+@given(configs)
+def test_one_vector_goes_reverse_over_forward(config):
+    """One vector's Hessian product is the gradient of the loss's derivative along it
+    (``H v = ∇_θ ⟨∇_f L, J v⟩``, reverse over forward): equal to the brute-force Hessian times
+    ``v``, flat or as a dict, and the route is taken."""
+    seed, widths, act, kind, reduction, n = config
+    if kind == "ce" and widths[-1] < 2:
+        widths = widths[:-1] + [2]
+    model, lossfn, X, y = _problem(seed, widths, act, kind, reduction, n)
+    brute = Brute(model, lossfn, X, y)
+    H = Hessian(model, lossfn, (X, y))
+    v = torch.randn(H.shape[1], dtype=D, generator=seeded(seed + 1))
+    dense = brute.hessian()
+    _close(H @ v, dense @ v, "H v (flat)")
+    _close(H.domain.flatten(H @ H.domain.unflatten(v)), dense @ v, "H v (dict)")
+    assert H.over_forward
+
+
+class NormedAttention(nn.Module):
+    """Tokens -> LayerNorm -> one softmax attention head -> LayerNorm -> Linear on the mean."""
+
+    def __init__(self, d=4, c=3):
+        super().__init__()
+        self.norm, self.qkv, self.out_norm, self.head = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.LayerNorm(d), nn.Linear(d, c)
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        a = torch.softmax(q @ k.transpose(1, 2) / 2.0, dim=-1)
+        return self.head(self.out_norm(a @ v + x).mean(1))
+
+
+def test_reverse_over_forward_through_softmax_and_layer_norm(monkeypatch):
+    """torch's forward-mode derivatives of softmax and layer_norm cannot be differentiated again
+    (the first writes into its saved result, the second's is wrong): reverse over forward runs
+    them as their formulas and equals the dense Hessian. Left to torch's kernels, the probe on two
+    samples sees layer_norm's wrong derivative and keeps forward over reverse, still exact."""
+    torch.manual_seed(0)
+    model = NormedAttention().to(D)
+    X, y = torch.randn(4, 3, 4, generator=seeded(0), dtype=D), torch.randint(0, 3, (4,), generator=seeded(1))
+    lossfn = nn.CrossEntropyLoss()
+    brute = Brute(model, lossfn, X, y)
+    # (torch.autograd's Hessian, by loops: layer_norm's second derivatives under vmap are wrong)
+    dense = torch.autograd.functional.hessian(brute.loss, brute.theta)
+    v = torch.randn(dense.shape[0], dtype=D, generator=seeded(2))
+    H = Hessian(model, lossfn, (X, y))
+    _close(H @ v, dense @ v, "H v through softmax and layer_norm")
+    assert H.over_forward
+    composed = plain._Composed.__torch_function__
+
+    def torch_layer_norm(self, func, types, args=(), kwargs=None):
+        if func in (nn.functional.layer_norm, torch.layer_norm):
+            return func(*args, **(kwargs or {}))
+        return composed(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(plain._Composed, "__torch_function__", torch_layer_norm)
+    H = Hessian(model, lossfn, (X, y))
+    _close(H @ v, dense @ v, "H v with torch's layer_norm kernel")
+    assert H.over_forward is False
+
+
+def test_reverse_over_forward_keeps_no_grad_regions_constant():
+    torch.manual_seed(0)
+    model = NoGradScale().to(D)
+    X, y = torch.randn(5, 3, dtype=D), torch.randint(0, 4, (5,))
+    H = Hessian(model, nn.CrossEntropyLoss(), (X, y))
+    dense = H.to_dense()  # (several vectors: forward over reverse, checked by test_code_under_no_grad_is_constant)
+    v = torch.randn(H.shape[1], dtype=D, generator=seeded(1))
+    _close(H @ v, dense @ v, "H v with a no_grad region")
+    assert H.over_forward
+
+
 class NoGradScale(nn.Module):
     """A model whose forward computes a scale under ``no_grad``: constant, as in its own backward."""
 
@@ -331,6 +403,7 @@ def test_operations_without_forward_mode_use_reverse_mode():
     H = Hessian(model, lossfn, (X, y))
     with pytest.raises(CurvatureError, match="not symmetric"):
         H @ torch.ones(H.shape[1], dtype=D)
+    assert not H.over_forward  # (the kernel has no forward mode: one vector goes the same way)
     gradient = torch.func.grad(brute.loss)
     e = torch.zeros_like(brute.theta)
     e[5] = 1e-6  # a weight_g/weight_v entry

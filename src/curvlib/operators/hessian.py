@@ -1,12 +1,15 @@
 """The whole network's Hessian ``∇²_θ L`` as an operator (:mod:`curvlib.operators.network`'s
-arguments and data), by forward-over-reverse autodiff where torch has it."""
+arguments and data), by reverse-over-forward or forward-over-reverse autodiff where torch has
+forward mode."""
 
 from __future__ import annotations
 
 import torch
 
 from .._core.errors import CurvatureError
+from .._core.inputs import slice_batch
 from .._core.reverse import check_symmetric, missing_forward_mode_reason
+from .._core.tensors import is_wrapped
 from .._evaluate.products import loss_lacks_forward_mode
 from .._transform.network import lacks_forward_mode
 from . import plain
@@ -16,8 +19,11 @@ __all__ = ["Hessian"]
 
 
 class Hessian(NetworkOperator):
-    """The Hessian ``∇²_θ L`` (module doc), by forward-over-reverse autodiff (a Jacobian-vector
-    product of the gradient); its diagonal is ``DiagHessian``. Where torch has no forward-mode
+    """The Hessian ``∇²_θ L`` (module doc). One vector's product goes reverse over forward, the
+    gradient of the loss's derivative along it (the leanest in memory), where a probe on two
+    samples finds it equal to forward over reverse; otherwise, and for several vectors at once, by
+    forward-over-reverse autodiff (a Jacobian-vector product of the gradient, vmapped over the
+    vectors); its diagonal is ``DiagHessian``. Where torch has no forward-mode
     derivative of the loss's backward (``MSELoss(reduction="mean")`` in torch 2.13 meets an
     immutable zero tensor; ``huber_loss_backward`` has none), reverse-over-reverse: the Hessian is
     symmetric, so ``H v = (vᵀ H)ᵀ``, a vector-Jacobian product of the gradient. Where a model
@@ -61,8 +67,50 @@ class Hessian(NetworkOperator):
     #: operation without forward mode), and whether they have
     needs_symmetry, symmetric_checked = False, False
 
+    #: whether one vector's product goes reverse over forward (:func:`plain.hessian_products_over_forward`):
+    #: ``None`` until :meth:`_over_forward_agrees` has compared the two ways on this model
+    over_forward = None
+
     def batch_product(self, batch, seeds, V):
+        if self._one_vector(V) and self.forward_mode and not self.plain and self._over_forward_agrees(batch):
+            try:
+                return plain.hessian_products_over_forward(batch, V)
+            except (RuntimeError, NotImplementedError, CurvatureError) as exc:
+                if isinstance(exc, CurvatureError) and not lacks_forward_mode(exc):
+                    raise
+                self.over_forward = False  # (an operation without it: the routes below, from now on)
         return self.with_fallback(lambda: self._functorch_product(batch, V), lambda: self._plain_product(batch, V))
+
+    @staticmethod
+    def _one_vector(V) -> bool:
+        """One plain vector: reverse over forward loops over vectors, cannot run under ``vmap`` and
+        returns ``H v`` without a graph back to ``v``."""
+        return (next(iter(V.values())).shape[0] == 1
+                and not any(is_wrapped(v) or v.requires_grad for v in V.values()))
+
+    def _over_forward_agrees(self, batch) -> bool:
+        """Whether reverse over forward gives this model's Hessian products, decided once: on the
+        batch's first two samples, for one random vector, it must match forward over reverse to
+        ``√ε`` of the product's scale. torch gets some operations' forward-mode derivatives wrong
+        when they are differentiated again (layer_norm's, composed here), which only a comparison
+        shows; any failure of the probe keeps forward over reverse."""
+        if self.over_forward is None:
+            self.over_forward = False
+            try:
+                k = min(2, batch.size)
+                probe = self.network.batch(slice_batch(batch.call.X, 0, k), slice_batch(batch.call.y, 0, k),
+                                           {n: batch.values[n] for n in batch.trainable}, batch.call.buffers)
+                gen = torch.Generator(device=self.device).manual_seed(0)
+                V = {n: torch.randn((1,) + tuple(batch.values[n].shape), generator=gen, dtype=batch.values[n].dtype,
+                                    device=self.device) for n in batch.trainable}
+                want = self._functorch_product(probe, V)
+                got = plain.hessian_products_over_forward(probe, V)
+                scale = max(float(w.abs().max()) for w in want.values())
+                gap = max(float((got[n] - want[n]).abs().max()) for n in want)
+                self.over_forward = gap <= torch.finfo(self.dtype).eps ** 0.5 * max(scale, 1e-30)
+            except Exception:  # noqa: BLE001 - a probe that cannot run decides nothing: forward over reverse
+                self.over_forward = False
+        return self.over_forward
 
     def _plain_product(self, batch, V):
         hv, product = plain.hessian_products(batch, V)

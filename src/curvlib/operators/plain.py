@@ -12,13 +12,17 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional
 
 import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 from .._core.errors import CurvatureError
 from .._core.tensors import is_wrapped
 from .._transform.network import Batch
 
-__all__ = ["needs_plain_autograd", "output_curvature", "hessian_products", "jacobian_products", "transposed_products"]
+__all__ = ["needs_plain_autograd", "output_curvature", "hessian_products", "hessian_products_over_forward",
+           "jacobian_products", "transposed_products"]
 
 Directions = Dict[str, Tensor]
 
@@ -112,3 +116,76 @@ def hessian_products(batch: Batch, V: Directions):
 
     cols = [one(dict(zip(names, col))) for col in _columns(V)]
     return {n: torch.stack([c[n] for c in cols]) for n in names}, one
+
+
+def _softmax(x: Tensor, dim: int, dtype=None, log: bool = False) -> Tensor:
+    """``softmax(x)`` (or its log) along ``dim`` as ``exp(x − m) / Σ exp(x − m)``, ``m`` the row's
+    largest finite entry; a row of ``−inf`` gives zeros (log: ``−inf``)."""
+    x = x if dtype is None else x.to(dtype)
+    m = x.detach().amax(dim, keepdim=True)
+    shifted = x - torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    total = shifted.exp().sum(dim, keepdim=True)
+    return shifted - total.log() if log else shifted.exp() / torch.where(total > 0, total, torch.ones_like(total))
+
+
+def _layer_norm(x: Tensor, shape, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
+    """``F.layer_norm`` as its formula: ``(x − μ) / √(σ² + ε) · w + b`` over the last ``len(shape)`` dims."""
+    dims = tuple(range(-len(shape), 0))
+    centred = x - x.mean(dims, keepdim=True)
+    out = centred * torch.rsqrt(centred.pow(2).mean(dims, keepdim=True) + eps)
+    out = out if weight is None else out * weight
+    return out if bias is None else out + bias
+
+
+class _Composed(TorchFunctionMode):
+    """``softmax``, ``log_softmax`` and ``layer_norm`` run as their formulas (:func:`_softmax`,
+    :func:`_layer_norm`): torch's forward-mode derivatives of those kernels cannot be differentiated
+    again (softmax's writes into its saved result; layer_norm's gives a wrong derivative), which
+    reverse over forward needs."""
+
+    _SOFT = (torch.softmax, F.softmax, Tensor.softmax)
+    _LOG = (torch.log_softmax, F.log_softmax, Tensor.log_softmax)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in self._SOFT or func in self._LOG:  # (the mode is off inside this method: plain ops)
+            rest = list(args[1:])
+            dim = kwargs.pop("dim", rest[0] if rest else None)
+            dtype = kwargs.pop("dtype", None) or next((a for a in rest[1:] if isinstance(a, torch.dtype)), None)
+            if isinstance(dim, int):
+                return _softmax(args[0], dim, dtype, log=func in self._LOG)
+        if func in (F.layer_norm, torch.layer_norm):
+            return _layer_norm(*args, **{k: v for k, v in kwargs.items() if k != "cudnn_enable"})
+        return func(*args, **kwargs)
+
+
+def hessian_products_over_forward(batch: Batch, V: Directions) -> Directions:
+    """``H V`` one vector at a time, reverse over forward: ``H v = ∇_θ ⟨∇_f L, J v⟩``, the gradient of
+    the loss's derivative along ``v``, with the output's tangent ``J v`` from forward mode and the
+    loss's gradient ``∇_f L`` by reverse mode on the output (differentiable: its own derivative in
+    ``θ`` gives the GGN term ``Jᵀ ∇²_f L J v``, the tangent's the residual). The forward holds the
+    primal and tangent activations and one backward returns ``H v``: neither the gradient ``∇_θ L``
+    nor its tangent is formed, as forward over reverse forms both. The loss never runs in forward
+    mode, and softmax and layer_norm run as their formulas (:class:`_Composed`). Raises torch's
+    error where a model operation has no differentiable forward-mode derivative, or where forward
+    mode is already in use (torch has one dual level); a derivative torch gets wrong is not seen
+    here (``Hessian`` compares the two ways once)."""
+    leaves = _leaves(batch, V)
+    names = list(leaves)
+    cols = []
+    for col in _columns(V):
+        with torch.enable_grad():
+            with fwAD.dual_level(), _Composed():
+                duals = {n: fwAD.make_dual(leaves[n], v.to(leaves[n].dtype)) for n, v in zip(names, col)}
+                out, jv = fwAD.unpack_dual(batch.output(duals))
+            if jv is None or not out.requires_grad:  # (the output does not move along v)
+                cols.append([torch.zeros_like(leaf) for leaf in leaves.values()])
+                continue
+            (g_out,) = torch.autograd.grad(batch.loss(out), out, create_graph=True)
+            along = (g_out * jv).sum()
+        if not along.requires_grad:  # (the loss linear in the output, the output linear along v)
+            cols.append([torch.zeros_like(leaf) for leaf in leaves.values()])
+            continue
+        got = torch.autograd.grad(along, list(leaves.values()), allow_unused=True)  # (the graph freed as it goes)
+        cols.append([torch.zeros_like(x) if g is None else g for x, g in zip(leaves.values(), got)])
+    return {n: torch.stack([c[k] for c in cols]) for k, n in enumerate(names)}
