@@ -22,6 +22,7 @@ from curvlib.extensions import KFLR, BatchGrad
 
 from oracles.checks import check_first_order, check_second_order
 from oracles.on_device import seeded
+from oracles.second_order import ggn_block
 
 DT = torch.float64
 
@@ -227,9 +228,15 @@ def test_sorted_rows_that_mix_samples_are_refused(aten):
         curvature(model, lossfn, [BatchGrad()])(X, y)
 
 
-def test_experts_on_sorted_rows_have_no_kronecker_factors():
-    """KFLR needs the Linear/Conv layers inside a layer; a module kept whole is one generic layer:
-    refused naming it, not silently some other factor."""
-    model, lossfn, X, y = _sorted_case(0, 3, 3, 2, True)
-    with pytest.raises(CurvatureError, match="experts"):
-        curvature(model, lossfn, [KFLR()])(X, y)
+@pytest.mark.parametrize("aten", [False, True])
+def test_experts_on_sorted_rows_get_the_generic_layers_kronecker_form(aten):
+    """A module kept whole is one generic layer: its stacked expert weights (no Linear owns them)
+    get KFLR's generic form, the exact GGN block's diagonal (docs/conventions.md), as when the
+    same experts are traced on rows in sample order; the router and head get two factors."""
+    model, lossfn, X, y = _sorted_case(0, 3, 3, 2, aten)
+    factors = curvature(model, lossfn, [KFLR()])(X, y)["kflr"]
+    for name in ("experts.up", "experts.down"):
+        exact = ggn_block(model, lossfn, X, y, name).diagonal()
+        assert len(factors[name]) == 1
+        torch.testing.assert_close(factors[name][0], exact, rtol=1e-9, atol=1e-12)
+    assert len(factors["router.weight"]) == 2 and len(factors["head.weight"]) == 2

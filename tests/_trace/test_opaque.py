@@ -11,8 +11,9 @@ with that submodule as one leaf: a layer run by the generic rule when it owns
 parameters, a parameter-free node otherwise. Every extension curvlib computes on a
 generic layer is checked against the float64 brute-force oracles (per-sample copies,
 full Jacobians and Hessians by autograd, the PCHMP decomposition with the opaque
-modules as single nodes); KFAC/KFLR are exact for the traced layers and refused,
-naming the module, for parameters inside an opaque one.
+modules as single nodes); KFAC/KFLR are exact for the traced layers, refused, naming the
+module, for Linear/Conv parameters inside an opaque one, and the exact GGN block's diagonal
+for an opaque module's own parameters (stacked expert weights), as for any generic layer.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from oracles.checks import _assert_same_state, state_snapshot
 from oracles.loss_checks import assert_converges, mc_read, rel
 from oracles.reference import assert_matches, exact_extensions, kflr_map, product_matrix, reference
 from oracles.pchmp import pchmp_blocks
-from oracles.second_order import ggn_per_sample, kron_input_factor
+from oracles.second_order import ggn_block, ggn_per_sample, kron_input_factor
 from oracles.on_device import seeded
 
 @pytest.fixture(autouse=True, scope="module")
@@ -84,6 +85,25 @@ class SafeSwish(nn.Module):
         if x.abs().max() > 1e6:
             x = x.clamp(-1e6, 1e6)
         return x * torch.sigmoid(x)
+
+
+class Experts(nn.Module):
+    """Stacked expert weights ``[E, h, h]`` (parameters of its own), each row sent to the expert
+    its values pick, a LayerNorm inside, and a branch on values that fx's proxies fail: a
+    mixture of experts' grouped kernel as an opaque module. ``linear``: a Linear inside too."""
+
+    def __init__(self, h=4, experts=3, linear=False):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(experts, h, h) / h ** 0.5)
+        self.norm = nn.LayerNorm(h)
+        self.gate = nn.Linear(h, h) if linear else None
+
+    def forward(self, x):
+        if x.abs().max() > 1e6:
+            x = x.clamp(-1e6, 1e6)
+        pick = x.detach().abs().argmax(-1) % self.w.shape[0]
+        out = torch.tanh(torch.einsum("nij,nj->ni", self.w[pick], self.norm(x)))
+        return out if self.gate is None else out * torch.sigmoid(self.gate(x))
 
 
 class Sandwich(nn.Module):
@@ -134,6 +154,7 @@ CASES = {
         (3,), (SumModule,), ["2.merge"], False,
     ),
     "backpack_resnet": (_backpack_resnet, (1, 3, 3), (SumModule,), ["sum_module0"], False),
+    "own_parameters": (lambda: Sandwich(Experts()), (3,), (Experts,), ["mid"], True),
 }
 
 
@@ -271,6 +292,35 @@ def test_kron_refused_inside_opaque_module(case, ext):
         return  # KFRA: refused before (needs a chain of Linear layers) or here
     assert type(ext).__name__ in msg and "'mid'" in msg and "torch.fx could not trace" in msg
     assert "mid." in msg and "requires_grad=False" in msg
+
+
+@given(n=st.integers(1, 3), seed=st.integers(0, 2**16), ce=st.booleans(),
+       ext=st.sampled_from([KFLR(), KFAC(mc_samples=2, generator=seeded(0))]))
+def test_kron_of_an_opaque_modules_own_parameters_is_its_ggn_diagonal(n, seed, ce, ext):
+    """Parameters inside an opaque module that no Linear/Conv/Embedding/RNN owns (its own stacked
+    expert weights, a LayerNorm's) get the generic layer's Kronecker form, one factor: the exact
+    GGN block of a 1-D parameter, the block's diagonal of any other; the Linear layers around
+    it get their two factors. (KFAC: blocks of the Monte-Carlo GGN; values checked for KFLR.)"""
+    model, lossfn, X, y = _problem("own_parameters", n, seed, ce)
+    qs = _quiet_curvature(model, lossfn, [ext])(X, y)
+    assert all(len(qs[ext.name][k]) == 2 for k in ("inp.weight", "out.weight"))
+    for name, p in model.mid.named_parameters(prefix="mid"):
+        factors = qs[ext.name][name]
+        block = p.dim() == 1
+        assert len(factors) == 1 and factors[0].shape == ((p.numel(),) * (2 if block else 1)), name
+        if isinstance(ext, KFLR):
+            exact = ggn_block(model, lossfn, X, y, name)
+            torch.testing.assert_close(factors[0], exact if block else exact.diagonal(), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("ext", [KFAC(), KFLR()])
+def test_kron_refused_for_a_linear_inside_an_opaque_module_with_own_parameters(ext):
+    """Beside parameters of its own, a Linear inside the opaque module is refused, named alone."""
+    torch.manual_seed(0)
+    model = Sandwich(Experts(linear=True)).double()
+    X, y = torch.randn(3, 3, dtype=torch.float64), torch.randint(0, 3, (3,))
+    with pytest.raises(CurvatureError, match=r"\['mid.gate.bias', 'mid.gate.weight'\] of module 'mid'"):
+        _quiet_curvature(model, nn.CrossEntropyLoss(), [ext])(X, y)
 
 
 @pytest.mark.parametrize("case", [

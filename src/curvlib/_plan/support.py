@@ -63,11 +63,11 @@ def check_second_order(
     for site in sites:
         params_of[site.where].extend(n for n in site.params.values() if n not in params_of[site.where])
         family_of[site.where] = site.meta.get("family", layer_kinds.get(site.where, "generic"))
-        if site.meta.get("opaque"):
-            opaque_of[site.where] = site.meta["opaque"]
+        if site.meta.get("opaque") and site.meta.get("kron_inside"):
+            opaque_of[site.where] = (site.meta["opaque"], site.meta["kron_inside"])
     for ext in exts:
         if ext.kron:
-            _refuse_opaque(ext, params_of, opaque_of)
+            _refuse_opaque(ext, opaque_of)
         if ext.layer_kinds is not None:
             _check_families(ext, ext.layer_kinds, params_of, family_of)
         if ext.kron:
@@ -77,12 +77,14 @@ def check_second_order(
             _check_hessian_uses(ext, uses, family_of)
 
 
-def _refuse_opaque(ext, params_of, opaque_of) -> None:
-    """A Kronecker factor needs the layer's inside (its Linear/Conv input and output);
-    a submodule torch.fx could not trace is one opaque node, whose inside curvlib never sees."""
-    for where, why in opaque_of.items():
+def _refuse_opaque(ext, opaque_of) -> None:
+    """A Kronecker factor of a Linear/Conv weight needs the layer's input and output; inside a
+    submodule torch.fx could not trace (one opaque node) curvlib never sees them. The opaque
+    module's other parameters (a mixture of experts' stacked expert weights) are a generic
+    layer's: their exact block's diagonal, as where the module is traced."""
+    for where, (why, inside) in opaque_of.items():
         raise CurvatureError(
-            f"{type(ext).__name__} is not defined for the parameters {sorted(params_of[where])} of module "
+            f"{type(ext).__name__} is not defined for the parameters {sorted(inside)} of module "
             f"'{where}': torch.fx could not trace its forward ({'; '.join(w.strip() for w in why.splitlines())}), so curvlib runs it as "
             "one opaque layer (generic rule) and does not see the Linear/Conv layers inside it that Kronecker "
             "factors need. Set requires_grad=False on those parameters (or leave them out of params=) to get "

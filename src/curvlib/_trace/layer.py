@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict
+from typing import Callable, Dict, Tuple
 
 from torch import nn
 
 from .._core.family import Family
-from ..rules import FAMILY_OF
+from ..rules import FAMILY_OF, forward_for
 
 __all__ = ["Layer"]
 
@@ -40,3 +40,21 @@ class Layer:
     def family(self) -> Family:
         """The layer's family record: the facts the stages read of it."""
         return FAMILY_OF[self.kind]
+
+    @property
+    def kron_inside(self) -> Tuple[str, ...]:
+        """The canonical names of the parameters owned, inside this layer's module, by modules
+        whose family forms Kronecker factors from its input and output (a ``Linear``, a
+        convolution, an embedding or RNN inside an opaque module; every family without an
+        exact block): the parameters whose factors need the inside that the layer's rule does
+        not see. Empty for a layer run by its own family's rule."""
+        if self.kind != "generic":
+            return ()
+        owned = []
+        for prefix, sub in self.module.named_modules(remove_duplicate=False):
+            if FAMILY_OF[forward_for(sub)[1]].exact_block:
+                continue
+            for role, _ in sub.named_parameters(prefix=prefix, recurse=False):
+                if role in self.names and self.names[role] not in owned:
+                    owned.append(self.names[role])
+        return tuple(owned)
