@@ -274,13 +274,13 @@ class KFACEmpirical(SecondOrder):
 
 @dataclass(frozen=True)
 class KFRA(SecondOrder):
-    """Kronecker factors from the batch-averaged GGN recursion, KFRA (Botev et al.; BackPACK's ``KFRA``).
+    r"""Kronecker factors from the batch-averaged GGN recursion, KFRA (Botev et al.; BackPACK's ``KFRA``).
 
     Result key: ``"kfra"``, a dict parameter name -> list of factors.
 
     Layout as ``KFLR``: weight ``[B [O, O], A [I·K, I·K]]``, bias ``[B]``, with
     ``A`` as KFLR's and ``B`` propagated backwards layer by layer as a
-    batch-averaged ``[O, O]`` matrix (``Ḡ_in = avg_n(J_nᵀ Ḡ_out J_n)`` plus the
+    batch-averaged ``[O, O]`` matrix ($\bar G_\text{in} = \operatorname{avg}_n(J_n^\top \bar G_\text{out} J_n)$ plus the
     activations' residuals), scaled like the loss. Needs a chain
     (Sequential-like) model of ``Linear``/``Conv``/``ConvTranspose`` layers and
     element-wise activations; refuses ``batch_chunk_size``. Options: none.
