@@ -15,8 +15,9 @@ is unchanged, and the published site keeps loading MathJax from its CDN), then e
   60 % of its size is listed: its text shrinks with it);
 * links inside the page (``#anchor``) point at an element that exists; previous/next links.
 
-A screenshot of each page's first 1400 x 900 pixels goes to ``--out`` (default
-``docs/_build/browser-check``), with ``report.md``. Exit status 1 when a check fails.
+A screenshot of each page's first 1400 x 900 pixels (an example's: around its figure) goes to
+``--out`` (default ``docs/_build/browser-check``), with ``report.md``. Exit status 1 when a
+check fails.
 
 Needs Chromium (Debian: ``apt-get install chromium``), the ``playwright`` Python package (its
 own browser download is not used: ``/usr/bin/chromium`` is launched) and MathJax 3's ``es5``
@@ -46,8 +47,9 @@ PAGES = {
     "operators": "math",
     "influence": "math",
     "many-devices": "math",
-    "api/curvlib.curvature": "",
+    "api/curvlib.curvature": "math",
     "api/curvlib.extensions.KFAC": "math",
+    "api/curvlib.operators.xtrace": "math",
     "examples/index": "gallery",
     "examples/noise_monitor": "figure",
     "examples/ddp_curvature": "figure",
@@ -125,7 +127,8 @@ def build(html: str, es5: str, stage: str) -> None:
     shutil.copytree(os.path.join(es5, "output", "chtml", "fonts", "woff-v2"),
                     os.path.join(target, "output", "chtml", "fonts", "woff-v2"))
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
-    subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+    # -E: read every page again (autodoc does not see a docstring change as a change of the page)
+    subprocess.run([sys.executable, "-m", "sphinx", "-E", "-W", "--keep-going", "-q", "-b", "html",
                     "-D", "mathjax_path=mathjax/tex-mml-chtml.js",
                     "-D", f"html_static_path=_static,{stage}", "docs", html], cwd=ROOT, env=env, check=True)
 
@@ -155,6 +158,8 @@ def check_page(page, url: str, kind: str, shot: str | None) -> tuple[dict, list[
     if kind == "figure" and not any(i["loaded"] for i in m["images"]):
         problems.append("no figure")
     if shot:
+        if kind == "figure" and m["images"]:  # the figure in view, as a reader scrolling to it sees it
+            page.locator("article img").first.scroll_into_view_if_needed()
         page.screenshot(path=shot)
     return m, problems
 
