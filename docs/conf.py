@@ -55,11 +55,14 @@ myst_enable_extensions = ["dollarmath", "substitution"]
 myst_dmath_double_inline = True
 myst_substitutions = {"repository": REPOSITORY, "version": release}
 
-# API reference: one page per public name, members in source order, the signature's
-# annotations in the description (they are long: Mapping[str, Tensor], ...)
+# API reference: one page per public name, members in source order; the annotations both in
+# the signature and with the Args: entries, linked (Tensor, nn.Module, Mapping, ...), written
+# without their module (Tensor, not torch.Tensor); a long signature is one parameter a line
 autosummary_generate = True
 autodoc_default_options = {"members": True, "member-order": "bysource", "show-inheritance": True}
-autodoc_typehints = "description"
+autodoc_typehints = "both"
+python_use_unqualified_type_names = True
+python_maximum_signature_line_length = 88
 autodoc_typehints_description_target = "documented_params"  # the types go with the Args: entries
 autodoc_mock_imports = ["laplace"]  # laplace-torch is an optional peer
 napoleon_google_docstring = True

@@ -1,14 +1,33 @@
-"""Two Markdown habits of curvlib's docstrings, turned into reStructuredText for autodoc.
+"""Three Markdown habits of curvlib's docstrings, turned into reStructuredText for autodoc.
 
 The docstrings are written for ``help()`` first, and a few use a Markdown pipe table or a
 ```` ```python ```` fence, which read well in a terminal but are not reStructuredText (a
-``|`` line is a "line block" there). Rather than rewrite them for Sphinx, the API build
-converts these two constructs (``autodoc-process-docstring``); the rest is plain RST.
+``|`` line is a "line block" there), or write a formula as ``$...$`` (TeX, as the Markdown
+pages do). Rather than rewrite them for Sphinx, the API build converts these constructs
+(``autodoc-process-docstring``): a formula becomes a ``math`` role, which MathJax renders;
+the rest is plain RST.
 """
 
 import re
 
 _FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
+# $...$ in prose: not $$, not inside a ``code`` span, and not a doctest line (>>> / ...)
+_CODE = re.compile(r"``.*?``")
+_MATH = re.compile(r"(?<![\\$])\$(?!\$)([^$\n]+?)(?<!\\)\$(?!\$)")
+_DOCTEST = re.compile(r"^\s*(>>>|\.\.\.)(\s|$)")
+
+
+def _math(line):
+    """``line`` with each ``$formula$`` of its prose as ``:math:`formula```."""
+    if _DOCTEST.match(line) or "$" not in line:
+        return line
+    parts, last = [], 0
+    for code in _CODE.finditer(line):
+        parts.append(_MATH.sub(lambda m: f":math:`{m.group(1)}`", line[last:code.start()]))
+        parts.append(code.group(0))
+        last = code.end()
+    parts.append(_MATH.sub(lambda m: f":math:`{m.group(1)}`", line[last:]))
+    return "".join(parts)
 _RULE = re.compile(r"^\s*\|?\s*:?-{3,}")  # the |---|---| line under a table's header
 
 
@@ -30,7 +49,7 @@ def _table(rows, indent):
 
 
 def convert(lines):
-    """Return ``lines`` with pipe tables and fenced code blocks in reStructuredText."""
+    """Return ``lines`` with pipe tables, fenced code blocks and ``$...$`` formulas in reStructuredText."""
     out, i = [], 0
     while i < len(lines):
         line = lines[i]
@@ -55,7 +74,7 @@ def convert(lines):
             out += _table(lines[i:j], indent)
             i = j
             continue
-        out.append(line)
+        out.append(_math(line))
         i += 1
     return out
 

@@ -104,21 +104,40 @@ def plot(log: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    axes[0].plot(log["loss"], "o-")
-    axes[0].set_title("loss of the global batch")
-    axes[1].semilogy(log["snr"], "o-")
-    axes[1].set_title("gradient SNR  ‖ḡ‖² / (tr Σ / N)")
-    for name, values in log["diag"].items():
-        axes[2].semilogy(values, "o-", label=name)
-    axes[2].set_title("mean diag GGN per parameter")
-    axes[2].legend(fontsize=8)
-    for ax in axes:
-        ax.set_xlabel("step")
-    fig.suptitle(f"DDP, {WORLD} gloo ranks x {LOCAL_BATCH} samples: quantities of the global batch (rank 0)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig = figure(log)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def figure(log: dict):
+    """The figure of ``log`` (``{"loss": [...], "snr": [...], "diag": {name: [...]}}``, one entry a step)."""
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    # 800 px wide at 100 dpi, the width of the documentation's column: two panels above, the
+    # GGN diagonals below with their legend beside the data, every text at 9 pt or more
+    with plt.rc_context({"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "xtick.labelsize": 9,
+                         "ytick.labelsize": 9, "legend.fontsize": 9}):
+        fig = plt.figure(figsize=(8, 6.2), layout="constrained")
+        top, bottom = fig.subfigures(2, 1, height_ratios=[1, 1])
+        loss_ax, snr_ax = top.subplots(1, 2)
+        diag_ax = bottom.subplots(1, 1)
+        loss_ax.plot(log["loss"], "o-")
+        loss_ax.set_title("loss of the global batch")
+        snr_ax.semilogy(log["snr"], "o-")
+        # plain numbers on the log axis (its default 3.8x10^0 minor labels run into each other)
+        snr_ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.3g"))
+        snr_ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.2g"))
+        snr_ax.set_title("gradient SNR  ‖ḡ‖² / (tr Σ / N)")
+        for name, values in log["diag"].items():
+            diag_ax.semilogy(values, "o-", label=name)
+        diag_ax.set_title("mean diag GGN per parameter")
+        diag_ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False)
+        for ax in (loss_ax, snr_ax, diag_ax):
+            ax.set_xlabel("step")
+        fig.suptitle(f"DDP, {WORLD} gloo ranks x {LOCAL_BATCH} samples: the global batch's quantities (rank 0)")
+        fig.canvas.draw()  # lay out inside the context: its font sizes
+    return fig
 
 
 def _free_port() -> int:

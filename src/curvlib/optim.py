@@ -46,13 +46,13 @@ CURVATURES = ("kfac", "kflr", "ekfac")
 
 
 class KFACOptimizer(torch.optim.Optimizer):
-    """KFAC / KFLR / EKFAC natural gradient (module doc for the update and its formulas).
+    r"""KFAC / KFLR / EKFAC natural gradient (module doc for the update and its formulas).
 
     Args:
         model: the ``nn.Module``; its trainable parameters are optimised.
         lossfn: a loss curvlib accepts (``nn.CrossEntropyLoss``, ``nn.MSELoss``, ...).
         lr: step size.
-        damping: ``λ > 0``, Tikhonov damping of the curvature.
+        damping: $\lambda > 0$, Tikhonov damping of the curvature.
         curvature: ``"kfac"``, ``"kflr"`` or ``"ekfac"``.
         method: damping of a Kronecker pair, ``"pi"`` (Martens & Grosse), ``"plain"`` or
             ``"exact"`` (``"ekfac"`` is always exact).
@@ -60,10 +60,10 @@ class KFACOptimizer(torch.optim.Optimizer):
         inverse_interval: steps between eigendecompositions of the averaged factors.
         ema_decay: ``d`` in ``F ← d·F + (1 − d)·F_new``, in ``[0, 1)``.
         momentum: ``μ``, as ``torch.optim.SGD``'s, applied to the preconditioned step.
-        weight_decay: ``w``, as ``torch.optim.SGD``'s: ``w·θ`` is added to the gradient before
+        weight_decay: ``w``, as ``torch.optim.SGD``'s: $w \theta$ is added to the gradient before
             it is preconditioned.
-        kl_clip: ``κ`` (default ``1e-2``) or ``None`` (off): scale the step by ``ν = min(1, sqrt(κ / (lr² Δᵀ∇L)))``
-            (Ba et al. 2017's trust region; ``Δᵀ∇L ≈ ΔᵀFΔ``): KFAC with small damping is
+        kl_clip: $\kappa$ (default ``1e-2``) or ``None`` (off): scale the step by $\nu = \min\big(1, \sqrt{\kappa / (\mathrm{lr}^2\, \Delta^\top \nabla L)}\big)$
+            (Ba et al. 2017's trust region; $\Delta^\top \nabla L \approx \Delta^\top F \Delta$): KFAC with small damping is
             unstable without it.
         mc_samples: labels sampled per sample for the Monte-Carlo factors (``"kfac"``,
             ``"ekfac"``), as ``curvlib.extensions.KFAC``'s.

@@ -18,7 +18,7 @@ themselves (fast, no Sphinx build):
 
 ``check_api_pages`` checks the built pages (no private name, no Attributes/Methods tables of
 internal fields, the laplace backends' real signatures, links to PyTorch's and Python's
-documentation); tests/project/test_docs_site.py runs it after its build, and the last test
+documentation, in the signature lines too); tests/project/test_docs_site.py runs it after its build, and the last test
 here runs it on an existing build (skipped without one).
 """
 
@@ -323,6 +323,9 @@ def check_api_pages(html: str):
     assert problems == [], "\n".join(problems)
     ggn = open(os.path.join(api, "curvlib.operators.GGN.html"), encoding="utf-8").read()
     assert "https://pytorch.org/docs/stable/" in ggn and "torch.nn.Module" in ggn, "no link to PyTorch's nn.Module"
+    signature = re.search(r'<dt class="sig sig-object py".*?</dt>', ggn, re.S).group(0)
+    assert "https://pytorch.org/docs/stable/generated/torch.nn.Module.html" in signature, \
+        "the signature line's types are not linked (autodoc_typehints)"
     fit = open(os.path.join(api, "curvlib.influence.fit.html"), encoding="utf-8").read()
     assert "https://pytorch.org/docs/stable/tensors.html#torch.Tensor" in fit, "no link to PyTorch's Tensor"
     assert "https://docs.python.org/3/" in open(os.path.join(api, "curvlib.curvature.html"), encoding="utf-8").read()

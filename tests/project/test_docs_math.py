@@ -95,3 +95,20 @@ def test_conventions_defines_its_quantities_in_math():
     display = " ".join(n.astext() for n in tree.findall(nodes.math_block))
     assert r"G = \sum_n J_n^\top H_n J_n" in inline
     assert r"\otimes" in inline and r"\mathrm{PCH}_p" in display and r"\frac{1}{N S}" in display
+
+
+def test_no_formulas_in_docstring_code_spans():
+    """The API reference's docstrings write formulas as ``$...$`` too (docs/docstring_md.py turns
+    them into math for the pages; ``help()`` shows the TeX): no formula in a code span of a public
+    name's docstring or of a member its page shows. A span holding a quote is a Python value."""
+    import inspect
+
+    from test_api_reference import _public, shown_members  # this folder is on sys.path
+
+    bad = []
+    for module, name, obj in _public():
+        docs = [("", obj.__doc__ or "")] + (shown_members(obj) if inspect.isclass(obj) else [])
+        for member, doc in docs:
+            spans = formula_spans(doc.replace("``", "`"))
+            bad += [f"{module}.{name}{'.' + member if member else ''}: {span}" for _, span in spans if '"' not in span]
+    assert bad == [], f"{len(bad)} formulas in docstring code spans, write them as $...$:\n" + "\n".join(bad)

@@ -1,7 +1,7 @@
 """Every public name has a docstring that stands alone and renders cleanly.
 
 For each name of the contract's import list (curvature and the 18 extensions)
-plus ``curvlib.distributed``'s, ``curvlib.losses``', ``curvlib.laplace``'s,
+plus ``curvlib.distributed``'s (and ``curvlib.distributed.sharded``'s), ``curvlib.losses``', ``curvlib.laplace``'s,
 ``curvlib.operators``', ``curvlib.influence``'s and ``curvlib.precondition``'s public names,
 ``KFACOptimizer``, ``strategy``, the errors and the extensions' base classes: a docstring
 with an ``Examples::`` block of doctest lines (run here, they must pass); extensions name
@@ -19,9 +19,11 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed
 
 import curvlib
 from curvlib import distributed, extensions, influence, losses, operators, precondition
+from curvlib.distributed import sharded
 
 CONTRACT_EXTENSIONS = [
     "BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance",
@@ -35,6 +37,7 @@ EXTENSIONS = CONTRACT_EXTENSIONS + ["KFACEmpirical"]
 def _public():
     names = [("curvlib", "curvature")] + [("curvlib.extensions", n) for n in EXTENSIONS]
     names += [("curvlib.distributed", n) for n in distributed.__all__]
+    names += [("curvlib.distributed.sharded", n) for n in sharded.__all__]
     names += [("curvlib.losses", n) for n in losses.__all__]
     names += [("curvlib.laplace", n) for n in ("CurvlibGGN", "CurvlibEF", "CurvlibInterface")]
     names += [("curvlib.operators", n) for n in operators.__all__]
@@ -74,10 +77,14 @@ def test_docstring_examples_run(module, name):
     tests = doctest.DocTestFinder(recurse=False).find(obj, name, globs={})
     assert tests and tests[0].examples, f"{module}.{name}: no doctest examples found"
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    with warnings.catch_warnings(), torch.device("cpu"):  # the examples are CPU code
-        warnings.simplefilter("ignore")
-        for test in tests:
-            runner.run(test, out=lambda text: pytest.fail(text, pytrace=False))
+    try:
+        with warnings.catch_warnings(), torch.device("cpu"):  # the examples are CPU code
+            warnings.simplefilter("ignore")
+            for test in tests:
+                runner.run(test, out=lambda text: pytest.fail(text, pytrace=False))
+    finally:  # an example that failed before its destroy_process_group() leaves no group behind
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     assert runner.failures == 0
 
 

@@ -108,3 +108,31 @@ def test_hessian_spectrum_figure_fits_a_docs_column():
         for ax in axes:
             assert not legend.get_window_extent().overlaps(ax.get_window_extent()), (legend, ax)
     plt.close(fig)
+
+
+def test_ddp_figure_fits_a_docs_column():
+    """ddp_curvature's figure: 800 px wide at 100 dpi (the documentation's column shows it at about
+    92 %, not the 51 % of its former 1430 px), every text >= 9 pt and inside the canvas, the legend
+    beside the data."""
+    import matplotlib.pyplot as plt
+
+    steps = range(6)
+    log = {"loss": [1.2 - 0.07 * k for k in steps], "snr": [3.8 - 0.3 * k for k in steps],
+           "diag": {name: [scale * (1 + 0.1 * k) for k in steps]
+                    for name, scale in [("0.weight", 5e-3), ("0.bias", 6e-3), ("2.weight", 4e-2), ("2.bias", 0.2)]}}
+    fig = _load("ddp_curvature").figure(log)
+    fig.set_dpi(100)
+    fig.canvas.draw()
+    assert fig.get_size_inches()[0] * 100 == 800
+    texts = [t for t in fig.findobj(plt.Text) if t.get_visible() and t.get_text().strip()]
+    assert len(texts) > 15
+    for text in texts:
+        assert text.get_fontsize() >= 9, f"{text.get_text()!r}: {text.get_fontsize()} pt"
+    width, height = fig.get_size_inches()
+    drawn = fig.get_tightbbox()
+    assert drawn.x0 >= -0.01 and drawn.y0 >= -0.01 and drawn.x1 <= width + 0.01 and drawn.y1 <= height + 0.01, drawn
+    legends = [a for a in fig.findobj(plt.Artist) if type(a).__name__ == "Legend"]
+    assert len(legends) == 1
+    for ax in fig.get_axes():
+        assert not legends[0].get_window_extent().overlaps(ax.get_window_extent()), ax.get_title()
+    plt.close(fig)

@@ -65,13 +65,13 @@ def curvature(
     compile: Union[bool, Mapping[str, object]] = False,
     output: Union[None, str, int, Callable] = None,
 ) -> Callable[..., Dict[str, object]]:
-    """Turn a model and a loss into a function returning gradients and curvature.
+    r"""Turn a model and a loss into a function returning gradients and curvature.
 
     ``qs = curvature(model, lossfn, [ext, ...])(X, y)`` is a plain dict: ``qs["loss"]``
     (0-dim), ``qs["grad"]`` and ``qs[ext.name]`` per extension (parameter name -> quantity;
     BackPACK's keys: ``grad_batch``, ``diag_ggn_exact``, ``kflr``, ...). For the loss
-    ``L = c·Σ_n ℓ(f(x_n), y_n)`` (``c = 1/N`` for ``"mean"``) the individual gradients
-    ``g_n = ∂(c·ℓ_n)/∂θ`` sum to the gradient; docs/conventions.md has every formula.
+    $L = c \sum_n \ell(f(x_n), y_n)$ (``c = 1/N`` for ``"mean"``) the individual gradients
+    $g_n = \partial (c\, \ell_n) / \partial \theta$ sum to the gradient; docs/conventions.md has every formula.
 
     Examples::
 

@@ -71,7 +71,35 @@ def _api() -> types.SimpleNamespace:
 
 
 def fsdp_mesh(model: nn.Module):
-    """The device mesh of the model's DTensor parameters, or ``None`` when it has none."""
+    """The device mesh of the model's DTensor parameters, or ``None`` when it has none.
+
+    ``curvlib.curvature`` calls it to tell a model sharded with ``fully_shard`` from a plain one.
+
+    Args:
+        model: the model, sharded with ``torch.distributed.fsdp.fully_shard`` or not.
+
+    Returns:
+        The ``DeviceMesh`` its DTensor parameters live on; ``None`` when no parameter is a DTensor.
+
+    Raises:
+        CurvatureError: the DTensor parameters sit on more than one mesh.
+
+    Examples::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from torch import nn
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from torch.distributed.fsdp import fully_shard
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank here
+        >>> model = fully_shard(nn.Linear(3, 2), mesh=init_device_mesh("cpu", (1,)))
+        >>> from curvlib.distributed.sharded import fsdp_mesh
+        >>> fsdp_mesh(model).shape
+        (1,)
+        >>> fsdp_mesh(nn.Linear(3, 2)) is None
+        True
+        >>> dist.destroy_process_group()
+    """
     dtensor = _dtensor_type()
     if dtensor is None:
         return None
@@ -97,10 +125,40 @@ def _placeholder(shape, dtype: torch.dtype, device) -> Tensor:
 
 
 class ShardedModel:
-    """The twin of an FSDP model (module doc) and its parameters' shards.
+    """The twin of a model sharded with ``fully_shard``, and the model's parameter shards.
 
-    ``module``: the twin; ``gathered(params)``: a context in which its parameters hold the
-    full values (the model's shards gathered, or ``params`` given as DTensors or full tensors)."""
+    The twin (``module``) holds the same modules' state under their classes before
+    ``fully_shard``, without hooks; its parameters are plain tensors of the full shapes that
+    hold one element between calls and the gathered values inside ``gathered()`` (the
+    module's description above says why).
+
+    Args:
+        model: the model sharded with ``fully_shard`` (its parameters DTensors).
+        mesh: the device mesh they are sharded over (``fsdp_mesh(model)``).
+
+    Attributes:
+        module: the twin, an ``nn.Module`` to take derivatives of.
+        mesh: the device mesh.
+        shards: ``{name: parameter}``, the model's own (sharded) parameters.
+
+    Examples::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from torch import nn
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from torch.distributed.fsdp import fully_shard
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank here
+        >>> model = fully_shard(nn.Linear(3, 2), mesh=init_device_mesh("cpu", (1,)))
+        >>> from curvlib.distributed.sharded import ShardedModel, fsdp_mesh
+        >>> twin = ShardedModel(model, fsdp_mesh(model))
+        >>> type(twin.module).__name__, type(twin.shards["weight"]).__name__
+        ('Linear', 'DTensor')
+        >>> with twin.gathered():
+        ...     torch.equal(twin.module.weight, model.weight.full_tensor())
+        True
+        >>> dist.destroy_process_group()
+    """
 
     def __init__(self, model: nn.Module, mesh):
         self.mesh = mesh
@@ -136,14 +194,32 @@ class ShardedModel:
         return self._twins[id(p)]
 
     def full(self, name: str, value: Tensor) -> Tensor:
-        """``value`` (a parameter's, sharded or whole) as the twin computes with it (anything
-        else as it is: :func:`curvlib.curvature` names what is wrong with it)."""
+        """``value`` (a parameter's, sharded or whole) as the twin computes with it.
+
+        Args:
+            name: the parameter's name in the model (``"0.weight"``).
+            value: its value, a DTensor or a whole tensor; anything else (or a name the model
+                does not have) is returned as it is, for ``curvlib.curvature`` to name what is
+                wrong with it.
+
+        Returns:
+            The whole tensor, detached, in the dtype the twin computes in.
+        """
         if name not in self._slots or not isinstance(value, Tensor):
             return value
         return whole(value).detach().to(self._slots[name].dtype)
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
+        """A context in which the twin's parameters hold the model's full values.
+
+        Each parameter is gathered on entry (``full_tensor()``, an all-gather every rank of the
+        mesh takes part in) and released on exit; train/eval modes and reassigned buffers are
+        copied from the model first.
+
+        Yields:
+            None.
+        """
         slots = self._slots
         for m, twin in self._pairs:  # (what may change between calls: train/eval, reassigned buffers)
             twin.training = m.training
@@ -188,8 +264,34 @@ def _casts_forward_inputs(model: nn.Module) -> Optional[torch.dtype]:
 
 
 def batch_group(mesh):
-    """The process group of the mesh's ranks, over which the batch is split (every rank has
-    its own data: one dim of the mesh, or the whole world for a 2-D hybrid mesh)."""
+    """The process group of the mesh's ranks, over which the batch is split.
+
+    Every rank of the mesh has its own data, so the results are aggregated over all of them:
+    the group of a 1-D mesh, or the whole world for a 2-D (hybrid sharding) mesh over it.
+
+    Args:
+        mesh: the model's device mesh (``fsdp_mesh(model)``).
+
+    Returns:
+        The ``ProcessGroup`` that ``curvlib.curvature(..., process_group=)`` aggregates over.
+
+    Raises:
+        CurvatureError: a multi-dimensional mesh over part of the world.
+
+    Examples::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from torch import nn
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from torch.distributed.fsdp import fully_shard
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank here
+        >>> model = fully_shard(nn.Linear(3, 2), mesh=init_device_mesh("cpu", (1,)))
+        >>> from curvlib.distributed.sharded import batch_group, fsdp_mesh
+        >>> batch_group(fsdp_mesh(model)).size()
+        1
+        >>> dist.destroy_process_group()
+    """
     if mesh.ndim == 1:
         return mesh.get_group()
     if mesh.size() == dist.get_world_size():
@@ -200,8 +302,47 @@ def batch_group(mesh):
 
 
 def sharded(f: Callable[..., Dict[str, object]], model: ShardedModel, kinds: Mapping[str, Combine]) -> Callable:
-    """``f`` (curvature of the twin, aggregated over the mesh's ranks) on the model's shards:
-    parameters gathered for the call, summed results sharded like the parameters (module doc)."""
+    """``f`` on the model's shards: parameters gathered for the call, results sharded back.
+
+    ``curvlib.curvature`` returns this for a sharded model. The returned function casts
+    floating-point inputs where the model's mixed precision policy does, calls ``f`` inside
+    ``model.gathered()`` and returns each summed result as DTensors placed like the
+    parameters (Kronecker factors split along their rows); per-sample results and the loss
+    come back as ``f`` returned them.
+
+    Args:
+        f: the curvature function of the twin (``curvlib.curvature(model.module, ...)``,
+            aggregated over ``batch_group(model.mesh)``), called as
+            ``f(X, y, params=, generator=, buffers=)``.
+        model: the twin of the sharded model.
+        kinds: ``{result key: how it combines over ranks}``, a
+            ``curvlib.extensions.combine.Combine`` per key (``SUM`` for ``"grad"``); a key
+            not in it is returned as it is.
+
+    Returns:
+        ``g(X, y, params=None, generator=None, buffers=None)``, a collective over the mesh, with
+        ``params`` taking sharded or whole parameters.
+
+    Examples::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from torch import nn
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from torch.distributed.fsdp import fully_shard
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank here
+        >>> model = fully_shard(nn.Linear(3, 2), mesh=init_device_mesh("cpu", (1,)))
+        >>> import curvlib
+        >>> from curvlib.distributed.sharded import ShardedModel, batch_group, fsdp_mesh, sharded
+        >>> from curvlib.extensions.combine import Combine
+        >>> twin = ShardedModel(model, fsdp_mesh(model))
+        >>> f = curvlib.curvature(twin.module, nn.MSELoss(), process_group=batch_group(twin.mesh))
+        >>> g = sharded(f, twin, {"grad": Combine.SUM})
+        >>> qs = g(torch.randn(4, 3), torch.randn(4, 2))
+        >>> type(qs["grad"]["weight"]).__name__, qs["grad"]["weight"].shape
+        ('DTensor', torch.Size([2, 3]))
+        >>> dist.destroy_process_group()
+    """
 
     def g(X, y, params: Optional[Mapping[str, Tensor]] = None, generator=None, buffers=None):
         if model.cast_inputs is not None:
@@ -236,12 +377,57 @@ def _distributed(value, kind: Optional[Combine], model: ShardedModel):
 
 
 def whole(t: Tensor) -> Tensor:
-    """``t`` whole: a DTensor's ``full_tensor()`` (a collective), any other tensor itself."""
+    """``t`` whole: a DTensor's ``full_tensor()`` (a collective), any other tensor itself.
+
+    Args:
+        t: a tensor, a DTensor or not.
+
+    Returns:
+        The whole tensor; ``t`` itself when it is no DTensor.
+
+    Examples::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from torch import nn
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from torch.distributed.fsdp import fully_shard
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank here
+        >>> model = fully_shard(nn.Linear(3, 2), mesh=init_device_mesh("cpu", (1,)))
+        >>> from curvlib.distributed.sharded import whole
+        >>> whole(model.weight).shape, type(whole(model.weight)).__name__
+        (torch.Size([2, 3]), 'Tensor')
+        >>> t = torch.ones(2)
+        >>> whole(t) is t
+        True
+        >>> dist.destroy_process_group()
+    """
     return t.full_tensor() if is_sharded(t) else t
 
 
 def is_sharded(t: object) -> bool:
-    """Whether ``t`` is a DTensor (a result on a sharded model)."""
+    """Whether ``t`` is a DTensor (a parameter of a sharded model, or a result on one).
+
+    Args:
+        t: any object.
+
+    Returns:
+        ``True`` for a DTensor; ``False`` for anything else, and when DTensor was never loaded.
+
+    Examples::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from torch import nn
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from torch.distributed.fsdp import fully_shard
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank here
+        >>> model = fully_shard(nn.Linear(3, 2), mesh=init_device_mesh("cpu", (1,)))
+        >>> from curvlib.distributed.sharded import is_sharded
+        >>> is_sharded(model.weight), is_sharded(torch.ones(2))
+        (True, False)
+        >>> dist.destroy_process_group()
+    """
     dtensor = _dtensor_type()
     return dtensor is not None and isinstance(t, dtensor)
 
@@ -255,7 +441,42 @@ def on_owners(vectors: Mapping[str, Tensor], states: Dict[str, object], prepare:
     ``prepare(name, v, mine)`` (which gathers the layer's factors, collectives every rank takes
     part in, and, where ``mine``, returns the layer's state: its eigendecomposition); the owner
     computes ``apply(name, state, v)``, whose result is scattered from it in the vector's
-    placements. Each layer's state is kept in ``states`` on its owner only."""
+    placements. Each layer's state is kept in ``states`` on its owner only.
+
+    ``curvlib.precondition``'s Kronecker functions precondition sharded vectors this way.
+
+    Args:
+        vectors: ``{name: vector}``, DTensors (for a vector that is no DTensor, only its owner
+            gets the result; the other ranks get an uninitialised tensor of its shape).
+        states: ``{name: state}``, filled in by ``prepare`` the first time a layer is met and
+            read on the next calls (``None`` on the ranks that do not own the layer).
+        prepare: ``prepare(name, v, mine)``, called on every rank with the whole vector;
+            returns the layer's state where ``mine``.
+        apply: ``apply(name, state, v)``, called on the owner only; returns the layer's result,
+            a tensor of ``v``'s shape.
+
+    Returns:
+        ``{name: result}``, each a DTensor placed like its vector.
+
+    Examples::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from torch import nn
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from torch.distributed.fsdp import fully_shard
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank here
+        >>> model = fully_shard(nn.Linear(3, 2), mesh=init_device_mesh("cpu", (1,)))
+        >>> from torch.distributed.tensor import Shard, distribute_tensor
+        >>> from curvlib.distributed.sharded import on_owners
+        >>> v = {"w": distribute_tensor(torch.ones(4), model.weight.device_mesh, [Shard(0)])}
+        >>> states = {}
+        >>> out = on_owners(v, states, lambda name, v, mine: 2.0 if mine else None,
+        ...                 lambda name, scale, v: scale * v)
+        >>> out["w"].full_tensor(), states
+        (tensor([2., 2., 2., 2.]), {'w': 2.0})
+        >>> dist.destroy_process_group()
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for k, name in enumerate(sorted(vectors)):

@@ -30,12 +30,12 @@ from .combine import Combine
 
 @dataclass(frozen=True)
 class BatchGrad(Extension):
-    """Individual gradients, one per sample (BackPACK's ``BatchGrad``).
+    r"""Individual gradients, one per sample (BackPACK's ``BatchGrad``).
 
     Result key: ``"grad_batch"``, a dict parameter name -> ``[N, *p.shape]``.
 
-    Row ``n`` is ``g_n = ∂(c·ℓ_n)/∂p``, the gradient of sample ``n``'s term of
-    the loss ``L = c·Σ_n ℓ_n`` with the reduction factor ``c`` in it (``1/N``
+    Row ``n`` is $g_n = \partial (c\, \ell_n) / \partial p$, the gradient of sample ``n``'s term of
+    the loss $L = c \sum_n \ell_n$ with the reduction factor ``c`` in it (``1/N``
     for ``reduction="mean"`` over ``N`` samples, 1 for ``"sum"``), so the rows
     sum to the gradient ``qs["grad"]``. Options: none. Computed without forming
     ``[N, *p.shape]`` intermediates beyond the result itself.
@@ -66,14 +66,14 @@ class BatchGrad(Extension):
 
 @dataclass(frozen=True)
 class BatchL2Grad(Extension):
-    """Squared L2 norm of each individual gradient (BackPACK's ``BatchL2Grad``).
+    r"""Squared L2 norm of each individual gradient (BackPACK's ``BatchL2Grad``).
 
     Result key: ``"batch_l2"``, a dict parameter name -> ``[N]``.
 
-    Entry ``n`` is ``‖g_n‖²`` for the individual gradient ``g_n`` of
-    ``BatchGrad`` (with the reduction factor ``c``, so it carries ``c²``),
+    Entry ``n`` is $\lVert g_n \rVert^2$ for the individual gradient ``g_n`` of
+    ``BatchGrad`` (with the reduction factor ``c``, so it carries $c^2$),
     computed without forming ``g_n`` where the layer allows (``Linear``:
-    ``‖m_n‖²·‖x_n‖²``). Sum over parameters for the norm of the whole
+    $\lVert m_n \rVert^2 \lVert x_n \rVert^2$). Sum over parameters for the norm of the whole
     individual gradient (e.g. per-sample clipping). Options: none.
 
     Examples::
@@ -106,13 +106,13 @@ class BatchL2Grad(Extension):
 
 @dataclass(frozen=True)
 class SumGradSquared(Extension):
-    """Sum over samples of the squared individual gradients (BackPACK's ``SumGradSquared``).
+    r"""Sum over samples of the squared individual gradients (BackPACK's ``SumGradSquared``).
 
     Result key: ``"sum_grad_squared"``, a dict parameter name -> ``p.shape``.
 
-    Value: ``Σ_n g_n ⊙ g_n`` (element-wise), ``g_n`` as in ``BatchGrad``;
-    it carries ``c²`` (``1/N²`` for ``"mean"``). It is the diagonal of the
-    empirical Fisher ``Σ_n g_n g_nᵀ``. Options: none.
+    Value: $\sum_n g_n \odot g_n$ (element-wise), ``g_n`` as in ``BatchGrad``;
+    it carries $c^2$ ($1/N^2$ for ``"mean"``). It is the diagonal of the
+    empirical Fisher $\sum_n g_n g_n^\top$. Options: none.
 
     Examples::
 
@@ -146,11 +146,11 @@ class SumGradSquared(Extension):
 
 @dataclass(frozen=True)
 class Variance(Extension):
-    """Gradient variance over the batch (BackPACK's ``Variance``).
+    r"""Gradient variance over the batch (BackPACK's ``Variance``).
 
     Result key: ``"variance"``, a dict parameter name -> ``p.shape``.
 
-    Value, element-wise: ``(1/N) Σ_n g_n² − ((1/N) Σ_n g_n)²`` with ``g_n`` as
+    Value, element-wise: $\frac{1}{N} \sum_n g_n^2 - \big(\frac{1}{N} \sum_n g_n\big)^2$ with ``g_n`` as
     in ``BatchGrad`` (carrying ``c``) and ``N`` the batch size, exactly
     BackPACK's formula. With ``process_group`` it is recomputed from the global
     sums. Options: none.
@@ -177,8 +177,8 @@ class Variance(Extension):
     needs: ClassVar[Tuple[type, ...]] = (SumGradSquared,)
 
     def formed(self, grad: Tensor, needed: Sequence[Tensor], batch_size: int, overwrite: bool = False) -> Tensor:
-        """``Σ_n g_n²/N − (Σ_n g_n/N)²`` in two kernels; it is ≥ 0 exactly, so the rounding
-        below zero is clamped (N = 1: ``g² − g²`` from two different computations)."""
+        r"""$\sum_n g_n^2 / N - (\sum_n g_n / N)^2$ in two kernels; it is ≥ 0 exactly, so the rounding
+        below zero is clamped (N = 1: $g^2 - g^2$ from two different computations)."""
         (sgs,) = needed
         if overwrite and _plain(sgs) and _plain(grad) and sgs._base is None:  # no model-sized temporaries
             return sgs.div_(batch_size).addcmul_(grad, grad, value=-1.0 / batch_size**2).clamp_(min=0)

@@ -50,30 +50,30 @@ def _check_max_factor_dim(cls_name: str, max_factor_dim: object) -> None:
 
 @dataclass(frozen=True)
 class KFAC(MonteCarlo):
-    """Kronecker factors from sampled labels, KFAC (Martens & Grosse; BackPACK's ``KFAC``).
+    r"""Kronecker factors from sampled labels, KFAC (Martens & Grosse; BackPACK's ``KFAC``).
 
     Result key: ``"kfac"``, a dict parameter name -> list of factors.
 
     Per parameter, a list of factors whose Kronecker product in order
     approximates the parameter's block. ``Linear``/``Conv``/``ConvTranspose``
     weight ``[O, I, *k]``: ``[B [O, O], A [I·K, I·K]]`` (BackPACK's order,
-    ``B ⊗ A`` ≈ the block of the weight flattened row-major); bias ``[B]``.
-    ``A = (1/N) Σ_{n,s} x xᵀ`` (unfolded inputs, positions ``s``; no ``c``),
-    ``B = Σ_{v,n} (Σ_s m)(Σ_s m)ᵀ`` over the backpropagated columns ``m`` at
-    the layer's output (carrying ``c``). Grouped convolutions:
+    $B \otimes A \approx$ the block of the weight flattened row-major); bias ``[B]``.
+    $A = \frac{1}{N} \sum_{n,s} x x^\top$ (unfolded inputs, positions $s$; no $c$),
+    $B = \sum_{v,n} (\sum_s m)(\sum_s m)^\top$ over the backpropagated columns $m$ at
+    the layer's output (carrying $c$). Grouped convolutions:
     ``[B [G, O/G, O/G], A [G, ., .]]``; ``Embedding [V, D]``: ``[A [V], B [D, D]]``
-    (input side first, ``A`` diagonal); norms and other 1-D parameters: their
-    exact block ``[F [P, P]]``; see docs/conventions.md.
+    (input side first, $A$ diagonal); norms and other 1-D parameters: their
+    exact block ``[F [P, P]]``; the documentation's "Conventions" page defines each factor.
 
-    ``m`` are the ``M`` sampled columns ``s`` of the Monte-Carlo extensions, so
-    ``B ⊗ A`` approximates the Fisher block.
+    $m$ are the $M$ sampled columns $s$ of the Monte-Carlo extensions, so
+    $B \otimes A$ approximates the Fisher block.
 
-    The exact loss-Hessian factor ``S_n`` is replaced by ``M`` columns
-    ``s = √(1/M)·∇_f ℓ(f_n, ŷ)`` at labels ``ŷ`` drawn from the model's
+    The exact loss-Hessian factor $S_n$ is replaced by $M$ columns
+    $s = \sqrt{1/M}\, \nabla_f \ell(f_n, \hat y)$ at labels $\hat y$ drawn from the model's
     predictive distribution (CrossEntropy: categorical; MSE: Gaussian;
-    BCEWithLogits: Bernoulli; other losses: Gaussian sketches ``S_n ε/√M``),
-    scaled like the loss, so that ``E[s sᵀ]`` summed over the columns is
-    ``c∇²ℓ_n``: an unbiased estimate of the exact quantity.
+    BCEWithLogits: Bernoulli; other losses: Gaussian sketches $S_n \varepsilon / \sqrt{M}$),
+    scaled like the loss, so that $\mathbb{E}[s s^\top]$ summed over the columns is
+    $c \nabla^2 \ell_n$: an unbiased estimate of the exact quantity.
 
     Args:
         mc_samples: the number ``M`` of sampled labels per sample, an int ≥ 1.
@@ -81,11 +81,11 @@ class KFAC(MonteCarlo):
             global random state); the same generator state gives the same result.
         kfac_approx: None (BackPACK's), ``"expand"`` or ``"reduce"``: Eschenhagen et al.'s
             approximations for weights shared by positions (curvlinops' definitions):
-            ``"expand"`` ``B = Σ_{v,n,s} m mᵀ``, ``A = (1/(N·S)) Σ_{n,s} x xᵀ``;
-            ``"reduce"`` ``B`` as None, ``A = (1/N) Σ_n x̄ x̄ᵀ`` (``x̄`` the mean over the
-            ``S`` positions). Without shared positions all three coincide.
+            ``"expand"`` $B = \sum_{v,n,s} m m^\top$, $A = \frac{1}{N S} \sum_{n,s} x x^\top$;
+            ``"reduce"`` $B$ as None, $A = \frac{1}{N} \sum_n \bar x \bar x^\top$ ($\bar x$ the mean
+            over the $S$ positions). Without shared positions all three coincide.
         max_factor_dim: an int ≥ 1, or None: a factor side larger than it gets a 1-D,
-            diagonal factor (kfac-jax's choice), computed as ``Σ_rows m²`` (or ``x²``) without
+            diagonal factor (kfac-jax's choice), computed as $\sum_\text{rows} m^2$ (or $x^2$) without
             forming the dense one: the language-model head ``[V, D]`` gets ``[B [V], A [D, D]]``;
             a 1-D parameter's exact block ``[F [P, P]]`` becomes ``[F [P]]``. With None, a
             dense factor over 1 GiB is refused before any work.
@@ -135,32 +135,32 @@ class KFAC(MonteCarlo):
 
 @dataclass(frozen=True)
 class KFLR(SecondOrder):
-    """Kronecker factors from the exact loss-Hessian factor, KFLR (Botev et al.; BackPACK's ``KFLR``).
+    r"""Kronecker factors from the exact loss-Hessian factor, KFLR (Botev et al.; BackPACK's ``KFLR``).
 
     Result key: ``"kflr"``, a dict parameter name -> list of factors.
 
     Per parameter, a list of factors whose Kronecker product in order
     approximates the parameter's block. ``Linear``/``Conv``/``ConvTranspose``
     weight ``[O, I, *k]``: ``[B [O, O], A [I·K, I·K]]`` (BackPACK's order,
-    ``B ⊗ A`` ≈ the block of the weight flattened row-major); bias ``[B]``.
-    ``A = (1/N) Σ_{n,s} x xᵀ`` (unfolded inputs, positions ``s``; no ``c``),
-    ``B = Σ_{v,n} (Σ_s m)(Σ_s m)ᵀ`` over the backpropagated columns ``m`` at
-    the layer's output (carrying ``c``). Grouped convolutions:
+    $B \otimes A \approx$ the block of the weight flattened row-major); bias ``[B]``.
+    $A = \frac{1}{N} \sum_{n,s} x x^\top$ (unfolded inputs, positions $s$; no $c$),
+    $B = \sum_{v,n} (\sum_s m)(\sum_s m)^\top$ over the backpropagated columns $m$ at
+    the layer's output (carrying $c$). Grouped convolutions:
     ``[B [G, O/G, O/G], A [G, ., .]]``; ``Embedding [V, D]``: ``[A [V], B [D, D]]``
-    (input side first, ``A`` diagonal); norms and other 1-D parameters: their
-    exact block ``[F [P, P]]``; see docs/conventions.md.
+    (input side first, $A$ diagonal); norms and other 1-D parameters: their
+    exact block ``[F [P, P]]``; the documentation's "Conventions" page defines each factor.
 
-    ``m`` are the ``C`` exact columns of ``c∇²ℓ_n``'s factor, so ``B ⊗ A``
+    $m$ are the $C$ exact columns of $c \nabla^2 \ell_n$'s factor, so $B \otimes A$
     approximates the GGN block (exact for one sample and no shared positions).
 
     Args:
         kfac_approx: None (BackPACK's), ``"expand"`` or ``"reduce"``: Eschenhagen et al.'s
             approximations for weights shared by positions (curvlinops' definitions):
-            ``"expand"`` ``B = Σ_{v,n,s} m mᵀ``, ``A = (1/(N·S)) Σ_{n,s} x xᵀ``;
-            ``"reduce"`` ``B`` as None, ``A = (1/N) Σ_n x̄ x̄ᵀ`` (``x̄`` the mean over the
-            ``S`` positions). Without shared positions all three coincide.
+            ``"expand"`` $B = \sum_{v,n,s} m m^\top$, $A = \frac{1}{N S} \sum_{n,s} x x^\top$;
+            ``"reduce"`` $B$ as None, $A = \frac{1}{N} \sum_n \bar x \bar x^\top$ ($\bar x$ the mean
+            over the $S$ positions). Without shared positions all three coincide.
         max_factor_dim: an int ≥ 1, or None: a factor side larger than it gets a 1-D,
-            diagonal factor (kfac-jax's choice), computed as ``Σ_rows m²`` (or ``x²``) without
+            diagonal factor (kfac-jax's choice), computed as $\sum_\text{rows} m^2$ (or $x^2$) without
             forming the dense one: the language-model head ``[V, D]`` gets ``[B [V], A [D, D]]``;
             a 1-D parameter's exact block ``[F [P, P]]`` becomes ``[F [P]]``. With None, a
             dense factor over 1 GiB is refused before any work.
@@ -207,32 +207,32 @@ class KFLR(SecondOrder):
 
 @dataclass(frozen=True)
 class KFACEmpirical(SecondOrder):
-    """Kronecker factors of the empirical Fisher ``Σ_n g_n g_nᵀ`` (curvlinops' ``EMPIRICAL``; not in BackPACK).
+    r"""Kronecker factors of the empirical Fisher $\sum_n g_n g_n^\top$ (curvlinops' ``EMPIRICAL``; not in BackPACK).
 
     Result key: ``"kfac_empirical"``, a dict parameter name -> list of factors.
 
     Per parameter, a list of factors whose Kronecker product in order
     approximates the parameter's block. ``Linear``/``Conv``/``ConvTranspose``
     weight ``[O, I, *k]``: ``[B [O, O], A [I·K, I·K]]`` (BackPACK's order,
-    ``B ⊗ A`` ≈ the block of the weight flattened row-major); bias ``[B]``.
-    ``A = (1/N) Σ_{n,s} x xᵀ`` (unfolded inputs, positions ``s``; no ``c``),
-    ``B = Σ_{v,n} (Σ_s m)(Σ_s m)ᵀ`` over the backpropagated columns ``m`` at
-    the layer's output (carrying ``c``). Grouped convolutions:
+    $B \otimes A \approx$ the block of the weight flattened row-major); bias ``[B]``.
+    $A = \frac{1}{N} \sum_{n,s} x x^\top$ (unfolded inputs, positions $s$; no $c$),
+    $B = \sum_{v,n} (\sum_s m)(\sum_s m)^\top$ over the backpropagated columns $m$ at
+    the layer's output (carrying $c$). Grouped convolutions:
     ``[B [G, O/G, O/G], A [G, ., .]]``; ``Embedding [V, D]``: ``[A [V], B [D, D]]``
-    (input side first, ``A`` diagonal); norms and other 1-D parameters: their
-    exact block ``[F [P, P]]``; see docs/conventions.md.
+    (input side first, $A$ diagonal); norms and other 1-D parameters: their
+    exact block ``[F [P, P]]``; the documentation's "Conventions" page defines each factor.
 
-    ``m`` is one column per sample: the gradient of sample ``n``'s own loss
-    term at the layer's output, so ``B`` carries ``c²`` like ``SumGradSquared``.
+    $m$ is one column per sample: the gradient of sample $n$'s own loss
+    term at the layer's output, so $B$ carries $c^2$ like ``SumGradSquared``.
 
     Args:
         kfac_approx: None (BackPACK's), ``"expand"`` or ``"reduce"``: Eschenhagen et al.'s
             approximations for weights shared by positions (curvlinops' definitions):
-            ``"expand"`` ``B = Σ_{v,n,s} m mᵀ``, ``A = (1/(N·S)) Σ_{n,s} x xᵀ``;
-            ``"reduce"`` ``B`` as None, ``A = (1/N) Σ_n x̄ x̄ᵀ`` (``x̄`` the mean over the
-            ``S`` positions). Without shared positions all three coincide.
+            ``"expand"`` $B = \sum_{v,n,s} m m^\top$, $A = \frac{1}{N S} \sum_{n,s} x x^\top$;
+            ``"reduce"`` $B$ as None, $A = \frac{1}{N} \sum_n \bar x \bar x^\top$ ($\bar x$ the mean
+            over the $S$ positions). Without shared positions all three coincide.
         max_factor_dim: an int ≥ 1, or None: a factor side larger than it gets a 1-D,
-            diagonal factor (kfac-jax's choice), computed as ``Σ_rows m²`` (or ``x²``) without
+            diagonal factor (kfac-jax's choice), computed as $\sum_\text{rows} m^2$ (or $x^2$) without
             forming the dense one: the language-model head ``[V, D]`` gets ``[B [V], A [D, D]]``;
             a 1-D parameter's exact block ``[F [P, P]]`` becomes ``[F [P]]``. With None, a
             dense factor over 1 GiB is refused before any work.
@@ -274,13 +274,13 @@ class KFACEmpirical(SecondOrder):
 
 @dataclass(frozen=True)
 class KFRA(SecondOrder):
-    """Kronecker factors from the batch-averaged GGN recursion, KFRA (Botev et al.; BackPACK's ``KFRA``).
+    r"""Kronecker factors from the batch-averaged GGN recursion, KFRA (Botev et al.; BackPACK's ``KFRA``).
 
     Result key: ``"kfra"``, a dict parameter name -> list of factors.
 
     Layout as ``KFLR``: weight ``[B [O, O], A [I·K, I·K]]``, bias ``[B]``, with
     ``A`` as KFLR's and ``B`` propagated backwards layer by layer as a
-    batch-averaged ``[O, O]`` matrix (``Ḡ_in = avg_n(J_nᵀ Ḡ_out J_n)`` plus the
+    batch-averaged ``[O, O]`` matrix ($\bar G_\text{in} = \operatorname{avg}_n(J_n^\top \bar G_\text{out} J_n)$ plus the
     activations' residuals), scaled like the loss. Needs a chain
     (Sequential-like) model of ``Linear``/``Conv``/``ConvTranspose`` layers and
     element-wise activations; refuses ``batch_chunk_size``. Options: none.

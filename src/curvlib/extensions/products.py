@@ -31,12 +31,12 @@ class BlockProduct(SecondOrder):
 
 @dataclass(frozen=True)
 class GGNMP(BlockProduct):
-    """GGN block times vectors, as a callable (BackPACK's ``GGNMP``).
+    r"""GGN block times vectors, as a callable (BackPACK's ``GGNMP``).
 
     Result key: ``"ggnmp"``, a dict parameter name -> callable
     ``V [K, *p.shape] -> [K, *p.shape]``.
 
-    The callable multiplies ``K`` vectors by ``G_pp``, the block of ``G = Σ_n J_nᵀ (c∇²_f ℓ_n) J_n`` (``J_n`` the
+    The callable multiplies ``K`` vectors by ``G_pp``, the block of $G = \sum_n J_n^\top (c \nabla_f^2 \ell_n) J_n$ (``J_n`` the
     Jacobian of sample ``n``'s output w.r.t. the parameter, ``c`` the loss's
     reduction factor) for
     the parameter ``p`` (forward-over-reverse autodiff on the call's
@@ -66,12 +66,12 @@ class GGNMP(BlockProduct):
 
 @dataclass(frozen=True)
 class HMP(BlockProduct):
-    """Hessian block times vectors, as a callable (BackPACK's ``HMP``).
+    r"""Hessian block times vectors, as a callable (BackPACK's ``HMP``).
 
     Result key: ``"hmp"``, a dict parameter name -> callable
     ``V [K, *p.shape] -> [K, *p.shape]``.
 
-    The callable multiplies ``K`` vectors by ``∇²_pp L``, the exact block of
+    The callable multiplies ``K`` vectors by $\nabla_{pp}^2 L$, the exact block of
     the loss's Hessian for the parameter ``p`` (double backward). It may be
     called later and many times; refused with ``process_group`` and
     ``batch_chunk_size``. Options: none.
@@ -98,17 +98,17 @@ class HMP(BlockProduct):
 
 @dataclass(frozen=True)
 class PCHMP(BlockProduct):
-    """Positive-curvature Hessian block times vectors (Chen et al.; BackPACK's ``PCHMP``).
+    r"""Positive-curvature Hessian block times vectors (Chen et al.; BackPACK's ``PCHMP``).
 
     Result key: ``"pchmp"``, a dict parameter name -> callable
     ``V [K, *p.shape] -> [K, *p.shape]``.
 
-    The Hessian block with every node's residual ``R = ∇²_u (g · φ(u))``
+    The Hessian block with every node's residual $R = \nabla_u^2 (g \cdot \varphi(u))$
     (``g`` the loss gradient at the node's output) made positive
-    semi-definite: for an element-wise activation ``R = diag(φ''(u)·g)`` becomes
+    semi-definite: for an element-wise activation $R = \operatorname{diag}(\varphi''(u)\, g)$ becomes
     ``max(R, 0)`` (``modify="clip"``, default) or ``|R|`` (``modify="abs"``);
     other nodes and the loss Hessian have their eigenvalues modified alike.
-    BackPACK 1.7.1 multiplies by ``g`` twice (``mod(φ''(u)·g·g)``); curvlib
+    BackPACK 1.7.1 multiplies by ``g`` twice ($\operatorname{mod}(\varphi''(u)\, g\, g)$); curvlib
     follows the definition.
 
     Args:

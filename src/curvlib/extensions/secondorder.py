@@ -39,14 +39,14 @@ from .combine import Combine
 
 @dataclass(frozen=True)
 class DiagGGNExact(SecondOrder):
-    """Exact diagonal of the generalized Gauss-Newton matrix (BackPACK's ``DiagGGNExact``).
+    r"""Exact diagonal of the generalized Gauss-Newton matrix (BackPACK's ``DiagGGNExact``).
 
     Result key: ``"diag_ggn_exact"``, a dict parameter name -> ``p.shape``.
 
-    Value: ``diag G`` restricted to ``p``, with ``G = Σ_n J_nᵀ (c∇²_f ℓ_n) J_n`` (``J_n`` the
+    Value: ``diag G`` restricted to ``p``, with $G = \sum_n J_n^\top (c \nabla_f^2 \ell_n) J_n$ (``J_n`` the
     Jacobian of sample ``n``'s output w.r.t. the parameter, ``c`` the loss's
     reduction factor), computed by pulling the
-    ``C`` columns of a symmetric factor of ``c∇²ℓ_n`` back through the model
+    ``C`` columns of a symmetric factor of $c \nabla^2 \ell_n$ back through the model
     (``C`` = outputs per sample); ``chunk_size=`` bounds their memory. Options: none.
 
     Examples::
@@ -75,21 +75,21 @@ class DiagGGNExact(SecondOrder):
 
 @dataclass(frozen=True)
 class DiagGGNMC(MonteCarlo):
-    """Monte-Carlo estimate of the GGN diagonal (BackPACK's ``DiagGGNMC``).
+    r"""Monte-Carlo estimate of the GGN diagonal (BackPACK's ``DiagGGNMC``).
 
     Result key: ``"diag_ggn_mc"``, a dict parameter name -> ``p.shape``.
 
-    Value: ``Σ_n Σ_m (J_nᵀ s_m)²`` restricted to ``p``, an unbiased estimate of
-    the diagonal of ``G = Σ_n J_nᵀ (c∇²_f ℓ_n) J_n`` (``J_n`` the
+    Value: $\sum_n \sum_m (J_n^\top s_m)^2$ restricted to ``p``, an unbiased estimate of
+    the diagonal of $G = \sum_n J_n^\top (c \nabla_f^2 \ell_n) J_n$ (``J_n`` the
     Jacobian of sample ``n``'s output w.r.t. the parameter, ``c`` the loss's
     reduction factor) (for CrossEntropy, the diagonal of the Fisher).
 
     The exact loss-Hessian factor ``S_n`` is replaced by ``M`` columns
-    ``s = √(1/M)·∇_f ℓ(f_n, ŷ)`` at labels ``ŷ`` drawn from the model's
+    $s = \sqrt{1/M}\, \nabla_f \ell(f_n, \hat y)$ at labels ``ŷ`` drawn from the model's
     predictive distribution (CrossEntropy: categorical; MSE: Gaussian;
-    BCEWithLogits: Bernoulli; other losses: Gaussian sketches ``S_n ε/√M``),
-    scaled like the loss, so that ``E[s sᵀ]`` summed over the columns is
-    ``c∇²ℓ_n``: an unbiased estimate of the exact quantity.
+    BCEWithLogits: Bernoulli; other losses: Gaussian sketches $S_n \varepsilon / \sqrt{M}$),
+    scaled like the loss, so that $\mathbb{E}[s s^\top]$ summed over the columns is
+    $c \nabla^2 \ell_n$: an unbiased estimate of the exact quantity.
 
     Args:
         mc_samples: the number ``M`` of sampled labels per sample, an int ≥ 1.
@@ -122,11 +122,11 @@ class DiagGGNMC(MonteCarlo):
 
 @dataclass(frozen=True)
 class BatchDiagGGNExact(SecondOrder):
-    """Per-sample terms of the exact GGN diagonal (BackPACK's ``BatchDiagGGNExact``).
+    r"""Per-sample terms of the exact GGN diagonal (BackPACK's ``BatchDiagGGNExact``).
 
     Result key: ``"diag_ggn_exact_batch"``, a dict parameter name -> ``[N, *p.shape]``.
 
-    Row ``n`` is ``diag(J_nᵀ (c∇²_f ℓ_n) J_n)`` restricted to ``p``; the rows sum
+    Row ``n`` is $\operatorname{diag}(J_n^\top (c \nabla_f^2 \ell_n) J_n)$ restricted to ``p``; the rows sum
     to ``DiagGGNExact``'s ``diag_ggn_exact``. Options: none.
 
     Examples::
@@ -154,19 +154,19 @@ class BatchDiagGGNExact(SecondOrder):
 
 @dataclass(frozen=True)
 class BatchDiagGGNMC(MonteCarlo):
-    """Per-sample terms of the Monte-Carlo GGN diagonal (BackPACK's ``BatchDiagGGNMC``).
+    r"""Per-sample terms of the Monte-Carlo GGN diagonal (BackPACK's ``BatchDiagGGNMC``).
 
     Result key: ``"diag_ggn_mc_batch"``, a dict parameter name -> ``[N, *p.shape]``.
 
-    Row ``n`` is ``Σ_m (J_nᵀ s_m)²`` restricted to ``p``, with the sampled
+    Row ``n`` is $\sum_m (J_n^\top s_m)^2$ restricted to ``p``, with the sampled
     columns ``s_m`` of sample ``n``; the rows sum to a ``diag_ggn_mc``.
 
     The exact loss-Hessian factor ``S_n`` is replaced by ``M`` columns
-    ``s = √(1/M)·∇_f ℓ(f_n, ŷ)`` at labels ``ŷ`` drawn from the model's
+    $s = \sqrt{1/M}\, \nabla_f \ell(f_n, \hat y)$ at labels ``ŷ`` drawn from the model's
     predictive distribution (CrossEntropy: categorical; MSE: Gaussian;
-    BCEWithLogits: Bernoulli; other losses: Gaussian sketches ``S_n ε/√M``),
-    scaled like the loss, so that ``E[s sᵀ]`` summed over the columns is
-    ``c∇²ℓ_n``: an unbiased estimate of the exact quantity.
+    BCEWithLogits: Bernoulli; other losses: Gaussian sketches $S_n \varepsilon / \sqrt{M}$),
+    scaled like the loss, so that $\mathbb{E}[s s^\top]$ summed over the columns is
+    $c \nabla^2 \ell_n$: an unbiased estimate of the exact quantity.
 
     Args:
         mc_samples: the number ``M`` of sampled labels per sample, an int ≥ 1.
@@ -200,13 +200,13 @@ class BatchDiagGGNMC(MonteCarlo):
 
 @dataclass(frozen=True)
 class DiagHessian(SecondOrder):
-    """Exact diagonal of the Hessian of the loss (BackPACK's ``DiagHessian``).
+    r"""Exact diagonal of the Hessian of the loss (BackPACK's ``DiagHessian``).
 
     Result key: ``"diag_h"``, a dict parameter name -> ``p.shape``.
 
-    Value: ``diag ∇²_p L``: the GGN diagonal plus the residual terms of every
-    node with a second derivative (for an element-wise activation ``φ``,
-    ``φ''(u)·g`` with ``g`` the loss gradient at its output), pulled back as
+    Value: $\operatorname{diag} \nabla_p^2 L$: the GGN diagonal plus the residual terms of every
+    node with a second derivative (for an element-wise activation $\varphi$,
+    $\varphi''(u)\, g$ with ``g`` the loss gradient at its output), pulled back as
     signed columns. It may be negative. Options: none.
 
     Examples::
@@ -237,11 +237,11 @@ class DiagHessian(SecondOrder):
 
 @dataclass(frozen=True)
 class BatchDiagHessian(SecondOrder):
-    """Per-sample terms of the Hessian diagonal (BackPACK's ``BatchDiagHessian``).
+    r"""Per-sample terms of the Hessian diagonal (BackPACK's ``BatchDiagHessian``).
 
     Result key: ``"diag_h_batch"``, a dict parameter name -> ``[N, *p.shape]``.
 
-    Row ``n`` is ``diag ∇²_p (c·ℓ_n)``, the Hessian diagonal of sample ``n``'s
+    Row ``n`` is $\operatorname{diag} \nabla_p^2 (c\, \ell_n)$, the Hessian diagonal of sample ``n``'s
     term of the loss; the rows sum to ``DiagHessian``'s ``diag_h``. Options: none.
 
     Examples::
@@ -273,13 +273,13 @@ class BatchDiagHessian(SecondOrder):
 
 @dataclass(frozen=True)
 class SqrtGGNExact(SecondOrder):
-    """Exact symmetric factorisation of the GGN (BackPACK's ``SqrtGGNExact``).
+    r"""Exact symmetric factorisation of the GGN (BackPACK's ``SqrtGGNExact``).
 
     Result key: ``"sqrt_ggn_exact"``, a dict parameter name -> ``[C, N, *p.shape]``.
 
-    Entry ``[k, n]`` is ``J_nᵀ S_n[:, k]`` with ``S_n S_nᵀ = c∇²_f ℓ_n``
+    Entry ``[k, n]`` is $J_n^\top S_n[:, k]$ with $S_n S_n^\top = c \nabla_f^2 \ell_n$
     (BackPACK's factor; ``C`` outputs per sample), so the GGN block of ``p`` is
-    ``Σ_{k,n} s s ᵀ`` of the flattened entries. Refused for a loss with an
+    $\sum_{k,n} s s^\top$ of the flattened entries. Refused for a loss with an
     indefinite Hessian. Options: none.
 
     Examples::
@@ -311,19 +311,19 @@ class SqrtGGNExact(SecondOrder):
 
 @dataclass(frozen=True)
 class SqrtGGNMC(MonteCarlo):
-    """Monte-Carlo symmetric factorisation of the GGN (BackPACK's ``SqrtGGNMC``).
+    r"""Monte-Carlo symmetric factorisation of the GGN (BackPACK's ``SqrtGGNMC``).
 
     Result key: ``"sqrt_ggn_mc"``, a dict parameter name -> ``[M, N, *p.shape]``.
 
-    Entry ``[m, n]`` is ``J_nᵀ s_m`` for the sampled columns ``s_m`` of sample
-    ``n``; ``Σ_{m,n} s sᵀ`` is an unbiased estimate of the GGN block.
+    Entry ``[m, n]`` is $J_n^\top s_m$ for the sampled columns ``s_m`` of sample
+    ``n``; $\sum_{m,n} s s^\top$ is an unbiased estimate of the GGN block.
 
     The exact loss-Hessian factor ``S_n`` is replaced by ``M`` columns
-    ``s = √(1/M)·∇_f ℓ(f_n, ŷ)`` at labels ``ŷ`` drawn from the model's
+    $s = \sqrt{1/M}\, \nabla_f \ell(f_n, \hat y)$ at labels ``ŷ`` drawn from the model's
     predictive distribution (CrossEntropy: categorical; MSE: Gaussian;
-    BCEWithLogits: Bernoulli; other losses: Gaussian sketches ``S_n ε/√M``),
-    scaled like the loss, so that ``E[s sᵀ]`` summed over the columns is
-    ``c∇²ℓ_n``: an unbiased estimate of the exact quantity.
+    BCEWithLogits: Bernoulli; other losses: Gaussian sketches $S_n \varepsilon / \sqrt{M}$),
+    scaled like the loss, so that $\mathbb{E}[s s^\top]$ summed over the columns is
+    $c \nabla^2 \ell_n$: an unbiased estimate of the exact quantity.
 
     Args:
         mc_samples: the number ``M`` of sampled labels per sample, an int ≥ 1.

@@ -61,7 +61,7 @@ def _examples(model, lossfn, fitted, params, buffers, output) -> Examples:
 def precondition_queries(model: nn.Module, lossfn, factors: Mapping, queries, *, damping: Optional[float] = None,
                          query_rank: Optional[int] = None, params: Optional[Mapping[str, Tensor]] = None,
                          buffers: Optional[Mapping[str, Tensor]] = None, output=None) -> dict:
-    """The queries' gradients preconditioned once, ``(G + λ)⁻¹ g_q`` per block, for ``scores``.
+    r"""The queries' gradients preconditioned once, $(G + \lambda)^{-1} g_q$ per block, for ``scores``.
 
     Args:
         model: the model ``factors`` were fitted on; not changed.
@@ -69,7 +69,7 @@ def precondition_queries(model: nn.Module, lossfn, factors: Mapping, queries, *,
         factors: what ``curvlib.influence.fit`` returned.
         queries: ``(X, y)`` or a re-iterable loader of pairs: the examples whose predictions are
             explained (test examples).
-        damping: ``λ``, or ``None`` for ``0.1 · mean(s_p)`` per block (kronfluence's heuristic).
+        damping: $\lambda$, or ``None`` for ``0.1 · mean(s_p)`` per block (kronfluence's heuristic).
         query_rank: keep each preconditioned query's blocks at rank ``r`` (truncated SVD per
             group, where both sides exceed ``r``); ``None``: whole.
         params: parameter name -> value, for the parameters ``factors`` were fitted on (default:
@@ -122,7 +122,7 @@ def scores(model: nn.Module, lossfn, factors: Mapping, queries, train, *, dampin
            query_rank: Optional[int] = None, params: Optional[Mapping[str, Tensor]] = None,
            buffers: Optional[Mapping[str, Tensor]] = None, output=None, method: str = "gradients",
            chunk_size: int = 8, batch_size: Optional[int] = None) -> Tensor:
-    """Pairwise influence ``[Q, N]``: ``score(q, n) = g_qᵀ (G + λ)⁻¹ g_n`` (``curvlib.influence``).
+    r"""Pairwise influence ``[Q, N]``: $\operatorname{score}(q, n) = g_q^\top (G + \lambda)^{-1} g_n$ (``curvlib.influence``).
 
     Args:
         model: the model ``factors`` were fitted on; not changed.
@@ -131,7 +131,7 @@ def scores(model: nn.Module, lossfn, factors: Mapping, queries, train, *, dampin
         queries: ``(X, y)``, a loader of pairs, or ``precondition_queries``'s result (then
             ``damping`` and ``query_rank`` were fixed there and must be left ``None``).
         train: ``(X, y)`` or a re-iterable loader: the training examples scored, in order.
-        damping: ``λ``, or ``None`` for ``0.1 · mean(s_p)`` per block.
+        damping: $\lambda$, or ``None`` for ``0.1 · mean(s_p)`` per block.
         query_rank: as for ``precondition_queries``.
         params: parameter name -> value, for the parameters ``factors`` were fitted on (as for
             ``precondition_queries``).
@@ -199,14 +199,14 @@ def _prepared(queries, damping, query_rank) -> Optional[Mapping]:
 def self_influence(model: nn.Module, lossfn, factors: Mapping, train, *, damping: Optional[float] = None,
                    params: Optional[Mapping[str, Tensor]] = None, buffers: Optional[Mapping[str, Tensor]] = None,
                    output=None, batch_size: Optional[int] = None) -> Tensor:
-    """``[N]``: each training example's influence on itself, ``g_nᵀ (G + λ)⁻¹ g_n``.
+    r"""``[N]``: each training example's influence on itself, $g_n^\top (G + \lambda)^{-1} g_n$.
 
     Args:
         model: the model ``factors`` were fitted on; not changed.
         lossfn: the loss ``factors`` were fitted with.
         factors: what ``curvlib.influence.fit`` returned.
         train: ``(X, y)`` or a re-iterable loader, scored in order, one batch at a time.
-        damping: ``λ``, or ``None`` for ``0.1 · mean(s_p)`` per block.
+        damping: $\lambda$, or ``None`` for ``0.1 · mean(s_p)`` per block.
         params: parameter name -> value, for the parameters ``factors`` were fitted on.
         buffers: buffer name -> tensor, replacing the model's.
         output: the tensor of a container output the loss takes.

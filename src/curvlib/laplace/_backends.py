@@ -118,7 +118,7 @@ class CurvlibGGN(CurvlibInterface, GGNInterface):
         return self.factor * qs["loss"].detach(), self.factor * H.detach()
 
     def full(self, x: Any, y: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
-        """``(factor * loss, factor * GGN)`` for the batch, ``[P, P]``, as ``Σ S Sᵀ``.
+        r"""``(factor * loss, factor * GGN)`` for the batch, ``[P, P]``, as $\sum S S^\top$.
 
         Args:
             x: the input batch: a tensor, or a mapping or tuple of tensors, batch in dim 0.
@@ -181,7 +181,7 @@ class CurvlibGGN(CurvlibInterface, GGNInterface):
 
 
 class CurvlibEF(CurvlibInterface, EFInterface):
-    """laplace-torch backend: the empirical Fisher ``factor * Σ_n g_n g_nᵀ`` from curvlib.
+    r"""laplace-torch backend: the empirical Fisher $\mathrm{factor} \cdot \sum_n g_n g_n^\top$ from curvlib.
 
     ``diag`` uses ``SumGradSquared``; ``full`` the individual gradients
     (``BatchGrad``); ``kron`` curvlib's ``KFACEmpirical`` (KFAC with the
@@ -235,7 +235,7 @@ class CurvlibEF(CurvlibInterface, EFInterface):
         )
 
     def diag(self, x: Any, y: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
-        """``(factor * loss, factor * Σ_n g_n²)``, ``[P]``.
+        r"""$(\mathrm{factor} \cdot \mathrm{loss}, \mathrm{factor} \cdot \sum_n g_n^2)$, ``[P]``.
 
         Args:
             x: the input batch: a tensor, or a mapping or tuple of tensors, batch in dim 0.
@@ -255,7 +255,7 @@ class CurvlibEF(CurvlibInterface, EFInterface):
         return self.factor * qs["loss"].detach(), self.factor * H.detach()
 
     def full(self, x: Any, y: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
-        """``(factor * loss, factor * Σ_n g_n g_nᵀ)``, ``[P, P]``.
+        r"""$(\mathrm{factor} \cdot \mathrm{loss}, \mathrm{factor} \cdot \sum_n g_n g_n^\top)$, ``[P, P]``.
 
         Args:
             x: the input batch: a tensor, or a mapping or tuple of tensors, batch in dim 0.

@@ -135,10 +135,10 @@ class CurvlibInterface(CurvatureInterface):
 
     # ----------------------------------------------------- CurvatureInterface
     def jacobians(self, x: Any, enable_backprop: bool = False) -> Tuple[Tensor, Tensor]:
-        """Per-sample Jacobians ``[N, C, P]`` of the outputs ``[N, C]``, and the outputs.
+        r"""Per-sample Jacobians ``[N, C, P]`` of the outputs ``[N, C]``, and the outputs.
 
-        ``MSELoss(reduction="sum")`` has the loss-Hessian factor ``√2 I``, so its exact
-        square-root GGN is ``√2 J_n`` row by row: one batched backward pass for all
+        ``MSELoss(reduction="sum")`` has the loss-Hessian factor $\sqrt{2}\, I$, so its exact
+        square-root GGN is $\sqrt{2}\, J_n$ row by row: one batched backward pass for all
         ``C`` outputs. curvlib's results carry no autograd graph, so with
         ``enable_backprop`` (Jacobians differentiable w.r.t. ``x``) this uses
         laplace-torch's ``torch.func`` Jacobians instead.

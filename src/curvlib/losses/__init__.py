@@ -365,15 +365,15 @@ def curvature_at(spec: LossSpec, out: Tensor, y: Tensor, check: bool = True, neg
 
 
 def sqrt_hessian(spec: LossSpec, out: Tensor, y: Tensor) -> Tensor:
-    """Exact symmetric factor ``S [C, N, *out.shape[1:]]`` of the loss Hessian w.r.t. the
-    output, ``Σ_v S[v, n] S[v, n]ᵀ = c · ∇²ℓ(out[n], y[n])`` for every sample ``n``.
+    r"""Exact symmetric factor ``S [C, N, *out.shape[1:]]`` of the loss Hessian w.r.t. the
+    output, $\sum_v S[v, n] S[v, n]^\top = c\, \nabla^2 \ell(\mathrm{out}[n], y[n])$ for every sample ``n``.
 
     Columns are indexed by the flattened per-sample output entry, BackPACK's order:
 
-    * MSE: ``∇²ℓ = 2 I``, ``S = √(2c) I``.
-    * BCE: ``∇²ℓ = diag(σ(f)(1 − σ(f)))``, ``S = √c · diag(√(σ(1 − σ)))``.
-    * CE (per sample and position): ``∇²ℓ = diag(p) − p pᵀ``, ``p = softmax(f)``;
-      column ``c'`` of the root is ``√p_{c'} (e_{c'} − p)``, non-zero only at its own position.
+    * MSE: $\nabla^2 \ell = 2 I$, $S = \sqrt{2c}\, I$.
+    * BCE: $\nabla^2 \ell = \operatorname{diag}(\sigma(f)(1 - \sigma(f)))$, $S = \sqrt{c}\, \operatorname{diag}\big(\sqrt{\sigma (1 - \sigma)}\big)$.
+    * CE (per sample and position): $\nabla^2 \ell = \operatorname{diag}(p) - p p^\top$, ``p = softmax(f)``;
+      column ``c'`` of the root is $\sqrt{p_{c'}}\, (e_{c'} - p)$, non-zero only at its own position.
 
     (The loss's options, as ``weight`` or ``pos_weight``, scale each term.)
 
@@ -383,7 +383,7 @@ def sqrt_hessian(spec: LossSpec, out: Tensor, y: Tensor) -> Tensor:
         y: the targets (class indices ``[N, ...]`` or probabilities for CE; ``out``'s shape for MSE and BCE).
 
     Returns:
-        Tensor: ``S [C, N, *out.shape[1:]]`` with ``Σ_v S_v S_vᵀ = c∇²ℓ`` per sample (``C`` the
+        Tensor: ``S [C, N, *out.shape[1:]]`` with $\sum_v S_v S_v^\top = c \nabla^2 \ell$ per sample (``C`` the
         entries of one sample's output).
 
     Raises:
@@ -404,15 +404,15 @@ def sqrt_hessian(spec: LossSpec, out: Tensor, y: Tensor) -> Tensor:
 
 def sqrt_hessian_sampled(spec: LossSpec, out: Tensor, y: Tensor, mc_samples: int,
                          generator: Optional[torch.Generator] = None) -> Tensor:
-    """Monte-Carlo factor ``[M, N, *out.shape[1:]]``, ``E[Σ_m s_m s_mᵀ] = c · ∇²ℓ``.
+    r"""Monte-Carlo factor ``[M, N, *out.shape[1:]]``, $\mathbb{E}[\sum_m s_m s_m^\top] = c\, \nabla^2 \ell$.
 
-    Column ``m`` is ``√(c/M) · ∇_f ℓ(f, ŷ_m)`` with ``ŷ_m`` drawn from the
+    Column ``m`` is $\sqrt{c/M}\, \nabla_f \ell(f, \hat y_m)$ with ``ŷ_m`` drawn from the
     model's predictive distribution (the Fisher equals the Hessian for these losses):
 
-    * MSE: ``ℓ = ‖f − y‖²`` is ``−log N(y; f, ½I)`` up to a constant;
-      ``∇ℓ = 2(f − ŷ) = √2 ε``, ``ε ~ N(0, I)``.
-    * BCE: ``ŷ ~ Bernoulli(σ(f))``, ``∇ℓ = σ(f) − ŷ``.
-    * CE: ``ŷ ~ Categorical(softmax(f))`` per sample and position, ``∇ℓ = p − onehot(ŷ)``.
+    * MSE: $\ell = \lVert f - y \rVert^2$ is ``−log N(y; f, ½I)`` up to a constant;
+      $\nabla \ell = 2(f - \hat y) = \sqrt{2}\, \varepsilon$, ``ε ~ N(0, I)``.
+    * BCE: $\hat y \sim \mathrm{Bernoulli}(\sigma(f))$, $\nabla \ell = \sigma(f) - \hat y$.
+    * CE: ``ŷ ~ Categorical(softmax(f))`` per sample and position, $\nabla \ell = p - \operatorname{onehot}(\hat y)$.
 
     The same ``generator`` state gives the same result.
 
@@ -441,7 +441,7 @@ def sqrt_hessian_sampled(spec: LossSpec, out: Tensor, y: Tensor, mc_samples: int
 
 
 def hessian_matvec(spec: LossSpec, out: Tensor, y: Tensor, mat: Tensor) -> Tensor:
-    """``c · ∇²ℓ`` applied per sample: ``mat [V, N, *out.shape[1:]]`` -> same shape.
+    r"""$c\, \nabla^2 \ell$ applied per sample: ``mat [V, N, *out.shape[1:]]`` -> same shape.
 
     Args:
         spec: the loss, as ``loss_spec`` describes it.
@@ -450,7 +450,7 @@ def hessian_matvec(spec: LossSpec, out: Tensor, y: Tensor, mat: Tensor) -> Tenso
         mat: ``[V, N, *out.shape[1:]]``: ``V`` vectors per sample.
 
     Returns:
-        Tensor: ``c∇²ℓ_n`` times each vector, the shape of ``mat``.
+        Tensor: $c \nabla^2 \ell_n$ times each vector, the shape of ``mat``.
 
     Examples::
 

@@ -171,7 +171,7 @@ class CurvatureOperator:
         array([2., 0., 0.])
     """
 
-    #: whether ``A = Aᵀ`` (curvature matrices are; the Jacobian is not)
+    #: whether $A = A^\top$ (curvature matrices are; the Jacobian is not)
     symmetric: bool = True
 
     def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device,
@@ -195,7 +195,7 @@ class CurvatureOperator:
 
     @property
     def T(self) -> "CurvatureOperator":
-        """``Aᵀ`` (``A`` itself when symmetric)."""
+        r"""$A^\top$ (``A`` itself when symmetric)."""
         if self.symmetric:
             return self
         raise CurvatureError(f"{type(self).__name__} has no transpose.")

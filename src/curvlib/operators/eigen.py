@@ -26,15 +26,15 @@ WHICH = ("largest", "smallest", "largest_magnitude", "both_ends")
 
 
 class Eigenpairs(NamedTuple):
-    """Ritz pairs of a symmetric operator.
+    r"""Ritz pairs of a symmetric operator.
 
     Attributes:
         values: ``[k]`` Ritz values, in the order ``which`` asks for.
         vectors: ``[P, k]`` orthonormal Ritz vectors, column ``i`` for ``values[i]``.
-        residuals: ``[k]`` ``‖A vᵢ − λᵢ vᵢ‖``, recomputed with ``A``. For symmetric ``A``
+        residuals: ``[k]`` $\lVert A v_i - \lambda_i v_i \rVert$, recomputed with ``A``. For symmetric ``A``
             some eigenvalue lies within ``residuals[i]`` of ``values[i]``; if the rest of
             the spectrum is at least ``δ`` away from ``values[i]``, within
-            ``residuals[i]² / δ``, and ``sin∠(vᵢ, eigenvector) <= residuals[i] / δ``.
+            $\mathrm{residuals}[i]^2 / \delta$, and $\sin \angle(v_i, \mathrm{eigenvector}) \le \mathrm{residuals}[i] / \delta$.
         converged: whether every residual met the tolerance before the iteration cap.
         num_matvecs: columns multiplied by ``A``, the residual check included.
 
@@ -97,31 +97,31 @@ def _ritz(T: Tensor, dim: int, residual: Tensor, k: int, which: str):
 
 
 def lanczos(A, k=1, which="largest", num_iterations=None, tol=None, block_size=1, generator=None):
-    """``k`` eigenpairs at one or both ends of the spectrum of a symmetric ``A``.
+    r"""``k`` eigenpairs at one or both ends of the spectrum of a symmetric ``A``.
 
     Block Lanczos with full reorthogonalisation: the Krylov basis ``V`` of
-    ``[V₀, A V₀, A² V₀, …]`` (``V₀`` random ``[P, block_size]``) grows by one block per
-    iteration; the Ritz pairs of ``T = Vᵀ A V`` are the estimates. Iteration stops when
-    the ``k`` wanted pairs have residual estimates ``‖A y − θ y‖ <= tol · max|θ|`` (the
-    last term a lower bound on ``‖A‖₂``), when ``V`` spans all ``P`` dimensions (then the
+    $[V_0, A V_0, A^2 V_0, \dots]$ ($V_0$ random ``[P, block_size]``) grows by one block per
+    iteration; the Ritz pairs of $T = V^\top A V$ are the estimates. Iteration stops when
+    the ``k`` wanted pairs have residual estimates $\lVert A y - \theta y \rVert \le \mathrm{tol} \cdot \max |\theta|$ (the
+    last term a lower bound on $\lVert A \rVert_2$), when ``V`` spans all ``P`` dimensions (then the
     pairs are exact), or after ``num_iterations`` blocks. An invariant subspace
     (breakdown) is continued with a random orthogonal block. Each distinct eigenvalue
     appears in ``V`` with multiplicity at most ``block_size`` before a breakdown.
 
     Memory: the basis, ``P ×`` the Krylov dimension reached (at most twice that while it grows).
 
-    Bound: for symmetric ``A`` and returned ``(λᵢ, vᵢ, rᵢ)``, some eigenvalue lies in
-    ``[λᵢ − rᵢ, λᵢ + rᵢ]`` (and within ``rᵢ²/δ`` given a gap ``δ``; see ``Eigenpairs``).
+    Bound: for symmetric ``A`` and returned $(\lambda_i, v_i, r_i)$, some eigenvalue lies in
+    $[\lambda_i - r_i, \lambda_i + r_i]$ (and within $r_i^2 / \delta$ given a gap ``δ``; see ``Eigenpairs``).
 
     Args:
         A: symmetric operator ``[P, P]``.
         k: number of eigenpairs, ``1 <= k <= P``.
         which: ``"largest"`` (descending), ``"smallest"`` (ascending),
-            ``"largest_magnitude"`` (descending ``|λ|``) or ``"both_ends"`` (``⌊k/2⌋``
+            ``"largest_magnitude"`` (descending $|\lambda|$) or ``"both_ends"`` (``⌊k/2⌋``
             smallest and ``⌈k/2⌉`` largest, ascending, as scipy's ``eigsh(which="BE")``).
         num_iterations: cap on the number of blocks; default ``⌈max(100, 10k) /
             block_size⌉``. The Krylov dimension is at most ``P``.
-        tol: relative residual tolerance, default ``√ε`` of ``A.dtype``.
+        tol: relative residual tolerance, default $\sqrt{\varepsilon}$ of ``A.dtype``.
         block_size: columns per product ``A @ V``, ``1 <= block_size <= P``.
         generator: ``torch.Generator`` for the start block (and breakdown restarts).
 
@@ -204,17 +204,17 @@ def _finish(A, vectors: Tensor, values: Tensor, tolerance: Tensor, matvecs: int)
 
 @dataclass(frozen=True)
 class SpectralDensity:
-    """Stochastic Lanczos quadrature of a symmetric ``A [P, P]``: one Gauss rule per probe.
+    r"""Stochastic Lanczos quadrature of a symmetric ``A [P, P]``: one Gauss rule per probe.
 
-    For probe ``z`` (``q = z/‖z‖``) the Lanczos tridiagonal ``T = U diag(θ) Uᵀ`` gives
-    nodes ``θⱼ`` and weights ``ωⱼ = U₀ⱼ²`` (``Σⱼ ωⱼ = 1``) with
-    ``Σⱼ ωⱼ f(θⱼ) ≈ qᵀ f(A) q``, exact for polynomials of degree ``< 2·num_steps``.
+    For probe ``z`` ($q = z / \lVert z \rVert$) the Lanczos tridiagonal $T = U \operatorname{diag}(\theta) U^\top$ gives
+    nodes $\theta_j$ and weights $\omega_j = U_{0j}^2$ ($\sum_j \omega_j = 1$) with
+    $\sum_j \omega_j f(\theta_j) \approx q^\top f(A)\, q$, exact for polynomials of degree ``< 2·num_steps``.
 
     Attributes:
         nodes: ``[num_probes, num_steps]`` Ritz values per probe (after a breakdown, the
             trailing ones carry weight 0).
         weights: ``[num_probes, num_steps]``, each row sums to 1.
-        scales: ``[num_probes]`` ``‖z‖²`` (``P`` for Rademacher probes).
+        scales: ``[num_probes]`` $\lVert z \rVert^2$ (``P`` for Rademacher probes).
         num_matvecs: columns multiplied by ``A``.
 
     Examples::
@@ -232,15 +232,15 @@ class SpectralDensity:
     num_matvecs: int
 
     def density(self, grid: Tensor, sigma: float) -> Tensor:
-        """Gaussian-broadened spectral density at ``grid``: ``[G] -> [G]``.
+        r"""Gaussian-broadened spectral density at ``grid``: ``[G] -> [G]``.
 
-        ``φ(t) = (1/n) Σ_probes Σⱼ ωⱼ N(t; θⱼ, σ²)``, which integrates to exactly 1 over
+        $\varphi(t) = \frac{1}{n} \sum_\mathrm{probes} \sum_j \omega_j\, \mathcal{N}(t; \theta_j, \sigma^2)$, which integrates to exactly 1 over
         the real line (PyHessian's ESD normalises on its grid instead); its expectation is
-        ``(1/P) Σᵢ N(t; λᵢ, σ²)`` up to the quadrature error.
+        $\frac{1}{P} \sum_i \mathcal{N}(t; \lambda_i, \sigma^2)$ up to the quadrature error.
 
         Args:
             grid: ``[G]`` points ``t``.
-            sigma: ``σ > 0``, the width of the Gaussians.
+            sigma: $\sigma > 0$, the width of the Gaussians.
 
         Returns:
             Tensor: ``[G]``, the density at each point.
@@ -252,11 +252,11 @@ class SpectralDensity:
         return (kernels * self.weights[None]).sum(dim=2).mean(dim=1)
 
     def trace_of(self, fn: Callable[[Tensor], Tensor]) -> Estimate:
-        """``tr f(A) ≈ (1/n) Σ_probes ‖z‖² Σⱼ ωⱼ f(θⱼ)`` (unbiased up to quadrature error).
+        r"""$\operatorname{tr} f(A) \approx \frac{1}{n} \sum_\mathrm{probes} \lVert z \rVert^2 \sum_j \omega_j f(\theta_j)$ (unbiased up to quadrature error).
 
         ``fn`` maps a tensor of nodes to ``f`` elementwise (``torch.log``, ``lambda t: t**2``).
         The standard error is the sample one over probes. ``trace_of(identity)`` equals
-        Hutchinson's estimate ``(1/n) Σ zᵀ A z`` with the same probes.
+        Hutchinson's estimate $\frac{1}{n} \sum z^\top A z$ with the same probes.
 
         Args:
             fn: maps a tensor of nodes to ``f`` of each, elementwise.
@@ -279,12 +279,12 @@ class SpectralDensity:
 
 
 def spectral_density(A, num_probes=10, num_steps=50, generator=None, distribution="rademacher"):
-    """Stochastic Lanczos quadrature (Ubaru, Chen, Saad 2017), PyHessian's ESD.
+    r"""Stochastic Lanczos quadrature (Ubaru, Chen, Saad 2017), PyHessian's ESD.
 
     For each probe ``z`` (i.i.d. Rademacher or normal entries), ``num_steps`` Lanczos
-    steps with full reorthogonalisation from ``q = z/‖z‖`` give ``T = U diag(θ) Uᵀ``;
-    ``(θⱼ, U₀ⱼ²)`` is the Gauss quadrature rule of the measure ``Σᵢ (qᵀuᵢ)² δ_{λᵢ}``.
-    ``tr f(A) ≈ (1/n) Σ ‖z‖² Σⱼ ωⱼ f(θⱼ)``: the quadrature is exact for polynomials
+    steps with full reorthogonalisation from $q = z / \lVert z \rVert$ give $T = U \operatorname{diag}(\theta) U^\top$;
+    $(\theta_j, U_{0j}^2)$ is the Gauss quadrature rule of the measure $\sum_i (q^\top u_i)^2 \delta_{\lambda_i}$.
+    $\operatorname{tr} f(A) \approx \frac{1}{n} \sum \lVert z \rVert^2 \sum_j \omega_j f(\theta_j)$: the quadrature is exact for polynomials
     ``f`` of degree ``< 2·num_steps``, the probe average is Hutchinson's with variance
     ``O(1/n)``; for analytic ``f`` the quadrature error decays geometrically in
     ``num_steps``. All probes advance together: one product ``A @ [P, num_probes]`` per

@@ -25,12 +25,12 @@ __all__ = ["Estimate", "hutchinson_trace", "hutchpp_trace", "xtrace", "hutchinso
 
 
 class Estimate(NamedTuple):
-    """A randomised estimate and its error estimate.
+    r"""A randomised estimate and its error estimate.
 
     Attributes:
         value: the estimate, ``[]`` for a trace, ``[P]`` for a diagonal.
         standard_error: same shape as ``value``: the sample standard error of the mean
-            of the estimator's exchangeable (or independent) terms, ``std / √n``; ``None``
+            of the estimator's exchangeable (or independent) terms, $\mathrm{std} / \sqrt{n}$; ``None``
             when there is a single term.
         num_matvecs: the number of columns multiplied by ``A``.
 
@@ -70,11 +70,11 @@ def _test_vectors(A, size: int, count: int, generator, distribution: str) -> Ten
 
 
 def hutchinson_trace(A, num_matvecs: int, generator=None, distribution: str = "rademacher") -> Estimate:
-    """Hutchinson's estimate of ``tr A`` from ``m = num_matvecs`` test vectors.
+    r"""Hutchinson's estimate of ``tr A`` from ``m = num_matvecs`` test vectors.
 
-    ``t = (1/m) Σᵢ zᵢᵀ A zᵢ`` is unbiased; its variance is
-    ``2 (‖A‖_F² − Σᵢ Aᵢᵢ²) / m`` for Rademacher ``zᵢ`` and ``2 ‖A‖_F² / m`` for normal
-    ``zᵢ`` (symmetric ``A``). The standard error is the sample one, ``std(zᵢᵀAzᵢ)/√m``.
+    $t = \frac{1}{m} \sum_i z_i^\top A z_i$ is unbiased; its variance is
+    $2 (\lVert A \rVert_F^2 - \sum_i A_{ii}^2) / m$ for Rademacher $z_i$ and $2 \lVert A \rVert_F^2 / m$ for normal
+    $z_i$ (symmetric ``A``). The standard error is the sample one, $\operatorname{std}(z_i^\top A z_i) / \sqrt{m}$.
 
     Args:
         A: symmetric operator ``[P, P]``.
@@ -105,10 +105,10 @@ def hutchinson_trace(A, num_matvecs: int, generator=None, distribution: str = "r
 
 
 def hutchinson_diagonal(A, num_matvecs: int, generator=None, distribution: str = "rademacher") -> Estimate:
-    """Hutchinson's (Bekas, Kokiopoulou, Saad 2007) estimate of ``diag A``.
+    r"""Hutchinson's (Bekas, Kokiopoulou, Saad 2007) estimate of ``diag A``.
 
-    ``d = (1/m) Σᵢ zᵢ ⊙ A zᵢ`` is unbiased; entry ``j`` has variance
-    ``Σ_{k≠j} Aⱼₖ² / m`` for Rademacher ``zᵢ`` (``(Σ_k Aⱼₖ² + Aⱼⱼ²) / m`` for normal).
+    $d = \frac{1}{m} \sum_i z_i \odot A z_i$ is unbiased; entry ``j`` has variance
+    $\sum_{k \ne j} A_{jk}^2 / m$ for Rademacher $z_i$ ($(\sum_k A_{jk}^2 + A_{jj}^2) / m$ for normal).
     The per-entry standard error is the sample one over the ``m`` terms.
 
     Args:
@@ -137,15 +137,15 @@ def hutchinson_diagonal(A, num_matvecs: int, generator=None, distribution: str =
 
 
 def hutchpp_trace(A, num_matvecs: int, generator=None, distribution: str = "rademacher") -> Estimate:
-    """Hutch++ (Meyer, Musco, Musco, Woodruff 2021): exact trace on a sketched range, Hutchinson on the rest.
+    r"""Hutch++ (Meyer, Musco, Musco, Woodruff 2021): exact trace on a sketched range, Hutchinson on the rest.
 
     With ``s = ⌊m/3⌋`` sketch vectors ``S``, ``Q = orth(A S)`` (``[P, s]``) and the other
     ``g = m − 2s`` vectors ``G``:
-    ``t = tr(Qᵀ A Q) + (1/g) Σᵢ gᵢᵀ (I − QQᵀ) A (I − QQᵀ) gᵢ``.
+    $t = \operatorname{tr}(Q^\top A Q) + \frac{1}{g} \sum_i g_i^\top (I - Q Q^\top) A (I - Q Q^\top) g_i$.
     Unbiased; exact when ``rank A <= s`` and ``A S`` has ``A``'s rank (then
-    ``(I − QQᵀ) A = 0``; almost surely for normal ``S``, for Rademacher ``S`` unless its
-    columns are dependent, a chance that falls like ``2^{−P}``). For PSD ``A``,
-    ``|t − tr A| <= ε tr A`` with probability ``1 − δ`` when ``m = O(√log(1/δ) / ε)``.
+    $(I - Q Q^\top) A = 0$; almost surely for normal ``S``, for Rademacher ``S`` unless its
+    columns are dependent, a chance that falls like $2^{-P}$). For PSD ``A``,
+    ``|t − tr A| <= ε tr A`` with probability ``1 − δ`` when $m = O(\sqrt{\log(1/\delta)} / \varepsilon)$.
     The standard error is the Hutchinson part's sample one (given ``Q``, the first
     term is exact).
 
@@ -213,16 +213,16 @@ def _leave_one_out(A, size: int, num_matvecs, generator, name: str, distribution
 
 
 def xtrace(A, num_matvecs: int, generator=None, distribution: str = "rademacher") -> Estimate:
-    """XTrace (Epperly, Tropp, Webber 2024): Hutch++ made exchangeable.
+    r"""XTrace (Epperly, Tropp, Webber 2024): Hutch++ made exchangeable.
 
     With ``s = ⌊m/2⌋`` test vectors ``W``, ``Y = A W`` and, for each ``i``,
-    ``Qᵢ`` an orthonormal basis of the other ``s − 1`` columns of ``Y``:
-    ``tᵢ = tr(Qᵢᵀ A Qᵢ) + wᵢᵀ (I − QᵢQᵢᵀ) A (I − QᵢQᵢᵀ) wᵢ`` is unbiased, and
-    ``t = (1/s) Σᵢ tᵢ``. Exact when ``rank A <= s − 1`` and every ``s − 1`` columns of
+    $Q_i$ an orthonormal basis of the other ``s − 1`` columns of ``Y``:
+    $t_i = \operatorname{tr}(Q_i^\top A Q_i) + w_i^\top (I - Q_i Q_i^\top) A (I - Q_i Q_i^\top) w_i$ is unbiased, and
+    $t = \frac{1}{s} \sum_i t_i$. Exact when ``rank A <= s − 1`` and every ``s − 1`` columns of
     ``W`` are independent (for Gaussian ``W`` almost surely, for Rademacher ``W`` but for a
-    chance falling like ``2^{−P}``). All ``tᵢ`` come from ``2s``
-    matvecs (``A W`` and ``A Q``) through ``QᵢQᵢᵀ = Q (I − sᵢsᵢᵀ) Qᵀ``. The error
-    estimate is the paper's ``ε̂ = √(Σᵢ (tᵢ − t)² / (s(s − 1)))``.
+    chance falling like $2^{-P}$). All $t_i$ come from ``2s``
+    matvecs (``A W`` and ``A Q``) through $Q_i Q_i^\top = Q (I - s_i s_i^\top) Q^\top$. The error
+    estimate is the paper's $\hat\varepsilon = \sqrt{\sum_i (t_i - t)^2 / (s (s - 1))}$.
 
     Args:
         A: symmetric operator ``[P, P]``.
@@ -261,14 +261,14 @@ def xtrace(A, num_matvecs: int, generator=None, distribution: str = "rademacher"
 
 
 def xdiag(A, num_matvecs: int, generator=None) -> Estimate:
-    """XDiag (Epperly, Tropp, Webber 2024): the exchangeable diagonal estimator.
+    r"""XDiag (Epperly, Tropp, Webber 2024): the exchangeable diagonal estimator.
 
-    With ``W``, ``Y = A W`` and ``Qᵢ`` as in ``xtrace`` (``s = ⌊m/2⌋``):
-    ``dᵢ = diag(QᵢQᵢᵀ A) + wᵢ ⊙ (I − QᵢQᵢᵀ) A wᵢ`` is unbiased (Rademacher ``wᵢ``,
-    ``wᵢ ⊙ wᵢ = 1``) and ``d = (1/s) Σᵢ dᵢ``; exact when ``rank A <= s − 1`` (and every
+    With ``W``, ``Y = A W`` and $Q_i$ as in ``xtrace`` (``s = ⌊m/2⌋``):
+    $d_i = \operatorname{diag}(Q_i Q_i^\top A) + w_i \odot (I - Q_i Q_i^\top) A w_i$ is unbiased (Rademacher $w_i$,
+    $w_i \odot w_i = 1$) and $d = \frac{1}{s} \sum_i d_i$; exact when ``rank A <= s − 1`` (and every
     ``s − 1`` columns of ``W`` independent, as in ``xtrace``). Uses
-    ``A`` symmetric (``Qᵀ A = (A Q)ᵀ``). The per-entry error estimate is
-    ``√(Σᵢ (dᵢ − d)² / (s(s − 1)))``.
+    ``A`` symmetric ($Q^\top A = (A Q)^\top$). The per-entry error estimate is
+    $\sqrt{\sum_i (d_i - d)^2 / (s (s - 1))}$.
 
     Args:
         A: symmetric operator ``[P, P]``.

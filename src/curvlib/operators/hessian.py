@@ -19,17 +19,17 @@ __all__ = ["Hessian"]
 
 
 class Hessian(NetworkOperator):
-    """The Hessian ``∇²_θ L`` (module doc). One vector's product goes reverse over forward, the
+    r"""The Hessian $\nabla_\theta^2 L$ (module doc). One vector's product goes reverse over forward, the
     gradient of the loss's derivative along it (the leanest in memory), where a probe on two
     samples finds it equal to forward over reverse; otherwise, and for several vectors at once, by
     forward-over-reverse autodiff (a Jacobian-vector product of the gradient, vmapped over the
     vectors); its diagonal is ``DiagHessian``. Where torch has no forward-mode
     derivative of the loss's backward (``MSELoss(reduction="mean")`` in torch 2.13 meets an
     immutable zero tensor; ``huber_loss_backward`` has none), reverse-over-reverse: the Hessian is
-    symmetric, so ``H v = (vᵀ H)ᵀ``, a vector-Jacobian product of the gradient. Where a model
+    symmetric, so $H v = (v^\top H)^\top$, a vector-Jacobian product of the gradient. Where a model
     operation has no forward-mode derivative (grouped expert matmuls, ``weight_norm``'s kernel),
     reverse-over-reverse too, once its products pass a symmetry check on the first batch,
-    ``|uᵀ(Hw) − wᵀ(Hu)| ≤ √ε (‖u‖‖Hw‖ + ‖w‖‖Hu‖)`` for random ``u, w``: torch's reverse-mode
+    $|u^\top (H w) - w^\top (H u)| \le \sqrt{\varepsilon}\, (\lVert u \rVert \lVert H w \rVert + \lVert w \rVert \lVert H u \rVert)$ for random ``u, w``: torch's reverse-mode
     second derivative of such a kernel can be wrong (``weight_norm``'s is, in torch 2.13, and is
     refused so).
 

@@ -22,9 +22,9 @@ __all__ = ["Jacobian", "TransposedJacobian"]
 
 
 class Jacobian(NetworkOperator):
-    """Jacobian(model, lossfn, data, params=None, buffers=None, output=None, generator=None, chunk_size=16)
+    r"""Jacobian(model, lossfn, data, params=None, buffers=None, output=None, generator=None, chunk_size=16)
 
-    The model's Jacobian ``J = ∂f/∂θ``, ``[R, P]`` with ``R`` the outputs of all samples, each
+    The model's Jacobian $J = \partial f / \partial \theta$, ``[R, P]`` with ``R`` the outputs of all samples, each
     batch's flattened row-major, batches in order. ``J.T`` is its transpose.
 
     Args:
@@ -88,7 +88,7 @@ class Jacobian(NetworkOperator):
 
 
 class TransposedJacobian(CurvatureOperator):
-    """``Jᵀ [P, R]`` of a ``Jacobian``: ``Jᵀ u = Σ_b J_bᵀ u_b``, one vector-Jacobian product per batch.
+    r"""$J^\top\ [P, R]$ of a ``Jacobian``: $J^\top u = \sum_b J_b^\top u_b$, one vector-Jacobian product per batch.
 
     Args:
         jacobian: the ``Jacobian`` it transposes (``J.T`` makes it).

@@ -126,14 +126,14 @@ class KroneckerOperator(CurvatureOperator):
 
 
 class KroneckerInverse(KroneckerOperator):
-    """``(A + λI)⁻¹`` of a Kronecker operator ``A``, per block ``Q diag(Λ + λ)⁻¹ Qᵀ`` (``Λ``: the
+    r"""$(A + \lambda I)^{-1}$ of a Kronecker operator ``A``, per block $Q \operatorname{diag}(\Lambda + \lambda)^{-1} Q^\top$ (``Λ``: the
     spectrum ``spectra[name]``, ``[G, o, a]`` in the block's core layout); from ``A.inverse``.
 
     Args:
         space: the parameter space of its rows and columns (``ParameterSpace``).
         layouts (dict): parameter name -> the block's core layout, as ``A``'s.
         eigen (dict): parameter name -> the eigendecompositions of ``A``'s factors.
-        spectra (dict): parameter name -> ``Λ + λ`` (``[G, o, a]``), the damped spectrum inverted.
+        spectra (dict): parameter name -> $\Lambda + \lambda$ (``[G, o, a]``), the damped spectrum inverted.
 
     Examples::
 
@@ -268,18 +268,18 @@ class KFAC(KroneckerOperator):
         return self._eigen
 
     def inverse(self, damping: float, heuristic: bool = False) -> KroneckerInverse:
-        """``(K + λI)⁻¹``, exact per block (``heuristic=True``: Martens & Grosse's π-damping,
-        ``(R + √λ/π)⁻¹ ⊗ (I + π√λ)⁻¹`` per two-factor block; a single factor: exact).
+        r"""$(K + \lambda I)^{-1}$, exact per block (``heuristic=True``: Martens & Grosse's π-damping,
+        $(R + \sqrt{\lambda} / \pi)^{-1} \otimes (I + \pi \sqrt{\lambda})^{-1}$ per two-factor block; a single factor: exact).
 
         Raises:
             CurvatureError: ``damping`` not a positive finite number.
 
         Args:
-            damping: ``λ > 0``.
+            damping: $\lambda > 0$.
             heuristic: π-damping instead of the exact inverse of each damped block.
 
         Returns:
-            KroneckerInverse: ``(K + λI)⁻¹``, an operator on the same parameter space.
+            KroneckerInverse: $(K + \lambda I)^{-1}$, an operator on the same parameter space.
         """
         lam = _check_damping(damping)
         spectra = {n: _kronblocks.damped_spectrum(e, self.layouts[n], lam, bool(heuristic)) for n, e in self.eigen.items()}
@@ -359,18 +359,18 @@ class EKFAC(KFAC):
         return _kronblocks.spectral(self.layouts[name], self.eigen[name], self.eigenvalues[name], v)
 
     def inverse(self, damping: float, heuristic: bool = False) -> KroneckerInverse:
-        """``(E + λI)⁻¹ = Q diag(Λ* + λ)⁻¹ Qᵀ`` per block, exact (``heuristic`` is refused: π-damping
+        r"""$(E + \lambda I)^{-1} = Q \operatorname{diag}(\Lambda^* + \lambda)^{-1} Q^\top$ per block, exact (``heuristic`` is refused: π-damping
         splits λ between two factors, which EKFAC's eigenvalues are not).
 
         Raises:
             CurvatureError: ``damping`` not a positive finite number, or ``heuristic=True``.
 
         Args:
-            damping: ``λ > 0``.
+            damping: $\lambda > 0$.
             heuristic: must be False.
 
         Returns:
-            KroneckerInverse: ``(E + λI)⁻¹``, an operator on the same parameter space.
+            KroneckerInverse: $(E + \lambda I)^{-1}$, an operator on the same parameter space.
         """
         lam = _check_damping(damping)
         if heuristic:

@@ -294,8 +294,8 @@ def _per_sample_inner(a: Tensor, b: Tensor) -> Tensor:
 
 
 class GGN(NetworkOperator):
-    """The generalised Gauss-Newton ``G = Jᵀ (c∇²ℓ) J`` of all the parameters: one Jacobian-vector
-    product, the loss Hessian per sample in closed form (softmax: ``diag(p) − p pᵀ``) and one
+    r"""The generalised Gauss-Newton $G = J^\top (c \nabla^2 \ell) J$ of all the parameters: one Jacobian-vector
+    product, the loss Hessian per sample in closed form (softmax: $\operatorname{diag}(p) - p p^\top$) and one
     vector-Jacobian product per multiplication. Its diagonal is ``DiagGGNExact``'s.
 
     Args:
@@ -335,7 +335,7 @@ class GGN(NetworkOperator):
 
 
 class FisherMC(NetworkOperator):
-    """The Monte-Carlo Fisher ``F̂ = Σ_n Σ_m s_nm s_nmᵀ``, ``s_nm = √(c/M)·Jₙᵀ∇ℓ(f_n, ŷ_nm)`` with
+    r"""The Monte-Carlo Fisher $\hat F = \sum_n \sum_m s_{nm} s_{nm}^\top$, $s_{nm} = \sqrt{c/M}\, J_n^\top \nabla \ell(f_n, \hat y_{nm})$ with
     ``mc_samples = M`` targets ``ŷ_nm`` per sample drawn from the model's predictive distribution,
     fixed by ``generator`` for the operator's lifetime: ``E[F̂] = G`` (the GGN).
 
@@ -389,7 +389,7 @@ class FisherMC(NetworkOperator):
 
 
 class EmpiricalFisher(NetworkOperator):
-    """The empirical Fisher ``E = Σ_n g_n g_nᵀ`` of the individual gradients ``g_n = ∂(c·ℓ_n)/∂θ``
+    r"""The empirical Fisher $E = \sum_n g_n g_n^\top$ of the individual gradients $g_n = \partial (c\, \ell_n) / \partial \theta$
     (BackPACK's convention: its diagonal is ``SumGradSquared``'s; curvlinops' ``EFLinearOperator``
     scales by ``c`` once, so for ``"mean"`` it is ``M`` times this). Batches of a loader enter with
     their weight squared.

@@ -27,14 +27,14 @@ NOT_DEFINITE = (
 
 
 class Solution(NamedTuple):
-    """The result of a Krylov solve; every field has ``b``'s column shape.
+    r"""The result of a Krylov solve; every field has ``b``'s column shape.
 
     Attributes:
         x: ``[P]`` or ``[P, K]``, like ``b``.
-        residual_norm: ``[]`` or ``[K]``: ``‖b − (A + damping·I) x‖``, recomputed with ``A``
+        residual_norm: ``[]`` or ``[K]``: $\lVert b - (A + \mathrm{damping} \cdot I) x \rVert$, recomputed with ``A``
             (not the recurrence's value).
         iterations: ``[]`` or ``[K]`` (int64): iterations until the column converged.
-        converged: ``[]`` or ``[K]`` (bool): ``residual_norm <= tol·‖b‖``.
+        converged: ``[]`` or ``[K]`` (bool): $\mathrm{residual\_norm} \le \mathrm{tol} \cdot \lVert b \rVert$.
 
     Examples::
 
@@ -81,14 +81,14 @@ def _precondition(preconditioner, R: Tensor) -> Tensor:
 
 
 def cg(A, b, damping=0.0, tol=1e-8, max_iterations=None, preconditioner=None) -> Solution:
-    """Preconditioned conjugate gradients for ``(A + damping·I) x = b``, ``A + damping·I`` positive definite.
+    r"""Preconditioned conjugate gradients for ``(A + damping·I) x = b``, ``A + damping·I`` positive definite.
 
-    From ``x₀ = 0``, with ``M`` the preconditioner (``M ≈ (A + damping·I)⁻¹``, symmetric
+    From $x_0 = 0$, with ``M`` the preconditioner ($M \approx (A + \mathrm{damping} \cdot I)^{-1}$, symmetric
     positive definite; the identity if ``None``): ``r = b − (A+δI)x``, ``z = M r``,
-    ``α = rᵀz / pᵀ(A+δI)p``, ``x += αp``, ``r −= α(A+δI)p``, ``p = z + (r'ᵀz'/rᵀz) p``.
-    A column stops when ``‖r‖ <= tol·‖b‖``. In exact arithmetic CG ends within ``P``
+    $\alpha = r^\top z / p^\top (A + \delta I) p$, ``x += αp``, ``r −= α(A+δI)p``, $p = z + (r'^\top z' / r^\top z)\, p$.
+    A column stops when $\lVert r \rVert \le \mathrm{tol} \cdot \lVert b \rVert$. In exact arithmetic CG ends within ``P``
     iterations (within the number of distinct eigenvalues of ``M(A+δI)``), and the error
-    satisfies ``‖x − x*‖_{A+δI} <= 2 ((√κ − 1)/(√κ + 1))ᵏ ‖x*‖_{A+δI}``, ``κ`` the
+    satisfies $\lVert x - x^* \rVert_{A + \delta I} \le 2 \big((\sqrt{\kappa} - 1) / (\sqrt{\kappa} + 1)\big)^k \lVert x^* \rVert_{A + \delta I}$, $\kappa$ the
     condition number of ``M(A+δI)``.
 
     Args:
@@ -142,14 +142,14 @@ def cg(A, b, damping=0.0, tol=1e-8, max_iterations=None, preconditioner=None) ->
 
 
 def minres(A, b, damping=0.0, tol=1e-8, max_iterations=None) -> Solution:
-    """MINRES (Paige, Saunders 1975) for ``(A + damping·I) x = b``, ``A`` symmetric, possibly indefinite.
+    r"""MINRES (Paige, Saunders 1975) for ``(A + damping·I) x = b``, ``A`` symmetric, possibly indefinite.
 
-    Iterate ``k`` minimises ``‖b − (A+δI)x‖`` over the Krylov space
-    ``span{b, (A+δI)b, …, (A+δI)^{k−1} b}``, through the Lanczos recurrence and Givens
+    Iterate ``k`` minimises $\lVert b - (A + \delta I) x \rVert$ over the Krylov space
+    $\operatorname{span}\{b, (A + \delta I) b, \dots, (A + \delta I)^{k-1} b\}$, through the Lanczos recurrence and Givens
     rotations of its tridiagonal (the residual norm is non-increasing). A column stops
-    when the recurrence's residual is ``<= tol·‖b‖``; in exact arithmetic MINRES ends
+    when the recurrence's residual is $\le \mathrm{tol} \cdot \lVert b \rVert$; in exact arithmetic MINRES ends
     within ``P`` iterations, and for spectra in ``[−b, −a] ∪ [c, d]`` of equal widths the
-    residual falls like ``2 ((√κ − 1)/(√κ + 1))^{⌊k/2⌋}``, ``κ = bd/(ac)``.
+    residual falls like $2 \big((\sqrt{\kappa} - 1) / (\sqrt{\kappa} + 1)\big)^{\lfloor k/2 \rfloor}$, $\kappa = b d / (a c)$.
     As scipy's ``minres`` without a preconditioner (its ``shift`` is ``−damping``).
 
     Args:

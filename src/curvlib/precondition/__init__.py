@@ -204,12 +204,12 @@ def _in_eigenbasis(factors, model: Optional[nn.Module], denominator) -> Callable
 
 def kron_preconditioner(factors: Mapping[str, Sequence[Tensor]], damping: float, *, method: str = "pi",
                         model: Optional[nn.Module] = None) -> Callable[[Vectors], Dict[str, Tensor]]:
-    """Eigendecompose the factors once; return ``P(vectors) -> {name: (F_name + λ)⁻¹ v}``.
+    r"""Eigendecompose the factors once; return $P(\mathrm{vectors}) = \{\mathrm{name}: (F_\mathrm{name} + \lambda)^{-1} v\}$.
 
     Args:
         factors: ``qs["kfac"]`` (or ``"kflr"``, ``"kfra"``, ``"kfac_empirical"``): name ->
             list of factors (module doc for the layouts).
-        damping: ``λ > 0``.
+        damping: $\lambda > 0$.
         method: ``"pi"``, ``"plain"`` or ``"exact"`` (module doc, with the formulas).
         model: the model, to know its ``ConvTranspose`` weights (optional otherwise).
 
@@ -239,7 +239,7 @@ def kron_preconditioner(factors: Mapping[str, Sequence[Tensor]], damping: float,
 
 def kron_inverse_vp(factors: Mapping[str, Sequence[Tensor]], vectors: Vectors, damping: float, *,
                     method: str = "pi", model: Optional[nn.Module] = None) -> Dict[str, Tensor]:
-    """``{name: (F_name + λ I)⁻¹ v_name}`` for Kronecker factors (module doc for ``method``).
+    r"""$\{\mathrm{name}: (F_\mathrm{name} + \lambda I)^{-1} v_\mathrm{name}\}$ for Kronecker factors (module doc for ``method``).
 
     ``kron_preconditioner`` caches the eigendecompositions for many calls.
 
@@ -248,7 +248,7 @@ def kron_inverse_vp(factors: Mapping[str, Sequence[Tensor]], vectors: Vectors, d
             list of factors (module doc for the layouts).
         vectors: name -> tensor shaped like the parameter (e.g. ``qs["grad"]``), or
             ``[K, *p.shape]`` for ``K`` vectors.
-        damping: ``λ > 0``.
+        damping: $\lambda > 0$.
         method: ``"pi"``, ``"plain"`` or ``"exact"`` (module doc, with the formulas).
         model: the model, to know its ``ConvTranspose`` weights (optional otherwise).
 
@@ -278,7 +278,7 @@ def kron_inverse_vp(factors: Mapping[str, Sequence[Tensor]], vectors: Vectors, d
 
 def ekfac_eigenvalues(factors: Mapping[str, Sequence[Tensor]], rows: Vectors, *, scale: float,
                       model: Optional[nn.Module] = None) -> Dict[str, Tensor]:
-    """EKFAC's re-fitted eigenvalues ``s = scale · Σ_n (Q_Bᵀ G_n Q_A)²`` per parameter.
+    r"""EKFAC's re-fitted eigenvalues $s = \mathrm{scale} \cdot \sum_n (Q_B^\top G_n Q_A)^2$ per parameter.
 
     Args:
         factors: Kronecker factors (their eigenvectors are the basis).
@@ -336,13 +336,13 @@ def _row_dims(name: str, r: Tensor, f) -> int:
 def ekfac_preconditioner(factors: Mapping[str, Sequence[Tensor]], eigenvalues: Mapping[str, Tensor],
                          damping: float, *, model: Optional[nn.Module] = None
                          ) -> Callable[[Vectors], Dict[str, Tensor]]:
-    """``P(vectors) = {name: (Q_B ⊗ Q_A)(diag(s) + λ)⁻¹(Q_B ⊗ Q_A)ᵀ v}`` for ``s`` from
+    r"""$P(\mathrm{vectors}) = \{\mathrm{name}: (Q_B \otimes Q_A)(\operatorname{diag}(s) + \lambda)^{-1}(Q_B \otimes Q_A)^\top v\}$ for ``s`` from
     ``ekfac_eigenvalues`` (same ``factors``).
 
     Args:
         factors: the Kronecker factors ``ekfac_eigenvalues`` took (their eigenvectors are the basis).
         eigenvalues: ``ekfac_eigenvalues``' result: name -> ``s [G, o, a]``.
-        damping: ``λ > 0``.
+        damping: $\lambda > 0$.
         model: the model, to know its ``ConvTranspose`` weights (optional otherwise).
 
     Returns:
@@ -375,13 +375,13 @@ def ekfac_preconditioner(factors: Mapping[str, Sequence[Tensor]], eigenvalues: M
 
 def ekfac_inverse_vp(factors: Mapping[str, Sequence[Tensor]], eigenvalues: Mapping[str, Tensor],
                      vectors: Vectors, damping: float, *, model: Optional[nn.Module] = None) -> Dict[str, Tensor]:
-    """One-shot ``ekfac_preconditioner`` applied to ``vectors``.
+    r"""One-shot ``ekfac_preconditioner`` applied to ``vectors``.
 
     Args:
         factors: the Kronecker factors ``ekfac_eigenvalues`` took.
         eigenvalues: ``ekfac_eigenvalues``' result: name -> ``s [G, o, a]``.
         vectors: name -> tensor shaped like the parameter (e.g. ``qs["grad"]``).
-        damping: ``λ > 0``.
+        damping: $\lambda > 0$.
         model: the model, to know its ``ConvTranspose`` weights (optional otherwise).
 
     Returns:
@@ -406,19 +406,19 @@ def ekfac_inverse_vp(factors: Mapping[str, Sequence[Tensor]], eigenvalues: Mappi
 
 def diag_inverse_vp(diagonal: Vectors, vectors: Vectors, damping: float, *, exponent: float = -1.0,
                     negative: str = "clip") -> Dict[str, Tensor]:
-    """``{name: v ⊙ (d' + λ)^exponent}`` with ``d'`` the diagonal after ``negative``.
+    r"""$\{\mathrm{name}: v \odot (d' + \lambda)^\mathrm{exponent}\}$ with ``d'`` the diagonal after ``negative``.
 
     Args:
         diagonal: name -> ``p.shape`` (``diag_ggn_exact``, ``diag_ggn_mc``, ``diag_h``,
             ``sum_grad_squared``, ...).
         vectors: name -> ``p.shape`` (e.g. ``qs["grad"]``).
-        damping: ``λ > 0``.
+        damping: $\lambda > 0$.
         exponent: ``-1`` (inverse) or e.g. ``-0.5`` (Adam-like); any negative float.
         negative: ``"clip"`` (``max(d, 0)``), ``"abs"`` (``|d|``) or ``"error"`` (refuse a
             negative entry; needs concrete values) for an indefinite diagonal (the Hessian's).
 
     Returns:
-        dict: name -> ``v ⊙ (d' + λ)^exponent``, shaped like ``vectors[name]``.
+        dict: name -> $v \odot (d' + \lambda)^\mathrm{exponent}$, shaped like ``vectors[name]``.
 
     Examples::
 
