@@ -135,23 +135,31 @@ def _float32_runs(prob: Problem) -> bool:
         return False
 
 
+def _library_model(model: nn.Module) -> nn.Module:
+    """The library's model: ``model`` itself, or the one a one-line wrapper holds."""
+    for attribute in ("hf", "inner"):
+        if isinstance(getattr(model, attribute, None), nn.Module):
+            return getattr(model, attribute)
+    return model
+
+
 def float32_twin(prob: Problem) -> Optional[Problem]:
     """For a model whose forward runs only in float32: the float64 problem on the first of
     :data:`EXPERT_PATHS` whose forward and backward run in float64, with the float32 original
     as ``computed`` and ``rtol`` :data:`F32_RTOL`; ``None`` if the model has no such path."""
-    if not hasattr(prob.model, "set_experts_implementation"):
+    if not hasattr(_library_model(prob.model), "set_experts_implementation"):
         return None
     twin = _as_float32(prob)
     for path in EXPERT_PATHS:
         ref = prob._replace(model=copy.deepcopy(prob.model))
         try:
-            ref.model.set_experts_implementation(path)
+            _library_model(ref.model).set_experts_implementation(path)
             _forward_backward(ref)
         except Exception:  # noqa: BLE001 - this path does not run in float64 either
             continue
         for p in list(ref.model.parameters()) + list(twin.model.parameters()):
             p.grad = None
-        notes = f"{prob.notes}; float32 ({twin.model.config._experts_implementation}) vs float64 ({path}) references"
+        notes = f"{prob.notes}; float32 ({_library_model(twin.model).config._experts_implementation}) vs float64 ({path}) references"
         return ref._replace(computed=twin, rtol=F32_RTOL, notes=notes)
     return None
 
