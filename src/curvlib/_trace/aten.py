@@ -41,6 +41,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, fx, nn
+from torch._guards import TracingContext, tracing
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
@@ -97,7 +99,10 @@ def _aten_graph(model: nn.Module, X, output, whole: Optional[Dict[str, str]] = N
     # and becomes a guard of the graph: see :func:`input_branch`)
     with recorded_functions() as keys, LOCK, restored(model), without_hooks(model), inference_as_no_grad(), \
             kept_whole(model, whole or {}) as module_keys, module_spans(model, batch_size(X)) as spans, \
-            torch.enable_grad():  # (the model's own no_grad regions are recorded, not the caller's)
+            torch.enable_grad(), tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
+        # (the model's own no_grad regions are recorded, not the caller's. The tracing context
+        # lends make_fx one fake mode for every node's metadata: without one it builds a new
+        # mode per node, each capturing the Python stack, most of a large model's trace time)
         gm = make_fx(run, pre_dispatch=True, _error_on_data_dependent_ops=False)(*inputs)
     _refuse_escaped_transforms(gm, model)
     gm.curvlib_functions, gm.curvlib_modules, gm.curvlib_spans = keys, module_keys, spans
