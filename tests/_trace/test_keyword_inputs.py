@@ -176,3 +176,47 @@ def test_embedding_subclass_with_a_masked_parameter(n, seed, keywords):
     ref = reference(model, lossfn, ids, y, hessian=False, kflr=None)
     qs = curvature(model, lossfn, exact_extensions(hessian=False))({"input_ids": ids} if keywords else ids, y)
     assert_matches(qs, ref, "embedding subclass")
+
+
+class PairBlock(nn.Module):
+    """Returns a tuple, and checks its input's type (torch.fx's proxy fails it: an opaque leaf)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, H)
+
+    def forward(self, x):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError("expects a tensor")
+        return torch.tanh(self.lin(x)), x
+
+
+class NoMakeFx(nn.Module):
+    """Keyword inputs, a forward that refuses to run under make_fx (no ATen-level trace) and an
+    opaque submodule returning a tuple (no generic rule can run it whole)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block, self.out = PairBlock(), nn.Linear(H, C)
+
+    def forward(self, x, gate):
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        if get_proxy_mode() is not None:
+            raise RuntimeError("this forward does not run under make_fx")
+        return self.out(self.block(x)[0] * gate)
+
+
+def test_opaque_tuple_module_with_keyword_inputs_runs_first_order_eagerly():
+    """First order runs the model as it is, called with ``X`` as keywords (exact); the GGN is
+    refused with a CurvatureError naming the module."""
+    torch.manual_seed(0)
+    model = NoMakeFx().to(DT)
+    _, X, y, packed = _problem(3, 0, gate_first=False)
+    lossfn = nn.CrossEntropyLoss()
+    qs = curvature(model, lossfn, [BatchGrad()])(X, y)
+    ref = _unprefixed(reference(Packed(model), lossfn, packed, y, hessian=False))
+    for name, v in qs["grad_batch"].items():
+        torch.testing.assert_close(v, ref["grad_batch"][name], rtol=1e-10, atol=1e-12)
+    with pytest.raises(CurvatureError, match="block"):
+        curvature(model, lossfn, [DiagGGNExact()])(X, y)

@@ -7,6 +7,7 @@ a custom ``autograd.Function`` lacking what torch.func needs). User forward hook
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
@@ -25,7 +26,7 @@ from .._trace.aten import trace_aten_pair
 from .._core.inputs import keyword_inputs, structure_key, tensors
 from .._core.outputs import say_choice
 from .._core.sync import LOCK
-from .._trace.program import Program, trace_program
+from .._trace.program import Program, assemble, trace_program
 from .._trace.untraced import run_eager
 from ..extensions import SecondOrder
 from ..rules import math_hooks
@@ -159,7 +160,7 @@ def trace(model: nn.Module, second: Sequence[SecondOrder], X=None, output=None, 
     pending = settings.current().aten_front_end and needs_aten(program, model, X)
     aten_error = ""
     if pending and real_input:
-        program, aten_error = _aten_level(program, model, X, output)
+        program, aten_error = _aten_level(program, model, X, output, bool(second))
     elif pending:
         return Traced(program=program, runner=None, checks=[], direct=True, residual_nodes={}, dropout=[],
                       pending=True)
@@ -187,16 +188,23 @@ def trace(model: nn.Module, second: Sequence[SecondOrder], X=None, output=None, 
     )
 
 
-def _aten_level(program: Program, model: nn.Module, X, output) -> "tuple[Program, str]":
+def _aten_level(program: Program, model: nn.Module, X, output, second: bool) -> "tuple[Program, str]":
     """``(program, why the ATen-level trace failed or "")``: the model traced at the ATen level
     on ``X`` (with its batch-of-N + 1 sibling), or, when that fails, the symbolic trace to keep
-    (keyword inputs included: torch.fx traced ``model(**X)``)."""
+    (keyword inputs included: torch.fx traced ``model(**X)``). With keyword inputs and only
+    first-order extensions (``second`` false), a symbolic trace with opaque submodules is not kept:
+    the model runs eagerly, called with ``X`` as keywords, which needs no module to return one tensor."""
     try:
         return trace_aten_pair(model, X, output), ""
     except CurvatureError:
         raise
     except Exception as exc:  # noqa: BLE001 - the model's forward or make_fx failed: keep fx's trace
-        return program, f"{type(exc).__name__}: {exc}".splitlines()[0]
+        aten_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    if not second and program.opaque and keyword_inputs(model, X):
+        program = assemble(program.root, program.prefix, None, "torch.fx left submodules opaque", {},
+                           program.param_names, program.leaf_inputs)
+        program = dataclasses.replace(program, selector=output)
+    return program, aten_error
 
 
 def _structure_only(X):
