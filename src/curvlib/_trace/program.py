@@ -189,19 +189,17 @@ def trace_program(model: nn.Module, example=None, output=None) -> Program:
         # module or transformer block as the model: traced through the holder as its math.)
         root, prefix = (_Root(model), "model.")
 
-    concrete = None
+    concrete, through = None, None
     if keyword_inputs(model, example):
         # the dict's keys are the forward's keyword arguments: the model is traced through a
         # holder calling ``model(**X)`` (the ATen-level trace's root holds it at ``model.`` too)
-        root, prefix = (_Keywords(model), "model.")
+        root, prefix, through = (_Keywords(model), "model.", model)
         concrete = {"X": trace_structure(example)}
     elif example is not None and not isinstance(example, torch.Tensor):
         first = next(iter(inspect.signature(root.forward).parameters))
-        concrete = with_defaults(root.forward, {first: trace_structure(example)})
-    else:
-        concrete = with_defaults(root.forward, None)
-    through = model if root is not model else None
-    graph, error, opaque = _trace_with_opaque_leaves(root, concrete, through)
+        concrete = {first: trace_structure(example)}
+    traced_with = concrete if through is not None else with_defaults(root.forward, concrete)
+    graph, error, opaque = _trace_with_opaque_leaves(root, traced_with, through)
     program = assemble(root, prefix, graph, error, opaque, param_names, leaf_inputs=concrete is not None)
     return dataclasses.replace(program, selector=output)
 
