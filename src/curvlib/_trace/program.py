@@ -264,7 +264,8 @@ def _trace_with_opaque_leaves(root: nn.Module, concrete, through: Optional[nn.Mo
             with LOCK, restored(root):  # (a cache the forward fills must not keep this trace's values)
                 graph = tracer.trace(root, concrete_args=concrete)
         except Exception as exc:  # noqa: BLE001 - any tracing failure means "untraceable"
-            if tracer.failed is None or tracer.failed is root or tracer.failed is through or id(tracer.failed) in opaque:
+            failed = tracer.failed
+            if failed is None or failed is root or failed is through or id(failed) in opaque:
                 return None, _why(exc), {}
             opaque[id(tracer.failed)] = _why(exc)
             continue

@@ -20,7 +20,8 @@ from .._core.tensors import has_proxy
 from ..rules import attention
 from .modes import InPlaceProxy, TensorConstant, cut_no_grad_regions, no_autocast, record_modes
 
-__all__ = ["Tracer", "function_apply", "function_call", "owns_parameters", "vmap_calls", "VmapCall", "finfo", "iinfo", "captured"]
+__all__ = ["Tracer", "function_apply", "function_call", "owns_parameters", "vmap_calls", "VmapCall", "finfo", "iinfo",
+           "captured"]
 
 
 def owns_parameters(module: nn.Module) -> bool:
@@ -63,7 +64,8 @@ class Tracer(fx.Tracer):
         if id(m) in self.opaque:
             return True
         if m is self.through:
-            return owns_parameters(m) and rules.has_family(m)  # (a bare nn.Linear: one layer, as the root's holder has it)
+            # (a bare nn.Linear called with keywords: one layer, as the bare-layer holder has it)
+            return owns_parameters(m) and rules.has_family(m)
         if owns_parameters(m):
             # A user module that owns parameters and holds parametrized submodules or attention
             # (a ConvNeXt block's layer-scale gamma around its Linear layers): traced through, its
@@ -209,8 +211,9 @@ def vmap_calls(tracer: fx.Tracer):
     the block, under :data:`curvlib._core.sync.LOCK`: the function vmap builds, called on
     proxies, records one :class:`VmapCall` node (torch.fx cannot run a transform on proxies);
     ``torch.finfo(x.dtype).min`` of a traced ``x`` records a :func:`finfo` node (the dtype is
-    not known while tracing); on other values each runs as it is. A function that reads a traced value other than its arguments (a proxy in its
-    closure) cannot be called later: it is refused with a ``TypeError``, as fx fails on it."""
+    not known while tracing); on other values each runs as it is. A function that reads a traced
+    value other than its arguments (a proxy in its closure) cannot be called later: it is
+    refused with a ``TypeError``, as fx fails on it."""
     original = torch.vmap
 
     def vmap(func, *args, **kwargs):
