@@ -278,26 +278,41 @@ def test_a_branch_that_changes_a_sample_in_a_mixed_batch_is_refused():
 
 class VmappedMask(nn.Module):
     """A mask built with ``torch.vmap`` over position indices inside ``forward`` (transformers'
-    mask expansion for combined mask functions), applied to a Linear's output."""
+    mask expansion for combined mask functions), applied to a Linear's output. ``reads_input``:
+    the indices are offset by a value computed from the input (zero), so the mask reads it."""
 
-    def __init__(self, d=3, c=3):
+    def __init__(self, d=3, c=3, reads_input=False):
         super().__init__()
         self.fc = nn.Linear(d, c)
+        self.reads_input = reads_input
 
     def forward(self, x):
         if not isinstance(x.shape[-1], int):  # pragma: no cover - fx gives a proxy: make_fx traces
             raise TypeError
         rows = torch.arange(x.shape[1])
+        if self.reads_input:
+            rows = rows + (x[0, 0, 0] * 0).long()
         mask = torch.vmap(torch.vmap(lambda a, b: (a >= b) | a.new_ones((), dtype=torch.bool), in_dims=(None, 0)),
                           in_dims=(0, None))(rows, rows)
         return (self.fc(x) * mask.to(x.dtype).sum(-1, keepdim=True)).sum(1)
 
 
+def test_torch_vmap_mask_inside_forward_is_a_constant():
+    """A mask the model builds with its own ``torch.vmap`` from index ranges alone (neither
+    inputs nor parameters) runs outside the ATen trace: a constant of the graph, exact."""
+    model = VmappedMask().to(DT)
+    X, y = _data((2, 4, 3))
+    lossfn = nn.CrossEntropyLoss()
+    qs = curvature(model, lossfn, exact_extensions(hessian=False))(X, y)
+    assert_matches(qs, reference(model, lossfn, X, y, hessian=False))
+
+
 def test_torch_vmap_inside_forward_is_refused_by_name():
     """make_fx(pre_dispatch=True) records the ops inside a model's own ``torch.vmap`` on batched
-    tensors that do not outlive it: the ATen trace fails naming torch.vmap (never functorch's
-    replay error), so a second-order extension is refused with that reason."""
-    model = VmappedMask().to(DT)
+    tensors that do not outlive it: where the vmapped function reads the input, the ATen trace
+    fails naming torch.vmap (never functorch's replay error), so a second-order extension is
+    refused with that reason."""
+    model = VmappedMask(reads_input=True).to(DT)
     X, y = _data((2, 4, 3))
     with pytest.raises(CurvatureError, match="torch.vmap"):
         curvature(model, nn.CrossEntropyLoss(), [DiagGGNExact()])(X, y)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from curvlib import curvature
-from curvlib._trace.branches import keyword_inputs
+from curvlib._core.inputs import keyword_inputs
 from curvlib.extensions import BatchGrad, DiagGGNExact
 
 from oracles.first_order import individual_gradients

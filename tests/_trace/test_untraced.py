@@ -567,14 +567,15 @@ class _NoMakeFx(nn.Module):
 
 @pytest.mark.parametrize("branch", [True, False])
 def test_keyword_inputs_reach_an_eager_model_as_keywords(branch):
-    """First order of a model neither front end traces, with dict ``X``: ``model(**X)``, exact;
-    second order refused, saying why the ATen trace failed."""
+    """First order of a model the ATen front end cannot trace, with dict ``X``: ``model(**X)``,
+    exact; second order refused, saying why the ATen trace failed, where torch.fx cannot trace
+    it either (``branch``), else exact on torch.fx's graph."""
     from oracles import zoo_reference as oz
     from oracles.zoo import Problem
 
     g = seeded(3)
     model = _NoMakeFx().to(torch.float64)
-    model.branch = branch  # False: torch.fx traces it, but with the whole dict as its first argument
+    model.branch = branch  # False: torch.fx traces it (with the dict's tensors as keyword placeholders)
     X = {"input_ids": torch.randn(5, 4, generator=g, dtype=torch.float64),
          "mask": torch.rand(5, 5, generator=g, dtype=torch.float64)}
     y = torch.randint(0, 3, (5,), generator=g)
@@ -582,5 +583,12 @@ def test_keyword_inputs_reach_an_eager_model_as_keywords(branch):
     expected = oz.individual_gradients(Problem(model, X, y, nn.CrossEntropyLoss(), None, ""))
     for k, v in expected.items():
         assert torch.allclose(qs["grad_batch"][k], v, rtol=1e-10, atol=1e-12), k
-    with pytest.raises(CurvatureError, match="does not run under make_fx"):
-        curvature(model, nn.CrossEntropyLoss(), [DiagGGNExact()])(X, y)
+    if branch:
+        with pytest.raises(CurvatureError, match="does not run under make_fx"):
+            curvature(model, nn.CrossEntropyLoss(), [DiagGGNExact()])(X, y)
+        return
+    # torch.fx traces ``model(**X)``: the graph's DiagGGNExact is exact
+    prob = Problem(model, X, y, nn.CrossEntropyLoss(), None, "")
+    diag = curvature(model, nn.CrossEntropyLoss(), [DiagGGNExact()])(X, y)["diag_ggn_exact"]
+    for k, v in oz.ggn_diagonals(oz.ggn_parts(prob)).items():
+        assert torch.allclose(diag[k], v.sum(0), rtol=1e-10, atol=1e-12), k

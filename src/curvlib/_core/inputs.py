@@ -15,11 +15,12 @@ from typing import Callable, List, Optional
 import torch
 from torch import fx
 from torch.utils import _pytree
-from torch import Tensor
+from torch import Tensor, nn
 
 from .errors import CurvatureError, CurvatureTypeError
 
-__all__ = ["tensors", "batch_size", "map_tensors", "check_input", "describe", "as_pytree", "with_defaults"]
+__all__ = ["tensors", "batch_size", "map_tensors", "check_input", "describe", "as_pytree", "with_defaults",
+           "keyword_inputs"]
 
 
 def tensors(X) -> List[Tensor]:
@@ -170,3 +171,26 @@ def with_defaults(forward: Callable, concrete: Optional[dict]) -> Optional[dict]
     if concrete is None:
         concrete = {}
     return {**defaults, **concrete}
+
+
+def keyword_inputs(model: nn.Module, X) -> bool:
+    """A mapping ``X`` whose keys all name parameters of ``model.forward`` (or, for a forward
+    taking ``**kwargs``, include every argument it requires) is passed as keyword arguments
+    (``model(**X)``: ``input_ids``, ``attention_mask``, ``pixel_values``); any other ``X`` as
+    the single argument."""
+    if not isinstance(X, Mapping) or not X:
+        return False
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    named = {k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if not all(isinstance(k, str) for k in X):
+        return False
+    if set(X) <= named:
+        return True
+    # a forward that passes ``**kwargs`` on (PeftModel, other wrappers): keywords, when every
+    # argument it requires is among the keys (else ``X`` is its one required argument)
+    required = {k for k, p in params.items() if p.default is p.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return any(p.kind == p.VAR_KEYWORD for p in params.values()) and required <= set(X)

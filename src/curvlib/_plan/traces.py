@@ -23,8 +23,7 @@ from .._trace.graph_facts import chain_nodes, has_inplace
 from .plan import Plan, module_checks
 from ..rules import subclassed
 from .._trace.aten import trace_aten_pair
-from .._trace.branches import keyword_inputs
-from .._core.inputs import structure_key, tensors
+from .._core.inputs import keyword_inputs, structure_key, tensors
 from .._core.outputs import say_choice
 from .._core.sync import LOCK
 from .._trace.program import Program, assemble, trace_program
@@ -161,7 +160,7 @@ def trace(model: nn.Module, second: Sequence[SecondOrder], X=None, output=None, 
     pending = settings.current().aten_front_end and needs_aten(program, model, X)
     aten_error = ""
     if pending and real_input:
-        program, aten_error = _aten_level(program, model, X, output)
+        program, aten_error = _aten_level(program, model, X, output, bool(second))
     elif pending:
         return Traced(program=program, runner=None, checks=[], direct=True, residual_nodes={}, dropout=[],
                       pending=True)
@@ -189,20 +188,21 @@ def trace(model: nn.Module, second: Sequence[SecondOrder], X=None, output=None, 
     )
 
 
-def _aten_level(program: Program, model: nn.Module, X, output) -> "tuple[Program, str]":
+def _aten_level(program: Program, model: nn.Module, X, output, second: bool) -> "tuple[Program, str]":
     """``(program, why the ATen-level trace failed or "")``: the model traced at the ATen level
-    on ``X`` (with its batch-of-N + 1 sibling), or, when that fails, the symbolic trace to keep.
-    With keyword inputs the kept trace has no graph (torch.fx gave the whole dict to the first
-    argument): the model then runs eagerly, called with ``X`` as keywords (first order only)."""
+    on ``X`` (with its batch-of-N + 1 sibling), or, when that fails, the symbolic trace to keep
+    (keyword inputs included: torch.fx traced ``model(**X)``). With keyword inputs and only
+    first-order extensions (``second`` false), a symbolic trace with opaque submodules is not kept:
+    the model runs eagerly, called with ``X`` as keywords, which needs no module to return one tensor."""
     try:
         return trace_aten_pair(model, X, output), ""
     except CurvatureError:
         raise
     except Exception as exc:  # noqa: BLE001 - the model's forward or make_fx failed: keep fx's trace
         aten_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
-    if keyword_inputs(model, X) and program.graph is not None:
-        program = assemble(program.root, program.prefix, None, "X holds keyword inputs, which only the ATen-level "
-                           "front end traces", {}, program.param_names, program.leaf_inputs)
+    if not second and program.opaque and keyword_inputs(model, X):
+        program = assemble(program.root, program.prefix, None, "torch.fx left submodules opaque", {},
+                           program.param_names, program.leaf_inputs)
         program = dataclasses.replace(program, selector=output)
     return program, aten_error
 

@@ -36,26 +36,28 @@ signature (shapes, dtypes, devices): :mod:`curvlib._transform.entry` keys it so.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, fx, nn
 from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, get_proxy_slot, make_fx
 from torch.utils import _pytree as pytree
 
 from .._core import outputs as _outputs
 from .._core.errors import CurvatureError
 from .aten_ops import (INPUT_ARG, conv1d_linear, linear_computed_bias, matmul_linear, owner_call, owners, torch_level,
                        view_of)
-from .branches import input_branch, keyword_inputs, without_hooks
-from .._core.inputs import as_pytree, batch_size, trace_structure, with_batch
+from .branches import input_branch, without_hooks
+from .._core.inputs import as_pytree, batch_size, keyword_inputs, trace_structure, with_batch
 from .functions import forget, recorded_functions, replay
 from .module_calls import forget as forget_modules, kept_whole, module_spans, modules_to_keep_whole, replay_module
 from .modes import inference_as_no_grad
-from .tracer import Tracer
+from .tracer import Tracer, captured
 from .program import Program, assemble
 from .._core.sync import LOCK
 from .._core.tensors import has_proxy, is_wrapped
@@ -99,7 +101,7 @@ def _aten_graph(model: nn.Module, X, output, whole: Optional[Dict[str, str]] = N
     # and becomes a guard of the graph: see :func:`input_branch`)
     with recorded_functions() as keys, LOCK, restored(model), without_hooks(model), inference_as_no_grad(), \
             kept_whole(model, whole or {}) as module_keys, module_spans(model, batch_size(X)) as spans, \
-            torch.enable_grad(), tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
+            constant_vmaps(), torch.enable_grad(), tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
         # (the model's own no_grad regions are recorded, not the caller's. The tracing context
         # lends make_fx one fake mode for every node's metadata: without one it builds a new
         # mode per node, each capturing the Python stack, most of a large model's trace time)
@@ -108,6 +110,54 @@ def _aten_graph(model: nn.Module, X, output, whole: Optional[Dict[str, str]] = N
     gm.curvlib_functions, gm.curvlib_modules, gm.curvlib_spans = keys, module_keys, spans
     gm.curvlib_reads = _read_values(gm, pytree.tree_leaves(inputs))
     return gm, list(params), list(buffers), tensor_at, chosen[0]
+
+
+@contextlib.contextmanager
+def constant_vmaps():
+    """``torch.vmap`` replaced for the block (an ATen-level trace, under
+    :data:`curvlib._core.sync.LOCK`): a function it builds that computes from neither the model's
+    inputs nor its parameters and buffers (transformers' attention masks, vmapped over
+    ``arange`` index ranges) runs outside the trace, and its value is a constant of the graph,
+    as the same mask built without vmap is; one that does runs as it is (refused below)."""
+    original = torch.vmap
+
+    def vmap(func, *args, **kwargs):
+        built = original(func, *args, **kwargs)
+
+        @functools.wraps(built)
+        def call(*inputs, **named):
+            mode = get_proxy_mode()
+            values = pytree.tree_leaves((inputs, named)) + captured(func)
+            if mode is None or any(_from_inputs(v, mode.tracer) for v in values if isinstance(v, Tensor)):
+                return built(*inputs, **named)
+            with disable_proxy_modes_tracing():
+                return built(*inputs, **named)
+
+        return call
+
+    torch.vmap = torch.func.vmap = vmap
+    try:
+        yield
+    finally:
+        torch.vmap = torch.func.vmap = original
+
+
+def _from_inputs(t: Tensor, tracer) -> bool:
+    """Whether the traced tensor ``t`` is computed from a placeholder of the trace (an input,
+    parameter or buffer)."""
+    slot = get_proxy_slot(t, tracer, None)
+    if slot is None:
+        return False  # a tensor made outside the trace: a constant
+    stack, seen = [slot.proxy.node], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder":
+            return True
+        stack.extend(node.all_input_nodes)
+    return False
 
 
 def _refuse_escaped_transforms(gm: fx.GraphModule, model: nn.Module) -> None:

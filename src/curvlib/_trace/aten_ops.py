@@ -142,7 +142,15 @@ def view_of(m: nn.Module) -> Optional[nn.Module]:
     # The family's class has no submodules: ``m``'s (Inkling's embedding norm) run as their own ops, and
     # their parameters are not the view's (its layer's roles are what the family's rule reads).
     view._modules = {}
+    # Nor its further parameters (T5Gemma2's embedding writes an extra ``eoi_embedding`` row in
+    # ``forward``): their uses are ops of their own in the ATen graph (functional sites). The
+    # family's rule reads its roles' values as arguments, never from these slots.
+    if any(k not in _ROLES for k in m._parameters):
+        view._parameters = {k: v for k, v in m._parameters.items() if k in _ROLES}
     return view
+
+
+_ROLES = ("weight", "bias")  # the parameters of every class of _FAMILY_TYPES
 
 
 def owner_call(node: fx.Node, names, owners, canonical) -> Optional[nn.Module]:

@@ -12,9 +12,7 @@ read other values is checked (:func:`check_branches_per_sample`).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import operator
-from collections.abc import Mapping
 from typing import Dict, List, Optional
 
 import torch
@@ -23,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._core import outputs as _outputs
 from .._core.errors import CurvatureError
-from .._core.inputs import batch_size, select_batch, slice_batch, trace_leaves
+from .._core.inputs import batch_size, keyword_inputs, select_batch, slice_batch, trace_leaves
 from .program import Program
 from .._core.sync import LOCK
 from ..rules import math_hooks
@@ -31,32 +29,9 @@ from ..rules.functional import run_nodes
 from ..rules.generic import restored
 
 __all__ = ["BranchChanged", "input_branch", "guard_values_per_sample", "batch_guard_values",
-           "check_branches_per_sample", "keyword_inputs", "without_hooks"]
+           "check_branches_per_sample", "without_hooks"]
 
 aten = torch.ops.aten
-
-
-def keyword_inputs(model: nn.Module, X) -> bool:
-    """A mapping ``X`` whose keys all name parameters of ``model.forward`` (or, for a forward
-    taking ``**kwargs``, include every argument it requires) is passed as keyword arguments
-    (``model(**X)``: ``input_ids``, ``attention_mask``, ``pixel_values``); any other ``X`` as
-    the single argument."""
-    if not isinstance(X, Mapping) or not X:
-        return False
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    named = {k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    if not all(isinstance(k, str) for k in X):
-        return False
-    if set(X) <= named:
-        return True
-    # a forward that passes ``**kwargs`` on (PeftModel, other wrappers): keywords, when every
-    # argument it requires is among the keys (else ``X`` is its one required argument)
-    required = {k for k, p in params.items() if p.default is p.empty
-                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return any(p.kind == p.VAR_KEYWORD for p in params.values()) and required <= set(X)
 
 
 @contextlib.contextmanager

@@ -43,7 +43,7 @@ from .._core.site import Recorder
 from .._core.sync import LOCK
 from .._core.tensors import inside_transform
 from ..rules import attention, batchnorm, elementwise, layernorm
-from .._core.inputs import trace_structure, with_defaults
+from .._core.inputs import keyword_inputs, trace_structure, with_defaults
 from ..rules.functional import FunctionalUse, split_computed_bias
 from ..rules.generic import restored
 from .functional_uses import functional_uses, input_dependent
@@ -143,6 +143,19 @@ class _Root(nn.Module):
         return self.model(x)
 
 
+class _Keywords(nn.Module):
+    """Holds a model called with keyword inputs: ``forward(X)`` is ``model(**X)``. Traced with
+    ``X`` as a dict whose tensor leaves are placeholders; the model's other arguments keep
+    their defaults, as when curvlib calls it."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, X):
+        return self.model(**X)
+
+
 def _model_line(exc: BaseException) -> str:
     """The deepest frame of ``exc``'s traceback outside torch, as ``file:line: code``."""
     frames = traceback.extract_tb(exc.__traceback__)
@@ -176,13 +189,17 @@ def trace_program(model: nn.Module, example=None, output=None) -> Program:
         # module or transformer block as the model: traced through the holder as its math.)
         root, prefix = (_Root(model), "model.")
 
-    graph: Optional[fx.Graph]
-    error: Optional[str] = None
-    concrete = None
-    if example is not None and not isinstance(example, torch.Tensor):
+    concrete, through = None, None
+    if keyword_inputs(model, example):
+        # the dict's keys are the forward's keyword arguments: the model is traced through a
+        # holder calling ``model(**X)`` (the ATen-level trace's root holds it at ``model.`` too)
+        root, prefix, through = (_Keywords(model), "model.", model)
+        concrete = {"X": trace_structure(example)}
+    elif example is not None and not isinstance(example, torch.Tensor):
         first = next(iter(inspect.signature(root.forward).parameters))
         concrete = {first: trace_structure(example)}
-    graph, error, opaque = _trace_with_opaque_leaves(root, with_defaults(root.forward, concrete))
+    traced_with = concrete if through is not None else with_defaults(root.forward, concrete)
+    graph, error, opaque = _trace_with_opaque_leaves(root, traced_with, through)
     program = assemble(root, prefix, graph, error, opaque, param_names, leaf_inputs=concrete is not None)
     return dataclasses.replace(program, selector=output)
 
@@ -231,21 +248,24 @@ def _why(exc: BaseException) -> str:
     return type(exc).__name__ + (f": {message}" if message else "") + (f"\n  at {line}" if line else "")
 
 
-def _trace_with_opaque_leaves(root: nn.Module, concrete) -> "tuple[Optional[fx.Graph], Optional[str], Dict[str, str]]":
+def _trace_with_opaque_leaves(root: nn.Module, concrete, through: Optional[nn.Module] = None,
+                              ) -> "tuple[Optional[fx.Graph], Optional[str], Dict[str, str]]":
     """Trace ``root``; while a submodule's ``forward`` fails, retry with it as a leaf.
 
     Returns ``(graph, error, opaque)``: the graph (``None`` when the model's own
     ``forward`` fails, with ``error`` saying why) and, per opaque module target in
     the graph, why fx could not trace it. Each retry adds one module, so at most
-    one retry per submodule."""
+    one retry per submodule. ``through``: the model inside a holder ``root``, traced
+    through as the root itself is (its own ``forward`` failing means no graph)."""
     opaque: Dict[int, str] = {}
     for _ in range(sum(1 for _ in root.modules()) + 1):
-        tracer = Tracer(opaque)
+        tracer = Tracer(opaque, through=through)
         try:
             with LOCK, restored(root):  # (a cache the forward fills must not keep this trace's values)
                 graph = tracer.trace(root, concrete_args=concrete)
         except Exception as exc:  # noqa: BLE001 - any tracing failure means "untraceable"
-            if tracer.failed is None or tracer.failed is root or id(tracer.failed) in opaque:
+            failed = tracer.failed
+            if failed is None or failed is root or failed is through or id(failed) in opaque:
                 return None, _why(exc), {}
             opaque[id(tracer.failed)] = _why(exc)
             continue

@@ -6,8 +6,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,8 @@ from .._core.tensors import has_proxy
 from ..rules import attention
 from .modes import InPlaceProxy, TensorConstant, cut_no_grad_regions, no_autocast, record_modes
 
-__all__ = ["Tracer", "function_apply", "function_call", "owns_parameters"]
+__all__ = ["Tracer", "function_apply", "function_call", "owns_parameters", "vmap_calls", "VmapCall", "finfo", "iinfo",
+           "captured"]
 
 
 def owns_parameters(module: nn.Module) -> bool:
@@ -49,9 +51,10 @@ class Tracer(fx.Tracer):
     undone when tracing ends, under :data:`curvlib._core.sync.LOCK`.
     """
 
-    def __init__(self, opaque: Optional[Dict[int, str]] = None):
+    def __init__(self, opaque: Optional[Dict[int, str]] = None, through: Optional[nn.Module] = None):
         super().__init__()
         self.opaque = opaque or {}  # id(module) -> why: modules traced as leaves
+        self.through = through  # the model inside a holder root: traced through unless it is one layer
         self.failed: Optional[nn.Module] = None  # the deepest module whose forward raised
         self.installed: set = set()  # ids of the root's submodules (set by trace)
 
@@ -60,6 +63,9 @@ class Tracer(fx.Tracer):
             return False  # traced as its math (curvlib.rules.attention)
         if id(m) in self.opaque:
             return True
+        if m is self.through:
+            # (a bare nn.Linear called with keywords: one layer, as the bare-layer holder has it)
+            return owns_parameters(m) and rules.has_family(m)
         if owns_parameters(m):
             # A user module that owns parameters and holds parametrized submodules or attention
             # (a ConvNeXt block's layer-scale gamma around its Linear layers): traced through, its
@@ -111,7 +117,7 @@ class Tracer(fx.Tracer):
 
         # (traced with grad mode on, so that a node records the model's own ``no_grad`` regions
         # and not the caller's; a trace that fails inside one leaves the mode as it found it)
-        with function_apply(apply), torch.enable_grad(), no_autocast():
+        with function_apply(apply), vmap_calls(self), torch.enable_grad(), no_autocast():
             graph = super().trace(root, concrete_args)
         cut_no_grad_regions(graph)
         return graph
@@ -180,3 +186,118 @@ def function_call(cls: type) -> Callable:
         call.function = cls
         _FUNCTION_CALLS[cls] = call
     return _FUNCTION_CALLS[cls]
+
+
+class VmapCall:
+    """The graph target of a ``torch.vmap``-built function called on traced values (transformers'
+    attention masks, vmapped over index ranges): calls it under the torch function modes that
+    were active where the model called it (transformers' ``TransformGetItemToIndex``)."""
+
+    __name__ = "vmap"
+
+    def __init__(self, fn: Callable, modes: List[object]):
+        self.fn, self.modes = fn, modes
+
+    def __call__(self, *args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for mode in self.modes:
+                stack.enter_context(mode)
+            return self.fn(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def vmap_calls(tracer: fx.Tracer):
+    """``torch.vmap`` (and ``torch.func.vmap``), ``torch.finfo`` and ``torch.iinfo`` replaced for
+    the block, under :data:`curvlib._core.sync.LOCK`: the function vmap builds, called on
+    proxies, records one :class:`VmapCall` node (torch.fx cannot run a transform on proxies);
+    ``torch.finfo(x.dtype).min`` of a traced ``x`` records a :func:`finfo` node (the dtype is
+    not known while tracing); on other values each runs as it is. A function that reads a traced
+    value other than its arguments (a proxy in its closure) cannot be called later: it is
+    refused with a ``TypeError``, as fx fails on it."""
+    original = torch.vmap
+
+    def vmap(func, *args, **kwargs):
+        built = original(func, *args, **kwargs)
+
+        @functools.wraps(built)
+        def call(*inputs, **named):
+            if not has_proxy((inputs, named)):
+                return built(*inputs, **named)
+            if any(isinstance(v, fx.Proxy) for v in captured(func)):
+                raise TypeError(f"torch.vmap of {getattr(func, '__qualname__', func)!r} reads a traced value "
+                                "that is not one of its arguments; torch.fx cannot record it as one call")
+            modes = list(torch.overrides._get_current_function_mode_stack())
+            return tracer.create_proxy("call_function", VmapCall(built, modes), inputs, named)
+
+        return call
+
+    def info(kind):
+        def make(dtype=None):
+            if isinstance(dtype, fx.Proxy):
+                return _TracedInfo(tracer, kind, dtype)
+            return kind() if dtype is None else kind(dtype)
+        return make
+
+    with LOCK:
+        torch.vmap = torch.func.vmap = vmap
+        torch.finfo, torch.iinfo = info(_FINFO), info(_IINFO)
+        try:
+            yield
+        finally:
+            torch.vmap = torch.func.vmap = original
+            torch.finfo, torch.iinfo = _FINFO, _IINFO
+
+
+_FINFO, _IINFO = torch.finfo, torch.iinfo
+
+
+def finfo(dtype: torch.dtype, name: str):
+    """``torch.finfo(dtype).name`` (``.min``): the graph target of such a read on a traced dtype."""
+    return getattr(_FINFO(dtype), name)
+
+
+def iinfo(dtype: torch.dtype, name: str):
+    """``torch.iinfo(dtype).name``: the graph target of such a read on a traced dtype."""
+    return getattr(_IINFO(dtype), name)
+
+
+class _TracedInfo:
+    """``torch.finfo(x.dtype)`` of a traced ``x``: each attribute read records a :func:`finfo` node."""
+
+    def __init__(self, tracer: fx.Tracer, kind: type, dtype: fx.Proxy):
+        self._tracer, self._kind, self._dtype = tracer, kind, dtype
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        target = finfo if self._kind is _FINFO else iinfo
+        return self._tracer.create_proxy("call_function", target, (self._dtype, name), {})
+
+
+def captured(obj, seen=None) -> list:
+    """The values a function reads besides its arguments (its closure, defaults and wrapped
+    function's, through ``functools.partial`` and containers), as leaves: what a
+    ``torch.vmap``-built function computes from."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, (tuple, list, set, frozenset)):
+        return [v for o in obj for v in captured(o, seen)]
+    if isinstance(obj, dict):
+        return [v for o in obj.values() for v in captured(o, seen)]
+    if isinstance(obj, functools.partial):
+        return captured((obj.func, obj.args, obj.keywords), seen)
+    if inspect.isfunction(obj):
+        cells = [c.cell_contents for c in obj.__closure__ or () if _filled(c)]
+        return captured((cells, obj.__defaults__ or (), obj.__kwdefaults__ or {},
+                         getattr(obj, "__wrapped__", None)), seen)
+    return [obj]
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True

@@ -55,7 +55,7 @@ from torch.overrides import TorchFunctionMode
 from .._core import dropout as _dropout
 from .._core.errors import CurvatureError
 from .._core.outputs import select
-from .branches import keyword_inputs
+from .._core.inputs import keyword_inputs
 from .program import Layer, Program
 from .._core.sync import LOCK
 from ..rules import check_module

@@ -29,6 +29,7 @@ from torch import Tensor, fx, nn
 from torch.func import vjp, vmap
 
 from .._core.aliasing import VIEWS, op_name, view_base
+from .masked_writes import masked_write
 from .._core.batch_layout import from_batch_first
 from .._core.site import Recorder, RoleTensors, Rule, Site, sample_layout
 from .._core.tensors import dense, is_wrapped
@@ -121,6 +122,9 @@ def run_nodes(nodes: Sequence[fx.Node], env: Dict, root: nn.Module, param_names:
 
 
 def _call(node: fx.Node, args, kwargs):
+    masked = masked_write(node, args, kwargs)
+    if masked is not None:
+        return masked
     if node.op == "call_function":
         return node.target(*args, **kwargs)
     return getattr(args[0], node.target)(*args[1:], **kwargs)
