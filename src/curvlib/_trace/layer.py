@@ -46,10 +46,8 @@ class Layer:
         """The canonical names of the parameters owned, inside this layer's module, by modules
         whose family forms Kronecker factors from its input and output (a ``Linear``, a
         convolution, an embedding or RNN inside an opaque module; every family without an
-        exact block): the parameters whose factors need the inside that the layer's rule does
-        not see. Empty for a layer run by its own family's rule."""
-        if self.kind != "generic":
-            return ()
+        exact block): the parameters whose factors need the inside that an opaque layer's
+        generic rule does not see."""
         owned = []
         for prefix, sub in self.module.named_modules(remove_duplicate=False):
             if FAMILY_OF[forward_for(sub)[1]].exact_block:
