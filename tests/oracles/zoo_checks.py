@@ -252,6 +252,13 @@ def check_problem(prob: zoo.Problem, group: str) -> Dict[str, float]:
         # generic rule: the same fallback (docs/supported-models.md)
         merged = [f"{k}.weight" for k in oz.merged_row_sites(prob) if f"{k}.weight" in params]
         standardised += [w for w in merged if w in qs["kflr"] and len(qs["kflr"][w]) == 1 and w not in standardised]
+        # a Linear subclass whose own forward is not F.linear of its input (DeepSeek-V4's grouped
+        # output projection: a bmm of the input's head groups with blocks of the weight) is not a
+        # Linear layer to curvlib (its family needs the class's own forward): a generic layer, the
+        # same fallback (docs/supported-models.md), its one factor checked below
+        own_map = [f"{k}.weight" for k, m in sites.items()
+                   if k in inputs and f"{k}.weight" in params and not oz.plain(m, inputs[k])]
+        standardised += [w for w in own_map if w in qs["kflr"] and len(qs["kflr"][w]) == 1 and w not in standardised]
         not_two = {w: [tuple(f.shape) for f in qs["kflr"][w]] for w in weights if w not in standardised
                    and w in qs["kflr"] and (len(qs["kflr"][w]) != 2 or any(f.dim() != ndim[w] for f in qs["kflr"][w]))}
         missing = [w for w in weights if w not in qs["kflr"]]

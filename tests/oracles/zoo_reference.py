@@ -239,9 +239,12 @@ def plain(m: nn.Module, x: Optional[Tensor] = None) -> bool:
         return False
     with torch.no_grad():
         out = m(x)
-        # (a subclass returning more than the map, Llama 4's router ``(scores, logits)``: no plain Linear)
-        return isinstance(out, Tensor) and bool(torch.allclose(out, F.linear(x, m.weight, m.bias),
-                                                               rtol=1e-12, atol=1e-12))
+        # (a subclass returning more than the map, Llama 4's router ``(scores, logits)``, or another
+        # map, DeepSeek-V4's grouped projection, whose weight F.linear cannot apply: no plain Linear)
+        if not isinstance(out, Tensor) or x.shape[-1] != m.weight.shape[-1]:
+            return False
+        want = F.linear(x, m.weight, m.bias)
+        return out.shape == want.shape and bool(torch.allclose(out, want, rtol=1e-12, atol=1e-12))
 
 
 def _unfold(conv: nn.Conv2d, x: Tensor) -> Tensor:
