@@ -75,6 +75,27 @@ def test_tied_language_model_sqrt_ggn():
         check_close(torch.einsum("vnp,vnq->npq", S, S), G, f"sqrt ggn [{name}]")
 
 
+@pytest.mark.parametrize("packed", [1, 40, 10_000])
+def test_columns_read_only_at_the_sites_they_reach(packed):
+    """A batch pulled back from taps low in the graph reaches no site above them (``None``
+    there, not zeros) and is neither joined nor read there; a tied weight reached at one of its
+    sites only gets zeros at the other. Exact against ``torch.func`` for any packing."""
+    model, ids, y = _problem(5, 2, 3)
+    lossfn = nn.CrossEntropyLoss()
+    from curvlib._evaluate.linearise import Linearization
+    unreached, pull = [], Linearization.pull_reached
+
+    def spy(self, cot_taps):
+        cols = pull(self, cot_taps)
+        unreached.append(sum(c is None for c in cols))
+        return cols
+
+    with override(packed_columns=packed), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Linearization, "pull_reached", spy)
+        check_hessian_diagonals(model, lossfn, ids, y)
+    assert any(unreached), unreached
+
+
 @pytest.mark.parametrize("cap", [1, 3, 10])
 @pytest.mark.parametrize("overhead", [0, 5, 1000])
 def test_packing_covers_every_column_once(cap, overhead):

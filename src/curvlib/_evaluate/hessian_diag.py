@@ -68,7 +68,7 @@ class DiagRequest:
 def hessian_diag(lin, uses, ggn: Dict[str, Tensor], residual_grads, request: DiagRequest) -> Dict[str, Tensor]:
     """``ggn`` (the GGN's diagonal, or batch diagonal ``[N, *p]`` when ``request.batch``) plus
     every residual's weighted columns' (see the module doc)."""
-    names, params, n, batch, chunk_size = request.names, request.params, request.n, request.batch, request.chunk_size
+    names, n, batch, chunk_size = request.names, request.n, request.batch, request.chunk_size
     total = dict(ggn)
     entries = _entries(lin, residual_grads, n)
     for e in entries:
@@ -79,51 +79,87 @@ def hessian_diag(lin, uses, ggn: Dict[str, Tensor], residual_grads, request: Dia
     if not tapped:
         return total
     cap = max(1, chunk_size if chunk_size is not None else max(settings.current().packed_columns, max(e[3] for e in tapped)))
-    for pulled, direct, weights in _read_groups(lin, _packed(tapped, cap, [t.numel() for t in lin.taps]), cap, n):
-        for name in direct:  # (the parameter's own parts join its pulled-back ones before the square)
-            cols = sqrt_columns(uses, pulled, name) if uses.get(name) else 0.0
-            total[name] = total[name] + _square_sum(direct[name] + cols, batch, weights, fresh=True)
-        rest = [name for name in names if name not in direct]
-        for name, part in _weighted_reads(uses, pulled, rest, weights, batch).items():
-            total[name] = total[name] + part
-            rest.remove(name)
-        for sign, m in _halves(pulled, weights, n, {site.key for name in rest for site, _ in uses.get(name, ())}) \
-                if rest else ():
-            cache: Dict[tuple, object] = {}
-            for name in rest:
-                part = batch_diag(uses, m, name, params, n, cache) if batch else diag(uses, m, name, params, cache)
-                total[name] = total[name] + sign * part
+    for group in _read_groups(lin, _packed(tapped, cap, [t.numel() for t in lin.taps]), cap, n):
+        for part, columns in _reached_parts(lin, group, names, uses, n):
+            _read_part(total, uses, part, columns, request)
     return total
 
 
-def _read_groups(lin, batches, cap: int, n: int) -> Iterator[Tuple[List[Tensor], Dict[str, Tensor], Weights]]:
-    """``(site columns, direct parts, weights)`` of consecutive pulled-back batches joined up to
-    ``cap`` columns: each batch pulled back alone (:func:`_packed`), read together (a read-off
-    costs per call, not only per column)."""
-    group: List[tuple] = []
+def _read_part(total: Dict[str, Tensor], uses, names: List[str], columns, request: DiagRequest) -> None:
+    """Add to ``total`` the parameters ``names``' diagonals of one read's ``columns`` ``(site
+    columns, direct parts, weights)`` (see the module doc)."""
+    pulled, direct, weights = columns
+    params, n, batch = request.params, request.n, request.batch
+    for name in direct:  # (the parameter's own parts join its pulled-back ones before the square)
+        cols = sqrt_columns(uses, pulled, name) if uses.get(name) else 0.0
+        total[name] = total[name] + _square_sum(direct[name] + cols, batch, weights, fresh=True)
+    rest = [name for name in names if name not in direct]
+    for name, part in _weighted_reads(uses, pulled, rest, weights, batch).items():
+        total[name] = total[name] + part
+        rest.remove(name)
+    for sign, m in _halves(pulled, weights, n, {site.key for name in rest for site, _ in uses.get(name, ())}) \
+            if rest else ():
+        cache: Dict[tuple, object] = {}
+        for name in rest:
+            part = batch_diag(uses, m, name, params, n, cache) if batch else diag(uses, m, name, params, cache)
+            total[name] = total[name] + sign * part
+
+
+#: One pulled-back batch: (site columns [V, *site_out], None where the columns do not reach the
+#: site; direct parts {param: [V, N, *p]}; weights; V)
+_Pulled = Tuple[List[Optional[Tensor]], Dict[str, Tensor], Weights, int]
+
+
+def _read_groups(lin, batches, cap: int, n: int) -> Iterator[List[_Pulled]]:
+    """Consecutive pulled-back batches joined up to ``cap`` columns: each batch pulled back alone
+    (:func:`_packed`), read together (a read-off costs per call, not only per column)."""
+    group: List[_Pulled] = []
     for pieces in batches:
         taps, direct, weights = _stacked(lin, pieces, n)
         v = sum(stop - start for _, start, stop in pieces)
         if group and sum(g[3] for g in group) + v > cap:
-            yield _joined_group(group, n, lin.out.device)
+            yield group
             group = []
-        group.append((lin.pull_batched(None, taps), direct, weights, v))
+        group.append((lin.pull_reached(taps), direct, weights, v))
     if group:
-        yield _joined_group(group, n, lin.out.device)
+        yield group
 
 
-def _joined_group(group: List[tuple], n: int, device) -> Tuple[List[Tensor], Dict[str, Tensor], Weights]:
-    """One read group's columns: the batches' joined along the columns (zeros for a parameter's
-    own parts where a batch has none)."""
-    if len(group) == 1:
-        return group[0][:3]
-    pulled = [torch.cat(parts) for parts in zip(*(g[0] for g in group))]
+def _reached_parts(lin, group: List[_Pulled], names: Sequence[str], uses, n: int) -> Iterator[tuple]:
+    """``(names, (site columns, direct parts, weights))``: the read group's columns per set of
+    parameters they reach, each set with only the batches whose columns reach one of its
+    parameters' sites (or carry a direct part of one) joined. A batch that reaches none of a
+    parameter's sites has zero columns there (``J_pᵀ 0 = 0``): leaving them out changes no sum
+    ``Σ_v w_v (J_pᵀ m_v)²`` and saves reading (and joining) them; a pullback from taps high in
+    the graph reaches only the sites below them."""
+    by_reach: Dict[tuple, List[str]] = {}
+    for name in names:
+        keys = [site.key for site, _ in uses.get(name, ())]
+        reach = tuple(i for i, (pulled, direct, _, _) in enumerate(group)
+                      if name in direct or any(pulled[k] is not None for k in keys))
+        if reach:
+            by_reach.setdefault(reach, []).append(name)
+    for reach, part in by_reach.items():
+        keys = {site.key for name in part for site, _ in uses.get(name, ())}
+        yield part, _joined_group(lin, [group[i] for i in reach], keys, part, n)
+
+
+def _joined_group(lin, group: List[_Pulled], keys, names: Sequence[str], n: int) -> Tuple[List[Optional[Tensor]], Dict[str, Tensor], Weights]:
+    """The batches' columns at the sites ``keys`` and direct parts of ``names`` joined along the
+    columns (zeros where a batch has none there; ``None`` at the other sites)."""
+    pulled: List[Optional[Tensor]] = [None] * len(group[0][0])
+    for k in keys:
+        parts = [g[0][k] for g in group]
+        like = next((p for p in parts if p is not None), None)
+        pulled[k] = parts[0] if len(parts) == 1 and like is not None else torch.cat(
+            [lin.zeros_at(k, g[3], like) if p is None else p for p, g in zip(parts, group)])
     direct = {}
-    for k in {k for g in group for k in g[1]}:
+    for k in [k for k in names if any(k in g[1] for g in group)]:
         like = next(g[1][k] for g in group if k in g[1])
-        direct[k] = torch.cat([g[1][k] if k in g[1] else like.new_zeros((g[3],) + tuple(like.shape[1:]))
-                               for g in group])
-    return pulled, direct, _joined_weights([(g[2], 0, g[3]) for g in group], n, device)
+        direct[k] = like if len(group) == 1 else torch.cat(
+            [g[1][k] if k in g[1] else like.new_zeros((g[3],) + tuple(like.shape[1:])) for g in group])
+    weights = group[0][2] if len(group) == 1 else _joined_weights([(g[2], 0, g[3]) for g in group], n, lin.out.device)
+    return pulled, direct, weights
 
 
 def _square_sum(cols: Tensor, batch: bool, weights: Weights = 1.0, fresh: bool = False) -> Tensor:
@@ -182,15 +218,16 @@ def _weighted_reads(uses, pulled: List[Tensor], names: List[str], weights: Weigh
 
 def _halves(pulled: List[Tensor], weights: Weights, n: int, keys=None) -> Iterator[Tuple[float, List[Optional[Tensor]]]]:
     """``(sign, site columns)`` of one sign each, of the sites ``keys`` (all by default; ``None``
-    at the others):
+    at the others, and where ``pulled`` has none):
     the batch as it is for one weight (a number), else, per sign, every sample's columns of that
     sign moved to the front (one stable sort per sample) and the rows past the sample's count
     zeroed: ``[P, N, ...]`` with ``P`` the largest count of any sample."""
     keys = range(len(pulled)) if keys is None else keys
     if isinstance(weights, tuple):  # a number per column: the columns of each, as they are
+        device = next(t for t in pulled if t is not None).device
         for w in sorted(set(weights), reverse=True):
-            at = torch.tensor([i for i, x in enumerate(weights) if x == w], device=pulled[0].device)
-            yield w, [t.index_select(0, at) if k in keys else None for k, t in enumerate(pulled)]
+            at = torch.tensor([i for i, x in enumerate(weights) if x == w], device=device)
+            yield w, [t.index_select(0, at) if k in keys and t is not None else None for k, t in enumerate(pulled)]
         return
     if not isinstance(weights, Tensor):
         yield weights, pulled
@@ -208,7 +245,8 @@ def _halves(pulled: List[Tensor], weights: Weights, n: int, keys=None) -> Iterat
         keep = (at < count) if sign > 0 else (at >= count)  # [P, N]
         rows = (order[start:stop] * n + samples).flatten()  # entry (p, s): row idx·N + s of [V·N, ...]
         drop = None if bool(keep.all()) else (~keep).flatten().nonzero().squeeze(1)
-        yield sign, [_picked(t, rows, drop, stop - start) if k in keys else None for k, t in enumerate(pulled)]
+        yield sign, [_picked(t, rows, drop, stop - start) if k in keys and t is not None else None
+                     for k, t in enumerate(pulled)]
 
 
 def _picked(t: Tensor, rows: Tensor, drop: Optional[Tensor], p: int) -> Tensor:
