@@ -138,3 +138,32 @@ def test_rms_norm_and_elementwise_roots(which):
     X = torch.randn(3, 3, dtype=torch.float64)
     y = torch.randint(0, 2, (3,))
     check_hessian_diagonals(model, nn.CrossEntropyLoss(), X, y)
+
+
+class NormedRows(nn.Module):
+    """A tanh before a LayerNorm and an RMSNorm written out with its own weight (a functional
+    site), over positions: residual columns of mixed signs at both norms' parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.ln, self.w, self.b = nn.Linear(3, 4), nn.LayerNorm(4), nn.Parameter(torch.randn(4)), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.ln(torch.tanh(self.a(x)))
+        h = torch.tanh(h) * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+        return self.b(h)
+
+
+@pytest.mark.parametrize("packed", [1, 10_000])
+def test_norms_read_weighted_columns_as_they_are(packed):
+    """LayerNorm's and a functional site's parameters read columns of mixed signs weighted
+    (``Σ_v w_vn (J_pᵀ m_v)²`` from the columns they form), not once per sign; exact."""
+    torch.manual_seed(0)
+    model, x = NormedRows().double(), torch.randn(3, 5, 3, dtype=torch.float64)
+    y = torch.randn(3, 5, 2, dtype=torch.float64)
+    read_per_sign = []
+    with override(packed_columns=packed), pytest.MonkeyPatch.context() as mp:
+        for f in ("diag", "batch_diag"):
+            mp.setattr(hd, f, lambda uses, m, name, *a, _f=getattr(hd, f): read_per_sign.append(name) or _f(uses, m, name, *a))
+        check_hessian_diagonals(model, nn.MSELoss(), x, y)
+    assert not {"ln.weight", "ln.bias", "w"} & set(read_per_sign), read_per_sign

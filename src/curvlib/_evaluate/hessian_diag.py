@@ -37,7 +37,7 @@ from .._core.tensors import is_concrete
 from .._hessian.algebra import factor
 from .._hessian.weighted import weighted_factor
 from .._plan.batch_merges import per_sample
-from .read_off import batch_diag, diag, sqrt_columns
+from .read_off import batch_diag, diag, sqrt_columns, weighted_diag
 
 __all__ = ["hessian_diag", "DiagRequest"]
 
@@ -94,7 +94,7 @@ def _read_part(total: Dict[str, Tensor], uses, names: List[str], columns, reques
         cols = sqrt_columns(uses, pulled, name) if uses.get(name) else 0.0
         total[name] = total[name] + _square_sum(direct[name] + cols, batch, weights, fresh=True)
     rest = [name for name in names if name not in direct]
-    for name, part in _weighted_reads(uses, pulled, rest, weights, batch).items():
+    for name, part in _weighted_reads(uses, pulled, rest, weights, request).items():
         total[name] = total[name] + part
         rest.remove(name)
     for sign, m in _halves(pulled, weights, n, {site.key for name in rest for site, _ in uses.get(name, ())}) \
@@ -192,23 +192,32 @@ def _entries(lin, residual_grads, n: int) -> List[_Entry]:
     return out
 
 
-def _weighted_reads(uses, pulled: List[Tensor], names: List[str], weights: Weights, batch: bool) -> Dict[str, Tensor]:
-    """``Σ_v w_v (J_pᵀ m_v)²`` (per sample: ``batch``) of the parameters in ``names`` whose one
-    site reads columns of mixed signs as they are (:attr:`~curvlib._core.site.Rule.weighted_squares_over_columns`),
+def _weighted_reads(uses, pulled: List[Tensor], names: List[str], weights: Weights, request: DiagRequest) -> Dict[str, Tensor]:
+    """``Σ_v w_v (J_pᵀ m_v)²`` (per sample: ``request.batch``) of the parameters in ``names`` read
+    from columns of mixed signs as they are: those whose one site weights its Gram matrices
+    (:attr:`~curvlib._core.site.Rule.weighted_squares_over_columns`) and those whose read forms
+    the columns ``J_pᵀ m_v`` anyway (:func:`~curvlib._evaluate.read_off.weighted_diag`), with
     the columns' weights ``[V, N]`` or one number per column; none for weights of one number."""
     if not isinstance(weights, (tuple, Tensor)):
         return {}
+    batch = request.batch
     out: Dict[str, Tensor] = {}
     by_site: Dict[int, object] = {}
+    cache: Dict[tuple, object] = {}
     for name in names:
         u = uses.get(name, ())
+        if not u:
+            continue
+        m = pulled[u[0][0].key]
+        w = weights if isinstance(weights, Tensor) else \
+            torch.tensor(weights, dtype=m.dtype, device=m.device).unsqueeze(1).expand(-1, m.shape[1])
         if len(u) != 1 or u[0][0].rule.weighted_squares_over_columns is None:
+            part = weighted_diag(uses, pulled, name, request.params[name].numel(), w, batch, cache)
+            if part is not None:
+                out[name] = part
             continue
         site, role = u[0]
         if site.key not in by_site:
-            m = pulled[site.key]
-            w = weights if isinstance(weights, Tensor) else \
-                torch.tensor(weights, dtype=m.dtype, device=m.device).unsqueeze(1).expand(-1, m.shape[1])
             roles = [r for r, p in site.params.items() if len(uses.get(p, ())) == 1]
             by_site[site.key] = site.rule.weighted_squares_over_columns(site, m, roles, w, batch)
         if by_site[site.key] is not None and role in by_site[site.key]:
