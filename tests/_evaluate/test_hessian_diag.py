@@ -167,3 +167,32 @@ def test_norms_read_weighted_columns_as_they_are(packed):
             mp.setattr(hd, f, lambda uses, m, name, *a, _f=getattr(hd, f): read_per_sign.append(name) or _f(uses, m, name, *a))
         check_hessian_diagonals(model, nn.MSELoss(), x, y)
     assert not {"ln.weight", "ln.bias", "w"} & set(read_per_sign), read_per_sign
+
+
+class EmbeddedRows(nn.Module):
+    """An embedding (a token repeated within a sample: rows summed before the square) under a
+    tanh and a softmax: mixed-sign residual columns at the table."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.b = nn.Embedding(5, 4), nn.Linear(4, 3)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.b(torch.tanh(h) * torch.softmax(h, -1))
+
+
+@pytest.mark.parametrize("packed", [1, 10_000])
+def test_embedding_reads_weighted_columns_as_they_are(packed):
+    """An embedding table's diagonal from weighted row squares (its batch diagonal from its
+    columns, weighted), not once per sign; exact."""
+    torch.manual_seed(1)
+    model = EmbeddedRows().double()
+    ids = torch.tensor([[0, 2, 2, 4], [1, 1, 3, 0], [2, 0, 0, 0]])
+    y = torch.randn(3, 4, 3, dtype=torch.float64)
+    read_per_sign = []
+    with override(packed_columns=packed), pytest.MonkeyPatch.context() as mp:
+        for f in ("diag", "batch_diag"):
+            mp.setattr(hd, f, lambda uses, m, name, *a, _f=getattr(hd, f): read_per_sign.append(name) or _f(uses, m, name, *a))
+        check_hessian_diagonals(model, nn.MSELoss(), ids, y)
+    assert "emb.weight" not in read_per_sign, read_per_sign

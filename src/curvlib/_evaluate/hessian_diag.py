@@ -211,17 +211,16 @@ def _weighted_reads(uses, pulled: List[Tensor], names: List[str], weights: Weigh
         m = pulled[u[0][0].key]
         w = weights if isinstance(weights, Tensor) else \
             torch.tensor(weights, dtype=m.dtype, device=m.device).unsqueeze(1).expand(-1, m.shape[1])
-        if len(u) != 1 or u[0][0].rule.weighted_squares_over_columns is None:
-            part = weighted_diag(uses, pulled, name, request.params[name].numel(), w, batch, cache)
-            if part is not None:
-                out[name] = part
-            continue
         site, role = u[0]
-        if site.key not in by_site:
+        if len(u) == 1 and site.rule.weighted_squares_over_columns is not None and site.key not in by_site:
             roles = [r for r, p in site.params.items() if len(uses.get(p, ())) == 1]
             by_site[site.key] = site.rule.weighted_squares_over_columns(site, m, roles, w, batch)
-        if by_site[site.key] is not None and role in by_site[site.key]:
+        if len(u) == 1 and role in (by_site.get(site.key) or {}):
             out[name] = by_site[site.key][role]
+            continue
+        part = weighted_diag(uses, pulled, name, request.params[name].numel(), w, batch, cache)
+        if part is not None:
+            out[name] = part
     return out
 
 

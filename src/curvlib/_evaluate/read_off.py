@@ -121,14 +121,18 @@ def weighted_diag(uses, m_by_site, name, numel: int, weights: Tensor, per_sample
     """``Σ_v w_vn (J_pᵀ m_v)²`` for weights ``[V, N]`` (``per_sample``: ``[N, *p]``, else summed over
     the samples; ``numel``: the parameter's entries) where the read forms the columns ``J_pᵀ m_v`` anyway, so that weighting each
     square costs no more than summing it: a parameter of one site whose rule is vmapped over
-    columns and has no faster sum of squares (the site's columns shared through ``cache``), or
-    of several sites whose columns all come vmapped or in one batched call; ``None`` otherwise."""
+    columns and has no faster sum of squares (the site's columns shared through ``cache``) or,
+    per sample, forms all its columns in one batched call, or a parameter of several sites
+    whose columns all come vmapped or in one batched call; ``None`` otherwise."""
     u = uses.get(name, ())
     if len(u) == 1:
         site, role = u[0]
         rule = site.rule
-        if (not rule.vmap_columns or _rows(site) is not None or rule.sum_squares_over_columns is not None
-                or rule.sum_grad_squared is not None or getattr(rule, "batch_sum_squares_over_columns", None)):
+        if _rows(site) is not None or getattr(rule, "batch_sum_squares_over_columns", None) is not None:
+            return None
+        if per_sample and not rule.vmap_columns and rule.grad_batch_columns is not None:
+            return _column_squares(uses, m_by_site, name, numel, 0, weights)  # (as batch_diag reads it)
+        if not rule.vmap_columns or rule.sum_squares_over_columns is not None or rule.sum_grad_squared is not None:
             return None
         cols = _site_columns(cache, site, uses, m_by_site[site.key])[role]
         squares = cols**2 * weights.reshape(tuple(weights.shape) + (1,) * (cols.dim() - 2)).to(cols.dtype)
