@@ -14,9 +14,12 @@ one, as many as the largest single set (so the memory of a pullback stays that o
 set's) or :attr:`~curvlib._core.settings.Settings.packed_columns`, whichever is more; a set larger than that is split. A pullback
 runs from its highest tap down for every column, so nodes of similar depth are packed together
 (:func:`_packed`, a cost model); consecutive batches are then joined up to the same bound and
-read together. A site that reads columns of mixed weights as they are (a Linear's Gram
-matrices over positions, :attr:`~curvlib._core.site.Rule.weighted_squares_over_columns`) reads
-them once; for the other parameters the columns are read once per sign: columns of mixed
+read together. A batch reaches only the sites below its taps (the backward leaves the others
+``None``): each parameter reads, and joins, only the batches that reach it (:func:`_reached_parts`).
+A site that reads columns of mixed weights as they are (a Linear's Gram
+matrices over positions, :attr:`~curvlib._core.site.Rule.weighted_squares_over_columns`; a read
+that forms the columns ``J_pᵀ m_v`` anyway, :func:`~curvlib._evaluate.read_off.weighted_diag`)
+reads them once; for the other parameters the columns are read once per sign: columns of mixed
 weights are sorted, per sample, into the positive and the negative ones (:func:`_halves`, only
 at the sites those parameters read; a sample with fewer columns of a sign gets zero columns),
 each half read like the GGN's columns. Exact for any packing:
