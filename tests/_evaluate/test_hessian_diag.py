@@ -78,8 +78,9 @@ def test_tied_language_model_sqrt_ggn():
 @pytest.mark.parametrize("packed", [1, 40, 10_000])
 def test_columns_read_only_at_the_sites_they_reach(packed):
     """A batch pulled back from taps low in the graph reaches no site above them (``None``
-    there, not zeros) and is neither joined nor read there; a tied weight reached at one of its
-    sites only gets zeros at the other. Exact against ``torch.func`` for any packing."""
+    there, not zeros) and is neither joined nor read there; a tied weight read by columns that
+    reach one of its sites reads as that site's parameter alone. Exact against ``torch.func``
+    for any packing."""
     model, ids, y = _problem(5, 2, 3)
     lossfn = nn.CrossEntropyLoss()
     from curvlib._evaluate.linearise import Linearization
@@ -90,10 +91,18 @@ def test_columns_read_only_at_the_sites_they_reach(packed):
         unreached.append(sum(c is None for c in cols))
         return cols
 
+    tied_sites, read = [], hd._read_part
+
+    def spy_read(total, uses, names, columns, request):
+        tied_sites.extend(len(uses.get("emb.weight", ())) for name in names if name == "emb.weight")
+        return read(total, uses, names, columns, request)
+
     with override(packed_columns=packed), pytest.MonkeyPatch.context() as mp:
         mp.setattr(Linearization, "pull_reached", spy)
+        mp.setattr(hd, "_read_part", spy_read)
         check_hessian_diagonals(model, lossfn, ids, y)
     assert any(unreached), unreached
+    assert 1 in tied_sites, tied_sites  # (the tied table read at the embedding alone: below the head)
 
 
 @pytest.mark.parametrize("cap", [1, 3, 10])

@@ -83,8 +83,8 @@ def hessian_diag(lin, uses, ggn: Dict[str, Tensor], residual_grads, request: Dia
         return total
     cap = max(1, chunk_size if chunk_size is not None else max(settings.current().packed_columns, max(e[3] for e in tapped)))
     for group in _read_groups(lin, _packed(tapped, cap, [t.numel() for t in lin.taps]), cap, n):
-        for part, columns in _reached_parts(lin, group, names, uses, n):
-            _read_part(total, uses, part, columns, request)
+        for part_uses, part, columns in _reached_parts(lin, group, names, uses, n):
+            _read_part(total, part_uses, part, columns, request)
     return total
 
 
@@ -129,22 +129,30 @@ def _read_groups(lin, batches, cap: int, n: int) -> Iterator[List[_Pulled]]:
 
 
 def _reached_parts(lin, group: List[_Pulled], names: Sequence[str], uses, n: int) -> Iterator[tuple]:
-    """``(names, (site columns, direct parts, weights))``: the read group's columns per set of
-    parameters they reach, each set with only the batches whose columns reach one of its
-    parameters' sites (or carry a direct part of one) joined. A batch that reaches none of a
-    parameter's sites has zero columns there (``J_pᵀ 0 = 0``): leaving them out changes no sum
-    ``Σ_v w_v (J_pᵀ m_v)²`` and saves reading (and joining) them; a pullback from taps high in
-    the graph reaches only the sites below them."""
-    by_reach: Dict[tuple, List[str]] = {}
+    """``(uses, names, (site columns, direct parts, weights))``: the read group's columns per set
+    of parameters they reach. Per parameter, the batches are grouped by which of its sites they
+    reach (and whether they carry its direct part), and each group is read with the parameter's
+    uses cut to those sites: a batch that reaches none of a site has zero columns there
+    (``J_pᵀ 0 = 0``), so leaving them out changes no sum ``Σ_v w_v (Σ_sites J_pᵀ m_v)²`` and
+    saves reading (and joining) them; a pullback from taps high in the graph reaches only the
+    sites below them, and a tied weight read by columns that reach one of its sites reads as
+    that site's parameter alone."""
+    parts: Dict[tuple, Dict[str, list]] = {}  # batches -> {name: its uses there}
     for name in names:
-        keys = [site.key for site, _ in uses.get(name, ())]
-        reach = tuple(i for i, (pulled, direct, _, _) in enumerate(group)
-                      if name in direct or any(pulled[k] is not None for k in keys))
-        if reach:
-            by_reach.setdefault(reach, []).append(name)
-    for reach, part in by_reach.items():
-        keys = {site.key for name in part for site, _ in uses.get(name, ())}
-        yield part, _joined_group(lin, [group[i] for i in reach], keys, part, n)
+        u = uses.get(name, ())
+        by_sites: Dict[tuple, List[int]] = {}
+        for i, (pulled, direct, _, _) in enumerate(group):
+            sites = tuple(j for j, (site, _) in enumerate(u) if pulled[site.key] is not None)
+            if sites or name in direct:
+                by_sites.setdefault((sites, name in direct), []).append(i)
+        for (sites, _), batches in by_sites.items():
+            parts.setdefault(tuple(batches), {})[name] = [u[j] for j in sites]
+    for batches, cut in parts.items():
+        part_uses = {**uses, **{name: u for name, u in cut.items() if u}}
+        for name in [name for name, u in cut.items() if not u]:
+            part_uses.pop(name, None)
+        keys = {site.key for u in cut.values() for site, _ in u}
+        yield part_uses, list(cut), _joined_group(lin, [group[i] for i in batches], keys, list(cut), n)
 
 
 def _joined_group(lin, group: List[_Pulled], keys, names: Sequence[str], n: int) -> Tuple[List[Optional[Tensor]], Dict[str, Tensor], Weights]:
