@@ -233,16 +233,18 @@ def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> Rol
 
 
 def weighted_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str], weights: Tensor,
-                                  per_sample: bool) -> Optional[RoleTensors]:
+                                  per_sample: bool) -> RoleTensors:
     """``{"weight": [V, D]}``: ``Σ_c Σ_n w_cn G_c[n]²`` for a root ``m [C, *out]`` and weights
-    ``[C, N]`` (each ``(n, v)`` row's square weighted by its sample's weight); ``None`` per sample."""
-    if per_sample or "weight" not in roles:
-        return None if per_sample else {}
-    return {"weight": _row_squares(site, m, weights)}
+    ``[C, N]`` (each ``(n, v)`` row's square weighted by its sample's weight); ``per_sample``:
+    ``[N, V, D]``, ``Σ_c w_cn G_c[n]²`` (each sample's rows are its own)."""
+    if "weight" not in roles:
+        return {}
+    return {"weight": _row_squares(site, m, weights, per_sample)}
 
 
-def _row_squares(site: Site, m: Tensor, weights: Optional[Tensor] = None) -> Tensor:
-    """``[V, D]``: ``Σ_c Σ_n (w_cn) G_c[n]²`` (see :func:`sum_squares_over_columns`)."""
+def _row_squares(site: Site, m: Tensor, weights: Optional[Tensor] = None, per_sample: bool = False) -> Tensor:
+    """``[V, D]``: ``Σ_c Σ_n (w_cn) G_c[n]²`` (see :func:`sum_squares_over_columns`); ``per_sample``:
+    ``[N, V, D]``, each run's square added into its own sample's row ``n·V + v``."""
     idx, _ = _flat(site, m[0])
     c, n, v = m.shape[0], idx.shape[0], site.meta["num_embeddings"]
     mc = m.reshape(c, n * idx.shape[1], m.shape[-1])
@@ -259,10 +261,10 @@ def _row_squares(site: Site, m: Tensor, weights: Optional[Tensor] = None) -> Ten
     else:  # (a run's rows are one sample's: its weight, w[c, key // V])
         squares = ((rows**2)[:, run] * weights[:, keys // v].unsqueeze(-1).to(rows.dtype)).sum(0)
     squares = squares * starts.to(mc.dtype).unsqueeze(1)  # once per run, at its start
-    out = mc.new_zeros(v, mc.shape[-1])
-    if not in_place_safe(squares):
-        return out.index_add(0, keys % v, squares)
-    return out.index_add_(0, keys % v, squares)  # (no second [V, D])
+    out = mc.new_zeros(n * v if per_sample else v, mc.shape[-1])
+    at = keys if per_sample else keys % v
+    out = out.index_add(0, at, squares) if not in_place_safe(squares) else out.index_add_(0, at, squares)
+    return out.reshape(n, v, -1) if per_sample else out  # (in place: no second [V, D])
 
 
 EMBEDDING = Rule(
