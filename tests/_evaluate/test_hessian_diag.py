@@ -75,6 +75,36 @@ def test_tied_language_model_sqrt_ggn():
         check_close(torch.einsum("vnp,vnq->npq", S, S), G, f"sqrt ggn [{name}]")
 
 
+@pytest.mark.parametrize("packed", [1, 40, 10_000])
+def test_columns_read_only_at_the_sites_they_reach(packed):
+    """A batch pulled back from taps low in the graph reaches no site above them (``None``
+    there, not zeros) and is neither joined nor read there; a tied weight read by columns that
+    reach one of its sites reads as that site's parameter alone. Exact against ``torch.func``
+    for any packing."""
+    model, ids, y = _problem(5, 2, 3)
+    lossfn = nn.CrossEntropyLoss()
+    from curvlib._evaluate.linearise import Linearization
+    unreached, pull = [], Linearization.pull_reached
+
+    def spy(self, cot_taps):
+        cols = pull(self, cot_taps)
+        unreached.append(sum(c is None for c in cols))
+        return cols
+
+    tied_sites, read = [], hd._read_part
+
+    def spy_read(total, uses, names, columns, request):
+        tied_sites.extend(len(uses.get("emb.weight", ())) for name in names if name == "emb.weight")
+        return read(total, uses, names, columns, request)
+
+    with override(packed_columns=packed), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Linearization, "pull_reached", spy)
+        mp.setattr(hd, "_read_part", spy_read)
+        check_hessian_diagonals(model, lossfn, ids, y)
+    assert any(unreached), unreached
+    assert 1 in tied_sites, tied_sites  # (the tied table read at the embedding alone: below the head)
+
+
 @pytest.mark.parametrize("cap", [1, 3, 10])
 @pytest.mark.parametrize("overhead", [0, 5, 1000])
 def test_packing_covers_every_column_once(cap, overhead):
@@ -117,3 +147,61 @@ def test_rms_norm_and_elementwise_roots(which):
     X = torch.randn(3, 3, dtype=torch.float64)
     y = torch.randint(0, 2, (3,))
     check_hessian_diagonals(model, nn.CrossEntropyLoss(), X, y)
+
+
+class NormedRows(nn.Module):
+    """A tanh before a LayerNorm and an RMSNorm written out with its own weight (a functional
+    site), over positions: residual columns of mixed signs at both norms' parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.ln, self.w, self.b = nn.Linear(3, 4), nn.LayerNorm(4), nn.Parameter(torch.randn(4)), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.ln(torch.tanh(self.a(x)))
+        h = torch.tanh(h) * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+        return self.b(h)
+
+
+@pytest.mark.parametrize("packed", [1, 10_000])
+def test_norms_read_weighted_columns_as_they_are(packed):
+    """LayerNorm's and a functional site's parameters read columns of mixed signs weighted
+    (``Σ_v w_vn (J_pᵀ m_v)²`` from the columns they form), not once per sign; exact."""
+    torch.manual_seed(0)
+    model, x = NormedRows().double(), torch.randn(3, 5, 3, dtype=torch.float64)
+    y = torch.randn(3, 5, 2, dtype=torch.float64)
+    read_per_sign = []
+    with override(packed_columns=packed), pytest.MonkeyPatch.context() as mp:
+        for f in ("diag", "batch_diag"):
+            mp.setattr(hd, f, lambda uses, m, name, *a, _f=getattr(hd, f): read_per_sign.append(name) or _f(uses, m, name, *a))
+        check_hessian_diagonals(model, nn.MSELoss(), x, y)
+    assert not {"ln.weight", "ln.bias", "w"} & set(read_per_sign), read_per_sign
+
+
+class EmbeddedRows(nn.Module):
+    """An embedding (a token repeated within a sample: rows summed before the square) under a
+    tanh and a softmax: mixed-sign residual columns at the table."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.b = nn.Embedding(5, 4), nn.Linear(4, 3)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.b(torch.tanh(h) * torch.softmax(h, -1))
+
+
+@pytest.mark.parametrize("packed", [1, 10_000])
+def test_embedding_reads_weighted_columns_as_they_are(packed):
+    """An embedding table's diagonal from weighted row squares (its batch diagonal from its
+    columns, weighted), not once per sign; exact."""
+    torch.manual_seed(1)
+    model = EmbeddedRows().double()
+    ids = torch.tensor([[0, 2, 2, 4], [1, 1, 3, 0], [2, 0, 0, 0]])
+    y = torch.randn(3, 4, 3, dtype=torch.float64)
+    read_per_sign = []
+    with override(packed_columns=packed), pytest.MonkeyPatch.context() as mp:
+        for f in ("diag", "batch_diag"):
+            mp.setattr(hd, f, lambda uses, m, name, *a, _f=getattr(hd, f): read_per_sign.append(name) or _f(uses, m, name, *a))
+        check_hessian_diagonals(model, nn.MSELoss(), ids, y)
+    assert "emb.weight" not in read_per_sign, read_per_sign

@@ -14,9 +14,12 @@ one, as many as the largest single set (so the memory of a pullback stays that o
 set's) or :attr:`~curvlib._core.settings.Settings.packed_columns`, whichever is more; a set larger than that is split. A pullback
 runs from its highest tap down for every column, so nodes of similar depth are packed together
 (:func:`_packed`, a cost model); consecutive batches are then joined up to the same bound and
-read together. A site that reads columns of mixed weights as they are (a Linear's Gram
-matrices over positions, :attr:`~curvlib._core.site.Rule.weighted_squares_over_columns`) reads
-them once; for the other parameters the columns are read once per sign: columns of mixed
+read together. A batch reaches only the sites below its taps (the backward leaves the others
+``None``): each parameter reads, and joins, only the batches that reach it (:func:`_reached_parts`).
+A site that reads columns of mixed weights as they are (a Linear's Gram
+matrices over positions, :attr:`~curvlib._core.site.Rule.weighted_squares_over_columns`; a read
+that forms the columns ``J_pᵀ m_v`` anyway, :func:`~curvlib._evaluate.read_off.weighted_diag`)
+reads them once; for the other parameters the columns are read once per sign: columns of mixed
 weights are sorted, per sample, into the positive and the negative ones (:func:`_halves`, only
 at the sites those parameters read; a sample with fewer columns of a sign gets zero columns),
 each half read like the GGN's columns. Exact for any packing:
@@ -37,7 +40,7 @@ from .._core.tensors import is_concrete
 from .._hessian.algebra import factor
 from .._hessian.weighted import weighted_factor
 from .._plan.batch_merges import per_sample
-from .read_off import batch_diag, diag, sqrt_columns
+from .read_off import batch_diag, diag, sqrt_columns, weighted_diag
 
 __all__ = ["hessian_diag", "DiagRequest"]
 
@@ -68,7 +71,7 @@ class DiagRequest:
 def hessian_diag(lin, uses, ggn: Dict[str, Tensor], residual_grads, request: DiagRequest) -> Dict[str, Tensor]:
     """``ggn`` (the GGN's diagonal, or batch diagonal ``[N, *p]`` when ``request.batch``) plus
     every residual's weighted columns' (see the module doc)."""
-    names, params, n, batch, chunk_size = request.names, request.params, request.n, request.batch, request.chunk_size
+    names, n, batch, chunk_size = request.names, request.n, request.batch, request.chunk_size
     total = dict(ggn)
     entries = _entries(lin, residual_grads, n)
     for e in entries:
@@ -79,51 +82,95 @@ def hessian_diag(lin, uses, ggn: Dict[str, Tensor], residual_grads, request: Dia
     if not tapped:
         return total
     cap = max(1, chunk_size if chunk_size is not None else max(settings.current().packed_columns, max(e[3] for e in tapped)))
-    for pulled, direct, weights in _read_groups(lin, _packed(tapped, cap, [t.numel() for t in lin.taps]), cap, n):
-        for name in direct:  # (the parameter's own parts join its pulled-back ones before the square)
-            cols = sqrt_columns(uses, pulled, name) if uses.get(name) else 0.0
-            total[name] = total[name] + _square_sum(direct[name] + cols, batch, weights, fresh=True)
-        rest = [name for name in names if name not in direct]
-        for name, part in _weighted_reads(uses, pulled, rest, weights, batch).items():
-            total[name] = total[name] + part
-            rest.remove(name)
-        for sign, m in _halves(pulled, weights, n, {site.key for name in rest for site, _ in uses.get(name, ())}) \
-                if rest else ():
-            cache: Dict[tuple, object] = {}
-            for name in rest:
-                part = batch_diag(uses, m, name, params, n, cache) if batch else diag(uses, m, name, params, cache)
-                total[name] = total[name] + sign * part
+    for group in _read_groups(lin, _packed(tapped, cap, [t.numel() for t in lin.taps]), cap, n):
+        for part_uses, part, columns in _reached_parts(lin, group, names, uses, n):
+            _read_part(total, part_uses, part, columns, request)
     return total
 
 
-def _read_groups(lin, batches, cap: int, n: int) -> Iterator[Tuple[List[Tensor], Dict[str, Tensor], Weights]]:
-    """``(site columns, direct parts, weights)`` of consecutive pulled-back batches joined up to
-    ``cap`` columns: each batch pulled back alone (:func:`_packed`), read together (a read-off
-    costs per call, not only per column)."""
-    group: List[tuple] = []
+def _read_part(total: Dict[str, Tensor], uses, names: List[str], columns, request: DiagRequest) -> None:
+    """Add to ``total`` the parameters ``names``' diagonals of one read's ``columns`` ``(site
+    columns, direct parts, weights)`` (see the module doc)."""
+    pulled, direct, weights = columns
+    params, n, batch = request.params, request.n, request.batch
+    for name in direct:  # (the parameter's own parts join its pulled-back ones before the square)
+        cols = sqrt_columns(uses, pulled, name) if uses.get(name) else 0.0
+        total[name] = total[name] + _square_sum(direct[name] + cols, batch, weights, fresh=True)
+    rest = [name for name in names if name not in direct]
+    for name, part in _weighted_reads(uses, pulled, rest, weights, request).items():
+        total[name] = total[name] + part
+        rest.remove(name)
+    for sign, m in _halves(pulled, weights, n, {site.key for name in rest for site, _ in uses.get(name, ())}) \
+            if rest else ():
+        cache: Dict[tuple, object] = {}
+        for name in rest:
+            part = batch_diag(uses, m, name, params, n, cache) if batch else diag(uses, m, name, params, cache)
+            total[name] = total[name] + sign * part
+
+
+#: One pulled-back batch: (site columns [V, *site_out], None where the columns do not reach the
+#: site; direct parts {param: [V, N, *p]}; weights; V)
+_Pulled = Tuple[List[Optional[Tensor]], Dict[str, Tensor], Weights, int]
+
+
+def _read_groups(lin, batches, cap: int, n: int) -> Iterator[List[_Pulled]]:
+    """Consecutive pulled-back batches joined up to ``cap`` columns: each batch pulled back alone
+    (:func:`_packed`), read together (a read-off costs per call, not only per column)."""
+    group: List[_Pulled] = []
     for pieces in batches:
         taps, direct, weights = _stacked(lin, pieces, n)
         v = sum(stop - start for _, start, stop in pieces)
         if group and sum(g[3] for g in group) + v > cap:
-            yield _joined_group(group, n, lin.out.device)
+            yield group
             group = []
-        group.append((lin.pull_batched(None, taps), direct, weights, v))
+        group.append((lin.pull_reached(taps), direct, weights, v))
     if group:
-        yield _joined_group(group, n, lin.out.device)
+        yield group
 
 
-def _joined_group(group: List[tuple], n: int, device) -> Tuple[List[Tensor], Dict[str, Tensor], Weights]:
-    """One read group's columns: the batches' joined along the columns (zeros for a parameter's
-    own parts where a batch has none)."""
-    if len(group) == 1:
-        return group[0][:3]
-    pulled = [torch.cat(parts) for parts in zip(*(g[0] for g in group))]
+def _reached_parts(lin, group: List[_Pulled], names: Sequence[str], uses, n: int) -> Iterator[tuple]:
+    """``(uses, names, (site columns, direct parts, weights))``: the read group's columns per set
+    of parameters they reach. Per parameter, the batches are grouped by which of its sites they
+    reach (and whether they carry its direct part), and each group is read with the parameter's
+    uses cut to those sites: a batch that reaches none of a site has zero columns there
+    (``J_pᵀ 0 = 0``), so leaving them out changes no sum ``Σ_v w_v (Σ_sites J_pᵀ m_v)²`` and
+    saves reading (and joining) them; a pullback from taps high in the graph reaches only the
+    sites below them, and a tied weight read by columns that reach one of its sites reads as
+    that site's parameter alone."""
+    parts: Dict[tuple, Dict[str, list]] = {}  # batches -> {name: its uses there}
+    for name in names:
+        u = uses.get(name, ())
+        by_sites: Dict[tuple, List[int]] = {}
+        for i, (pulled, direct, _, _) in enumerate(group):
+            sites = tuple(j for j, (site, _) in enumerate(u) if pulled[site.key] is not None)
+            if sites or name in direct:
+                by_sites.setdefault((sites, name in direct), []).append(i)
+        for (sites, _), batches in by_sites.items():
+            parts.setdefault(tuple(batches), {})[name] = [u[j] for j in sites]
+    for batches, cut in parts.items():
+        part_uses = {**uses, **{name: u for name, u in cut.items() if u}}
+        for name in [name for name, u in cut.items() if not u]:
+            part_uses.pop(name, None)
+        keys = {site.key for u in cut.values() for site, _ in u}
+        yield part_uses, list(cut), _joined_group(lin, [group[i] for i in batches], keys, list(cut), n)
+
+
+def _joined_group(lin, group: List[_Pulled], keys, names: Sequence[str], n: int) -> Tuple[List[Optional[Tensor]], Dict[str, Tensor], Weights]:
+    """The batches' columns at the sites ``keys`` and direct parts of ``names`` joined along the
+    columns (zeros where a batch has none there; ``None`` at the other sites)."""
+    pulled: List[Optional[Tensor]] = [None] * len(group[0][0])
+    for k in keys:
+        parts = [g[0][k] for g in group]
+        like = next((p for p in parts if p is not None), None)
+        pulled[k] = parts[0] if len(parts) == 1 and like is not None else torch.cat(
+            [lin.zeros_at(k, g[3], like) if p is None else p for p, g in zip(parts, group)])
     direct = {}
-    for k in {k for g in group for k in g[1]}:
+    for k in [k for k in names if any(k in g[1] for g in group)]:
         like = next(g[1][k] for g in group if k in g[1])
-        direct[k] = torch.cat([g[1][k] if k in g[1] else like.new_zeros((g[3],) + tuple(like.shape[1:]))
-                               for g in group])
-    return pulled, direct, _joined_weights([(g[2], 0, g[3]) for g in group], n, device)
+        direct[k] = like if len(group) == 1 else torch.cat(
+            [g[1][k] if k in g[1] else like.new_zeros((g[3],) + tuple(like.shape[1:])) for g in group])
+    weights = group[0][2] if len(group) == 1 else _joined_weights([(g[2], 0, g[3]) for g in group], n, lin.out.device)
+    return pulled, direct, weights
 
 
 def _square_sum(cols: Tensor, batch: bool, weights: Weights = 1.0, fresh: bool = False) -> Tensor:
@@ -156,41 +203,50 @@ def _entries(lin, residual_grads, n: int) -> List[_Entry]:
     return out
 
 
-def _weighted_reads(uses, pulled: List[Tensor], names: List[str], weights: Weights, batch: bool) -> Dict[str, Tensor]:
-    """``Σ_v w_v (J_pᵀ m_v)²`` (per sample: ``batch``) of the parameters in ``names`` whose one
-    site reads columns of mixed signs as they are (:attr:`~curvlib._core.site.Rule.weighted_squares_over_columns`),
+def _weighted_reads(uses, pulled: List[Tensor], names: List[str], weights: Weights, request: DiagRequest) -> Dict[str, Tensor]:
+    """``Σ_v w_v (J_pᵀ m_v)²`` (per sample: ``request.batch``) of the parameters in ``names`` read
+    from columns of mixed signs as they are: those whose one site weights its Gram matrices
+    (:attr:`~curvlib._core.site.Rule.weighted_squares_over_columns`) and those whose read forms
+    the columns ``J_pᵀ m_v`` anyway (:func:`~curvlib._evaluate.read_off.weighted_diag`), with
     the columns' weights ``[V, N]`` or one number per column; none for weights of one number."""
     if not isinstance(weights, (tuple, Tensor)):
         return {}
+    batch = request.batch
     out: Dict[str, Tensor] = {}
     by_site: Dict[int, object] = {}
+    cache: Dict[tuple, object] = {}
     for name in names:
         u = uses.get(name, ())
-        if len(u) != 1 or u[0][0].rule.weighted_squares_over_columns is None:
+        if not u:
             continue
+        m = pulled[u[0][0].key]
+        w = weights if isinstance(weights, Tensor) else \
+            torch.tensor(weights, dtype=m.dtype, device=m.device).unsqueeze(1).expand(-1, m.shape[1])
         site, role = u[0]
-        if site.key not in by_site:
-            m = pulled[site.key]
-            w = weights if isinstance(weights, Tensor) else \
-                torch.tensor(weights, dtype=m.dtype, device=m.device).unsqueeze(1).expand(-1, m.shape[1])
+        if len(u) == 1 and site.rule.weighted_squares_over_columns is not None and site.key not in by_site:
             roles = [r for r, p in site.params.items() if len(uses.get(p, ())) == 1]
             by_site[site.key] = site.rule.weighted_squares_over_columns(site, m, roles, w, batch)
-        if by_site[site.key] is not None and role in by_site[site.key]:
+        if len(u) == 1 and role in (by_site.get(site.key) or {}):
             out[name] = by_site[site.key][role]
+            continue
+        part = weighted_diag(uses, pulled, name, request.params[name].numel(), w, batch, cache)
+        if part is not None:
+            out[name] = part
     return out
 
 
 def _halves(pulled: List[Tensor], weights: Weights, n: int, keys=None) -> Iterator[Tuple[float, List[Optional[Tensor]]]]:
     """``(sign, site columns)`` of one sign each, of the sites ``keys`` (all by default; ``None``
-    at the others):
+    at the others, and where ``pulled`` has none):
     the batch as it is for one weight (a number), else, per sign, every sample's columns of that
     sign moved to the front (one stable sort per sample) and the rows past the sample's count
     zeroed: ``[P, N, ...]`` with ``P`` the largest count of any sample."""
     keys = range(len(pulled)) if keys is None else keys
     if isinstance(weights, tuple):  # a number per column: the columns of each, as they are
+        device = next(t for t in pulled if t is not None).device
         for w in sorted(set(weights), reverse=True):
-            at = torch.tensor([i for i, x in enumerate(weights) if x == w], device=pulled[0].device)
-            yield w, [t.index_select(0, at) if k in keys else None for k, t in enumerate(pulled)]
+            at = torch.tensor([i for i, x in enumerate(weights) if x == w], device=device)
+            yield w, [t.index_select(0, at) if k in keys and t is not None else None for k, t in enumerate(pulled)]
         return
     if not isinstance(weights, Tensor):
         yield weights, pulled
@@ -208,7 +264,8 @@ def _halves(pulled: List[Tensor], weights: Weights, n: int, keys=None) -> Iterat
         keep = (at < count) if sign > 0 else (at >= count)  # [P, N]
         rows = (order[start:stop] * n + samples).flatten()  # entry (p, s): row idx·N + s of [V·N, ...]
         drop = None if bool(keep.all()) else (~keep).flatten().nonzero().squeeze(1)
-        yield sign, [_picked(t, rows, drop, stop - start) if k in keys else None for k, t in enumerate(pulled)]
+        yield sign, [_picked(t, rows, drop, stop - start) if k in keys and t is not None else None
+                     for k, t in enumerate(pulled)]
 
 
 def _picked(t: Tensor, rows: Tensor, drop: Optional[Tensor], p: int) -> Tensor:

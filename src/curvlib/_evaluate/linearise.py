@@ -63,6 +63,8 @@ class Linearization:
     pull_loss: Optional[Callable] = None
     stream_pull: Optional[Callable] = None  # (cot_out, read): one column, read site by site
     values: Optional[Dict[fx.Node, object]] = None
+    reached_pullback: Optional[Callable] = None  # (cot_taps) -> site gradients, None where unreached
+    site_zeros: Optional[Callable[[int, int], Tensor]] = None  # (site k, V) -> zeros [V, *site_out]
 
     def pull(self, cot_out: Tensor, cot_taps: Optional[Sequence[Tensor]] = None):
         """Pull one cotangent back to every site output and residual output."""
@@ -98,6 +100,22 @@ class Linearization:
             return self.pullback((c_out, list(c_taps)))[0]
 
         return torch.func.vmap(one, in_dims=(0 if batched_out else None, tap_dims))(out_arg, tap_args)
+
+    def pull_reached(self, cot_taps: Dict[int, Tensor]) -> List[Optional[Tensor]]:
+        """:meth:`pull_batched` of tap cotangents ``{i: [V, *a_i]}`` with ``None`` at every site
+        the columns do not reach (no path from a tap to it: its columns are zero), where the
+        backward tells (plain autograd, one backward for all columns); zeros elsewhere."""
+        v = next(iter(cot_taps.values())).shape[0]
+        if self.reached_pullback is None or v == 1 or _strategy.batched(self.out.device):
+            return self.pull_batched(None, cot_taps)
+        return self.reached_pullback([cot_taps.get(i) for i in range(len(self.taps))])
+
+    def zeros_at(self, k: int, v: int, like: Optional[Tensor] = None) -> Tensor:
+        """Zero columns ``[v, *site_out]`` at site ``k`` (``like``: a tensor of that shape past
+        its first dim, where there is one)."""
+        if like is not None:
+            return like.new_zeros((v,) + tuple(like.shape[1:]))
+        return self.site_zeros(k, v)
 
 
 @dataclass(frozen=True)
@@ -270,8 +288,20 @@ def _forward_autograd(fwd: Forward, direct: bool = False, keep_values: bool = Fa
     lin = Linearization(out=out.detach(), sites=rec.sites, residuals=rec.residuals, taps=[t.detach() for t in taps], pullback=pullback)
     lin.batched_pullback = _batched(pullback, _inputs.first(X).device)
     lin.pull_loss, lin.stream_pull = pull_loss, stream_pull if stream else None
+    lin.reached_pullback = lambda c_taps: pullback((None, c_taps), batched=True, reached=True)[0]
+    lin.site_zeros = _site_zeros(like, list(rec.layouts))
     lin.values = values
     return lin
+
+
+def _site_zeros(like: List[tuple], layouts: List[Tuple[int, int]]) -> Callable[[int, int], Tensor]:
+    """``(k, V) -> zeros [V, *site_out]``: site ``k``'s columns of zeros, batch first (``like[k]``:
+    its target's shape, dtype and device; ``layouts[k]``: as in :func:`_pullbacks`)."""
+    def zeros(k: int, v: int) -> Tensor:
+        shape, dtype, device = like[k]
+        return batch_first(torch.zeros((v,) + shape, dtype=dtype, device=device), *layouts[k], lead=1)
+
+    return zeros
 
 
 def _pullbacks(held: List[Tensor], taps: List[Tensor], inputs: list, like: List[tuple], n_sites: int,
@@ -286,12 +316,13 @@ def _pullbacks(held: List[Tensor], taps: List[Tensor], inputs: list, like: List[
         return batch_first(g, *layouts[k], lead=lead)
 
     def sites_first(grads: list, lead: int) -> list:
-        return [canon(k, g, lead) for k, g in enumerate(grads[:n_sites])]
+        return [None if g is None else canon(k, g, lead) for k, g in enumerate(grads[:n_sites])]
 
     def read_first(read: Callable[[int, Tensor], None]) -> Callable[[int, Tensor], None]:
         return lambda k, g: read(k, canon(k, g, 0))
 
-    def pullback(cotangents, batched: bool = False):
+    def pullback(cotangents, batched: bool = False, reached: bool = False):
+        # (reached: None, not zeros, at the sites no cotangent reaches)
         cot_out, cot_taps = cotangents  # (None where there is no cotangent: a zero one)
         pairs = [(o, c) for o, c in zip(held + taps, [cot_out] + list(cot_taps)) if c is not None and o.requires_grad]
         if not inputs or not pairs:
@@ -302,8 +333,8 @@ def _pullbacks(held: List[Tensor], taps: List[Tensor], inputs: list, like: List[
                 retain_graph=True, allow_unused=True, is_grads_batched=batched,
             )
         lead = (next(c for c in [cot_out, *cot_taps] if c is not None).shape[0],) if batched else ()
-        grads = [torch.zeros(lead + shape, dtype=dtype, device=device) if g is None else g
-                 for g, (shape, dtype, device) in zip(grads, like)]
+        grads = [torch.zeros(lead + shape, dtype=dtype, device=device) if g is None and not (reached and k < n_sites)
+                 else g for k, (g, (shape, dtype, device)) in enumerate(zip(grads, like))]
         return sites_first(grads, len(lead)), grads[n_sites:]
 
     def pull_loss(loss_of: Callable[[Tensor], Tensor], retain: bool, read: Optional[Callable] = None):

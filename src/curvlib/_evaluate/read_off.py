@@ -21,7 +21,7 @@ from .._core.tensors import is_concrete
 from ..rules import FAMILY_OF, fixed_rows, kron_factors, kron_input_factor, kron_layout, kron_weight_output, linear
 from ..rules.fixed_rows import tied_across_layers
 
-__all__ = ["sqrt_columns", "diag", "batch_diag", "kronecker_factors", "root_last",
+__all__ = ["sqrt_columns", "diag", "batch_diag", "weighted_diag", "kronecker_factors", "root_last",
            "ColumnStatistic", "column_statistic"]
 
 
@@ -95,9 +95,10 @@ def diag(uses, m_by_site, name, params, cache=None) -> Tensor:
     return _column_squares(uses, m_by_site, name, params[name].numel(), (0, 1))
 
 
-def _column_squares(uses, m_by_site, name, numel: int, dims) -> Tensor:
-    """``Σ_dims (Σ_sites J_pᵀ m_v)²`` (``dims``: ``(0, 1)``, columns and samples, or ``0``) from
-    :func:`sqrt_columns` of blocks of columns, each ``[v, N, *p]`` at most
+def _column_squares(uses, m_by_site, name, numel: int, dims, weights: Optional[Tensor] = None) -> Tensor:
+    """``Σ_dims (Σ_sites J_pᵀ m_v)²`` (``dims``: ``(0, 1)``, columns and samples, or ``0``; with
+    ``weights [V, N]`` each square weighted, ``Σ_v w_vn (·)²``) from :func:`sqrt_columns` of blocks of
+    columns, each ``[v, N, *p]`` at most
     :attr:`~curvlib._core.settings.Settings.linear_squares_entries` entries (one column if even that
     is larger)."""
     m0 = m_by_site[uses[name][0][0].key]
@@ -106,9 +107,39 @@ def _column_squares(uses, m_by_site, name, numel: int, dims) -> Tensor:
     total = None
     for a in range(0, m0.shape[0], step):
         block = {site.key: m_by_site[site.key][a:a + step] for site, _ in uses[name]}
-        part = _squares(sqrt_columns(uses, block, name)).sum(dims)
+        squares = _squares(sqrt_columns(uses, block, name))
+        if weights is not None:
+            w = weights[a:a + step]
+            squares = squares * w.reshape(tuple(w.shape) + (1,) * (squares.dim() - 2)).to(squares.dtype)
+        part = squares.sum(dims)
         total = part if total is None else total + part
     return total
+
+
+def weighted_diag(uses, m_by_site, name, numel: int, weights: Tensor, per_sample: bool,
+                  cache=None) -> Optional[Tensor]:
+    """``Σ_v w_vn (J_pᵀ m_v)²`` for weights ``[V, N]`` (``per_sample``: ``[N, *p]``, else summed over
+    the samples; ``numel``: the parameter's entries) where the read forms the columns ``J_pᵀ m_v`` anyway, so that weighting each
+    square costs no more than summing it: a parameter of one site whose rule is vmapped over
+    columns and has no faster sum of squares (the site's columns shared through ``cache``) or,
+    per sample, forms all its columns in one batched call, or a parameter of several sites
+    whose columns all come vmapped or in one batched call; ``None`` otherwise."""
+    u = uses.get(name, ())
+    if len(u) == 1:
+        site, role = u[0]
+        rule = site.rule
+        if _rows(site) is not None or getattr(rule, "batch_sum_squares_over_columns", None) is not None:
+            return None
+        if per_sample and not rule.vmap_columns and rule.grad_batch_columns is not None:
+            return _column_squares(uses, m_by_site, name, numel, 0, weights)  # (as batch_diag reads it)
+        if not rule.vmap_columns or rule.sum_squares_over_columns is not None or rule.sum_grad_squared is not None:
+            return None
+        cols = _site_columns(cache, site, uses, m_by_site[site.key])[role]
+        squares = cols**2 * weights.reshape(tuple(weights.shape) + (1,) * (cols.dim() - 2)).to(cols.dtype)
+        return squares.sum(0) if per_sample else squares.sum((0, 1))
+    if u and all(site.rule.vmap_columns or site.rule.grad_batch_columns is not None for site, _ in u):
+        return _column_squares(uses, m_by_site, name, numel, 0 if per_sample else (0, 1), weights)
+    return None
 
 
 def _squares(cols: Tensor) -> Tensor:

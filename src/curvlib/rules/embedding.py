@@ -229,10 +229,25 @@ def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> Rol
     over the columns, then added into row ``v``)."""
     if "weight" not in roles:
         return {}
+    return {"weight": _row_squares(site, m).unsqueeze(0)}
+
+
+def weighted_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str], weights: Tensor,
+                                  per_sample: bool) -> RoleTensors:
+    """``{"weight": [V, D]}``: ``Σ_c Σ_n w_cn G_c[n]²`` for a root ``m [C, *out]`` and weights
+    ``[C, N]`` (each ``(n, v)`` row's square weighted by its sample's weight); ``per_sample``:
+    ``[N, V, D]``, ``Σ_c w_cn G_c[n]²`` (each sample's rows are its own)."""
+    if "weight" not in roles:
+        return {}
+    return {"weight": _row_squares(site, m, weights, per_sample)}
+
+
+def _row_squares(site: Site, m: Tensor, weights: Optional[Tensor] = None, per_sample: bool = False) -> Tensor:
+    """``[V, D]``: ``Σ_c Σ_n (w_cn) G_c[n]²`` (see :func:`sum_squares_over_columns`); ``per_sample``:
+    ``[N, V, D]``, each run's square added into its own sample's row ``n·V + v``."""
     idx, _ = _flat(site, m[0])
-    mc = m
     c, n, v = m.shape[0], idx.shape[0], site.meta["num_embeddings"]
-    mc = mc.reshape(c, n * idx.shape[1], m.shape[-1])
+    mc = m.reshape(c, n * idx.shape[1], m.shape[-1])
     pad = site.meta["padding_idx"]
     if pad is not None:
         mc = mc * (idx != pad).reshape(1, -1, 1).to(mc.dtype)
@@ -241,11 +256,15 @@ def sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) -> Rol
     starts = torch.cat([keys.new_ones(1, dtype=torch.bool), keys[1:] != keys[:-1]])
     run = starts.cumsum(0) - 1
     rows = mc.new_zeros(c, keys.shape[0], mc.shape[-1]).index_add(1, run, mc[:, order])  # [C, N·P, D]
-    squares = (rows**2).sum(0)[run] * starts.to(mc.dtype).unsqueeze(1)  # once per run, at its start
-    out = mc.new_zeros(v, mc.shape[-1])
-    if not in_place_safe(squares):
-        return {"weight": out.index_add(0, keys % v, squares).unsqueeze(0)}
-    return {"weight": out.index_add_(0, keys % v, squares).unsqueeze(0)}  # (no second [V, D])
+    if weights is None:
+        squares = (rows**2).sum(0)[run]
+    else:  # (a run's rows are one sample's: its weight, w[c, key // V])
+        squares = ((rows**2)[:, run] * weights[:, keys // v].unsqueeze(-1).to(rows.dtype)).sum(0)
+    squares = squares * starts.to(mc.dtype).unsqueeze(1)  # once per run, at its start
+    out = mc.new_zeros(n * v if per_sample else v, mc.shape[-1])
+    at = keys if per_sample else keys % v
+    out = out.index_add(0, at, squares) if not in_place_safe(squares) else out.index_add_(0, at, squares)
+    return out.reshape(n, v, -1) if per_sample else out  # (in place: no second [V, D])
 
 
 EMBEDDING = Rule(
@@ -255,6 +274,7 @@ EMBEDDING = Rule(
     batch_l2=batch_l2,
     sum_grad_squared=sum_grad_squared,
     sum_squares_over_columns=sum_squares_over_columns,
+    weighted_squares_over_columns=weighted_squares_over_columns,
     grad_batch_columns=grad_batch_columns,
     any_batch_dim=True,
 )

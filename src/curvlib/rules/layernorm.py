@@ -127,6 +127,19 @@ def batch_sum_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str]) 
     return {role: (v**2).sum(0).reshape((v.shape[1],) + shape) for role, v in _column_gradients(site, m, roles).items()}
 
 
+def weighted_squares_over_columns(site: Site, m: Tensor, roles: Sequence[str], weights: Tensor,
+                                  per_sample: bool) -> RoleTensors:
+    """``Σ_c w_cn (∂ℓ_n/∂p)²`` for a root ``m [C, *out]`` and weights ``[C, N]``: ``[N, *D]`` per
+    role (``per_sample``), else summed over the samples, ``[*D]`` (the columns are formed anyway:
+    weighting them costs what summing them does)."""
+    shape = site.meta["norm_shape"]
+    out = {}
+    for role, v in _column_gradients(site, m, roles).items():  # [C, N, d]
+        squares = (v**2 * weights.unsqueeze(-1).to(v.dtype)).sum(0)  # [N, d]
+        out[role] = squares.reshape((v.shape[1],) + shape) if per_sample else squares.sum(0).reshape(shape)
+    return out
+
+
 LAYERNORM = Rule(
     kind="layernorm",
     grad_batch=grad_batch,
@@ -135,6 +148,7 @@ LAYERNORM = Rule(
     sum_grad_squared=sum_grad_squared,
     sum_squares_over_columns=sum_squares_over_columns,
     batch_sum_squares_over_columns=batch_sum_squares_over_columns,
+    weighted_squares_over_columns=weighted_squares_over_columns,
     any_batch_dim=True,
 )
 
