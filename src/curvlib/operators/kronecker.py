@@ -175,10 +175,16 @@ class KFAC(KroneckerOperator):
         kfac_approx: ``None``, ``"expand"`` or ``"reduce"`` for weights shared by positions (as
             for the extensions; curvlinops' default is ``"expand"``; the three coincide without
             shared positions).
+        keep_factors: ``False``: the factors are eigendecomposed at construction, each freed once
+            decomposed (``factors`` is then ``None``, and the blocks are ``Q diag(λ_out λ_inᵀ) Qᵀ``,
+            equal up to rounding and the eigenvalues' clamping at 0): the factors and their
+            eigenbases are never all held at once.
 
     Attributes:
         factors: parameter name -> its list of factors, combined over the data (``curvature``'s
-            layout; what ``curvlib.precondition.kron_preconditioner`` takes).
+            layout; what ``curvlib.precondition.kron_preconditioner`` takes); a factor shared by
+            parameters (a weight's and its bias's output side) is one tensor; ``None`` with
+            ``keep_factors=False``.
         layouts: parameter name -> how the parameter reshapes to its block's core ``[G, o, a]``.
         eigen: parameter name -> the factors' eigendecompositions (clamped at 0).
 
