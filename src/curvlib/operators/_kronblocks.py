@@ -92,7 +92,8 @@ class Accumulator:
                 key = (t.data_ptr(), tuple(t.shape), t.stride(), weight)
                 if key not in shared:
                     # the sums are this accumulator's own tensors (made here, one per factor): added in place
-                    shared[key] = t.detach() * weight if total is None else total[name][i].add_(t.detach(), alpha=weight)
+                    t = t.detach()
+                    shared[key] = t * weight if total is None else total[name][i].add_(t, alpha=weight)
                 sums.append(shared[key])
             out[name] = sums
         return out

@@ -175,16 +175,13 @@ class KFAC(KroneckerOperator):
         kfac_approx: ``None``, ``"expand"`` or ``"reduce"`` for weights shared by positions (as
             for the extensions; curvlinops' default is ``"expand"``; the three coincide without
             shared positions).
-        keep_factors: ``False``: the factors are eigendecomposed at construction, each freed once
-            decomposed (``factors`` is then ``None``, and the blocks are ``Q diag(λ_out λ_inᵀ) Qᵀ``,
-            equal up to rounding and the eigenvalues' clamping at 0): the factors and their
-            eigenbases are never all held at once.
+        keep_factors: ``False``: each block's factors are freed once eigendecomposed, at construction
+            (``factors`` is ``None``; the blocks ``Q diag(λ_out λ_inᵀ) Qᵀ``, equal up to rounding).
 
     Attributes:
         factors: parameter name -> its list of factors, combined over the data (``curvature``'s
-            layout; what ``curvlib.precondition.kron_preconditioner`` takes); a factor shared by
-            parameters (a weight's and its bias's output side) is one tensor; ``None`` with
-            ``keep_factors=False``.
+            layout; what ``curvlib.precondition.kron_preconditioner`` takes; ``None`` with
+            ``keep_factors=False``); a weight's and its bias's shared output side is one tensor.
         layouts: parameter name -> how the parameter reshapes to its block's core ``[G, o, a]``.
         eigen: parameter name -> the factors' eigendecompositions (clamped at 0).
 
@@ -265,16 +262,15 @@ class KFAC(KroneckerOperator):
         return accumulator.factors(total, sides), space
 
     def block_product(self, name, v):
-        if self.factors is None:  # keep_factors=False: the block from its eigendecompositions
-            eigen = self.eigen[name]
-            return _kronblocks.spectral(self.layouts[name], eigen, eigen.lam_out[:, :, None] * eigen.lam_in[:, None, :], v)
+        if self.factors is None:  # keep_factors=False: Q diag(λ_out λ_inᵀ) Qᵀ from the eigendecompositions
+            spectrum = _kronblocks.damped_spectrum(self.eigen[name], self.layouts[name], 0.0, False)
+            return _kronblocks.spectral(self.layouts[name], self.eigen[name], spectrum, v)
         return _kronblocks.multiply(self.layouts[name], self.factors[name], v)
 
     @property
     def eigen(self) -> Dict[str, _kronbasis.Eigen]:
-        """Parameter name -> the eigendecompositions of its factors (computed once, when first
-        needed; eigenvalues clamped at 0: ``lam_out [G, o]``, ``lam_in [G, a]``, ``q_out``, ``q_in``;
-        a factor shared by parameters is decomposed once, its ``Q`` and ``λ`` shared)."""
+        """Parameter name -> its factors' eigendecompositions (computed once, when first needed; a shared
+        factor once; eigenvalues clamped at 0: ``lam_out [G, o]``, ``lam_in [G, a]``, ``q_out``, ``q_in``)."""
         done: dict = {}
         for name in self.domain.names:
             if name not in self._eigen:
@@ -282,9 +278,7 @@ class KFAC(KroneckerOperator):
         return self._eigen
 
     def _decompose_releasing(self) -> None:
-        """Every block's eigendecompositions, each block's factors dropped once decomposed, then
-        ``factors = None``: the factors not yet decomposed and the eigenbases made so far are all
-        that is held at once (a factor shared with a later block lives until that block's turn)."""
+        """Every block's eigendecompositions, its factors freed once decomposed; ``factors`` becomes ``None``."""
         factors, self.factors = self.factors, None
         done: dict = {}
         for name in self.domain.names:
