@@ -61,15 +61,21 @@ def _status_mib(field: str) -> float:
     return int(line.split()[1]) / 2**10
 
 
-def _tensor_mib(obj) -> float:
-    """The bytes of every tensor in a nested dict / tuple, in MiB."""
+def _tensor_mib(obj, seen=None) -> float:
+    """The bytes of every tensor in a nested dict / tuple, in MiB; a tensor several entries share
+    (the fit's weight and bias blocks share their output side's eigenbasis) counted once."""
     import torch
+    seen = set() if seen is None else seen
     if isinstance(obj, torch.Tensor):
+        key = (obj.data_ptr(), tuple(obj.shape), obj.stride())
+        if key in seen:
+            return 0.0
+        seen.add(key)
         return obj.numel() * obj.element_size() / 2**20
     if isinstance(obj, dict):
-        return sum(_tensor_mib(v) for v in obj.values())
+        return sum(_tensor_mib(v, seen) for v in obj.values())
     if isinstance(obj, (tuple, list)):
-        return sum(_tensor_mib(v) for v in obj)
+        return sum(_tensor_mib(v, seen) for v in obj)
     return 0.0
 
 

@@ -435,3 +435,30 @@ def test_a_loader_combines_transposed_weights_by_their_root_factor(max_factor_di
     for name, factors in one.factors.items():
         for a, b in zip(factors, two.factors[name]):
             torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("fisher_type", ["exact", "mc", "empirical"])
+@pytest.mark.parametrize("ekfac", [False, True])
+def test_factors_freed_once_decomposed_give_the_same_operator(fisher_type, ekfac):
+    """``keep_factors=False`` (what ``influence.fit`` uses): the factors are freed once
+    eigendecomposed, and the eigenbases, the eigenvalues and the operator are those of the
+    default. A factor ``curvature`` returns for a weight and its bias (the output side) is one
+    tensor summed over the batches and decomposed once: both blocks share it and its basis."""
+    model = _mlp([3, 5, 4], 43)
+    data = _batches("ce", [4, 3, 5], 3, 4, seeded(43))
+    lossfn = nn.CrossEntropyLoss()
+    kind = EKFAC if ekfac else KFAC
+    kept = kind(model, lossfn, data, fisher_type=fisher_type, generator=seeded(44))
+    freed = kind(model, lossfn, data, fisher_type=fisher_type, generator=seeded(44), keep_factors=False)
+    assert freed.factors is None
+    assert kept.factors["0.weight"][0] is kept.factors["0.bias"][0]
+    for op in (kept, freed):
+        assert op.eigen["0.weight"].q_out is op.eigen["0.bias"].q_out
+    for name, eigen in kept.eigen.items():
+        for field in ("q_out", "lam_out", "q_in", "lam_in"):
+            torch.testing.assert_close(getattr(freed.eigen[name], field), getattr(eigen, field), rtol=0, atol=0)
+        if ekfac:
+            torch.testing.assert_close(freed.eigenvalues[name], kept.eigenvalues[name], rtol=0, atol=0)
+    torch.testing.assert_close(freed.to_dense(), kept.to_dense(), rtol=1e-10, atol=1e-12)
+    v = torch.randn(kept.shape[0], dtype=DT, generator=seeded(45))
+    torch.testing.assert_close(freed.inverse(0.1) @ v, kept.inverse(0.1) @ v, rtol=1e-10, atol=1e-12)

@@ -199,8 +199,10 @@ def _fitted_blocks(model, lossfn, data, strategy, fisher_type, options, kronecke
         return _identity_blocks(model, options["params"]), examples
     if strategy == "diagonal":
         return _diagonal_blocks(model, lossfn, data, fisher_type, options, examples), examples
+    # keep_factors=False: only the eigendecompositions are returned, so each block's factors are
+    # freed once decomposed rather than held beside every eigenbasis and the eigenvalue pass
     operator = (EKFAC if strategy == "ekfac" else KFAC)(model, lossfn, data, fisher_type=fisher_type, **kronecker,
-                                                        **options)
+                                                        **options, keep_factors=False)
     # the operators' curvature is the data's loss's, (1/M) Σ_n F_n ((1/M²) Σ_n g_n g_nᵀ empirical)
     scale = mass ** (2 if fisher_type == "empirical" else 1) / examples
     return _kronecker_blocks(operator, scale, corrected=strategy == "ekfac"), examples

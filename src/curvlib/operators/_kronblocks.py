@@ -78,20 +78,37 @@ class Accumulator:
 
     def add_factors(self, total: Optional[Dict[str, List[Tensor]]], part: Dict[str, Sequence[Tensor]],
                     sides: Dict[str, int], samples: int, root_weight: float) -> Dict[str, List[Tensor]]:
-        """``total`` plus one batch's factors ``part`` (``samples`` = ``N_b``)."""
+        """``total`` plus one batch's factors ``part`` (``samples`` = ``N_b``); ``part``'s entries are
+        removed as they are summed, so each of the batch's factors is freed once summed. A factor
+        ``curvature`` returns for several parameters (a weight's and its bias's output side) is
+        summed once, into one tensor those parameters share."""
         self.samples += samples
-        out = {}
-        for name, f in part.items():
-            scaled = [t.detach() * (root_weight if i == sides[name] else samples) for i, t in enumerate(f)]
-            # the sums are this accumulator's own tensors (made above, one per factor): added in place
-            out[name] = scaled if total is None else [a.add_(b) for a, b in zip(total[name], scaled)]
+        out: Dict[str, List[Tensor]] = {}
+        shared: Dict[tuple, Tensor] = {}  # the batch's factor (by its view) -> its sum
+        for name in list(part):
+            sums = []
+            for i, t in enumerate(part.pop(name)):
+                weight = root_weight if i == sides[name] else samples
+                key = (t.data_ptr(), tuple(t.shape), t.stride(), weight)
+                if key not in shared:
+                    # the sums are this accumulator's own tensors (made here, one per factor): added in place
+                    t = t.detach()
+                    shared[key] = t * weight if total is None else total[name][i].add_(t, alpha=weight)
+                sums.append(shared[key])
+            out[name] = sums
         return out
 
     def factors(self, total: Dict[str, List[Tensor]], sides: Dict[str, int]) -> Dict[str, List[Tensor]]:
-        """The data's factors from the sums (module doc), divided in place (``total`` is consumed)."""
+        """The data's factors from the sums (module doc), divided in place (``total`` is consumed;
+        a sum shared by parameters is divided once)."""
         scale = self.root_scale()
-        return {name: [t.mul_(scale if i == sides[name] else 1.0 / self.samples) for i, t in enumerate(f)]
-                for name, f in total.items()}
+        done = set()
+        for name, f in total.items():
+            for i, t in enumerate(f):
+                if id(t) not in done:
+                    done.add(id(t))
+                    t.mul_(scale if i == sides[name] else 1.0 / self.samples)
+        return total
 
 
 def _side(factor: Tensor, groups: int) -> Tuple[Tensor, bool]:

@@ -175,10 +175,13 @@ class KFAC(KroneckerOperator):
         kfac_approx: ``None``, ``"expand"`` or ``"reduce"`` for weights shared by positions (as
             for the extensions; curvlinops' default is ``"expand"``; the three coincide without
             shared positions).
+        keep_factors: ``False``: each block's factors are freed once eigendecomposed, at construction
+            (``factors`` is ``None``; the blocks ``Q diag(λ_out λ_inᵀ) Qᵀ``, equal up to rounding).
 
     Attributes:
         factors: parameter name -> its list of factors, combined over the data (``curvature``'s
-            layout; what ``curvlib.precondition.kron_preconditioner`` takes).
+            layout; what ``curvlib.precondition.kron_preconditioner`` takes; ``None`` with
+            ``keep_factors=False``); a weight's and its bias's shared output side is one tensor.
         layouts: parameter name -> how the parameter reshapes to its block's core ``[G, o, a]``.
         eigen: parameter name -> the factors' eigendecompositions (clamped at 0).
 
@@ -205,7 +208,8 @@ class KFAC(KroneckerOperator):
     def __init__(self, model: nn.Module, lossfn, data, params: Optional[Mapping[str, Tensor]] = None,
                  buffers: Optional[Mapping[str, Tensor]] = None, output=None,
                  generator: Optional[torch.Generator] = None, fisher_type: str = "mc", mc_samples: int = 1,
-                 max_factor_dim: Optional[int] = None, kfac_approx: Optional[str] = None):
+                 max_factor_dim: Optional[int] = None, kfac_approx: Optional[str] = None, *,
+                 keep_factors: bool = True):
         _check_options(fisher_type, mc_samples, generator)
         self.fisher_type, self.mc_samples, self.generator = fisher_type, mc_samples, generator
         self.spec = losses.loss_spec(lossfn)
@@ -220,6 +224,8 @@ class KFAC(KroneckerOperator):
         layouts = {n: _kronbasis.layout_of(n, self.factors[n], s, n in transposed) for n, s in zip(space.names, space.shapes)}
         super().__init__(space, layouts)
         self._eigen: Dict[str, _kronbasis.Eigen] = {}
+        if not keep_factors:
+            self._decompose_releasing()
 
     def batches(self, extension: ext.Extension, accumulator: _kronblocks.Accumulator, size: Optional[int] = None):
         """``(qs, N_b, root weight μ_b)`` per batch of the data (``accumulator`` counts it, and
@@ -256,16 +262,27 @@ class KFAC(KroneckerOperator):
         return accumulator.factors(total, sides), space
 
     def block_product(self, name, v):
+        if self.factors is None:  # keep_factors=False: Q diag(λ_out λ_inᵀ) Qᵀ from the eigendecompositions
+            spectrum = _kronblocks.damped_spectrum(self.eigen[name], self.layouts[name], 0.0, False)
+            return _kronblocks.spectral(self.layouts[name], self.eigen[name], spectrum, v)
         return _kronblocks.multiply(self.layouts[name], self.factors[name], v)
 
     @property
     def eigen(self) -> Dict[str, _kronbasis.Eigen]:
-        """Parameter name -> the eigendecompositions of its factors (computed once, when first
-        needed; eigenvalues clamped at 0: ``lam_out [G, o]``, ``lam_in [G, a]``, ``q_out``, ``q_in``)."""
+        """Parameter name -> its factors' eigendecompositions (computed once, when first needed; a shared
+        factor once; eigenvalues clamped at 0: ``lam_out [G, o]``, ``lam_in [G, a]``, ``q_out``, ``q_in``)."""
+        done: dict = {}
         for name in self.domain.names:
             if name not in self._eigen:
-                self._eigen[name] = _kronbasis.eigen_of(self.factors[name], self.layouts[name], name)
+                self._eigen[name] = _kronbasis.eigen_of(self.factors[name], self.layouts[name], name, done)
         return self._eigen
+
+    def _decompose_releasing(self) -> None:
+        """Every block's eigendecompositions, its factors freed once decomposed; ``factors`` becomes ``None``."""
+        factors, self.factors = self.factors, None
+        done: dict = {}
+        for name in self.domain.names:
+            self._eigen[name] = _kronbasis.eigen_of(factors.pop(name), self.layouts[name], name, done)
 
     def inverse(self, damping: float, heuristic: bool = False) -> KroneckerInverse:
         r"""$(K + \lambda I)^{-1}$, exact per block (``heuristic=True``: Martens & Grosse's π-damping,
@@ -307,6 +324,7 @@ class EKFAC(KFAC):
         correction_batch_size: samples per ``curvature`` call in the eigenvalue pass, whose roots
             are ``[C·N_b, P]`` (or ``[M·N_b, P]``, ``[N_b, P]``); None: the data's batches. The
             same eigenvalues either way.
+        keep_factors: as for ``KFAC`` (``False``: the factors are freed before the eigenvalue pass).
 
     Attributes:
         eigenvalues: parameter name -> ``Λ* [G, o, a]`` in the block's core layout (what
@@ -333,11 +351,12 @@ class EKFAC(KFAC):
 
     def __init__(self, model: nn.Module, lossfn, data, params=None, buffers=None, output=None, generator=None,
                  fisher_type: str = "mc", mc_samples: int = 1, max_factor_dim: Optional[int] = None,
-                 kfac_approx: Optional[str] = None, correction_batch_size: Optional[int] = None):
+                 kfac_approx: Optional[str] = None, correction_batch_size: Optional[int] = None, *,
+                 keep_factors: bool = True):
         Sliced(data, correction_batch_size)  # checks the size before any work
         self.correction_batch_size = correction_batch_size
         super().__init__(model, lossfn, data, params, buffers, output, generator, fisher_type, mc_samples,
-                         max_factor_dim, kfac_approx)
+                         max_factor_dim, kfac_approx, keep_factors=keep_factors)
         root = {"mc": lambda: ext.SqrtGGNMC(mc_samples=mc_samples, generator=generator),
                 "exact": ext.SqrtGGNExact, "empirical": ext.BatchGrad}[fisher_type]()
         self.eigenvalues = self._correct(root)
@@ -347,11 +366,13 @@ class EKFAC(KFAC):
         accumulator = self.accumulator()
         total: Dict[str, Tensor] = {}
         for qs, _, weight, _ in self.batches(root, accumulator, self.correction_batch_size):
+            roots = qs.pop(root.name)
+            del qs  # the batch's gradient: not alive beside the projections
             for name, shape in zip(self.domain.names, self.domain.shapes):
-                columns = qs[root.name][name].reshape(-1, *shape)  # [C·N or M·N or N, *p], this batch only
+                columns = roots.pop(name).reshape(-1, *shape)  # [C·N or M·N or N, *p], this batch only: freed after
                 part = _kronblocks.projected_squares(self.layouts[name], eigen[name], columns).mul_(weight)
+                del columns
                 total[name] = part if name not in total else total[name].add_(part)
-            del qs
         scale = accumulator.root_scale()
         return {name: s.mul_(scale) for name, s in total.items()}
 

@@ -170,14 +170,27 @@ def _eig(factor: Tensor, groups: int, name: str) -> Tuple[Optional[Tensor], Tens
     return q, (lam * scale[..., 0]).clamp_min(0)
 
 
-def eigen_of(factors, layout: Layout, name: str = "") -> Eigen:
-    """Eigendecompositions of the factors in ``layout`` (root factor first) of parameter ``name``."""
+def eigen_of(factors, layout: Layout, name: str = "", done: Optional[dict] = None) -> Eigen:
+    """Eigendecompositions of the factors in ``layout`` (root factor first) of parameter ``name``.
+    ``done``: ``(id(factor), G) -> (Q, λ)`` of factors decomposed before, updated: a factor several
+    parameters share (one tensor) is decomposed once and its ``Q``, ``λ`` shared. Every factor
+    passed with one ``done`` must have existed when the first was decomposed (``id`` is unique
+    only among objects alive together; the earlier factors may be freed since)."""
     f = list(factors)
     g = layout.groups
+
+    def eig(factor: Tensor, groups: int) -> Tuple[Optional[Tensor], Tensor]:
+        if done is None:
+            return _eig(factor, groups, name)
+        key = (id(factor), groups)
+        if key not in done:
+            done[key] = _eig(factor, groups, name)
+        return done[key]
+
     if layout.single:
-        q, lam = _eig(f[0], 1, name)
+        q, lam = eig(f[0], 1)
         return Eigen(q, lam, None, torch.ones(1, 1, dtype=lam.dtype, device=lam.device))
     r = 1 if layout.kind == "rows" else 0  # the factor acting on the core's o side
-    q_out, lam_out = _eig(f[r], g, name)
-    q_in, lam_in = _eig(f[1 - r], g, name)
+    q_out, lam_out = eig(f[r], g)
+    q_in, lam_in = eig(f[1 - r], g)
     return Eigen(q_out, lam_out, q_in, lam_in)
