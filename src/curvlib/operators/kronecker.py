@@ -157,7 +157,7 @@ class KroneckerInverse(KroneckerOperator):
 
 
 class KFAC(KroneckerOperator):
-    """KFAC of ``model``'s curvature on ``data`` (module doc): one block per parameter, the
+    r"""KFAC of ``model``'s curvature on ``data`` (module doc): one block per parameter, the
     Kronecker product of its factors.
 
     Args:
@@ -176,7 +176,7 @@ class KFAC(KroneckerOperator):
             for the extensions; curvlinops' default is ``"expand"``; the three coincide without
             shared positions).
         keep_factors: ``False``: each block's factors are freed once eigendecomposed, at construction
-            (``factors`` is ``None``; the blocks ``Q diag(λ_out λ_inᵀ) Qᵀ``, equal up to rounding).
+            (``factors`` is ``None``; each block is $Q \operatorname{diag}(\lambda_{out} \lambda_{in}^\top) Q^\top$, equal up to rounding).
 
     Attributes:
         factors: parameter name -> its list of factors, combined over the data (``curvature``'s
