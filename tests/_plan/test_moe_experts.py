@@ -21,6 +21,7 @@ from curvlib import CurvatureError, curvature
 from curvlib.extensions import KFLR, BatchGrad
 
 from oracles.checks import check_first_order, check_second_order
+from oracles.kron import shared_factors
 from oracles.on_device import seeded
 from oracles.second_order import ggn_block
 
@@ -157,15 +158,19 @@ class SortedExperts(nn.Module):
     """Grouped experts as transformers' ``grouped_mm`` path dispatches them: the ``N·T·k``
     token-expert rows of the whole batch sorted by expert (``torch.sort``), counted per expert
     (``torch.histc``), each sorted row times its expert's weights, and added back to its token
-    (``index_add``). ``mix``: a running sum over the sorted rows, which does mix samples."""
+    (``index_add``). ``mix``: a running sum over the sorted rows, which does mix samples.
+    ``proj``: a Linear on the rows first (inside the module kept whole)."""
 
-    def __init__(self, dim: int, experts: int, k: int, hidden: int = 3, mix: bool = False):
+    def __init__(self, dim: int, experts: int, k: int, hidden: int = 3, mix: bool = False, proj: bool = False):
         super().__init__()
         self.k, self.experts, self.mix = k, experts, mix
         self.up = nn.Parameter(0.5 * torch.randn(experts, dim, hidden))
         self.down = nn.Parameter(0.5 * torch.randn(experts, hidden, dim))
+        self.proj = nn.Linear(dim, dim) if proj else None
 
     def forward(self, rows, idx, weights):
+        if self.proj is not None:
+            rows = torch.tanh(self.proj(rows))
         ids, order = torch.sort(idx.reshape(-1))
         counts = torch.histc(ids.to(rows.dtype), bins=self.experts, min=0, max=self.experts - 1)
         picked = rows[order // self.k]
@@ -182,11 +187,12 @@ class SortedExpertsMoE(nn.Module):
     Linear head on the mean over tokens (``aten``: a value read in ``forward``, so that the model
     is traced at the ATen level)."""
 
-    def __init__(self, dim: int = 4, experts: int = 3, k: int = 2, mix: bool = False, aten: bool = False):
+    def __init__(self, dim: int = 4, experts: int = 3, k: int = 2, mix: bool = False, aten: bool = False,
+                 proj: bool = False):
         super().__init__()
         self.k, self.aten = k, aten
         self.router = nn.Linear(dim, experts, bias=False)
-        self.experts = SortedExperts(dim, experts, k, mix=mix)
+        self.experts = SortedExperts(dim, experts, k, mix=mix, proj=proj)
         self.head = nn.Linear(dim, 3)
 
     def forward(self, x):
@@ -199,21 +205,22 @@ class SortedExpertsMoE(nn.Module):
         return self.head((rows + out).reshape(n, t, d).mean(1))
 
 
-def _sorted_case(seed: int, n: int, t: int, k: int, aten: bool, mix: bool = False):
+def _sorted_case(seed: int, n: int, t: int, k: int, aten: bool, mix: bool = False, proj: bool = False):
     torch.manual_seed(seed)
-    model = SortedExpertsMoE(k=k, aten=aten, mix=mix).to(DT)
+    model = SortedExpertsMoE(k=k, aten=aten, mix=mix, proj=proj).to(DT)
     gen = seeded(seed)
     X = torch.randn(n, t, 4, generator=gen, dtype=DT)
     return model, nn.CrossEntropyLoss(), X, torch.randint(0, 3, (n,), generator=gen)
 
 
 @settings(max_examples=6, deadline=None)
-@given(seed=st.integers(0, 2**16), n=st.integers(2, 4), t=st.integers(2, 4), k=st.integers(1, 2), aten=st.booleans())
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 4), t=st.integers(1, 4), k=st.integers(1, 2), aten=st.booleans())
 def test_experts_on_rows_sorted_across_the_batch_are_exact(seed, n, t, k, aten):
     """The module that sorts the batch's rows is one layer run per sample on its rows: kept whole in
-    the ATen-level trace (:mod:`curvlib._trace.module_calls`), a leaf of torch.fx's as it owns its
-    parameters, on batch-first operands (:mod:`curvlib._plan.merged_modules`); first order and the
-    GGN family equal the float64 brute force (and the model is left as it was)."""
+    the ATen-level trace (:mod:`curvlib._trace.module_calls`; for a batch of one too, as for the
+    batch of two the trace is compared with), a leaf of torch.fx's as it owns its parameters, on
+    batch-first operands (:mod:`curvlib._plan.merged_modules`); first order and the GGN family
+    equal the float64 brute force (and the model is left as it was)."""
     case = _sorted_case(seed, n, t, k, aten)
     check_first_order(*case)
     check_second_order(*case, hessian=False, hmp=False)
@@ -240,3 +247,19 @@ def test_experts_on_sorted_rows_get_the_generic_layers_kronecker_form(aten):
         assert len(factors[name]) == 1
         torch.testing.assert_close(factors[name][0], exact, rtol=1e-9, atol=1e-12)
     assert len(factors["router.weight"]) == 2 and len(factors["head.weight"]) == 2
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 3), t=st.integers(1, 3), approx=st.sampled_from([None, "expand"]))
+def test_a_linear_inside_the_module_kept_whole_gets_its_two_factors(seed, n, t, approx):
+    """A Linear inside the module kept whole by the ATen-level trace (on the token rows
+    ``[N·T, D]``) gets KFLR's two factors, formed sample by sample from its rows
+    (:mod:`curvlib._evaluate.opaque_kron`), equal to the explicit oracle's (per-position output
+    offsets)."""
+    model, lossfn, X, y = _sorted_case(seed, n, t, 2, True, proj=True)
+    factors = curvature(model, lossfn, [KFLR(kfac_approx=approx)])(X, y)["kflr"]
+    B, A = shared_factors(model, lossfn, X, y, model.experts.proj, approx)
+    for got, want in ((factors["experts.proj.weight"], [B, A]), (factors["experts.proj.bias"], [B])):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)

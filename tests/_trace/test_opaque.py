@@ -37,6 +37,7 @@ from oracles.checks import _assert_same_state, state_snapshot
 from oracles.loss_checks import assert_converges, mc_read, rel
 from oracles.reference import assert_matches, exact_extensions, kflr_map, product_matrix, reference
 from oracles.pchmp import pchmp_blocks
+from oracles.kron import shared_factors
 from oracles.second_order import ggn_block, ggn_per_sample, kron_input_factor
 from oracles.on_device import seeded
 
@@ -256,21 +257,27 @@ def test_every_exact_extension_matches_brute_force(case, n, seed, ce, sign):
 
 
 @given(case=st.sampled_from(list(CASES)), n=st.integers(2, 3), seed=st.integers(0, 2**16), ce=st.booleans())
-def test_kflr_exact_for_traced_layers(case, n, seed, ce):
-    """KFLR's factors of every Linear/Conv outside the opaque modules equal the oracle's
-    (parameters inside an opaque module frozen), next to the other exact extensions."""
+def test_kflr_exact_for_every_linear_layer(case, n, seed, ce):
+    """KFLR's factors of every Linear/Conv, inside the opaque modules too, equal the oracle's,
+    next to the other exact extensions (the stacked expert weights of ``own_parameters``, which
+    have no Linear factors, frozen: tested below)."""
     model, lossfn, X, y = _problem(case, n, seed, ce)
-    _freeze_inside(model, case)
+    if case == "own_parameters":
+        _freeze_inside(model, case)
+    if case == "value_branch":  # the branch the batch does not take: zero factors (tested below)
+        model.mid.b.requires_grad_(False)
     qs = _quiet_curvature(model, lossfn, exact_extensions(kflr=True))(X, y)
     ref = reference(model, lossfn, X, y, hessian=False, kflr=kflr_map(model))
     assert_matches(qs, ref, case)
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_kfac_input_factor_exact_for_traced_layers(case):
-    """KFAC (MC): the input factors of the traced layers are exact, the output factors symmetric."""
+def test_kfac_input_factor_exact_for_every_linear_layer(case):
+    """KFAC (MC): the input factors of every Linear/Conv, inside the opaque modules too, are
+    exact, the output factors symmetric."""
     model, lossfn, X, y = _problem(case, 3, 1, True)
-    _freeze_inside(model, case)
+    if case == "own_parameters":
+        _freeze_inside(model, case)
     qs = _quiet_curvature(model, lossfn, [KFAC()])(X, y)
     for name, factors in qs["kfac"].items():
         assert torch.allclose(factors[0], factors[0].T)
@@ -280,18 +287,16 @@ def test_kfac_input_factor_exact_for_traced_layers(case):
 
 
 @pytest.mark.parametrize("case", ["assert_isinstance", "value_branch"])
-@pytest.mark.parametrize("ext", [KFAC(), KFLR(), KFRA()])
-def test_kron_refused_inside_opaque_module(case, ext):
-    """Kronecker factors need the Linear layers inside: refused, naming the module, its
-    parameters and fx's reason; freezing them is the way out (tested above)."""
+def test_kfra_refused_inside_opaque_module(case):
+    """KFRA pulls a matrix back layer by layer, which it cannot do through an opaque module:
+    refused (before, off a chain, or here naming the module, its Linear's parameters and fx's
+    reason)."""
     model, lossfn, X, y = _problem(case, 3, 0, False)
     with pytest.raises(CurvatureError) as info:
-        _quiet_curvature(model, lossfn, [ext])(X, y)
+        _quiet_curvature(model, lossfn, [KFRA()])(X, y)
     msg = str(info.value)
-    if isinstance(ext, KFRA):
-        return  # KFRA: refused before (needs a chain of Linear layers) or here
-    assert type(ext).__name__ in msg and "'mid'" in msg and "torch.fx could not trace" in msg
-    assert "mid." in msg and "requires_grad=False" in msg
+    if "of module 'mid'" in msg:
+        assert "torch.fx could not trace" in msg and "mid." in msg and "requires_grad=False" in msg
 
 
 @given(n=st.integers(1, 3), seed=st.integers(0, 2**16), ce=st.booleans(),
@@ -313,14 +318,108 @@ def test_kron_of_an_opaque_modules_own_parameters_is_its_ggn_diagonal(n, seed, c
             torch.testing.assert_close(factors[0], exact if block else exact.diagonal(), rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("ext", [KFAC(), KFLR()])
-def test_kron_refused_for_a_linear_inside_an_opaque_module_with_own_parameters(ext):
-    """Beside parameters of its own, a Linear inside the opaque module is refused, named alone."""
+class Projections(nn.Module):
+    """An opaque module (a clamp on the whole batch's values) holding Linear layers: ``q`` applied
+    twice (the positions of both calls share its weight), ``merged`` on rows that merge the batch
+    with the positions (``[N·T, H]``), ``spare`` never called, and a parameter of its own."""
+
+    def __init__(self, d=3, h=4):
+        super().__init__()
+        self.q, self.merged, self.spare = nn.Linear(d, h), nn.Linear(h, d), nn.Linear(d, d)
+        self.scale = nn.Parameter(torch.rand(d) + 0.5)
+
+    def forward(self, x):
+        if x.abs().max() > 1e6:
+            x = x.clamp(-1e6, 1e6)
+        h = torch.tanh(self.q(x)) + torch.sigmoid(self.q(x.flip(1)))
+        n, t, _ = h.shape
+        return self.merged(h.reshape(n * t, -1)).reshape(n, t, -1) * self.scale
+
+
+class Sequences(nn.Module):
+    """Traced Linear layers around an opaque module on ``[N, T, D]`` sequences."""
+
+    def __init__(self, middle: nn.Module, d=3, t=2, c=3):
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(d, d), middle, nn.Linear(t * d, c)
+
+    def forward(self, x):
+        return self.out(self.mid(self.inp(x)).flatten(1))
+
+
+class ConvInside(nn.Module):
+    """An opaque module holding a convolution (its factors need the unfolded patches)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(3, 3, 2)
+
+    def forward(self, x):
+        if x.abs().max() > 1e6:
+            x = x.clamp(-1e6, 1e6)
+        return self.conv(x.transpose(1, 2)).flatten(1)
+
+
+def _sequences(n, seed, ce):
+    torch.manual_seed(seed)
+    model = Sequences(Projections()).double()
+    X = torch.randn(n, 2, 3, dtype=torch.float64)
+    lossfn = nn.CrossEntropyLoss() if ce else nn.MSELoss()
+    y = torch.randint(0, 3, (n,)) if ce else torch.randn(n, 3, dtype=torch.float64)
+    return model, lossfn, X, y
+
+
+@given(n=st.integers(1, 3), seed=st.integers(0, 2**16), ce=st.booleans(),
+       approx=st.sampled_from([None, "expand", "reduce"]))
+def test_kflr_of_linear_layers_inside_an_opaque_module_matches_brute_force(n, seed, ce, approx):
+    """A Linear inside a module curvlib runs whole gets its two factors, formed sample by sample
+    from the rows it sees: every call and position of one sample, merged rows included, as
+    positions sharing the weight; each ``kfac_approx`` against the explicit oracle (Jacobians of
+    per-position output offsets). The module's own parameter gets its exact GGN block."""
+    model, lossfn, X, y = _sequences(n, seed, ce)
+    qs = _quiet_curvature(model, lossfn, [KFLR(kfac_approx=approx)])(X, y)["kflr"]
+    for path in ("mid.q", "mid.merged", "inp", "out"):
+        B, A = shared_factors(model, lossfn, X, y, model.get_submodule(path), approx)
+        for got, want, what in ((qs[f"{path}.weight"], [B, A], "weight"), (qs[f"{path}.bias"], [B], "bias")):
+            assert len(got) == len(want), f"{path}.{what}"
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12, msg=f"{path}.{what} ({approx})")
+    torch.testing.assert_close(qs["mid.scale"][0], ggn_block(model, lossfn, X, y, "mid.scale"), rtol=1e-9, atol=1e-12)
+    for name, p in model.mid.spare.named_parameters(prefix="mid.spare"):  # an unused parameter's zero block
+        assert len(qs[name]) == 1 and qs[name][0].numel() == p.numel() ** (2 if p.dim() == 1 else 1)
+        assert not qs[name][0].any()
+
+
+def test_kfac_of_linear_layers_inside_an_opaque_module():
+    """KFAC (Monte-Carlo roots): the inner Linear layers' input factors are exact, their output
+    factors symmetric and positive semi-definite, converging to KFLR's."""
+    model, lossfn, X, y = _sequences(3, 0, True)
+    exact = _quiet_curvature(model, lossfn, [KFLR()])(X, y)["kflr"]
+    errors = []
+    for m in (1, 1000):
+        qs = _quiet_curvature(model, lossfn, [KFAC(mc_samples=m, generator=seeded(m))])(X, y)["kfac"]
+        B, A = qs["mid.merged.weight"]
+        torch.testing.assert_close(A, exact["mid.merged.weight"][1])
+        assert torch.allclose(B, B.T) and torch.linalg.eigvalsh(B).min() > -1e-10
+        errors.append(rel({"B": B}, {"B": exact["mid.merged.weight"][0]}))
+    assert errors[1] < 0.2 * errors[0], errors
+
+
+@pytest.mark.parametrize("make, refused", [
+    (lambda: Sequences(Projections()), "['mid.merged.bias', 'mid.merged.weight', 'mid.q.bias', 'mid.q.weight', 'mid.spare.bias', 'mid.spare.weight']"),
+    (lambda: Sequences(ConvInside(), t=1, c=3), "['mid.conv.bias', 'mid.conv.weight']"),
+])
+def test_kron_refusals_inside_an_opaque_module(make, refused):
+    """KFRA (a GGN pulled back as a matrix, layer by layer) is refused for every Linear inside an
+    opaque module; KFAC/KFLR for a convolution inside one (its factors need the unfolded patches),
+    naming the parameters."""
     torch.manual_seed(0)
-    model = Sandwich(Experts(linear=True)).double()
-    X, y = torch.randn(3, 3, dtype=torch.float64), torch.randint(0, 3, (3,))
-    with pytest.raises(CurvatureError, match=r"\['mid.gate.bias', 'mid.gate.weight'\] of module 'mid'"):
+    model = make().double()
+    X, y = torch.randn(3, 2, 3, dtype=torch.float64), torch.randint(0, 3, (3,))
+    ext = KFRA() if isinstance(model.mid, Projections) else KFLR()
+    with pytest.raises(CurvatureError) as info:
         _quiet_curvature(model, nn.CrossEntropyLoss(), [ext])(X, y)
+    assert refused in str(info.value) and "of module 'mid'" in str(info.value), str(info.value)
 
 
 @pytest.mark.parametrize("case", [

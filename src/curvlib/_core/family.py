@@ -104,3 +104,11 @@ class Family:
     dense_sides: Optional[Callable] = None
     row_wise: bool = False
     entry_wise: bool = False
+
+    @property
+    def factors_from_rows(self) -> bool:
+        """Its Kronecker factors come from its input and output rows alone, every row alike
+        (``B`` from the root at the output rows, ``A`` from the input rows; ``nn.Linear``): inside
+        a module run whole, its layers' factors are formed sample by sample from the rows each
+        call sees (:mod:`curvlib._evaluate.opaque_kron`)."""
+        return self.kron is not None and self.row_wise and self.kron_layout == "split"

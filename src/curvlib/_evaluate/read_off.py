@@ -20,6 +20,7 @@ from .._core import settings
 from .._core.tensors import is_concrete
 from ..rules import FAMILY_OF, fixed_rows, kron_factors, kron_input_factor, kron_layout, kron_weight_output, linear
 from ..rules.fixed_rows import tied_across_layers
+from . import opaque_kron
 
 __all__ = ["sqrt_columns", "diag", "batch_diag", "weighted_diag", "kronecker_factors", "root_last",
            "ColumnStatistic", "column_statistic"]
@@ -253,6 +254,9 @@ def _kron_stored(uses, m_by_site, name, cache=None, approx=None, max_dim=None) -
     (for every use of a shared Linear weight, as positions).
     """
     u = uses[name]
+    if len(u) == 1 and opaque_kron.covers(*u[0]):  # a Linear inside a module run whole
+        (site, role), = u
+        return opaque_kron.factors(site, role, m_by_site[site.key], {} if cache is None else cache, approx, max_dim)
     if not all(kron_layout(site) for site, _ in u) or (len(u) > 1 and tied_across_layers(u)):
         # normalisations, generic parameters, tied weights: the exact block, its diagonal, or
         # Embedding's layout at fixed rows for bias-like ones (curvlib.rules.fixed_rows)

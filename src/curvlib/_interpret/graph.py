@@ -263,7 +263,8 @@ def _call_module(program, node: fx.Node, args, kwargs, params, trainable, rec):
     rec.layer_residuals = planned[1] if planned is not None and planned[0] == "layer" else None
     # its sites' family, and for a submodule torch.fx could not trace, why (for refusals)
     rec.layer_meta = {"family": layer.kind,
-                      **({"opaque": layer.opaque, "kron_inside": layer.kron_inside} if layer.opaque else {})}
+                      **({"opaque": layer.opaque, "kron_inside": layer.kron_inside,
+                         "kron_rows": layer.kron_inside_rows} if layer.opaque else {})}
     try:
         return layer.forward(layer.module, layer.path, names, tensors, args, kwargs, rec)
     finally:

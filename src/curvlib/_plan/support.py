@@ -64,7 +64,7 @@ def check_second_order(
         params_of[site.where].extend(n for n in site.params.values() if n not in params_of[site.where])
         family_of[site.where] = site.meta.get("family", layer_kinds.get(site.where, "generic"))
         if site.meta.get("opaque") and site.meta.get("kron_inside"):
-            opaque_of[site.where] = (site.meta["opaque"], site.meta["kron_inside"])
+            opaque_of[site.where] = (site.meta["opaque"], site.meta["kron_inside"], site.meta.get("kron_rows", ()))
     for ext in exts:
         if ext.kron:
             _refuse_opaque(ext, opaque_of)
@@ -78,18 +78,29 @@ def check_second_order(
 
 
 def _refuse_opaque(ext, opaque_of) -> None:
-    """A Kronecker factor of a Linear/Conv weight needs the layer's input and output; inside a
-    submodule torch.fx could not trace (one opaque node) curvlib never sees them. The opaque
-    module's other parameters (a mixture of experts' stacked expert weights) are a generic
-    layer's: their exact block's diagonal, as where the module is traced."""
-    for where, (why, inside) in opaque_of.items():
+    """A Kronecker factor of a layer's weight needs the layer's input and output; inside a
+    module curvlib runs whole (one opaque node) it sees them for the layers whose factors come from
+    their rows (a ``Linear``: :mod:`curvlib._evaluate.opaque_kron`), except where the factors are
+    pulled back as matrices (KFRA), not for a convolution, embedding or RNN. The module's other
+    parameters (a mixture of experts' stacked expert weights) are a generic layer's: their exact
+    block's diagonal, as where the module is traced."""
+    for where, (why, inside, rows) in opaque_of.items():
+        refused = sorted(inside if ext.recursion else set(inside) - set(rows))
+        if not refused:
+            continue
+        which = ("layers" if ext.recursion else "convolution, embedding or recurrent layers")
+        why = "; ".join(w.strip() for w in why.splitlines())
+        # (a module kept whole by the ATen front end says why itself; else torch.fx failed on it)
+        why = why if "kept whole" in why else f"torch.fx could not trace its forward ({why})"
         raise CurvatureError(
-            f"{type(ext).__name__} is not defined for the parameters {sorted(inside)} of module "
-            f"'{where}': torch.fx could not trace its forward ({'; '.join(w.strip() for w in why.splitlines())}), so curvlib runs it as "
-            "one opaque layer (generic rule) and does not see the Linear/Conv layers inside it that Kronecker "
-            "factors need. Set requires_grad=False on those parameters (or leave them out of params=) to get "
-            f"{type(ext).__name__} for the other layers, make the module traceable by torch.fx, or use "
-            "DiagGGNExact / SqrtGGNExact / GGNMP, which are exact for it."
+            f"{type(ext).__name__} is not defined for the parameters {refused} of module "
+            f"'{where}': curvlib runs it as one opaque layer (generic rule), as {why}, and does not see "
+            f"the inputs and outputs of the {which} inside it that Kronecker factors need"
+            + (" (KFRA pulls the GGN back as a matrix layer by layer, which it cannot do through the module)"
+               if ext.recursion else "") + ". Set requires_grad=False on those parameters (or leave them out "
+            f"of params=) to get {type(ext).__name__} for the other layers, make the module traceable by torch.fx, "
+            "or use DiagGGNExact / SqrtGGNExact / GGNMP, which are exact for it."
+            + ("" if ext.recursion else " KFAC and KFLR form the factors of Linear layers inside it.")
         )
 
 

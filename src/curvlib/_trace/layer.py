@@ -56,3 +56,16 @@ class Layer:
                 if role in self.names and self.names[role] not in owned:
                     owned.append(self.names[role])
         return tuple(owned)
+
+    @property
+    def kron_inside_rows(self) -> Tuple[str, ...]:
+        """Those of :attr:`kron_inside` owned by a layer whose family takes its factors from its
+        rows (:attr:`~curvlib._core.family.Family.factors_from_rows`, a ``Linear``): KFAC, KFLR and
+        the empirical KFAC form them sample by sample; KFRA, which pulls a matrix back layer by
+        layer, cannot pass it through the module."""
+        rows = []
+        for prefix, sub in self.module.named_modules(remove_duplicate=False):
+            if prefix and FAMILY_OF[forward_for(sub)[1]].factors_from_rows:
+                rows += [self.names[role] for role, _ in sub.named_parameters(prefix=prefix, recurse=False)
+                         if role in self.names]
+        return tuple(n for n in self.kron_inside if n in rows)

@@ -109,7 +109,7 @@ def reorders_rows(node: fx.Node, n: int) -> bool:
     if node.op != "call_function" or name not in _REORDERING or not node.args:
         return False
     x = getattr(node.args[0], "meta", {}).get("val")
-    if not isinstance(x, Tensor) or x.dim() == 0 or n < 2:
+    if not isinstance(x, Tensor) or x.dim() == 0:
         return False
     if name in ("sort", "argsort", "msort"):
         dim = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], int) else node.kwargs.get("dim", -1)
