@@ -52,7 +52,7 @@ MIXING = {
     "flip": (lambda h: h.flip(0), r"Tensor\.flip along the batch dim 0"),
     "roll": (lambda h: torch.roll(h, 1, 0), r"torch\.roll along"),
     "roll_flat": (lambda h: torch.roll(h, 1), r"over all dims of 'a', the batch dim 0 included"),
-    "sort": (lambda h: h.sort(0)[0], r"Tensor\.sort along"),
+    "sort": (lambda h: h.sort(0)[0], r"(Tensor|torch)\.sort along"),
     "argsort": (lambda h: h.gather(1, h.argsort(0)[:, :1].expand(-1, 4)), r"Tensor\.argsort along"),
     "normalize": (lambda h: F.normalize(h, dim=0), r"F\.normalize along the batch dim 0"),
     "index_select": (lambda h: h.index_select(0, torch.arange(h.shape[0]).flip(0)), r"index_select along"),

@@ -23,6 +23,7 @@ from .._trace.graph_facts import chain_nodes, has_inplace
 from .plan import Plan, module_checks
 from ..rules import subclassed
 from .._trace.aten import trace_aten_pair
+from .._trace.module_calls import orders_by_value
 from .._core.inputs import keyword_inputs, structure_key, tensors
 from .._core.outputs import say_choice
 from .._core.sync import LOCK
@@ -132,10 +133,13 @@ def needs_aten(program: Program, model: nn.Module, X) -> bool:
     """Whether the model needs the ATen-level front end (:mod:`curvlib._trace.aten`): torch.fx could
     not trace its ``forward``, left a submodule opaque, ``X`` holds keyword inputs, or a layer is a
     subclass of a family's class with its own ``forward`` (timm's ``LayerNorm2d``), which only
-    the generic rule could run whole."""
+    the generic rule could run whole, or the graph sorts or counts values (a mixture of experts
+    sorting the batch's token rows by expert: the ATen-level trace keeps the module around such a
+    sort whole when it reorders rows across the batch, :mod:`curvlib._trace.module_calls`)."""
     return (program.graph is None or bool(program.opaque) or (X is not None and keyword_inputs(model, X))
             or any(layer.family.runs_own_code and subclassed(layer.module) for layer in program.layers.values())
-            or any(_kept_whole(use.node) for use in program.functional.values()))
+            or any(_kept_whole(use.node) for use in program.functional.values())
+            or any(orders_by_value(node) for node in program.graph.nodes))
 
 
 #: Modules whose functions torch.fx records as they are (ops, not user code kept whole).

@@ -30,7 +30,8 @@ from torch import Tensor, fx, nn
 from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 
-__all__ = ["MODULE_CALL", "module_spans", "reorders_rows", "modules_to_keep_whole", "kept_whole", "replay_module"]
+__all__ = ["MODULE_CALL", "module_spans", "orders_by_value", "reorders_rows", "modules_to_keep_whole", "kept_whole",
+           "replay_module"]
 
 _KEYS = itertools.count()
 # key -> [module path, module, the call's (args, kwargs) leaves, their spec, positions of the tensor
@@ -99,6 +100,16 @@ def module_spans(model: nn.Module, n: int):
     finally:
         for h in hooks:
             h.remove()
+
+
+def orders_by_value(node: fx.Node) -> bool:
+    """``node`` (of a torch.fx or ATen graph) sorts or counts values (:data:`_REORDERING`), over
+    whatever dims: on a torch.fx graph, without shapes, the sign that a module may reorder the
+    batch's rows, which only the ATen-level trace can tell (:func:`reorders_rows`)."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name.split(".")[0] in _REORDERING
 
 
 def reorders_rows(node: fx.Node, n: int) -> bool:
