@@ -123,10 +123,13 @@ def report(res: dict) -> str:
         lines.append(f"| {r['method']} | {r['sharded_call_mib']:.1f} | {base:.1f} | {ratio} |")
     lines += [
         "",
-        "A sharded call gathers every parameter whole (one all-gather each) and releases them when it "
-        "returns: its peak holds the whole model once more than the unsharded call's (which reads the "
-        "model's own tensors), plus the same per-sample work and aggregation. Between calls a rank holds "
-        "its shard only.",
+        "A sharded call gathers every parameter whole (one all-gather each) for its forward and backward "
+        "and releases them when it returns. The summed results of parameters sharded along their rows "
+        "(all of them here) are reduce-scattered one at a time into the rank's rows: the peak holds the "
+        "whole model, the rank's local results and one layer's buffer, where the unsharded call holds its "
+        "local results and their all-reduced copy. Between calls a rank holds its shard only. The target, "
+        f"1/world of the model ({res['shard_mib']:.1f} MiB) plus the micro-batch's activations, needs the "
+        "parameters gathered layer by layer and each layer's results reduced as they are read.",
     ]
     return "\n".join(lines) + "\n"
 

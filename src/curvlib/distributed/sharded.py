@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from .._core.errors import CurvatureError
 from .._core.inputs import map_tensors
 from ..extensions.combine import Combine
+from ._scatter import RowScatter, scattering
 from .owners import dtensor_type, is_sharded, on_owners, whole
 
 __all__ = ["fsdp_mesh", "ShardedModel", "sharded", "batch_group", "is_sharded", "on_owners", "whole"]
@@ -134,6 +135,8 @@ class ShardedModel:
         module: the twin, an ``nn.Module`` to take derivatives of.
         mesh: the device mesh.
         shards: ``{name: parameter}``, the model's own (sharded) parameters.
+        scatter: the ``RowScatter`` that reduces the summed results of parameters sharded
+            along their rows straight into their shards (``curvlib.distributed._scatter``).
 
     Examples::
 
@@ -162,6 +165,7 @@ class ShardedModel:
         self._pairs: List[tuple] = []  # (module, its twin)
         self.module = self._twin(model)
         self.shards = dict(model.named_parameters())
+        self.scatter = RowScatter(self.shards, _api())
         self._slots = {name: self._twins[id(p)] for name, p in self.shards.items()}
 
     def _twin(self, m: nn.Module) -> nn.Module:
@@ -343,7 +347,8 @@ def sharded(f: Callable[..., Dict[str, object]], model: ShardedModel, kinds: Map
             X = map_tensors(lambda t: t.to(model.cast_inputs) if t.is_floating_point() else t, X)
         with model.gathered():
             whole = None if params is None else {k: model.full(k, v) for k, v in params.items()}
-            results = f(X, y, params=whole, generator=generator, buffers=buffers)
+            with scattering(model.scatter):  # (summed results of row-sharded parameters: shards only)
+                results = f(X, y, params=whole, generator=generator, buffers=buffers)
         return {key: _distributed(value, kinds.get(key), model) for key, value in results.items()}
 
     return g
@@ -362,7 +367,10 @@ def _distributed(value, kind: Optional[Combine], model: ShardedModel):
         if kind in _KRONECKER:  # (split over the ranks like the parameter, along the factor's rows)
             placements = [api.Shard(0) if p.is_shard() else p for p in shard.placements] \
                 if hasattr(shard, "placements") else [api.Replicate()] * mesh.ndim
-            out[name] = [api.distribute_tensor(t.to(dtype), mesh, placements, src_data_rank=None) for t in v]
+            out[name] = [t.to(dtype) if is_sharded(t) else
+                         api.distribute_tensor(t.to(dtype), mesh, placements, src_data_rank=None) for t in v]
+        elif is_sharded(v):  # (reduce-scattered into its shards already)
+            out[name] = v.to(dtype)
         elif hasattr(shard, "placements"):
             out[name] = api.distribute_tensor(v.to(dtype), mesh, shard.placements, src_data_rank=None)
         else:
