@@ -125,11 +125,12 @@ def report(res: dict) -> str:
         "",
         "A sharded call gathers every parameter whole (one all-gather each) for its forward and backward "
         "and releases them when it returns. The summed results of parameters sharded along their rows "
-        "(all of them here) are reduce-scattered one at a time into the rank's rows: the peak holds the "
-        "whole model, the rank's local results and one layer's buffer, where the unsharded call holds its "
-        "local results and their all-reduced copy. Between calls a rank holds its shard only. The target, "
-        f"1/world of the model ({res['shard_mib']:.1f} MiB) plus the micro-batch's activations, needs the "
-        "parameters gathered layer by layer and each layer's results reduced as they are read.",
+        "(all of them here) are reduce-scattered into the rank's rows: the first-order ones as each "
+        "layer's are read during the backward (without Variance or batch slices), the second-order ones and Kronecker factors one at a time "
+        "after the call. The peak holds the whole model, the rank's shards of the gradient, the local "
+        "second-order results and one layer's buffer. Between calls a rank holds its shard only. The "
+        f"target, 1/world of the model ({res['shard_mib']:.1f} MiB) plus the micro-batch's activations, "
+        "needs the parameters gathered layer by layer as well.",
     ]
     return "\n".join(lines) + "\n"
 

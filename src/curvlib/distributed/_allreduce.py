@@ -16,13 +16,14 @@ from __future__ import annotations
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .._core.errors import CurvatureError
 from ..extensions.combine import Combine, Weight, formed, parts
 from . import _scatter
 
-__all__ = ["aggregate", "times"]
+__all__ = ["aggregate", "early_sink", "times"]
 
 # Dtypes whose buffers hold the unnormalised sums and the sizes (one collective call).
 _FUSED_DTYPES = (torch.float32, torch.float64)
@@ -44,6 +45,8 @@ def aggregate(
     formed again from the global results of their ``needs``, which ``local`` holds."""
     summed = _summed_entries(local, kinds, root_last or {})
     scatter = _scatter.current()
+    done = [e for e in summed if scatter is not None and scatter.reduced(e[3])]  # (by early_sink)
+    summed = [e for e in summed if not (scatter is not None and scatter.reduced(e[3]))]
     rows = {i for i, e in enumerate(summed) if scatter is not None and scatter.takes(e[1], e[3])}
     groups: Dict[Tuple[torch.dtype, torch.device], List[int]] = {}
     for i, entry in enumerate(summed):
@@ -54,6 +57,8 @@ def aggregate(
     out = _local_results(local, kinds, r)
     _unpack(out, summed, groups, buffers, post, loss_nan=mean and m_global == 0)
     del buffers
+    for key, name, j, t, _ in done:
+        _put(out, key, name, j, t)
     for i in sorted(rows):  # (one at a time: a whole entry beside its shard, never all of them)
         key, name, j, t, weight = summed[i]
         _put(out, key, name, j, scatter(name, t, weight.factor(*pre), weight.factor(*post)))
@@ -61,6 +66,45 @@ def aggregate(
     for ext in later:
         out[ext.name] = formed(ext, out, n_global)
     return {key: out[key] for key in local}
+
+
+def early_sink(scatter, kinds: Mapping[str, Combine], n_local: int, m_local: float, mean: bool, group, device):
+    """A sink (:mod:`curvlib._core.sink`) that reduce-scatters each summed first-order result of a
+    row-sharded parameter the moment it is read, with the weights :func:`aggregate` would give it
+    (the global sizes exchanged first, one small ``all_reduce``): unnormalised before the sum
+    (``× M_local``, ``M_local²``, ``N_local``) and divided by the global sizes after; 16-bit
+    results scaled by ``r = M_local/M_global`` before. :func:`aggregate` then keeps them as they are.
+
+    Args:
+        scatter: the sharded model's ``RowScatter``.
+        kinds: result key -> how ranks combine it.
+        n_local: the rank's samples.
+        m_local: its number of averaged terms (``"mean"``) or 1.
+        mean: the loss averages.
+        group: the process group.
+        device: where the sizes are exchanged (the inputs' device).
+
+    Returns:
+        ``sink(key, name, value)``: the rank's rows as a DTensor, or ``value`` as it is (per-sample
+        results, a parameter not sharded along its rows).
+    """
+    sizes = torch.tensor([float(n_local), float(m_local)], dtype=torch.float64, device=device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.SUM, group=group)
+    n_global, m_global = sizes.tolist()
+    n_global, m_global = round(n_global), (m_global if mean else 1.0)
+    r = m_local / m_global if m_global else 0.0
+    fused = ((float(m_local), float(n_local)), (1.0 / m_global if m_global else 0.0, 1.0 / n_global))
+    scaled = ((r, n_local / n_global), (1.0, 1.0))
+
+    def sink(key: str, name: str, value: Tensor) -> Tensor:
+        kind = kinds.get(key)
+        if kind is None or kind.samples_dim is not None or kind is Combine.FORMED or not scatter.takes(name, value):
+            return value
+        (part,) = parts(kind, {name: value})
+        pre, post = fused if value.dtype in _FUSED_DTYPES else scaled
+        return scatter(name, value, part.weight.factor(*pre), part.weight.factor(*post))
+
+    return sink
 
 
 def _summed_entries(local: Dict[str, object], kinds: Mapping[str, Combine],
@@ -88,7 +132,6 @@ def _reduce(summed, groups, local, n_local: int, m_local: float, mean: bool, gro
     """One ``all_reduce`` per buffer (asynchronous, then waited for); returns the reduced
     buffers and ``(N_global, M_global, r, pre, post)``: an entry is scaled by its weight's factor
     of ``pre`` before and of ``post`` after (:meth:`curvlib.extensions.combine.Weight.factor`)."""
-    import torch.distributed as dist  # lazy: only with a process group
 
     fused = all(e[3].dtype in _FUSED_DTYPES for e in summed)  # (the reduce-scattered ones too)
     if fused:

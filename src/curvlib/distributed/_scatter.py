@@ -76,6 +76,10 @@ class RowScatter:
             return False
         return p.device_mesh.ndim == 1 and tuple(p.placements) == (self._api.Shard(0),)
 
+    def reduced(self, t: object) -> bool:
+        """Whether ``t`` is a result reduce-scattered already (a DTensor)."""
+        return isinstance(t, self._api.DTensor)
+
     def __call__(self, name: str, t: Tensor, pre: float, post: float) -> Tensor:
         """``post · Σ_ranks pre · t`` as a DTensor of this rank's rows (a collective).
 
