@@ -101,7 +101,9 @@ class RowScatter:
         if pre != 0:
             torch.mul(t.detach(), pre, out=padded[:rows])
         mine = t.new_empty((per,) + tuple(t.shape[1:]))
-        dist.reduce_scatter_tensor(mine, padded, op=dist.ReduceOp.SUM, group=group)
+        # (torch 2.13 names it reduce_scatter_single and warns on the older name)
+        reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+        reduce_scatter(mine, padded, op=dist.ReduceOp.SUM, group=group)
         del padded
         own = max(0, min(per, rows - rank * per))
         mine = (mine[:own] * post) if own < per else mine.mul_(post)
