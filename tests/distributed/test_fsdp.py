@@ -225,6 +225,25 @@ def test_sum_reduction_and_monte_carlo():
                                [BatchGrad(), DiagGGNExact(), DiagGGNMC(), KFAC(), KFLR()]), world=len(SIZES))
 
 
+def _read_into_shards(rank, world):
+    """With no formed quantity (no Variance), each first-order result is reduce-scattered into the
+    rank's rows as soon as it is read; in batch slices (``batch_chunk_size``), after the call."""
+    exts = [BatchL2Grad(), SumGradSquared(), DiagGGNExact(), KFLR()]
+    for arch, how in (("mlp", "blocks"), ("transformer", "blocks")):
+        _same_as_unsharded(rank, world, arch, how, nn.CrossEntropyLoss(), exts)
+    model = _model("mlp")
+    ref = copy.deepcopy(model)
+    _shard(model, "blocks")
+    Xg, yg = _batch("mlp", sum(SIZES))
+    rows = _rows(rank)
+    q = curvature(model, nn.CrossEntropyLoss(), exts, batch_chunk_size=2)(Xg[rows], yg[rows])
+    _check_results(q, curvature(ref, nn.CrossEntropyLoss(), exts)(Xg, yg), model, rank)
+
+
+def test_first_order_read_into_shards_and_batch_slices():
+    spawn(_read_into_shards, (), world=len(SIZES), timeout_s=240)
+
+
 def _mixed_precision(rank, world):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 

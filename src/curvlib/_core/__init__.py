@@ -12,5 +12,6 @@
 - ``site``: the records the trace is made of (``Site``, ``Rule``, ``Residual``);
 - ``family``: a layer family's record (``Family``): every fact the stages read of it;
 - ``batch_layout``: a site's tensors in the canonical batch-first layout and back;
-- ``kronlayout``: how Kronecker factors are laid out per parameter.
+- ``kronlayout``: how Kronecker factors are laid out per parameter;
+- ``sink``: where each first-order result goes as it is read (a sharded model's reduction).
 """

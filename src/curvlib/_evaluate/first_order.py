@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from torch import Tensor
 
-from .._core import settings
+from .._core import settings, sink
 from .._core.scratch import reusing
 from .._core.site import Site, uses_of
 from .._core.tensors import is_concrete
@@ -110,6 +110,9 @@ class FirstOrderReader:
                 self.read_off.setdefault(need.name, need())
         # a need nothing returns and one formed quantity reads: written over by it
         self.overwrite = len(self.formed) == 1 and all(n.name not in self.returned for n in self.formed[0].needs)
+        # where each stored result goes at once (a sharded model's call); not with a formed
+        # quantity, which reads its needs' local values
+        self.sink = sink.current() if not self.formed else None
         self.out: Dict[str, Dict[str, Tensor]] = {"grad": {}}
         self.out.update({q: {} for q in [*self.read_off, *(e.name for e in self.formed)]})
         uses = uses_of(sites)
@@ -151,7 +154,8 @@ class FirstOrderReader:
         for name in site.params.values():
             for store in [self.partial, *self.out.values()]:
                 t = store.get(name)
-                if t is not None and t.untyped_storage().data_ptr() == ptr:
+                sunk = self.sink is not None and type(t) is not Tensor  # (a DTensor: fresh storage)
+                if t is not None and not sunk and t.untyped_storage().data_ptr() == ptr:
                     store[name] = t.clone()
 
     def results(self) -> Dict[str, Dict[str, Tensor]]:
@@ -194,7 +198,7 @@ class FirstOrderReader:
         for q, value in given.items():
             if value is None:
                 value = batch.sum(0) if q == "grad" else self.read_off[q].from_individual(batch)
-            self.out[q][name] = value
+            self.out[q][name] = value if self.sink is None else self.sink(q, name, value)
         for ext in self.formed:
             needed = [self.out[need.name][name] for need in ext.needs]
             self.out[ext.name][name] = ext.formed(self.out["grad"][name], needed, self.batch_size, self.overwrite)

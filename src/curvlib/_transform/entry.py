@@ -143,7 +143,8 @@ def _wrapped(f: "CurvatureCall", setup: "Setup", options, batch_chunk_size, proc
     if setup.chunk_kinds is not None:
         f = over_samples(f, setup.spec, setup.computed, batch_chunk_size, root_last=roots)
     if process_group is not None:
-        f = aggregated(f, setup.spec, setup.computed, process_group, root_last=roots)
+        f = aggregated(f, setup.spec, setup.computed, process_group, root_last=roots,
+                       sliced=setup.chunk_kinds is not None)
     if len(setup.computed) > len(setup.exts):
         f = _without(f, {e.name for e in setup.computed[len(setup.exts):]})
     if setup.prefix:

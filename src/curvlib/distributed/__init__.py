@@ -77,6 +77,7 @@ import contextlib
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .._core import inputs as _inputs
@@ -85,7 +86,9 @@ from .._core.buffers import vmapped
 from .._core.errors import CurvatureError, CurvatureTypeError
 from ..extensions import SecondOrder
 from ..extensions.combine import Combine
-from ._allreduce import aggregate, times
+from .._core import sink as _sink
+from . import _scatter
+from ._allreduce import aggregate, early_sink, times
 from ..losses import LossSpec, normaliser
 
 __all__ = ["aggregated"]
@@ -112,6 +115,7 @@ def aggregated(
     exts: Tuple,
     process_group: object,
     root_last: Optional[Callable[..., Mapping[str, bool]]] = None,
+    sliced: bool = False,
 ) -> Callable[..., Dict[str, object]]:
     """Wrap the single-process transform ``f`` so that it returns global quantities.
 
@@ -121,6 +125,7 @@ def aggregated(
         exts: the extensions ``f`` computes.
         process_group: a ``torch.distributed`` group (``dist.group.WORLD``) this process is in.
         root_last: ``(X, params) -> {name: bool}``: a Kronecker root factor last (``max_factor_dim``).
+        sliced: ``f`` combines batch slices (``batch_chunk_size``): results reduced after it only.
 
     Returns:
         ``g(X_local, y_local, params=None)``: a collective call returning the
@@ -149,16 +154,14 @@ def aggregated(
     """
     kinds, generators, later = _aggregation_kinds(exts)
     _check_group(process_group)
-    import torch.distributed as dist  # lazy: only with a process group
-
     mean = spec.reduction == "mean"
 
     def g(X, y: Tensor, params: Optional[Mapping[str, Tensor]] = None, generator=None,
           buffers: Optional[Mapping[str, Tensor]] = None) -> Dict[str, object]:
         _refuse_vmapped(X, y, params, buffers)
-        rank = _member_rank(dist, process_group)
-        device = _inputs.first(X).device
-        with _rank_streams(generators, rank, device):
+        rank, device = _member_rank(dist, process_group), _inputs.first(X).device
+        with _rank_streams(generators, rank, device), \
+                _sink.sinking(None if sliced else _early(spec, kinds, process_group, X, y, device)):
             local = f(X, y, params=params, generator=generator, buffers=buffers)
         n_local = _inputs.batch_size(X)
         m_local = normaliser(spec, _targets.prepare_targets(spec, y)) if mean else 1.0
@@ -166,6 +169,22 @@ def aggregated(
                          later)
 
     return g
+
+
+def _early(spec: LossSpec, kinds: Mapping[str, Combine], process_group, X, y: Tensor, device):
+    """On a sharded model's call, the sink that reduces each first-order result into the rank's
+    rows as it is read (:func:`curvlib.distributed._allreduce.early_sink`); ``None`` otherwise,
+    or when the sizes cannot be read (``f`` then says what is wrong with the inputs)."""
+    scatter = _scatter.current()
+    if scatter is None:
+        return None
+    mean = spec.reduction == "mean"
+    try:
+        n_local = _inputs.batch_size(X)
+        m_local = normaliser(spec, _targets.prepare_targets(spec, y)) if mean else 1.0
+    except (CurvatureError, RuntimeError, ValueError, TypeError):
+        return None
+    return early_sink(scatter, kinds, n_local, m_local, mean, process_group, device)
 
 
 def result_kinds(exts: Tuple) -> Dict[str, Combine]:

@@ -5,6 +5,10 @@ Every summed entry goes into one flat buffer per dtype and device, unnormalised
 the most precise buffer; after the ``all_reduce(SUM)`` the global sizes read back from
 it divide the sums (``1/M_global``, ``1/M_global²``, ``1/N_global``). 16-bit results
 exchange the sizes first and enter the buffer already scaled by ``r = M_local/M_global``.
+
+In a sharded model's call (:func:`curvlib.distributed._scatter.scattering`) the results of
+parameters sharded along their rows stay out of the buffer: after it, each is reduce-scattered
+on its own with the same factors, and its local tensor is freed before the next.
 """
 
 from __future__ import annotations
@@ -12,12 +16,14 @@ from __future__ import annotations
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .._core.errors import CurvatureError
 from ..extensions.combine import Combine, Weight, formed, parts
+from . import _scatter
 
-__all__ = ["aggregate", "times"]
+__all__ = ["aggregate", "early_sink", "times"]
 
 # Dtypes whose buffers hold the unnormalised sums and the sizes (one collective call).
 _FUSED_DTYPES = (torch.float32, torch.float64)
@@ -38,16 +44,67 @@ def aggregate(
     may be diagonal, ``max_factor_dim``). ``later``: the formed extensions (``Combine.FORMED``),
     formed again from the global results of their ``needs``, which ``local`` holds."""
     summed = _summed_entries(local, kinds, root_last or {})
+    scatter = _scatter.current()
+    done = [e for e in summed if scatter is not None and scatter.reduced(e[3])]  # (by early_sink)
+    summed = [e for e in summed if not (scatter is not None and scatter.reduced(e[3]))]
+    rows = {i for i, e in enumerate(summed) if scatter is not None and scatter.takes(e[1], e[3])}
     groups: Dict[Tuple[torch.dtype, torch.device], List[int]] = {}
     for i, entry in enumerate(summed):
-        groups.setdefault((entry[3].dtype, entry[3].device), []).append(i)
+        if i not in rows:
+            groups.setdefault((entry[3].dtype, entry[3].device), []).append(i)
     buffers, sizes = _reduce(summed, groups, local, n_local, m_local, mean, group)
-    n_global, m_global, r, post = sizes
+    n_global, m_global, r, pre, post = sizes
     out = _local_results(local, kinds, r)
     _unpack(out, summed, groups, buffers, post, loss_nan=mean and m_global == 0)
+    del buffers
+    for key, name, j, t, _ in done:
+        _put(out, key, name, j, t)
+    for i in sorted(rows):  # (one at a time: a whole entry beside its shard, never all of them)
+        key, name, j, t, weight = summed[i]
+        _put(out, key, name, j, scatter(name, t, weight.factor(*pre), weight.factor(*post)))
+        _release(local, summed, [i])
     for ext in later:
         out[ext.name] = formed(ext, out, n_global)
     return {key: out[key] for key in local}
+
+
+def early_sink(scatter, kinds: Mapping[str, Combine], n_local: int, m_local: float, mean: bool, group, device):
+    """A sink (:mod:`curvlib._core.sink`) that reduce-scatters each summed first-order result of a
+    row-sharded parameter the moment it is read, with the weights :func:`aggregate` would give it
+    (the global sizes exchanged first, one small ``all_reduce``): unnormalised before the sum
+    (``× M_local``, ``M_local²``, ``N_local``) and divided by the global sizes after; 16-bit
+    results scaled by ``r = M_local/M_global`` before. :func:`aggregate` then keeps them as they are.
+
+    Args:
+        scatter: the sharded model's ``RowScatter``.
+        kinds: result key -> how ranks combine it.
+        n_local: the rank's samples.
+        m_local: its number of averaged terms (``"mean"``) or 1.
+        mean: the loss averages.
+        group: the process group.
+        device: where the sizes are exchanged (the inputs' device).
+
+    Returns:
+        ``sink(key, name, value)``: the rank's rows as a DTensor, or ``value`` as it is (per-sample
+        results, a parameter not sharded along its rows).
+    """
+    sizes = torch.tensor([float(n_local), float(m_local)], dtype=torch.float64, device=device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.SUM, group=group)
+    n_global, m_global = sizes.tolist()
+    n_global, m_global = round(n_global), (m_global if mean else 1.0)
+    r = m_local / m_global if m_global else 0.0
+    fused = ((float(m_local), float(n_local)), (1.0 / m_global if m_global else 0.0, 1.0 / n_global))
+    scaled = ((r, n_local / n_global), (1.0, 1.0))
+
+    def sink(key: str, name: str, value: Tensor) -> Tensor:
+        kind = kinds.get(key)
+        if kind is None or kind.samples_dim is not None or kind is Combine.FORMED or not scatter.takes(name, value):
+            return value
+        (part,) = parts(kind, {name: value})
+        pre, post = fused if value.dtype in _FUSED_DTYPES else scaled
+        return scatter(name, value, part.weight.factor(*pre), part.weight.factor(*post))
+
+    return sink
 
 
 def _summed_entries(local: Dict[str, object], kinds: Mapping[str, Combine],
@@ -73,11 +130,10 @@ def _summed_entries(local: Dict[str, object], kinds: Mapping[str, Combine],
 
 def _reduce(summed, groups, local, n_local: int, m_local: float, mean: bool, group):
     """One ``all_reduce`` per buffer (asynchronous, then waited for); returns the reduced
-    buffers and ``(N_global, M_global, r, post)``: an entry is scaled by its weight's factor of
-    ``pre`` before and of ``post`` after (:meth:`curvlib.extensions.combine.Weight.factor`)."""
-    import torch.distributed as dist  # lazy: only with a process group
+    buffers and ``(N_global, M_global, r, pre, post)``: an entry is scaled by its weight's factor
+    of ``pre`` before and of ``post`` after (:meth:`curvlib.extensions.combine.Weight.factor`)."""
 
-    fused = all(dtype in _FUSED_DTYPES for dtype, _ in groups)
+    fused = all(e[3].dtype in _FUSED_DTYPES for e in summed)  # (the reduce-scattered ones too)
     if fused:
         # Sizes go into the most precise buffer; the sums are unnormalised.
         size_key = max(groups, key=lambda k: torch.finfo(k[0]).bits)
@@ -98,7 +154,7 @@ def _reduce(summed, groups, local, n_local: int, m_local: float, mean: bool, gro
     for work in works:
         work.wait()
     if not fused:
-        return buffers, (n_global, m_global, r, (1.0, 1.0))
+        return buffers, (n_global, m_global, r, pre, (1.0, 1.0))
     n_global, m_global = buffers[size_key][-2:].tolist()
     n_global = round(n_global)
     if not mean:
@@ -106,7 +162,7 @@ def _reduce(summed, groups, local, n_local: int, m_local: float, mean: bool, gro
     # nothing counted on any rank: every term is zero (PyTorch: NaN loss, zero gradient)
     r = m_local / m_global if m_global else 0.0
     post = (1.0 / m_global if m_global else 0.0, 1.0 / n_global)  # the weights of (1/M_global, 1/N_global)
-    return buffers, (n_global, m_global, r, post)
+    return buffers, (n_global, m_global, r, pre, post)
 
 
 def _filled(summed, idx: List[int], pre, key, sizes) -> Tensor:
@@ -170,12 +226,19 @@ def _unpack(out, summed, groups, buffers, post, loss_nan: bool) -> None:
             k, name, j, t, weight = summed[i]
             value = buf[offset:offset + t.numel()].view(t.shape) * weight.factor(*post)
             offset += t.numel()
-            if name is None:  # (the loss)
-                out[k] = torch.full_like(value, float("nan")) if loss_nan else value
-            elif j is not None:
-                out[k][name][j] = value
-            else:
-                out[k][name] = value
+            if name is None and loss_nan:  # (the loss)
+                value = torch.full_like(value, float("nan"))
+            _put(out, k, name, j, value)
+
+
+def _put(out, key: str, name: Optional[str], j: Optional[int], value: Tensor) -> None:
+    """``value`` into its slot of ``out``: the loss, a parameter's tensor or its factor ``j``."""
+    if name is None:
+        out[key] = value
+    elif j is not None:
+        out[key][name][j] = value
+    else:
+        out[key][name] = value
 
 
 def times(t: Tensor, r: float) -> Tensor:
