@@ -118,7 +118,10 @@ def region_residual(res, g: Tensor) -> Tuple[_NormRows, Tensor]:
     def contracted(row: Tensor, g_row: Tensor) -> Tensor:
         return (g_row * phi(row)).sum()
 
-    return layout, vmap(vmap(jacrev(jacrev(contracted))))(xr, gr)
+    # (the samples' rows as one batch of N·rows: one vmap level over the double jacrev, not two)
+    n, rows, d = xr.shape
+    blocks = vmap(jacrev(jacrev(contracted)))(xr.reshape(n * rows, d), gr.reshape(n * rows, gr.shape[-1]))
+    return layout, blocks.reshape(n, rows, d, d)
 
 
 def region_columns(res, g: Tensor):

@@ -44,6 +44,7 @@ from .._core.sync import LOCK
 from .._core.tensors import inside_transform
 from ..rules import attention, batchnorm, elementwise, layernorm
 from .._core.inputs import keyword_inputs, trace_structure, with_defaults
+from ..rules.batched_backward import batched_backward_op
 from ..rules.functional import FunctionalUse, split_computed_bias
 from ..rules.generic import restored
 from .functional_uses import functional_uses, input_dependent
@@ -95,8 +96,10 @@ class Program:
         ``params`` (name -> tensor), another module by its own ``forward`` without hooks, a
         method or a function as it is, except layer norm and hardsigmoid inside torch.func
         transforms, which run from primitives (:func:`curvlib.rules.layernorm.normalise`,
-        :func:`curvlib.rules.elementwise.hardsigmoid`: torch's kernels' higher derivatives), and
-        an evaluation-mode ``F.batch_norm``, always (:func:`curvlib.rules.batchnorm.functional`)."""
+        :func:`curvlib.rules.elementwise.hardsigmoid`: torch's kernels' higher derivatives), softmax
+        and smooth activations outside them while columns are pulled back many at once (a
+        backward that batches over them, :mod:`curvlib.rules.batched_backward`), and an
+        evaluation-mode ``F.batch_norm``, always (:func:`curvlib.rules.batchnorm.functional`)."""
         if node.op == "call_module":
             layer = self.layers.get(node.target)
             if layer is None:
@@ -106,6 +109,10 @@ class Program:
                 return rules.call_without_hooks(module, args, kwargs)
             tensors = {r: params[n] for r, n in layer.names.items()}
             return layer.forward(layer.module, layer.path, {}, tensors, args, kwargs, Recorder(None))
+        if layernorm.primitives_active() and not inside_transform():  # columns pulled back many at once
+            batched = batched_backward_op(node.target, args, kwargs)
+            if batched is not None:
+                return batched
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
         if node.target in _PRIMITIVES and inside_transform():

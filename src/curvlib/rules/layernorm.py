@@ -171,6 +171,11 @@ def from_primitives(on: bool = True) -> Iterator[None]:
         _PRIMITIVES.reset(token)
 
 
+def primitives_active() -> bool:
+    """Whether :func:`from_primitives` is active."""
+    return _PRIMITIVES.get()
+
+
 def normalise(x: Tensor, shape: Tuple[int, ...], eps: float) -> Tensor:
     """``x̂ = (x - mean_D(x)) / √(var_D(x) + ε)`` over the trailing axes ``shape``, ``x [*L, *D]``.
 
