@@ -45,7 +45,8 @@ class Examples:
                                  "reduction (use nn.CrossEntropyLoss, nn.MSELoss or nn.BCEWithLogitsLoss).")
         qs = self.function(X, y, params=self.params, buffers=self.buffers)
         scale = 1.0 if self.spec.reduction == "sum" else normaliser
-        return {n: g.detach() * scale for n, g in qs["grad_batch"].items()}
+        # scaled in place: the call's own [N_b, *p] results, not a second copy of them beside the first
+        return {n: g.detach().mul_(scale) for n, g in qs.pop("grad_batch").items()}
 
     def batches(self, data, size: Optional[int] = None) -> Iterator[Dict[str, Tensor]]:
         for X, y in Sliced(data, size):
