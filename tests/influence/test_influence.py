@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from curvlib import CurvatureError, CurvatureTypeError, influence
+from curvlib.operators.data import parameter_groups
 from oracles import influence as oracle
 from oracles.models import tiny_gpt2
 from oracles.on_device import seeded
@@ -308,6 +309,13 @@ def test_one_example_per_call_gives_the_same_factors_and_scores(strategy):
     sliced = influence.fit(model, lossfn, train, strategy=strategy, fisher_type="exact", batch_size=1)
     for name, block in whole["blocks"].items():
         torch.testing.assert_close(sliced["blocks"][name]["spectrum"], block["spectrum"], rtol=1e-10, atol=1e-14)
+    # one call per group of parameters, each group's sampled labels the same draws
+    assert len(parameter_groups({n: p.numel() for n, p in model.named_parameters()}, 1)) > 1
+    if strategy == "ekfac":
+        mc = [influence.fit(model, lossfn, train, strategy=strategy, generator=seeded(3), batch_size=size)
+              for size in (None, 1)]
+        for name, block in mc[0]["blocks"].items():
+            torch.testing.assert_close(mc[1]["blocks"][name]["spectrum"], block["spectrum"], rtol=1e-10, atol=1e-14)
     query = (X[:3], y[:3])
     torch.testing.assert_close(influence.scores(model, lossfn, whole, query, train, batch_size=1),
                                influence.scores(model, lossfn, whole, query, train), rtol=1e-10, atol=1e-12)

@@ -113,5 +113,6 @@ def self_scores(block: Mapping, damping: float, g: Tensor) -> Tensor:
     if block["spectrum"] is None:
         return c.square().flatten(1).sum(1)
     eigen = _eigen(block)
-    rotated = c if eigen is None else eigen.rotate(c)
-    return (rotated.square() / (block["spectrum"] + damping)).flatten(1).sum(1)
+    # Σ_i R(C)_i² / (s_i + λ) as a contraction of R(C)² with 1 / (s + λ): one temporary of the core's size
+    rotated = (c.square() if eigen is None else eigen.rotate(c).square_()).flatten(1)
+    return rotated @ (block["spectrum"] + damping).reciprocal().flatten()

@@ -145,9 +145,9 @@ def fit(model: nn.Module, lossfn, data, *, strategy: str = "ekfac", fisher_type:
         max_factor_dim: a Kronecker factor side larger than this is kept diagonal (a 50k
             vocabulary's).
         kfac_approx: ``"expand"`` (default) or ``"reduce"`` for weights shared by positions.
-        batch_size: examples per ``curvature`` call in EK-FAC's eigenvalue pass, whose curvature
-            roots are ``[N_b, P]`` per column (``None``: the loader's batches; 1 keeps the pass at
-            about a backward's memory). The same factors either way.
+        batch_size: examples per ``curvature`` call in EK-FAC's eigenvalue pass (roots ``[N_b, P]``
+            per column), the parameters in groups of ``≤ P / (1 + mc_samples · N_b)`` entries, a call
+            each (``None``: the loader's batches, all at once). The same factors either way.
 
     Returns:
         ``{"strategy", "fisher_type", "examples": N, "blocks": {name: block}}``, each block a dict

@@ -4,7 +4,8 @@ training examples scored against them one batch at a time (never all examples' g
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, Mapping, Optional
+from functools import partial
+from typing import Callable, Dict, Iterator, Mapping, Optional
 
 import torch
 from torch import Tensor, nn
@@ -13,7 +14,7 @@ from .. import extensions as ext
 from .. import losses
 from .._core.errors import CurvatureError, CurvatureTypeError
 from .._transform.entry import curvature
-from ..operators.data import Sliced, pairs
+from ..operators.data import Sliced, pairs, parameter_groups
 from ._directional import Directional, check_method, first_pair
 from ._blocks import block_dampings, check_rank, compress, pairwise, precondition, self_scores
 from ._fit import check_fitted
@@ -37,20 +38,32 @@ class Examples:
         self.params = {n: (params[n] if params is not None and n in params else named[n]).detach() for n in names}
         self.buffers = buffers
 
-    def gradients(self, X, y) -> Dict[str, Tensor]:
-        """Parameter name -> ``[N_b, *p]``, each example's loss gradient (summed over its positions)."""
+    def gradients(self, X, y, names=None) -> Dict[str, Tensor]:
+        """Parameter name -> ``[N_b, *p]``, each example's loss gradient (summed over its positions),
+        for the parameters ``names`` (default: all)."""
         normaliser = losses.normaliser(self.spec, y)
         if normaliser is None:
             raise CurvatureError(f"influence needs each example's own loss; the loss {self.spec.name} has no known "
                                  "reduction (use nn.CrossEntropyLoss, nn.MSELoss or nn.BCEWithLogitsLoss).")
-        qs = self.function(X, y, params=self.params, buffers=self.buffers)
+        params = self.params if names is None else {n: self.params[n] for n in names}
+        qs = self.function(X, y, params=params, buffers=self.buffers)
         scale = 1.0 if self.spec.reduction == "sum" else normaliser
-        return {n: g.detach() * scale for n, g in qs["grad_batch"].items()}
+        # scaled in place: the call's own [N_b, *p] results, not a second copy of them beside the first
+        return {n: g.detach().mul_(scale) for n, g in qs.pop("grad_batch").items()}
 
-    def batches(self, data, size: Optional[int] = None) -> Iterator[Dict[str, Tensor]]:
+    def reduced(self, data, size: Optional[int], each: Callable[[Dict[str, Tensor]], Tensor]) -> Iterator[Tensor]:
+        """Per slice of ``data`` (at most ``size`` examples; ``None``: its batches), the sum over
+        parameter groups of ``each(the group's gradients)``, which may pop (free) them as it goes.
+        With a ``size``, the groups hold at most ``P / (1 + size)`` entries each, a call each
+        (:func:`curvlib.operators.data.parameter_groups`): a call's gradient and ``[N_b, P_group]``
+        together at most the model's gradient; else one group."""
+        groups = parameter_groups({n: v.numel() for n, v in self.params.items()}, size)
         for X, y in Sliced(data, size):
-            yield self.gradients(X, y)
-
+            total = None
+            for names in groups:
+                part = each(self.gradients(X, y, None if len(groups) == 1 else names))
+                total = part if total is None else total + part
+            yield total
 
 
 def _examples(model, lossfn, fitted, params, buffers, output) -> Examples:
@@ -104,10 +117,11 @@ def precondition_queries(model: nn.Module, lossfn, factors: Mapping, queries, *,
     dampings = block_dampings(factors, damping)
     parts: Dict[str, list] = {name: [] for name in factors["blocks"]}
     count = 0
-    for grads in examples.batches(queries):
+    for X, y in pairs(queries):
+        grads = examples.gradients(X, y)
         count += next(iter(grads.values())).shape[0]
         for name, block in factors["blocks"].items():
-            parts[name].append(compress(precondition(block, dampings[name], grads[name]), query_rank))
+            parts[name].append(compress(precondition(block, dampings[name], grads.pop(name)), query_rank))
     blocks = {name: _cat(chunks) for name, chunks in parts.items()}
     return dict(preconditioned=True, count=count, damping=dampings, blocks=blocks)
 
@@ -142,7 +156,8 @@ def scores(model: nn.Module, lossfn, factors: Mapping, queries, train, *, dampin
             query and batch, contracted with each example's output gradient (memory a forward's
             plus ``chunk_size`` output-sized tangents, whatever ``P``; time grows with ``Q``).
         chunk_size: queries per Jacobian-vector product (``"jvp"``).
-        batch_size: examples per ``curvature`` call (``"gradients"``; ``None``: the loader's batches).
+        batch_size: examples per ``curvature`` call (``"gradients"``), the parameters in groups of
+            ``≤ P / (1 + N_b)`` entries, a call each (``None``: the loader's batches, all at once).
 
     Returns:
         ``[Q, N]`` in the factors' dtype: a positive score means training on ``n`` lowered the
@@ -176,11 +191,17 @@ def scores(model: nn.Module, lossfn, factors: Mapping, queries, train, *, dampin
     if method == "jvp":
         directional = Directional(model, lossfn, first_pair(train), examples.params, buffers, output, chunk_size)
         return torch.cat([directional.scores(X, y, factors, prepared) for X, y in pairs(train)], dim=1)
-    columns = []
-    for grads in examples.batches(train, batch_size):
-        columns.append(sum(pairwise(prepared["blocks"][name], block, grads[name])
-                           for name, block in factors["blocks"].items()))
-    return torch.cat(columns, dim=1)
+    return torch.cat(list(examples.reduced(train, batch_size, partial(_pairwise, prepared, factors))), dim=1)
+
+
+def _pairwise(prepared: Mapping, factors: Mapping, grads: Dict[str, Tensor]) -> Tensor:
+    """``[Q, N_b]``: ``Σ_p ⟨P g_q, g_n⟩_p`` over the blocks of ``grads``, each freed once contracted."""
+    return sum(pairwise(prepared["blocks"][n], factors["blocks"][n], grads.pop(n)) for n in list(grads))
+
+
+def _self(factors: Mapping, dampings: Mapping[str, float], grads: Dict[str, Tensor]) -> Tensor:
+    """``[N_b]``: ``Σ_p g_nᵀ P g_n`` over the blocks of ``grads``, each freed once used."""
+    return sum(self_scores(factors["blocks"][n], dampings[n], grads.pop(n)) for n in list(grads))
 
 
 def _prepared(queries, damping, query_rank) -> Optional[Mapping]:
@@ -210,7 +231,8 @@ def self_influence(model: nn.Module, lossfn, factors: Mapping, train, *, damping
         params: parameter name -> value, for the parameters ``factors`` were fitted on.
         buffers: buffer name -> tensor, replacing the model's.
         output: the tensor of a container output the loss takes.
-        batch_size: examples per ``curvature`` call (``None``: the loader's batches).
+        batch_size: examples per ``curvature`` call, the parameters in groups (as for ``scores``;
+            ``None``: the loader's batches, all parameters at once).
 
     Returns:
         ``[N]``, the diagonal of ``scores(..., train, train)`` (large: an example the model
@@ -234,8 +256,4 @@ def self_influence(model: nn.Module, lossfn, factors: Mapping, train, *, damping
     Sliced(train, batch_size)  # checks the size
     examples = _examples(model, lossfn, factors, params, buffers, output)
     dampings = block_dampings(factors, damping)
-    values = []
-    for grads in examples.batches(train, batch_size):
-        values.append(sum(self_scores(block, dampings[name], grads[name])
-                          for name, block in factors["blocks"].items()))
-    return torch.cat(values)
+    return torch.cat(list(examples.reduced(train, batch_size, partial(_self, factors, dampings))))

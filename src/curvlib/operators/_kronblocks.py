@@ -26,7 +26,7 @@ diagonal), and its inverse ``(R ⊗ I + λ)⁻¹`` as ``Q_R [(Q_Rᵀ C Q_I) / (�
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -34,8 +34,10 @@ from torch import Tensor
 from .._core import kronlayout
 from .._core.errors import CurvatureError
 from ..precondition import _kronbasis
+from .data import parameter_groups
 
-__all__ = ["Accumulator", "root_sides", "multiply", "spectral", "damped_spectrum", "dense_block", "projected_squares"]
+__all__ = ["Accumulator", "root_sides", "multiply", "spectral", "damped_spectrum", "dense_block", "projected_squares", "add_projected",
+           "grouped_params", "grouped_roots"]
 
 def root_sides(factors: Dict[str, List[Tensor]], root_last: Mapping[str, bool]) -> Dict[str, int]:
     """Parameter name -> the index of its root factor, from ``root_last`` (parameter name -> whether
@@ -170,3 +172,43 @@ def dense_block(apply: Callable[[Tensor], Tensor], shape: Tuple[int, ...], dtype
 def projected_squares(layout: _kronbasis.Layout, eigen: _kronbasis.Eigen, rows: Tensor) -> Tensor:
     """``Σ_s ((Qᵀ s)_i)²`` over the rows ``s`` of ``rows [S, *p]``, in the core's layout ``[G, o, a]``."""
     return eigen.rotate(layout.to_core(rows)).square().sum(0)
+
+
+def add_projected(total: Dict[str, Tensor], roots: Dict[str, Tensor], layouts: Mapping[str, _kronbasis.Layout],
+                  eigen: Mapping[str, _kronbasis.Eigen], weight: float) -> None:
+    """``total[p] += weight · Σ_s ((Qᵀ s)_i)²`` for every parameter ``p`` of ``roots`` (name -> ``[C, N_b, *p]``
+    or ``[N_b, *p]``), each root popped: freed once rotated, the rotation squared in place (one
+    temporary of a root's size at a time)."""
+    for name in list(roots):
+        layout = layouts[name]
+        core = layout.to_core(roots.pop(name).reshape(-1, *layout.shape))  # [S, G, o, a]
+        rotated = eigen[name].rotate(core)
+        squares = rotated.square() if rotated is core else rotated.square_()
+        del core, rotated
+        # Σ_s over S rows; one row is the sum itself (the same numbers as summing it)
+        part = (squares[0] if squares.shape[0] == 1 else squares.sum(0)).mul_(weight)
+        del squares
+        total[name] = part if name not in total else total[name].add_(part)
+
+
+def grouped_params(model, params: Optional[Mapping[str, Tensor]], space, columns: Optional[int]) -> List:
+    """``curvature``'s ``params`` for each call of a pass over parameter groups
+    (:func:`curvlib.operators.data.parameter_groups` of ``space``'s parameters, ``columns`` rows
+    besides the gradient): ``[params]`` for one group, else each group's values, ``params``' or the
+    model's, detached (values that require grad would take ``curvature``'s differentiable route)."""
+    groups = parameter_groups(dict(zip(space.names, map(math.prod, space.shapes))), columns)
+    if len(groups) == 1:
+        return [params]
+    named = dict(model.named_parameters()) if params is None else params
+    return [{n: named[n].detach() for n in group} for group in groups]
+
+
+def grouped_roots(call: Callable, groups: List, generator: Optional[torch.Generator], name: str) -> Iterator[Dict]:
+    """``call(params=group)[name]`` for each group of :func:`grouped_params`, ``generator`` restarted
+    for each: every group's roots are those of the same draws (sampled labels). The call's other
+    results (its gradient) are freed before the roots are yielded."""
+    state = None if generator is None else generator.get_state()
+    for params in groups:
+        if state is not None:
+            generator.set_state(state)
+        yield call(params=params).pop(name)

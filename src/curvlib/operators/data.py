@@ -22,7 +22,7 @@ from .._core import inputs as _inputs
 from .._core.errors import CurvatureError, CurvatureTypeError
 from .._transform.network import Batch, Network
 
-__all__ = ["Data", "BatchSeeds", "pairs", "Sliced"]
+__all__ = ["Data", "BatchSeeds", "pairs", "Sliced", "parameter_groups"]
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,28 @@ class Sliced:
             step = n if self.size is None else self.size
             for start in range(0, n, step):
                 yield _inputs.slice_batch(X, start, start + step), y[start:start + step]
+
+
+def parameter_groups(sizes: Mapping[str, int], columns: Optional[int]) -> List[List[str]]:
+    """The parameters (name -> entries ``|p|``) cut, in order, into groups for one ``curvature``
+    call each, when each call's results hold ``columns`` model-sized rows per entry besides the
+    gradient (a batch's individual gradients, ``N_b``; its root columns, ``C N_b``): each group at
+    most ``Σ_p |p| / (1 + columns)`` entries (a larger parameter alone), so that a call's gradient
+    and rows together, ``(1 + columns) Σ_{p ∈ group} |p|``, are at most the whole gradient's
+    size. ``columns=None``: one group."""
+    names = list(sizes)
+    if columns is None:
+        return [names]
+    budget = sum(sizes.values()) / (1 + columns)
+    groups: List[List[str]] = []
+    held = 0
+    for name in names:
+        if not groups or held + sizes[name] > budget:
+            groups.append([])
+            held = 0
+        groups[-1].append(name)
+        held += sizes[name]
+    return groups
 
 
 def _is_pair(data) -> bool:

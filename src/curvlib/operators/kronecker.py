@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from functools import partial
 from typing import Dict, Mapping, Optional
 
 import torch
@@ -321,9 +322,10 @@ class EKFAC(KFAC):
         mc_samples: sampled labels per sample (``"mc"`` only).
         max_factor_dim: a factor side larger than it is diagonal (as for the extensions).
         kfac_approx: ``None``, ``"expand"`` or ``"reduce"``, as for ``KFAC``.
-        correction_batch_size: samples per ``curvature`` call in the eigenvalue pass, whose roots
-            are ``[C·N_b, P]`` (or ``[M·N_b, P]``, ``[N_b, P]``); None: the data's batches. The
-            same eigenvalues either way.
+        correction_batch_size: samples per ``curvature`` call in the eigenvalue pass, whose roots are
+            ``[C·N_b, P]`` (or ``[M·N_b, P]``, ``[N_b, P]``), the parameters then in groups of at most
+            ``P / (1 + C·N_b)`` entries, a call each (``curvlib.operators.data.parameter_groups``);
+            None: the data's batches, all parameters at once. The same eigenvalues either way.
         keep_factors: as for ``KFAC`` (``False``: the factors are freed before the eigenvalue pass).
 
     Attributes:
@@ -362,19 +364,17 @@ class EKFAC(KFAC):
         self.eigenvalues = self._correct(root)
 
     def _correct(self, root: ext.Extension) -> Dict[str, Tensor]:
-        eigen = self.eigen
-        accumulator = self.accumulator()
+        eigen, accumulator, size = self.eigen, self.accumulator(), self.correction_batch_size
+        f = curvature(self.model, self.lossfn, [root], output=self.output)
+        # with a batch size, one call per group of parameters, its gradient and C·N_b root columns together
+        # at most the model's gradient; the generator restarted for each group: the same sampled labels
+        groups = _kronblocks.grouped_params(self.model, self.params, self.domain, size and size * self.mc_samples)
         total: Dict[str, Tensor] = {}
-        for qs, _, weight, _ in self.batches(root, accumulator, self.correction_batch_size):
-            roots = qs.pop(root.name)
-            del qs  # the batch's gradient: not alive beside the projections
-            for name, shape in zip(self.domain.names, self.domain.shapes):
-                columns = roots.pop(name).reshape(-1, *shape)  # [C·N or M·N or N, *p], this batch only: freed after
-                part = _kronblocks.projected_squares(self.layouts[name], eigen[name], columns).mul_(weight)
-                del columns
-                total[name] = part if name not in total else total[name].add_(part)
-        scale = accumulator.root_scale()
-        return {name: s.mul_(scale) for name, s in total.items()}
+        for X, y in Sliced(self.data, size):
+            weight = accumulator.root_weight(losses.normaliser(self.spec, y))
+            for roots in _kronblocks.grouped_roots(partial(f, X, y, buffers=self.buffers), groups, self.generator, root.name):
+                _kronblocks.add_projected(total, roots, self.layouts, eigen, weight)
+        return {name: s.mul_(accumulator.root_scale()) for name, s in total.items()}
 
     def block_product(self, name, v):
         return _kronblocks.spectral(self.layouts[name], self.eigen[name], self.eigenvalues[name], v)

@@ -132,19 +132,20 @@ class Eigen:
     lam_in: Tensor
 
     def rotate(self, core: Tensor) -> Tensor:
-        """``Q_rᵀ C Q_i`` per group: into the eigenbasis."""
+        """``Q_rᵀ C Q_i`` per group: into the eigenbasis. Batched matrix products broadcast over the
+        leading dims: one result per product, no copy of a strided ``C`` (einsum's permutes made two)."""
         if self.q_out is not None:
-            core = torch.einsum("gpo,...gpa->...goa", self.q_out, core)
+            core = torch.matmul(self.q_out.mT, core)
         if self.q_in is not None:
-            core = torch.einsum("...goa,gab->...gob", core, self.q_in)
+            core = torch.matmul(core, self.q_in)
         return core
 
     def unrotate(self, core: Tensor) -> Tensor:
-        """``Q_r C Q_iᵀ`` per group: back from the eigenbasis."""
+        """``Q_r C Q_iᵀ`` per group: back from the eigenbasis (as :meth:`rotate`)."""
         if self.q_out is not None:
-            core = torch.einsum("gpo,...goa->...gpa", self.q_out, core)
+            core = torch.matmul(self.q_out, core)
         if self.q_in is not None:
-            core = torch.einsum("...goa,gba->...gob", core, self.q_in)
+            core = torch.matmul(core, self.q_in.mT)
         return core
 
 
