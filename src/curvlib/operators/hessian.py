@@ -4,6 +4,8 @@ forward mode."""
 
 from __future__ import annotations
 
+from typing import List
+
 import torch
 
 from .._core.errors import CurvatureError
@@ -152,12 +154,13 @@ class Hessian(NetworkOperator):
         self.symmetric_checked = True
 
 
-def _probe_names(batch) -> list:
+def _probe_names(batch) -> List[str]:
     """The parameters ``S`` the probe of :meth:`Hessian._over_forward_agrees` acts on: the smallest
     tensors, in ascending size, while their total stays within an eighth of all parameters' (at
     least the smallest one). Those are the biases and norms' scales, one or more per layer, whose
     tangents pass forward through every operation after them and whose gradients pull back through
-    every one before: the probe's vectors, gradient and tangent hold ``|S| <= P/8`` numbers each."""
+    every one before: the probe's vectors, gradient and tangent hold ``|S|`` numbers each, at most
+    ``P/8`` unless the smallest tensor alone is larger."""
     names = sorted(batch.trainable, key=lambda n: batch.values[n].numel())  # (stable: model order among equals)
     budget = sum(batch.values[n].numel() for n in names) / 8
     chosen, total = [], 0
