@@ -126,7 +126,8 @@ class StructuralCurvature:
             s = torch.sigmoid(self.out)
             return s * (1 - s) * mat
         p = torch.softmax(self.out, dim=1)
-        return p * mat - p * (p * mat).sum(2, keepdim=True)
+        pm = p * mat  # (diag(p) − p pᵀ) u = p ⊙ u − p (pᵀ u), subtracted in place: one output-sized temporary fewer
+        return pm.sub_(p * pm.sum(2, keepdim=True))
 
 
 def may_be_negative(spec, y: Tensor) -> bool:

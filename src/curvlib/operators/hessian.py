@@ -4,6 +4,8 @@ forward mode."""
 
 from __future__ import annotations
 
+from typing import List
+
 import torch
 
 from .._core.errors import CurvatureError
@@ -90,10 +92,13 @@ class Hessian(NetworkOperator):
 
     def _over_forward_agrees(self, batch) -> bool:
         """Whether reverse over forward gives this model's Hessian products, decided once: on the
-        batch's first two samples, for one random vector, it must match forward over reverse to
-        ``√ε`` of the product's scale. torch gets some operations' forward-mode derivatives wrong
-        when they are differentiated again (layer_norm's, composed here), which only a comparison
-        shows; any failure of the probe keeps forward over reverse."""
+        batch's first two samples, for one random vector ``v`` supported on the probe's parameters
+        ``S`` (:func:`_probe_names`), ``(H v)_S = H_SS v_S`` must match forward over reverse to
+        ``√ε`` of its scale. torch gets some operations' forward-mode derivatives wrong when they
+        are differentiated again (layer_norm's, composed here), which only a comparison shows; any
+        failure of the probe keeps forward over reverse. Restricted to ``S``, neither way forms a
+        tensor the size of all parameters (forward over reverse would form the gradient and its
+        tangent)."""
         if self.over_forward is None:
             self.over_forward = False
             try:
@@ -102,7 +107,7 @@ class Hessian(NetworkOperator):
                                            {n: batch.values[n] for n in batch.trainable}, batch.call.buffers)
                 gen = torch.Generator(device=self.device).manual_seed(0)
                 V = {n: torch.randn((1,) + tuple(batch.values[n].shape), generator=gen, dtype=batch.values[n].dtype,
-                                    device=self.device) for n in batch.trainable}
+                                    device=self.device) for n in _probe_names(batch)}
                 want = self._functorch_product(probe, V)
                 got = plain.hessian_products_over_forward(probe, V)
                 scale = max(float(w.abs().max()) for w in want.values())
@@ -147,3 +152,21 @@ class Hessian(NetworkOperator):
         """Refuse reverse-mode second derivatives that are not symmetric (class doc), once."""
         check_symmetric(product, theta, "Hessian", reason)
         self.symmetric_checked = True
+
+
+def _probe_names(batch) -> List[str]:
+    """The parameters ``S`` the probe of :meth:`Hessian._over_forward_agrees` acts on: the smallest
+    tensors, in ascending size, while their total stays within an eighth of all parameters' (at
+    least the smallest one). Those are the biases and norms' scales, one or more per layer, whose
+    tangents pass forward through every operation after them and whose gradients pull back through
+    every one before: the probe's vectors, gradient and tangent hold ``|S|`` numbers each, at most
+    ``P/8`` unless the smallest tensor alone is larger."""
+    names = sorted(batch.trainable, key=lambda n: batch.values[n].numel())  # (stable: model order among equals)
+    budget = sum(batch.values[n].numel() for n in names) / 8
+    chosen, total = [], 0
+    for n in names:
+        total += batch.values[n].numel()
+        if chosen and total > budget:
+            break
+        chosen.append(n)
+    return chosen

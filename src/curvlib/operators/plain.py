@@ -161,31 +161,78 @@ class _Composed(TorchFunctionMode):
 
 def hessian_products_over_forward(batch: Batch, V: Directions) -> Directions:
     """``H V`` one vector at a time, reverse over forward: ``H v = ∇_θ ⟨∇_f L, J v⟩``, the gradient of
-    the loss's derivative along ``v``, with the output's tangent ``J v`` from forward mode and the
-    loss's gradient ``∇_f L`` by reverse mode on the output (differentiable: its own derivative in
-    ``θ`` gives the GGN term ``Jᵀ ∇²_f L J v``, the tangent's the residual). The forward holds the
-    primal and tangent activations and one backward returns ``H v``: neither the gradient ``∇_θ L``
-    nor its tangent is formed, as forward over reverse forms both. The loss never runs in forward
-    mode, and softmax and layer_norm run as their formulas (:class:`_Composed`). Raises torch's
-    error where a model operation has no differentiable forward-mode derivative, or where forward
-    mode is already in use (torch has one dual level); a derivative torch gets wrong is not seen
-    here (``Hessian`` compares the two ways once)."""
+    the loss's derivative along ``v``, with the output's tangent ``J v`` from forward mode. Its two
+    terms are one backward of the dual graph: ``∇_θ ⟨∇_f L, J v⟩ = Jᵀ (∇²_f L · J v) + (∂(J v)/∂θ)ᵀ ∇_f L``,
+    the output ``f`` pulled back with the loss Hessian's product in closed form (the GGN's,
+    ``diag(p) − p pᵀ`` for softmax cross-entropy) and the tangent ``J v`` with the loss's gradient,
+    both computed off the graph. So the loss never runs in forward mode nor keeps a graph of its
+    gradient, and neither ``∇_θ L`` nor its tangent is formed, as forward over reverse forms both.
+    The forward holds the primal and tangent activations; softmax and layer_norm run as their
+    formulas (:class:`_Composed`). Raises torch's error where a model operation has no
+    differentiable forward-mode derivative, or where forward mode is already in use (torch has one
+    dual level); a derivative torch gets wrong is not seen here (``Hessian`` compares the two ways
+    once)."""
     leaves = _leaves(batch, V)
     names = list(leaves)
     cols = []
     for col in _columns(V):
         with torch.enable_grad():
             with fwAD.dual_level(), _Composed():
-                duals = {n: fwAD.make_dual(leaves[n], v.to(leaves[n].dtype)) for n, v in zip(names, col)}
-                out, jv = fwAD.unpack_dual(batch.output(duals))
-            if jv is None or not out.requires_grad:  # (the output does not move along v)
-                cols.append([torch.zeros_like(leaf) for leaf in leaves.values()])
-                continue
-            (g_out,) = torch.autograd.grad(batch.loss(out), out, create_graph=True)
-            along = (g_out * jv).sum()
-        if not along.requires_grad:  # (the loss linear in the output, the output linear along v)
+                duals = {n: fwAD.make_dual(leaves[n], _own_storage(v.to(leaves[n].dtype))) for n, v in zip(names, col)}
+                dual = list(fwAD.unpack_dual(batch.output(duals)))  # [f, J v], emptied by _seeded_root
+                del duals
+            root = _seeded_root(batch, dual)
+        if root is None:  # (the output does not move along v)
             cols.append([torch.zeros_like(leaf) for leaf in leaves.values()])
             continue
-        got = torch.autograd.grad(along, list(leaves.values()), allow_unused=True)  # (the graph freed as it goes)
+        got = torch.autograd.grad(root, list(leaves.values()), allow_unused=True)  # (the graph freed as it goes)
+        del root
         cols.append([torch.zeros_like(x) if g is None else g for x, g in zip(leaves.values(), got)])
     return {n: torch.stack([c[k] for c in cols]) for k, n in enumerate(names)}
+
+
+def _seeded_root(batch: Batch, dual: List[Optional[Tensor]]) -> Optional[Tensor]:
+    """A scalar whose backward sends ``∇²_f L · J v`` to ``f`` and ``∇_f L`` to ``J v`` (None where
+    ``f`` does not move along ``v``) for ``dual = [f, J v]``, which it empties: one backward from
+    it is ``H v``. The graph saves neither ``f`` nor ``J v``, so ``J v`` is freed once the loss
+    Hessian has read it, ``f`` once the loss's gradient has."""
+    out, jv = dual
+    dual.clear()
+    if jv is None or not out.requires_grad:
+        return None
+    held: List[Tensor] = [batch.loss_hessian(out.detach()).matvec(jv.detach().unsqueeze(0))[0]]
+    if not jv.requires_grad:  # (the output linear along v: no second term)
+        return _Seed.apply(held, out)
+    root = _Seed.apply(held, out, jv)
+    primal = out.detach()
+    del out, jv
+    held.append(torch.func.grad(batch.loss)(primal))
+    return root
+
+
+class _Seed(torch.autograd.Function):
+    """``0`` from ``roots``; its backward returns the given cotangents once and lets go of them, so
+    each is freed when the graph's first node that reads it has run (a cotangent passed to
+    ``torch.autograd.grad`` stays referenced for the whole backward)."""
+
+    @staticmethod
+    def forward(ctx, held: List[Tensor], *roots: Tensor) -> Tensor:  # noqa: D102 - the class doc
+        ctx.held = held
+        return roots[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _grad: Tensor):  # noqa: D102 - the class doc
+        held, ctx.held = ctx.held, None
+        return (None, *held)
+
+
+def _own_storage(t: Tensor) -> Tensor:
+    """``t``'s memory as a tensor that owns a storage of exactly its size: forward mode copies a
+    tangent whose storage differs in size or offset from its primal's (a parameter's slice of a
+    flat vector), and an alias through DLPack avoids that copy of the whole vector."""
+    if not t.is_contiguous() or t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    try:
+        return torch.from_dlpack(t.detach())
+    except (RuntimeError, TypeError, BufferError):  # (a tensor DLPack cannot export: forward mode copies it)
+        return t
