@@ -465,3 +465,29 @@ def test_branch_chosen_by_the_whole_batch_refused(ext):
     assert X.sum() > 0 and X[0].sum() > 0 and X[2].sum() < 0
     with pytest.raises(CurvatureError, match="'mid' \\(Branchy.*branches on tensor values"):
         _quiet_curvature(model, lossfn, [ext])(X, y)
+
+
+class SpareOnly(nn.Module):
+    """An opaque module whose only Linear is never called."""
+
+    def __init__(self, d=3):
+        super().__init__()
+        self.spare = nn.Linear(d, d)
+        self.scale = nn.Parameter(torch.rand(d) + 0.5)
+
+    def forward(self, x):
+        if x.abs().max() > 1e6:
+            x = x.clamp(-1e6, 1e6)
+        return torch.tanh(x * self.scale)
+
+
+def test_kflr_of_a_linear_an_opaque_module_never_calls():
+    """No call of any inner Linear in any sample: its parameters get the zero block of an unused
+    parameter, the rest their factors."""
+    torch.manual_seed(0)
+    model = Sequences(SpareOnly()).double()
+    X, y = torch.randn(3, 2, 3, dtype=torch.float64), torch.randint(0, 3, (3,))
+    qs = _quiet_curvature(model, nn.CrossEntropyLoss(), [KFLR()])(X, y)["kflr"]
+    for name, p in model.mid.spare.named_parameters(prefix="mid.spare"):
+        assert len(qs[name]) == 1 and not qs[name][0].any()
+    assert len(qs["inp.weight"]) == 2 and qs["inp.weight"][0].abs().sum() > 0

@@ -145,13 +145,25 @@ def _all_factors(site: Site, m: Tensor, approx, max_dim) -> Dict[str, Tuple[Tens
         seen = _Calls()  # the calls' sites (their inputs) and output shapes
         with torch.no_grad():
             run(args, kwargs, seen)
+        if not seen.outputs:  # the sample's run calls none of them
+            return _sample_factors(layers, [], [], approx, max_dim)
         offsets = [torch.zeros(shape, dtype=dtype, device=m_n.device) for shape, dtype in seen.outputs]
         _, pullback = vjp(lambda d: run(args, kwargs, _Calls(d)), offsets)
-        pulled = vmap(lambda c: pullback(c)[0])(m_n.unsqueeze(out_dim + 1))  # per call [V, *out_c]
+        pulled = _pulled_columns(pullback, m_n.unsqueeze(out_dim + 1))
         return _sample_factors(layers, seen.sites, pulled, approx, max_dim)
 
     per_sample = map_samples(one_sample, (in_dims, 1), key=module)(inputs, dense(m))
     return {path: (B.sum(0), A.mean(0), int(calls.sum())) for path, (B, A, calls) in per_sample.items()}
+
+
+def _pulled_columns(pullback, columns: Tensor) -> List[Tensor]:
+    """Per call ``[V, *out_c]``: ``pullback`` of every column of ``columns [V, *out]``, vmapped, or
+    one by one where the module's backward has no batching rule."""
+    try:
+        return vmap(lambda c: pullback(c)[0])(columns)
+    except RuntimeError:
+        pulled = [pullback(c)[0] for c in columns.unbind(0)]
+        return [torch.stack(per_call) for per_call in zip(*pulled)]
 
 
 def _sample_factors(layers: Dict[str, nn.Module], sites: List[Site], pulled: List[Tensor], approx,
