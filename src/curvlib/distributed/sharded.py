@@ -135,8 +135,8 @@ class ShardedModel:
         module: the twin, an ``nn.Module`` to take derivatives of.
         mesh: the device mesh.
         shards: ``{name: parameter}``, the model's own (sharded) parameters.
-        scatter: the ``RowScatter`` that reduces the summed results of parameters sharded
-            along their rows straight into their shards (``curvlib.distributed._scatter``).
+        scatter: what reduces the summed results of parameters sharded along their rows
+            straight into their shards (a reduce-scatter per result).
 
     Examples::
 
