@@ -66,26 +66,36 @@ def _select(theta: Tensor, k: int, which: str) -> Tensor:
     return torch.cat([ascending[: k // 2], ascending[len(theta) - (k - k // 2):]])
 
 
-def _orthonormal_block(V: Tensor, W: Tensor, width: int, generator, scale: Tensor) -> Tensor:
-    """``width`` orthonormal columns ``N`` ⊥ ``V`` spanning the first columns of ``W``.
+def _extend_orthonormal(Q: Tensor, end: int, W: Tensor, width: int, generator, scale: Tensor) -> None:
+    """Write ``width`` orthonormal rows ``Q[end:end + width]`` ⊥ ``Q[:end]`` spanning the first columns of ``W``.
 
-    A column that falls below the breakdown threshold (its Krylov space is invariant)
-    is replaced by a random direction orthogonal to everything so far, so the iteration
-    continues in the complement.
+    The basis is kept as rows of a preallocated buffer, so each new vector is orthogonalised
+    against a contiguous ``Q[:row]`` in place of a copy of the basis grown by one column. A
+    column that falls below the breakdown threshold (its Krylov space is invariant) is replaced
+    by a random direction orthogonal to everything so far, so the iteration continues in the
+    complement.
     """
-    basis = V
+    row = end
     for col in range(W.shape[1]):
-        if basis.shape[1] == V.shape[1] + width:
+        if row == end + width:
             break
-        w = W[:, col]
-        for _ in range(2):  # "twice is enough" (Kahan–Parlett)
-            w = w - basis @ (basis.T @ w)
+        w = _orthogonalised(W[:, col], Q[:row])
         if w.norm() <= _validate.breakdown_threshold(scale, W.dtype):
-            w = _validate.draw("normal", (W.shape[0],), generator, W.dtype, W.device)
-            for _ in range(2):
-                w = w - basis @ (basis.T @ w)
-        basis = torch.cat([basis, (w / w.norm())[:, None]], dim=1)
-    return basis[:, V.shape[1]:]
+            w = _orthogonalised(_validate.draw("normal", (W.shape[0],), generator, W.dtype, W.device), Q[:row])
+        Q[row] = w / w.norm()
+        row += 1
+
+
+def _orthogonalised(w: Tensor, rows: Tensor) -> Tensor:
+    """``w`` less its projection on the orthonormal ``rows``: one classical Gram–Schmidt pass,
+    and a second where the first removed most of ``w``, $\lVert w' \rVert < \lVert w \rVert / \sqrt{2}$
+    (the DGKS criterion; twice is enough, Kahan–Parlett). A residual already orthogonalised
+    against ``rows`` loses almost nothing in the first pass and takes one."""
+    before = w.norm()
+    w = w - rows.T @ (rows @ w)
+    if bool(w.norm() * math.sqrt(2) < before):
+        w = w - rows.T @ (rows @ w)
+    return w
 
 
 def _ritz(T: Tensor, dim: int, residual: Tensor, k: int, which: str):
@@ -159,39 +169,39 @@ def lanczos(A, k=1, which="largest", num_iterations=None, tol=None, block_size=1
 
 
 def _block_lanczos(A, size, k, which, max_dim, tol, block_size, generator) -> Eigenpairs:
-    """The iteration of ``lanczos`` on checked arguments."""
+    """The iteration of ``lanczos`` on checked arguments. The basis is the rows of ``Q``
+    (``Q[:end]``, contiguous), so its products with a block are plain matrix products."""
     start = _validate.draw("normal", (size, block_size), generator, A.dtype, A.device)
-    V = _grown(torch.linalg.qr(start).Q, min(max_dim, max(2 * k, 8 * block_size)))
-    T = V.new_zeros(max_dim, max_dim)
-    begin, end, matvecs, scale = 0, block_size, 0, V.new_zeros(())
+    Q = _grown(torch.linalg.qr(start).Q.T, min(max_dim, max(2 * k, 8 * block_size)))
+    T = Q.new_zeros(max_dim, max_dim)
+    begin, end, matvecs, scale = 0, block_size, 0, Q.new_zeros(())
     while True:
-        AV = _validate.apply(A, V[:, begin:end])
+        AV = _validate.apply(A, Q[begin:end].T.contiguous())
         matvecs += end - begin
         scale = torch.maximum(scale, AV.norm(dim=0).max())
-        coefficients = V[:, :end].T @ AV
-        residual = AV - V[:, :end] @ coefficients
-        correction = V[:, :end].T @ residual  # second Gram–Schmidt pass
-        residual = residual - V[:, :end] @ correction
+        coefficients = Q[:end] @ AV
+        residual = AV - Q[:end].T @ coefficients
+        correction = Q[:end] @ residual  # second Gram–Schmidt pass
+        residual = residual - Q[:end].T @ correction
         T[:end, begin:end] = coefficients + correction
         if end >= k:
             values, ritz_coefficients, estimates, norm = _ritz(T, end, residual, k, which)
             if end in (size, max_dim) or bool((estimates <= tol * norm).all()):
                 break
         width = min(block_size, size - end, max_dim - end)
-        new = _orthonormal_block(V[:, :end], residual, width, generator, scale)
-        if end + width > V.shape[1]:
-            V = _grown(V[:, :end], min(max_dim, 2 * V.shape[1]))
-        V[:, end:end + width] = new
-        T[end:end + width, begin:end] = new.T @ residual
+        if end + width > Q.shape[0]:
+            Q = _grown(Q[:end], min(max_dim, 2 * Q.shape[0]))
+        _extend_orthonormal(Q, end, residual, width, generator, scale)
+        T[end:end + width, begin:end] = Q[end:end + width] @ residual
         begin, end = end, end + width
-    return _finish(A, V[:, :end] @ ritz_coefficients, values, tol * norm, matvecs)
+    return _finish(A, Q[:end].T @ ritz_coefficients, values, tol * norm, matvecs)
 
 
-def _grown(columns: Tensor, capacity: int) -> Tensor:
-    """``columns`` at the start of a ``[P, capacity]`` buffer: the basis doubles as it grows,
+def _grown(rows: Tensor, capacity: int) -> Tensor:
+    """``rows`` at the start of a ``[capacity, P]`` buffer: the basis doubles as it grows,
     so memory stays within twice the Krylov dimension reached."""
-    buffer = columns.new_zeros(columns.shape[0], capacity)
-    buffer[:, : columns.shape[1]] = columns
+    buffer = rows.new_zeros(capacity, rows.shape[1])
+    buffer[: rows.shape[0]] = rows
     return buffer
 
 
