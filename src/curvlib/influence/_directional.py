@@ -54,8 +54,10 @@ class Directional:
         scale = 1.0 if self.spec.reduction == "sum" else float(normaliser)
         with torch.no_grad():
             out = batch.output({})
-        # each example's output gradient of its own summed loss: ∂(c Σ ℓ)/∂f times M
+        # each example's output gradient of its own summed loss: ∂(c Σ ℓ)/∂f times M; the output
+        # freed before the products (an output-sized tensor beside their own)
         u = torch.func.grad(batch.loss)(out.detach()) * scale
+        del out
         rows = []
         for start in range(0, prepared["count"], self.chunk_size):
             V = self.directions(factors, prepared, start, start + self.chunk_size)

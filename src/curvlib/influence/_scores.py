@@ -157,7 +157,9 @@ def scores(model: nn.Module, lossfn, factors: Mapping, queries, train, *, dampin
             plus ``chunk_size`` output-sized tangents, whatever ``P``; time grows with ``Q``).
         chunk_size: queries per Jacobian-vector product (``"jvp"``).
         batch_size: examples per ``curvature`` call (``"gradients"``), the parameters in groups of
-            ``≤ P / (1 + N_b)`` entries, a call each (``None``: the loader's batches, all at once).
+            ``≤ P / (1 + N_b)`` entries, a call each; examples per Jacobian-vector product
+            (``"jvp"``: its output-sized tangents and activations scale with it). ``None``: the
+            loader's batches, all parameters at once.
 
     Returns:
         ``[Q, N]`` in the factors' dtype: a positive score means training on ``n`` lowered the
@@ -189,8 +191,9 @@ def scores(model: nn.Module, lossfn, factors: Mapping, queries, train, *, dampin
     if set(prepared["blocks"]) != set(factors["blocks"]):
         raise CurvatureError("the preconditioned queries and the factors name different parameters.")
     if method == "jvp":
-        directional = Directional(model, lossfn, first_pair(train), examples.params, buffers, output, chunk_size)
-        return torch.cat([directional.scores(X, y, factors, prepared) for X, y in pairs(train)], dim=1)
+        sliced = Sliced(train, batch_size)
+        directional = Directional(model, lossfn, first_pair(sliced), examples.params, buffers, output, chunk_size)
+        return torch.cat([directional.scores(X, y, factors, prepared) for X, y in sliced], dim=1)
     return torch.cat(list(examples.reduced(train, batch_size, partial(_pairwise, prepared, factors))), dim=1)
 
 
