@@ -153,8 +153,9 @@ def scores(model: nn.Module, lossfn, factors: Mapping, queries, train, *, dampin
         output: the tensor of a container output the loss takes (as for ``curvature``).
         method: ``"gradients"``: each training batch's example gradients ``[N_b, P]``, contracted
             block by block (time independent of ``Q``); ``"jvp"``: one Jacobian-vector product per
-            query and batch, contracted with each example's output gradient (memory a forward's
-            plus ``chunk_size`` output-sized tangents, whatever ``P``; time grows with ``Q``).
+            query and batch, contracted with each example's output gradient (memory a forward's,
+            the directions' ``P`` entries per query of a chunk, and ``chunk_size`` output-sized
+            tangents; never ``[N_b, P]``; time grows with ``Q``).
         chunk_size: queries per Jacobian-vector product (``"jvp"``).
         batch_size: examples per ``curvature`` call (``"gradients"``), the parameters in groups of
             ``≤ P / (1 + N_b)`` entries, a call each; examples per Jacobian-vector product
