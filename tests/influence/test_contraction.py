@@ -70,7 +70,7 @@ def test_long_blocks_are_summed_in_float64_slices():
     model = nn.Linear(1024, 1024, bias=False)
     block = influence.fit(model, nn.MSELoss(), (torch.randn(2, 1024), torch.randn(2, 1024)),
                           strategy="identity")["blocks"]["weight"]
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     query = 1 + torch.rand(3, 1, 1024, 1024, generator=gen)
     g = 1 + torch.rand(2, 1024, 1024, generator=gen)
     got = _blocks.pairwise(query, block, g)
