@@ -20,7 +20,10 @@ Methods: ``backward``; ``fit:ekfac`` (``fit(strategy="ekfac", fisher_type="mc",
 max_factor_dim=4096, batch_size=1)``: KFAC's factors on the batch, their eigendecompositions,
 the eigenvalue pass one sequence per call); ``scores:gradients`` (each batch's gradients
 ``[4, P]``), ``scores:gradients-1`` (``batch_size=1``), ``scores:jvp`` (Jacobian-vector products,
-``chunk_size=1``), ``self:gradients-1`` (``self_influence(batch_size=1)``).
+``chunk_size=1``), ``scores:jvp-1`` (and ``batch_size=1``), ``self:gradients-1``
+(``self_influence(batch_size=1)``). ``--queries FILE``: the preconditioned queries loaded from
+``FILE`` (saved there by the first scoring process that finds none) instead of computed in each
+process; the call's peak is measured the same way, above what the process holds before it.
 
 **peers**: curvlib and kronfluence side by side, each in a fresh process, on a causal language
 model of bias-free Linear layers (``oracles.models.TinyCausalLM`` at d 256, vocabulary 256, T 64;
@@ -50,7 +53,8 @@ sys.path.insert(0, HERE)
 
 from memory_knobs import spawn  # noqa: E402
 
-METHODS = ("backward", "fit:ekfac", "scores:gradients", "scores:gradients-1", "scores:jvp", "self:gradients-1")
+METHODS = ("backward", "fit:ekfac", "scores:gradients", "scores:gradients-1", "scores:jvp", "scores:jvp-1",
+           "self:gradients-1")
 MAX_FACTOR_DIM = 4096
 QUERIES = 4
 
@@ -87,7 +91,21 @@ def _queries(problem, seed: int):
             torch.randint(0, 50257, (QUERIES, y.shape[1]), generator=gen))
 
 
-def _runner(problem, method: str, factors_path: str, seed: int):
+def _prepared(problem, factors, path, seed: int):
+    """The 4 queries preconditioned: loaded from ``path`` if it exists, else computed (and saved
+    there when a ``path`` is given)."""
+    import torch
+    from curvlib import influence
+
+    if path and os.path.exists(path):
+        return torch.load(path, weights_only=True)
+    prepared = influence.precondition_queries(problem.model, problem.lossfn, factors, _queries(problem, seed))
+    if path:
+        torch.save(prepared, path)
+    return prepared
+
+
+def _runner(problem, method: str, factors_path: str, seed: int, queries_path=None):
     """``(call, setup_mib)``: a zero-argument callable doing ``method`` once."""
     import torch
     from curvlib import influence
@@ -104,10 +122,11 @@ def _runner(problem, method: str, factors_path: str, seed: int):
     held = {"factors_mib": _tensor_mib(factors)}
     if method.startswith("self:"):
         return (lambda: influence.self_influence(model, lossfn, factors, (X, y), batch_size=1)), held
-    prepared = influence.precondition_queries(model, lossfn, factors, _queries(problem, seed))
+    prepared = _prepared(problem, factors, queries_path, seed)
     held["queries_mib"] = _tensor_mib(prepared["blocks"])
     options = {"scores:gradients": {}, "scores:gradients-1": {"batch_size": 1},
-               "scores:jvp": {"method": "jvp", "chunk_size": 1}}[method]
+               "scores:jvp": {"method": "jvp", "chunk_size": 1},
+               "scores:jvp-1": {"method": "jvp", "chunk_size": 1, "batch_size": 1}}[method]
     return (lambda: influence.scores(model, lossfn, factors, prepared, (X, y), **options)), held
 
 
@@ -122,7 +141,7 @@ def _child_memory(job: dict) -> dict:
     torch.set_num_threads(job["threads"] or torch.get_num_threads())
     prewarm()
     problem = PROBLEMS["gpt2-small"](seed=job["seed"])
-    run, out = _runner(problem, job["method"], job["factors"], job["seed"])
+    run, out = _runner(problem, job["method"], job["factors"], job["seed"], job.get("queries"))
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     out["rss_before_mib"] = _status_mib("VmRSS")
@@ -268,6 +287,7 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--sequences", type=int, default=10_000)
     ap.add_argument("--factors", default="/tmp/curvlib-influence-gpt2-small-factors.pt")
+    ap.add_argument("--queries", default=None, help="a file of preconditioned queries, loaded (or saved once)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "cpu"))
@@ -305,8 +325,8 @@ def main(argv=None) -> int:
         methods.sort(key=lambda m: (m != "fit:ekfac", METHODS.index(m)))
         rows = {}
         for method in methods:
-            rows[method] = spawn(src, {**base, "mode": "memory", "method": method, "factors": args.factors},
-                                 args.threads, script=__file__)
+            rows[method] = spawn(src, {**base, "mode": "memory", "method": method, "factors": args.factors,
+                                       "queries": args.queries}, args.threads, script=__file__)
             print(f"{method}: {json.dumps(rows[method])}", file=sys.stderr, flush=True)
         if "backward" in rows:
             rows = {"backward": rows.pop("backward"), **rows}

@@ -32,6 +32,9 @@ __all__ = ["HEURISTIC_DAMPING", "block_dampings", "precondition", "pairwise", "s
 #: ``damping=None``: ``λ_p = 0.1 · mean(s_p)`` per block (kronfluence's heuristic, per module there)
 HEURISTIC_DAMPING = 0.1
 
+#: columns per product of a block's contraction (:func:`_contract`), summed in float64
+CONTRACTION_SLICE = 2**16
+
 Query = Union[Tensor, Tuple[Tensor, Tensor]]  # a block's core [Q, G, o, a], or (left [Q,G,o,r], right [Q,G,r,a])
 
 
@@ -100,11 +103,36 @@ def dense(query: Query) -> Tensor:
 
 def pairwise(query: Query, block: Mapping, g: Tensor) -> Tensor:
     """``[Q, N_b]``: ``⟨P g_q, g_n⟩`` on one block, ``g [N_b, *p]`` the batch's gradients."""
-    core = layout_of(block).to_core(g)
+    layout = layout_of(block)
     if isinstance(query, tuple):
         left, right = query
-        return torch.einsum("qgor,ngoa,qgra->qn", left, core.to(left.dtype), right)
-    return torch.einsum("qgoa,ngoa->qn", query, core.to(query.dtype))
+        return torch.einsum("qgor,ngoa,qgra->qn", left, layout.to_core(g).to(left.dtype), right)
+    return _inner(query, layout.to_core(g).to(query.dtype), layout)
+
+
+def _inner(query: Tensor, core: Tensor, layout: _kronbasis.Layout) -> Tensor:
+    """``[Q, N]``: ``Σ_{g,o,a} query[q, g, o, a] core[n, g, o, a]``, the two flattened: in the cores'
+    order where ``Q ≥ N`` (the query's, as ``precondition`` makes it), else in the parameter's (the
+    gradient's). Where the two orders differ in memory (a ``"rows"`` or ``"transposed"`` layout's
+    core is a strided view of its parameter), only the operand with fewer rows is copied."""
+    # an einsum over the cores permutes the query to the gradient's memory order: Q copies of a
+    # block (a 50k vocabulary's embedding: 4 × 147 MiB) for one example's gradient
+    if query.shape[0] < core.shape[0]:
+        query, core = layout.from_core(query), layout.from_core(core)
+    return _contract(query.reshape(query.shape[0], -1), core.reshape(core.shape[0], -1))
+
+
+def _contract(a: Tensor, b: Tensor) -> Tensor:
+    """``a bᵀ`` (``[Q, K] × [N, K] -> [Q, N]``) in slices of ``CONTRACTION_SLICE`` columns, their
+    products summed in float64, returned in ``a``'s dtype."""
+    # a float32 product over a whole block (K = 38.6 M entries for a 50k vocabulary's head) sums
+    # in float32 along K: on such a block of scores that cancel (Σ|terms| ≈ 50 |score|), 3e-4 to
+    # 2e-3 off the float64 score depending on the kernel; slices of 2^16 summed in float64: 5e-6
+    total = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float64, device=a.device)
+    for start in range(0, a.shape[-1], CONTRACTION_SLICE):
+        stop = start + CONTRACTION_SLICE
+        total += a[:, start:stop] @ b[:, start:stop].mT
+    return total.to(a.dtype)
 
 
 def self_scores(block: Mapping, damping: float, g: Tensor) -> Tensor:
@@ -115,4 +143,4 @@ def self_scores(block: Mapping, damping: float, g: Tensor) -> Tensor:
     eigen = _eigen(block)
     # Σ_i R(C)_i² / (s_i + λ) as a contraction of R(C)² with 1 / (s + λ): one temporary of the core's size
     rotated = (c.square() if eigen is None else eigen.rotate(c).square_()).flatten(1)
-    return rotated @ (block["spectrum"] + damping).reciprocal().flatten()
+    return _contract(rotated, (block["spectrum"] + damping).reciprocal().flatten()[None])[:, 0]

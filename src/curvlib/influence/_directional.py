@@ -4,8 +4,10 @@ of a batch and each preconditioned query ``v``.
 One Jacobian-vector product per query (forward mode where torch has one for every operation of
 the model; reverse over reverse otherwise, :class:`curvlib.operators.Jacobian`'s), contracted
 with each example's output gradient ``∂ℓ_n/∂f_n``. No example's gradient is formed: the memory
-is a forward's plus ``K`` output-sized tangents per chunk of ``K`` queries, whatever the number
-of parameters; the time grows with the number of queries (one forward-mode pass each).
+is a forward's, the directions (forward mode holds a copy of each beside its parameter: ``P``
+entries per query of a chunk) and ``K`` output-sized tangents per chunk of ``K`` queries, all
+of it but the directions proportional to the examples per product; the time grows with the
+number of queries (one forward-mode pass each).
 """
 
 from __future__ import annotations
@@ -54,8 +56,10 @@ class Directional:
         scale = 1.0 if self.spec.reduction == "sum" else float(normaliser)
         with torch.no_grad():
             out = batch.output({})
-        # each example's output gradient of its own summed loss: ∂(c Σ ℓ)/∂f times M
+        # each example's output gradient of its own summed loss: ∂(c Σ ℓ)/∂f times M; the output
+        # freed before the products (an output-sized tensor beside their own)
         u = torch.func.grad(batch.loss)(out.detach()) * scale
+        del out
         rows = []
         for start in range(0, prepared["count"], self.chunk_size):
             V = self.directions(factors, prepared, start, start + self.chunk_size)

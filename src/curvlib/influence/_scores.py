@@ -153,11 +153,14 @@ def scores(model: nn.Module, lossfn, factors: Mapping, queries, train, *, dampin
         output: the tensor of a container output the loss takes (as for ``curvature``).
         method: ``"gradients"``: each training batch's example gradients ``[N_b, P]``, contracted
             block by block (time independent of ``Q``); ``"jvp"``: one Jacobian-vector product per
-            query and batch, contracted with each example's output gradient (memory a forward's
-            plus ``chunk_size`` output-sized tangents, whatever ``P``; time grows with ``Q``).
+            query and batch, contracted with each example's output gradient (memory a forward's,
+            the directions' ``P`` entries per query of a chunk, and ``chunk_size`` output-sized
+            tangents; never ``[N_b, P]``; time grows with ``Q``).
         chunk_size: queries per Jacobian-vector product (``"jvp"``).
         batch_size: examples per ``curvature`` call (``"gradients"``), the parameters in groups of
-            ``≤ P / (1 + N_b)`` entries, a call each (``None``: the loader's batches, all at once).
+            ``≤ P / (1 + N_b)`` entries, a call each; examples per Jacobian-vector product
+            (``"jvp"``: its output-sized tangents and activations scale with it). ``None``: the
+            loader's batches, all parameters at once.
 
     Returns:
         ``[Q, N]`` in the factors' dtype: a positive score means training on ``n`` lowered the
@@ -189,8 +192,9 @@ def scores(model: nn.Module, lossfn, factors: Mapping, queries, train, *, dampin
     if set(prepared["blocks"]) != set(factors["blocks"]):
         raise CurvatureError("the preconditioned queries and the factors name different parameters.")
     if method == "jvp":
-        directional = Directional(model, lossfn, first_pair(train), examples.params, buffers, output, chunk_size)
-        return torch.cat([directional.scores(X, y, factors, prepared) for X, y in pairs(train)], dim=1)
+        sliced = Sliced(train, batch_size)
+        directional = Directional(model, lossfn, first_pair(sliced), examples.params, buffers, output, chunk_size)
+        return torch.cat([directional.scores(X, y, factors, prepared) for X, y in sliced], dim=1)
     return torch.cat(list(examples.reduced(train, batch_size, partial(_pairwise, prepared, factors))), dim=1)
 
 
