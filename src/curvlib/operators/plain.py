@@ -173,6 +173,8 @@ def hessian_products_over_forward(batch: Batch, V: Directions) -> Directions:
         got = torch.autograd.grad(root, list(leaves.values()), allow_unused=True)  # (the graph freed as it goes)
         del root
         cols.append([torch.zeros_like(x) if g is None else g for x, g in zip(leaves.values(), got)])
+    if len(cols) == 1:  # (one vector: its products as they are, no copy)
+        return {n: cols[0][k].unsqueeze(0) for k, n in enumerate(names)}
     return {n: torch.stack([c[k] for c in cols]) for k, n in enumerate(names)}
 
 
