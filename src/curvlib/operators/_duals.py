@@ -32,19 +32,20 @@ def parts(t: Optional[Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor]]:
 
 
 def dual_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:  # noqa: A002 - F.linear's names
-    """``F.linear`` with tangent ``dx Wᵀ + x dWᵀ + db`` accumulated into one buffer: the first
-    product (with ``db`` added by the kernel) allocates it, the second adds into it in place
-    (``addmm_``, whose backward reads its two factors, never the buffer)."""
+    """``F.linear`` with tangent ``dx Wᵀ + x dWᵀ + db`` accumulated into one buffer, rows by
+    ``out_features``: the first product (``addmm`` with ``db``) allocates it, the second adds
+    into it in place (``addmm_``, whose backward reads its two factors, never the buffer; on the
+    buffer itself, not a view of it, so the backward copies nothing)."""
     (xp, xt), (wp, wt), (bp, bt) = parts(input), parts(weight), parts(bias)
     out = F.linear(xp, wp, bp)
-    products = [(a, b) for a, b in ((xt, wp), (xp, wt)) if a is not None and b is not None]
+    products = [(a.reshape(-1, a.shape[-1]), b.t()) for a, b in ((xt, wp), (xp, wt)) if a is not None and b is not None]
     if not products:
         return out if bt is None else fwAD.make_dual(out, bt.expand(out.shape).contiguous())
     (a, b), rest = products[0], products[1:]
-    tangent = F.linear(a, b, bt)
+    tangent = torch.mm(a, b) if bt is None else torch.addmm(bt, a, b)
     for a, b in rest:
-        tangent.view(-1, tangent.shape[-1]).addmm_(a.reshape(-1, a.shape[-1]), b.t())
-    return fwAD.make_dual(out, tangent)
+        tangent.addmm_(a, b)
+    return fwAD.make_dual(out, tangent.view(out.shape))
 
 
 def dual_softmax(x: Tensor, dim: int, dtype=None, log: bool = False) -> Tensor:
