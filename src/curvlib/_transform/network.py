@@ -118,7 +118,7 @@ class Batch:
         Hessian. The whole output at once for one sample, another loss, or a chunk that counts
         nothing (``M_s = 0``)."""
         spec, y = self.network.spec, self.call.y
-        per_sample = spec.kind in ("ce", "mse") and out.dim() > 1 and y.shape[:1] == out.shape[:1]
+        per_sample = spec.splits_by_sample and out.dim() > 1 and y.shape[:1] == out.shape[:1]
         chunks = _sample_chunks(out.shape[0]) if per_sample else []
         whole = losses.normaliser(spec, y) if len(chunks) > 1 else None
         counts = [losses.normaliser(spec, y[s]) for s in chunks] if whole else []
