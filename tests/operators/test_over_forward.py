@@ -1,6 +1,7 @@
 """One vector's Hessian product, reverse over forward, on what it computes its own way: the
 forward-mode rules of linear, softmax, log_softmax and layer_norm (``curvlib.operators._duals``)
-and the loss's derivatives a few samples at a time (``Batch.loss_derivative``).
+and the loss's derivatives a few samples at a time (``Batch.loss_derivative``); the products
+flattened entry by entry (``ParameterSpace.flatten_emptying``).
 
 Oracles in float64: ``H v`` by reverse over reverse through ``torch.func`` (``vjp`` of ``grad``:
 the Hessian is symmetric), the loss's gradient by ``torch.func.grad`` of the whole loss and its
@@ -136,3 +137,21 @@ def test_loss_derivatives_by_chunks_of_samples(config):
     got_grad, got_hvp = batch.loss_derivative(out), batch.loss_derivative(out, u)
     assert torch.allclose(got_grad, want_grad, rtol=1e-10, atol=1e-13), float((got_grad - want_grad).abs().max())
     assert torch.allclose(got_hvp, want_hvp, rtol=1e-10, atol=1e-13), float((got_hvp - want_hvp).abs().max())
+
+
+@pytest.mark.parametrize("k", [None, 1, 3])
+def test_flatten_emptying_equals_flatten(k):
+    """The products' flattening entry by entry equals ``flatten`` and empties the dict it reads
+    (each entry freed once copied); an entry that requires grad goes through ``flatten``."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+    X, y = torch.randn(5, 3, dtype=D), torch.randint(0, 2, (5,))
+    space = Hessian(model, nn.CrossEntropyLoss(), (X, y)).codomain
+    g = seeded(7)
+    entries = {n: torch.randn(((k,) if k else ()) + tuple(s), generator=g, dtype=D)
+               for n, s in zip(space.names, space.shapes)}
+    want = space.flatten(entries)
+    taken = dict(reversed(list(entries.items())))  # (any order)
+    got = space.flatten_emptying(taken)
+    assert torch.equal(got, want) and got.shape == want.shape and not taken
+    leaf = {n: t.clone().requires_grad_(True) for n, t in entries.items()}
+    assert torch.equal(space.flatten_emptying(dict(leaf)), want)
