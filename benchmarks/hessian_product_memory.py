@@ -10,7 +10,7 @@ is counted from its first appearance until it is freed, views of storages made b
 measurement (the parameters, ``v``) are not counted. The peak is of tensor bytes, without the
 allocator's caching or fragmentation (``operators.py`` measures the process's own peak).
 
-Methods: ``backward`` (``loss.backward()``, the reference), ``curvlib`` (``Hessian @ v``: forward over reverse), ``curvlib-ror`` (its
+Methods: ``backward`` (``loss.backward()``, the reference), ``curvlib`` (``Hessian @ v``: one vector, reverse over forward), ``curvlib-ror`` (its
 reverse-over-reverse path through ``torch.func``), ``curvlib-plain`` (reverse over reverse on
 plain autograd), ``eager-for`` (``jvp(grad(loss))`` with ``functional_call`` on the model),
 ``eager-ror`` (``autograd.grad`` with ``create_graph``, then the gradient of ``⟨∇L, v⟩``).

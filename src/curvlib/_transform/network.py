@@ -13,7 +13,7 @@ front end as ``curvature``: every model it takes, wrapped or not, with the same 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Tuple
+from typing import Callable, List, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -107,6 +107,41 @@ class Batch:
         """``c·∇²ℓ`` at ``out``, per sample (``matvec``, ``sampled_roots``); ``check``: refuse a
         generic loss that couples samples."""
         return losses.curvature_at(self.network.spec, out, self.call.y, check=check, negative=self.call.negative)
+
+    def loss_derivative(self, out: Tensor, along: Optional[Tensor] = None) -> Tensor:
+        r"""The loss's gradient $\nabla_f L$ at ``out`` (``along`` None), or its Hessian's product
+        $\nabla^2_f L \cdot u$ with ``along = u`` (``out``'s shape), a few samples at a time where
+        the loss is a cross-entropy or a squared error: so the temporaries of the softmax and of
+        the loss's backward are a chunk's size, not the output's. ``L = (1/M) Σ_n ℓ_n`` and a
+        chunk ``s`` of samples has its own loss ``L_s = (1/M_s) Σ_{n∈s} ℓ_n`` (``M`` the
+        normaliser, 1 for ``"sum"``), so ``∂L/∂f_s = (M_s/M) ∂L_s/∂f_s``, the same for the
+        Hessian. The whole output at once for one sample, another loss, or a chunk that counts
+        nothing (``M_s = 0``)."""
+        spec, y = self.network.spec, self.call.y
+        per_sample = spec.splits_by_sample and out.dim() > 1 and y.shape[:1] == out.shape[:1]
+        chunks = _sample_chunks(out.shape[0]) if per_sample else []
+        whole = losses.normaliser(spec, y) if len(chunks) > 1 else None
+        counts = [losses.normaliser(spec, y[s]) for s in chunks] if whole else []
+        if not whole or not all(counts):
+            if along is None:
+                return torch.func.grad(self.loss)(out)
+            return self.loss_hessian(out).matvec(along.unsqueeze(0))[0]
+        result = torch.empty_like(out)
+        for s, count in zip(chunks, counts):
+            if along is None:
+                part = torch.func.grad(lambda o: losses.loss_value(spec, o, y[s]))(out[s])
+            else:
+                hessian = losses.curvature_at(spec, out[s], y[s], check=False, negative=self.call.negative)
+                part = hessian.matvec(along[s].unsqueeze(0))[0]
+            torch.mul(part, count / whole, out=result[s])
+            del part
+        return result
+
+
+def _sample_chunks(n: int, most: int = 8) -> List[slice]:
+    """``n`` samples in at most ``most`` consecutive slices of equal size (the last smaller)."""
+    size = -(-n // most)
+    return [slice(k, min(k + size, n)) for k in range(0, n, size)]
 
 
 def translated(model: nn.Module, work: Callable[[], object]):

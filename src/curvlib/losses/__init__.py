@@ -87,6 +87,13 @@ class LossSpec:
         return self.kind in STRUCTURAL.values()
 
     @property
+    def splits_by_sample(self) -> bool:
+        """Whether the loss of a slice of the samples, ``lossfn(out[s], y[s])``, is its share of the
+        whole loss scaled by its own normaliser (MSE, cross-entropy: their options act per class or
+        not at all; BCE's ``weight`` may be per sample)."""
+        return self.kind in ("mse", "ce")
+
+    @property
     def name(self) -> str:
         m = self.module
         return type(m).__name__ if isinstance(m, nn.Module) else getattr(m, "__name__", repr(m))

@@ -106,6 +106,24 @@ class ParameterSpace:
             return torch.cat([tensors[n].reshape(-1) for n in self.names])
         return torch.cat([tensors[n].reshape(leading, -1) for n in self.names], dim=1).T
 
+    def flatten_emptying(self, tensors: Dict[str, Tensor]) -> Tensor:
+        """:meth:`flatten`, taking each entry out of ``tensors`` once it is copied: an entry nothing
+        else holds is freed as the result fills, so its memory and the result's written pages are
+        not all held at once (``torch.cat`` holds every input until the end). As :meth:`flatten`
+        where an entry requires grad or the entries' dtypes or devices differ.
+
+        :meta private:
+        """
+        first = next(iter(tensors.values()), None)
+        if set(tensors) != set(self.names) or any(
+                t.requires_grad or t.dtype != first.dtype or t.device != first.device for t in tensors.values()):
+            return self.flatten(tensors)
+        leading = _leading_dims(self, tensors)
+        out = first.new_empty((1 if leading is None else leading, self.dim))
+        for name, where in self.offsets().items():
+            out[:, where].copy_(tensors.pop(name).reshape(out.shape[0], -1))
+        return out[0] if leading is None else out.T
+
     def unflatten(self, flat: Tensor) -> Dict[str, Tensor]:
         """``[P]`` -> ``{name: [*p]}``, ``[P, K]`` -> ``{name: [K, *p]}``.
 

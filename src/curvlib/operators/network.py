@@ -118,7 +118,8 @@ class NetworkOperator(CurvatureOperator):
                 total = part if scale == 1 else {n: scale * p for n, p in part.items()}
             else:
                 total = {n: total[n] + scale * p for n, p in part.items()}
-        return self.codomain.flatten(total)
+            part = None  # (``total`` holds the products alone)
+        return self.codomain.flatten_emptying(total)  # (the batches' products freed as the result fills)
 
     def batch_weight(self, weight: float) -> float:
         """How batch ``b``'s matrix enters the data's (:mod:`curvlib.operators.data`): ``w_b``.

@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 from .._core.errors import CurvatureError
 from .._core.tensors import is_wrapped
 from .._transform.network import Batch
+from . import _duals
 
 __all__ = ["needs_plain_autograd", "output_curvature", "hessian_products", "hessian_products_over_forward",
            "jacobian_products", "transposed_products"]
@@ -118,30 +119,12 @@ def hessian_products(batch: Batch, V: Directions):
     return {n: torch.stack([c[n] for c in cols]) for n in names}, one
 
 
-def _softmax(x: Tensor, dim: int, dtype=None, log: bool = False) -> Tensor:
-    """``softmax(x)`` (or its log) along ``dim`` as ``exp(x − m) / Σ exp(x − m)``, ``m`` the row's
-    largest finite entry; a row of ``−inf`` gives zeros (log: ``−inf``)."""
-    x = x if dtype is None else x.to(dtype)
-    m = x.detach().amax(dim, keepdim=True)
-    shifted = x - torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    total = shifted.exp().sum(dim, keepdim=True)
-    return shifted - total.log() if log else shifted.exp() / torch.where(total > 0, total, torch.ones_like(total))
-
-
-def _layer_norm(x: Tensor, shape, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
-    """``F.layer_norm`` as its formula: ``(x − μ) / √(σ² + ε) · w + b`` over the last ``len(shape)`` dims."""
-    dims = tuple(range(-len(shape), 0))
-    centred = x - x.mean(dims, keepdim=True)
-    out = centred * torch.rsqrt(centred.pow(2).mean(dims, keepdim=True) + eps)
-    out = out if weight is None else out * weight
-    return out if bias is None else out + bias
-
-
 class _Composed(TorchFunctionMode):
-    """``softmax``, ``log_softmax`` and ``layer_norm`` run as their formulas (:func:`_softmax`,
-    :func:`_layer_norm`): torch's forward-mode derivatives of those kernels cannot be differentiated
-    again (softmax's writes into its saved result; layer_norm's gives a wrong derivative), which
-    reverse over forward needs."""
+    """``linear``, ``softmax``, ``log_softmax`` and ``layer_norm`` by the forward-mode rules of
+    :mod:`curvlib.operators._duals`: torch's forward-mode derivatives of those kernels cannot be
+    differentiated again (softmax's writes into its saved result; layer_norm's gives a wrong
+    derivative), which reverse over forward needs, and ``addmm``'s makes four temporaries the size
+    of the output for its tangent."""
 
     _SOFT = (torch.softmax, F.softmax, Tensor.softmax)
     _LOG = (torch.log_softmax, F.log_softmax, Tensor.log_softmax)
@@ -153,9 +136,11 @@ class _Composed(TorchFunctionMode):
             dim = kwargs.pop("dim", rest[0] if rest else None)
             dtype = kwargs.pop("dtype", None) or next((a for a in rest[1:] if isinstance(a, torch.dtype)), None)
             if isinstance(dim, int):
-                return _softmax(args[0], dim, dtype, log=func in self._LOG)
+                return _duals.dual_softmax(args[0], dim, dtype, log=func in self._LOG)
         if func in (F.layer_norm, torch.layer_norm):
-            return _layer_norm(*args, **{k: v for k, v in kwargs.items() if k != "cudnn_enable"})
+            return _duals.dual_layer_norm(*args[:5], **{k: v for k, v in kwargs.items() if k != "cudnn_enable"})
+        if func is F.linear:
+            return _duals.dual_linear(*args, **kwargs)
         return func(*args, **kwargs)
 
 
@@ -167,11 +152,11 @@ def hessian_products_over_forward(batch: Batch, V: Directions) -> Directions:
     ``diag(p) − p pᵀ`` for softmax cross-entropy) and the tangent ``J v`` with the loss's gradient,
     both computed off the graph. So the loss never runs in forward mode nor keeps a graph of its
     gradient, and neither ``∇_θ L`` nor its tangent is formed, as forward over reverse forms both.
-    The forward holds the primal and tangent activations; softmax and layer_norm run as their
-    formulas (:class:`_Composed`). Raises torch's error where a model operation has no
-    differentiable forward-mode derivative, or where forward mode is already in use (torch has one
-    dual level); a derivative torch gets wrong is not seen here (``Hessian`` compares the two ways
-    once)."""
+    The forward holds the primal and tangent activations; linear, softmax and layer_norm run by
+    forward-mode rules of their own (:class:`_Composed`). Raises torch's error where a model
+    operation has no differentiable forward-mode derivative, or where forward mode is already in
+    use (torch has one dual level); a derivative torch gets wrong is not seen here (``Hessian``
+    compares the two ways once)."""
     leaves = _leaves(batch, V)
     names = list(leaves)
     cols = []
@@ -188,6 +173,8 @@ def hessian_products_over_forward(batch: Batch, V: Directions) -> Directions:
         got = torch.autograd.grad(root, list(leaves.values()), allow_unused=True)  # (the graph freed as it goes)
         del root
         cols.append([torch.zeros_like(x) if g is None else g for x, g in zip(leaves.values(), got)])
+    if len(cols) == 1:  # (one vector: its products as they are, no copy)
+        return {n: cols[0][k].unsqueeze(0) for k, n in enumerate(names)}
     return {n: torch.stack([c[k] for c in cols]) for k, n in enumerate(names)}
 
 
@@ -200,13 +187,13 @@ def _seeded_root(batch: Batch, dual: List[Optional[Tensor]]) -> Optional[Tensor]
     dual.clear()
     if jv is None or not out.requires_grad:
         return None
-    held: List[Tensor] = [batch.loss_hessian(out.detach()).matvec(jv.detach().unsqueeze(0))[0]]
+    primal, tangent = out.detach(), jv.detach()
+    held: List[Tensor] = [batch.loss_derivative(primal, tangent)]
     if not jv.requires_grad:  # (the output linear along v: no second term)
         return _Seed.apply(held, out)
     root = _Seed.apply(held, out, jv)
-    primal = out.detach()
-    del out, jv
-    held.append(torch.func.grad(batch.loss)(primal))
+    del out, jv, tangent
+    held.append(batch.loss_derivative(primal))
     return root
 
 
