@@ -119,7 +119,7 @@ class Batch:
         nothing (``M_s = 0``)."""
         spec, y = self.network.spec, self.call.y
         per_sample = spec.splits_by_sample and out.dim() > 1 and y.shape[:1] == out.shape[:1]
-        chunks = _sample_chunks(out.shape[0]) if per_sample else []
+        chunks = _sample_chunks(out.shape[0], out.numel()) if per_sample else []
         whole = losses.normaliser(spec, y) if len(chunks) > 1 else None
         counts = [losses.normaliser(spec, y[s]) for s in chunks] if whole else []
         if not whole or not all(counts):
@@ -138,9 +138,16 @@ class Batch:
         return result
 
 
-def _sample_chunks(n: int, most: int = 8) -> List[slice]:
-    """``n`` samples in at most ``most`` consecutive slices of equal size (the last smaller)."""
-    size = -(-n // most)
+#: Output entries per chunk of samples in ``Batch.loss_derivative``: an output up to this size
+#: is taken whole (on a small model a chunk's calls cost more than its temporaries save).
+LOSS_CHUNK_ENTRIES = 1 << 22
+
+
+def _sample_chunks(n: int, entries: int, most: int = 8) -> List[slice]:
+    """``n`` samples of ``entries`` output entries in all, in consecutive slices of equal size (the
+    last smaller) of about ``LOSS_CHUNK_ENTRIES`` entries each, at most ``most`` of them."""
+    count = max(1, min(most, n, -(-entries // LOSS_CHUNK_ENTRIES)))
+    size = -(-n // count)
     return [slice(k, min(k + size, n)) for k in range(0, n, size)]
 
 
