@@ -123,14 +123,15 @@ def report(res: dict) -> str:
         lines.append(f"| {r['method']} | {r['sharded_call_mib']:.1f} | {base:.1f} | {ratio} |")
     lines += [
         "",
-        "A sharded call gathers every parameter whole (one all-gather each) for its forward and backward "
-        "and releases them when it returns. The summed results of parameters sharded along their rows "
-        "(all of them here) are reduce-scattered into the rank's rows: the first-order ones as each "
-        "layer's are read during the backward (without Variance or batch slices), the second-order ones and Kronecker factors one at a time "
-        "after the call. The peak holds the whole model, the rank's shards of the gradient, the local "
+        "A sharded call gathers each parameter (one all-gather) when its layer's forward reads it and "
+        "drops it when the layer is done; what autograd saves of it for the backward is kept as its name "
+        "and gathered again when the backward reads it. The summed results of parameters sharded along "
+        "their rows (all of them here) are reduce-scattered into the rank's rows: the first-order ones "
+        "as each layer's are read during the backward (without Variance or batch slices), the "
+        "second-order ones and Kronecker factors one at a time after the call. So the peak holds the "
+        "parameters of the layers being computed, the rank's shards of the gradient, the local "
         "second-order results and one layer's buffer. Between calls a rank holds its shard only. The "
-        f"target, 1/world of the model ({res['shard_mib']:.1f} MiB) plus the micro-batch's activations, "
-        "needs the parameters gathered layer by layer as well.",
+        f"target: 1/world of the model ({res['shard_mib']:.1f} MiB) plus the micro-batch's activations.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, fx
 from torch.func import vjp
 
-from .._core import inputs as _inputs, strategy as _strategy
+from .._core import inputs as _inputs, param_reads, strategy as _strategy
 from .._trace.program import Program
 from .._interpret.graph import run_graph
 from .._plan.plan import Plan
@@ -137,9 +137,10 @@ class Forward:
     def run(self, X, rec: Recorder, env: Optional[Dict[fx.Node, object]] = None) -> Tensor:
         """The model output on ``X``, recorded by ``rec`` (``env``: filled with every node's value;
         a graph only)."""
-        if env is not None:
-            return run_graph(self.program, X, self.params, self.trainable, rec, env=env)
-        return (self.runner or run_graph)(self.program, X, self.params, self.trainable, rec)
+        with param_reads.forward_values(self.params) as params:  # (a sharded model's: gathered per layer)
+            if env is not None:
+                return run_graph(self.program, X, params, self.trainable, rec, env=env)
+            return (self.runner or run_graph)(self.program, X, params, self.trainable, rec)
 
 
 def forward_with_probes(fwd: Forward, direct: bool = False, keep_values: bool = False,

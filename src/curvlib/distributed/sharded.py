@@ -4,11 +4,16 @@
 its modules FSDP classes whose hooks gather the parameters around each forward and backward.
 curvlib runs no hooks and takes derivatives with ``torch.func``, so it runs a *twin* of the
 model instead: the same module objects' state (buffers, attributes, submodules, shared
-modules shared) under their classes before ``fully_shard``, without hooks, whose parameters
-are plain tensors of the full shapes. Their values are gathered (``DTensor.full_tensor()``)
-when ``f`` is called and released when it returns, so between calls a rank holds its shards
-alone; during a call it holds every parameter once (what FSDP's own forward and backward
-hold in turn, block by block).
+modules shared) under their classes before ``fully_shard``, without hooks, whose parameter
+slots hold placeholders of the full shapes (one element each). During a call each parameter is
+gathered (``DTensor.full_tensor()``) when a layer's forward reads it and dropped when the layer
+is done; what autograd saves of it for the backward is kept as its name and gathered again when
+the backward needs it (:mod:`curvlib._core.param_reads`). So a rank holds its shards, plus the
+parameters of the layers it is computing at the moment, as FSDP's own forward and backward do
+block by block; every column chunk the second order pulls back gathers its layers once more.
+Parameters a graph reads as attributes (a functional use such as an RMSNorm's ``weight * x``)
+stay gathered until the forward returns, and the Hessian's records (``DiagHessian``) and a
+forward under a torch.func transform keep those they hold until the call returns.
 
 ``f(X_local, y_local)`` is a collective over the mesh, every rank passing its own batch:
 the data-parallel aggregation over the ranks of the mesh (:mod:`curvlib.distributed`) makes
@@ -41,6 +46,8 @@ from torch import Tensor, nn
 from .._core.errors import CurvatureError
 from .._core.inputs import map_tensors
 from ..extensions.combine import Combine
+from .._core import param_reads
+from ._gather import LayerGather, storage_of
 from ._scatter import RowScatter, scattering
 from .owners import dtensor_type, is_sharded, on_owners, whole
 
@@ -123,9 +130,9 @@ class ShardedModel:
     """The twin of a model sharded with ``fully_shard``, and the model's parameter shards.
 
     The twin (``module``) holds the same modules' state under their classes before
-    ``fully_shard``, without hooks; its parameters are plain tensors of the full shapes that
-    hold one element between calls and the gathered values inside ``gathered()`` (the
-    module's description above says why).
+    ``fully_shard``, without hooks; its parameters are placeholders, plain tensors of the full
+    shapes holding one element, which the forwards inside :meth:`call` read gathered, layer by
+    layer (the module's description above says why).
 
     Args:
         model: the model sharded with ``fully_shard`` (its parameters DTensors).
@@ -151,8 +158,10 @@ class ShardedModel:
         >>> twin = ShardedModel(model, fsdp_mesh(model))
         >>> type(twin.module).__name__, type(twin.shards["weight"]).__name__
         ('Linear', 'DTensor')
-        >>> with twin.gathered():
-        ...     torch.equal(twin.module.weight, model.weight.full_tensor())
+        >>> twin.module.weight.untyped_storage().nbytes()  # (a placeholder: one element)
+        4
+        >>> with twin.call() as reader:  # (what a forward reading the placeholder computes with)
+        ...     torch.equal(reader.value("weight", twin.module.weight.detach()), model.weight.full_tensor())
         True
         >>> dist.destroy_process_group()
     """
@@ -167,6 +176,7 @@ class ShardedModel:
         self.shards = dict(model.named_parameters())
         self.scatter = RowScatter(self.shards, _api())
         self._slots = {name: self._twins[id(p)] for name, p in self.shards.items()}
+        self._placeholders = {storage_of(slot): name for name, slot in self._slots.items()}
 
     def _twin(self, m: nn.Module) -> nn.Module:
         if id(m) in self._twins:
@@ -192,43 +202,50 @@ class ShardedModel:
         return self._twins[id(p)]
 
     def full(self, name: str, value: Tensor) -> Tensor:
-        """``value`` (a parameter's, sharded or whole) as the twin computes with it.
+        """``value``, parameter ``name``'s (a DTensor or whole), as the twin computes with it: whole
+        (``full_tensor()``, a collective, for a DTensor), detached, in the twin's dtype."""
+        t = whole(value)
+        return (t.detach() if t.requires_grad else t).to(self._slots[name].dtype)
 
-        Args:
-            name: the parameter's name in the model (``"0.weight"``).
-            value: its value, a DTensor or a whole tensor; anything else (or a name the model
-                does not have) is returned as it is, for ``curvlib.curvature`` to name what is
-                wrong with it.
-
-        Returns:
-            The whole tensor, detached, in the dtype the twin computes in.
-        """
-        if name not in self._slots or not isinstance(value, Tensor):
+    def placeholder(self, name: str, value: object) -> object:
+        """What the twin's pipeline is given for the caller's ``params[name]``: the parameter's
+        placeholder (read through :meth:`call`'s gather) where ``value`` is a tensor of its
+        shape; anything else (or a name the model does not have) as it is, for
+        ``curvlib.curvature`` to name what is wrong with it."""
+        slot = self._slots.get(name)
+        if slot is None or not isinstance(value, Tensor) or tuple(value.shape) != tuple(slot.shape):
             return value
-        return whole(value).detach().to(self._slots[name].dtype)
+        return slot.detach()
 
     @contextlib.contextmanager
-    def gathered(self) -> Iterator[None]:
-        """A context in which the twin's parameters hold the model's full values.
+    def call(self, params: Optional[Mapping[str, Tensor]] = None, when: str = "layers") -> Iterator[LayerGather]:
+        """A context in which the twin's forwards read each parameter gathered, layer by layer.
 
-        Each parameter is gathered on entry (``full_tensor()``, an all-gather every rank of the
-        mesh takes part in) and released on exit; train/eval modes and reassigned buffers are
-        copied from the model first.
+        Train/eval modes and reassigned buffers are copied from the model first. Inside, the
+        evaluation's forwards gather a parameter (``full_tensor()``, an all-gather every rank
+        of the mesh takes part in) when a layer reads its placeholder, and again when a
+        backward reads what autograd saved of it (:mod:`curvlib._core.param_reads`).
+
+        Args:
+            params: ``{name: value}`` the caller gave for some parameters (sharded or whole),
+                read instead of the model's shards.
+            when: ``"layers"`` (each layer's parameters gathered in the forward and again in
+                the backward), ``"forward"`` (gathered in the forward, what autograd saves of
+                them kept until the call returns) or ``"call"`` (every parameter gathered up
+                front for the whole call).
 
         Yields:
-            None.
+            The call's :class:`LayerGather` (its reader).
         """
-        slots = self._slots
         for m, twin in self._pairs:  # (what may change between calls: train/eval, reassigned buffers)
             twin.training = m.training
             twin._buffers.update(m._buffers)
-        try:
-            for name, shard in self.shards.items():
-                slots[name].data = self.full(name, shard)  # (an all-gather per parameter, FSDP's collective)
-            yield
-        finally:
-            for name, slot in slots.items():
-                slot.data = _placeholder(slot.shape, slot.dtype, slot.device)
+        source = dict(self.shards)
+        source.update({k: v for k, v in (params or {}).items() if k in self._slots and isinstance(v, Tensor)})
+        device = next((slot.device for slot in self._slots.values()), torch.device("cpu"))
+        reader = LayerGather(self._placeholders, source, self.full, batch_group(self.mesh), device, when)
+        with param_reads.reading(reader):
+            yield reader
 
 
 def _fsdp_params(model: nn.Module) -> List[object]:
@@ -299,12 +316,13 @@ def batch_group(mesh):
         f"{dist.get_world_size()} ranks; curvlib aggregates a multi-dimensional mesh over the whole world only.")
 
 
-def sharded(f: Callable[..., Dict[str, object]], model: ShardedModel, kinds: Mapping[str, Combine]) -> Callable:
-    """``f`` on the model's shards: parameters gathered for the call, results sharded back.
+def sharded(f: Callable[..., Dict[str, object]], model: ShardedModel, kinds: Mapping[str, Combine],
+            when: str = "layers") -> Callable:
+    """``f`` on the model's shards: parameters gathered layer by layer, results sharded back.
 
     ``curvlib.curvature`` returns this for a sharded model. The returned function casts
     floating-point inputs where the model's mixed precision policy does, calls ``f`` inside
-    ``model.gathered()`` and returns each summed result as DTensors placed like the
+    ``model.call()`` (each parameter gathered as a layer reads it) and returns each summed result as DTensors placed like the
     parameters (Kronecker factors split along their rows); per-sample results and the loss
     come back as ``f`` returned them.
 
@@ -316,6 +334,9 @@ def sharded(f: Callable[..., Dict[str, object]], model: ShardedModel, kinds: Map
         kinds: ``{result key: how it combines over ranks}``, a
             ``curvlib.extensions.combine.Combine`` per key (``SUM`` for ``"grad"``); a key
             not in it is returned as it is.
+        when: when the parameters are gathered (:meth:`ShardedModel.call`): ``"layers"``,
+            ``"forward"`` where the number of backwards depends on the rank's batch (the
+            Hessian's columns), ``"call"`` where the number of forwards does (batch slices).
 
     Returns:
         ``g(X, y, params=None, generator=None, buffers=None)``, a collective over the mesh, with
@@ -345,10 +366,10 @@ def sharded(f: Callable[..., Dict[str, object]], model: ShardedModel, kinds: Map
     def g(X, y, params: Optional[Mapping[str, Tensor]] = None, generator=None, buffers=None):
         if model.cast_inputs is not None:
             X = map_tensors(lambda t: t.to(model.cast_inputs) if t.is_floating_point() else t, X)
-        with model.gathered():
-            whole = None if params is None else {k: model.full(k, v) for k, v in params.items()}
+        given = None if params is None else {k: model.placeholder(k, v) for k, v in params.items()}
+        with model.call(params, when):  # (parameters gathered as each layer reads them)
             with scattering(model.scatter):  # (summed results of row-sharded parameters: shards only)
-                results = f(X, y, params=whole, generator=generator, buffers=buffers)
+                results = f(X, y, params=given, generator=generator, buffers=buffers)
         return {key: _distributed(value, kinds.get(key), model) for key, value in results.items()}
 
     return g
