@@ -118,8 +118,8 @@ def curvature(
 
 def _on_shards(model: nn.Module, mesh, problem, options) -> Callable[..., Dict[str, object]]:
     """:func:`curvature` of a model sharded with FSDP's ``fully_shard`` over ``mesh``: of its
-    twin with the parameters gathered per call, aggregated over the mesh's ranks, summed results
-    sharded like the parameters (:mod:`curvlib.distributed.sharded`)."""
+    twin with the parameters gathered layer by layer, aggregated over the mesh's ranks, summed
+    results sharded like the parameters (:mod:`curvlib.distributed.sharded`)."""
     (lossfn, extensions), (process_group, chunk_size, batch_chunk_size, compile, output) = problem, options
     if process_group is not None:
         raise CurvatureError(
