@@ -165,7 +165,10 @@ def _same_as_unsharded(rank, world, arch, how, lossfn, exts, sizes=SIZES):
     Xg, yg = _batch(arch, sum(sizes))
     before = _state(model)
     rows = _rows(rank, sizes)
-    q = curvature(model, lossfn, exts)(Xg[rows], yg[rows])
+    with _GatherCount() as count:
+        q = curvature(model, lossfn, exts)(Xg[rows], yg[rows])
+    if not any(e.hessian for e in exts):  # (never the whole model at once; the Hessian keeps what it saves)
+        assert count.peak < sum(p.numel() * p.element_size() for p in ref.parameters()), (arch, count.peak)
     after = _state(model)
     assert [(a[0], a[1]) for a in before[0]] == [(a[0], a[1]) for a in after[0]] and before[1] == after[1]
     assert all(torch.equal(a[2], b[2]) for a, b in zip(before[0], after[0]))

@@ -11,9 +11,9 @@ is done; what autograd saves of it for the backward is kept as its name and gath
 the backward needs it (:mod:`curvlib._core.param_reads`). So a rank holds its shards, plus the
 parameters of the layers it is computing at the moment, as FSDP's own forward and backward do
 block by block; every column chunk the second order pulls back gathers its layers once more.
-Parameters a graph reads as attributes (a functional use such as an RMSNorm's ``weight * x``)
-stay gathered until the forward returns, and the Hessian's records (``DiagHessian``) and a
-forward under a torch.func transform keep those they hold until the call returns.
+A view of a parameter a graph computes outside a layer (``weight.t()``) keeps it until the
+forward returns; the Hessian's records (``DiagHessian``), a forward under a torch.func transform
+and batch slices (``batch_chunk_size``) keep what they hold until the call returns.
 
 ``f(X_local, y_local)`` is a collective over the mesh, every rank passing its own batch:
 the data-parallel aggregation over the ranks of the mesh (:mod:`curvlib.distributed`) makes
