@@ -447,3 +447,34 @@ def _gathered_layer_by_layer(rank, world):
 
 def test_parameters_gathered_layer_by_layer():
     spawn(_gathered_layer_by_layer, (), world=len(SIZES))
+
+
+def _streamed(rank, world):
+    """Sites read as the backward reaches them (``stream_min_bytes=0``) on every rank: the first
+    order read during the loss's backward, a one-column second-order diagonal (``DiagGGNMC``)
+    reduce-scattered as it is read; then on rank 0 only, which the ranks agree on (none: the
+    backwards and the reductions in the same order on both)."""
+    import torch.distributed as dist
+
+    from curvlib._core.settings import override
+
+    for threshold in (0, 0 if rank == 0 else 2**40):
+        with override(stream_min_bytes=threshold):
+            for arch in ("mlp", "transformer"):
+                _same_as_unsharded(rank, world, arch, "blocks", nn.CrossEntropyLoss(),
+                                   [BatchL2Grad(), SumGradSquared(), DiagGGNMC(), DiagGGNExact(), KFAC()])
+                # the Monte-Carlo diagonal against the unsharded model's over the ranks, same draws
+                model = _model(arch)
+                ref = copy.deepcopy(model)
+                _shard(model, "blocks")
+                Xg, yg = _batch(arch, sum(SIZES))
+                X, y = Xg[_rows(rank)], yg[_rows(rank)]
+                q = curvature(model, nn.CrossEntropyLoss(), [DiagGGNMC(generator=torch.Generator().manual_seed(1))])(X, y)
+                r = curvature(ref, nn.CrossEntropyLoss(), [DiagGGNMC(generator=torch.Generator().manual_seed(1))],
+                              process_group=dist.group.WORLD)(X, y)
+                for name, t in q["diag_ggn_mc"].items():
+                    _close(t.full_tensor(), r["diag_ggn_mc"][name], f"diag_ggn_mc[{name}]")
+
+
+def test_streamed_reads_agreed_over_ranks():
+    spawn(_streamed, (), world=len(SIZES), timeout_s=240)

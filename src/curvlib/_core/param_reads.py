@@ -12,7 +12,9 @@ KFRA's recursion) read each value through the reader instead, at the moment a la
   when the backward reads it, so a rank holds a layer's parameters while that layer runs
   forward or backward, not the whole model;
 * ``reader.agreed(n)`` is one count every rank uses (the column chunks of the second order:
-  each chunk's backward gathers again, so every rank must pull back as many chunks).
+  each chunk's backward gathers again, so every rank must pull back as many chunks; whether
+  the sites are read as the backward reaches them, which orders the backwards and the
+  results' reductions: the same on every rank).
 
 Outside it (the default) parameter values are read as they are. Planning and the checks before
 the evaluation never read through it: what they do depends on each rank's batch, and a gather

@@ -278,7 +278,8 @@ def _forward_autograd(fwd: Forward, direct: bool = False, keep_values: bool = Fa
         return None
     taps = [a for r in rec.residuals for a in r.inputs]
     # small sites: every target is an input, read all at once (streaming's hooks cost more)
-    stream = worth_streaming(plan.site_shapes, plan.site_dtypes)
+    # (a sharded model's call: one choice on every rank, whose batches differ in size)
+    stream = bool(param_reads.agreed(int(worth_streaming(plan.site_shapes, plan.site_dtypes))))
     lowest = lowest_targets(rec.targets) if stream else set(range(len(rec.targets)))
     inputs = as_edges(rec.targets, lowest) + (rprobes if residual_nodes else [])
     like = [(tuple(t.shape), t.dtype, t.device) for t in list(rec.targets) + (rprobes if residual_nodes else [])]

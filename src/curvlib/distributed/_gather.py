@@ -114,10 +114,10 @@ class LayerGather:
         return self.gather(saved.name).as_strided(saved.size, saved.stride, saved.offset)
 
     def agreed(self, n: int) -> int:
-        """The smallest ``n`` over the ranks (an all-reduce) where the backwards gather: one count
-        every rank uses; ``n`` itself where they do not (no collective: in batch slices the ranks
-        may run different numbers of them)."""
-        if self._when != "layers":
+        """The smallest ``n`` over the ranks (an all-reduce): one count (or choice) every rank
+        uses; ``n`` itself in batch slices (no collective: the ranks may run different numbers
+        of them, which gather nothing and reduce nothing while they run)."""
+        if self._when == "call":
             return n
         t = torch.tensor([n], dtype=torch.int64, device=self._device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)
