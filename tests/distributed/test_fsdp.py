@@ -432,7 +432,7 @@ def _gathered_layer_by_layer(rank, world):
     ref = copy.deepcopy(model)
     _shard(model, "blocks")
     total = sum(p.numel() * p.element_size() for p in ref.parameters())
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator(device="cpu").manual_seed(5)  # (ranks run on CPU, gloo)
     Xg, yg = torch.randn(sum(SIZES), 12, generator=g, dtype=torch.float64), torch.randint(0, 3, (sum(SIZES),), generator=g)
     rows = _rows(rank)
     for exts in ([BatchL2Grad()], [DiagGGNExact(), KFLR()], [DiagGGNMC(), KFAC()], [SumGradSquared(), Variance()]):
@@ -469,8 +469,8 @@ def _streamed(rank, world):
                 _shard(model, "blocks")
                 Xg, yg = _batch(arch, sum(SIZES))
                 X, y = Xg[_rows(rank)], yg[_rows(rank)]
-                q = curvature(model, nn.CrossEntropyLoss(), [DiagGGNMC(generator=torch.Generator().manual_seed(1))])(X, y)
-                r = curvature(ref, nn.CrossEntropyLoss(), [DiagGGNMC(generator=torch.Generator().manual_seed(1))],
+                q = curvature(model, nn.CrossEntropyLoss(), [DiagGGNMC(generator=torch.Generator(device="cpu").manual_seed(1))])(X, y)
+                r = curvature(ref, nn.CrossEntropyLoss(), [DiagGGNMC(generator=torch.Generator(device="cpu").manual_seed(1))],
                               process_group=dist.group.WORLD)(X, y)
                 for name, t in q["diag_ggn_mc"].items():
                     _close(t.full_tensor(), r["diag_ggn_mc"][name], f"diag_ggn_mc[{name}]")

@@ -1,19 +1,17 @@
 """FSDP2-sharded models (``torch.distributed.fsdp.fully_shard``) as they are.
 
-``fully_shard`` turns a model's parameters into DTensors sharded over a device mesh and gives
-its modules FSDP classes whose hooks gather the parameters around each forward and backward.
-curvlib runs no hooks and takes derivatives with ``torch.func``, so it runs a *twin* of the
-model instead: the same module objects' state (buffers, attributes, submodules, shared
+``fully_shard`` makes a model's parameters DTensors sharded over a device mesh, gathered by
+hooks around each forward and backward. curvlib runs no hooks and takes derivatives with
+``torch.func``, so it runs a *twin*: the same modules' state (buffers, attributes, shared
 modules shared) under their classes before ``fully_shard``, without hooks, whose parameter
-slots hold placeholders of the full shapes (one element each). During a call each parameter is
+slots hold placeholders of the full shapes (one element each). During a call a parameter is
 gathered (``DTensor.full_tensor()``) when a layer's forward reads it and dropped when the layer
 is done; what autograd saves of it for the backward is kept as its name and gathered again when
-the backward needs it (:mod:`curvlib._core.param_reads`). So a rank holds its shards, plus the
-parameters of the layers it is computing at the moment, as FSDP's own forward and backward do
-block by block; every column chunk the second order pulls back gathers its layers once more.
-A view of a parameter a graph computes outside a layer (``weight.t()``) keeps it until the
-forward returns; the Hessian's records (``DiagHessian``), a forward under a torch.func transform
-and batch slices (``batch_chunk_size``) keep what they hold until the call returns.
+a backward reads it. So a rank holds its shards plus the parameters of the layers it computes
+at the moment, as FSDP does block by block; each column chunk of the second order gathers its
+layers again. A view of a parameter taken outside a layer (``weight.t()``) keeps it until the
+forward returns; the Hessian (``DiagHessian``), a torch.func transform and batch slices
+(``batch_chunk_size``) keep what they hold until the call returns.
 
 ``f(X_local, y_local)`` is a collective over the mesh, every rank passing its own batch:
 the data-parallel aggregation over the ranks of the mesh (:mod:`curvlib.distributed`) makes
@@ -26,9 +24,8 @@ rows, and the loss a plain 0-dim tensor. :mod:`curvlib.precondition` (and so
 eigendecomposed by one rank, its owner, which preconditions that layer's vectors and scatters
 the result back in shards (:func:`on_owners`).
 
-A mixed precision policy (``MixedPrecisionPolicy(param_dtype=...)``) is followed as FSDP
-follows it: the twin computes with the parameters in ``param_dtype`` (and the inputs cast to
-it where the policy casts forward inputs); summed results return in the parameters' dtype.
+A mixed precision policy (``MixedPrecisionPolicy(param_dtype=...)``) is followed as FSDP does:
+parameters (and inputs where it casts them) in ``param_dtype``; summed results in the parameters'.
 """
 
 from __future__ import annotations
@@ -129,10 +126,9 @@ def _placeholder(shape, dtype: torch.dtype, device) -> Tensor:
 class ShardedModel:
     """The twin of a model sharded with ``fully_shard``, and the model's parameter shards.
 
-    The twin (``module``) holds the same modules' state under their classes before
-    ``fully_shard``, without hooks; its parameters are placeholders, plain tensors of the full
-    shapes holding one element, which the forwards inside :meth:`call` read gathered, layer by
-    layer (the module's description above says why).
+    The twin (``module``): the same modules' state under their classes before ``fully_shard``,
+    without hooks; its parameters are placeholders of the full shapes (one element each), which
+    the forwards inside ``call()`` read gathered, layer by layer (the module doc says why).
 
     Args:
         model: the model sharded with ``fully_shard`` (its parameters DTensors).
@@ -202,16 +198,29 @@ class ShardedModel:
         return self._twins[id(p)]
 
     def full(self, name: str, value: Tensor) -> Tensor:
-        """``value``, parameter ``name``'s (a DTensor or whole), as the twin computes with it: whole
-        (``full_tensor()``, a collective, for a DTensor), detached, in the twin's dtype."""
+        """``value`` as the twin computes with it.
+
+        Args:
+            name: the parameter's name in the model (``"0.weight"``).
+            value: its value, a DTensor or a whole tensor.
+
+        Returns:
+            Whole (``full_tensor()``, a collective, for a DTensor), detached, in the twin's dtype.
+        """
         t = whole(value)
         return (t.detach() if t.requires_grad else t).to(self._slots[name].dtype)
 
     def placeholder(self, name: str, value: object) -> object:
-        """What the twin's pipeline is given for the caller's ``params[name]``: the parameter's
-        placeholder (read through :meth:`call`'s gather) where ``value`` is a tensor of its
-        shape; anything else (or a name the model does not have) as it is, for
-        ``curvlib.curvature`` to name what is wrong with it."""
+        """What the twin's pipeline is given for the caller's ``params[name]``.
+
+        Args:
+            name: the parameter's name.
+            value: the caller's value for it.
+
+        Returns:
+            The parameter's placeholder (read gathered inside ``call()``) where ``value`` is a
+            tensor of its shape; else ``value`` (``curvlib.curvature`` names what is wrong).
+        """
         slot = self._slots.get(name)
         if slot is None or not isinstance(value, Tensor) or tuple(value.shape) != tuple(slot.shape):
             return value
@@ -219,29 +228,22 @@ class ShardedModel:
 
     @contextlib.contextmanager
     def call(self, params: Optional[Mapping[str, Tensor]] = None, when: str = "layers") -> Iterator[LayerGather]:
-        """A context in which the twin's forwards read each parameter gathered, layer by layer.
-
-        Train/eval modes and reassigned buffers are copied from the model first. Inside, the
-        evaluation's forwards gather a parameter (``full_tensor()``, an all-gather every rank
-        of the mesh takes part in) when a layer reads its placeholder, and again when a
-        backward reads what autograd saved of it (:mod:`curvlib._core.param_reads`).
+        """A context in which the twin's forwards read each parameter gathered (an all-gather
+        every rank takes part in) when a layer reads it, and again when a backward reads what
+        autograd saved of it; train/eval modes and reassigned buffers copied from the model.
 
         Args:
-            params: ``{name: value}`` the caller gave for some parameters (sharded or whole),
-                read instead of the model's shards.
-            when: ``"layers"`` (each layer's parameters gathered in the forward and again in
-                the backward), ``"forward"`` (gathered in the forward, what autograd saves of
-                them kept until the call returns) or ``"call"`` (every parameter gathered up
-                front for the whole call).
+            params: the caller's ``{name: value}`` (sharded or whole), read instead of shards.
+            when: ``"layers"`` (gathered in the forward and again in the backward), ``"forward"``
+                (what autograd saves kept) or ``"call"`` (all gathered up front for the call).
 
         Yields:
-            The call's :class:`LayerGather` (its reader).
+            The call's reader: ``value(name, placeholder)``, what a forward computes with.
         """
         for m, twin in self._pairs:  # (what may change between calls: train/eval, reassigned buffers)
             twin.training = m.training
             twin._buffers.update(m._buffers)
-        source = dict(self.shards)
-        source.update({k: v for k, v in (params or {}).items() if k in self._slots and isinstance(v, Tensor)})
+        source = {**self.shards, **{k: v for k, v in (params or {}).items() if k in self._slots and isinstance(v, Tensor)}}
         device = next((slot.device for slot in self._slots.values()), torch.device("cpu"))
         reader = LayerGather(self._placeholders, source, self.full, batch_group(self.mesh), device, when)
         with param_reads.reading(reader):
@@ -334,9 +336,8 @@ def sharded(f: Callable[..., Dict[str, object]], model: ShardedModel, kinds: Map
         kinds: ``{result key: how it combines over ranks}``, a
             ``curvlib.extensions.combine.Combine`` per key (``SUM`` for ``"grad"``); a key
             not in it is returned as it is.
-        when: when the parameters are gathered (:meth:`ShardedModel.call`): ``"layers"``,
-            ``"forward"`` where the number of backwards depends on the rank's batch (the
-            Hessian's columns), ``"call"`` where the number of forwards does (batch slices).
+        when: ``ShardedModel.call``'s: ``"forward"`` where the rank's batch sets the number of
+            backwards (the Hessian's), ``"call"`` where it sets the forwards' (batch slices).
 
     Returns:
         ``g(X, y, params=None, generator=None, buffers=None)``, a collective over the mesh, with
