@@ -13,7 +13,7 @@ rank and method: the model's resident memory (``VmRSS`` after building it, above
 before), and the call's own peak above the memory just before it (``VmHWM`` reset through
 ``/proc/self/clear_refs``; allocations above 128 KiB mapped and unmapped one by one,
 ``MALLOC_MMAP_THRESHOLD_``, so that a peak does not hide in pages an earlier call left
-resident). Figures are rank 0's.
+resident), and the part of it the call returns (its results' local shards). Figures are rank 0's.
 """
 
 from __future__ import annotations
@@ -51,6 +51,21 @@ def _call_peak(fn) -> float:
     return _status_mib("VmHWM") - before
 
 
+def _result_mib(results: dict) -> float:
+    """MiB of the results a rank keeps: a DTensor's local shard, a plain tensor whole."""
+    def mib(v) -> float:
+        if isinstance(v, dict):
+            return sum(mib(x) for x in v.values())
+        if isinstance(v, (list, tuple)):
+            return sum(mib(x) for x in v)
+        if isinstance(v, torch.Tensor):
+            t = v.to_local() if hasattr(v, "to_local") else v
+            return t.numel() * t.element_size() / 2**20
+        return 0.0
+
+    return mib(results)
+
+
 def _extension(name: str):
     from curvlib import extensions
 
@@ -84,11 +99,12 @@ def _rank(rank: int, world: int, port: int, args: dict, out: str) -> None:
         ext = _extension(method)
         f_sharded = curvature(model, nn.CrossEntropyLoss(), [ext])
         f_plain = curvature(plain, nn.CrossEntropyLoss(), [_extension(method)], process_group=dist.group.WORLD)
-        f_sharded(X, y)
+        results_mib = _result_mib(f_sharded(X, y))
         sharded = _call_peak(lambda: f_sharded(X, y))
         f_plain(X, y)
         unsharded = _call_peak(lambda: f_plain(X, y))
-        rows.append({"method": method, "sharded_call_mib": sharded, "unsharded_call_mib": unsharded})
+        rows.append({"method": method, "sharded_call_mib": sharded, "unsharded_call_mib": unsharded,
+                     "sharded_results_mib": results_mib})
     local_mib = sum(p.to_local().numel() * p.element_size() for p in model.parameters()) / 2**20
     if rank == 0:
         Path(out).write_text(json.dumps({"world": world, **args, "params_mib": params_mib, "shard_mib": local_mib,
@@ -114,23 +130,26 @@ def report(res: dict) -> str:
         f"{res['params_mib']:.1f} MiB of parameters; each rank holds a shard of {res['shard_mib']:.1f} MiB "
         f"between calls. Micro-batch: {res['batch']} samples per rank.",
         "",
-        "| method | sharded: call's peak above before (MiB) | unsharded (DDP), same micro-batch (MiB) | sharded / unsharded |",
-        "|---|---:|---:|---:|",
+        "| method | sharded: call's peak above before (MiB) | of which its returned results (MiB) | peak less results (MiB) "
+        "| unsharded (DDP), same micro-batch (MiB) | sharded / unsharded |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for r in res["rows"]:
-        base = r["unsharded_call_mib"]
+        base, kept = r["unsharded_call_mib"], r.get("sharded_results_mib", float("nan"))
         ratio = f"{r['sharded_call_mib'] / base:.2f}" if base >= 1 else "n/a (reused pages)"
-        lines.append(f"| {r['method']} | {r['sharded_call_mib']:.1f} | {base:.1f} | {ratio} |")
+        lines.append(f"| {r['method']} | {r['sharded_call_mib']:.1f} | {kept:.1f} | {r['sharded_call_mib'] - kept:.1f} "
+                     f"| {base:.1f} | {ratio} |")
     lines += [
         "",
-        "A sharded call gathers every parameter whole (one all-gather each) for its forward and backward "
-        "and releases them when it returns. The summed results of parameters sharded along their rows "
-        "(all of them here) are reduce-scattered into the rank's rows: the first-order ones as each "
-        "layer's are read during the backward (without Variance or batch slices), the second-order ones and Kronecker factors one at a time "
-        "after the call. The peak holds the whole model, the rank's shards of the gradient, the local "
+        "A sharded call gathers each parameter (one all-gather) when its layer's forward reads it and "
+        "drops it when the layer is done; what autograd saves of it for the backward is kept as its name "
+        "and gathered again when the backward reads it. The summed results of parameters sharded along "
+        "their rows (all of them here) are reduce-scattered into the rank's rows: the first-order ones "
+        "as each layer's are read during the backward (without Variance or batch slices), the "
+        "second-order ones and Kronecker factors one at a time after the call. So the peak holds the "
+        "parameters of the layers being computed, the rank's shards of the gradient, the local "
         "second-order results and one layer's buffer. Between calls a rank holds its shard only. The "
-        f"target, 1/world of the model ({res['shard_mib']:.1f} MiB) plus the micro-batch's activations, "
-        "needs the parameters gathered layer by layer as well.",
+        f"target: 1/world of the model ({res['shard_mib']:.1f} MiB) plus the micro-batch's activations.",
     ]
     return "\n".join(lines) + "\n"
 

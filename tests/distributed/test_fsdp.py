@@ -165,7 +165,10 @@ def _same_as_unsharded(rank, world, arch, how, lossfn, exts, sizes=SIZES):
     Xg, yg = _batch(arch, sum(sizes))
     before = _state(model)
     rows = _rows(rank, sizes)
-    q = curvature(model, lossfn, exts)(Xg[rows], yg[rows])
+    with _GatherCount() as count:
+        q = curvature(model, lossfn, exts)(Xg[rows], yg[rows])
+    if not any(e.hessian for e in exts):  # (never the whole model at once; the Hessian keeps what it saves)
+        assert count.peak < sum(p.numel() * p.element_size() for p in ref.parameters()), (arch, count.peak)
     after = _state(model)
     assert [(a[0], a[1]) for a in before[0]] == [(a[0], a[1]) for a in after[0]] and before[1] == after[1]
     assert all(torch.equal(a[2], b[2]) for a, b in zip(before[0], after[0]))
@@ -227,7 +230,8 @@ def test_sum_reduction_and_monte_carlo():
 
 def _read_into_shards(rank, world):
     """With no formed quantity (no Variance), each first-order result is reduce-scattered into the
-    rank's rows as soon as it is read; in batch slices (``batch_chunk_size``), after the call."""
+    rank's rows as soon as it is read; in batch slices (``batch_chunk_size``), after the call,
+    the ranks running different numbers of slices (one of 3 samples, two of 3 and 1)."""
     exts = [BatchL2Grad(), SumGradSquared(), DiagGGNExact(), KFLR()]
     for arch, how in (("mlp", "blocks"), ("transformer", "blocks")):
         _same_as_unsharded(rank, world, arch, how, nn.CrossEntropyLoss(), exts)
@@ -236,7 +240,7 @@ def _read_into_shards(rank, world):
     _shard(model, "blocks")
     Xg, yg = _batch("mlp", sum(SIZES))
     rows = _rows(rank)
-    q = curvature(model, nn.CrossEntropyLoss(), exts, batch_chunk_size=2)(Xg[rows], yg[rows])
+    q = curvature(model, nn.CrossEntropyLoss(), exts, batch_chunk_size=3)(Xg[rows], yg[rows])
     _check_results(q, curvature(ref, nn.CrossEntropyLoss(), exts)(Xg, yg), model, rank)
 
 
@@ -385,3 +389,92 @@ def _preconditioned(rank, world):
 
 def test_kronecker_preconditioning_and_kfac_optimizer():
     spawn(_preconditioned, (), world=len(SIZES))
+
+
+class _GatherCount:
+    """Bytes of whole parameters alive at once: every ``DTensor.full_tensor()`` result counted
+    from its creation until it is freed, the largest sum kept."""
+
+    def __init__(self):
+        self.alive = self.peak = self.calls = 0
+
+    def __enter__(self):
+        import weakref
+
+        from torch.distributed.tensor import DTensor
+
+        self._cls, self._full = DTensor, DTensor.full_tensor
+
+        def full_tensor(t, *args, **kwargs):
+            out = self._full(t, *args, **kwargs)
+            size = out.numel() * out.element_size()
+            self.alive, self.calls = self.alive + size, self.calls + 1
+            self.peak = max(self.peak, self.alive)
+            weakref.finalize(out, self._freed, size)
+            return out
+
+        DTensor.full_tensor = full_tensor
+        return self
+
+    def _freed(self, size):
+        self.alive -= size
+
+    def __exit__(self, *exc):
+        self._cls.full_tensor = self._full
+
+
+def _gathered_layer_by_layer(rank, world):
+    """A call holds the parameters of the layers it computes, not the model's: six equal blocks,
+    the peak of gathered bytes below a third of the model; the results as the unsharded model's."""
+    torch.manual_seed(3)
+    blocks = [m for _ in range(6) for m in (nn.Linear(12, 12), nn.Tanh())]
+    model = nn.Sequential(*blocks, nn.Linear(12, 3)).double()
+    ref = copy.deepcopy(model)
+    _shard(model, "blocks")
+    total = sum(p.numel() * p.element_size() for p in ref.parameters())
+    g = torch.Generator(device="cpu").manual_seed(5)  # (ranks run on CPU, gloo)
+    Xg, yg = torch.randn(sum(SIZES), 12, generator=g, dtype=torch.float64), torch.randint(0, 3, (sum(SIZES),), generator=g)
+    rows = _rows(rank)
+    for exts in ([BatchL2Grad()], [DiagGGNExact(), KFLR()], [DiagGGNMC(), KFAC()], [SumGradSquared(), Variance()]):
+        f = curvature(model, nn.CrossEntropyLoss(), exts)
+        with _GatherCount() as count:
+            q = f(Xg[rows], yg[rows])
+        assert count.calls >= len(list(ref.parameters())), exts  # (every parameter gathered)
+        assert count.peak < total / 3, (exts, count.peak, total)
+        _check_results(q, curvature(ref, nn.CrossEntropyLoss(), exts)(Xg, yg), model, rank,
+                       mc={("kfac", 0), "diag_ggn_mc"})
+
+
+def test_parameters_gathered_layer_by_layer():
+    spawn(_gathered_layer_by_layer, (), world=len(SIZES))
+
+
+def _streamed(rank, world):
+    """Sites read as the backward reaches them (``stream_min_bytes=0``) on every rank: the first
+    order read during the loss's backward, a one-column second-order diagonal (``DiagGGNMC``)
+    reduce-scattered as it is read; then on rank 0 only, which the ranks agree on (none: the
+    backwards and the reductions in the same order on both)."""
+    import torch.distributed as dist
+
+    from curvlib._core.settings import override
+
+    for threshold in (0, 0 if rank == 0 else 2**40):
+        with override(stream_min_bytes=threshold):
+            for arch in ("mlp", "transformer"):
+                _same_as_unsharded(rank, world, arch, "blocks", nn.CrossEntropyLoss(),
+                                   [BatchL2Grad(), SumGradSquared(), DiagGGNMC(), DiagGGNExact(), KFAC()])
+                # the Monte-Carlo diagonal against the unsharded model's over the ranks, same draws
+                model = _model(arch)
+                ref = copy.deepcopy(model)
+                _shard(model, "blocks")
+                Xg, yg = _batch(arch, sum(SIZES))
+                X, y = Xg[_rows(rank)], yg[_rows(rank)]
+                q = curvature(model, nn.CrossEntropyLoss(), [DiagGGNMC(generator=torch.Generator(device="cpu").manual_seed(1))])(X, y)
+                r = curvature(ref, nn.CrossEntropyLoss(), [DiagGGNMC(generator=torch.Generator(device="cpu").manual_seed(1))],
+                              process_group=dist.group.WORLD)(X, y)
+                for name, t in q["diag_ggn_mc"].items():
+                    _close(t.full_tensor(), r["diag_ggn_mc"][name], f"diag_ggn_mc[{name}]")
+
+
+def test_streamed_reads_agreed_over_ranks():
+    spawn(_streamed, (), world=len(SIZES), timeout_s=240)

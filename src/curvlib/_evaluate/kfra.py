@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.func import vjp, vmap
 
-from .._core import dropout as _dropout
+from .._core import dropout as _dropout, param_reads
 from .._interpret.graph import run_graph
 from .._core.errors import CurvatureError
 from ..rules import FAMILY_OF, kron_from_matrix
@@ -87,7 +87,7 @@ def kfra(fwd: Forward, curv, names: Sequence[str], sites: List[Site], reduce=Non
     nodes), reused instead of running the graph again (with the call's dropout seed: the same
     masks).
     """
-    program, params = fwd.program, fwd.params
+    program, params = fwd.program, param_reads.read_values(fwd.params)  # (a sharded model's: gathered per read)
     chain = chain_nodes(program)
     if values is not None:
         env = {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in values.items()}

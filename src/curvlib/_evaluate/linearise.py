@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, fx
 from torch.func import vjp
 
-from .._core import inputs as _inputs, strategy as _strategy
+from .._core import inputs as _inputs, param_reads, strategy as _strategy
 from .._trace.program import Program
 from .._interpret.graph import run_graph
 from .._plan.plan import Plan
@@ -137,9 +137,10 @@ class Forward:
     def run(self, X, rec: Recorder, env: Optional[Dict[fx.Node, object]] = None) -> Tensor:
         """The model output on ``X``, recorded by ``rec`` (``env``: filled with every node's value;
         a graph only)."""
-        if env is not None:
-            return run_graph(self.program, X, self.params, self.trainable, rec, env=env)
-        return (self.runner or run_graph)(self.program, X, self.params, self.trainable, rec)
+        with param_reads.forward_values(self.params) as params:  # (a sharded model's: gathered per layer)
+            if env is not None:
+                return run_graph(self.program, X, params, self.trainable, rec, env=env)
+            return (self.runner or run_graph)(self.program, X, params, self.trainable, rec)
 
 
 def forward_with_probes(fwd: Forward, direct: bool = False, keep_values: bool = False,
@@ -277,7 +278,8 @@ def _forward_autograd(fwd: Forward, direct: bool = False, keep_values: bool = Fa
         return None
     taps = [a for r in rec.residuals for a in r.inputs]
     # small sites: every target is an input, read all at once (streaming's hooks cost more)
-    stream = worth_streaming(plan.site_shapes, plan.site_dtypes)
+    # (a sharded model's call: one choice on every rank, whose batches differ in size)
+    stream = bool(param_reads.agreed(int(worth_streaming(plan.site_shapes, plan.site_dtypes))))
     lowest = lowest_targets(rec.targets) if stream else set(range(len(rec.targets)))
     inputs = as_edges(rec.targets, lowest) + (rprobes if residual_nodes else [])
     like = [(tuple(t.shape), t.dtype, t.device) for t in list(rec.targets) + (rprobes if residual_nodes else [])]

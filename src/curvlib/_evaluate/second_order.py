@@ -38,7 +38,7 @@ from typing import Callable, Dict, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .._core import settings, strategy as _strategy
+from .._core import settings, sink, strategy as _strategy
 from .._core.tensors import is_concrete
 from .linearise import Linearization
 from .._core.errors import CurvatureError
@@ -218,7 +218,7 @@ def second_order(call: Call, curv, exts: Sequence[SecondOrder], beside: Beside =
         _refuse_indefinite_sqrt(curv, roots, group)
         total = None
         for sign, S in roots:
-            part = _accumulate(call, S, group)
+            part = _accumulate(call, S, group, final=len(roots) == 1)
             total = part if total is None else _signed_sum(total, part, sign, group, call.uses)
         return total
 
@@ -238,11 +238,13 @@ def second_order(call: Call, curv, exts: Sequence[SecondOrder], beside: Beside =
     return {ext.name: results[ext.name] for ext in exts}
 
 
-def _accumulate(call: Call, S: Tensor, group) -> Dict[str, Dict[str, object]]:
+def _accumulate(call: Call, S: Tensor, group, final: bool = False) -> Dict[str, Dict[str, object]]:
     """The group's quantities from the root ``S [V, N, *out]``, pulled back in chunks of columns.
 
     Square roots go column by column into the call's ``into`` buffers (plain autograd only: under torch.func
-    or for results that need autograd, chunks are joined by ``torch.cat``).
+    or for results that need autograd, chunks are joined by ``torch.cat``). ``final``: ``S`` is
+    the only root, so that a one-column read streamed is a parameter's result (which then goes to
+    the call's result sink, :mod:`curvlib._core.sink`, as it is read).
     """
     lin, uses, names = call.lin, call.uses, call.names
     acc: Dict[str, Dict[str, object]] = {}
@@ -260,7 +262,7 @@ def _accumulate(call: Call, S: Tensor, group) -> Dict[str, Dict[str, object]]:
         # per-site rule results shared by the site's parameters, per chunk
         cache: Dict[object, object] = {"static": static}
         if streamed:
-            parts = _read_streamed(call, S_chunk, group, cache)
+            parts = _read_streamed(call, S_chunk, group, cache, sink.current() if final and total == 1 else None)
         else:
             parts = _read_chunk(call, lin.pull_batched(S_chunk), group, cache, into, (start, S_chunk.shape[0], total))
         for ext, part in parts.items():
@@ -307,11 +309,13 @@ def _streamed_reads(lin: Linearization, group, S: Tensor) -> bool:
             and all(READ[_quantity(e)].streams for e in group))
 
 
-def _read_streamed(call: Call, S: Tensor, group, cache) -> Dict[object, dict]:
+def _read_streamed(call: Call, S: Tensor, group, cache, into_sink=None) -> Dict[object, dict]:
     """``{ext: {name: part}}`` for the one column ``S [1, N, *out]``, each parameter read
     during the column's pullback as soon as it has passed all the parameter's sites
     (:func:`curvlib._evaluate.streamed.read_when_passed`): the sites' pulled-back columns are
-    never all alive at once (on a language model, every block's ``[N, T, d]``)."""
+    never all alive at once (on a language model, every block's ``[N, T, d]``). ``into_sink``
+    (the only column of the only root): each tensor result finished after the roots goes there
+    as it is read (a sharded model's: reduce-scattered into the rank's rows)."""
     uses, names = call.uses, call.names
     parts: Dict[object, dict] = {ext: {} for ext in group}
     options = {ext: ext.options for ext in group}
@@ -322,7 +326,11 @@ def _read_streamed(call: Call, S: Tensor, group, cache) -> Dict[object, dict]:
             how = READ[_quantity(ext)]
             # a diagonal through a statistic additive over the columns: squared once, after the last
             statistic = column_statistic(uses, m, n, how.statistic) if how.statistic is not None else None
-            parts[ext][n] = statistic if statistic is not None else how.read(Chunk(call, m, 1, cache, options[ext]), n)
+            part = statistic if statistic is not None else how.read(Chunk(call, m, 1, cache, options[ext]), n)
+            if into_sink is not None and ext.quantity not in AFTER_ROOTS:
+                part = part.result() if isinstance(part, ColumnStatistic) else part
+                part = into_sink(ext.name, n, part) if isinstance(part, Tensor) else part
+            parts[ext][n] = part
 
     sites_of = {n: {site.key for site, _ in uses.get(n, ())} for n in names}
     with reusing():  # (one buffer for the rules' per-sample blocks during the pullback)

@@ -131,7 +131,9 @@ def read_when_passed(pull: Callable[[Callable[[int, Tensor], None]], None], site
     def on_site(k: int, g: Tensor) -> None:
         shared = any(k in sites_of[n] and len(sites_of[n]) > 1 for n in waiting)
         m[k] = g.clone() if shared else g  # (a kept g: the backward may add into its buffer)
-        for n in [n for n in waiting if k in sites_of[n] and sites_of[n] <= m.keys()]:
+        # (in ``sites_of``'s order, not the set's, which differs between processes: a sharded
+        # model's ranks reduce each result as it is read, in the same order)
+        for n in [n for n in sites_of if n in waiting and k in sites_of[n] and sites_of[n] <= m.keys()]:
             waiting.discard(n)
             read(n, m)
         for j in [j for j in m if not any(j in sites_of[n] for n in waiting)]:

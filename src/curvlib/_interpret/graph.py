@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
 
-from .._core import dropout as _dropout, inputs as _inputs, outputs as _outputs
+from .._core import dropout as _dropout, inputs as _inputs, outputs as _outputs, param_reads
 from .._hessian import residuals as _residuals
 from .._core.errors import CurvatureError
 from .._trace.program import Program
@@ -109,8 +109,13 @@ def _interpret(run: _Run, X, where: List[Optional[fx.Node]]) -> Tensor:
     # dropped after its last reader, as eager PyTorch frees it (a forward-mode pass then holds
     # one layer's primals and tangents, not the whole network's)
     free = _last_readers(program) if run.releases else {}
+    lazy, first, last = _lazy_parameters(run)
     for node in program.graph.nodes:
         where[0] = node
+        if node in lazy:  # (read when a node first needs it: see _lazy_parameters)
+            continue
+        for p in first.get(node, ()):
+            env[p] = _attribute(run, p)
         load = lambda a: fx.node.map_arg(a, lambda n: env[n])  # noqa: E731
         before = None
         if node in rec.residual_nodes and overwrites_input(program, node):
@@ -138,7 +143,46 @@ def _interpret(run: _Run, X, where: List[Optional[fx.Node]]) -> Tensor:
                 result = pytree.tree_unflatten(list(result), program.out_spec)
         for done in free.get(node, ()):
             env.pop(done, None)
+        for done in last.get(node, ()):
+            env.pop(done, None)
     return result if isinstance(result, Tensor) else _chosen(program, result)
+
+
+def _lazy_parameters(run: _Run):
+    """On a sharded model's call (a reader of :mod:`curvlib._core.param_reads`, each read a
+    gather), the ``get_attr`` nodes of parameters, read just before the first node that needs
+    them and dropped after the last, not held from where the graph reads them (an ATen-level
+    graph reads them all first) to its end: ``(those nodes, {node: the ones to read before it},
+    {node: the ones to drop after it})``. Empty where values are kept or recorded for later
+    (``env`` given, the Hessian's residuals, planning)."""
+    if (param_reads.current() is None or run.keeps_values or run.rec.residual_nodes
+            or run.fake_tensor is not None):
+        return frozenset(), {}, {}
+    program = run.program
+    lazy = {node for node in program.graph.nodes if node.op == "get_attr"
+            and isinstance(attrgetter(node.target)(program.root), nn.Parameter)}
+    first: Dict[fx.Node, List[fx.Node]] = {}
+    last: Dict[fx.Node, fx.Node] = {}
+    for node in program.graph.nodes:
+        for read in _reads(program, node):
+            if read in lazy and read not in last:
+                first.setdefault(node, []).append(read)
+            if read in lazy:
+                last[read] = node
+    drops: Dict[fx.Node, List[fx.Node]] = {}
+    for read, node in last.items():
+        drops.setdefault(node, []).append(read)
+    return frozenset(lazy), first, drops
+
+
+def _reads(program: Program, node: fx.Node) -> List[fx.Node]:
+    """The nodes whose values ``node`` reads: its inputs, and the inputs and fixed values of the
+    functional use it records."""
+    reads = list(node.all_input_nodes)
+    use = program.functional.get(node)
+    if use is not None:
+        reads += [a for a in list(getattr(use, "inputs", ())) + list(getattr(use, "fixed", ())) if isinstance(a, fx.Node)]
+    return reads
 
 
 def _last_readers(program: Program) -> Dict[fx.Node, List[fx.Node]]:
@@ -146,11 +190,7 @@ def _last_readers(program: Program) -> Dict[fx.Node, List[fx.Node]]:
     values of the functional use it records)."""
     last: Dict[fx.Node, fx.Node] = {}
     for node in program.graph.nodes:
-        reads = list(node.all_input_nodes)
-        use = program.functional.get(node)
-        if use is not None:
-            reads += [a for a in list(getattr(use, "inputs", ())) + list(getattr(use, "fixed", ())) if isinstance(a, fx.Node)]
-        for read in reads:
+        for read in _reads(program, node):
             last[read] = node
     frees: Dict[fx.Node, List[fx.Node]] = {}
     for read, node in last.items():

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .. import losses
-from .._core import buffers as _buffers, inputs as _inputs
+from .._core import buffers as _buffers, inputs as _inputs, param_reads
 from .._core.errors import CurvatureError
 from .._core.tensors import is_concrete
 from .._evaluate.first_order import first_order, first_order_streamed, streams
@@ -74,7 +74,9 @@ def _second_order(s, c: CallContext, lin, rng, gs, residual_grads) -> Dict[str, 
     kfra_factors = None
     if any(e.recursion for e in s.second):  # (the recursion's closure only when asked for)
         kfra_factors = _kfra_factors(s, c, lin, curv)
-    chunk = _budget.auto_chunk_size(c.plan, s.second, c.device) if s.chunk_size == "auto" else s.chunk_size
+    chunk = s.chunk_size
+    if chunk == "auto":  # (a sharded model's chunks gather its layers again: as many on every rank)
+        chunk = param_reads.agreed(_budget.auto_chunk_size(c.plan, s.second, c.device))
     call = Call(lin, trainable, c.values, _inputs.batch_size(c.X), chunk_size=chunk, into=c.into)
     return second_order(call, curv, s.second, Beside(residual_grads, gs, product, kfra_factors))
 

@@ -118,8 +118,8 @@ def curvature(
 
 def _on_shards(model: nn.Module, mesh, problem, options) -> Callable[..., Dict[str, object]]:
     """:func:`curvature` of a model sharded with FSDP's ``fully_shard`` over ``mesh``: of its
-    twin with the parameters gathered per call, aggregated over the mesh's ranks, summed results
-    sharded like the parameters (:mod:`curvlib.distributed.sharded`)."""
+    twin with the parameters gathered layer by layer, aggregated over the mesh's ranks, summed
+    results sharded like the parameters (:mod:`curvlib.distributed.sharded`)."""
     (lossfn, extensions), (process_group, chunk_size, batch_chunk_size, compile, output) = problem, options
     if process_group is not None:
         raise CurvatureError(
@@ -129,7 +129,11 @@ def _on_shards(model: nn.Module, mesh, problem, options) -> Callable[..., Dict[s
         raise CurvatureError("curvature(..., compile=True) does not take a model sharded with fully_shard.")
     twin = ShardedModel(model, mesh)
     f = curvature(twin.module, lossfn, extensions, batch_group(mesh), chunk_size, batch_chunk_size, False, output)
-    return _wrappers.public(sharded(f, twin, result_kinds(extensions)), curvature.__doc__)
+    # (a gather is a collective: none in what runs as many times as the rank's batch asks, the
+    # batch slices' forwards and the Hessian's backwards)
+    hessian = any(getattr(e, "hessian", False) for e in extensions or ())
+    when = "call" if batch_chunk_size is not None else "forward" if hessian else "layers"
+    return _wrappers.public(sharded(f, twin, result_kinds(extensions), when), curvature.__doc__)
 
 
 def _wrapped(f: "CurvatureCall", setup: "Setup", options, batch_chunk_size, process_group) -> Callable[..., Dict[str, object]]:

@@ -1,14 +1,17 @@
 """FSDP2-sharded models (``torch.distributed.fsdp.fully_shard``) as they are.
 
-``fully_shard`` turns a model's parameters into DTensors sharded over a device mesh and gives
-its modules FSDP classes whose hooks gather the parameters around each forward and backward.
-curvlib runs no hooks and takes derivatives with ``torch.func``, so it runs a *twin* of the
-model instead: the same module objects' state (buffers, attributes, submodules, shared
-modules shared) under their classes before ``fully_shard``, without hooks, whose parameters
-are plain tensors of the full shapes. Their values are gathered (``DTensor.full_tensor()``)
-when ``f`` is called and released when it returns, so between calls a rank holds its shards
-alone; during a call it holds every parameter once (what FSDP's own forward and backward
-hold in turn, block by block).
+``fully_shard`` makes a model's parameters DTensors sharded over a device mesh, gathered by
+hooks around each forward and backward. curvlib runs no hooks and takes derivatives with
+``torch.func``, so it runs a *twin*: the same modules' state (buffers, attributes, shared
+modules shared) under their classes before ``fully_shard``, without hooks, whose parameter
+slots hold placeholders of the full shapes (one element each). During a call a parameter is
+gathered (``DTensor.full_tensor()``) when a layer's forward reads it and dropped when the layer
+is done; what autograd saves of it for the backward is kept as its name and gathered again when
+a backward reads it. So a rank holds its shards plus the parameters of the layers it computes
+at the moment, as FSDP does block by block; each column chunk of the second order gathers its
+layers again. A view of a parameter taken outside a layer (``weight.t()``) keeps it until the
+forward returns; the Hessian (``DiagHessian``), a torch.func transform and batch slices
+(``batch_chunk_size``) keep what they hold until the call returns.
 
 ``f(X_local, y_local)`` is a collective over the mesh, every rank passing its own batch:
 the data-parallel aggregation over the ranks of the mesh (:mod:`curvlib.distributed`) makes
@@ -21,9 +24,8 @@ rows, and the loss a plain 0-dim tensor. :mod:`curvlib.precondition` (and so
 eigendecomposed by one rank, its owner, which preconditions that layer's vectors and scatters
 the result back in shards (:func:`on_owners`).
 
-A mixed precision policy (``MixedPrecisionPolicy(param_dtype=...)``) is followed as FSDP
-follows it: the twin computes with the parameters in ``param_dtype`` (and the inputs cast to
-it where the policy casts forward inputs); summed results return in the parameters' dtype.
+A mixed precision policy (``MixedPrecisionPolicy(param_dtype=...)``) is followed as FSDP does:
+parameters (and inputs where it casts them) in ``param_dtype``; summed results in the parameters'.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from torch import Tensor, nn
 from .._core.errors import CurvatureError
 from .._core.inputs import map_tensors
 from ..extensions.combine import Combine
+from .._core import param_reads
+from ._gather import LayerGather, storage_of
 from ._scatter import RowScatter, scattering
 from .owners import dtensor_type, is_sharded, on_owners, whole
 
@@ -122,10 +126,9 @@ def _placeholder(shape, dtype: torch.dtype, device) -> Tensor:
 class ShardedModel:
     """The twin of a model sharded with ``fully_shard``, and the model's parameter shards.
 
-    The twin (``module``) holds the same modules' state under their classes before
-    ``fully_shard``, without hooks; its parameters are plain tensors of the full shapes that
-    hold one element between calls and the gathered values inside ``gathered()`` (the
-    module's description above says why).
+    The twin (``module``): the same modules' state under their classes before ``fully_shard``,
+    without hooks; its parameters are placeholders of the full shapes (one element each), which
+    the forwards inside ``call()`` read gathered, layer by layer (the module doc says why).
 
     Args:
         model: the model sharded with ``fully_shard`` (its parameters DTensors).
@@ -151,8 +154,10 @@ class ShardedModel:
         >>> twin = ShardedModel(model, fsdp_mesh(model))
         >>> type(twin.module).__name__, type(twin.shards["weight"]).__name__
         ('Linear', 'DTensor')
-        >>> with twin.gathered():
-        ...     torch.equal(twin.module.weight, model.weight.full_tensor())
+        >>> twin.module.weight.untyped_storage().nbytes()  # (a placeholder: one element)
+        4
+        >>> with twin.call() as reader:  # (what a forward reading the placeholder computes with)
+        ...     torch.equal(reader.value("weight", twin.module.weight.detach()), model.weight.full_tensor())
         True
         >>> dist.destroy_process_group()
     """
@@ -167,6 +172,7 @@ class ShardedModel:
         self.shards = dict(model.named_parameters())
         self.scatter = RowScatter(self.shards, _api())
         self._slots = {name: self._twins[id(p)] for name, p in self.shards.items()}
+        self._placeholders = {storage_of(slot): name for name, slot in self._slots.items()}
 
     def _twin(self, m: nn.Module) -> nn.Module:
         if id(m) in self._twins:
@@ -192,43 +198,56 @@ class ShardedModel:
         return self._twins[id(p)]
 
     def full(self, name: str, value: Tensor) -> Tensor:
-        """``value`` (a parameter's, sharded or whole) as the twin computes with it.
+        """``value`` as the twin computes with it.
 
         Args:
             name: the parameter's name in the model (``"0.weight"``).
-            value: its value, a DTensor or a whole tensor; anything else (or a name the model
-                does not have) is returned as it is, for ``curvlib.curvature`` to name what is
-                wrong with it.
+            value: its value, a DTensor or a whole tensor.
 
         Returns:
-            The whole tensor, detached, in the dtype the twin computes in.
+            Whole (``full_tensor()``, a collective, for a DTensor), detached, in the twin's dtype.
         """
-        if name not in self._slots or not isinstance(value, Tensor):
+        t = whole(value)
+        return (t.detach() if t.requires_grad else t).to(self._slots[name].dtype)
+
+    def placeholder(self, name: str, value: object) -> object:
+        """What the twin's pipeline is given for the caller's ``params[name]``.
+
+        Args:
+            name: the parameter's name.
+            value: the caller's value for it.
+
+        Returns:
+            The parameter's placeholder (read gathered inside ``call()``) where ``value`` is a
+            tensor of its shape; else ``value`` (``curvlib.curvature`` names what is wrong).
+        """
+        slot = self._slots.get(name)
+        if slot is None or not isinstance(value, Tensor) or tuple(value.shape) != tuple(slot.shape):
             return value
-        return whole(value).detach().to(self._slots[name].dtype)
+        return slot.detach()
 
     @contextlib.contextmanager
-    def gathered(self) -> Iterator[None]:
-        """A context in which the twin's parameters hold the model's full values.
+    def call(self, params: Optional[Mapping[str, Tensor]] = None, when: str = "layers") -> Iterator[LayerGather]:
+        """A context in which the twin's forwards read each parameter gathered (an all-gather
+        every rank takes part in) when a layer reads it, and again when a backward reads what
+        autograd saved of it; train/eval modes and reassigned buffers copied from the model.
 
-        Each parameter is gathered on entry (``full_tensor()``, an all-gather every rank of the
-        mesh takes part in) and released on exit; train/eval modes and reassigned buffers are
-        copied from the model first.
+        Args:
+            params: the caller's ``{name: value}`` (sharded or whole), read instead of shards.
+            when: ``"layers"`` (gathered in the forward and again in the backward), ``"forward"``
+                (what autograd saves kept) or ``"call"`` (all gathered up front for the call).
 
         Yields:
-            None.
+            The call's reader: ``value(name, placeholder)``, what a forward computes with.
         """
-        slots = self._slots
         for m, twin in self._pairs:  # (what may change between calls: train/eval, reassigned buffers)
             twin.training = m.training
             twin._buffers.update(m._buffers)
-        try:
-            for name, shard in self.shards.items():
-                slots[name].data = self.full(name, shard)  # (an all-gather per parameter, FSDP's collective)
-            yield
-        finally:
-            for name, slot in slots.items():
-                slot.data = _placeholder(slot.shape, slot.dtype, slot.device)
+        source = {**self.shards, **{k: v for k, v in (params or {}).items() if k in self._slots and isinstance(v, Tensor)}}
+        device = next((slot.device for slot in self._slots.values()), torch.device("cpu"))
+        reader = LayerGather(self._placeholders, source, self.full, batch_group(self.mesh), device, when)
+        with param_reads.reading(reader):
+            yield reader
 
 
 def _fsdp_params(model: nn.Module) -> List[object]:
@@ -299,12 +318,13 @@ def batch_group(mesh):
         f"{dist.get_world_size()} ranks; curvlib aggregates a multi-dimensional mesh over the whole world only.")
 
 
-def sharded(f: Callable[..., Dict[str, object]], model: ShardedModel, kinds: Mapping[str, Combine]) -> Callable:
-    """``f`` on the model's shards: parameters gathered for the call, results sharded back.
+def sharded(f: Callable[..., Dict[str, object]], model: ShardedModel, kinds: Mapping[str, Combine],
+            when: str = "layers") -> Callable:
+    """``f`` on the model's shards: parameters gathered layer by layer, results sharded back.
 
     ``curvlib.curvature`` returns this for a sharded model. The returned function casts
     floating-point inputs where the model's mixed precision policy does, calls ``f`` inside
-    ``model.gathered()`` and returns each summed result as DTensors placed like the
+    ``model.call()`` (each parameter gathered as a layer reads it) and returns each summed result as DTensors placed like the
     parameters (Kronecker factors split along their rows); per-sample results and the loss
     come back as ``f`` returned them.
 
@@ -316,6 +336,8 @@ def sharded(f: Callable[..., Dict[str, object]], model: ShardedModel, kinds: Map
         kinds: ``{result key: how it combines over ranks}``, a
             ``curvlib.extensions.combine.Combine`` per key (``SUM`` for ``"grad"``); a key
             not in it is returned as it is.
+        when: ``ShardedModel.call``'s: ``"forward"`` where the rank's batch sets the number of
+            backwards (the Hessian's), ``"call"`` where it sets the forwards' (batch slices).
 
     Returns:
         ``g(X, y, params=None, generator=None, buffers=None)``, a collective over the mesh, with
@@ -345,10 +367,10 @@ def sharded(f: Callable[..., Dict[str, object]], model: ShardedModel, kinds: Map
     def g(X, y, params: Optional[Mapping[str, Tensor]] = None, generator=None, buffers=None):
         if model.cast_inputs is not None:
             X = map_tensors(lambda t: t.to(model.cast_inputs) if t.is_floating_point() else t, X)
-        with model.gathered():
-            whole = None if params is None else {k: model.full(k, v) for k, v in params.items()}
+        given = None if params is None else {k: model.placeholder(k, v) for k, v in params.items()}
+        with model.call(params, when):  # (parameters gathered as each layer reads them)
             with scattering(model.scatter):  # (summed results of row-sharded parameters: shards only)
-                results = f(X, y, params=whole, generator=generator, buffers=buffers)
+                results = f(X, y, params=given, generator=generator, buffers=buffers)
         return {key: _distributed(value, kinds.get(key), model) for key, value in results.items()}
 
     return g
