@@ -478,3 +478,34 @@ def _streamed(rank, world):
 
 def test_streamed_reads_agreed_over_ranks():
     spawn(_streamed, (), world=len(SIZES), timeout_s=240)
+
+
+class _MixesThroughWeight(nn.Module):
+    """Adds the batch's mean of ``x Wᵀ`` to every row; data-dependent control flow, so torch.fx
+    cannot trace it and only the numeric tests see the mixing, through the weight's values."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, d, dtype=torch.float64) / d ** 0.5)
+
+    def forward(self, x):
+        if float(x.detach().abs().sum()) >= 0:
+            return x + (x @ self.weight.T).mean(0, keepdim=True)
+        return x
+
+
+def _mixing_seen(rank, world):
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), _MixesThroughWeight(6), nn.Linear(6, 3)).double()
+    plain = copy.deepcopy(model)
+    _shard(model, "blocks")
+    Xg, yg = _batch("mlp", sum(SIZES))
+    for m, X, y in ((plain, Xg, yg), (model, Xg[_rows(rank)], yg[_rows(rank)])):
+        with pytest.raises(CurvatureError, match="samples"):  # (mixed, or not independent)
+            curvature(m, nn.CrossEntropyLoss(), [BatchGrad()])(X, y)
+
+
+def test_mixing_through_parameter_values_refused_when_sharded():
+    """A module whose mixing of samples only its weights' values show is refused on the sharded
+    model as on the unsharded one (the checks before the call see placeholders, not the values)."""
+    spawn(_mixing_seen, (), world=len(SIZES))
