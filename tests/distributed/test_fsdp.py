@@ -449,6 +449,48 @@ def test_parameters_gathered_layer_by_layer():
     spawn(_gathered_layer_by_layer, (), world=len(SIZES))
 
 
+def _diagonal_reduced_per_layer(rank, world):
+    """With the default settings, on sites far below ``stream_min_bytes``, a one-column
+    second-order diagonal (``DiagGGNMC``) is reduce-scattered layer by layer during its column's
+    backward, the last layer first, not built up whole and reduced after the call (in name order):
+    a rank never holds every layer's local diagonal at once. The results stay the unsharded model's."""
+    import torch.distributed as dist
+
+    from curvlib.distributed import _scatter
+
+    torch.manual_seed(3)
+    blocks = [m for _ in range(4) for m in (nn.Linear(12, 12), nn.Tanh())]
+    model = nn.Sequential(*blocks, nn.Linear(12, 3)).double()
+    ref = copy.deepcopy(model)
+    _shard(model, "blocks")
+    g = torch.Generator(device="cpu").manual_seed(5)
+    Xg, yg = torch.randn(sum(SIZES), 12, generator=g, dtype=torch.float64), torch.randint(0, 3, (sum(SIZES),), generator=g)
+    X, y = Xg[_rows(rank)], yg[_rows(rank)]
+    order, scatter = [], _scatter.RowScatter.__call__
+
+    def recorded(self, name, t, pre, post):
+        order.append(name)
+        return scatter(self, name, t, pre, post)
+
+    _scatter.RowScatter.__call__ = recorded
+    try:
+        mc = lambda: DiagGGNMC(generator=torch.Generator(device="cpu").manual_seed(1))  # noqa: E731
+        q = curvature(model, nn.CrossEntropyLoss(), [mc()])(X, y)
+    finally:
+        _scatter.RowScatter.__call__ = scatter
+    r = curvature(ref, nn.CrossEntropyLoss(), [mc()], process_group=dist.group.WORLD)(X, y)
+    for name, t in q["diag_ggn_mc"].items():
+        _close(t.full_tensor(), r["diag_ggn_mc"][name], f"diag_ggn_mc[{name}]")
+    weights = [n for n in order if n.endswith("weight")]
+    names = [n for n, _ in ref.named_parameters() if n.endswith("weight")]
+    # the gradient's reads, then the diagonal's: each in the backward's order, the head's first
+    assert weights == names[::-1] * 2, weights
+
+
+def test_one_column_diagonal_reduced_layer_by_layer():
+    spawn(_diagonal_reduced_per_layer, (), world=len(SIZES))
+
+
 def _streamed(rank, world):
     """Sites read as the backward reaches them (``stream_min_bytes=0``) on every rank: the first
     order read during the loss's backward, a one-column second-order diagonal (``DiagGGNMC``)

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, fx
 from torch.func import vjp
 
-from .._core import inputs as _inputs, param_reads, strategy as _strategy
+from .._core import inputs as _inputs, param_reads, sink, strategy as _strategy
 from .._trace.program import Program
 from .._interpret.graph import run_graph
 from .._plan.plan import Plan
@@ -277,9 +277,12 @@ def _forward_autograd(fwd: Forward, direct: bool = False, keep_values: bool = Fa
     if direct and rec.overwritten():
         return None
     taps = [a for r in rec.residuals for a in r.inputs]
-    # small sites: every target is an input, read all at once (streaming's hooks cost more)
+    # small sites: every target is an input, read all at once (streaming's hooks cost more),
+    # unless results go to a sink as they are read (a sharded model's: each parameter's result
+    # reduced into the rank's rows as soon as its layer is passed, never every layer's whole)
     # (a sharded model's call: one choice on every rank, whose batches differ in size)
-    stream = bool(param_reads.agreed(int(worth_streaming(plan.site_shapes, plan.site_dtypes))))
+    worth = sink.current() is not None or worth_streaming(plan.site_shapes, plan.site_dtypes)
+    stream = bool(param_reads.agreed(int(worth)))
     lowest = lowest_targets(rec.targets) if stream else set(range(len(rec.targets)))
     inputs = as_edges(rec.targets, lowest) + (rprobes if residual_nodes else [])
     like = [(tuple(t.shape), t.dtype, t.device) for t in list(rec.targets) + (rprobes if residual_nodes else [])]
