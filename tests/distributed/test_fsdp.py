@@ -248,6 +248,20 @@ def test_first_order_read_into_shards_and_batch_slices():
     spawn(_read_into_shards, (), world=len(SIZES), timeout_s=240)
 
 
+def _equal_batches(rank, world):
+    """Every rank with the same number of samples: each result's weight is then the same on every
+    rank and is applied after the sum, a result whose rows divide evenly reduce-scattered as it
+    is (no scaled copy); the mean and the sum reductions, first order and the one-column diagonal."""
+    exts = [BatchL2Grad(), SumGradSquared(), DiagGGNMC(), DiagGGNExact(), KFAC()]
+    for arch in ("mlp", "transformer"):
+        for lossfn in (nn.CrossEntropyLoss(), nn.CrossEntropyLoss(reduction="sum")):
+            _same_as_unsharded(rank, world, arch, "blocks", lossfn, exts, sizes=(3, 3))
+
+
+def test_equal_micro_batches_reduced_without_copies():
+    spawn(_equal_batches, (), world=len(SIZES), timeout_s=240)
+
+
 def _mixed_precision(rank, world):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 

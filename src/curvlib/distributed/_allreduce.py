@@ -88,9 +88,14 @@ def early_sink(scatter, kinds: Mapping[str, Combine], n_local: int, m_local: flo
         ``sink(key, name, value)``: the rank's rows as a DTensor, or ``value`` as it is (per-sample
         results, a parameter not sharded along its rows).
     """
-    sizes = torch.tensor([float(n_local), float(m_local)], dtype=torch.float64, device=device)
+    sizes = torch.tensor([float(n_local), float(m_local), float(n_local) ** 2, float(m_local) ** 2],
+                         dtype=torch.float64, device=device)
     dist.all_reduce(sizes, op=dist.ReduceOp.SUM, group=group)
-    n_global, m_global = sizes.tolist()
+    n_global, m_global, n_squares, m_squares = sizes.tolist()
+    # every rank's sizes equal, W Σ n_k² = (Σ n_k)² (Cauchy–Schwarz: otherwise larger): each
+    # entry's factor is the same on every rank, so it is applied after the sum, not to a copy before
+    world = dist.get_world_size(group)
+    uniform = world * n_squares == n_global ** 2 and world * m_squares == m_global ** 2
     n_global, m_global = round(n_global), (m_global if mean else 1.0)
     r = m_local / m_global if m_global else 0.0
     fused = ((float(m_local), float(n_local)), (1.0 / m_global if m_global else 0.0, 1.0 / n_global))
@@ -102,7 +107,10 @@ def early_sink(scatter, kinds: Mapping[str, Combine], n_local: int, m_local: flo
             return value
         (part,) = parts(kind, {name: value})
         pre, post = fused if value.dtype in _FUSED_DTYPES else scaled
-        return scatter(name, value, part.weight.factor(*pre), part.weight.factor(*post))
+        before, after = part.weight.factor(*pre), part.weight.factor(*post)
+        if uniform and before != 0:
+            before, after = 1.0, before * after
+        return scatter(name, value, before, after)
 
     return sink
 

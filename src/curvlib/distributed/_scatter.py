@@ -11,7 +11,9 @@ $$\\text{rank } k\\text{'s rows} = \\sum_{\\text{ranks } j} w_j \\cdot \\text{lo
 
 with $w_j$ the weight of the entry on rank $j$ (:mod:`curvlib.distributed._allreduce`),
 the rows padded with zeros to $c W$ (``torch.chunk``'s split, which DTensor's ``Shard(0)`` uses:
-the last ranks may hold fewer rows, or none).
+the last ranks may hold fewer rows, or none). Where $w_j = 1$ (every rank's weight the same, applied
+after the sum instead) and the rows divide evenly, the entry is reduce-scattered as it is, with no
+scaled copy beside it.
 """
 
 from __future__ import annotations
@@ -97,9 +99,12 @@ class RowScatter:
         world, rank = group.size(), dist.get_rank(group)
         rows = t.shape[0]
         per = -(-rows // world)  # c = ⌈d_0 / W⌉ rows a rank (zeros below the last real row)
-        padded = t.new_zeros((per * world,) + tuple(t.shape[1:]))
-        if pre != 0:
-            torch.mul(t.detach(), pre, out=padded[:rows])
+        if pre == 1 and per * world == rows and t.is_contiguous():  # (the entry as it is: no copy)
+            padded = t.detach()
+        else:
+            padded = t.new_zeros((per * world,) + tuple(t.shape[1:]))
+            if pre != 0:
+                torch.mul(t.detach(), pre, out=padded[:rows])
         mine = t.new_empty((per,) + tuple(t.shape[1:]))
         # (torch 2.13 names it reduce_scatter_single and warns on the older name)
         reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
