@@ -5,6 +5,7 @@ same products: GGN- and Hessian-vector products, the top eigenvalue and the trac
     python benchmarks/operators.py --quick              # mlp only, fewer rounds: 25 s (load 3)
     python benchmarks/operators.py --problems 3c3d --parts products --rounds 5
     python benchmarks/operators.py --device cuda --out benchmarks/results/cuda
+    MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/operators.py --parts products --no-time   # allocations' peaks
 
 Peers (optional, each skipped with the reason when missing; ``pip install --no-deps``):
 curvlinops 3.0.1 (``GGNLinearOperator``, ``HessianLinearOperator``, its trace estimators; its
@@ -337,6 +338,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace-seeds", type=int, default=1,
                         help="estimates per trace estimator (seeds): the error is their mean, the time their median")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory processes")
+    parser.add_argument("--no-time", action="store_true", help="skip the products' timing processes")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run (< 2 min): mlp only, 2 rounds, 12 products per trace")
     parser.add_argument("--device", default="cpu")
@@ -367,7 +369,7 @@ def run_parts(args, child) -> dict:
                     memory[method] = child({**job, "mode": "memory", "method": method})
                     _progress(f"memory {problem} {method}: {json.dumps(memory[method])}")
             rounds = args.gpt_rounds if problem == "gpt2-small" else args.rounds
-            timing = child({**job, "mode": "time", "methods": args.methods, "rounds": rounds})
+            timing = {} if args.no_time else child({**job, "mode": "time", "methods": args.methods, "rounds": rounds})
             _progress(f"time {problem}: {json.dumps(timing)}")
             rows["products"][problem] = {"memory": memory, "time": timing}
     spectral_parts = [p for p in args.parts if p in ("eigen", "trace")]
@@ -406,7 +408,8 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, args.name or f"operators-{datetime.date.today().isoformat()}")
     meta = {"args": {k: v for k, v in vars(args).items() if k != "child"}, "seconds": time.perf_counter() - started,
-            "load": os.getloadavg(), "torch": torch.__version__}
+            "load": os.getloadavg(), "torch": torch.__version__,
+            "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_")}
     with open(stem + ".json", "w") as f:
         json.dump({**meta, "rows": rows}, f, indent=1)
     text = report(meta, rows)

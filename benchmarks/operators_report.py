@@ -70,6 +70,10 @@ def report(meta: dict, rows: dict) -> str:
             f"`python benchmarks/operators.py` with {', '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in args.items() if k in ('problems', 'spectral_problems', 'rounds', 'gpt_n', 'gpt_t', 'eig_tol', 'trace_matvecs', 'trace_seeds', 'quick'))}; "
             f"torch {meta['torch']}, load average at the end {', '.join(f'{x:.1f}' for x in meta['load'])}, "
             f"{meta['seconds'] / 60:.1f} min.", ""]
+    if meta.get("malloc_mmap_threshold"):
+        head += [f"Under `MALLOC_MMAP_THRESHOLD_={meta['malloc_mmap_threshold']}`: glibc maps every allocation above "
+                 "it on its own and unmaps it when freed, so a peak counts the memory allocated then, not freed "
+                 "heap pages kept resident (glibc's default raises the threshold as blocks are freed).", ""]
     out = head
     if rows["products"]:
         out += ["## Products `A @ v`", ""] + products_table(rows["products"]) + [""]
