@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from .. import losses
 from .._core import buffers as _buffers, inputs as _inputs
 from .._core.errors import CurvatureError, missing_forward_mode
+from .._core.tensors import inside_transform
 from .._core.site import Recorder
 from .._evaluate.products import replay_rng, rng_state
 from .._interpret.graph import NodeFailure, run_graph
@@ -124,18 +125,30 @@ class Batch:
         counts = [losses.normaliser(spec, y[s]) for s in chunks] if whole else []
         if not whole or not all(counts):
             if along is None:
-                return torch.func.grad(self.loss)(out)
+                return _gradient(self.loss, out)
             return self.loss_hessian(out).matvec(along.unsqueeze(0))[0]
         result = torch.empty_like(out)
         for s, count in zip(chunks, counts):
             if along is None:
-                part = torch.func.grad(lambda o: losses.loss_value(spec, o, y[s]))(out[s])
+                part = _gradient(lambda o: losses.loss_value(spec, o, y[s]), out[s])
             else:
                 hessian = losses.curvature_at(spec, out[s], y[s], check=False, negative=self.call.negative)
                 part = hessian.matvec(along[s].unsqueeze(0))[0]
             torch.mul(part, count / whole, out=result[s])
             del part
         return result
+
+
+def _gradient(loss_of: Callable[[Tensor], Tensor], out: Tensor) -> Tensor:
+    """``∇_f loss_of(f)`` at ``out``, by torch.func inside a transform, else by one plain backward
+    (torch.func's ``grad`` sets up a transform level and wraps every tensor, which costs several
+    times a small loss's backward)."""
+    if inside_transform(out):
+        return torch.func.grad(loss_of)(out)
+    with torch.enable_grad():
+        leaf = out.detach().requires_grad_(True)
+        (g,) = torch.autograd.grad(loss_of(leaf), leaf, allow_unused=True)
+    return torch.zeros_like(out) if g is None else g
 
 
 #: Output entries per chunk of samples in ``Batch.loss_derivative``: an output up to this size
