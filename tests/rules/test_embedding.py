@@ -7,6 +7,8 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from curvlib import curvature
 from curvlib.extensions import BatchGrad, BatchL2Grad, SumGradSquared, Variance
@@ -177,3 +179,32 @@ def test_embedding_refused(kwargs, match):
             X, torch.randn(3, 2, dtype=torch.float64)
         )
     _assert_same_state(before, state_snapshot(model))
+
+
+class _NewTensorsAtLeast(TorchDispatchMode):
+    """The ATen ops whose output is a new tensor (no input's storage) of at least ``numel`` entries."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.ops = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        self.ops += [str(func) for t in tree_leaves(out)
+                     if isinstance(t, torch.Tensor) and t.numel() >= self.numel and t.untyped_storage().data_ptr() not in given]
+        return out
+
+
+def test_embedding_individual_gradients_formed_once():
+    """``BatchGrad``'s ``[N, V, D]`` of an embedding is one buffer the rows are summed into in
+    place, not a zero buffer and a second one the size of the result (a language model's
+    vocabulary makes it the call's largest tensor)."""
+    n, v, d, s = 3, 50, 4, 6
+    model = nn.Sequential(nn.Embedding(v, d), nn.Flatten(), nn.Linear(s * d, 2)).double()
+    X, y = torch.randint(0, v, (n, s)), torch.randint(0, 2, (n,))
+    f = curvature(model, nn.CrossEntropyLoss(), [BatchGrad()])
+    with _NewTensorsAtLeast(n * v * d) as made:
+        q = f(X, y)
+    assert made.ops == ["aten.new_zeros.default"], made.ops
+    assert q["grad_batch"]["0.weight"].shape == (n, v, d)

@@ -90,7 +90,11 @@ def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
     n, v, d = idx.shape[0], site.meta["num_embeddings"], g.shape[-1]
     sample = torch.arange(n, device=idx.device).unsqueeze(1)
     keys = (sample * v + idx).reshape(-1)
-    out = g.new_zeros(n * v, d).index_add(0, keys, g.reshape(-1, d))
+    out = g.new_zeros(n * v, d)
+    if not in_place_safe(g):  # (see grad)
+        out = out.index_add(0, keys, g.reshape(-1, d))
+    else:
+        out.index_add_(0, keys, g.reshape(-1, d))  # (no second [N, V, D])
     return {"weight": out.view(n, v, d)}
 
 
