@@ -506,10 +506,11 @@ def test_one_column_diagonal_reduced_layer_by_layer():
 
 
 def _streamed(rank, world):
-    """Sites read as the backward reaches them (``stream_min_bytes=0``) on every rank: the first
-    order read during the loss's backward, a one-column second-order diagonal (``DiagGGNMC``)
-    reduce-scattered as it is read; then on rank 0 only, which the ranks agree on (none: the
-    backwards and the reductions in the same order on both)."""
+    """Sites read as the backward reaches them: the first order read during the loss's backward, a
+    one-column second-order diagonal (``DiagGGNMC``) reduce-scattered as it is read. A sharded
+    call's results go to a sink, so its sites stream whatever ``stream_min_bytes`` says: with
+    the threshold at 0 on every rank, then on rank 0 only (were it to decide, the ranks would
+    agree on it: the backwards and the reductions stay in the same order on both)."""
     import torch.distributed as dist
 
     from curvlib._core.settings import override
