@@ -90,12 +90,7 @@ def grad_batch(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
     n, v, d = idx.shape[0], site.meta["num_embeddings"], g.shape[-1]
     sample = torch.arange(n, device=idx.device).unsqueeze(1)
     keys = (sample * v + idx).reshape(-1)
-    out = g.new_zeros(n * v, d)
-    if not in_place_safe(g):  # (see grad)
-        out = out.index_add(0, keys, g.reshape(-1, d))
-    else:
-        out.index_add_(0, keys, g.reshape(-1, d))  # (no second [N, V, D])
-    return {"weight": out.view(n, v, d)}
+    return {"weight": _rows_summed(g, keys, n * v).view(n, v, d)}
 
 
 def grad_batch_columns(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTensors:
@@ -112,12 +107,18 @@ def grad_batch_columns(site: Site, m: Tensor, roles: Sequence[str]) -> RoleTenso
     n, e, d = idx.shape[0], site.meta["num_embeddings"], g.shape[-1]
     block = torch.arange(cols * n, device=idx.device).reshape(cols, n, 1)
     keys = (block * e + idx).reshape(-1)
-    out = g.new_zeros(cols * n * e, d)
-    if not in_place_safe(g):  # (see grad)
-        out = out.index_add(0, keys, g.reshape(-1, d))
-    else:
-        out.index_add_(0, keys, g.reshape(-1, d))  # (no second [V, N, E, D])
-    return {"weight": out.view(cols, n, e, d)}
+    return {"weight": _rows_summed(g, keys, cols * n * e).view(cols, n, e, d)}
+
+
+def _rows_summed(g: Tensor, keys: Tensor, rows: int) -> Tensor:
+    """``[rows, D]`` zeros with ``g``'s rows (``[..., D]``, flattened) added at ``keys``: in place where
+    ``g`` allows it, so that no second tensor of the result's size is made (a vocabulary's rows
+    per sample); out of place under a torch.func transform (the zeros are not batched) or autograd."""
+    d = g.shape[-1]
+    out = g.new_zeros(rows, d)
+    if not in_place_safe(g):
+        return out.index_add(0, keys, g.reshape(-1, d))
+    return out.index_add_(0, keys, g.reshape(-1, d))
 
 
 def grad(site: Site, g: Tensor, roles: Sequence[str]) -> RoleTensors:
