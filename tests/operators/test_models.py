@@ -15,7 +15,8 @@ from curvlib.operators import GGN, EmpiricalFisher, Hessian
 
 from oracles import ecosystem
 from oracles.on_device import seeded
-from oracles.zoo_reference import forward
+from oracles.zoo import Problem
+from oracles.zoo_reference import forward, operator_products
 
 MODELS = [
     ("transformers/causal_lm/gpt2", "direct"),
@@ -100,9 +101,6 @@ def test_the_sweeps_reference_runs_hardsigmoid_by_its_formula():
     """torch has no derivative of ``hardsigmoid_backward``: the sweep's reference
     (``operator_products``) runs hardsigmoid as ``relu6(x + 3) / 6``; it and the operators equal
     ``torch.func`` on the model with the formula written out."""
-    from oracles.zoo import Problem
-    from oracles.zoo_reference import operator_products
-
     torch.manual_seed(0)
     model = _HardGate().double()
     X, y = torch.randn(6, 5, dtype=torch.float64), torch.randint(0, 3, (6,))
