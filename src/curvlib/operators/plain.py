@@ -141,10 +141,10 @@ def custom_functions(root: Tensor) -> List[str]:
 
 
 class _Composed(TorchFunctionMode):
-    """``linear``, ``softmax``, ``log_softmax`` and ``layer_norm`` by the forward-mode rules of
-    :mod:`curvlib.operators._duals`: torch's forward-mode derivatives of those kernels cannot be
-    differentiated again (softmax's writes into its saved result; layer_norm's gives a wrong
-    derivative), which reverse over forward needs, and ``addmm``'s makes four temporaries the size
+    """``linear``, ``softmax``, ``log_softmax``, ``layer_norm`` and ``batch_norm`` on the input's own
+    statistics by the forward-mode rules of :mod:`curvlib.operators._duals`: torch's forward-mode
+    derivatives of those kernels cannot be differentiated again (softmax's writes into its saved
+    result; layer_norm's and batch_norm's give a wrong derivative), which reverse over forward needs, and ``addmm``'s makes four temporaries the size
     of the output for its tangent."""
 
     _SOFT = (torch.softmax, F.softmax, Tensor.softmax)
@@ -162,6 +162,11 @@ class _Composed(TorchFunctionMode):
             return _duals.dual_layer_norm(*args[:5], **{k: v for k, v in kwargs.items() if k != "cudnn_enable"})
         if func is F.linear:
             return _duals.dual_linear(*args, **kwargs)
+        if func is F.batch_norm:
+            bn = dict(zip(("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
+                          args), **kwargs)
+            if bn.get("training") and bn.get("running_mean") is None and bn.get("running_var") is None:
+                return _duals.batch_statistics_norm(bn["input"], bn.get("weight"), bn.get("bias"), bn.get("eps", 1e-5))
         return func(*args, **kwargs)
 
 
