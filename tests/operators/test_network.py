@@ -491,6 +491,44 @@ class OldStyleNet(nn.Module):
         return self.b(OldStyleGelu.apply(self.a(x)))
 
 
+class SurrogateProduct(torch.autograd.Function):
+    """``(a, b) ↦ a ⊙ b`` written the old way with a surrogate backward ``g ↦ (g ⊙ b, 2 g ⊙ a)``,
+    not the forward's derivative (YOSO's attention kernel is such a Function): the model's own
+    gradient field is then no gradient, and its Jacobian is not symmetric."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a * b
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        return g * b, 2 * g * a
+
+
+class SurrogateNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 8), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(SurrogateProduct.apply(h[:, :4], h[:, 4:]))
+
+
+def test_a_function_whose_backward_is_no_derivative_is_refused_by_name():
+    """Reverse over reverse through a surrogate backward is not symmetric: the Hessian is
+    refused, naming the Function and the cause; the GGN takes the backward as the Jacobian."""
+    torch.manual_seed(5)
+    model = SurrogateNet().to(D)
+    X, y = torch.randn(5, 3, dtype=D), torch.randint(0, 2, (5,))
+    lossfn = nn.CrossEntropyLoss()
+    with pytest.raises(CurvatureError, match=r"(?s)SurrogateProduct.*not symmetric.*surrogate gradient") as info:
+        Hessian(model, lossfn, (X, y)).to_dense()
+    assert "weight_norm" not in str(info.value)
+
+
 def test_a_function_torch_func_cannot_transform_runs_on_plain_autograd():
     torch.manual_seed(4)
     model = OldStyleNet().to(D)

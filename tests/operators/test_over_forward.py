@@ -159,3 +159,42 @@ def test_flatten_emptying_equals_flatten(k):
     assert torch.equal(got, want) and got.shape == want.shape and not taken
     leaf = {n: t.clone().requires_grad_(True) for n, t in entries.items()}
     assert torch.equal(space.flatten_emptying(dict(leaf)), want)
+
+
+class StdConvNet(nn.Module):
+    """A weight-standardised convolution (timm's ``StdConv2d``: the weight normalised by a
+    training-mode ``F.batch_norm`` over its own entries), then a head; ``affine``: the
+    standardisation with a scale and shift of its own."""
+
+    def __init__(self, affine: bool):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(2, 6, 3), nn.Linear(6, 3)
+        self.gamma, self.beta = (nn.Parameter(torch.rand(6) + 0.5), nn.Parameter(torch.randn(6))) if affine else (None, None)
+
+    def forward(self, x):
+        w = F.batch_norm(self.conv.weight.reshape(1, 6, -1), None, None, self.gamma, self.beta, training=True,
+                         momentum=0.0, eps=1e-6).reshape_as(self.conv.weight)
+        h = torch.tanh(F.conv2d(x, w, self.conv.bias))
+        return self.head(h.mean((2, 3)))
+
+
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**16), affine=st.booleans())
+def test_batch_norm_on_its_own_statistics_goes_reverse_over_forward_exactly(seed, affine):
+    """One vector's Hessian product, reverse over forward, through a training-mode batch norm
+    without running statistics (torch's forward-mode derivative of the kernel is wrong when
+    differentiated again), against reverse over reverse by torch.func."""
+    torch.manual_seed(seed)
+    model = StdConvNet(affine).to(D)
+    X, y = torch.randn(4, 2, 5, 5, dtype=D), torch.randint(0, 3, (4,))
+    lossfn = nn.CrossEntropyLoss()
+    theta = {n: p.detach() for n, p in model.named_parameters()}
+    g = seeded(seed)
+    v = {n: torch.randn(t.shape, generator=g, dtype=D) for n, t in theta.items()}
+    grad = torch.func.grad(lambda p: lossfn(torch.func.functional_call(model, p, (X,)), y))
+    want = torch.func.vjp(grad, theta)[1](v)[0]
+    H = Hessian(model, lossfn, (X, y))
+    H.over_forward = True  # (the route under test, whatever the probe on the small tensors finds)
+    got = H @ v
+    for n in theta:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-11, msg=n)

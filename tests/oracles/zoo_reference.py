@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
 
 from curvlib.rules.generic import restored
 from oracles.torch_fixes import exact_backward
@@ -152,6 +153,16 @@ class _Hardsigmoid(nn.Module):
 class _Hardswish(nn.Module):
     def forward(self, x):
         return x * torch.clamp(x / 6 + 0.5, 0.0, 1.0)
+
+
+class _HardsigmoidByFormula(TorchFunctionMode):
+    """``F.hardsigmoid`` (module or function, timm's or torch's) as ``relu6(x + 3) / 6``: the same
+    values bit for bit, and torch has no derivative of ``hardsigmoid_backward`` in either mode."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.hardsigmoid:
+            return F.relu6(args[0] + 3.0) / 6.0
+        return func(*args, **(kwargs or {}))
 
 
 def twice_differentiable(prob):
@@ -441,7 +452,13 @@ def operator_products(prob, v: Dict[str, Tensor]):
     """``(G v, H v)`` over every trainable parameter by plain reverse-mode autograd on the model's
     own forward (some kernels have no forward mode): ``J v`` as the derivative of ``⟨Jᵀu, v⟩`` in
     ``u``, the loss Hessian at the output by a double backward, ``H v`` as the gradient of
-    ``⟨∇L, v⟩``. Parameters the loss does not reach get zeros."""
+    ``⟨∇L, v⟩``. Parameters the loss does not reach get zeros; ``hardsigmoid`` is run by its
+    formula (:class:`_HardsigmoidByFormula`)."""
+    with _HardsigmoidByFormula():
+        return _operator_products(prob, v)
+
+
+def _operator_products(prob, v: Dict[str, Tensor]):
     params = trainable(prob.model)
     names = list(params)
     out = forward(prob.model, prob.X, prob.output)

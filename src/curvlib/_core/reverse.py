@@ -24,10 +24,12 @@ _ADVICE = ("Use the GGN quantities for this model, or write the operation withou
            "normalisation as w = g * v / v.norm(...) in a parametrization).")
 
 
-def check_symmetric(product: Callable, theta: Dict[str, Tensor], what: str, reason: str) -> None:
+def check_symmetric(product: Callable, theta: Dict[str, Tensor], what: str, reason: str,
+                    known: str = _KNOWN_WRONG, advice: str = _ADVICE) -> None:
     """Refuse reverse-over-reverse Hessian products that are not symmetric: for random ``u, w``,
     ``|uᵀ(Hw) − wᵀ(Hu)| ≤ √ε (‖u‖‖Hw‖ + ‖w‖‖Hu‖)``. ``reason``: the sentence saying why the
-    forward-mode route is closed; ``product``: dict -> dict."""
+    forward-mode route is closed; ``known``, ``advice``: what is known to cause it, what to do;
+    ``product``: dict -> dict."""
     first = next(iter(theta.values()))
     gen = torch.Generator(device=first.device).manual_seed(0)
     u, w = ({n: torch.randn(t.shape, generator=gen, dtype=t.dtype, device=t.device) for n, t in theta.items()}
@@ -39,7 +41,7 @@ def check_symmetric(product: Callable, theta: Dict[str, Tensor], what: str, reas
     if gap > torch.finfo(first.dtype).eps ** 0.5 * scale:
         raise CurvatureError(
             f"{what}: {reason} Its reverse-mode second derivative is not reliable here: the products are not "
-            f"symmetric (uᵀHw − wᵀHu = {gap:.2g} at scale {scale:.2g}; {_KNOWN_WRONG}). {_ADVICE}")
+            f"symmetric (uᵀHw − wᵀHu = {gap:.2g} at scale {scale:.2g}; {known}). {advice}")
 
 
 def check_symmetric_matrices(R: Tensor, what: str, reason: str) -> None:

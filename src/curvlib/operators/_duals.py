@@ -20,7 +20,7 @@ import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["dual_linear", "dual_softmax", "dual_layer_norm", "softmax_formula"]
+__all__ = ["dual_linear", "dual_softmax", "dual_layer_norm", "softmax_formula", "batch_statistics_norm"]
 
 
 def parts(t: Optional[Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor]]:
@@ -101,3 +101,17 @@ def softmax_formula(x: Tensor, dim: int, dtype=None, log: bool = False) -> Tenso
     shifted = x - torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     total = shifted.exp().sum(dim, keepdim=True)
     return shifted - total.log() if log else shifted.exp() / torch.where(total > 0, total, torch.ones_like(total))
+
+
+def batch_statistics_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+                          eps: float = 1e-5) -> Tensor:
+    """``F.batch_norm(x, None, None, weight, bias, training=True, eps=eps)`` (normalised by the
+    statistics of ``x`` itself over every dim but 1, biased variance; a weight-standardised
+    convolution's weight) from differentiable primitives: torch's forward-mode derivative of the
+    kernel gives a wrong derivative when differentiated again, as layer_norm's does."""
+    dims = (0,) + tuple(range(2, x.dim()))
+    centred = x - x.mean(dims, keepdim=True)
+    out = centred * torch.rsqrt((centred * centred).mean(dims, keepdim=True) + eps)
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    out = out if weight is None else out * weight.reshape(shape)
+    return out if bias is None else out + bias.reshape(shape)

@@ -118,11 +118,18 @@ class Hessian(NetworkOperator):
         return self.over_forward
 
     def _plain_product(self, batch, V):
-        hv, product = plain.hessian_products(batch, V)
+        hv, product, functions = plain.hessian_products(batch, V)
         if not self.symmetric_checked:  # (reverse over reverse through the model's own backward)
-            self._check_symmetric(product, {n: batch.values[n] for n in V},
-                                  "torch.func cannot transform a custom autograd.Function of the model, so its "
-                                  "products run on plain autograd, reverse over reverse.")
+            named = ", ".join(functions) or "a custom autograd.Function"
+            check_symmetric(product, {n: batch.values[n] for n in V}, "Hessian",
+                            f"torch.func cannot transform a custom autograd.Function of the model ({named}), so "
+                            "its products run on plain autograd, reverse over reverse, through its own "
+                            "backward.",
+                            known="a backward that is not its forward's exact derivative (a surrogate gradient) "
+                                  "gives such products",
+                            advice=f"Use the GGN quantities for this model (they take the backward of {named} as its "
+                                   "Jacobian), or give it a backward that is its forward's derivative.")
+            self.symmetric_checked = True
         return hv
 
     def _functorch_product(self, batch, V):

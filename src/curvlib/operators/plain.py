@@ -23,7 +23,7 @@ from .._transform.network import Batch
 from . import _duals
 
 __all__ = ["needs_plain_autograd", "output_curvature", "hessian_products", "hessian_products_over_forward",
-           "jacobian_products", "transposed_products"]
+           "jacobian_products", "transposed_products", "custom_functions"]
 
 Directions = Dict[str, Tensor]
 
@@ -102,10 +102,14 @@ def transposed_products(batch: Batch, names, W: Tensor) -> Directions:
 
 
 def hessian_products(batch: Batch, V: Directions):
-    """``H V`` and the product function of one vector dict (for the symmetry check)."""
+    """``H V``, the product function of one vector dict (for the symmetry check) and the names of
+    the custom ``autograd.Function``\ s the loss's graph runs (:func:`custom_functions`)."""
     leaves = _leaves(batch, V)
     with torch.enable_grad():
-        gradient = _grads(batch.loss(batch.output(leaves)), list(leaves.values()), None, create_graph=True)
+        loss = batch.loss(batch.output(leaves))
+        gradient = _grads(loss, list(leaves.values()), None, create_graph=True)
+    functions = custom_functions(loss)
+    del loss
     used = [k for k, g in enumerate(gradient) if g.requires_grad]
     names = list(leaves)
 
@@ -116,14 +120,31 @@ def hessian_products(batch: Batch, V: Directions):
         return {n: g.detach() for n, g in zip(names, got)}
 
     cols = [one(dict(zip(names, col))) for col in _columns(V)]
-    return {n: torch.stack([c[n] for c in cols]) for n in names}, one
+    return {n: torch.stack([c[n] for c in cols]) for n in names}, one, functions
+
+
+def custom_functions(root: Tensor) -> List[str]:
+    """The names of the custom ``autograd.Function``\ s in ``root``'s autograd graph, in the order
+    met from ``root`` (their backward nodes carry the Function as ``_forward_cls``)."""
+    found: List[str] = []
+    seen, stack = set(), [root.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        cls = getattr(node, "_forward_cls", None)
+        if cls is not None and cls.__name__ not in found:
+            found.append(cls.__name__)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return found
 
 
 class _Composed(TorchFunctionMode):
-    """``linear``, ``softmax``, ``log_softmax`` and ``layer_norm`` by the forward-mode rules of
-    :mod:`curvlib.operators._duals`: torch's forward-mode derivatives of those kernels cannot be
-    differentiated again (softmax's writes into its saved result; layer_norm's gives a wrong
-    derivative), which reverse over forward needs, and ``addmm``'s makes four temporaries the size
+    """``linear``, ``softmax``, ``log_softmax``, ``layer_norm`` and ``batch_norm`` on the input's own
+    statistics by the forward-mode rules of :mod:`curvlib.operators._duals`: torch's forward-mode
+    derivatives of those kernels cannot be differentiated again (softmax's writes into its saved
+    result; layer_norm's and batch_norm's give a wrong derivative), which reverse over forward needs, and ``addmm``'s makes four temporaries the size
     of the output for its tangent."""
 
     _SOFT = (torch.softmax, F.softmax, Tensor.softmax)
@@ -141,6 +162,11 @@ class _Composed(TorchFunctionMode):
             return _duals.dual_layer_norm(*args[:5], **{k: v for k, v in kwargs.items() if k != "cudnn_enable"})
         if func is F.linear:
             return _duals.dual_linear(*args, **kwargs)
+        if func is F.batch_norm:
+            bn = dict(zip(("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
+                          args), **kwargs)
+            if bn.get("training") and bn.get("running_mean") is None and bn.get("running_var") is None:
+                return _duals.batch_statistics_norm(bn["input"], bn.get("weight"), bn.get("bias"), bn.get("eps", 1e-5))
         return func(*args, **kwargs)
 
 

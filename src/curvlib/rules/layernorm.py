@@ -186,10 +186,13 @@ def normalise(x: Tensor, shape: Tuple[int, ...], eps: float) -> Tensor:
     an ensemble's parameters or over tasks fails ("vmap: inplace arithmetic ..."); and its
     third derivative (the derivative of the double backward) is wrong: ``grad`` of a
     Hessian-vector product through it is 0.2-0.5 off finite differences
-    (``tests/_transform/test_compose_derivatives.py``), the primitives are exact.
+    (``tests/_transform/test_compose_derivatives.py``), the primitives are exact. The result is
+    contiguous, as the kernel's is whatever the input's strides: a traced graph may rely on it
+    (an ATen trace records no ``contiguous()`` where the tensor already was).
     """
     if not inside_transform() and not _PRIMITIVES.get():
         return F.layer_norm(x, shape, None, None, eps)
+    x = x.contiguous()
     dims = tuple(range(x.dim() - len(shape), x.dim()))
     centred = x - x.mean(dims, keepdim=True)
     return centred * torch.rsqrt((centred * centred).mean(dims, keepdim=True) + eps)
