@@ -293,9 +293,11 @@ def _call_module(program, node: fx.Node, args, kwargs, params, trainable, rec):
         return program.apply(node, args, kwargs, params)
     if program.dependent and node not in program.dependent:
         # a layer on constants (nanoGPT's wpe(torch.arange(T))): part of the parameter-only
-        # chain of the op that uses its output, which records the site (rules.functional)
+        # chain of the op that uses its output, which records the site (rules.functional);
+        # run by its family's forward, unrecorded, so that its derivatives are the family's in
+        # every mode (an Embedding's padding row constant in forward mode too, as in reverse)
         own = {r: params[n] for r, n in layer.names.items()}
-        return torch.func.functional_call(layer.module, own, tuple(args), kwargs)
+        return layer.forward(layer.module, layer.path, {}, own, tuple(args), kwargs, Recorder(None))
     names = {r: n for r, n in layer.names.items() if n in trainable}
     tensors = {r: params[n] for r, n in layer.names.items()}
     planned = rec.residual_nodes.get(node)

@@ -25,6 +25,7 @@ from torch import Tensor, fx, nn
 from torch.nn.utils import parametrize
 
 from ..rules.batchnorm import eval_batch_norm
+from ..rules.embedding import functional as embedding_lookup
 
 __all__ = ["owners", "owner_call", "view_of", "INPUT_ARG", "conv1d_linear", "matmul_linear", "torch_level"]
 
@@ -314,7 +315,7 @@ def _batch_norm(x, weight, bias, mean, var, training, momentum, eps, *_cudnn_ena
 
 
 def _embedding(weight, ids, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
-    return F.embedding(ids, weight, None if padding_idx == -1 else padding_idx, None, 2.0, scale_grad_by_freq, sparse)
+    return embedding_lookup(ids, weight, None if padding_idx == -1 else padding_idx, None, 2.0, scale_grad_by_freq, sparse)
 
 
 def _index(x, indices):

@@ -42,7 +42,7 @@ from .._core.errors import CurvatureError
 from .._core.site import Recorder
 from .._core.sync import LOCK
 from .._core.tensors import inside_transform
-from ..rules import attention, batchnorm, elementwise, layernorm
+from ..rules import attention, batchnorm, elementwise, embedding, layernorm
 from .._core.inputs import keyword_inputs, trace_structure, with_defaults
 from ..rules.batched_backward import batched_backward_op
 from ..rules.functional import FunctionalUse, split_computed_bias
@@ -99,7 +99,7 @@ class Program:
         :func:`curvlib.rules.elementwise.hardsigmoid`: torch's kernels' higher derivatives), softmax
         and smooth activations outside them while columns are pulled back many at once (a
         backward that batches over them, :mod:`curvlib.rules.batched_backward`), and an
-        evaluation-mode ``F.batch_norm``, always (:func:`curvlib.rules.batchnorm.functional`)."""
+        evaluation-mode ``F.batch_norm`` and ``F.embedding``, always (:data:`_ALWAYS`)."""
         if node.op == "call_module":
             layer = self.layers.get(node.target)
             if layer is None:
@@ -117,11 +117,14 @@ class Program:
             return getattr(args[0], node.target)(*args[1:], **kwargs)
         if node.target in _PRIMITIVES and inside_transform():
             return _PRIMITIVES[node.target](*args, **kwargs)
-        return (batchnorm.functional if node.target is F.batch_norm else node.target)(*args, **kwargs)
+        return _ALWAYS.get(node.target, node.target)(*args, **kwargs)
 
 
 _PRIMITIVES = {F.layer_norm: layernorm.layer_norm, torch.layer_norm: layernorm.layer_norm,
                F.hardsigmoid: elementwise.hardsigmoid}
+#: Functions always run by curvlib's own: an evaluation-mode batch norm (its backward), an
+#: embedding's look-up (its padding row constant in forward mode too).
+_ALWAYS = {F.batch_norm: batchnorm.functional, F.embedding: embedding.functional}
 
 
 def _outermost_owners(root: nn.Module) -> List[str]:

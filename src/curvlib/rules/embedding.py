@@ -289,15 +289,24 @@ def forward(module: nn.Embedding, where: str, names: dict, tensors: dict, args, 
     """Run ``nn.Embedding`` functionally (never renormalising its weight) and record its site."""
     check(module, where)
     idx = argument(args, kwargs, 0, "input")
-    out = F.embedding(idx, tensors["weight"], module.padding_idx)
-    if module.padding_idx is not None:
-        # PyTorch's backward treats the padding row as a constant; make the
-        # forward agree, so that forward-mode derivatives (block products) do too.
-        pad = module.padding_idx % module.num_embeddings
-        out = torch.where((idx == pad).unsqueeze(-1), out.detach(), out)
+    out = functional(idx, tensors["weight"], module.padding_idx)
     meta = {"padding_idx": module.padding_idx, "num_embeddings": module.num_embeddings,
             "dtype": out.dtype, "index_dims": idx.dim()}
     return rec.add(Site(EMBEDDING, names, where, saved={"idx": idx}, meta=meta), out)
+
+
+def functional(input: Tensor, weight: Tensor, padding_idx: Optional[int] = None,  # noqa: A002 - F.embedding's names
+               max_norm: Optional[float] = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+               sparse: bool = False) -> Tensor:
+    """``F.embedding`` with the padding row a constant in every mode of differentiation: torch's
+    backward gives ``W[padding_idx]`` no gradient, its forward mode a tangent all the same, so the
+    looked-up rows at the padding index are taken off the graph (``torch.where`` with their
+    detached values) and ``J v`` agrees with ``Jᵀ``."""
+    out = F.embedding(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+    if padding_idx is None:
+        return out
+    pad = padding_idx % weight.shape[0]
+    return torch.where((input == pad).unsqueeze(-1), out.detach(), out)
 
 
 def kron_refusal(site: Site, approx: Optional[str]) -> Optional[str]:
