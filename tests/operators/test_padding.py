@@ -16,6 +16,7 @@ from torch import nn
 
 from curvlib.operators import GGN, Hessian
 
+from oracles.dense_operators import dense_ggn_and_hessian
 from oracles.on_device import seeded
 
 D = torch.float64
@@ -43,24 +44,6 @@ class _Lookups(nn.Module):
         return self.head(torch.cat([self.tokens(x), second], -1)).mean(1)
 
 
-def _dense(model, lossfn, X, y):
-    """``G = Jᵀ H_out J`` and ``∇²L`` by reverse mode alone."""
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    theta = torch.cat([p.reshape(-1) for p in params.values()])
-
-    def f(t):
-        out, start = {}, 0
-        for name, p in params.items():
-            out[name] = t[start:start + p.numel()].reshape(p.shape)
-            start += p.numel()
-        return torch.func.functional_call(model, out, (X,))
-
-    out = f(theta).detach()
-    J = torch.func.jacrev(f)(theta).reshape(out.numel(), -1)
-    H_out = torch.func.hessian(lambda o: lossfn(o, y))(out).reshape(out.numel(), out.numel())
-    return J.T @ H_out @ J, torch.func.jacrev(torch.func.jacrev(lambda t: lossfn(f(t), y)))(theta)
-
-
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**16), pad=st.sampled_from([0, 2, -1]), ids=st.sampled_from(["input", "zeros", "arange"]),
        functional=st.booleans())
@@ -72,6 +55,6 @@ def test_padding_row_constant_in_products(seed, pad, ids, functional):
     g = seeded(seed)
     X, y = torch.randint(0, 5, (4, 3), generator=g), torch.randint(0, 2, (4,), generator=g)
     lossfn = nn.CrossEntropyLoss()
-    G, H = _dense(model, lossfn, X, y)
+    G, H = dense_ggn_and_hessian(model, lossfn, X, y)
     assert torch.allclose(GGN(model, lossfn, (X, y)).to_dense(), G, rtol=1e-10, atol=1e-12)
     assert torch.allclose(Hessian(model, lossfn, (X, y)).to_dense(), H, rtol=1e-10, atol=1e-12)

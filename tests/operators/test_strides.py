@@ -20,6 +20,8 @@ from curvlib._core.settings import override
 from curvlib.operators import GGN, Hessian
 from curvlib.rules import layernorm
 
+from oracles.dense_operators import dense_ggn_and_hessian
+
 D = torch.float64
 
 
@@ -64,27 +66,7 @@ class _LayerNormByFormula(TorchFunctionMode):
 def _dense_references(model, lossfn, X, y):
     """The dense GGN and Hessian, layer_norm by its formula (:class:`_LayerNormByFormula`)."""
     with _LayerNormByFormula():
-        return _dense(model, lossfn, X, y)
-
-
-def _dense(model, lossfn, X, y):
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    theta = torch.cat([p.reshape(-1) for p in params.values()])
-
-    def unflat(t):
-        out, start = {}, 0
-        for name, p in params.items():
-            out[name] = t[start:start + p.numel()].reshape(p.shape)
-            start += p.numel()
-        return out
-
-    def f(t):
-        return torch.func.functional_call(model, unflat(t), (X,))
-
-    out = f(theta).detach()
-    J = torch.func.jacrev(f)(theta).reshape(out.numel(), -1)
-    H_out = torch.func.hessian(lambda o: lossfn(o, y))(out).reshape(out.numel(), out.numel())
-    return J.T @ H_out @ J, torch.func.jacrev(torch.func.jacrev(lambda t: lossfn(f(t), y)))(theta)
+        return dense_ggn_and_hessian(model, lossfn, X, y)
 
 
 @pytest.mark.parametrize("window", [1, 2])
