@@ -294,10 +294,9 @@ def _call_module(program, node: fx.Node, args, kwargs, params, trainable, rec):
     if program.dependent and node not in program.dependent:
         # a layer on constants (nanoGPT's wpe(torch.arange(T))): part of the parameter-only
         # chain of the op that uses its output, which records the site (rules.functional);
-        # run by its family's forward, unrecorded, so that its derivatives are the family's in
-        # every mode (an Embedding's padding row constant in forward mode too, as in reverse)
-        own = {r: params[n] for r, n in layer.names.items()}
-        return layer.forward(layer.module, layer.path, {}, own, tuple(args), kwargs, Recorder(None))
+        # run by its family's forward, unrecorded (Program.apply), so that its derivatives are
+        # the family's in every mode (an Embedding's padding row constant in forward mode too)
+        return program.apply(node, args, kwargs, params)
     names = {r: n for r, n in layer.names.items() if n in trainable}
     tensors = {r: params[n] for r, n in layer.names.items()}
     planned = rec.residual_nodes.get(node)

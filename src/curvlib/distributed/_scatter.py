@@ -11,8 +11,8 @@ $$\\text{rank } k\\text{'s rows} = \\sum_{\\text{ranks } j} w_j \\cdot \\text{lo
 
 with $w_j$ the weight of the entry on rank $j$ (:mod:`curvlib.distributed._allreduce`),
 the rows padded with zeros to $c W$ (``torch.chunk``'s split, which DTensor's ``Shard(0)`` uses:
-the last ranks may hold fewer rows, or none). Where $w_j = 1$ (every rank's weight the same, applied
-after the sum instead) and the rows divide evenly, the entry is reduce-scattered as it is, with no
+the last ranks may hold fewer rows, or none). Where every rank's $w_j$ is the same, it is applied after
+the sum instead; then, if the rows divide evenly, the entry is reduce-scattered as it is, with no
 scaled copy beside it.
 """
 

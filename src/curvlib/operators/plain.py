@@ -143,9 +143,9 @@ def custom_functions(root: Tensor) -> List[str]:
 class _Composed(TorchFunctionMode):
     """``linear``, ``softmax``, ``log_softmax``, ``layer_norm`` and ``batch_norm`` on the input's own
     statistics by the forward-mode rules of :mod:`curvlib.operators._duals`: torch's forward-mode
-    derivatives of those kernels cannot be differentiated again (softmax's writes into its saved
-    result; layer_norm's and batch_norm's give a wrong derivative), which reverse over forward needs, and ``addmm``'s makes four temporaries the size
-    of the output for its tangent."""
+    derivatives of those kernels cannot be differentiated again, which reverse over forward needs
+    (softmax's writes into its saved result; layer_norm's and batch_norm's give a wrong
+    derivative), and ``addmm``'s makes four temporaries the size of the output for its tangent."""
 
     _SOFT = (torch.softmax, F.softmax, Tensor.softmax)
     _LOG = (torch.log_softmax, F.log_softmax, Tensor.log_softmax)
